@@ -1,0 +1,5 @@
+"""`python -m geofed` runs the CLI."""
+
+from geofed.cli import main
+
+raise SystemExit(main())

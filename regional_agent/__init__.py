@@ -1,0 +1,1 @@
+"""regional_agent package."""
