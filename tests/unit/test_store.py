@@ -1,0 +1,542 @@
+"""The coordinator state store: one contract suite for every implementation.
+
+:class:`StoreContract` holds the behaviour every :class:`~coordinator.store.Store` must
+have; it runs through the ``store_factory`` fixture, parametrized over
+:data:`IMPLEMENTATIONS`. A PostgreSQL store adds an entry there (a picklable spec that
+opens a store on the same backing database each time it is called). SQLite-only checks
+(pragmas, file modes, schema table) are in :class:`TestSqliteSpecifics`.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import sqlite3
+import stat
+import threading
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from coordinator.audit import Verdict
+from coordinator.sqlite_store import SCHEMA_VERSION, SqliteStore
+from coordinator.store import (
+    AlreadyExists,
+    ConflictError,
+    InvalidValue,
+    NotFound,
+    SchemaError,
+    Store,
+    StoreClosed,
+    StoreError,
+)
+from geofed.blobstore import sha256_hex
+from geofed.types import Identity, Role
+
+JOB = "job-a"
+SPEC: dict[str, Any] = {"model": "charlm", "regions": ["eu-west", "us-east"], "inner_steps": 50}
+M1, M2 = sha256_hex(b"manifest 1"), sha256_hex(b"manifest 2")
+B1, B2 = sha256_hex(b"blob 1"), sha256_hex(b"blob 2")
+C = [sha256_hex(f"chunk {i}".encode()) for i in range(4)]
+OPERATOR = Identity("fed", Role.OPERATOR, "alice")
+
+
+@dataclass(frozen=True)
+class SqliteSpec:
+    """Opens a SQLite store on one file; picklable, so a child process can use it."""
+
+    path: Path
+
+    def __call__(self) -> Store:
+        return SqliteStore(self.path)
+
+
+IMPLEMENTATIONS: dict[str, Callable[[Path], Callable[[], Store]]] = {
+    "sqlite": lambda tmp: SqliteSpec(tmp / "state" / "coordinator.db"),
+}
+
+
+class StoreFactory:
+    """Opens stores from ``spec`` and closes whatever a test left open."""
+
+    def __init__(self, spec: Callable[[], Store]) -> None:
+        self.spec = spec
+        self._opened: list[Store] = []
+
+    def __call__(self) -> Store:
+        store = self.spec()
+        self._opened.append(store)
+        return store
+
+    def close_all(self) -> None:
+        for store in self._opened:
+            store.close()
+
+
+@pytest.fixture(params=sorted(IMPLEMENTATIONS))
+def store_factory(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[StoreFactory]:
+    (tmp_path / "state").mkdir()
+    factory = StoreFactory(IMPLEMENTATIONS[request.param](tmp_path))
+    yield factory
+    factory.close_all()
+
+
+@pytest.fixture
+def store(store_factory: StoreFactory) -> Store:
+    return store_factory()
+
+
+def with_job(store: Store, job_id: str = JOB) -> Store:
+    store.create_job(job_id, SPEC, "running")
+    return store
+
+
+def _die_mid_transaction(spec: Callable[[], Store], ready: Any, how: str) -> None:
+    """Child process: commit one receipt, then die inside the next transaction."""
+    store = spec()
+    store.record_receipt(JOB, 1, "eu-west", M1, B1, 100, 10)
+    with store.transaction():
+        store.create_job("job-half", SPEC, "running")
+        store.save_round(JOB, 1, {"phase": "closing"})
+        store.record_receipt(JOB, 1, "us-east", M2, B2, 200, 20)
+        store.set_pointer(JOB, "params", B2)
+        store.append_audit(actor=OPERATOR, action="round.publish", verdict="ok", job=JOB)
+        if how == "exit":
+            os._exit(1)
+        ready.set()
+        threading.Event().wait(60)  # the parent kills this process meanwhile
+
+
+class StoreContract:
+    """Behaviour shared by every Store implementation."""
+
+    def test_is_a_store(self, store: Store) -> None:
+        assert isinstance(store, Store)
+
+    # Jobs.
+
+    def test_create_get_and_list_jobs(self, store: Store) -> None:
+        job = store.create_job(JOB, SPEC, "pending")
+        assert (job.job_id, job.spec, job.state) == (JOB, SPEC, "pending")
+        assert store.get_job(JOB) == job
+        store.create_job("job-b", {}, "running")
+        assert [j.job_id for j in store.list_jobs()] == [JOB, "job-b"]
+        assert [j.job_id for j in store.list_jobs(state="running")] == ["job-b"]
+        assert store.get_job("job-missing") is None
+
+    def test_job_ids_are_unique(self, store: Store) -> None:
+        with_job(store)
+        with pytest.raises(AlreadyExists, match=JOB):
+            store.create_job(JOB, {"other": True}, "pending")
+        assert isinstance(AlreadyExists(""), ConflictError)
+        job = store.get_job(JOB)
+        assert job is not None
+        assert job.spec == SPEC
+
+    @pytest.mark.parametrize(
+        ("job_id", "spec", "state"),
+        [
+            ("Bad_Id", {}, "pending"),
+            ("", {}, "pending"),
+            (JOB, {"x": float("nan")}, "pending"),
+            (JOB, {"x": object()}, "pending"),
+            (JOB, ["not", "a", "mapping"], "pending"),
+            (JOB, {}, "Not A State"),
+        ],
+    )
+    def test_bad_job_input_writes_nothing(
+        self, store: Store, job_id: str, spec: Any, state: str
+    ) -> None:
+        with pytest.raises(InvalidValue):
+            store.create_job(job_id, spec, state)
+        assert store.list_jobs() == []
+
+    def test_set_job_state(self, store: Store) -> None:
+        created = with_job(store).get_job(JOB)
+        assert created is not None
+        paused = store.set_job_state(JOB, "paused")
+        assert paused.state == "paused"
+        assert paused.spec == SPEC
+        assert paused.created_at == created.created_at
+        assert store.get_job(JOB) == paused
+        with pytest.raises(ConflictError, match="'paused', not 'running'"):
+            store.set_job_state(JOB, "cancelled", expected="running")
+        assert store.set_job_state(JOB, "running", expected="paused").state == "running"
+        with pytest.raises(NotFound, match="job-missing"):
+            store.set_job_state("job-missing", "running")
+
+    # Rounds.
+
+    def test_save_load_and_latest_round(self, store: Store) -> None:
+        with_job(store)
+        assert store.latest_round(JOB) is None
+        store.save_round(JOB, 0, {"phase": "open", "participants": ["eu-west"]})
+        store.save_round(JOB, 1, {"phase": "open"})
+        replaced = store.save_round(JOB, 0, {"phase": "published"})
+        loaded = store.load_round(JOB, 0)
+        assert loaded == replaced
+        assert loaded.state == {"phase": "published"}
+        latest = store.latest_round(JOB)
+        assert latest is not None
+        assert (latest.round, latest.state) == (1, {"phase": "open"})
+        assert store.load_round(JOB, 7) is None
+
+    def test_round_input_is_checked(self, store: Store) -> None:
+        with pytest.raises(NotFound):
+            store.save_round("job-missing", 0, {})
+        with_job(store)
+        with pytest.raises(InvalidValue):
+            store.save_round(JOB, -1, {})
+        with pytest.raises(InvalidValue):
+            store.save_round(JOB, 0, {"bad": float("inf")})
+        assert store.latest_round(JOB) is None
+
+    # Receipts.
+
+    def test_receipts_are_idempotent(self, store: Store) -> None:
+        with_job(store)
+        first = store.record_receipt(JOB, 3, "us-east", M1, B1, 1000, 512)
+        again = store.record_receipt(JOB, 3, "us-east", M1, B1, 1000, 512)
+        assert again == first  # the stored one, with its original time
+        store.record_receipt(JOB, 3, "eu-west", M2, B2, 2000, 256)
+        store.record_receipt(JOB, 4, "eu-west", M1, B1, 3000, 128)
+        assert [r.region for r in store.list_receipts(JOB, 3)] == ["eu-west", "us-east"]
+        assert store.list_receipts(JOB, 3)[1] == first
+        assert store.list_receipts(JOB, 9) == []
+
+    @pytest.mark.parametrize(
+        "changed",
+        [(M2, B1, 1000, 512), (M1, B2, 1000, 512), (M1, B1, 1001, 512), (M1, B1, 1000, 513)],
+    )
+    def test_a_different_receipt_for_the_same_key_conflicts(
+        self, store: Store, changed: tuple[str, str, int, int]
+    ) -> None:
+        with_job(store)
+        first = store.record_receipt(JOB, 3, "us-east", M1, B1, 1000, 512)
+        with pytest.raises(ConflictError, match="us-east"):
+            store.record_receipt(JOB, 3, "us-east", *changed)
+        assert store.list_receipts(JOB, 3) == [first]
+
+    def test_receipt_input_is_checked(self, store: Store) -> None:
+        with pytest.raises(NotFound):
+            store.record_receipt("job-missing", 0, "eu-west", M1, B1, 1, 1)
+        with_job(store)
+        bad = [
+            (0, "EU", M1, B1, 1, 1),
+            (0, "eu-west", "short", B1, 1, 1),
+            (0, "eu-west", M1, B1.upper(), 1, 1),
+            (0, "eu-west", M1, B1, -1, 1),
+            (0, "eu-west", M1, B1, 1, -5),
+            (-1, "eu-west", M1, B1, 1, 1),
+        ]
+        for args in bad:
+            with pytest.raises(InvalidValue):
+                store.record_receipt(JOB, *args)
+        assert store.list_receipts(JOB, 0) == []
+
+    # Resumable uploads.
+
+    def test_upload_progress(self, store: Store) -> None:
+        with_job(store)
+        key = (JOB, 2, "eu-west")
+        assert store.uploaded_chunks(*key, M1) == {}
+        store.record_upload_chunk(*key, M1, 0, C[0], 1024)
+        store.record_upload_chunk(*key, M1, 2, C[2], 1024)
+        store.record_upload_chunk(*key, M1, 0, C[0], 1024)  # a retried chunk is a no-op
+        store.record_upload_chunk(*key, M2, 0, C[3], 512)  # another attempt's manifest
+        store.record_upload_chunk(JOB, 2, "us-east", M1, 0, C[1], 1024)
+        assert store.uploaded_chunks(*key, M1) == {0: C[0], 2: C[2]}
+        assert store.uploaded_chunks(*key, M2) == {0: C[3]}
+        with pytest.raises(ConflictError, match="chunk 2"):
+            store.record_upload_chunk(*key, M1, 2, C[3], 1024)
+        with pytest.raises(ConflictError):
+            store.record_upload_chunk(*key, M1, 2, C[2], 999)
+        assert store.clear_upload(*key, M2) == 1
+        assert store.uploaded_chunks(*key, M1) == {0: C[0], 2: C[2]}
+        assert store.clear_upload(*key) == 2
+        assert store.uploaded_chunks(*key, M1) == {}
+        assert store.uploaded_chunks(JOB, 2, "us-east", M1) == {0: C[1]}
+
+    def test_upload_input_is_checked(self, store: Store) -> None:
+        with pytest.raises(NotFound):
+            store.record_upload_chunk("job-missing", 0, "eu-west", M1, 0, C[0], 1)
+        with_job(store)
+        with pytest.raises(InvalidValue):
+            store.record_upload_chunk(JOB, 0, "eu-west", M1, -1, C[0], 1)
+        with pytest.raises(InvalidValue):
+            store.record_upload_chunk(JOB, 0, "eu-west", M1, 0, "../../x", 1)
+        with pytest.raises(InvalidValue):
+            store.uploaded_chunks(JOB, 0, "eu-west", "nope")
+        assert store.uploaded_chunks(JOB, 0, "eu-west", M1) == {}
+
+    # Pointers.
+
+    def test_pointers(self, store: Store) -> None:
+        with_job(store)
+        assert store.get_pointer(JOB, "params") is None
+        store.set_pointer(JOB, "params", B1)
+        store.set_pointer(JOB, "outer.momentum", B2)
+        store.set_pointer(JOB, "params", B2)
+        assert store.get_pointer(JOB, "params") == B2
+        assert store.list_pointers(JOB) == {"outer.momentum": B2, "params": B2}
+        with pytest.raises(NotFound):
+            store.set_pointer("job-missing", "params", B1)
+        with pytest.raises(InvalidValue):
+            store.set_pointer(JOB, "Bad Name", B1)
+        with pytest.raises(InvalidValue):
+            store.set_pointer(JOB, "params", "x" * 5000)
+        assert store.get_pointer(JOB, "params") == B2
+
+    # Transactions.
+
+    def test_transaction_commits_together(self, store: Store) -> None:
+        with_job(store)
+        with store.transaction():
+            store.save_round(JOB, 1, {"phase": "published"})
+            store.set_pointer(JOB, "params", B1)
+            store.append_audit(actor=OPERATOR, action="round.publish", verdict="ok", round=1)
+        assert store.load_round(JOB, 1) is not None
+        assert store.get_pointer(JOB, "params") == B1
+        assert store.audit_entries()[-1].action == "round.publish"
+
+    def test_exception_rolls_back_everything(self, store: Store) -> None:
+        with_job(store)
+        store.append_audit(actor=OPERATOR, action="job.create", verdict="ok", job=JOB)
+
+        def publish_then_fail() -> None:
+            with store.transaction():
+                store.create_job("job-b", SPEC, "running")
+                store.set_job_state(JOB, "paused")
+                store.save_round(JOB, 1, {"phase": "published"})
+                store.record_receipt(JOB, 1, "eu-west", M1, B1, 10, 10)
+                store.record_upload_chunk(JOB, 1, "eu-west", M1, 0, C[0], 10)
+                store.set_pointer(JOB, "params", B1)
+                store.append_audit(actor=OPERATOR, action="round.publish", verdict="ok")
+                raise RuntimeError("outer optimizer failed")
+
+        with pytest.raises(RuntimeError, match="outer optimizer"):
+            publish_then_fail()
+        job = store.get_job(JOB)
+        assert job is not None
+        assert job.state == "running"
+        assert store.get_job("job-b") is None
+        assert store.latest_round(JOB) is None
+        assert store.list_receipts(JOB, 1) == []
+        assert store.uploaded_chunks(JOB, 1, "eu-west", M1) == {}
+        assert store.get_pointer(JOB, "params") is None
+        assert [e.seq for e in store.audit_entries()] == [1]
+        nxt = store.append_audit(actor=OPERATOR, action="round.retry", verdict="ok")
+        assert nxt.seq == 2
+        assert store.verify_audit().ok
+
+    def test_a_failed_write_inside_a_transaction_aborts_it(self, store: Store) -> None:
+        with_job(store)
+        store.record_receipt(JOB, 1, "eu-west", M1, B1, 10, 10)
+
+        def conflicting() -> None:
+            with store.transaction():
+                store.set_pointer(JOB, "params", B1)
+                store.record_receipt(JOB, 1, "eu-west", M2, B2, 10, 10)
+
+        with pytest.raises(ConflictError):
+            conflicting()
+        assert store.get_pointer(JOB, "params") is None
+
+    def test_nested_transaction_rolls_back_only_itself(self, store: Store) -> None:
+        with_job(store)
+
+        def inner() -> None:
+            with store.transaction():
+                store.set_pointer(JOB, "b", "2")
+                raise ValueError("inner")
+
+        with store.transaction():
+            store.set_pointer(JOB, "a", "1")
+            with pytest.raises(ValueError, match="inner"):
+                inner()
+            store.set_pointer(JOB, "c", "3")
+        assert store.list_pointers(JOB) == {"a": "1", "c": "3"}
+
+    def test_serialized_across_threads(self, store: Store) -> None:
+        with_job(store)
+        store.set_pointer(JOB, "counter", "0")
+
+        def bump(_: int) -> None:
+            with store.transaction():
+                value = int(store.get_pointer(JOB, "counter") or "0")
+                store.set_pointer(JOB, "counter", str(value + 1))
+
+        with ThreadPoolExecutor(max_workers=4) as pool:
+            list(pool.map(bump, range(80)))
+        assert store.get_pointer(JOB, "counter") == "80"
+
+    def test_usable_from_a_worker_thread(self, store_factory: StoreFactory) -> None:
+        store = store_factory()  # created here, used only by the executor's thread
+        with ThreadPoolExecutor(max_workers=1) as executor:
+            executor.submit(with_job, store).result()
+            receipt = executor.submit(
+                store.record_receipt, JOB, 0, "eu-west", M1, B1, 1, 1
+            ).result()
+        assert store.list_receipts(JOB, 0) == [receipt]
+
+    # Audit log.
+
+    def test_audit_log(self, store: Store) -> None:
+        with_job(store)
+        entries = [
+            store.append_audit(
+                actor=OPERATOR, action="job.create", verdict=Verdict.OK, job=JOB, details={"n": 1}
+            ),
+            store.append_audit(
+                actor="spiffe://fed/region/eu-west",
+                action="policy.transfer",
+                verdict=Verdict.DENY,
+                job="job-b",
+                round=2,
+                region="eu-west",
+                details={"reason": "personal data may not leave the EU"},
+            ),
+        ]
+        assert store.audit_entries() == entries
+        assert store.audit_entries(job="job-b") == entries[1:]
+        assert store.audit_entries(after_seq=1) == entries[1:]
+        assert store.verify_audit().ok
+        assert store.audit_head() == (2, entries[1].hash)
+        assert store.verify_audit(expect_head=(2, entries[1].hash)).ok
+        with pytest.raises(InvalidValue):
+            store.append_audit(actor=OPERATOR, action="x", verdict="perhaps")
+        with pytest.raises(InvalidValue):
+            store.audit_entries(limit=0)
+        assert len(store.audit_entries()) == 2
+
+    # Durability and lifecycle.
+
+    def test_reopen_after_close_keeps_everything(self, store_factory: StoreFactory) -> None:
+        first = store_factory()
+        job = with_job(first).get_job(JOB)
+        rnd = first.save_round(JOB, 4, {"phase": "collecting", "deadline": 1234.5})
+        receipt = first.record_receipt(JOB, 4, "eu-west", M1, B1, 100, 7)
+        first.record_upload_chunk(JOB, 4, "us-east", M2, 1, C[1], 64)
+        first.set_pointer(JOB, "params", B1)
+        entry = first.append_audit(actor=OPERATOR, action="job.create", verdict="ok", job=JOB)
+        first.close()
+        second = store_factory()
+        assert second.get_job(JOB) == job
+        assert second.latest_round(JOB) == rnd
+        assert second.list_receipts(JOB, 4) == [receipt]
+        assert second.uploaded_chunks(JOB, 4, "us-east", M2) == {1: C[1]}
+        assert second.get_pointer(JOB, "params") == B1
+        assert second.audit_entries() == [entry]
+        assert second.verify_audit(expect_head=(1, entry.hash)).ok
+
+    def test_closed_store_refuses_calls(self, store: Store) -> None:
+        store.close()
+        store.close()  # idempotent
+        with pytest.raises(StoreClosed):
+            store.get_job(JOB)
+        with pytest.raises(StoreClosed):
+            store.create_job(JOB, SPEC, "running")
+        with pytest.raises(StoreClosed), store.transaction():
+            pass
+        assert issubclass(StoreClosed, StoreError)
+
+    @pytest.mark.parametrize("how", ["exit", "kill"])
+    def test_process_dying_mid_transaction_leaves_last_commit(
+        self, store_factory: StoreFactory, how: str
+    ) -> None:
+        parent = with_job(store_factory())
+        parent.save_round(JOB, 1, {"phase": "open"})
+        head = parent.append_audit(actor=OPERATOR, action="round.open", verdict="ok", job=JOB)
+        ctx = multiprocessing.get_context("spawn")
+        ready = ctx.Event()
+        child = ctx.Process(target=_die_mid_transaction, args=(store_factory.spec, ready, how))
+        child.start()
+        if how == "kill":
+            assert ready.wait(60), "child never reached the middle of its transaction"
+            child.kill()
+        child.join(timeout=60)
+        assert child.exitcode == (1 if how == "exit" else -9)
+
+        for store in (parent, store_factory()):
+            assert store.get_job("job-half") is None
+            rnd = store.load_round(JOB, 1)
+            assert rnd is not None
+            assert rnd.state == {"phase": "open"}
+            assert [r.region for r in store.list_receipts(JOB, 1)] == ["eu-west"]
+            assert store.get_pointer(JOB, "params") is None
+            assert store.audit_entries() == [head]
+            assert store.verify_audit(expect_head=(head.seq, head.hash)).ok
+        # Nothing is left locked: the survivor writes at once.
+        parent.record_receipt(JOB, 1, "us-east", M2, B2, 200, 20)
+        assert len(parent.list_receipts(JOB, 1)) == 2
+
+
+class TestStoreContract(StoreContract):
+    """Runs the contract against every implementation in IMPLEMENTATIONS."""
+
+
+class TestSqliteSpecifics:
+    def test_pragmas(self, tmp_path: Path) -> None:
+        store = SqliteStore(tmp_path / "c.db", busy_timeout_s=2.5)
+        try:
+            conn = sqlite3.connect(tmp_path / "c.db")
+            try:
+                assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+            finally:
+                conn.close()
+            pragmas = {
+                name: store._conn.execute(f"PRAGMA {name}").fetchone()[0]
+                for name in ("synchronous", "foreign_keys", "busy_timeout")
+            }
+            assert pragmas == {"synchronous": 2, "foreign_keys": 1, "busy_timeout": 2500}
+        finally:
+            store.close()
+
+    def test_schema_version_and_private_file(self, tmp_path: Path) -> None:
+        store = SqliteStore.in_state_dir(tmp_path / "state")
+        try:
+            assert store.schema_version() == SCHEMA_VERSION == 1
+            assert store.path == tmp_path / "state" / "coordinator.db"
+            assert stat.S_IMODE(store.path.stat().st_mode) == 0o600
+            assert stat.S_IMODE(store.path.parent.stat().st_mode) == 0o700
+        finally:
+            store.close()
+        again = SqliteStore.in_state_dir(tmp_path / "state")  # migrations are not re-run
+        try:
+            assert again.schema_version() == 1
+        finally:
+            again.close()
+
+    def test_newer_schema_is_refused(self, tmp_path: Path) -> None:
+        SqliteStore(tmp_path / "c.db").close()
+        conn = sqlite3.connect(tmp_path / "c.db", isolation_level=None)
+        conn.execute("INSERT INTO schema_migrations VALUES (2, 0)")
+        conn.close()
+        with pytest.raises(SchemaError, match="schema version 2"):
+            SqliteStore(tmp_path / "c.db")
+
+    def test_foreign_keys_are_enforced_in_the_database(self, tmp_path: Path) -> None:
+        store = SqliteStore(tmp_path / "c.db")
+        try:
+            with pytest.raises(sqlite3.IntegrityError, match="FOREIGN KEY"):
+                store._conn.execute("INSERT INTO pointers VALUES ('job-x', 'p', 'v', 0)")
+        finally:
+            store.close()
+
+    def test_two_connections_see_each_others_commits(self, tmp_path: Path) -> None:
+        a, b = SqliteStore(tmp_path / "c.db"), SqliteStore(tmp_path / "c.db")
+        try:
+            with_job(a)
+            b.record_receipt(JOB, 0, "eu-west", M1, B1, 1, 1)
+            assert a.list_receipts(JOB, 0) == b.list_receipts(JOB, 0)
+            a.append_audit(actor=OPERATOR, action="a", verdict="ok")
+            b.append_audit(actor=OPERATOR, action="b", verdict="ok")
+            assert [e.seq for e in a.audit_entries()] == [1, 2]
+            assert a.verify_audit().ok
+        finally:
+            a.close()
+            b.close()
