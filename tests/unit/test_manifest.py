@@ -1,0 +1,359 @@
+"""Signed manifests: round trip, tampering, chunk digests, signers the bundle refuses."""
+
+from __future__ import annotations
+
+import base64
+import copy
+import json
+from collections.abc import Callable
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import pytest
+from cryptography.hazmat.primitives import hashes
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.hazmat.primitives.serialization import Encoding
+
+from geofed.manifest import (
+    BadSignature,
+    ChunkDigestMismatch,
+    ChunkRecord,
+    CodecParams,
+    MalformedManifest,
+    Manifest,
+    ProducerMismatch,
+    Provenance,
+    SignedManifest,
+    TensorSpec,
+    UnknownChunk,
+    UntrustedSigner,
+    chunk_records,
+    sign_manifest,
+    verify_chunk,
+    verify_chunks,
+)
+from geofed.types import ArtifactKind
+from tests.support.pki import Federation, Principal, make_federation
+
+NOW = datetime.now(UTC)
+CHUNKS = [bytes(range(256)) * 4, b"\x00" * 1000, b"tail"]
+
+
+@pytest.fixture(scope="module")
+def fed(tmp_path_factory: pytest.TempPathFactory) -> Federation:
+    federation = make_federation(
+        tmp_path_factory.mktemp("manifest") / "fed",
+        "acme",
+        authorities={"org-a": ["coordinator/*", "region/eu-*"], "org-b": ["region/us-*"]},
+    )
+    federation.add_untrusted_authority("rogue")
+    return federation
+
+
+@pytest.fixture(scope="module")
+def producer(fed: Federation) -> Principal:
+    return fed.region("eu-west")
+
+
+def make_manifest(signer: Principal, **changes: Any) -> Manifest:
+    fields: dict[str, Any] = {
+        "kind": ArtifactKind.MODEL_DELTA,
+        "job": "tiny-lm",
+        "round": 7,
+        "producer": signer.identity.uri,
+        "codec": CodecParams(
+            scheme="int8", block_size=128, zstd_level=1, stochastic_rounding=False
+        ),
+        "tensors": (
+            TensorSpec(name="embed.weight", dtype="float32", shape=(64, 32)),
+            TensorSpec(name="head.bias", dtype="float32", shape=(64,)),
+        ),
+        "chunks": chunk_records(CHUNKS),
+        "total_size": sum(len(c) for c in CHUNKS),
+        "provenance": (Provenance(region="eu-west", jurisdiction="EU", datasets=("c4-eu",)),),
+        "created_at": datetime(2030, 1, 2, 3, 4, 5, 678000, tzinfo=UTC),
+        "base_round": 6,
+        "base_hash": "ab" * 32,
+        "tokens": 4096,
+        "parameters_hash": None,
+    }
+    fields.update(changes)
+    return Manifest(**fields)
+
+
+def signed(producer: Principal, manifest: Manifest | None = None) -> SignedManifest:
+    manifest = manifest or make_manifest(producer)
+    return sign_manifest(manifest, producer.credential.private_key, producer.credential.certificate)
+
+
+def test_round_trip_through_the_wire_form(fed, producer):
+    original = signed(producer)
+    wire = original.to_bytes()
+    parsed = SignedManifest.from_bytes(wire)
+    assert parsed.manifest == original.manifest
+    assert parsed.to_bytes() == wire
+    assert parsed.verify(fed.bundle(), now=NOW) == producer.identity
+    document = json.loads(wire)
+    assert sorted(document) == ["certificate", "manifest", "signature"]
+    assert document["manifest"]["created_at"] == "2030-01-02T03:04:05.678000Z"
+
+
+def test_canonical_form_is_sorted_compact_and_stable(producer):
+    manifest = make_manifest(producer)
+    canonical = manifest.canonical_bytes()
+    assert b" " not in canonical
+    assert (
+        canonical
+        == json.dumps(json.loads(canonical), sort_keys=True, separators=(",", ":")).encode()
+    )
+    reordered = Manifest.model_validate_json(
+        json.dumps(dict(reversed(list(json.loads(canonical).items()))), indent=2)
+    )
+    assert reordered.canonical_bytes() == canonical
+    assert reordered.digest() == manifest.digest()
+    assert make_manifest(producer, round=8).digest() != manifest.digest()
+
+
+def _set(path: tuple[str | int, ...], value: Any) -> Callable[[dict[str, Any]], None]:
+    def mutate(doc: dict[str, Any]) -> None:
+        target: Any = doc
+        for part in path[:-1]:
+            target = target[part]
+        target[path[-1]] = value
+
+    return mutate
+
+
+def _grow_last_chunk(doc: dict[str, Any]) -> None:
+    doc["chunks"][-1]["size"] += 1
+    doc["total_size"] += 1
+
+
+# One valid change per field: the signature is the only thing that catches it.
+TAMPERS: dict[str, Callable[[dict[str, Any]], None]] = {
+    "kind": _set(("kind",), "global_update"),
+    "job": _set(("job",), "other-job"),
+    "round": _set(("round",), 8),
+    "producer": _set(("producer",), "spiffe://acme/region/eu-north"),
+    "codec": _set(("codec", "block_size"), 64),
+    "tensors": _set(("tensors", 0, "shape"), [32, 64]),
+    "chunks": _set(("chunks", 1, "sha256"), "00" * 32),
+    "total_size": _grow_last_chunk,
+    "provenance": _set(("provenance", 0, "datasets"), ["c4-eu", "c4-us"]),
+    "created_at": _set(("created_at",), "2030-01-02T03:04:06Z"),
+    "base_round": _set(("base_round",), 5),
+    "base_hash": _set(("base_hash",), "cd" * 32),
+    "tokens": _set(("tokens",), 1 << 20),
+    "parameters_hash": _set(("parameters_hash",), "ef" * 32),
+}
+
+
+def test_every_field_has_a_tamper_case():
+    assert set(TAMPERS) | {"format_version"} == set(Manifest.model_fields)
+
+
+@pytest.mark.parametrize("field", sorted(TAMPERS))
+def test_tampering_with_any_field_is_detected(fed, producer, field):
+    document = json.loads(signed(producer).to_bytes())
+    TAMPERS[field](document["manifest"])
+    tampered = SignedManifest.from_bytes(json.dumps(document).encode())
+    with pytest.raises(BadSignature):
+        tampered.verify(fed.bundle(), now=NOW)
+
+
+def test_unknown_format_version_is_malformed(producer):
+    document = json.loads(signed(producer).to_bytes())
+    document["manifest"]["format_version"] = 2
+    with pytest.raises(MalformedManifest, match="format_version"):
+        SignedManifest.from_bytes(json.dumps(document).encode())
+
+
+def test_tampered_signature_bytes_are_detected(fed, producer):
+    original = signed(producer)
+    flipped = bytearray(original.signature)
+    flipped[-1] ^= 0x01
+    with pytest.raises(BadSignature):
+        SignedManifest(original.manifest, bytes(flipped), original.certificate).verify(
+            fed.bundle(), now=NOW
+        )
+
+
+def test_flipped_bit_in_a_chunk_is_detected(producer):
+    manifest = make_manifest(producer)
+    verify_chunks(manifest, CHUNKS)
+    for index, chunk in enumerate(CHUNKS):
+        verify_chunk(manifest, index, memoryview(chunk))
+        for bit in (0, len(chunk) * 8 - 1):
+            corrupted = bytearray(chunk)
+            corrupted[bit // 8] ^= 1 << (bit % 8)
+            with pytest.raises(ChunkDigestMismatch, match=f"chunk {index} has sha256"):
+                verify_chunk(manifest, index, corrupted)
+
+
+def test_truncated_extra_and_missing_chunks(producer):
+    manifest = make_manifest(producer)
+    with pytest.raises(ChunkDigestMismatch, match="chunk 2 has 3 bytes; the manifest records 4"):
+        verify_chunk(manifest, 2, CHUNKS[2][:-1])
+    with pytest.raises(UnknownChunk, match="chunk 3 does not exist"):
+        verify_chunk(manifest, 3, b"")
+    with pytest.raises(UnknownChunk):
+        verify_chunk(manifest, -1, CHUNKS[-1])
+    with pytest.raises(ChunkDigestMismatch, match="stream has 2 chunks"):
+        verify_chunks(manifest, CHUNKS[:2])
+    with pytest.raises(ChunkDigestMismatch, match="chunk 0"):
+        verify_chunks(manifest, [CHUNKS[1], CHUNKS[0], CHUNKS[2]])
+
+
+def test_another_principal_cannot_sign_for_the_producer(fed, producer):
+    other = fed.region("eu-north")
+    claim = make_manifest(producer)
+    with pytest.raises(ProducerMismatch):
+        sign_manifest(claim, other.credential.private_key, other.credential.certificate)
+    # Signed with the other principal's key and certificate, claiming the producer's name.
+    signature = other.credential.private_key.sign(claim.canonical_bytes(), _ecdsa())
+    forged = SignedManifest(claim, signature, other.credential.certificate)
+    with pytest.raises(ProducerMismatch, match="eu-north signed it"):
+        SignedManifest.from_bytes(forged.to_bytes()).verify(fed.bundle(), now=NOW)
+    # Signed with the other principal's key, presenting the producer's certificate.
+    forged = SignedManifest(claim, signature, producer.credential.certificate)
+    with pytest.raises(BadSignature):
+        SignedManifest.from_bytes(forged.to_bytes()).verify(fed.bundle(), now=NOW)
+
+
+@pytest.mark.parametrize(
+    ("make_signer", "reason"),
+    [
+        (lambda fed: fed.region("eu-west", authority="rogue"), "unknown_authority"),
+        (lambda fed: fed.region("eu-west", authority="org-b"), "outside_grant"),
+        (
+            lambda fed: fed.region(
+                "eu-west", not_before=NOW - timedelta(days=9), not_after=NOW - timedelta(days=1)
+            ),
+            "expired",
+        ),
+    ],
+)
+def test_signers_the_bundle_refuses(fed, make_signer, reason):
+    signer = make_signer(fed)
+    wire = signed(signer).to_bytes()
+    with pytest.raises(UntrustedSigner) as caught:
+        SignedManifest.from_bytes(wire).verify(fed.bundle(), now=NOW)
+    assert caught.value.reason == reason
+
+
+def test_revoked_signer(tmp_path, producer):
+    fed = make_federation(tmp_path / "fed", "acme")
+    signer = fed.region("eu-west")
+    wire = signed(signer).to_bytes()
+    SignedManifest.from_bytes(wire).verify(fed.bundle(), now=NOW)
+    fed.revoke(signer)
+    with pytest.raises(UntrustedSigner) as caught:
+        SignedManifest.from_bytes(wire).verify(fed.bundle(), now=NOW)
+    assert caught.value.reason == "revoked"
+
+
+def test_sign_refuses_a_key_of_another_certificate(fed, producer):
+    other = fed.region("eu-north")
+    with pytest.raises(ValueError, match="does not belong"):
+        sign_manifest(
+            make_manifest(producer), other.credential.private_key, producer.credential.certificate
+        )
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"kind": ArtifactKind.RAW_DATA}, "has no manifest"),
+        ({"total_size": 1}, "chunks add up to"),
+        ({"job": "Tiny LM"}, "invalid job"),
+        ({"producer": "https://acme/region/eu-west"}, "not a SPIFFE URI"),
+        ({"round": True}, "valid integer"),
+        ({"round": -1}, "greater than or equal to 0"),
+        ({"created_at": datetime(2030, 1, 1)}, "timezone"),
+        ({"base_hash": "AB" * 32}, "pattern"),
+        (
+            {"tensors": (TensorSpec(name="w", dtype="float32", shape=(1,)),) * 2},
+            "appears twice",
+        ),
+    ],
+)
+def test_manifest_validation(producer, changes, message):
+    with pytest.raises(ValueError, match=message):
+        make_manifest(producer, **changes)
+
+
+def test_optional_fields_and_empty_chunks_are_valid(producer):
+    manifest = make_manifest(
+        producer,
+        kind=ArtifactKind.GLOBAL_UPDATE,
+        chunks=(ChunkRecord(sha256="0" * 64, size=0),),
+        total_size=0,
+        base_round=None,
+        base_hash=None,
+        tokens=None,
+        parameters_hash="12" * 32,
+    )
+    assert manifest.total_size == 0
+    assert manifest.producer_identity == producer.identity
+
+
+def _wire_with(producer: Principal, mutate: Callable[[dict[str, Any]], None]) -> bytes:
+    document = json.loads(signed(producer).to_bytes())
+    mutate(document)
+    return json.dumps(document).encode()
+
+
+def _pem_twice(doc: dict[str, Any]) -> None:
+    doc["certificate"] = doc["certificate"] * 2
+
+
+@pytest.mark.parametrize(
+    ("mutate", "message"),
+    [
+        (lambda doc: doc["manifest"].update(extra=1), "Extra inputs"),
+        (lambda doc: doc.update(comment="hi"), "Extra inputs"),
+        (lambda doc: doc.pop("signature"), "signature: Field required"),
+        (lambda doc: doc["manifest"].update(round="7"), "valid integer"),
+        (lambda doc: doc.update(signature="not base64!"), "not base64"),
+        (lambda doc: doc.update(signature=""), "signature of 0 bytes"),
+        (lambda doc: doc.update(certificate="-----BEGIN CERTIFICATE-----\nxx"), "not PEM"),
+        (_pem_twice, "expected one certificate, found 2"),
+    ],
+)
+def test_malformed_documents(producer, mutate, message):
+    with pytest.raises(MalformedManifest, match=message):
+        SignedManifest.from_bytes(_wire_with(producer, mutate))
+
+
+def test_malformed_bytes(producer):
+    wire = signed(producer).to_bytes()
+    with pytest.raises(MalformedManifest, match="duplicate key 'signature'"):
+        SignedManifest.from_bytes(wire[:-1] + b',"signature":"AAAA"}')
+    with pytest.raises(MalformedManifest, match="NaN"):
+        SignedManifest.from_bytes(wire.replace(b'"round":7', b'"round":NaN'))
+    with pytest.raises(MalformedManifest, match="exceeds 100"):
+        SignedManifest.from_bytes(wire, max_size=100)
+    with pytest.raises(MalformedManifest, match="not valid JSON"):
+        SignedManifest.from_bytes(b"[" * 100_000)
+    with pytest.raises(MalformedManifest, match="not valid JSON"):
+        SignedManifest.from_bytes(b"\xff\xfe")
+    with pytest.raises(MalformedManifest, match="expected bytes"):
+        SignedManifest.from_bytes("{}")  # type: ignore[arg-type]
+
+
+def test_certificate_travels_as_pem(producer):
+    document = json.loads(signed(producer).to_bytes())
+    pem = producer.credential.certificate.public_bytes(Encoding.PEM).decode()
+    assert document["certificate"] == pem
+    assert base64.b64decode(document["signature"], validate=True)
+
+
+def test_documents_are_not_mutated_by_parsing(producer):
+    document = json.loads(signed(producer).to_bytes())
+    before = copy.deepcopy(document)
+    SignedManifest.from_bytes(json.dumps(document).encode())
+    assert document == before
+
+
+def _ecdsa() -> ec.ECDSA:
+    return ec.ECDSA(hashes.SHA256())
