@@ -1,0 +1,1 @@
+"""Example tasks bundled with geofed; ``geofed demo`` trains :mod:`geofed.examples.charlm`."""

@@ -1,0 +1,196 @@
+"""The user Task API: what a job trains, and how a job config names it.
+
+A job config names its task by import path (``package.module:Name``) plus an ``options``
+mapping. :func:`load_task` imports the class, validates the options against the class's
+pydantic ``Options`` model and constructs it. Every region's workers and the coordinator
+load the same task with the same options, so everything a task produces must be a pure
+function of its options and arguments: the initial model of a seed, the batch at a step
+of a shard, the validation loss of a model.
+
+Importing a task runs the named module's code; only operators can submit jobs, and the
+spec is checked for shape here before anything is imported.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import re
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any, ClassVar, Generic, TypeVar, cast
+
+import torch
+from pydantic import BaseModel, ValidationError
+from torch import nn
+
+from geofed.types import validate_name
+
+BatchT = TypeVar("BatchT")
+
+_IDENT = r"[A-Za-z_][A-Za-z0-9_]*"
+_SPEC_RE = re.compile(rf"^({_IDENT}(?:\.{_IDENT})*):({_IDENT}(?:\.{_IDENT})*)$")
+
+
+class TaskError(Exception):
+    """Base class of errors raised while loading or configuring a task."""
+
+
+class TaskSpecError(TaskError):
+    """The task spec is malformed, cannot be imported, or does not name a Task class."""
+
+
+class TaskOptionsError(TaskError):
+    """The options given for a task do not validate against its ``Options`` model."""
+
+
+@dataclass(frozen=True, slots=True)
+class DataShard:
+    """Which slice of a task's data one worker trains on.
+
+    ``region_index`` of ``num_regions`` picks the region's data; ``rank`` of
+    ``world_size`` picks the worker's part of it inside the region. ``seed`` fixes the
+    data order, so the batch at a step is the same after a restart.
+    """
+
+    region: str
+    region_index: int
+    num_regions: int
+    rank: int
+    world_size: int
+    seed: int
+
+    def __post_init__(self) -> None:
+        validate_name("region", self.region)
+        if self.num_regions < 1:
+            raise ValueError(f"num_regions must be >= 1, got {self.num_regions}")
+        if not 0 <= self.region_index < self.num_regions:
+            raise ValueError(
+                f"region_index must be in [0, {self.num_regions}), got {self.region_index}"
+            )
+        if self.world_size < 1:
+            raise ValueError(f"world_size must be >= 1, got {self.world_size}")
+        if not 0 <= self.rank < self.world_size:
+            raise ValueError(f"rank must be in [0, {self.world_size}), got {self.rank}")
+
+
+class Task(ABC, Generic[BatchT]):
+    """A trainable task: model, inner optimizer, data, loss and evaluation.
+
+    A subclass that takes options declares ``Options``, a pydantic model (forbid extra
+    fields so typos fail at load), and is constructed as ``cls(options)`` with a
+    validated instance; a subclass without ``Options`` is constructed as ``cls()``.
+    """
+
+    Options: ClassVar[type[BaseModel] | None] = None
+
+    @abstractmethod
+    def build_model(self, seed: int | None = None) -> nn.Module:
+        """Return a freshly initialised model; identical parameters for an equal seed.
+
+        ``None`` means the seed the task's options configure. Must not disturb the
+        caller's global random state.
+        """
+
+    def build_optimizer(self, params: Iterable[torch.Tensor]) -> torch.optim.Optimizer:
+        """Return the inner optimizer over ``params`` (AdamW with torch defaults here)."""
+        return torch.optim.AdamW(params)
+
+    @abstractmethod
+    def batches(self, shard: DataShard, start_step: int = 0) -> Iterator[BatchT]:
+        """Yield this shard's batches from ``start_step`` on, without end.
+
+        The batch at step ``s`` depends only on ``(shard, s)``: a worker restarted at its
+        data cursor ``s`` continues exactly where it stopped.
+        """
+
+    @abstractmethod
+    def loss(self, model: nn.Module, batch: BatchT) -> torch.Tensor:
+        """Return the scalar training loss of ``model`` (possibly DDP-wrapped) on ``batch``."""
+
+    @abstractmethod
+    def tokens(self, batch: BatchT) -> int:
+        """Return how many tokens ``batch`` trains on; weights the region's delta."""
+
+    def evaluate(self, model: nn.Module) -> dict[str, float]:
+        """Return held-out metrics, at least ``val_loss``; empty if the task has none.
+
+        Deterministic and of bounded cost: a fixed validation split, a fixed number of
+        batches.
+        """
+        del model
+        return {}
+
+
+def parse_task_spec(spec: str) -> tuple[str, str]:
+    """Split ``package.module:Name`` into module and attribute path, checking its shape."""
+    if not isinstance(spec, str):
+        raise TaskSpecError(f"task spec must be a string, got {type(spec).__name__}")
+    match = _SPEC_RE.fullmatch(spec)
+    if match is None:
+        raise TaskSpecError(f"malformed task spec {spec!r}: expected 'package.module:ClassName'")
+    return match.group(1), match.group(2)
+
+
+def load_task_class(spec: str) -> type[Task[Any]]:
+    """Import the Task subclass ``spec`` names, with a clear error for each way it fails."""
+    module_name, attr_path = parse_task_spec(spec)
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        missing = exc.name or ""
+        if module_name == missing or module_name.startswith(missing + "."):
+            raise TaskSpecError(f"task spec {spec!r}: no module named {missing!r}") from None
+        raise TaskSpecError(f"task spec {spec!r}: importing {module_name!r} failed: {exc}") from exc
+    except Exception as exc:
+        raise TaskSpecError(
+            f"task spec {spec!r}: importing {module_name!r} failed: {type(exc).__name__}: {exc}"
+        ) from exc
+    obj: object = module
+    for part in attr_path.split("."):
+        try:
+            obj = getattr(obj, part)
+        except AttributeError:
+            raise TaskSpecError(
+                f"task spec {spec!r}: {module_name!r} has no attribute {attr_path!r}"
+            ) from None
+    if not (inspect.isclass(obj) and issubclass(obj, Task)):
+        raise TaskSpecError(
+            f"task spec {spec!r} names {type(obj).__name__} {obj!r}, "
+            "not a subclass of geofed.task.Task"
+        )
+    if inspect.isabstract(obj):
+        missing_methods = ", ".join(sorted(getattr(obj, "__abstractmethods__", ())))
+        raise TaskSpecError(
+            f"task spec {spec!r}: {obj.__qualname__} is abstract (missing {missing_methods})"
+        )
+    return obj
+
+
+def load_task(spec: str, options: Mapping[str, Any] | None = None) -> Task[Any]:
+    """Import the task ``spec`` names and construct it with validated ``options``."""
+    cls = load_task_class(spec)
+    given = {} if options is None else options
+    if not isinstance(given, Mapping):
+        raise TaskOptionsError(
+            f"options for task {spec!r} must be a mapping, got {type(given).__name__}"
+        )
+    options_model = cls.Options
+    if options_model is None:
+        if given:
+            raise TaskOptionsError(
+                f"task {spec!r} takes no options, got: {', '.join(sorted(map(str, given)))}"
+            )
+        return cls()
+    if not (inspect.isclass(options_model) and issubclass(options_model, BaseModel)):
+        raise TaskSpecError(f"task {spec!r}: Options must be a pydantic BaseModel subclass")
+    try:
+        validated = options_model.model_validate(dict(given))
+    except ValidationError as exc:
+        problems = "; ".join(
+            f"{'.'.join(map(str, err['loc'])) or '<options>'}: {err['msg']}" for err in exc.errors()
+        )
+        raise TaskOptionsError(f"invalid options for task {spec!r}: {problems}") from None
+    construct = cast("Callable[[BaseModel], Task[Any]]", cls)
+    return construct(validated)
