@@ -63,6 +63,14 @@ def verify_certificate(cert: x509.Certificate, bundle: TrustBundle, *, now: date
     """Verify ``cert`` as a federation identity at time ``now`` (timezone-aware)."""
     if now.tzinfo is None:
         raise ValueError("now must be timezone-aware")
+    try:
+        return _verify(cert, bundle, now)
+    except (ValueError, TypeError) as err:
+        # cryptography parses certificate fields lazily: a mangled field surfaces here.
+        raise BadCertificate(f"certificate is malformed: {err}") from None
+
+
+def _verify(cert: x509.Certificate, bundle: TrustBundle, now: datetime) -> Identity:
     identity = certificate_identity(cert)
     _check_usage(cert, identity)
     if identity.federation != bundle.federation:
@@ -119,6 +127,14 @@ def _issuing_authority(
             continue
         return authority
     raise UnknownAuthority(
-        f"{identity}: issuer {cert.issuer.rfc4514_string()!r} is not an authority this "
+        f"{identity}: issuer {_issuer_text(cert)!r} is not an authority this "
         f"bundle trusts, or its signature does not verify"
     )
+
+
+def _issuer_text(cert: x509.Certificate) -> str:
+    # The issuer name is parsed lazily; a mangled one must not turn a refusal into a crash.
+    try:
+        return cert.issuer.rfc4514_string()
+    except ValueError:
+        return "<unparseable issuer name>"
