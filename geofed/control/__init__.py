@@ -1,0 +1,56 @@
+"""The MQTT control plane: topics, message schemas, a reconnecting client, a demo broker.
+
+Announcements and commands flow from the coordinator to regions, statuses and events
+the other way; bulk data never travels here (it goes over HTTPS). The embedded broker
+lives in :mod:`geofed.control.broker` and is imported only by those who run it.
+"""
+
+from geofed.control.backoff import Backoff
+from geofed.control.client import ControlClient, Handler, Publication
+from geofed.control.errors import (
+    BrokerError,
+    ControlError,
+    ControlTimeout,
+    MessageError,
+    NotRunning,
+    SubscriptionRefused,
+    TopicError,
+)
+from geofed.control.messages import (
+    CodecParams,
+    Command,
+    Deduplicator,
+    Event,
+    RegionStatus,
+    RoundAnnouncement,
+    decode,
+    decode_any,
+    encode,
+)
+from geofed.control.topics import ParsedTopic, TopicKind, Topics
+
+__all__ = [
+    "Backoff",
+    "BrokerError",
+    "CodecParams",
+    "Command",
+    "ControlClient",
+    "ControlError",
+    "ControlTimeout",
+    "Deduplicator",
+    "Event",
+    "Handler",
+    "MessageError",
+    "NotRunning",
+    "ParsedTopic",
+    "Publication",
+    "RegionStatus",
+    "RoundAnnouncement",
+    "SubscriptionRefused",
+    "TopicError",
+    "TopicKind",
+    "Topics",
+    "decode",
+    "decode_any",
+    "encode",
+]

@@ -1,0 +1,193 @@
+"""The embedded MQTT broker of the loopback demo (amqtt, in the caller's event loop).
+
+Unauthenticated and plain text, so it binds to loopback addresses only and says so
+loudly when it starts. Production uses Mosquitto with TLS client certificates
+(``deploy/mosquitto``).
+
+amqtt 0.12 does not enforce keep-alive: a client that dies publishes its Last Will as
+soon as its socket closes, but a hung client (stopped, not dead) keeps its session and
+never goes ``offline`` here. Mosquitto drops it after 1.5 x keep-alive.
+
+In a running loop::
+
+    async with EmbeddedBroker(port=0) as broker:
+        ...  # broker.url == "mqtt://127.0.0.1:<port>"
+
+or as its own process: ``python -m geofed.control.broker --port N``, which prints
+``mqtt://<host>:<port>`` on stdout once it listens and stops cleanly on SIGTERM.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import ipaddress
+import logging
+import signal
+import sys
+from collections.abc import Sequence
+from types import TracebackType
+from typing import Any, Self
+
+from geofed.control.errors import BrokerError
+
+log = logging.getLogger(__name__)
+
+_LISTENER = "default"
+#: amqtt logs every connection at INFO; the demo wants its own progress readable.
+AMQTT_LOGGERS = ("amqtt", "transitions")
+
+
+def _require_loopback(host: str) -> str:
+    if host == "localhost":
+        return host
+    try:
+        address = ipaddress.ip_address(host)
+    except ValueError:
+        raise BrokerError(
+            f"embedded broker host must be a loopback address, got {host!r}"
+        ) from None
+    if not address.is_loopback:
+        raise BrokerError(
+            f"refusing to expose the unauthenticated embedded broker on {host}: "
+            "bind it to a loopback address (127.0.0.1 or ::1)"
+        )
+    return host
+
+
+class EmbeddedBroker:
+    """An anonymous amqtt broker on a loopback address; ``port=0`` picks a free port."""
+
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, *, timeout_s: float = 10.0) -> None:
+        if not 0 <= port <= 65535:
+            raise BrokerError(f"port must be in [0, 65535], got {port}")
+        self.host = _require_loopback(host)
+        self.port = port
+        self._timeout_s = timeout_s
+        self._broker: Any = None
+
+    @property
+    def url(self) -> str:
+        """``mqtt://host:port``, with the bound port once started."""
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"mqtt://{host}:{self.port}"
+
+    @property
+    def running(self) -> bool:
+        return self._broker is not None
+
+    async def start(self) -> None:
+        """Bind and serve; :class:`BrokerError` if the port is taken or amqtt fails."""
+        if self._broker is not None:
+            raise BrokerError("embedded broker is already running")
+        # Imported here: amqtt is only needed by the demo, and its import is slow.
+        from amqtt.broker import Broker
+        from amqtt.errors import AMQTTError
+
+        bind_host = f"[{self.host}]" if ":" in self.host else self.host
+        config = {
+            "listeners": {_LISTENER: {"type": "tcp", "bind": f"{bind_host}:{self.port}"}},
+            # Plugins named explicitly: amqtt's defaults add $SYS publishing and packet
+            # logging, and loading plugins from entry points is deprecated (a warning).
+            "plugins": {
+                "amqtt.plugins.authentication.AnonymousAuthPlugin": {"allow_anonymous": True}
+            },
+        }
+        try:
+            broker = Broker(config)
+            await asyncio.wait_for(broker.start(), self._timeout_s)
+        except (AMQTTError, OSError, TimeoutError) as exc:
+            raise BrokerError(f"embedded broker could not listen on {self.url}: {exc}") from exc
+        self._broker = broker
+        self.port = self._bound_port(broker)
+        log.warning(
+            "embedded MQTT broker listening on %s: UNAUTHENTICATED PLAIN TEXT, for "
+            "single-machine use only; production uses Mosquitto with TLS client certificates",
+            self.url,
+        )
+
+    def _bound_port(self, broker: Any) -> int:
+        # amqtt exposes no bound address; with port 0 the kernel picked one, so read it
+        # from the listening socket (amqtt 0.12 keeps it in Broker._servers).
+        try:
+            sockets = broker._servers[_LISTENER].instance.sockets
+            return int(sockets[0].getsockname()[1])
+        except (AttributeError, KeyError, IndexError, TypeError) as exc:
+            if self.port:
+                return self.port
+            raise BrokerError("cannot read the port amqtt bound to; pass an explicit port") from exc
+
+    async def stop(self) -> None:
+        """Disconnect every client and close the listener (idempotent)."""
+        broker, self._broker = self._broker, None
+        if broker is None:
+            return
+        try:
+            await asyncio.wait_for(broker.shutdown(), self._timeout_s)
+        except TimeoutError:
+            raise BrokerError(
+                f"embedded broker on {self.url} did not stop in {self._timeout_s} s"
+            ) from None
+        log.info("embedded MQTT broker on %s stopped", self.url)
+
+    async def __aenter__(self) -> Self:
+        await self.start()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.stop()
+
+
+def quiet_broker_logging(level: int = logging.WARNING) -> None:
+    """Raise amqtt's loggers to ``level``; for entry points that configure logging."""
+    for name in AMQTT_LOGGERS:
+        logging.getLogger(name).setLevel(level)
+
+
+async def serve(host: str, port: int) -> None:
+    """Run an embedded broker until SIGTERM or SIGINT."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    async with EmbeddedBroker(host, port) as broker:
+        print(broker.url, flush=True)  # the parent process reads the port here
+        await stop.wait()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m geofed.control.broker``; exit 0 on a clean stop, 1 if it cannot listen."""
+    parser = argparse.ArgumentParser(
+        prog="python -m geofed.control.broker",
+        description="Embedded MQTT broker for the single-machine demo (no authentication).",
+    )
+    parser.add_argument("--host", default="127.0.0.1", help="loopback address (default 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=1883, help="TCP port; 0 picks a free one")
+    parser.add_argument(
+        "--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"]
+    )
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    if args.log_level != "DEBUG":
+        quiet_broker_logging()
+    try:
+        asyncio.run(serve(args.host, args.port))
+    except BrokerError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    with contextlib.suppress(KeyboardInterrupt):
+        sys.exit(main())

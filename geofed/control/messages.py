@@ -1,0 +1,274 @@
+"""Control-plane message schemas and their wire form.
+
+Every message is a strict pydantic model (unknown keys refused, no silent coercion)
+carrying a ``type`` discriminator, a ``message_id`` (UUID) and a ``sent_at`` timestamp
+(timezone-aware, normalised to UTC). The wire form is UTF-8 JSON; :func:`decode` turns
+any payload that is not a valid message of the expected type into a
+:class:`~geofed.control.errors.MessageError` and never raises anything else.
+
+QoS 1 delivers at least once, and a retained message comes again after every
+resubscription, so receivers drop repeats with a :class:`Deduplicator` keyed by
+``message_id``.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from datetime import UTC, datetime
+from typing import Annotated, Any, Literal, Self, TypeVar
+from uuid import UUID, uuid4
+
+from pydantic import (
+    AfterValidator,
+    AwareDatetime,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    JsonValue,
+    StringConstraints,
+    TypeAdapter,
+    ValidationError,
+    model_validator,
+)
+
+from geofed.control.errors import MessageError
+from geofed.types import validate_name
+
+#: Payloads above this are refused before parsing; control messages are small.
+MAX_PAYLOAD_BYTES = 256 * 1024
+#: Defaults are for senders; a received message must carry its own envelope, else
+#: de-duplication and ordering would run on values made up at the receiver.
+_ENVELOPE = frozenset({"type", "message_id", "sent_at"})
+
+
+def _utc_now() -> datetime:
+    return datetime.now(UTC)
+
+
+def _as_tuple(value: Any) -> Any:
+    # Strict mode wants a tuple in Python; callers naturally pass lists.
+    return tuple(value) if isinstance(value, list) else value
+
+
+RegionName = Annotated[str, AfterValidator(lambda v: validate_name("region", v))]
+JobName = Annotated[str, AfterValidator(lambda v: validate_name("job", v))]
+UtcDatetime = Annotated[AwareDatetime, AfterValidator(lambda v: v.astimezone(UTC))]
+Sha256Hex = Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{64}$")]
+Text = Annotated[str, StringConstraints(max_length=4096)]
+RoundNumber = Annotated[int, Field(ge=0, lt=2**63)]
+
+RoundState = Literal["open", "closed", "done", "cancelled", "paused"]
+"""``open``: regions train; ``closed``: no more deltas, aggregating; ``done``: the job
+finished; ``cancelled``: the job was cancelled; ``paused``: regions hold until resumed."""
+
+RegionState = Literal[
+    "online", "offline", "training", "uploading", "syncing", "paused", "draining", "error"
+]
+CommandAction = Literal["pause", "resume", "cancel", "resync", "drain"]
+
+
+class _Message(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid", frozen=True, allow_inf_nan=False)
+
+    message_id: UUID = Field(default_factory=uuid4)
+    sent_at: UtcDatetime = Field(default_factory=_utc_now)
+
+
+class CodecParams(BaseModel):
+    """How deltas and updates of a job are encoded (mirrors the codec's configuration)."""
+
+    model_config = ConfigDict(strict=True, extra="forbid", frozen=True)
+
+    scheme: Literal["fp32", "int8", "int4"] = "int8"
+    block_size: int = Field(default=128, ge=1, le=1 << 20)
+    zstd_level: int = Field(default=1, ge=1, le=22)
+    stochastic_rounding: bool = False
+
+
+class RoundAnnouncement(_Message):
+    """Round ``round`` of ``job`` (retained on ``jobs/<job>/round``).
+
+    Regions start from the parameters of ``base_round`` whose hash is ``base_hash``,
+    reached by applying the update at ``update_url`` (manifest digest
+    ``update_digest``); neither exists for round 0.
+    """
+
+    type: Literal["round_announcement"] = "round_announcement"
+    job: JobName
+    round: RoundNumber
+    base_round: RoundNumber
+    base_hash: Sha256Hex
+    update_url: Annotated[str, StringConstraints(min_length=1, max_length=2048)] | None = None
+    update_digest: Sha256Hex | None = None
+    participants: Annotated[tuple[RegionName, ...], BeforeValidator(_as_tuple)]
+    min_regions: int = Field(ge=1)
+    deadline: UtcDatetime
+    deadline_s: float = Field(gt=0)
+    inner_steps: int = Field(ge=1)
+    codec: CodecParams
+    task: Annotated[str, StringConstraints(pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")]
+    task_options: dict[str, JsonValue] = Field(default_factory=dict)
+    seed: int = Field(ge=0, lt=2**63)
+    state: RoundState
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Self:
+        if self.base_round > self.round:
+            raise ValueError(f"base_round {self.base_round} is after round {self.round}")
+        if (self.update_url is None) != (self.update_digest is None):
+            raise ValueError("update_url and update_digest go together")
+        if self.round == 0 and self.update_url is not None:
+            raise ValueError("round 0 starts from the initial parameters; it has no update")
+        if not self.participants:
+            raise ValueError("participants must name at least one region")
+        if len(set(self.participants)) != len(self.participants):
+            raise ValueError("participants lists a region twice")
+        if self.min_regions > len(self.participants):
+            raise ValueError(
+                f"min_regions {self.min_regions} exceeds {len(self.participants)} participants"
+            )
+        return self
+
+
+class RegionStatus(_Message):
+    """What a region's agent is doing (retained on ``regions/<region>/status``).
+
+    The Last Will carries ``state="offline"``; its ``sent_at`` is when the will was
+    registered, not when the broker published it. A diverged loss is reported as
+    ``state="error"`` with a ``detail``, since JSON has no NaN.
+    """
+
+    type: Literal["region_status"] = "region_status"
+    region: RegionName
+    state: RegionState
+    job: JobName | None = None
+    round: RoundNumber | None = None
+    params_hash: Sha256Hex | None = None
+    train_loss: float | None = None
+    worker_restarts: int = Field(default=0, ge=0)
+    agent_version: Annotated[str, StringConstraints(min_length=1, max_length=64)]
+    detail: Text = ""
+
+
+class Command(_Message):
+    """An instruction from the coordinator to one region (``regions/<region>/commands``).
+
+    ``command_id`` names the operator request the command carries out, so an agent's
+    acknowledgement (an :class:`Event`) and a retransmission refer to the same request.
+    """
+
+    type: Literal["command"] = "command"
+    action: CommandAction
+    job: JobName | None = None
+    reason: Text = ""
+    command_id: UUID = Field(default_factory=uuid4)
+
+    @model_validator(mode="after")
+    def _job_when_needed(self) -> Self:
+        if self.job is None and self.action != "drain":
+            raise ValueError(f"a {self.action} command must name its job")
+        return self
+
+
+class Event(_Message):
+    """Something that happened, for operators and dashboards (``events``)."""
+
+    type: Literal["event"] = "event"
+    kind: Annotated[str, StringConstraints(pattern=r"^[a-z][a-z0-9_.-]{0,63}$")]
+    job: JobName | None = None
+    round: RoundNumber | None = None
+    region: RegionName | None = None
+    detail: Text = ""
+
+
+ControlMessage = Annotated[
+    RoundAnnouncement | RegionStatus | Command | Event, Field(discriminator="type")
+]
+_ANY_MESSAGE: TypeAdapter[ControlMessage] = TypeAdapter(ControlMessage)
+M = TypeVar("M", RoundAnnouncement, RegionStatus, Command, Event)
+
+
+def encode(message: RoundAnnouncement | RegionStatus | Command | Event) -> bytes:
+    """Return the wire form (UTF-8 JSON) of a message."""
+    return message.model_dump_json().encode("utf-8")
+
+
+def _explain(error: ValidationError) -> str:
+    items = error.errors(include_url=False)
+    for item in items:
+        # A message of another type fails on every field; the type alone says why.
+        if item["loc"] == ("type",) and item["type"] == "literal_error":
+            expected = item.get("ctx", {}).get("expected", "another type")
+            return f"type is {item['input']!r:.64}, expected {expected}"
+    parts = []
+    for item in items[:5]:
+        where = ".".join(str(loc) for loc in item["loc"]) or "message"
+        parts.append(f"{where}: {item['msg']}")
+    more = len(items) - len(parts)
+    return "; ".join(parts) + (f" (+{more} more)" if more > 0 else "")
+
+
+def _check_size(payload: bytes | bytearray) -> None:
+    if not isinstance(payload, bytes | bytearray):
+        raise MessageError(f"payload must be bytes, got {type(payload).__name__}")
+    if len(payload) > MAX_PAYLOAD_BYTES:
+        raise MessageError(f"payload of {len(payload)} bytes exceeds {MAX_PAYLOAD_BYTES}")
+
+
+def _check_envelope(message: _Message, what: str) -> None:
+    missing = sorted(_ENVELOPE - message.model_fields_set)
+    if missing:
+        raise MessageError(f"not a valid {what}: message lacks {', '.join(missing)}")
+
+
+def decode(payload: bytes | bytearray, expected: type[M]) -> M:
+    """Parse a payload as a message of type ``expected``; :class:`MessageError` otherwise."""
+    _check_size(payload)
+    try:
+        message = expected.model_validate_json(payload)
+    except ValidationError as exc:
+        raise MessageError(f"not a valid {expected.__name__}: {_explain(exc)}") from None
+    _check_envelope(message, expected.__name__)
+    return message
+
+
+def decode_any(payload: bytes | bytearray) -> RoundAnnouncement | RegionStatus | Command | Event:
+    """Parse a payload as whichever message its ``type`` names; :class:`MessageError` otherwise."""
+    _check_size(payload)
+    try:
+        message = _ANY_MESSAGE.validate_json(payload)
+    except ValidationError as exc:
+        raise MessageError(f"not a valid control message: {_explain(exc)}") from None
+    _check_envelope(message, "control message")
+    return message
+
+
+class Deduplicator:
+    """Remembers the last ``capacity`` message ids and tells repeats apart.
+
+    Bounded so a long-running daemon's memory stays flat; an id evicted long ago is
+    accepted again, which only matters for replays older than ``capacity`` messages.
+    """
+
+    def __init__(self, capacity: int = 4096) -> None:
+        if capacity < 1:
+            raise ValueError(f"capacity must be >= 1, got {capacity}")
+        self._capacity = capacity
+        self._seen: OrderedDict[UUID, None] = OrderedDict()
+
+    def first_time(self, message_id: UUID) -> bool:
+        """Record ``message_id``; True the first time it is seen, False for a repeat."""
+        if message_id in self._seen:
+            self._seen.move_to_end(message_id)
+            return False
+        self._seen[message_id] = None
+        if len(self._seen) > self._capacity:
+            self._seen.popitem(last=False)
+        return True
+
+    def __len__(self) -> int:
+        return len(self._seen)
+
+    def __contains__(self, message_id: object) -> bool:
+        return message_id in self._seen

@@ -1,0 +1,425 @@
+"""The control client against the embedded amqtt broker, over real loopback sockets."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import signal
+import subprocess
+import sys
+import time
+import warnings
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import pytest
+
+from geofed.control import (
+    Backoff,
+    Command,
+    ControlClient,
+    ControlTimeout,
+    NotRunning,
+    Publication,
+    RegionStatus,
+    RoundAnnouncement,
+    SubscriptionRefused,
+    Topics,
+    decode,
+    encode,
+)
+from geofed.control.broker import EmbeddedBroker
+from tests.unit.test_control_messages import announcement
+
+pytestmark = pytest.mark.integration
+TOPICS = Topics("acme")
+
+
+class Inbox:
+    """Collects (topic, payload) pairs a handler receives."""
+
+    def __init__(self) -> None:
+        self.queue: asyncio.Queue[tuple[str, bytes]] = asyncio.Queue()
+
+    async def __call__(self, topic: str, payload: bytes) -> None:
+        await self.queue.put((topic, payload))
+
+    async def get(self, timeout_s: float = 5.0) -> tuple[str, bytes]:
+        return await asyncio.wait_for(self.queue.get(), timeout_s)
+
+    async def until(self, predicate: Any, timeout_s: float = 5.0) -> tuple[str, bytes]:
+        async with asyncio.timeout(timeout_s):
+            while True:
+                item = await self.queue.get()
+                if predicate(*item):
+                    return item
+
+
+class RecordingSleep:
+    """A fake clock's sleep: records each back-off delay and yields only briefly."""
+
+    def __init__(self) -> None:
+        self.delays: list[float] = []
+
+    async def __call__(self, delay: float) -> None:
+        self.delays.append(delay)
+        await asyncio.sleep(0.02)
+
+
+async def eventually(condition: Any, timeout_s: float = 10.0) -> None:
+    """Poll ``condition`` (state with no event to wait on) until true or time out."""
+    async with asyncio.timeout(timeout_s):
+        while not condition():  # noqa: ASYNC110 - counters offer no event
+            await asyncio.sleep(0.02)
+
+
+def make_client(port: int, client_id: str, **kwargs: Any) -> ControlClient:
+    kwargs.setdefault("timeout_s", 5.0)
+    return ControlClient("127.0.0.1", port, client_id=client_id, **kwargs)
+
+
+@asynccontextmanager
+async def running(client: ControlClient) -> AsyncIterator[ControlClient]:
+    task = asyncio.create_task(client.run())
+    try:
+        await client.wait_connected(5.0)
+        yield client
+    finally:
+        await client.close(timeout_s=5.0)
+        await asyncio.wait_for(task, 5.0)
+
+
+@pytest.fixture
+async def broker() -> AsyncIterator[EmbeddedBroker]:
+    async with EmbeddedBroker(port=0) as embedded:
+        yield embedded
+
+
+async def test_publish_subscribe_round_trip(broker: EmbeddedBroker) -> None:
+    inbox = Inbox()
+    agent = make_client(broker.port, "agent-eu-west")
+    await agent.subscribe(TOPICS.all_job_rounds(), inbox)
+    async with running(agent), running(make_client(broker.port, "coordinator")) as coordinator:
+        sent = announcement()
+        await coordinator.publish(TOPICS.job_round(sent.job), encode(sent))
+        topic, payload = await inbox.get()
+    assert topic == TOPICS.job_round("llm-7")
+    assert decode(payload, RoundAnnouncement) == sent
+    assert broker.url == f"mqtt://127.0.0.1:{broker.port}"
+
+
+async def test_retained_announcement_reaches_a_late_subscriber(broker: EmbeddedBroker) -> None:
+    sent = announcement()
+    async with running(make_client(broker.port, "coordinator")) as coordinator:
+        await coordinator.publish(TOPICS.job_round(sent.job), encode(sent), retain=True)
+    inbox = Inbox()
+    late = make_client(broker.port, "late-agent")
+    await late.subscribe(TOPICS.all_job_rounds(), inbox)
+    async with running(late):
+        _, payload = await inbox.get()
+    assert decode(payload, RoundAnnouncement) == sent
+
+
+async def test_subscribing_while_connected_takes_effect_at_once(broker: EmbeddedBroker) -> None:
+    inbox = Inbox()
+    async with running(make_client(broker.port, "watcher")) as watcher:
+        await watcher.subscribe(TOPICS.events(), inbox)
+        await watcher.publish(TOPICS.events(), b"{}")
+        assert await inbox.get() == (TOPICS.events(), b"{}")
+
+
+async def test_a_failing_handler_does_not_stop_delivery(broker: EmbeddedBroker) -> None:
+    inbox = Inbox()
+    calls = 0
+
+    async def broken(topic: str, payload: bytes) -> None:
+        nonlocal calls
+        calls += 1
+        raise RuntimeError("handler bug")
+
+    client = make_client(broker.port, "fragile")
+    # Same filter: one subscription, two handlers, called in registration order.
+    await client.subscribe(TOPICS.events(), broken)
+    await client.subscribe(TOPICS.events(), inbox)
+    async with running(client):
+        for n in range(2):
+            await client.publish(TOPICS.events(), b"%d" % n)
+        assert (await inbox.get())[1] == b"0"
+        assert (await inbox.get())[1] == b"1"
+    assert calls == 2
+
+
+AGENT_SCRIPT = """
+import asyncio, sys
+from pathlib import Path
+from geofed.control import ControlClient, Publication, RegionStatus, Topics, encode
+
+async def main(port: int, tls_files: list[str]) -> None:
+    tls = None
+    if tls_files:
+        from geofed.pki import client_ssl_context, load_trust_bundle
+        bundle, cert, key = (Path(p) for p in tls_files)
+        tls = client_ssl_context(load_trust_bundle(bundle), cert, key)
+    topic = Topics("acme").region_status("eu-west")
+    offline = encode(RegionStatus(region="eu-west", state="offline", agent_version="test"))
+    client = ControlClient("127.0.0.1", port, client_id="agent-eu-west", keepalive_s=2, tls=tls,
+                           will=Publication(topic, offline, retain=True))
+    task = asyncio.create_task(client.run())
+    online = RegionStatus(region="eu-west", state="online", agent_version="test")
+    await client.publish(topic, encode(online), retain=True)
+    print("ready", flush=True)
+    await task
+
+asyncio.run(main(int(sys.argv[1]), sys.argv[2:]))
+"""
+#: Mosquitto 2.0.11 took 4.6-4.8 s to drop a silent client with keep-alive 2 s here.
+KEEPALIVE_S, SLACK_S = 2, 3.0
+
+
+async def start_agent(port: int, *tls_files: str) -> subprocess.Popen[bytes]:
+    """Start the agent script in a child process; return once its status is published."""
+    child = await asyncio.to_thread(
+        subprocess.Popen,
+        [sys.executable, "-c", AGENT_SCRIPT, str(port), *tls_files],
+        stdout=subprocess.PIPE,
+    )
+    assert child.stdout is not None
+    line = await asyncio.wait_for(asyncio.to_thread(child.stdout.readline), 30)
+    assert line.strip() == b"ready", f"agent did not start (exit code {child.poll()})"
+    return child
+
+
+def reap(child: subprocess.Popen[bytes]) -> None:
+    child.kill()
+    child.wait(timeout=10)
+    if child.stdout is not None:
+        child.stdout.close()
+
+
+async def test_last_will_marks_a_killed_agent_offline(broker: EmbeddedBroker) -> None:
+    child = await start_agent(broker.port)
+    try:
+        inbox = Inbox()
+        watcher = make_client(broker.port, "watcher")
+        await watcher.subscribe(TOPICS.all_region_status(), inbox)
+        async with running(watcher):
+            _, payload = await inbox.get()
+            assert decode(payload, RegionStatus).state == "online"
+            child.send_signal(signal.SIGKILL)
+            killed_at = time.monotonic()
+            _, payload = await inbox.get(timeout_s=KEEPALIVE_S * 1.5 + SLACK_S)
+            assert time.monotonic() - killed_at <= KEEPALIVE_S * 1.5 + SLACK_S
+        status = decode(payload, RegionStatus)
+        assert (status.region, status.state) == ("eu-west", "offline")
+        # The will was retained: a subscriber arriving now still learns the agent is gone.
+        late_inbox = Inbox()
+        late = make_client(broker.port, "late-watcher")
+        await late.subscribe(TOPICS.region_status("eu-west"), late_inbox)
+        async with running(late):
+            assert decode((await late_inbox.get())[1], RegionStatus).state == "offline"
+    finally:
+        reap(child)
+
+
+async def test_clean_close_sends_goodbye_not_the_will(broker: EmbeddedBroker) -> None:
+    topic = TOPICS.region_status("eu-west")
+
+    def status(state: Any) -> bytes:
+        return encode(RegionStatus(region="eu-west", state=state, agent_version="t"))
+
+    inbox = Inbox()
+    watcher = make_client(broker.port, "watcher")
+    await watcher.subscribe(topic, inbox)
+    async with running(watcher):
+        agent = make_client(broker.port, "agent", will=Publication(topic, status("error")))
+        task = asyncio.create_task(agent.run())
+        await agent.publish(topic, status("online"), retain=True)
+        await agent.close(Publication(topic, status("offline")))
+        await asyncio.wait_for(task, 5)
+        states = [decode((await inbox.get())[1], RegionStatus).state for _ in range(2)]
+        assert states == ["online", "offline"]
+        await asyncio.sleep(0.3)
+        assert inbox.queue.empty(), "the Last Will was published after a clean close"
+    with pytest.raises(NotRunning):
+        await agent.publish(topic, b"x", timeout_s=1)
+
+
+async def test_reconnects_after_broker_restart_and_resubscribes() -> None:
+    first = EmbeddedBroker(port=0)
+    await first.start()
+    port = first.port
+    policy = Backoff(initial_s=0.1, max_s=1.0, jitter=0.5, reset_after_s=5.0)
+    sleep, now = RecordingSleep(), [0.0]
+    agent = make_client(
+        port, "agent", sleep=sleep, backoff=policy, rng=random.Random(7), clock=lambda: now[0]
+    )
+    commands = Inbox()
+    await agent.subscribe(TOPICS.region_commands("eu-west"), commands)
+    hook_runs = 0
+
+    async def announce_online() -> None:
+        nonlocal hook_runs
+        hook_runs += 1
+        online = RegionStatus(region="eu-west", state="online", agent_version="t")
+        await agent.publish(TOPICS.region_status("eu-west"), encode(online), retain=True)
+
+    agent.on_connect(announce_online)
+    task = asyncio.create_task(agent.run())
+    second: EmbeddedBroker | None = None
+    try:
+        await agent.wait_connected(5)
+        assert agent.reconnects == 0
+        await first.stop()
+        await eventually(lambda: not agent.connected.is_set() and agent.connect_failures >= 2)
+        second = EmbeddedBroker(port=port)
+        await second.start()
+        await agent.wait_connected(10)
+        assert agent.reconnects == 1
+        # The delays are exactly the policy's, drawn from the injected random source.
+        replay = random.Random(7)
+        outage = len(sleep.delays)
+        assert outage >= 3
+        assert sleep.delays == [policy.delay(n, replay) for n in range(outage)]
+        assert sleep.delays[2] > sleep.delays[0]
+
+        # Subscriptions came back, and the on-connect hook re-published the status that
+        # the restarted broker had lost.
+        statuses = Inbox()
+        coordinator = make_client(port, "coordinator")
+        await coordinator.subscribe(TOPICS.region_status("eu-west"), statuses)
+        async with running(coordinator):
+            assert decode((await statuses.get())[1], RegionStatus).state == "online"
+            command = Command(action="pause", job="llm-7")
+            await coordinator.publish(TOPICS.region_commands("eu-west"), encode(command))
+            assert decode((await commands.get())[1], Command) == command
+        assert hook_runs == 2
+
+        # A link that stayed up past reset_after_s starts the back-off from the beginning.
+        now[0] = 100.0
+        await second.stop()
+        await eventually(lambda: len(sleep.delays) > outage)
+        assert sleep.delays[outage] == policy.delay(0, replay)
+    finally:
+        await agent.close(timeout_s=5)
+        await asyncio.wait_for(task, 5)
+        await first.stop()
+        if second is not None:
+            await second.stop()
+
+
+async def test_publish_waits_for_the_broker_to_come_back() -> None:
+    broker = EmbeddedBroker(port=0)
+    await broker.start()
+    port = broker.port
+    agent = make_client(port, "agent", sleep=RecordingSleep(), backoff=Backoff(initial_s=0.05))
+    task = asyncio.create_task(agent.run())
+    try:
+        await agent.wait_connected(5)
+        await broker.stop()
+        await eventually(lambda: not agent.connected.is_set())
+        publishing = asyncio.create_task(agent.publish(TOPICS.events(), b"late", timeout_s=10))
+        await asyncio.sleep(0.3)
+        assert not publishing.done()
+        broker = EmbeddedBroker(port=port)
+        await broker.start()
+        await asyncio.wait_for(publishing, 10)
+    finally:
+        await agent.close(timeout_s=5)
+        await asyncio.wait_for(task, 5)
+        await broker.stop()
+
+
+async def test_publish_times_out_without_a_broker() -> None:
+    sleep = RecordingSleep()
+    # Port 1 on loopback: nothing listens there, so every attempt is refused.
+    client = make_client(1, "lonely", sleep=sleep, backoff=Backoff(initial_s=0.05))
+    task = asyncio.create_task(client.run())
+    try:
+        with pytest.raises(ControlTimeout, match=r"not acknowledged within 0\.5 s"):
+            await client.publish(TOPICS.events(), b"x", timeout_s=0.5)
+        assert client.connect_failures >= 1
+    finally:
+        await client.close(timeout_s=5)
+        await asyncio.wait_for(task, 5)
+
+
+def test_standalone_broker_process_serves_and_stops_on_sigterm() -> None:
+    process = subprocess.Popen(
+        [sys.executable, "-m", "geofed.control.broker", "--port", "0"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    try:
+        assert process.stdout is not None
+        url = process.stdout.readline().decode().strip()
+        assert url.startswith("mqtt://127.0.0.1:")
+        port = int(url.rsplit(":", 1)[1])
+
+        async def round_trip() -> bytes:
+            inbox = Inbox()
+            client = make_client(port, "probe")
+            await client.subscribe(TOPICS.events(), inbox)
+            async with running(client):
+                await client.publish(TOPICS.events(), b"ping")
+                return (await inbox.get())[1]
+
+        assert asyncio.run(round_trip()) == b"ping"
+        process.send_signal(signal.SIGTERM)
+        _, stderr = process.communicate(timeout=15)
+        assert process.returncode == 0
+        assert b"UNAUTHENTICATED PLAIN TEXT" in stderr
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.communicate(timeout=10)
+
+
+@pytest.fixture
+async def strict_broker() -> AsyncIterator[int]:
+    """A bare amqtt broker whose ACL allows subscribing to the events topic only."""
+    from amqtt.broker import Broker
+
+    config = {
+        "listeners": {"default": {"type": "tcp", "bind": "127.0.0.1:0"}},
+        "plugins": {
+            "amqtt.plugins.authentication.AnonymousAuthPlugin": {"allow_anonymous": True},
+            "amqtt.plugins.topic_checking.TopicAccessControlListPlugin": {
+                "acl": {"anonymous": [TOPICS.events()]}
+            },
+        },
+    }
+    with warnings.catch_warnings():
+        # amqtt 0.12 deprecates "acl" for "subscribe-acl", but its plugin config has no
+        # field for the new name yet, so the deprecated one is the only one that works.
+        warnings.filterwarnings("ignore", "The 'acl' option is deprecated", DeprecationWarning)
+        acl_broker = Broker(config)
+    await acl_broker.start()
+    try:
+        yield int(acl_broker._servers["default"].instance.sockets[0].getsockname()[1])
+    finally:
+        await acl_broker.shutdown()
+
+
+async def test_refused_live_subscription_raises_and_the_link_stays_up(strict_broker: int) -> None:
+    inbox = Inbox()
+    client = make_client(strict_broker, "nosy")
+    await client.subscribe(TOPICS.events(), inbox)
+    async with running(client):
+        with pytest.raises(SubscriptionRefused, match="regions/\\+/status"):
+            await client.subscribe(TOPICS.all_region_status(), inbox)
+        # Still connected and still served on the subscription the broker granted.
+        await client.publish(TOPICS.events(), b"still here")
+        assert await inbox.get() == (TOPICS.events(), b"still here")
+
+
+async def test_run_stops_when_the_broker_refuses_a_registered_subscription(
+    strict_broker: int,
+) -> None:
+    client = make_client(strict_broker, "misconfigured")
+    await client.subscribe(TOPICS.all_region_commands(), Inbox())
+    with pytest.raises(SubscriptionRefused):
+        await asyncio.wait_for(client.run(), 10)
+    assert not client.connected.is_set()
+    with pytest.raises(NotRunning):
+        await client.publish(TOPICS.events(), b"x", timeout_s=5)
