@@ -1,0 +1,86 @@
+"""The delta arithmetic every party shares, so reconstructed parameters agree bit for bit.
+
+A region forms its pseudo-gradient with :func:`pseudo_gradient`; the coordinator forms the
+update it publishes with :func:`update_to_publish` and keeps what encoding lost with
+:func:`feedback_residual`; everyone reconstructs θ_{r+1} with :func:`apply_update`. Each is
+one correctly rounded elementwise fp32 operation per tensor (no fused multiply-add), so the
+result does not depend on the machine, the thread count or the SIMD width; the coordinator
+and the regional agents must import these definitions rather than restate them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "DeltaError",
+    "apply_update",
+    "feedback_residual",
+    "pseudo_gradient",
+    "update_to_publish",
+]
+
+
+class DeltaError(ValueError):
+    """Two tensor sets do not match (names, shapes or dtypes); nothing was computed."""
+
+
+def _elementwise(
+    what: str,
+    left: Mapping[str, Tensor],
+    right: Mapping[str, Tensor],
+    op: Callable[[Tensor, Tensor], Tensor],
+) -> dict[str, Tensor]:
+    if set(left) != set(right):
+        raise DeltaError(
+            f"{what}: tensor names differ: only on the left {sorted(set(left) - set(right))}, "
+            f"only on the right {sorted(set(right) - set(left))}"
+        )
+    out: dict[str, Tensor] = {}
+    for name, a in left.items():
+        b = right[name]
+        if a.dtype != torch.float32 or b.dtype != torch.float32:
+            raise DeltaError(f"{what}: tensor {name!r} must be float32 on both sides")
+        if a.shape != b.shape:
+            raise DeltaError(
+                f"{what}: tensor {name!r} has shapes {tuple(a.shape)} and {tuple(b.shape)}"
+            )
+        out[name] = op(a, b)
+    return out
+
+
+def pseudo_gradient(base: Mapping[str, Tensor], local: Mapping[str, Tensor]) -> dict[str, Tensor]:
+    """Return the region's pseudo-gradient ``base - local`` (θ_r - θ_local), per tensor."""
+    return _elementwise("pseudo_gradient", base, local, torch.sub)
+
+
+def apply_update(params: Mapping[str, Tensor], update: Mapping[str, Tensor]) -> dict[str, Tensor]:
+    """Return ``params + update`` (θ_r + û): the one op every party uses to reconstruct θ_{r+1}."""
+    return _elementwise("apply_update", params, update, torch.add)
+
+
+def update_to_publish(
+    params: Mapping[str, Tensor],
+    target: Mapping[str, Tensor],
+    residual: Mapping[str, Tensor] | None = None,
+) -> dict[str, Tensor]:
+    """Return the global update to encode: ``(target - params) + residual``.
+
+    ``residual`` is the coordinator's error feedback from the previous round
+    (:func:`feedback_residual`); after encoding, the coordinator's own θ_{r+1} is
+    ``apply_update(params, decoded)``, exactly what the regions reconstruct.
+    """
+    update = _elementwise("update_to_publish", target, params, torch.sub)
+    if residual is None:
+        return update
+    return _elementwise("update_to_publish", update, residual, torch.add)
+
+
+def feedback_residual(
+    intended: Mapping[str, Tensor], decoded: Mapping[str, Tensor]
+) -> dict[str, Tensor]:
+    """Return the quantization error ``intended - decoded`` to carry into the next round."""
+    return _elementwise("feedback_residual", intended, decoded, torch.sub)
