@@ -1,0 +1,112 @@
+"""The delta codec: named float tensors to a framed, compressed, hashed stream and back.
+
+Schemes: ``fp32`` (lossless), ``int8`` and ``int4`` (blockwise absmax; see
+:mod:`geofed.codec.quantize` for the math). Encoding is deterministic for given inputs
+(and generator state, with stochastic rounding); decoding is bit-identical everywhere.
+
+Wire format, version 1
+======================
+
+All integers are unsigned little-endian. A stream is a sequence of frames::
+
+    HEADER, CHUNK 0, CHUNK 1, ..., CHUNK n-1, TRAILER
+
+Every frame is ``prefix | body | tag``:
+
+==========  =====  ============================================================
+field       bytes  meaning
+==========  =====  ============================================================
+magic       4      ``b"GFDC"``
+version     1      1
+kind        1      1 header, 2 chunk, 3 trailer
+flags       2      0 (reserved)
+body_len    8      bytes of body
+body        ...    depends on kind
+tag         32     sha256 of prefix and body
+==========  =====  ============================================================
+
+The *digest* of a frame is the sha256 of all its bytes, tag included; a manifest
+records the chunks' digests in order (``Chunk.digest``, ``EncodedStream.digests``).
+
+Header body: ASCII JSON, keys sorted, no whitespace::
+
+    {"block_size": 128, "chunk_elements": 1048576, "scheme": "int8",
+     "stochastic_rounding": false, "tensors": [[name, dtype, [sizes...]], ...],
+     "zstd_level": 1}
+
+``dtype`` is ``float32``, ``float16`` or ``bfloat16``; at most 64 MiB.
+
+Chunk body: 72 bytes of fields, then one zstd frame (content size declared)::
+
+    index u64 | tensor u32 | scheme u8 (0 fp32, 1 int8, 2 int4) | 3 zero bytes |
+    offset u64 | count u64 | decoded_size u64 | header digest (32 bytes)
+
+Chunks follow the tensors in header order; each tensor (flattened, row-major) is cut
+into ``chunk_elements``-sized slices, the last one shorter; empty tensors have none. The
+layout is implied by the header, so the decoder knows every chunk's index, tensor,
+offset, count and exact decoded size before reading it. The decoded payload is:
+
+- fp32: ``count`` float32 values;
+- int8: ``ceil(count / block_size)`` bfloat16 scales, then ``count`` int8 codes;
+- int4: the scales, then ``ceil(count / 2)`` bytes, element ``2i`` in the low nibble and
+  ``2i + 1`` in the high nibble, each nibble ``code + 8``; the spare nibble of an odd
+  count is ignored.
+
+Blocks start at the beginning of each chunk (``chunk_elements`` is a multiple of
+``block_size``); element ``j`` decodes to ``code_j * scale_{j // block_size}`` in
+float32.
+
+Trailer body: 56 bytes::
+
+    chunk_count u64 | total_elements u64 | total_bytes u64 (header and chunk frames) |
+    stream digest (32 bytes: sha256 of the header digest and every chunk digest in order)
+"""
+
+from geofed.codec.assembly import decode, decode_pieces
+from geofed.codec.config import CodecConfig, TensorSpec
+from geofed.codec.decoder import Piece, StreamDecoder
+from geofed.codec.encoder import Chunk, EncodedStream, encode, encode_stream
+from geofed.codec.errors import (
+    CodecError,
+    CorruptChunk,
+    CorruptStream,
+    DecodedSizeExceeded,
+    DecodeError,
+    DecoderStateError,
+    DigestMismatch,
+    EncodeError,
+    InvalidConfig,
+    NonFiniteValue,
+    OutOfOrder,
+    TruncatedStream,
+    UnsupportedVersion,
+)
+from geofed.codec.feedback import ErrorFeedback, ErrorFeedbackError
+
+__all__ = [
+    "Chunk",
+    "CodecConfig",
+    "CodecError",
+    "CorruptChunk",
+    "CorruptStream",
+    "DecodeError",
+    "DecodedSizeExceeded",
+    "DecoderStateError",
+    "DigestMismatch",
+    "EncodeError",
+    "EncodedStream",
+    "ErrorFeedback",
+    "ErrorFeedbackError",
+    "InvalidConfig",
+    "NonFiniteValue",
+    "OutOfOrder",
+    "Piece",
+    "StreamDecoder",
+    "TensorSpec",
+    "TruncatedStream",
+    "UnsupportedVersion",
+    "decode",
+    "decode_pieces",
+    "encode",
+    "encode_stream",
+]

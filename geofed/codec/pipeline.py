@@ -1,0 +1,84 @@
+"""Compressing and framing chunks, inline or on worker threads, results kept in order."""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+
+from geofed.codec.compression import new_compressor
+from geofed.codec.config import CodecConfig
+from geofed.codec.layout import ChunkSlot
+from geofed.codec.wire import SCHEME_CODES, ChunkFields, FrameKind, Sealed, chunk_fields, seal
+
+
+class ChunkSealer:
+    """Compresses payloads and frames them; one zstd context per thread."""
+
+    def __init__(self, config: CodecConfig, header_digest: bytes) -> None:
+        self._config = config
+        self._header_digest = header_digest
+        self._local = threading.local()
+
+    def seal(self, slot: ChunkSlot, payload: torch.Tensor) -> Sealed:
+        compressor = getattr(self._local, "compressor", None)
+        if compressor is None:
+            compressor = new_compressor(self._config.zstd_level)
+            self._local.compressor = compressor
+        fields = ChunkFields(
+            index=slot.index,
+            tensor=slot.tensor,
+            scheme_code=SCHEME_CODES[self._config.scheme],
+            offset=slot.offset,
+            count=slot.count,
+            decoded_size=payload.numel(),
+            header_digest=self._header_digest,
+        )
+        compressed = compressor.compress(payload.numpy().data)
+        return seal(FrameKind.CHUNK, [chunk_fields(fields), compressed])
+
+
+class Pipeline:
+    """Runs chunk jobs inline (one worker) or on a thread pool, collecting results in order.
+
+    At most ``2 * workers`` jobs are in flight, which bounds the payloads held in memory.
+    """
+
+    def __init__(self, workers: int) -> None:
+        self._pool = ThreadPoolExecutor(workers, "geofed-codec") if workers > 1 else None
+        self._limit = 2 * workers
+        self._pending: deque[tuple[ChunkSlot, Future[Sealed], Callable[..., None]]] = deque()
+
+    def submit(
+        self,
+        slot: ChunkSlot,
+        job: Callable[[], Sealed],
+        done: Callable[[ChunkSlot, Sealed], None],
+    ) -> None:
+        if self._pool is None:
+            done(slot, job())
+            return
+        self._pending.append((slot, self._pool.submit(job), done))
+        while len(self._pending) >= self._limit:
+            self._collect_one()
+
+    def _collect_one(self) -> None:
+        slot, future, done = self._pending.popleft()
+        done(slot, future.result())
+
+    def __enter__(self) -> Pipeline:
+        return self
+
+    def __exit__(self, kind: object, error: object, traceback: object) -> None:
+        try:
+            if error is None:
+                while self._pending:
+                    self._collect_one()
+        finally:
+            for _, future, _ in self._pending:
+                future.cancel()
+            if self._pool is not None:
+                self._pool.shutdown(wait=True)

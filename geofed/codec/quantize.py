@@ -1,0 +1,287 @@
+"""Blockwise absmax quantization of flat tensor slices into chunk payloads, and back.
+
+Math only: tensors in, tensors out, no framing. A slice is cut into blocks of
+``block_size`` elements; each block gets one scale ``s`` (a bfloat16 rounded *up* from
+``absmax / qmax``, at least 2**-120) and each element the integer code
+``q = round(x / s)`` (or ``floor(x / s + u)``, ``u ~ U[0, 1)``, with stochastic rounding),
+``qmax`` = 127 (int8) or 7 (int4). Decoding computes ``q * s`` in float32, which is exact
+(``q`` has at most 8 significant bits and ``s`` 8), so every decoder on every machine gets
+the same bits.
+
+bfloat16 rather than float16 scales: float16 underflows for the small blocks typical of
+late-training deltas (absmax/127 below 6e-8) and overflows above 8e6; bfloat16 has
+float32's range at the same two bytes. Rounding the scale up keeps every code within
+``[-qmax, qmax]``.
+
+Speed: a handful of in-place ops on reused buffers, on the slice's own device; only the
+finished payload (scales and codes) is copied to the host. Slices are cut into tiles of
+``tile_elements``: measured on a 2-core EPYC, eager per-op overhead (5-15 us) outweighed
+the cache benefit of tiles below about 1M elements, so the default tile is a whole chunk.
+A torch.compile'd kernel was about 1.3x faster than these ops but took 24 s to compile.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Final
+
+import torch
+
+from geofed.codec.config import Scheme
+from geofed.codec.errors import CorruptChunk, EncodeError, NonFiniteValue
+from geofed.codec.layout import SCALE_BYTES, num_blocks, payload_size
+
+TILE_ELEMENTS: Final = 1 << 20
+MIN_SCALE: Final = 2.0**-120
+# q * s must stay finite in float32 for |q| <= 127.
+MAX_SCALE: Final = 2.0**120
+QMAX: Final[dict[str, int]] = {"int8": 127, "int4": 7}
+_INT4_OFFSET: Final = 8
+_BF16_CEIL_ADD: Final = 0xFFFF
+_BF16_MASK: Final = -(1 << 16)
+
+
+class BlockCodec:
+    """Quantizes slices into payloads and back for one scheme; reuses its buffers."""
+
+    def __init__(
+        self,
+        scheme: Scheme,
+        block_size: int,
+        *,
+        stochastic_rounding: bool = False,
+        tile_elements: int = TILE_ELEMENTS,
+    ) -> None:
+        self.scheme: Scheme = scheme
+        self.block_size = block_size
+        self.stochastic_rounding = stochastic_rounding
+        self.tile = max(block_size, tile_elements // block_size * block_size)
+        self._buffers: dict[tuple[str, torch.device], torch.Tensor] = {}
+
+    # -- encoding -------------------------------------------------------------------
+
+    def encode(
+        self,
+        flat: torch.Tensor,
+        *,
+        label: str,
+        generator: torch.Generator | None = None,
+        reuse_buffer: bool = True,
+    ) -> torch.Tensor:
+        """Return the payload (uint8, on the host) of a 1-D contiguous float slice.
+
+        With ``reuse_buffer`` the payload may be a buffer this codec reuses: consume it
+        before the next call. An fp32 payload may share memory with ``flat``.
+        Raises :class:`NonFiniteValue` on NaN/Inf and :class:`EncodeError` on magnitudes
+        too large to quantize, naming ``label`` and the first offending element.
+        """
+        if self.scheme == "fp32":
+            return self._encode_fp32(flat, label)
+        count = flat.numel()
+        nblocks = num_blocks(count, self.block_size)
+        size = payload_size(self.scheme, count, self.block_size)
+        if reuse_buffer:
+            payload = self._buffer("payload", size, flat.device, torch.uint8)
+        else:
+            payload = torch.empty(size, dtype=torch.uint8, device=flat.device)
+        scales = payload[: SCALE_BYTES * nblocks].view(torch.bfloat16)
+        codes = payload[SCALE_BYTES * nblocks :]
+        if self.scheme == "int8":
+            codes = codes.view(torch.int8)
+        block = self.block_size
+        full = count // block * block
+        # On an accelerator, launches cost more than cache misses: one tile per slice.
+        tile = self.tile if flat.device.type == "cpu" else max(full, block)
+        for start in range(0, full, tile):
+            stop = min(start + tile, full)
+            self._quantize_blocks(
+                flat[start:stop].view(-1, block),
+                scales[start // block : stop // block],
+                self._code_slice(codes, start, stop),
+                generator,
+            )
+        if full < count:
+            self._quantize_tail(
+                flat[full:],
+                scales[-1:],
+                codes[full if self.scheme == "int8" else full // 2 :],
+                generator,
+            )
+        peak = scales.max().item() if nblocks else 0.0
+        if not math.isfinite(peak) or peak > MAX_SCALE:
+            raise _bad_value_error(flat, label)
+        return payload.cpu()
+
+    def _quantize_tail(
+        self,
+        tail: torch.Tensor,
+        scale_out: torch.Tensor,
+        codes_out: torch.Tensor,
+        generator: torch.Generator | None,
+    ) -> None:
+        """Quantize a last, partial block through a zero-padded copy of it."""
+        block = self.block_size
+        padded = self._buffer("pad", block, tail.device)
+        padded.zero_()
+        padded[: tail.numel()].copy_(tail)
+        code_bytes = block if self.scheme == "int8" else block // 2
+        tail_codes = self._buffer("tail", code_bytes, tail.device, torch.uint8).view(
+            codes_out.dtype
+        )
+        self._quantize_blocks(padded.view(1, block), scale_out, tail_codes, generator)
+        codes_out.copy_(tail_codes[: codes_out.numel()])
+
+    def _encode_fp32(self, flat: torch.Tensor, label: str) -> torch.Tensor:
+        values = flat.to(torch.float32)
+        if values.numel():
+            peak = torch.maximum(values.amax(), values.amin().neg()).item()
+            if not math.isfinite(peak):
+                raise _bad_value_error(flat, label)
+        return values.cpu().view(torch.uint8)
+
+    def _code_slice(self, codes: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+        if self.scheme == "int8":
+            return codes[start:stop]
+        return codes[start // 2 : stop // 2]
+
+    def _quantize_blocks(
+        self,
+        blocks: torch.Tensor,
+        scales_out: torch.Tensor,
+        codes_out: torch.Tensor,
+        generator: torch.Generator | None,
+    ) -> None:
+        nblocks, block = blocks.shape
+        device = blocks.device
+        if blocks.dtype != torch.float32:
+            converted = self._buffer("convert", nblocks * block, device).view(nblocks, block)
+            converted.copy_(blocks)
+            blocks = converted
+        qmax = QMAX[self.scheme]
+        scale = self._buffer("scale", nblocks, device)
+        inverse = self._buffer("inverse", nblocks, device)
+        torch.amax(blocks, dim=1, out=scale)
+        torch.amin(blocks, dim=1, out=inverse)
+        torch.maximum(scale, inverse.neg_(), out=scale)
+        scale.div_(qmax)
+        # Round up onto the bfloat16 grid (valid for the non-negative floats here).
+        scale.view(torch.int32).add_(_BF16_CEIL_ADD).bitwise_and_(_BF16_MASK)
+        scale.clamp_(min=MIN_SCALE)
+        scales_out.copy_(scale)
+        torch.reciprocal(scale, out=inverse)
+        values = self._buffer("values", nblocks * block, device).view(nblocks, block)
+        torch.mul(blocks, inverse[:, None], out=values)
+        if self.stochastic_rounding:
+            noise = self._buffer("noise", nblocks * block, device)
+            torch.rand(noise.shape, generator=generator, device=device, out=noise)
+            values.add_(noise.view(nblocks, block)).floor_().clamp_(-qmax, qmax)
+        else:
+            # |x * (1/s)| <= qmax * (1 + 3 * 2**-24) < qmax + 0.5: no clamp needed.
+            values.round_()
+        if self.scheme == "int8":
+            codes_out.view(nblocks, block).copy_(values)
+            return
+        # Byte = (lo + 8) | (hi + 8) << 4 = lo + 16 * hi + 136, exact in float32.
+        pairs = values.view(-1, 2)
+        packed = self._buffer("packed", pairs.shape[0], device)
+        torch.add(pairs[:, 0], pairs[:, 1], alpha=16, out=packed)
+        packed.add_(_INT4_OFFSET * 17)
+        codes_out.copy_(packed)
+
+    # -- decoding -------------------------------------------------------------------
+
+    def decode(
+        self,
+        payload: torch.Tensor,
+        count: int,
+        *,
+        label: str,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Return the float32 values (1-D, CPU) of a payload holding ``count`` elements.
+
+        The values are written into ``out`` (1-D, float32, ``count`` elements) when given.
+        The payload's size must already be checked against :func:`payload_size`.
+        Raises :class:`CorruptChunk` naming ``label`` on a non-finite value or a scale out
+        of range.
+        """
+        if self.scheme == "fp32":
+            values = payload.view(torch.float32)
+            if count and not math.isfinite(
+                torch.maximum(values.amax(), values.amin().neg()).item()
+            ):
+                raise CorruptChunk(f"{label}: payload holds NaN or Inf")
+            return values if out is None else out.copy_(values)
+        block = self.block_size
+        nblocks = num_blocks(count, block)
+        scales = payload[: SCALE_BYTES * nblocks].view(torch.bfloat16).to(torch.float32)
+        codes = payload[SCALE_BYTES * nblocks :]
+        # The encoder's scales lie in [2**-120, 2**120]: products q * s are then normal
+        # floats, exact and identical whatever the decoder's denormal handling.
+        low, high = torch.aminmax(scales)
+        if not (low.item() >= MIN_SCALE and high.item() <= MAX_SCALE):
+            raise CorruptChunk(
+                f"{label}: block scales must lie in [2**-120, 2**120], "
+                f"found [{low.item()}, {high.item()}]"
+            )
+        if out is None:
+            out = torch.empty(count, dtype=torch.float32)
+        for start in range(0, count, self.tile):
+            stop = min(start + self.tile, count)
+            self._dequantize(codes, scales, out, start, stop)
+        return out
+
+    def _dequantize(
+        self,
+        codes: torch.Tensor,
+        scales: torch.Tensor,
+        out: torch.Tensor,
+        start: int,
+        stop: int,
+    ) -> None:
+        block = self.block_size
+        target = out[start:stop]
+        if self.scheme == "int8":
+            target.copy_(codes[start:stop].view(torch.int8))
+        else:
+            packed = codes[start // 2 : (stop + 1) // 2]
+            pairs = self._buffer("pairs", packed.numel(), torch.device("cpu"), torch.int16)
+            shifted = self._buffer("shifted", packed.numel(), torch.device("cpu"), torch.int16)
+            pairs.copy_(packed)
+            torch.bitwise_left_shift(pairs, 4, out=shifted)
+            # Little-endian int16 (hi << 8 | lo): its two bytes are the two nibbles in order.
+            pairs.bitwise_or_(shifted).bitwise_and_(0x0F0F)
+            target.copy_(pairs.view(torch.uint8)[: stop - start])
+            target.sub_(_INT4_OFFSET)
+        full = (stop - start) // block * block
+        first = start // block
+        if full:
+            target[:full].view(-1, block).mul_(scales[first : first + full // block, None])
+        if full < stop - start:
+            target[full:].mul_(scales[first + full // block])
+
+    def _buffer(
+        self, role: str, size: int, device: torch.device, dtype: torch.dtype = torch.float32
+    ) -> torch.Tensor:
+        key = (role, device)
+        buffer = self._buffers.get(key)
+        if buffer is None or buffer.numel() < size or buffer.dtype != dtype:
+            buffer = torch.empty(size, dtype=dtype, device=device)
+            self._buffers[key] = buffer
+        return buffer[:size]
+
+
+def _bad_value_error(flat: torch.Tensor, label: str) -> EncodeError:
+    """Describe the first element that cannot be encoded (slow path, errors only)."""
+    values = flat.to(torch.float32)
+    bad = (~torch.isfinite(values)).nonzero()
+    if bad.numel():
+        index = int(bad[0, 0].item())
+        return NonFiniteValue(
+            f"{label}: element {index} is {values[index].item()}; a delta must be finite"
+        )
+    index = int(values.abs().argmax().item())
+    return EncodeError(
+        f"{label}: element {index} = {values[index].item():.3e} is too large to quantize "
+        f"(|x| must stay below {MAX_SCALE:.3e} * qmax)"
+    )
