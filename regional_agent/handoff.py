@@ -1,0 +1,538 @@
+"""The file protocol between a regional agent and rank 0 of its worker group.
+
+Everything crosses as files in one work directory, so either side may restart at any
+moment and pick up where the other left off::
+
+    jobs/<job>/round-<r>.instruction.json   agent -> workers: train round r from theta_r
+    jobs/<job>/round-<r>.result.pt          rank 0: local fp32 parameters + summary
+    jobs/<job>/round-<r>.done.json          rank 0, written last: the result exists
+    jobs/<job>/round-<r>.error.json         rank 0: the instruction cannot be served
+    jobs/<job>/round-<r>.progress.json      rank 0: steps done so far (advisory)
+    regional-checkpoint.pt                  rank 0: inner optimizer state + data cursor
+    ranks/rank-<n>.json                     each rank: pid, launch id, restart count
+    logs/rank-<n>.log, logs/launcher.log    worker and launcher output
+    stop                                    agent -> workers: finish and exit 0
+
+Results, checkpoints, markers and instructions are written temp + fsync + rename; a
+result exists only once its done marker does. Progress and rank status files are
+advisory and only renamed into place (whole, not durable). All functions here block on
+disk I/O; asyncio callers run them in a thread.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import re
+import secrets
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from geofed.fsutil import AtomicFile, atomic_write_bytes
+from geofed.types import validate_name
+
+FORMAT_VERSION = 1
+_ROUND_FILE_RE = re.compile(r"^round-(\d+)\.instruction\.json$")
+
+
+class HandoffError(Exception):
+    """Base class of hand-off protocol errors."""
+
+
+class InvalidHandoffData(HandoffError, ValueError):
+    """A hand-off value or file does not follow the protocol; the message says where."""
+
+
+def _require_int(what: str, value: object, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise InvalidHandoffData(f"{what} must be an integer >= {minimum}, got {value!r}")
+    return value
+
+
+def _require_str(what: str, value: object) -> str:
+    if not isinstance(value, str) or not value:
+        raise InvalidHandoffData(f"{what} must be a non-empty string, got {value!r}")
+    return value
+
+
+def _require_float(what: str, value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise InvalidHandoffData(f"{what} must be a finite number, got {value!r}")
+    return float(value)
+
+
+def _fields(cls_name: str, data: object, names: tuple[str, ...]) -> Mapping[str, Any]:
+    if not isinstance(data, Mapping):
+        raise InvalidHandoffData(f"{cls_name} must be a JSON object, got {type(data).__name__}")
+    if data.get("format", FORMAT_VERSION) != FORMAT_VERSION:
+        raise InvalidHandoffData(f"{cls_name}: format {data['format']!r} is not {FORMAT_VERSION}")
+    missing = [name for name in names if name not in data]
+    unknown = sorted(set(data) - set(names) - {"format"})
+    if missing or unknown:
+        raise InvalidHandoffData(f"{cls_name}: missing fields {missing}, unknown fields {unknown}")
+    return data
+
+
+@dataclass(frozen=True, slots=True)
+class RoundInstruction:
+    """Train ``inner_steps`` steps of round ``round`` of ``job`` from ``base_params``.
+
+    ``base_params`` is the path of a ``torch.save``-d fp32 state dict of the global
+    parameters; ``task`` and ``task_options`` name the task as :func:`geofed.task.load_task`
+    takes them.
+    """
+
+    job: str
+    round: int
+    base_params: str
+    inner_steps: int
+    task: str
+    task_options: Mapping[str, Any]
+    seed: int
+    region: str
+    region_index: int
+    num_regions: int
+
+    def __post_init__(self) -> None:
+        try:
+            validate_name("job", self.job)
+            validate_name("region", self.region)
+        except ValueError as exc:
+            raise InvalidHandoffData(str(exc)) from None
+        _require_int("round", self.round, 0)
+        _require_str("base_params", self.base_params)
+        if not Path(self.base_params).is_absolute():
+            raise InvalidHandoffData(
+                f"base_params must be an absolute path, got {self.base_params!r}"
+            )
+        _require_int("inner_steps", self.inner_steps, 1)
+        _require_str("task", self.task)
+        if not isinstance(self.task_options, Mapping):
+            raise InvalidHandoffData(f"task_options must be a mapping, got {self.task_options!r}")
+        _require_int("seed", self.seed, 0)
+        _require_int("num_regions", self.num_regions, 1)
+        _require_int("region_index", self.region_index, 0)
+        if self.region_index >= self.num_regions:
+            raise InvalidHandoffData(
+                f"region_index {self.region_index} is not below num_regions {self.num_regions}"
+            )
+        try:
+            json.dumps(dict(self.task_options), allow_nan=False)
+        except (TypeError, ValueError) as exc:
+            raise InvalidHandoffData(f"task_options must be plain JSON: {exc}") from None
+
+    def to_json(self) -> bytes:
+        """Serialize as the instruction file's content."""
+        body = {"format": FORMAT_VERSION, **asdict(self), "task_options": dict(self.task_options)}
+        return json.dumps(body, sort_keys=True, allow_nan=False).encode()
+
+    @classmethod
+    def from_json(cls, raw: bytes, source: str = "instruction") -> RoundInstruction:
+        """Parse an instruction file's content; :class:`InvalidHandoffData` names ``source``."""
+        try:
+            data = _fields(f"{source}", json.loads(raw), _INSTRUCTION_FIELDS)
+            return cls(**{name: data[name] for name in _INSTRUCTION_FIELDS})
+        except (ValueError, TypeError) as exc:
+            raise InvalidHandoffData(f"{source}: {exc}") from None
+
+
+_INSTRUCTION_FIELDS = tuple(RoundInstruction.__dataclass_fields__)
+
+
+@dataclass(frozen=True, slots=True)
+class RoundSummary:
+    """What a finished round produced, besides the parameters (the done marker's content).
+
+    ``tokens`` counts the whole region (all ranks); ``mean_loss`` averages every rank's
+    every step; ``cursor`` is the data step index the next round starts at.
+    """
+
+    job: str
+    round: int
+    steps: int
+    tokens: int
+    mean_loss: float
+    cursor: int
+    base_params_hash: str
+    params_hash: str
+    world_size: int
+    train_seconds: float
+
+    def __post_init__(self) -> None:
+        try:
+            validate_name("job", self.job)
+        except ValueError as exc:
+            raise InvalidHandoffData(str(exc)) from None
+        for name in ("round", "steps", "tokens", "cursor"):
+            _require_int(name, getattr(self, name), 0)
+        _require_int("world_size", self.world_size, 1)
+        _require_float("mean_loss", self.mean_loss)
+        _require_float("train_seconds", self.train_seconds)
+        _require_str("base_params_hash", self.base_params_hash)
+        _require_str("params_hash", self.params_hash)
+
+    def to_json(self) -> bytes:
+        return json.dumps({"format": FORMAT_VERSION, **asdict(self)}, sort_keys=True).encode()
+
+    @classmethod
+    def from_json(cls, raw: bytes, source: str = "done marker") -> RoundSummary:
+        try:
+            data = _fields(source, json.loads(raw), _SUMMARY_FIELDS)
+            return cls(**{name: data[name] for name in _SUMMARY_FIELDS})
+        except (ValueError, TypeError) as exc:
+            raise InvalidHandoffData(f"{source}: {exc}") from None
+
+
+_SUMMARY_FIELDS = tuple(RoundSummary.__dataclass_fields__)
+
+
+@dataclass(frozen=True, slots=True)
+class RoundResult:
+    """A completed round: its summary and rank 0's locally trained fp32 state."""
+
+    summary: RoundSummary
+    params: dict[str, torch.Tensor]
+
+
+@dataclass(frozen=True, slots=True)
+class RegionalCheckpoint:
+    """The region's inner training state at the end of ``last_round`` of ``job``.
+
+    ``optimizer_state`` is rank 0's inner optimizer ``state_dict()`` (identical on every
+    rank under DDP); ``cursor`` is the data step index the next round starts at.
+    """
+
+    job: str
+    last_round: int
+    cursor: int
+    world_size: int
+    optimizer_state: dict[str, Any] = field(repr=False)
+
+
+@dataclass(frozen=True, slots=True)
+class RoundProgress:
+    """Advisory progress of the round rank 0 is training."""
+
+    job: str
+    round: int
+    steps_done: int
+    inner_steps: int
+
+
+@dataclass(frozen=True, slots=True)
+class RankStatus:
+    """What one worker process reports about itself; ``state`` is ``starting`` or ``ready``."""
+
+    rank: int
+    local_rank: int
+    world_size: int
+    pid: int
+    launch_id: str
+    restart_count: int
+    backend: str
+    device: str
+    state: str
+
+
+class HandoffDir:
+    """The hand-off files of one worker group, rooted at ``root``."""
+
+    def __init__(self, root: str | os.PathLike[str]) -> None:
+        self.root = Path(root)
+
+    # -- paths -------------------------------------------------------------------------
+
+    def job_dir(self, job: str) -> Path:
+        return self.root / "jobs" / validate_name("job", job)
+
+    def _round_path(self, job: str, round_: int, suffix: str) -> Path:
+        _require_int("round", round_, 0)
+        return self.job_dir(job) / f"round-{round_}.{suffix}"
+
+    def instruction_path(self, job: str, round_: int) -> Path:
+        return self._round_path(job, round_, "instruction.json")
+
+    def result_path(self, job: str, round_: int) -> Path:
+        return self._round_path(job, round_, "result.pt")
+
+    def done_path(self, job: str, round_: int) -> Path:
+        return self._round_path(job, round_, "done.json")
+
+    def error_path(self, job: str, round_: int) -> Path:
+        return self._round_path(job, round_, "error.json")
+
+    def progress_path(self, job: str, round_: int) -> Path:
+        return self._round_path(job, round_, "progress.json")
+
+    @property
+    def checkpoint_path(self) -> Path:
+        return self.root / "regional-checkpoint.pt"
+
+    @property
+    def stop_path(self) -> Path:
+        return self.root / "stop"
+
+    @property
+    def log_dir(self) -> Path:
+        return self.root / "logs"
+
+    def rank_log_path(self, rank: int) -> Path:
+        return self.log_dir / f"rank-{_require_int('rank', rank, 0)}.log"
+
+    @property
+    def launcher_log_path(self) -> Path:
+        return self.log_dir / "launcher.log"
+
+    def rank_status_path(self, rank: int) -> Path:
+        return self.root / "ranks" / f"rank-{_require_int('rank', rank, 0)}.json"
+
+    # -- instructions --------------------------------------------------------------------
+
+    def write_instruction(self, instruction: RoundInstruction) -> Path:
+        """Atomically write (or rewrite) an instruction; rewriting makes it the newest."""
+        path = self.instruction_path(instruction.job, instruction.round)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_bytes(path, instruction.to_json())
+        return path
+
+    def read_instruction(self, job: str, round_: int) -> RoundInstruction:
+        path = self.instruction_path(job, round_)
+        instruction = RoundInstruction.from_json(path.read_bytes(), source=str(path))
+        if (instruction.job, instruction.round) != (job, round_):
+            raise InvalidHandoffData(
+                f"{path}: names job {instruction.job!r} round {instruction.round}, "
+                f"not job {job!r} round {round_}"
+            )
+        return instruction
+
+    def pending_instruction(self) -> tuple[str, int] | None:
+        """Return (job, round) of the newest instruction if it is neither done nor failed.
+
+        Newest means last written (modification time, then round number). Older
+        instructions left without an outcome were superseded and are never served.
+        """
+        newest: tuple[int, int, str] | None = None
+        jobs = self.root / "jobs"
+        if not jobs.is_dir():
+            return None
+        for job_dir in jobs.iterdir():
+            if not job_dir.is_dir():
+                continue
+            for entry in job_dir.iterdir():
+                match = _ROUND_FILE_RE.fullmatch(entry.name)
+                if match is None:
+                    continue
+                try:
+                    mtime = entry.stat().st_mtime_ns
+                except FileNotFoundError:  # pruned while scanning
+                    continue
+                key = (mtime, int(match.group(1)), job_dir.name)
+                if newest is None or key > newest:
+                    newest = key
+        if newest is None:
+            return None
+        _, round_, job = newest
+        if self.done_path(job, round_).exists() or self.error_path(job, round_).exists():
+            return None
+        return job, round_
+
+    # -- outcomes ------------------------------------------------------------------------
+
+    def write_result(self, summary: RoundSummary, params: Mapping[str, torch.Tensor]) -> None:
+        """Atomically write the result file (not yet visible as a result: see write_done)."""
+        path = self.result_path(summary.job, summary.round)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        body = {"format": FORMAT_VERSION, "summary": asdict(summary), "params": dict(params)}
+        with AtomicFile(path) as f:
+            torch.save(body, f)
+
+    def has_result_file(self, job: str, round_: int) -> bool:
+        return self.result_path(job, round_).is_file()
+
+    def read_result_file(self, job: str, round_: int) -> RoundResult:
+        """Load a result file whether or not its done marker exists yet."""
+        path = self.result_path(job, round_)
+        try:
+            body = torch.load(path, map_location="cpu", weights_only=True)
+        except FileNotFoundError:
+            raise
+        except Exception as exc:
+            raise InvalidHandoffData(f"{path}: unreadable result: {exc}") from None
+        if not isinstance(body, dict) or body.get("format") != FORMAT_VERSION:
+            raise InvalidHandoffData(f"{path}: not a format-{FORMAT_VERSION} result file")
+        summary = RoundSummary.from_json(json.dumps(body.get("summary")).encode(), str(path))
+        params = body.get("params")
+        if not isinstance(params, dict) or not all(
+            isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in params.items()
+        ):
+            raise InvalidHandoffData(f"{path}: params must map names to tensors")
+        if (summary.job, summary.round) != (job, round_):
+            raise InvalidHandoffData(f"{path}: holds job {summary.job!r} round {summary.round}")
+        return RoundResult(summary=summary, params=params)
+
+    def write_done(self, summary: RoundSummary) -> None:
+        """Publish a result: write its marker last, after the result file is durable."""
+        if not self.has_result_file(summary.job, summary.round):
+            raise HandoffError(
+                f"no result file for job {summary.job!r} round {summary.round}; "
+                "a done marker must follow its result"
+            )
+        atomic_write_bytes(self.done_path(summary.job, summary.round), summary.to_json())
+
+    def read_done(self, job: str, round_: int) -> RoundSummary | None:
+        """Return the summary of a completed round, or None if it is not complete."""
+        path = self.done_path(job, round_)
+        try:
+            raw = path.read_bytes()
+        except FileNotFoundError:
+            return None
+        return RoundSummary.from_json(raw, str(path))
+
+    def read_completed(self, job: str, round_: int) -> RoundResult | None:
+        """Return a completed round's result (done marker present), else None."""
+        summary = self.read_done(job, round_)
+        if summary is None:
+            return None
+        result = self.read_result_file(job, round_)
+        if result.summary != summary:
+            raise InvalidHandoffData(
+                f"{self.result_path(job, round_)} does not match its done marker"
+            )
+        return result
+
+    def write_error(self, job: str, round_: int, message: str) -> None:
+        path = self.error_path(job, round_)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        body = {"format": FORMAT_VERSION, "job": job, "round": round_, "message": message}
+        atomic_write_bytes(path, json.dumps(body).encode())
+
+    def read_error(self, job: str, round_: int) -> str | None:
+        try:
+            raw = self.error_path(job, round_).read_bytes()
+        except FileNotFoundError:
+            return None
+        try:
+            message = json.loads(raw)["message"]
+        except (ValueError, KeyError, TypeError):
+            return f"unreadable error marker {self.error_path(job, round_)}"
+        return str(message)
+
+    def clear_error(self, job: str, round_: int) -> None:
+        self.error_path(job, round_).unlink(missing_ok=True)
+
+    def write_progress(self, progress: RoundProgress) -> None:
+        _replace_quickly(self.progress_path(progress.job, progress.round), asdict(progress))
+
+    def read_progress(self, job: str, round_: int) -> RoundProgress | None:
+        data = _read_json_or_none(self.progress_path(job, round_))
+        try:
+            return None if data is None else RoundProgress(**data)
+        except TypeError:
+            return None
+
+    def prune_rounds(self, job: str, before_round: int) -> int:
+        """Delete the files of ``job``'s rounds below ``before_round``; return how many rounds.
+
+        The done marker goes first, so a half-pruned round reads as not completed rather
+        than as a completed round with a missing result.
+        """
+        job_dir = self.job_dir(job)
+        if not job_dir.is_dir():
+            return 0
+        rounds = {
+            int(m.group(1))
+            for entry in job_dir.iterdir()
+            if (m := re.fullmatch(r"round-(\d+)\..+", entry.name)) is not None
+        }
+        pruned = 0
+        for round_ in sorted(r for r in rounds if r < before_round):
+            for suffix in ("done.json", "result.pt", "error.json", "progress.json"):
+                self._round_path(job, round_, suffix).unlink(missing_ok=True)
+            self.instruction_path(job, round_).unlink(missing_ok=True)
+            pruned += 1
+        return pruned
+
+    # -- regional checkpoint -------------------------------------------------------------
+
+    def write_checkpoint(self, checkpoint: RegionalCheckpoint) -> None:
+        self.root.mkdir(parents=True, exist_ok=True)
+        body = {"format": FORMAT_VERSION, **asdict(checkpoint)}
+        with AtomicFile(self.checkpoint_path) as f:
+            torch.save(body, f)
+
+    def read_checkpoint(self) -> RegionalCheckpoint | None:
+        path = self.checkpoint_path
+        try:
+            body = torch.load(path, map_location="cpu", weights_only=True)
+        except FileNotFoundError:
+            return None
+        except Exception as exc:
+            raise InvalidHandoffData(f"{path}: unreadable regional checkpoint: {exc}") from None
+        if not isinstance(body, dict) or body.get("format") != FORMAT_VERSION:
+            raise InvalidHandoffData(f"{path}: not a format-{FORMAT_VERSION} regional checkpoint")
+        try:
+            checkpoint = RegionalCheckpoint(
+                job=validate_name("job", body["job"]),
+                last_round=_require_int("last_round", body["last_round"], 0),
+                cursor=_require_int("cursor", body["cursor"], 0),
+                world_size=_require_int("world_size", body["world_size"], 1),
+                optimizer_state=body["optimizer_state"],
+            )
+        except (KeyError, ValueError) as exc:
+            raise InvalidHandoffData(f"{path}: {exc}") from None
+        if not isinstance(checkpoint.optimizer_state, dict):
+            raise InvalidHandoffData(f"{path}: optimizer_state is not a state dict")
+        return checkpoint
+
+    # -- stop flag and rank status -------------------------------------------------------
+
+    def request_stop(self) -> None:
+        self.root.mkdir(parents=True, exist_ok=True)
+        atomic_write_bytes(self.stop_path, b"stop\n")
+
+    def clear_stop(self) -> None:
+        self.stop_path.unlink(missing_ok=True)
+
+    def stop_requested(self) -> bool:
+        return self.stop_path.exists()
+
+    def write_rank_status(self, status: RankStatus) -> None:
+        _replace_quickly(self.rank_status_path(status.rank), asdict(status))
+
+    def read_rank_statuses(self) -> list[RankStatus]:
+        """Every rank's latest status; unreadable files are skipped (they are advisory)."""
+        directory = self.root / "ranks"
+        if not directory.is_dir():
+            return []
+        statuses: list[RankStatus] = []
+        for path in sorted(directory.glob("rank-*.json")):
+            data = _read_json_or_none(path)
+            with contextlib.suppress(TypeError):
+                if data is not None:
+                    statuses.append(RankStatus(**data))
+        return statuses
+
+
+def _replace_quickly(path: Path, data: Mapping[str, Any]) -> None:
+    """Rename a whole JSON file into place without fsync (for advisory files)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{secrets.token_hex(6)}.tmp")
+    try:
+        tmp.write_bytes(json.dumps(dict(data)).encode())
+        tmp.replace(path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def _read_json_or_none(path: Path) -> dict[str, Any] | None:
+    try:
+        data = json.loads(path.read_bytes())
+    except (FileNotFoundError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None

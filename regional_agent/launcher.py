@@ -1,0 +1,462 @@
+"""Starting and stopping a region's worker group: the launcher interface and the local one.
+
+A :class:`Launcher` runs ``regional_agent.worker`` on every rank of the region and
+knows how to stop all of it; the worker group supervisor needs nothing else, so a
+Slurm or Kubernetes launcher can replace :class:`LocalElasticLauncher` for multi-node
+regions.
+
+:class:`LocalElasticLauncher` runs torch's elastic launcher (``torch.distributed.run``)
+as one child process in its own session. The elastic launcher restarts the whole local
+group in place (up to ``max_restarts`` times) when a worker dies, which keeps its
+rendezvous store and avoids paying its own interpreter and torch import again. It
+starts every worker in a session of its own, so stopping is done per process tree, not
+by one process-group signal.
+
+Backend: ``nccl`` when CUDA is available, else ``gloo``. Each CUDA rank uses
+``cuda:<local_rank>``, and NCCL refuses two ranks on one GPU: a single-GPU machine runs
+world size 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import math
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from regional_agent.handoff import HandoffDir
+
+log = logging.getLogger(__name__)
+
+LAUNCH_ID_ENV = "GEOFED_LAUNCH_ID"
+BACKENDS = ("gloo", "nccl")
+# Set by the launcher itself; a region's environment may not override them.
+_RESERVED_ENV = frozenset(
+    {
+        "OMP_NUM_THREADS",
+        "RANK",
+        "LOCAL_RANK",
+        "WORLD_SIZE",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+        "TORCH_DISABLE_SHARE_RDZV_TCP_STORE",
+        LAUNCH_ID_ENV,
+    }
+)
+_KILL_WAIT_S = 10.0
+
+
+class LauncherError(Exception):
+    """A worker group could not be started or stopped."""
+
+
+class LauncherConfigError(LauncherError, ValueError):
+    """The launcher or worker settings are invalid; the message names the setting."""
+
+
+def resolve_backend(requested: str | None) -> str:
+    """Return ``requested``, or ``nccl`` when CUDA is available and ``gloo`` otherwise."""
+    if requested is None:
+        return "nccl" if torch.cuda.is_available() else "gloo"
+    if requested not in BACKENDS:
+        raise LauncherConfigError(f"backend must be one of {BACKENDS}, got {requested!r}")
+    return requested
+
+
+def _positive(what: str, value: float) -> None:
+    if isinstance(value, bool) or not math.isfinite(value) or value <= 0:
+        raise LauncherConfigError(f"{what} must be a positive number, got {value!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerSettings:
+    """How each worker runs; passed on the worker's command line."""
+
+    workdir: Path
+    backend: str
+    num_threads: int = 1
+    poll_interval_s: float = 0.05
+    progress_interval_s: float = 0.5
+    collective_timeout_s: float = 600.0
+
+    def __post_init__(self) -> None:
+        resolve_backend(self.backend)
+        if isinstance(self.num_threads, bool) or self.num_threads < 1:
+            raise LauncherConfigError(f"num_threads must be >= 1, got {self.num_threads!r}")
+        _positive("poll_interval_s", self.poll_interval_s)
+        _positive("progress_interval_s", self.progress_interval_s)
+        _positive("collective_timeout_s", self.collective_timeout_s)
+
+    def to_argv(self) -> list[str]:
+        return [
+            "--workdir",
+            str(self.workdir),
+            "--backend",
+            self.backend,
+            "--num-threads",
+            str(self.num_threads),
+            "--poll-interval-s",
+            repr(self.poll_interval_s),
+            "--progress-interval-s",
+            repr(self.progress_interval_s),
+            "--collective-timeout-s",
+            repr(self.collective_timeout_s),
+        ]
+
+    @classmethod
+    def from_argv(cls, argv: Sequence[str] | None) -> WorkerSettings:
+        """Parse a worker command line; exits with status 2 on bad arguments."""
+        parser = argparse.ArgumentParser(prog="python -m regional_agent.worker")
+        parser.add_argument("--workdir", type=Path, required=True)
+        parser.add_argument("--backend", choices=BACKENDS, required=True)
+        parser.add_argument("--num-threads", type=int, default=1)
+        parser.add_argument("--poll-interval-s", type=float, default=0.05)
+        parser.add_argument("--progress-interval-s", type=float, default=0.5)
+        parser.add_argument("--collective-timeout-s", type=float, default=600.0)
+        args = parser.parse_args(argv)
+        try:
+            return cls(
+                workdir=args.workdir,
+                backend=args.backend,
+                num_threads=args.num_threads,
+                poll_interval_s=args.poll_interval_s,
+                progress_interval_s=args.progress_interval_s,
+                collective_timeout_s=args.collective_timeout_s,
+            )
+        except LauncherConfigError as exc:
+            parser.error(str(exc))
+
+
+class Launcher(ABC):
+    """Runs one worker group over a hand-off directory; may be started again after it ends."""
+
+    @abstractmethod
+    def start(self) -> None:
+        """Start the group; raises :class:`LauncherError` if it is already running."""
+
+    @abstractmethod
+    def poll(self) -> int | None:
+        """Return the group's exit status once it has ended, else None. Never blocks."""
+
+    @abstractmethod
+    def terminate(self) -> None:
+        """Ask the group to stop (workers finish or abort their step and exit 0)."""
+
+    @abstractmethod
+    def kill(self) -> None:
+        """Kill every process of the group now and wait until they are gone."""
+
+    @property
+    @abstractmethod
+    def pid(self) -> int | None:
+        """The launcher process's id while one is running."""
+
+    @property
+    @abstractmethod
+    def launch_id(self) -> str | None:
+        """Opaque id of the current launch; workers report it in their rank status."""
+
+    @property
+    @abstractmethod
+    def world_size(self) -> int:
+        """Number of ranks the group runs."""
+
+    @property
+    @abstractmethod
+    def restart_count(self) -> int:
+        """Worker-group restarts the launcher itself performed, over all its launches."""
+
+
+@dataclass(frozen=True, slots=True)
+class LocalLauncherConfig:
+    """Settings of :class:`LocalElasticLauncher` (one node)."""
+
+    nproc_per_node: int = 2
+    """Ranks to run; at most the number of GPUs on the nccl backend."""
+    max_restarts: int = 3
+    """In-place restarts of the whole group after a worker dies, before giving up."""
+    backend: str | None = None
+    """``gloo`` or ``nccl``; None picks nccl when CUDA is available."""
+    env: Mapping[str, str] = field(default_factory=dict)
+    """Extra environment from the region config (NCCL_SOCKET_IFNAME, GLOO_SOCKET_IFNAME...)."""
+    num_threads: int = 1
+    """``torch.set_num_threads`` in each worker."""
+    omp_num_threads: int = 1
+    poll_interval_s: float = 0.05
+    """How often rank 0 looks for a new instruction or a stop request."""
+    progress_interval_s: float = 0.5
+    collective_timeout_s: float = 600.0
+    """torch.distributed timeout; bounds how long a rank waits for a hung peer."""
+    monitor_interval_s: float = 0.1
+    shutdown_timeout_s: int = 20
+    """How long the elastic launcher lets workers exit after SIGTERM before SIGKILL."""
+    python: str = sys.executable
+    cwd: Path | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("nproc_per_node", "num_threads", "omp_num_threads", "shutdown_timeout_s"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise LauncherConfigError(f"{name} must be an integer >= 1, got {value!r}")
+        if isinstance(self.max_restarts, bool) or self.max_restarts < 0:
+            raise LauncherConfigError(f"max_restarts must be >= 0, got {self.max_restarts!r}")
+        _positive("monitor_interval_s", self.monitor_interval_s)
+        for key, value in self.env.items():
+            if not isinstance(key, str) or not isinstance(value, str) or not key:
+                raise LauncherConfigError(f"env entries must be strings: {key!r}={value!r}")
+            if key in _RESERVED_ENV:
+                raise LauncherConfigError(f"env may not set {key}: the launcher sets it")
+
+
+class LocalElasticLauncher(Launcher):
+    """Runs ``torch.distributed.run`` with ``regional_agent.worker`` on this machine."""
+
+    def __init__(self, workdir: str | os.PathLike[str], config: LocalLauncherConfig) -> None:
+        self._handoff = HandoffDir(Path(workdir).resolve())
+        self._config = config
+        backend = resolve_backend(config.backend)
+        if backend == "nccl" and config.nproc_per_node > torch.cuda.device_count():
+            raise LauncherConfigError(
+                f"nproc_per_node {config.nproc_per_node} exceeds the "
+                f"{torch.cuda.device_count()} visible GPUs: NCCL refuses two ranks on one "
+                "GPU (a single-GPU machine runs world size 1)"
+            )
+        self.settings = WorkerSettings(
+            workdir=self._handoff.root,
+            backend=backend,
+            num_threads=config.num_threads,
+            poll_interval_s=config.poll_interval_s,
+            progress_interval_s=config.progress_interval_s,
+            collective_timeout_s=config.collective_timeout_s,
+        )
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._launch_id: str | None = None
+        self._past_restarts = 0
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc is not None and self._proc.poll() is None else None
+
+    @property
+    def launch_id(self) -> str | None:
+        return self._launch_id
+
+    @property
+    def world_size(self) -> int:
+        return self._config.nproc_per_node
+
+    @property
+    def restart_count(self) -> int:
+        return self._past_restarts + self._current_restarts()
+
+    def command(self, port: int, launch_id: str) -> list[str]:
+        """The elastic launcher's command line for a rendezvous on ``port``."""
+        cfg = self._config
+        return [
+            cfg.python,
+            "-m",
+            "torch.distributed.run",
+            "--nnodes=1",
+            f"--nproc-per-node={cfg.nproc_per_node}",
+            "--rdzv-backend=c10d",
+            f"--rdzv-endpoint=127.0.0.1:{port}",
+            f"--rdzv-id={launch_id}",
+            f"--max-restarts={cfg.max_restarts}",
+            f"--monitor-interval={cfg.monitor_interval_s!r}",
+            f"--shutdown-timeout={cfg.shutdown_timeout_s}",
+            "-m",
+            "regional_agent.worker",
+            *self.settings.to_argv(),
+        ]
+
+    def environment(self, launch_id: str) -> dict[str, str]:
+        env = dict(os.environ)
+        env.update(self._config.env)
+        env["OMP_NUM_THREADS"] = str(self._config.omp_num_threads)
+        env["PYTHONUNBUFFERED"] = "1"
+        env[LAUNCH_ID_ENV] = launch_id
+        # Workers get their own TCPStore per restart: with the store shared with the
+        # rendezvous, a restarted rank can read the previous attempt's peer addresses
+        # and fail to connect (pytorch/pytorch#135712).
+        env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+        return env
+
+    def start(self) -> None:
+        if self._proc is not None and self._proc.poll() is None:
+            raise LauncherError(f"worker group already running (launcher pid {self._proc.pid})")
+        self._finish_previous()
+        self._reap_stale()
+        launch_id = secrets.token_hex(8)
+        self._handoff.log_dir.mkdir(parents=True, exist_ok=True)
+        # The child keeps its own descriptor of the log; ours is closed right away.
+        with self._handoff.launcher_log_path.open("ab") as log_file:
+            log_file.write(f"=== launch {launch_id} at {time.ctime()} ===\n".encode())
+            log_file.flush()
+            try:
+                proc = subprocess.Popen(
+                    self.command(_free_port(), launch_id),
+                    stdin=subprocess.DEVNULL,
+                    stdout=log_file,
+                    stderr=subprocess.STDOUT,
+                    env=self.environment(launch_id),
+                    cwd=self._config.cwd,
+                    start_new_session=True,
+                )
+            except OSError as exc:
+                raise LauncherError(f"cannot start the elastic launcher: {exc}") from exc
+        self._proc, self._launch_id = proc, launch_id
+        self._pid_file.write_text(f"{proc.pid} {launch_id}\n")
+        log.info("started worker group launch %s (launcher pid %d)", launch_id, proc.pid)
+
+    def poll(self) -> int | None:
+        return None if self._proc is None else self._proc.poll()
+
+    def terminate(self) -> None:
+        if self._proc is not None and self._proc.poll() is None:
+            # The elastic launcher forwards SIGTERM to every worker.
+            self._proc.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        victims = set(self.worker_pids().values())
+        if self._proc is not None and self._proc.poll() is None:
+            victims.add(self._proc.pid)
+        killed = _kill_trees(victims)
+        if self._proc is not None:
+            try:
+                self._proc.wait(timeout=_KILL_WAIT_S)
+            except subprocess.TimeoutExpired as exc:
+                raise LauncherError(f"launcher pid {self._proc.pid} survived SIGKILL") from exc
+        _wait_gone(killed)
+        self._pid_file.unlink(missing_ok=True)
+
+    def worker_pids(self) -> dict[int, int]:
+        """Rank -> pid of this launch's live workers (as their rank status reports)."""
+        pids: dict[int, int] = {}
+        for status in self._handoff.read_rank_statuses():
+            if status.launch_id == self._launch_id and self._is_worker(status.pid):
+                pids[status.rank] = status.pid
+        return pids
+
+    @property
+    def _pid_file(self) -> Path:
+        return self._handoff.root / "launcher.pid"
+
+    def _current_restarts(self) -> int:
+        counts = [
+            s.restart_count
+            for s in self._handoff.read_rank_statuses()
+            if s.launch_id == self._launch_id
+        ]
+        return max(counts, default=0)
+
+    def _finish_previous(self) -> None:
+        if self._proc is not None:
+            self._past_restarts += self._current_restarts()
+            self._proc, self._launch_id = None, None
+
+    def _is_worker(self, pid: int) -> bool:
+        cmdline = _cmdline(pid)
+        return "regional_agent.worker" in cmdline and str(self._handoff.root) in cmdline
+
+    def _reap_stale(self) -> None:
+        """Kill a group a previous supervisor of this work dir left running."""
+        try:
+            pid_text, stale_id = self._pid_file.read_text().split()
+            stale_pid = int(pid_text)
+        except (FileNotFoundError, ValueError):
+            return
+        victims = {
+            s.pid
+            for s in self._handoff.read_rank_statuses()
+            if s.launch_id == stale_id and self._is_worker(s.pid)
+        }
+        cmdline = _cmdline(stale_pid)
+        if "torch.distributed.run" in cmdline and str(self._handoff.root) in cmdline:
+            victims.add(stale_pid)
+        if victims:
+            log.warning("killing worker group left running by a previous supervisor: %s", victims)
+            _wait_gone(_kill_trees(victims))
+        self._pid_file.unlink(missing_ok=True)
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return ""
+
+
+def _alive(pid: int) -> bool:
+    """True while ``pid`` exists and is not a zombie."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return False
+    except OSError:
+        return True
+    return stat.rsplit(")", 1)[-1].split()[0] != "Z"
+
+
+def descendants(pids: Iterable[int]) -> set[int]:
+    """``pids`` and every process below them (Linux /proc)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[-1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        children.setdefault(ppid, []).append(int(entry.name))
+    found: set[int] = set()
+    todo = list(pids)
+    while todo:
+        pid = todo.pop()
+        if pid not in found:
+            found.add(pid)
+            todo.extend(children.get(pid, ()))
+    return found
+
+
+def _kill_trees(roots: Iterable[int]) -> set[int]:
+    """SIGKILL ``roots`` and everything below them; return the processes signalled."""
+    victims = descendants(roots)
+    for pid in victims:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            # The launcher and each worker lead their own process group; sweep it too.
+            if os.getpgid(pid) == pid:
+                os.killpg(pid, signal.SIGKILL)
+            else:
+                os.kill(pid, signal.SIGKILL)
+    return victims
+
+
+def _wait_gone(pids: Iterable[int]) -> None:
+    pending = set(pids)
+    deadline = time.monotonic() + _KILL_WAIT_S
+    while pending and time.monotonic() < deadline:
+        pending = {pid for pid in pending if _alive(pid)}
+        if pending:
+            time.sleep(0.02)
+    if pending:
+        raise LauncherError(f"processes {sorted(pending)} survived SIGKILL")

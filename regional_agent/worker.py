@@ -1,0 +1,442 @@
+"""One rank of a region's worker group: trains the rounds the agent hands over in files.
+
+Run by a launcher as ``python -m regional_agent.worker --workdir DIR --backend B ...``
+under torch's elastic launcher, which sets ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``,
+``MASTER_ADDR``/``MASTER_PORT`` and ``TORCHELASTIC_RESTART_COUNT``.
+
+Rank 0 polls the hand-off directory for the newest pending instruction and broadcasts
+it; every rank loads the round's base parameters and trains ``inner_steps`` steps with
+DDP from the region's data cursor; rank 0 then writes the result, the regional
+checkpoint and, last, the done marker (see :mod:`regional_agent.handoff`). The inner
+optimizer state persists across rounds; the parameters restart from the base each
+round. A restarted group resumes from the regional checkpoint and redoes the current
+round, so a crash costs at most that round's work and changes nothing in its result.
+
+Every idle poll and every training step starts with a tiny all-reduce (gloo, on the
+CPU) of each rank's stop wish (stop file, SIGTERM/SIGINT/SIGHUP, launcher gone), so
+all ranks stop at the same step and none is left waiting in a collective.
+
+Exit codes: 0 stopped on request, 1 failed (the traceback is in the rank's log), 2 bad
+arguments.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import math
+import os
+import signal
+import sys
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+from types import FrameType
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from geofed.params import parameters_vector_hash, state_to_fp32
+from geofed.task import DataShard, Task, load_task
+from regional_agent.handoff import (
+    HandoffDir,
+    RankStatus,
+    RegionalCheckpoint,
+    RoundInstruction,
+    RoundProgress,
+    RoundSummary,
+)
+from regional_agent.launcher import LAUNCH_ID_ENV, WorkerSettings
+
+log = logging.getLogger("regional_agent.worker")
+
+
+class StopSignals:
+    """Turns termination signals and the loss of the launcher into a stop wish."""
+
+    def __init__(self) -> None:
+        self.signal: int | None = None
+        self._parent = os.getppid()
+
+    def install(self) -> None:
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            signal.signal(sig, self._on_signal)
+
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        del frame
+        self.signal = signum
+
+    def reason(self) -> str | None:
+        if self.signal is not None:
+            return f"received {signal.Signals(self.signal).name}"
+        if os.getppid() != self._parent:
+            return "the launcher exited"
+        return None
+
+
+@dataclass
+class _JobState:
+    """The region's inner training state for one job, identical on every rank."""
+
+    job: str
+    task: Task[Any]
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    cursor: int
+    last_round: int | None
+    ddp: nn.Module | None = None
+
+
+def round_seed(seed: int, round_: int, rank: int) -> int:
+    """The torch seed of ``rank`` in round ``round_``: dropout etc. replay after a restart."""
+    digest = hashlib.sha256(f"geofed-round/{seed}/{round_}/{rank}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & (2**63 - 1)
+
+
+class RoundRunner:
+    """Serves instructions from the hand-off directory until a stop is agreed."""
+
+    def __init__(
+        self,
+        handoff: HandoffDir,
+        settings: WorkerSettings,
+        device: torch.device,
+        stop_reason: Callable[[], str | None],
+    ) -> None:
+        self._handoff = handoff
+        self._settings = settings
+        self._device = device
+        self._stop_reason = stop_reason
+        self._rank = dist.get_rank()
+        self._world_size = dist.get_world_size()
+        self._state: _JobState | None = None
+        # Control messages (stop votes, instructions, errors) travel over gloo on the CPU,
+        # so checking for a stop every step never synchronises a GPU stream.
+        self._control = dist.new_group(backend="gloo") if device.type == "cuda" else None
+
+    def serve(self) -> None:
+        while True:
+            pending = self._handoff.pending_instruction() if self._rank == 0 else None
+            stop, has_work = self._agree(self._wants_stop(), pending is not None)
+            if stop:
+                log.info("stopping: %s", self._stop_reason() or "asked by another rank")
+                return
+            if not has_work:
+                time.sleep(self._settings.poll_interval_s)
+                continue
+            instruction = self._broadcast_instruction(pending)
+            if instruction is not None:
+                self._serve(instruction)
+
+    # -- collectives ---------------------------------------------------------------------
+
+    def _wants_stop(self) -> bool:
+        if self._stop_reason() is not None:
+            return True
+        return self._rank == 0 and self._handoff.stop_requested()
+
+    def _agree(self, *flags: bool) -> tuple[bool, ...]:
+        """Return, for each flag, whether any rank raised it."""
+        tensor = torch.tensor([int(f) for f in flags], dtype=torch.int32)
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self._control)
+        return tuple(bool(v) for v in tensor.tolist())
+
+    def _broadcast_instruction(self, pending: tuple[str, int] | None) -> RoundInstruction | None:
+        box: list[RoundInstruction | None] = [None]
+        if pending is not None:
+            job, round_ = pending
+            try:
+                box[0] = self._handoff.read_instruction(job, round_)
+            except Exception as exc:
+                log.exception("unreadable instruction for job %s round %d", job, round_)
+                self._handoff.write_error(job, round_, f"unreadable instruction: {exc}")
+        dist.broadcast_object_list(box, src=0, group=self._control)
+        return box[0]
+
+    # -- one round -----------------------------------------------------------------------
+
+    def _serve(self, instruction: RoundInstruction) -> None:
+        job, round_ = instruction.job, instruction.round
+        error: str | None = None
+        replay = False
+        base_hash = ""
+        try:
+            state = self._state_for(instruction)
+            replay = state.last_round is not None and round_ <= state.last_round
+            if not replay:
+                base_hash = self._load_base(state, instruction.base_params)
+        except Exception as exc:
+            log.exception("cannot prepare job %s round %d", job, round_)
+            error = f"rank {self._rank}: {type(exc).__name__}: {exc}"
+        errors: list[str | None] = [None] * self._world_size
+        dist.all_gather_object(errors, error, group=self._control)
+        problems = [e for e in errors if e is not None]
+        if problems:
+            # Rebuild from the regional checkpoint next time: the state may be half made.
+            self._state = None
+            if self._rank == 0:
+                self._handoff.write_error(job, round_, "; ".join(problems))
+            return
+        if replay:
+            if self._rank == 0:
+                self._republish(state, instruction)
+            return
+        self._train(state, instruction, base_hash)
+
+    def _state_for(self, instruction: RoundInstruction) -> _JobState:
+        if self._state is not None and self._state.job == instruction.job:
+            return self._state
+        self._state = None
+        task = load_task(instruction.task, instruction.task_options)
+        model = task.build_model(seed=instruction.seed).to(self._device)
+        optimizer = task.build_optimizer(model.parameters())
+        cursor, last_round = 0, None
+        checkpoint = self._handoff.read_checkpoint()
+        if checkpoint is not None and checkpoint.job == instruction.job:
+            optimizer.load_state_dict(checkpoint.optimizer_state)
+            cursor, last_round = checkpoint.cursor, checkpoint.last_round
+            log.info(
+                "job %s: resumed from the regional checkpoint of round %d (data step %d)",
+                instruction.job,
+                last_round,
+                cursor,
+            )
+        else:
+            log.info("job %s: fresh regional state", instruction.job)
+        self._state = _JobState(instruction.job, task, model, optimizer, cursor, last_round)
+        return self._state
+
+    def _load_base(self, state: _JobState, path: str) -> str:
+        base = torch.load(path, map_location="cpu", weights_only=True)
+        if not isinstance(base, Mapping) or not all(
+            isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in base.items()
+        ):
+            raise ValueError(f"{path} is not a state dict of named tensors")
+        state.model.load_state_dict(base, strict=True)
+        return parameters_vector_hash(base) if self._rank == 0 else ""
+
+    def _republish(self, state: _JobState, instruction: RoundInstruction) -> None:
+        """Answer an instruction the regional state is already past."""
+        job, round_ = instruction.job, instruction.round
+        if state.last_round == round_ and self._handoff.has_result_file(job, round_):
+            # Finished just before a crash that came before its done marker.
+            self._handoff.write_done(self._handoff.read_result_file(job, round_).summary)
+            log.info("job %s round %d: published the result found on disk", job, round_)
+            return
+        self._handoff.write_error(
+            job,
+            round_,
+            f"round {round_} is not after the last completed round {state.last_round} "
+            f"of job {job} and its result is gone",
+        )
+
+    def _train(self, state: _JobState, instruction: RoundInstruction, base_hash: str) -> None:
+        if state.ddp is None:
+            device_ids = [self._device.index] if self._device.type == "cuda" else None
+            state.ddp = DistributedDataParallel(state.model, device_ids=device_ids)
+        ddp = state.ddp
+        shard = DataShard(
+            region=instruction.region,
+            region_index=instruction.region_index,
+            num_regions=instruction.num_regions,
+            rank=self._rank,
+            world_size=self._world_size,
+            seed=instruction.seed,
+        )
+        batches = state.task.batches(shard, start_step=state.cursor)
+        torch.manual_seed(round_seed(instruction.seed, instruction.round, self._rank))
+        ddp.train()
+        started = time.monotonic()
+        progress_at = 0.0
+        loss_sum = torch.zeros((), dtype=torch.float64, device=self._device)
+        tokens = 0
+        for step in range(instruction.inner_steps):
+            if (
+                self._rank == 0
+                and time.monotonic() - progress_at >= self._settings.progress_interval_s
+            ):
+                progress_at = time.monotonic()
+                self._handoff.write_progress(
+                    RoundProgress(instruction.job, instruction.round, step, instruction.inner_steps)
+                )
+            if self._agree(self._wants_stop())[0]:
+                log.info(
+                    "job %s round %d: aborted at step %d", instruction.job, instruction.round, step
+                )
+                self._state = None  # part-way through a round; never reused
+                return
+            batch = next(batches)
+            state.optimizer.zero_grad(set_to_none=True)
+            loss = state.task.loss(ddp, batch)
+            torch.autograd.backward(loss)
+            state.optimizer.step()
+            loss_sum += loss.detach()
+            tokens += state.task.tokens(batch)
+        totals = torch.tensor([float(tokens), loss_sum.item()], dtype=torch.float64)
+        dist.all_reduce(totals, group=self._control)
+        region_tokens, region_loss = int(totals[0].item()), float(totals[1].item())
+        mean_loss = region_loss / (instruction.inner_steps * self._world_size)
+        if not math.isfinite(mean_loss):
+            # Keep the regional state of the previous round rather than a diverged one.
+            self._state = None
+            if self._rank == 0:
+                self._handoff.write_error(
+                    instruction.job, instruction.round, f"training diverged: mean loss {mean_loss}"
+                )
+            return
+        cursor = state.cursor + instruction.inner_steps
+        if self._rank == 0:
+            self._publish(state, instruction, base_hash, cursor, region_tokens, mean_loss, started)
+        state.cursor, state.last_round = cursor, instruction.round
+
+    def _publish(
+        self,
+        state: _JobState,
+        instruction: RoundInstruction,
+        base_hash: str,
+        cursor: int,
+        tokens: int,
+        mean_loss: float,
+        started: float,
+    ) -> None:
+        params = state_to_fp32(state.model)
+        summary = RoundSummary(
+            job=instruction.job,
+            round=instruction.round,
+            steps=instruction.inner_steps,
+            tokens=tokens,
+            mean_loss=mean_loss,
+            cursor=cursor,
+            base_params_hash=base_hash,
+            params_hash=parameters_vector_hash(params),
+            world_size=self._world_size,
+            train_seconds=time.monotonic() - started,
+        )
+        # Order matters: result, then checkpoint, then the marker that publishes both.
+        self._handoff.write_result(summary, params)
+        self._handoff.write_checkpoint(
+            RegionalCheckpoint(
+                job=instruction.job,
+                last_round=instruction.round,
+                cursor=cursor,
+                world_size=self._world_size,
+                optimizer_state=state.optimizer.state_dict(),
+            )
+        )
+        self._handoff.write_done(summary)
+        log.info(
+            "job %s round %d: %d steps, %d tokens, mean loss %.4f",
+            instruction.job,
+            instruction.round,
+            instruction.inner_steps,
+            tokens,
+            mean_loss,
+        )
+
+
+def _env_int(name: str, default: int | None = None) -> int:
+    raw = os.environ.get(name)
+    if raw is None:
+        if default is None:
+            raise SystemExit(f"worker: {name} is not set; run under torch.distributed.run")
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise SystemExit(f"worker: {name}={raw!r} is not an integer") from None
+
+
+def _redirect_output(path: os.PathLike[str] | str) -> None:
+    """Send this process's stdout and stderr (C++ messages included) to its rank log."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+
+
+def _device(backend: str, local_rank: int) -> torch.device:
+    if backend == "nccl":
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
+
+
+def _warm_up() -> None:
+    """Pay one-time lazy imports now, at start-up, rather than in the first round.
+
+    Building the first optimizer imports torch._dynamo, which takes seconds.
+    """
+    torch.optim.AdamW([torch.zeros(1, requires_grad=True)])
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run one rank until a stop is requested; return the process exit code."""
+    settings = WorkerSettings.from_argv(argv)
+    rank = _env_int("RANK")
+    local_rank = _env_int("LOCAL_RANK")
+    world_size = _env_int("WORLD_SIZE")
+    restart_count = _env_int("TORCHELASTIC_RESTART_COUNT", 0)
+    launch_id = os.environ.get(LAUNCH_ID_ENV, "")
+    handoff = HandoffDir(settings.workdir)
+    handoff.log_dir.mkdir(parents=True, exist_ok=True)
+    _redirect_output(handoff.rank_log_path(rank))
+    logging.basicConfig(
+        level=logging.INFO,
+        format=f"%(asctime)s rank{rank} %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+        force=True,
+    )
+    log.info(
+        "worker pid %d rank %d/%d launch %s restart %d",
+        os.getpid(),
+        rank,
+        world_size,
+        launch_id,
+        restart_count,
+    )
+    stop = StopSignals()
+    stop.install()
+    torch.set_num_threads(settings.num_threads)
+    device = _device(settings.backend, local_rank)
+
+    def report(state: str) -> None:
+        handoff.write_rank_status(
+            RankStatus(
+                rank=rank,
+                local_rank=local_rank,
+                world_size=world_size,
+                pid=os.getpid(),
+                launch_id=launch_id,
+                restart_count=restart_count,
+                backend=settings.backend,
+                device=str(device),
+                state=state,
+            )
+        )
+
+    report("starting")
+    dist.init_process_group(
+        settings.backend,
+        timeout=timedelta(seconds=settings.collective_timeout_s),
+        device_id=device if device.type == "cuda" else None,
+    )
+    _warm_up()
+    report("ready")
+    try:
+        RoundRunner(handoff, settings, device, stop.reason).serve()
+    except Exception:
+        log.exception("worker failed")
+        return 1
+    dist.destroy_process_group()
+    log.info("worker stopped cleanly")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

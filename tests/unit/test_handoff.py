@@ -1,0 +1,262 @@
+"""The agent <-> rank-0 file protocol: value types, markers, pending instructions, pruning."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+from regional_agent.handoff import (
+    HandoffDir,
+    HandoffError,
+    InvalidHandoffData,
+    RankStatus,
+    RegionalCheckpoint,
+    RoundInstruction,
+    RoundProgress,
+    RoundSummary,
+)
+
+INSTRUCTION = RoundInstruction(
+    job="job-a",
+    round=3,
+    base_params="/data/base.pt",
+    inner_steps=50,
+    task="tests.support.tiny_task:TinyTask",
+    task_options={"hidden": 8, "lr": 0.01},
+    seed=1,
+    region="eu-west",
+    region_index=0,
+    num_regions=2,
+)
+SUMMARY = RoundSummary(
+    job="job-a",
+    round=3,
+    steps=50,
+    tokens=400,
+    mean_loss=0.25,
+    cursor=200,
+    base_params_hash="b" * 64,
+    params_hash="p" * 64,
+    world_size=2,
+    train_seconds=1.5,
+)
+PARAMS = {"w": torch.arange(6, dtype=torch.float32).reshape(2, 3), "b": torch.ones(3)}
+
+
+def temp_files(root: Path) -> list[Path]:
+    return [p for p in root.rglob("*") if p.name.endswith(".tmp")]
+
+
+def test_instruction_round_trips_through_json() -> None:
+    assert RoundInstruction.from_json(INSTRUCTION.to_json()) == INSTRUCTION
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"job": "Job_A"}, "invalid job"),
+        ({"region": ""}, "invalid region"),
+        ({"round": -1}, "round must be an integer >= 0"),
+        ({"round": True}, "round must be an integer"),
+        ({"inner_steps": 0}, "inner_steps must be an integer >= 1"),
+        ({"region_index": 2}, "region_index 2 is not below num_regions 2"),
+        ({"base_params": ""}, "base_params must be a non-empty string"),
+        ({"base_params": "base.pt"}, "base_params must be an absolute path"),
+        ({"task_options": {"x": float("nan")}}, "task_options must be plain JSON"),
+        ({"task_options": {"x": object()}}, "task_options must be plain JSON"),
+    ],
+)
+def test_instruction_rejects_bad_fields(change: dict[str, object], message: str) -> None:
+    with pytest.raises(InvalidHandoffData, match=message):
+        replace(INSTRUCTION, **change)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("raw", "message"),
+    [
+        (b"not json", "instruction"),
+        (b"[]", "must be a JSON object"),
+        (json.dumps({"job": "a"}).encode(), "missing fields"),
+        (
+            json.dumps({**json.loads(INSTRUCTION.to_json()), "extra": 1}).encode(),
+            r"unknown fields \['extra'\]",
+        ),
+        (json.dumps({**json.loads(INSTRUCTION.to_json()), "format": 2}).encode(), "format 2"),
+    ],
+)
+def test_instruction_file_errors_name_the_problem(raw: bytes, message: str) -> None:
+    with pytest.raises(InvalidHandoffData, match=message):
+        RoundInstruction.from_json(raw)
+
+
+def test_summary_rejects_non_finite_loss() -> None:
+    with pytest.raises(InvalidHandoffData, match="mean_loss must be a finite number"):
+        replace(SUMMARY, mean_loss=float("inf"))
+
+
+def test_instruction_is_written_atomically_and_read_back(tmp_path: Path) -> None:
+    handoff = HandoffDir(tmp_path)
+    path = handoff.write_instruction(INSTRUCTION)
+    assert path == tmp_path / "jobs" / "job-a" / "round-3.instruction.json"
+    assert handoff.read_instruction("job-a", 3) == INSTRUCTION
+    assert temp_files(tmp_path) == []
+
+
+def test_instruction_under_the_wrong_name_is_rejected(tmp_path: Path) -> None:
+    handoff = HandoffDir(tmp_path)
+    handoff.write_instruction(INSTRUCTION)
+    handoff.instruction_path("job-a", 3).rename(handoff.instruction_path("job-a", 4))
+    with pytest.raises(InvalidHandoffData, match="not job 'job-a' round 4"):
+        handoff.read_instruction("job-a", 4)
+
+
+def test_pending_instruction_is_the_newest_without_an_outcome(tmp_path: Path) -> None:
+    handoff = HandoffDir(tmp_path)
+    assert handoff.pending_instruction() is None
+    handoff.write_instruction(INSTRUCTION)
+    later = replace(INSTRUCTION, job="job-b", round=0)
+    handoff.write_instruction(later)
+    os.utime(handoff.instruction_path("job-a", 3), ns=(1_000, 1_000))
+    os.utime(handoff.instruction_path("job-b", 0), ns=(2_000, 2_000))
+    assert handoff.pending_instruction() == ("job-b", 0)
+
+    handoff.write_error("job-b", 0, "nope")
+    # The older instruction was superseded: it is not served after the newer one ends.
+    assert handoff.pending_instruction() is None
+    handoff.clear_error("job-b", 0)
+    assert handoff.pending_instruction() == ("job-b", 0)
+
+    handoff.write_instruction(INSTRUCTION)  # rewriting makes it the newest
+    assert handoff.pending_instruction() == ("job-a", 3)
+    handoff.write_result(SUMMARY, PARAMS)
+    assert handoff.pending_instruction() == ("job-a", 3)  # no marker yet
+    handoff.write_done(SUMMARY)
+    assert handoff.pending_instruction() is None
+
+
+def test_a_result_exists_only_once_its_marker_does(tmp_path: Path) -> None:
+    handoff = HandoffDir(tmp_path)
+    with pytest.raises(HandoffError, match="a done marker must follow its result"):
+        handoff.write_done(SUMMARY)
+    assert handoff.read_done("job-a", 3) is None
+
+    handoff.write_result(SUMMARY, PARAMS)
+    assert handoff.read_completed("job-a", 3) is None
+    assert handoff.read_result_file("job-a", 3).summary == SUMMARY
+
+    handoff.write_done(SUMMARY)
+    completed = handoff.read_completed("job-a", 3)
+    assert completed is not None
+    assert completed.summary == SUMMARY
+    assert completed.params.keys() == PARAMS.keys()
+    assert all(torch.equal(completed.params[k], v) for k, v in PARAMS.items())
+    assert temp_files(tmp_path) == []
+
+
+def test_result_that_disagrees_with_its_marker_is_rejected(tmp_path: Path) -> None:
+    handoff = HandoffDir(tmp_path)
+    handoff.write_result(SUMMARY, PARAMS)
+    handoff.write_done(SUMMARY)
+    handoff.write_result(replace(SUMMARY, tokens=1), PARAMS)
+    with pytest.raises(InvalidHandoffData, match="does not match its done marker"):
+        handoff.read_completed("job-a", 3)
+
+
+def test_truncated_result_is_reported_not_loaded(tmp_path: Path) -> None:
+    handoff = HandoffDir(tmp_path)
+    handoff.write_result(SUMMARY, PARAMS)
+    path = handoff.result_path("job-a", 3)
+    path.write_bytes(path.read_bytes()[:100])
+    with pytest.raises(InvalidHandoffData, match="unreadable result"):
+        handoff.read_result_file("job-a", 3)
+
+
+def test_checkpoint_keeps_optimizer_state_exactly(tmp_path: Path) -> None:
+    model = torch.nn.Linear(3, 2)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    for _ in range(3):
+        optimizer.zero_grad()
+        model(torch.randn(4, 3)).pow(2).sum().backward()
+        optimizer.step()
+    handoff = HandoffDir(tmp_path)
+    assert handoff.read_checkpoint() is None
+    handoff.write_checkpoint(RegionalCheckpoint("job-a", 5, 300, 2, optimizer.state_dict()))
+
+    loaded = handoff.read_checkpoint()
+    assert loaded is not None
+    assert (loaded.job, loaded.last_round, loaded.cursor, loaded.world_size) == ("job-a", 5, 300, 2)
+    restored = torch.optim.AdamW(torch.nn.Linear(3, 2).parameters(), lr=0.1)
+    restored.load_state_dict(loaded.optimizer_state)
+    for index, state in optimizer.state_dict()["state"].items():
+        for key, value in state.items():
+            assert torch.equal(restored.state_dict()["state"][index][key], value)
+    assert temp_files(tmp_path) == []
+
+
+def test_corrupt_checkpoint_is_an_error_not_a_fresh_start(tmp_path: Path) -> None:
+    handoff = HandoffDir(tmp_path)
+    handoff.checkpoint_path.write_bytes(b"garbage")
+    with pytest.raises(InvalidHandoffData, match="unreadable regional checkpoint"):
+        handoff.read_checkpoint()
+    torch.save({"format": 1, "job": "job-a"}, handoff.checkpoint_path)
+    with pytest.raises(InvalidHandoffData, match="last_round"):
+        handoff.read_checkpoint()
+
+
+def test_prune_removes_older_rounds_marker_first(tmp_path: Path) -> None:
+    handoff = HandoffDir(tmp_path)
+    for round_ in range(4):
+        summary = replace(SUMMARY, round=round_)
+        handoff.write_instruction(replace(INSTRUCTION, round=round_))
+        handoff.write_result(summary, PARAMS)
+        handoff.write_done(summary)
+    handoff.write_progress(RoundProgress("job-a", 1, 5, 50))
+    assert handoff.prune_rounds("job-a", before_round=2) == 2
+    remaining = sorted(p.name for p in handoff.job_dir("job-a").iterdir())
+    assert remaining == [
+        f"round-{r}.{suffix}"
+        for r in (2, 3)
+        for suffix in ("done.json", "instruction.json", "result.pt")
+    ]
+    assert handoff.prune_rounds("job-unknown", before_round=9) == 0
+
+
+def test_error_and_progress_markers(tmp_path: Path) -> None:
+    handoff = HandoffDir(tmp_path)
+    assert handoff.read_error("job-a", 1) is None
+    handoff.write_error("job-a", 1, "rank 1: boom")
+    assert handoff.read_error("job-a", 1) == "rank 1: boom"
+    handoff.clear_error("job-a", 1)
+    assert handoff.read_error("job-a", 1) is None
+
+    assert handoff.read_progress("job-a", 1) is None
+    handoff.write_progress(RoundProgress("job-a", 1, 7, 50))
+    assert handoff.read_progress("job-a", 1) == RoundProgress("job-a", 1, 7, 50)
+    assert temp_files(tmp_path) == []
+
+
+def test_stop_flag_and_rank_statuses(tmp_path: Path) -> None:
+    handoff = HandoffDir(tmp_path)
+    assert not handoff.stop_requested()
+    handoff.request_stop()
+    assert handoff.stop_requested()
+    handoff.clear_stop()
+    assert not handoff.stop_requested()
+
+    status = RankStatus(1, 1, 2, 4242, "launch", 0, "gloo", "cpu", "ready")
+    handoff.write_rank_status(status)
+    handoff.rank_status_path(0).write_text("{ torn")
+    assert handoff.read_rank_statuses() == [status]
+
+
+def test_paths_refuse_bad_names(tmp_path: Path) -> None:
+    handoff = HandoffDir(tmp_path)
+    with pytest.raises(ValueError, match="invalid job"):
+        handoff.instruction_path("../escape", 0)
+    with pytest.raises(InvalidHandoffData, match="round must be"):
+        handoff.result_path("job-a", -1)
