@@ -6,7 +6,7 @@ STAMP := $(VENV)/.geofed-installed
 # The CPU build of torch; an unpinned torch would pull a multi-GB CUDA build.
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: setup test lint typecheck unit bench clean
+.PHONY: setup system-deps test lint typecheck pytest bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -17,16 +17,20 @@ $(STAMP): pyproject.toml
 
 setup: $(STAMP)
 
+# mosquitto and promtool, which the integration tests run for real.
+system-deps:
+	scripts/install-system-deps.sh
+
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 
 typecheck: $(STAMP)
 	$(VENV)/bin/mypy
 
-unit: $(STAMP)
+pytest: $(STAMP) system-deps
 	$(VENV)/bin/pytest tests
 
-test: lint typecheck unit
+test: lint typecheck pytest
 
 bench: $(STAMP)
 	$(PY) -m benchmarks.codec_bench
