@@ -17,7 +17,7 @@ import signal
 import socket
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -137,13 +137,19 @@ def run_mosquitto(
     certfile: Path,
     keyfile: Path,
     acl: str | None = None,
+    config: Callable[[int], str] | None = None,
     startup_timeout_s: float = 10.0,
 ) -> Iterator[MosquittoBroker]:
     """Start Mosquitto with a mutual-TLS listener; stop it and print its log on exit.
 
     ``acl`` is the text of an ACL file (without one, every authenticated client may
-    use every topic). Retries on a fresh port if another process took the chosen one.
+    use every topic). ``config``, given the chosen port, returns a whole mosquitto.conf
+    to use instead of :func:`mosquitto_config` (for a production config rewritten to
+    test paths; it must listen on ``HOST`` and names its own ACL file, so ``acl`` must
+    be None). Retries on a fresh port if another process took the chosen one.
     """
+    if config is not None and acl is not None:
+        raise ValueError("pass the ACL inside config's text, not as acl")
     if not MOSQUITTO.exists():
         raise MosquittoError(
             f"{MOSQUITTO} not found; install mosquitto: apt-get install -y mosquitto"
@@ -155,10 +161,13 @@ def run_mosquitto(
         acl_file.write_text(acl)
     for _ in range(3):
         port = free_port()
-        config = mosquitto_config(
-            port=port, cafile=cafile, certfile=certfile, keyfile=keyfile, acl_file=acl_file
-        )
-        process, config_file, log_file = _start(workdir, port, config, startup_timeout_s)
+        if config is not None:
+            text = config(port)
+        else:
+            text = mosquitto_config(
+                port=port, cafile=cafile, certfile=certfile, keyfile=keyfile, acl_file=acl_file
+            )
+        process, config_file, log_file = _start(workdir, port, text, startup_timeout_s)
         if process.poll() is None:
             break
         log_text = log_file.read_text(errors="replace")
