@@ -1,0 +1,361 @@
+"""The regional agent: follows the control plane and runs this region's rounds.
+
+:class:`Agent` owns every task of the daemon: the MQTT connection (Last Will
+``offline``), the status reporter, the worker group (started once, kept alive across
+rounds, restarted by its own supervision), and the round driver. It subscribes to every
+job's round announcement (``jobs/+/round``) and to its own commands
+(``regions/<region>/commands``), drops repeated messages by id, and runs one round at a
+time through :class:`~regional_agent.pipeline.RoundPipeline`.
+
+Scheduling: the latest announcement of each job is kept; a job's round is run when it
+is ``open``, this region participates, the job is neither paused nor cancelled, and the
+round has not ended for this region yet. A newer announcement of the running job (the
+round closed, moved on, was paused) cancels the running round, except while its delta
+is being uploaded: then the upload finishes (accepted, or refused as a straggler).
+
+Commands: ``pause``/``resume`` hold and release a job, ``cancel`` drops it, ``resync``
+discards the held θ (the next sync is a full resync), ``drain`` finishes the round in
+progress and then stops the agent cleanly.
+
+:meth:`Agent.run` returns after :meth:`Agent.request_stop` or a finished drain, having
+stopped the worker group and said ``offline``; it raises :class:`AgentFailed` when the
+agent cannot go on (the worker group failed past its relaunch cap, the broker refused a
+subscription).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any, TypeVar
+
+from geofed.control import (
+    Backoff,
+    Command,
+    ControlClient,
+    Deduplicator,
+    MessageError,
+    RoundAnnouncement,
+    TopicError,
+    Topics,
+    decode,
+)
+from geofed.control.messages import RegionState
+from geofed.pki import client_ssl_context, mqtt_username
+from policies import PolicySet
+from regional_agent.config import AgentConfig, training_datasets
+from regional_agent.credentials import Credentials
+from regional_agent.http import CoordinatorClient, build_session
+from regional_agent.launcher import Launcher, LocalElasticLauncher
+from regional_agent.pipeline import RegionFacts, RetryLater, RoundEnd, RoundPipeline
+from regional_agent.schedule import Running, Schedule, Stop
+from regional_agent.state import AgentState
+from regional_agent.status import StatusReporter, offline_status
+from regional_agent.sync import Synchronizer
+from regional_agent.uploader import Uploader
+from regional_agent.worker_group import WorkerGroup, WorkerGroupConfig, WorkerGroupFailed
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+Clock = Callable[[], datetime]
+#: How often an idle agent checks that its worker group is still alive.
+_WATCH_INTERVAL_S = 1.0
+
+
+class AgentFailed(Exception):
+    """The agent cannot go on; the daemon exits with status 1."""
+
+
+@dataclass
+class _RoundTask:
+    job: str
+    round: int
+    task: asyncio.Task[RoundEnd]
+
+
+def _utc_now() -> datetime:
+    return datetime.now(UTC)
+
+
+class Agent:
+    """One region's agent (see the module docstring)."""
+
+    def __init__(
+        self,
+        config: AgentConfig,
+        credentials: Credentials,
+        policies: PolicySet,
+        *,
+        launcher: Launcher | None = None,
+        clock: Clock = _utc_now,
+        rng: random.Random | None = None,
+    ) -> None:
+        self._config = config
+        self._credentials = credentials
+        self._clock = clock
+        self._rng = rng or random.Random()
+        self._region = RegionFacts(credentials, policies, training_datasets(config, policies))
+        self._topics = Topics(config.federation)
+        timeouts = config.timeouts
+        status_topic = self._topics.region_status(config.region)
+        tls = None
+        if config.mqtt.tls:
+            tls = client_ssl_context(
+                credentials.bundle, credentials.cert_file, credentials.key_file
+            )
+        self._control = ControlClient(
+            config.mqtt.host,
+            config.mqtt.port,
+            client_id=mqtt_username(credentials.identity),
+            tls=tls,
+            will=offline_status(status_topic, config.region, "connection lost"),
+            keepalive_s=max(1, round(timeouts.heartbeat_s)),
+            timeout_s=timeouts.request_s,
+            rng=self._rng,
+        )
+        workers = config.workers
+        self._workers = WorkerGroup(
+            config.workers_dir,
+            launcher or LocalElasticLauncher(config.workers_dir, workers.launcher_config()),
+            WorkerGroupConfig(
+                start_timeout_s=workers.start_timeout_s, max_relaunches=workers.max_relaunches
+            ),
+            rng=self._rng,
+        )
+        self._status = StatusReporter(
+            self._control,
+            self._topics,
+            config.region,
+            interval_s=timeouts.heartbeat_s,
+            timeout_s=timeouts.request_s,
+            restarts=lambda: self._workers.restart_count,
+        )
+        self._state = AgentState(config.state_dir)
+        self._dedup = Deduplicator()
+        self._schedule = Schedule(config.region)
+        self._running: _RoundTask | None = None
+        self._retry = Backoff(initial_s=1.0, max_s=30.0)
+        self._failures = 0
+        self._wakeup = asyncio.Event()
+        self._stop = asyncio.Event()
+        self._pipeline: RoundPipeline | None = None
+        #: (job, round, outcome) of every round this agent finished, in order.
+        self.history: list[tuple[str, int, str]] = []
+
+    @property
+    def status(self) -> StatusReporter:
+        return self._status
+
+    @property
+    def workers(self) -> WorkerGroup:
+        return self._workers
+
+    def request_stop(self) -> None:
+        """Ask :meth:`run` to stop the agent cleanly (the SIGTERM path)."""
+        self._stop.set()
+
+    # -- lifecycle --------------------------------------------------------------------
+
+    async def run(self) -> None:
+        """Run until stopped or drained; raise :class:`AgentFailed` if it cannot go on."""
+        config = self._config
+        await asyncio.to_thread(self._state.prepare)
+        async with build_session(config, self._credentials) as session:
+            client = CoordinatorClient(session, config.coordinator_url, config.timeouts)
+            self._pipeline = RoundPipeline(
+                self._region,
+                self._state,
+                self._workers,
+                Synchronizer(client, self._credentials.bundle, clock=self._clock),
+                Uploader(client, config.region, rng=self._rng),
+                self._status,
+                train_timeout_s=config.timeouts.round_deadline_s,
+                clock=self._clock,
+            )
+            await self._control.subscribe(self._topics.all_job_rounds(), self._on_announcement)
+            await self._control.subscribe(
+                self._topics.region_commands(config.region), self._on_command
+            )
+            self._control.on_connect(self._on_connect)
+            background = [
+                asyncio.create_task(self._control.run(), name="mqtt"),
+                asyncio.create_task(self._status.run(), name="status"),
+            ]
+            try:
+                self._status.update("online", detail="starting the worker group")
+                if await self._until_stop(self._workers.start(), background):
+                    self._status.update("online", detail="ready")
+                    await self._until_stop(self._drive(), background)
+            finally:
+                await self._shutdown(background)
+
+    async def _until_stop(
+        self, work: Coroutine[Any, Any, T], background: list[asyncio.Task[None]]
+    ) -> bool:
+        """Run ``work`` until it ends (True) or a stop is requested (False).
+
+        A background task that ends first means the agent lost a part it cannot run
+        without; that raises :class:`AgentFailed`.
+        """
+        task = asyncio.create_task(work)
+        stop = asyncio.create_task(self._stop.wait())
+        try:
+            await asyncio.wait([task, stop, *background], return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stop.cancel()
+            if not task.done():
+                task.cancel()
+            await asyncio.wait([task, stop])
+        if task.done() and not task.cancelled():
+            error = task.exception()
+            if isinstance(error, WorkerGroupFailed | AgentFailed):
+                raise AgentFailed(str(error)) from error
+            if error is not None:
+                raise error
+            return True
+        for part in background:
+            if part.done():
+                reason = "stopped" if part.cancelled() else repr(part.exception())
+                raise AgentFailed(f"the {part.get_name()} task ended: {reason}")
+        return False
+
+    async def _shutdown(self, background: list[asyncio.Task[None]]) -> None:
+        self._status.update("offline", detail="stopping")
+        try:
+            status = await self._workers.stop()
+            log.info("worker group stopped (status %s)", status)
+        except Exception:
+            log.exception("stopping the worker group failed")
+        status_task = background[1]
+        status_task.cancel()
+        await asyncio.wait([status_task])
+        await self._control.close(self._status.offline("stopped"))
+        await asyncio.wait([background[0]], timeout=self._config.timeouts.request_s)
+        for task in background:
+            task.cancel()
+        await asyncio.wait(background)
+
+    # -- the round driver -------------------------------------------------------------
+
+    async def _drive(self) -> None:
+        while True:
+            if not self._workers.running:
+                raise AgentFailed("the worker group is not running")
+            announcement = self._schedule.next_round()
+            if announcement is not None:
+                await self._run_round(announcement)
+                continue
+            if self._schedule.draining:
+                log.info("drained: no round in progress; stopping")
+                return
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wakeup.wait(), _WATCH_INTERVAL_S)
+            self._wakeup.clear()
+
+    async def _run_round(self, announcement: RoundAnnouncement) -> None:
+        assert self._pipeline is not None  # set by run() before the driver starts
+        job, round_ = announcement.job, announcement.round
+        resync = self._schedule.take_resync(job)
+        task = asyncio.create_task(self._pipeline.run(announcement, resync=resync))
+        self._running = _RoundTask(job, round_, task)
+        try:
+            end = await task
+        except asyncio.CancelledError:
+            current = asyncio.current_task()
+            if current is not None and current.cancelling():
+                raise
+            if resync:
+                self._schedule.request_resync(job)
+            log.info("job %s round %d: stopped early", job, round_)
+            if self._schedule.paused(job):
+                self._status.update("paused", job=job, round=round_, detail="job paused")
+            return
+        except RetryLater as exc:
+            self._status.update("error", job=job, round=round_, detail=f"will retry: {exc}")
+            self._failures += 1
+            await self._pause(self._retry.delay(self._failures - 1, self._rng))
+            return
+        finally:
+            self._running = None
+        self._failures = 0
+        final = end.outcome == "accepted"
+        self._schedule.settle(job, round_, deadline=None if final else announcement.deadline)
+        self.history.append((job, round_, end.outcome))
+        state: RegionState = "online" if end.outcome in ("accepted", "straggler") else "error"
+        self._status.update(
+            state,
+            job=job,
+            round=round_,
+            params_hash=end.params_hash,
+            train_loss=end.train_loss,
+            detail=end.detail,
+        )
+        if state == "error":
+            log.error("job %s round %d: %s", job, round_, end.detail)
+
+    async def _pause(self, delay: float) -> None:
+        """Wait ``delay`` seconds, or less if something new arrives."""
+        self._wakeup.clear()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._wakeup.wait(), delay)
+
+    def _stop_running(self, stop: Stop | None) -> None:
+        running = self._running
+        if stop is None or running is None or running.job != stop.job or running.task.done():
+            return
+        log.info("job %s round %d: stopping it (%s)", stop.job, running.round, stop.reason)
+        running.task.cancel()
+
+    def _running_view(self) -> Running | None:
+        running = self._running
+        if running is None:
+            return None
+        return Running(running.job, running.round, self._status.state == "uploading")
+
+    # -- control-plane messages -------------------------------------------------------
+
+    async def _on_connect(self) -> None:
+        self._status.mark_stale()
+
+    async def _on_announcement(self, topic: str, payload: bytes) -> None:
+        try:
+            announcement = decode(payload, RoundAnnouncement)
+            topic_job = self._topics.parse(topic).job
+        except (MessageError, TopicError) as exc:
+            log.warning("ignoring a message on %s: %s", topic, exc)
+            return
+        if topic_job != announcement.job:
+            log.warning("ignoring an announcement of job %s on %s", announcement.job, topic)
+            return
+        if not self._dedup.first_time(announcement.message_id):
+            return
+        self._stop_running(self._schedule.offer(announcement, self._running_view()))
+        job = announcement.job
+        if self._running is None and announcement.state == "paused":
+            self._status.update("paused", job=job, detail="job paused by the coordinator")
+        self._wakeup.set()
+
+    async def _on_command(self, topic: str, payload: bytes) -> None:
+        try:
+            command = decode(payload, Command)
+        except MessageError as exc:
+            log.warning("ignoring a message on %s: %s", topic, exc)
+            return
+        if not self._dedup.first_time(command.message_id):
+            return
+        log.info("command %s for job %s: %s", command.action, command.job, command.reason)
+        self._stop_running(self._schedule.command(command, self._running_view()))
+        job, reason = command.job, command.reason
+        if command.action == "drain":
+            self._status.update("draining", detail=reason or "finishing the current round")
+        elif command.action == "pause" and job is not None:
+            self._status.update("paused", job=job, detail=reason or "paused by the coordinator")
+        elif command.action == "cancel" and job is not None:
+            self._status.update("online", job=job, detail=f"job {job} cancelled")
+        self._wakeup.set()

@@ -1,0 +1,359 @@
+"""The regional agent's configuration: one YAML file, validated once at start-up.
+
+.. code-block:: yaml
+
+    federation: acme                  # the federation name in every SPIFFE URI and topic
+    region: eu-west                   # this region; its policy file must govern it
+    policy: policies/eu-west.yaml     # the region's own policy, checked before uploads
+    datasets: [eu-support-chats]      # optional: the datasets this region trains on
+                                      #   (default: every dataset its policy declares)
+    coordinator_url: https://coordinator.acme.example:8443
+    mqtt: {host: mqtt.acme.example, port: 8883, tls: true}
+    identity:                         # the region's credential (geofed ca issue)
+      cert: pki/region-eu-west/cert.pem
+      key: pki/region-eu-west/key.pem
+      trust_bundle: pki/trust.yaml
+    insecure_loopback: false          # demo only: plain HTTP to a loopback coordinator
+    workers:                          # the local worker group
+      count: 2
+      backend: auto                   # auto | gloo | nccl
+      env: {NCCL_SOCKET_IFNAME: eth0} # extra environment for the workers
+    state_dir: /var/lib/geofed/eu-west
+    timeouts: {request_s: 30, upload_s: 300}
+
+Relative paths are relative to the config file's directory. Unknown and duplicate keys
+are errors, and every error names the file, the line and the key
+(``agent.yaml:7: mqtt.port: ...``). The identity is always needed: manifests are signed
+with it and the coordinator's are verified against the trust bundle, whatever the
+transport. ``insecure_loopback`` replaces only the HTTP transport (plain HTTP with an
+``X-Geofed-Identity`` header instead of a client certificate) and is refused unless the
+coordinator is on a loopback address; ``mqtt.tls: false`` likewise only for a loopback
+broker (the embedded demo broker).
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import re
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Annotated, Literal
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictInt,
+    field_validator,
+    model_validator,
+)
+from yarl import URL
+
+from geofed.timeouts import Timeouts
+from geofed.types import Identity, Role, validate_name
+from policies import PolicyLoadError, PolicySet, Problem, load_policies
+from policies.validation import validate_document
+from policies.yaml_loader import KeyPath, LineMap, format_key_path, load_located
+from regional_agent.credentials import CredentialsError, load_credentials
+from regional_agent.launcher import LauncherConfigError, LocalLauncherConfig
+
+_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+class AgentConfigError(Exception):
+    """The agent's configuration (or a file it names) is unusable; ``problems`` says where."""
+
+    def __init__(self, problems: Sequence[Problem]) -> None:
+        self.problems: tuple[Problem, ...] = tuple(problems)
+        if not self.problems:
+            raise ValueError("AgentConfigError needs at least one problem")
+        more = len(self.problems) - 1
+        suffix = f" (and {more} more problem{'s' if more > 1 else ''})" if more else ""
+        super().__init__(f"{self.problems[0]}{suffix}")
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+Name = Annotated[str, Field(min_length=1, max_length=63)]
+
+
+class MqttConfig(_Section):
+    """Where the control-plane broker listens."""
+
+    host: str = Field(default="127.0.0.1", min_length=1)
+    port: StrictInt = Field(default=8883, ge=1, le=65535)
+    tls: StrictBool = Field(
+        default=True,
+        description="TLS with the region's certificate; false only for a loopback demo broker",
+    )
+
+
+class IdentityConfig(_Section):
+    """The region's key and certificate, and the federation's trust bundle."""
+
+    cert: Path
+    key: Path
+    trust_bundle: Path
+
+
+class WorkersConfig(_Section):
+    """The local worker group (torch.distributed) the agent launches and supervises."""
+
+    count: StrictInt = Field(default=2, ge=1, description="ranks on this node")
+    backend: Literal["auto", "gloo", "nccl"] = Field(
+        default="auto", description="auto: nccl when CUDA is available, else gloo"
+    )
+    env: dict[str, str] = Field(
+        default_factory=dict,
+        description="extra worker environment, e.g. NCCL_SOCKET_IFNAME, NCCL_IB_HCA",
+    )
+    max_restarts: StrictInt = Field(
+        default=3, ge=0, description="in-place restarts of the group by the elastic launcher"
+    )
+    max_relaunches: StrictInt = Field(
+        default=3, ge=0, description="relaunches after the launcher gave up, before failing"
+    )
+    num_threads: StrictInt = Field(default=1, ge=1, description="torch threads per worker")
+    start_timeout_s: float = Field(default=300.0, gt=0, allow_inf_nan=False)
+    collective_timeout_s: float = Field(default=600.0, gt=0, allow_inf_nan=False)
+
+    @field_validator("env")
+    @classmethod
+    def _env_names(cls, value: dict[str, str]) -> dict[str, str]:
+        for key in value:
+            if not _ENV_NAME.fullmatch(key):
+                raise ValueError(f"{key!r} is not an environment variable name")
+        return value
+
+    def launcher_config(self, cwd: Path | None = None) -> LocalLauncherConfig:
+        """The local launcher's settings; raises ``LauncherConfigError`` if they clash."""
+        return LocalLauncherConfig(
+            nproc_per_node=self.count,
+            max_restarts=self.max_restarts,
+            backend=None if self.backend == "auto" else self.backend,
+            env=dict(self.env),
+            num_threads=self.num_threads,
+            collective_timeout_s=self.collective_timeout_s,
+            cwd=cwd,
+        )
+
+    @model_validator(mode="after")
+    def _launcher_accepts(self) -> WorkersConfig:
+        try:
+            self.launcher_config()
+        except LauncherConfigError as exc:
+            raise ValueError(str(exc)) from None
+        return self
+
+
+class AgentConfig(_Section):
+    """Everything one regional agent needs to know, checked once at load."""
+
+    federation: Name
+    region: Name
+    policy: Path = Field(description="the region's policy file")
+    datasets: tuple[Name, ...] | None = Field(
+        default=None, description="datasets trained on here; default: all the policy declares"
+    )
+    coordinator_url: str = Field(description="base URL of the coordinator's HTTP API")
+    mqtt: MqttConfig = Field(default_factory=MqttConfig)
+    identity: IdentityConfig
+    insecure_loopback: StrictBool = False
+    workers: WorkersConfig = Field(default_factory=WorkersConfig)
+    state_dir: Path
+    timeouts: Timeouts = Field(default_factory=Timeouts)
+
+    @field_validator("federation")
+    @classmethod
+    def _federation(cls, value: str) -> str:
+        return validate_name("federation", value)
+
+    @field_validator("region")
+    @classmethod
+    def _region(cls, value: str) -> str:
+        return validate_name("region", value)
+
+    @field_validator("datasets")
+    @classmethod
+    def _datasets(cls, value: tuple[str, ...] | None) -> tuple[str, ...] | None:
+        if value is not None and len(set(value)) != len(value):
+            raise ValueError("a dataset is listed twice")
+        return value
+
+    @field_validator("coordinator_url")
+    @classmethod
+    def _url(cls, value: str) -> str:
+        url = URL(value)
+        if url.scheme not in ("http", "https") or not url.host:
+            raise ValueError(f"{value!r} is not an http:// or https:// URL with a host")
+        if url.query_string or url.fragment:
+            raise ValueError(f"{value!r}: a base URL has no query or fragment")
+        return value
+
+    @model_validator(mode="after")
+    def _transport(self) -> AgentConfig:
+        url = URL(self.coordinator_url)
+        if not self.mqtt.tls and not is_loopback(self.mqtt.host):
+            raise ValueError(
+                f"mqtt.tls: false, but mqtt.host {self.mqtt.host!r} is not a loopback address; "
+                "plain MQTT leaves no machine"
+            )
+        if not self.insecure_loopback:
+            if url.scheme != "https":
+                raise ValueError(
+                    f"coordinator_url {self.coordinator_url!r} must be https:// "
+                    "(plain http only with insecure_loopback: true)"
+                )
+            return self
+        if url.scheme != "http":
+            raise ValueError("insecure_loopback: true speaks plain http://, not https://")
+        if not is_loopback(url.host or ""):
+            raise ValueError(
+                f"insecure_loopback: true, but the coordinator_url host {url.host!r} is not a "
+                "loopback address; plain HTTP leaves no machine"
+            )
+        return self
+
+    @property
+    def identity_uri(self) -> Identity:
+        """This region's federation identity, ``spiffe://<federation>/region/<region>``."""
+        return Identity(federation=self.federation, role=Role.REGION, name=self.region)
+
+    @property
+    def workers_dir(self) -> Path:
+        """The worker group's hand-off directory, inside the state directory."""
+        return self.state_dir / "workers"
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` names this machine only (``localhost``, 127.0.0.0/8, ``::1``)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+_PATH_FIELDS: tuple[KeyPath, ...] = (
+    ("policy",),
+    ("state_dir",),
+    ("identity", "cert"),
+    ("identity", "key"),
+    ("identity", "trust_bundle"),
+)
+
+
+def load_config(path: Path | str) -> AgentConfig:
+    """Read, validate and resolve the agent's config file; check the files it names.
+
+    Raises :class:`AgentConfigError` listing every problem with its file, line and key:
+    YAML or schema errors, a policy file that does not load or governs another region, a
+    dataset the policy does not declare, an unreadable trust bundle or credential, or a
+    credential that is not this region's.
+    """
+    file = str(path)
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise AgentConfigError([Problem(file, None, "(file)", f"cannot read: {exc}")]) from None
+    try:
+        document = load_located(text, file)
+        raw = validate_document(AgentConfig, document, file)
+    except PolicyLoadError as exc:
+        raise AgentConfigError(exc.problems) from None
+    config = _resolve(raw, Path(path).resolve().parent)
+    _check_files(config, file, document.lines)
+    return config
+
+
+def _resolve(config: AgentConfig, base: Path) -> AgentConfig:
+    def absolute(value: Path) -> Path:
+        return value if value.is_absolute() else base / value
+
+    identity = config.identity.model_copy(
+        update={
+            "cert": absolute(config.identity.cert),
+            "key": absolute(config.identity.key),
+            "trust_bundle": absolute(config.identity.trust_bundle),
+        }
+    )
+    return config.model_copy(
+        update={
+            "policy": absolute(config.policy),
+            "state_dir": absolute(config.state_dir),
+            "identity": identity,
+        }
+    )
+
+
+def _check_files(config: AgentConfig, file: str, lines: LineMap) -> None:
+    def problem(key: KeyPath, message: str) -> Problem:
+        return Problem(file, lines.line_of(key), format_key_path(key), message)
+
+    problems: list[Problem] = []
+    for key in _PATH_FIELDS:
+        if key == ("state_dir",):
+            continue
+        value: object = config
+        for part in key:
+            value = getattr(value, str(part))
+        if not isinstance(value, Path) or not value.is_file():
+            problems.append(problem(key, f"{value} is not a readable file"))
+    if problems:
+        raise AgentConfigError(problems)
+    try:
+        policies = load_region_policies(config)
+    except PolicyLoadError as exc:
+        raise AgentConfigError(
+            [problem(("policy",), f"policy file does not load: {p}") for p in exc.problems]
+        ) from None
+    if config.region not in policies:
+        found = ", ".join(policies) or "none"
+        raise AgentConfigError(
+            [problem(("policy",), f"{config.policy} governs {found}, not {config.region}")]
+        )
+    declared = {d.name for d in policies[config.region].policy.datasets}
+    for index, name in enumerate(config.datasets or ()):
+        if name not in declared:
+            problems.append(
+                problem(
+                    ("datasets", index),
+                    f"{config.region}'s policy declares no dataset {name!r} "
+                    f"(it declares {', '.join(sorted(declared)) or 'none'})",
+                )
+            )
+    try:
+        load_credentials(config)
+    except CredentialsError as exc:
+        problems.append(problem(("identity",), str(exc)))
+    if problems:
+        raise AgentConfigError(problems)
+
+
+def load_region_policies(config: AgentConfig) -> PolicySet:
+    """Load the region's own policy file (``PolicyLoadError`` on any problem)."""
+    return load_policies([config.policy])
+
+
+def training_datasets(config: AgentConfig, policies: PolicySet) -> tuple[str, ...]:
+    """The datasets this region's deltas derive from: the configured ones, else all declared."""
+    if config.datasets is not None:
+        return tuple(sorted(config.datasets))
+    return tuple(sorted(d.name for d in policies[config.region].policy.datasets))
+
+
+__all__ = [
+    "AgentConfig",
+    "AgentConfigError",
+    "IdentityConfig",
+    "MqttConfig",
+    "WorkersConfig",
+    "is_loopback",
+    "load_config",
+    "load_region_policies",
+    "training_datasets",
+]

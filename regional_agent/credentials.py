@@ -1,0 +1,86 @@
+"""The region's credential: its signing key and certificate, and the federation's trust bundle.
+
+Read once at start-up from the files the agent's configuration names (``identity``).
+The certificate must name this region of this federation
+(``spiffe://<federation>/region/<region>``); its key signs every delta manifest and
+authenticates the agent over TLS; the trust bundle verifies the coordinator's server
+certificate and the signatures of the updates and checkpoints it publishes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from cryptography import x509
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+
+from geofed.pki import (
+    BadCertificate,
+    CredentialStoreError,
+    TrustBundle,
+    TrustBundleError,
+    certificate_identity,
+    load_trust_bundle,
+    read_certificate,
+)
+from geofed.types import Identity
+
+if TYPE_CHECKING:
+    from regional_agent.config import AgentConfig
+
+
+class CredentialsError(ValueError):
+    """The identity files are unreadable or do not name this region of this federation."""
+
+
+@dataclass(frozen=True)
+class Credentials:
+    """The region's signing key and certificate, and the federation's trust bundle."""
+
+    identity: Identity
+    certificate: x509.Certificate
+    private_key: ec.EllipticCurvePrivateKey
+    bundle: TrustBundle
+    cert_file: Path
+    key_file: Path
+
+
+def load_credentials(config: AgentConfig) -> Credentials:
+    """Read the identity files; the certificate must name this region of this federation."""
+    files = config.identity
+    try:
+        bundle = load_trust_bundle(files.trust_bundle)
+    except TrustBundleError as exc:
+        raise CredentialsError(f"trust bundle: {exc}") from None
+    if bundle.federation != config.federation:
+        raise CredentialsError(
+            f"trust bundle {files.trust_bundle} is for federation {bundle.federation!r}, "
+            f"not {config.federation!r}"
+        )
+    try:
+        certificate = read_certificate(files.cert)
+        identity = certificate_identity(certificate)
+    except (CredentialStoreError, BadCertificate) as exc:
+        raise CredentialsError(f"{files.cert}: {exc}") from None
+    try:
+        key = serialization.load_pem_private_key(files.key.read_bytes(), password=None)
+    except (OSError, ValueError, TypeError) as exc:
+        raise CredentialsError(f"{files.key}: not a readable PEM private key: {exc}") from None
+    if not isinstance(key, ec.EllipticCurvePrivateKey) or key.public_key() != (
+        certificate.public_key()
+    ):
+        raise CredentialsError(f"{files.key} is not the ECDSA key of {files.cert}")
+    expected = config.identity_uri
+    if identity != expected:
+        raise CredentialsError(f"{files.cert} is {identity}, but this agent is {expected}")
+    return Credentials(
+        identity=expected,
+        certificate=certificate,
+        private_key=key,
+        bundle=bundle,
+        cert_file=files.cert,
+        key_file=files.key,
+    )

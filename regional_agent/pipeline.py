@@ -1,0 +1,324 @@
+"""One round, start to finish (protocol steps 2-6): sync, train, encode, check, upload.
+
+:meth:`RoundPipeline.run` takes a round announcement and returns how the round ended
+for this region (:class:`RoundEnd`): ``accepted``, ``straggler`` (the round closed
+first), ``refused`` (by the coordinator or by the region's own policy) or ``failed``
+(θ_r could not be reconstructed, or the workers refused the instruction). Failures that
+a later try may overcome (the coordinator unreachable, a wait ran out) raise
+:class:`RetryLater`; a worker group that crashed past its relaunch cap raises
+``WorkerGroupFailed``, which ends the agent.
+
+Each step leaves durable state behind before the next starts (θ_r, the worker group's
+done marker, the spooled delta), so running the same announcement again after a crash
+or a cancellation repeats no finished work: a spooled delta is re-sent as it is, a
+trained round is read back from the worker group's hand-off directory. Blocking work
+(hashing, codec, signing, file I/O) runs in worker threads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any, Literal, TypeVar
+
+from geofed.codec import CodecError
+from geofed.control import RoundAnnouncement
+from geofed.timeouts import Timeout
+from policies import PolicySet
+from regional_agent.credentials import Credentials
+from regional_agent.delta import (
+    DeltaError,
+    DeltaOrigin,
+    codec_config,
+    delta_manifest,
+    encode_delta,
+    export_decision,
+    rounding_generator,
+    sign_delta,
+)
+from regional_agent.handoff import RoundInstruction
+from regional_agent.http import CoordinatorError, HttpError, TransportError
+from regional_agent.state import AgentState, DeltaMeta, JobState, SpooledDelta, StateError
+from regional_agent.status import StatusReporter
+from regional_agent.sync import ResyncFailed, Synced, Synchronizer
+from regional_agent.uploader import BaseMismatch, RoundClosed, Uploader, UploadRefused
+from regional_agent.worker_group import RoundFailed, WorkerGroup
+
+log = logging.getLogger(__name__)
+
+Clock = Callable[[], datetime]
+Outcome = Literal["accepted", "straggler", "refused", "failed"]
+
+
+T = TypeVar("T")
+
+
+async def _blocking(fn: Callable[..., T], *args: Any) -> T:
+    """Run ``fn`` in a thread; if cancelled meanwhile, let the thread finish first.
+
+    A cancelled round is run again right away, so its file work must not overlap the
+    next attempt's (a spool being written while it is read back).
+    """
+    future = asyncio.ensure_future(asyncio.to_thread(fn, *args))
+    try:
+        return await asyncio.shield(future)
+    except asyncio.CancelledError:
+        await asyncio.wait([future])
+        if not future.cancelled():
+            future.exception()  # retrieved: the cancellation is what the caller sees
+        raise
+
+
+class RetryLater(Exception):
+    """The round may still succeed; try it again after a pause (the message says why)."""
+
+
+@dataclass(frozen=True, slots=True)
+class RoundEnd:
+    """How a round ended for this region."""
+
+    outcome: Outcome
+    detail: str
+    params_hash: str | None = None
+    train_loss: float | None = None
+
+
+@dataclass(frozen=True)
+class RegionFacts:
+    """What the pipeline needs to know about its region."""
+
+    credentials: Credentials
+    policies: PolicySet
+    datasets: Sequence[str]
+
+    @property
+    def name(self) -> str:
+        return self.credentials.identity.name
+
+    @property
+    def jurisdiction(self) -> str:
+        found = self.policies.jurisdiction_of(self.name)
+        if found is None:
+            raise ValueError(f"no policy is loaded for region {self.name}")
+        return found
+
+
+class RoundPipeline:
+    """Runs rounds for one region (see the module docstring)."""
+
+    def __init__(
+        self,
+        region: RegionFacts,
+        state: AgentState,
+        workers: WorkerGroup,
+        synchronizer: Synchronizer,
+        uploader: Uploader,
+        status: StatusReporter,
+        *,
+        train_timeout_s: float,
+        clock: Clock,
+    ) -> None:
+        self._region = region
+        self._state = state
+        self._workers = workers
+        self._sync = synchronizer
+        self._uploader = uploader
+        self._status = status
+        self._train_timeout_s = train_timeout_s
+        self._clock = clock
+
+    async def run(self, announcement: RoundAnnouncement, *, resync: bool = False) -> RoundEnd:
+        """Take part in the announced round; ``resync`` discards the θ held first."""
+        job = self._state.job(announcement.job)
+        try:
+            if resync:
+                await _blocking(job.forget_params)
+            await _blocking(job.recover)
+            uploaded = await _blocking(job.uploaded_round)
+            if uploaded is not None and uploaded >= announcement.round:
+                return RoundEnd("accepted", f"the delta of round {announcement.round} was accepted")
+            await self._settle_stale_spools(job, announcement.round)
+            spooled = await _blocking(job.read_spool, announcement.round)
+            if spooled is None:
+                produced = await self._produce(job, announcement)
+                if isinstance(produced, RoundEnd):
+                    return produced
+                spooled = produced
+            else:
+                log.info("round %d: resuming the spooled delta", announcement.round)
+            return await self._deliver(job, announcement, spooled)
+        except (TransportError, Timeout) as exc:
+            raise RetryLater(str(exc)) from exc
+        except (CoordinatorError, DeltaError, CodecError, StateError) as exc:
+            # The coordinator is not who it should be (or answers nonsense), the trained
+            # parameters cannot form a delta (shapes, NaN), or the regional state is
+            # damaged: this round is lost for this region.
+            return RoundEnd("failed", f"{type(exc).__name__}: {exc}")
+
+    # -- steps ------------------------------------------------------------------------
+
+    async def _produce(
+        self, job: JobState, announcement: RoundAnnouncement
+    ) -> SpooledDelta | RoundEnd:
+        where = {"job": announcement.job, "round": announcement.round}
+        # The hash and loss of an earlier round do not describe this one.
+        self._status.update(
+            "syncing",
+            **where,
+            params_hash=None,
+            train_loss=None,
+            detail="reaching the round's parameters",
+        )
+        held = await _blocking(job.load_params)
+        try:
+            synced = await self._sync.sync(announcement, held)
+        except ResyncFailed as exc:
+            return RoundEnd("failed", str(exc))
+        except HttpError as exc:
+            if exc.status >= 500 or exc.code == "not_found":
+                raise RetryLater(str(exc)) from exc
+            return RoundEnd("failed", str(exc))
+        if synced.method != "held":
+            await _blocking(job.save_params, synced.version, synced.params)
+        if synced.refused:
+            log.warning(
+                "job %s round %d: resynced after refusing the update: %s",
+                announcement.job,
+                announcement.round,
+                synced.refused,
+            )
+        base_hash = synced.version.hash
+        self._status.update(
+            "training", **where, params_hash=base_hash, detail=f"{announcement.inner_steps} steps"
+        )
+        instruction = self._instruction(announcement, job, synced)
+        try:
+            result = await self._workers.run_round(instruction, self._train_timeout_s)
+        except RoundFailed as exc:
+            return RoundEnd("failed", str(exc), params_hash=base_hash)
+        summary = result.summary
+        if summary.base_params_hash != base_hash:
+            return RoundEnd(
+                "failed",
+                f"the workers trained from θ {summary.base_params_hash}, not {base_hash}",
+                params_hash=base_hash,
+            )
+        self._status.update(
+            "uploading", **where, train_loss=summary.mean_loss, detail="encoding the delta"
+        )
+        feedback = await _blocking(job.load_feedback)
+        origin = DeltaOrigin(
+            job=announcement.job,
+            round=announcement.round,
+            base_round=announcement.base_round,
+            base_hash=base_hash,
+            tokens=summary.tokens,
+            producer=self._region.credentials.identity,
+            jurisdiction=self._region.jurisdiction,
+            datasets=self._region.datasets,
+        )
+        meta = DeltaMeta(train_loss=summary.mean_loss, tokens=summary.tokens, params_hash=base_hash)
+
+        def encode_sign_spool() -> SpooledDelta:
+            generator = None
+            if announcement.codec.stochastic_rounding:
+                generator = rounding_generator(job.job, announcement.round, self._region.name)
+            encoded = encode_delta(
+                synced.params,
+                result.params,
+                feedback,
+                codec_config(announcement.codec),
+                generator=generator,
+            )
+            manifest = delta_manifest(origin, encoded, now=self._clock())
+            signed = sign_delta(manifest, self._region.credentials)
+            return job.write_spool(
+                announcement.round, signed.to_bytes(), encoded.frames, encoded.feedback, meta
+            )
+
+        delta = await _blocking(encode_sign_spool)
+        await _blocking(self._workers.handoff.prune_rounds, announcement.job, announcement.round)
+        return delta
+
+    def _instruction(
+        self, announcement: RoundAnnouncement, job: JobState, synced: Synced
+    ) -> RoundInstruction:
+        participants = sorted(announcement.participants)
+        return RoundInstruction(
+            job=announcement.job,
+            round=announcement.round,
+            base_params=str(job.params_path(synced.version.round)),
+            inner_steps=announcement.inner_steps,
+            task=announcement.task,
+            task_options=dict(announcement.task_options),
+            seed=announcement.seed,
+            region=self._region.name,
+            region_index=participants.index(self._region.name),
+            num_regions=len(participants),
+        )
+
+    async def _deliver(
+        self, job: JobState, announcement: RoundAnnouncement, delta: SpooledDelta
+    ) -> RoundEnd:
+        meta = delta.meta
+
+        def end(outcome: Outcome, detail: str) -> RoundEnd:
+            return RoundEnd(outcome, detail, meta.params_hash, meta.train_loss)
+
+        decision = export_decision(self._region.policies, self._region.name, self._region.datasets)
+        if not decision.allowed:
+            # Defence in depth: the region's own policy is asked before anything leaves.
+            await _blocking(job.discard_spool, announcement.round)
+            return end("refused", f"own policy: {decision}")
+        self._status.update(
+            "uploading",
+            job=announcement.job,
+            round=announcement.round,
+            params_hash=meta.params_hash,
+            train_loss=meta.train_loss,
+            detail="uploading the delta",
+        )
+        try:
+            report = await self._uploader.upload(
+                announcement.job, delta, {"train_loss": meta.train_loss}
+            )
+        except RoundClosed as exc:
+            # Kept: a round closed by a pause, or below quorum, may be re-opened as is;
+            # a later round drops the spool once the coordinator confirms it is closed.
+            return end("straggler", f"straggler: {exc}")
+        except BaseMismatch as exc:
+            # The coordinator's θ_r is not ours: hold nothing, so the next sync resyncs.
+            await _blocking(job.discard_spool, announcement.round)
+            await _blocking(job.forget_params)
+            return end("refused", str(exc))
+        except UploadRefused as exc:
+            await _blocking(job.discard_spool, announcement.round)
+            return end("refused", str(exc))
+        await _blocking(job.promote, announcement.round)
+        sent = f"{report.chunks_sent} chunks, {report.bytes_sent} bytes sent"
+        return end(
+            "accepted", f"delta accepted ({sent}{', resumed' if report.attempts > 1 else ''})"
+        )
+
+    async def _settle_stale_spools(self, job: JobState, current_round: int) -> None:
+        """Deltas of earlier rounds left by a crash: learn whether they were accepted."""
+        for round_ in await _blocking(job.spooled_rounds):
+            if round_ >= current_round:
+                continue
+            delta = await _blocking(job.read_spool, round_)
+            if delta is None:
+                await _blocking(job.discard_spool, round_)
+                continue
+            try:
+                await self._uploader.upload(job.job, delta, {"train_loss": delta.meta.train_loss})
+            except CoordinatorError as exc:
+                log.warning("round %d: could not settle the spooled delta: %s", round_, exc)
+                continue
+            except (RoundClosed, BaseMismatch, UploadRefused) as exc:
+                log.info("round %d: the spooled delta was not taken (%s); dropping it", round_, exc)
+                await _blocking(job.discard_spool, round_)
+                continue
+            await _blocking(job.promote, round_)

@@ -1,0 +1,357 @@
+"""The agent's durable regional state: θ, the error-feedback residual, spooled deltas.
+
+Everything here stays in the region (its policy keeps ``regional_checkpoint`` home); the
+worker group keeps the rest of the regional checkpoint (inner optimizer state, data
+cursor) in its own hand-off directory. Layout under the state directory::
+
+    jobs/<job>/params/round-<v>.pt      θ_v, a torch.save'd fp32 state dict (immutable)
+    jobs/<job>/params/current.json      {"round": v, "hash": ...}: which θ is held, last
+    jobs/<job>/feedback.pt              error-feedback residual after the last accepted delta
+    jobs/<job>/progress.json            {"uploaded_round": r}: last delta the coordinator took
+    jobs/<job>/spool/round-<r>/         one encoded delta, kept until it is accepted:
+        stream.bin                      the codec frames, concatenated
+        residual.pt                     the residual this delta leaves behind
+        meta.json                       train loss, tokens, hash of the θ it trained from
+        manifest.json                   the signed manifest, written last
+
+Every file is written temp + fsync + rename (:mod:`geofed.fsutil`), and a thing exists
+only once the file naming it does (``current.json``, ``manifest.json``), so a crash at
+any point leaves the previous state readable. The residual advances only when a delta
+is accepted (:meth:`JobState.promote`): a delta that never reached the coordinator
+leaves nothing of itself behind. All methods block on disk I/O; the agent calls them
+through ``asyncio.to_thread``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import shutil
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from geofed.codec import ErrorFeedback, ErrorFeedbackError
+from geofed.fsutil import AtomicFile, atomic_write_bytes, fsync_dir, replace_durably
+from geofed.manifest import SignedManifest
+from geofed.params import parameters_vector_hash
+from geofed.types import validate_name
+
+log = logging.getLogger(__name__)
+
+FORMAT_VERSION = 1
+_PARAMS_RE = re.compile(r"^round-(\d+)\.pt$")
+_SPOOL_RE = re.compile(r"^round-(\d+)$")
+#: θ files kept besides the current one, for a worker group still reading an older one.
+_KEEP_OLD_PARAMS = 1
+
+
+class StateError(Exception):
+    """The regional state on disk is unreadable or inconsistent; the message names the file."""
+
+
+@dataclass(frozen=True, slots=True)
+class ParamsVersion:
+    """Which global parameters are held: θ of ``round`` with hash ``hash``."""
+
+    round: int
+    hash: str
+
+
+@dataclass(frozen=True, slots=True)
+class DeltaMeta:
+    """What the agent reports with a spooled delta."""
+
+    train_loss: float
+    tokens: int
+    params_hash: str
+
+    def to_json(self) -> bytes:
+        body = {
+            "format": FORMAT_VERSION,
+            "train_loss": self.train_loss,
+            "tokens": self.tokens,
+            "params_hash": self.params_hash,
+        }
+        return json.dumps(body, sort_keys=True).encode()
+
+
+@dataclass(frozen=True)
+class SpooledDelta:
+    """A delta on disk, ready to (re)send: its signed manifest and its frames."""
+
+    round: int
+    manifest_bytes: bytes
+    manifest: SignedManifest
+    meta: DeltaMeta
+    stream_path: Path
+
+    @property
+    def frame_count(self) -> int:
+        return len(self.manifest.manifest.chunks)
+
+    def read_frame(self, index: int) -> bytes:
+        """Frame ``index`` of the stream (blocking), as the manifest records its size."""
+        chunks = self.manifest.manifest.chunks
+        if not 0 <= index < len(chunks):
+            raise StateError(f"spooled delta of round {self.round} has no frame {index}")
+        offset = sum(record.size for record in chunks[:index])
+        with self.stream_path.open("rb") as f:
+            f.seek(offset)
+            data = f.read(chunks[index].size)
+        if len(data) != chunks[index].size:
+            raise StateError(f"{self.stream_path}: truncated at frame {index}")
+        return data
+
+
+class JobState:
+    """One job's regional state under ``root`` (see the module docstring)."""
+
+    def __init__(self, root: Path, job: str) -> None:
+        self.job = validate_name("job", job)
+        self.root = root / "jobs" / job
+        self._params = self.root / "params"
+        self._spool = self.root / "spool"
+
+    # -- θ ----------------------------------------------------------------------------
+
+    def params_path(self, round_: int) -> Path:
+        return self._params / f"round-{round_}.pt"
+
+    def current_version(self) -> ParamsVersion | None:
+        """The θ held, as recorded; None when nothing is held."""
+        data = _read_json(self._params / "current.json")
+        if data is None:
+            return None
+        try:
+            return ParamsVersion(round=int(data["round"]), hash=str(data["hash"]))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise StateError(f"{self._params / 'current.json'}: {exc}") from None
+
+    def load_params(self) -> tuple[ParamsVersion, dict[str, Tensor]] | None:
+        """The θ held and its tensors; None when nothing (or nothing intact) is held.
+
+        The file is re-hashed: a θ that no longer matches its recorded hash is dropped
+        (with a warning), so the caller resyncs rather than training from damaged state.
+        """
+        version = self.current_version()
+        if version is None:
+            return None
+        path = self.params_path(version.round)
+        try:
+            params = load_tensors(path)
+        except StateError as exc:
+            log.warning("dropping the held parameters: %s", exc)
+            self.forget_params()
+            return None
+        found = parameters_vector_hash(params)
+        if found != version.hash:
+            log.warning("dropping %s: hash %s is not the recorded %s", path, found, version.hash)
+            self.forget_params()
+            return None
+        return version, params
+
+    def save_params(self, version: ParamsVersion, params: Mapping[str, Tensor]) -> Path:
+        """Store θ of ``version`` and make it the one held; prune older θ files."""
+        self._params.mkdir(parents=True, exist_ok=True)
+        path = self.params_path(version.round)
+        with AtomicFile(path, private=True) as f:
+            torch.save(dict(params), f)
+        body = {"format": FORMAT_VERSION, "round": version.round, "hash": version.hash}
+        atomic_write_bytes(self._params / "current.json", json.dumps(body).encode())
+        self._prune_params(version.round)
+        return path
+
+    def forget_params(self) -> None:
+        """Hold no θ any more: the next sync is a full resync."""
+        (self._params / "current.json").unlink(missing_ok=True)
+
+    def _prune_params(self, current: int) -> None:
+        rounds = sorted(
+            int(m.group(1))
+            for entry in self._params.iterdir()
+            if (m := _PARAMS_RE.fullmatch(entry.name)) is not None
+        )
+        older = [r for r in rounds if r != current]
+        for round_ in older[: max(0, len(older) - _KEEP_OLD_PARAMS)]:
+            self.params_path(round_).unlink(missing_ok=True)
+
+    # -- error feedback ---------------------------------------------------------------
+
+    def load_feedback(self) -> ErrorFeedback:
+        """The residual after the last accepted delta (empty at the start of a job)."""
+        feedback = ErrorFeedback()
+        path = self.root / "feedback.pt"
+        if not path.exists():
+            return feedback
+        body = _load(path)
+        try:
+            feedback.load_state_dict(body["feedback"])
+        except (KeyError, TypeError, ErrorFeedbackError) as exc:
+            raise StateError(f"{path}: not an error-feedback state: {exc}") from None
+        return feedback
+
+    # -- spooled deltas ---------------------------------------------------------------
+
+    def spool_dir(self, round_: int) -> Path:
+        return self._spool / f"round-{round_}"
+
+    def write_spool(
+        self,
+        round_: int,
+        manifest_bytes: bytes,
+        frames: list[bytes],
+        residual: ErrorFeedback,
+        meta: DeltaMeta,
+    ) -> SpooledDelta:
+        """Store a delta before anything of it is sent; the manifest goes last."""
+        directory = self.spool_dir(round_)
+        if directory.exists():
+            shutil.rmtree(directory)  # an incomplete spool (no manifest) from a crash
+        directory.mkdir(parents=True)
+        with AtomicFile(directory / "stream.bin", private=True) as f:
+            for frame in frames:
+                f.write(frame)
+        body = {"format": FORMAT_VERSION, "round": round_, "feedback": residual.state_dict()}
+        with AtomicFile(directory / "residual.pt", private=True) as f:
+            torch.save(body, f)
+        atomic_write_bytes(directory / "meta.json", meta.to_json())
+        atomic_write_bytes(directory / "manifest.json", manifest_bytes)
+        fsync_dir(self._spool)
+        spooled = self.read_spool(round_)
+        if spooled is None:
+            raise StateError(f"{directory}: spool vanished while it was written")
+        return spooled
+
+    def read_spool(self, round_: int) -> SpooledDelta | None:
+        """The complete spooled delta of ``round_``, or None (none, or never finished)."""
+        directory = self.spool_dir(round_)
+        try:
+            manifest_bytes = (directory / "manifest.json").read_bytes()
+        except FileNotFoundError:
+            return None
+        try:
+            manifest = SignedManifest.from_bytes(manifest_bytes)
+            meta_data = json.loads((directory / "meta.json").read_bytes())
+            meta = DeltaMeta(
+                train_loss=float(meta_data["train_loss"]),
+                tokens=int(meta_data["tokens"]),
+                params_hash=str(meta_data["params_hash"]),
+            )
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise StateError(f"{directory}: unreadable spooled delta: {exc}") from None
+        try:
+            size = (directory / "stream.bin").stat().st_size
+        except FileNotFoundError:
+            raise StateError(f"{directory}: the spooled delta has no stream.bin") from None
+        declared = manifest.manifest.total_size
+        if size != declared:
+            raise StateError(f"{directory}/stream.bin holds {size} bytes, not {declared}")
+        return SpooledDelta(round_, manifest_bytes, manifest, meta, directory / "stream.bin")
+
+    def spooled_rounds(self) -> list[int]:
+        if not self._spool.is_dir():
+            return []
+        return sorted(
+            int(m.group(1))
+            for entry in self._spool.iterdir()
+            if (m := _SPOOL_RE.fullmatch(entry.name)) is not None
+        )
+
+    def discard_spool(self, round_: int) -> None:
+        """Drop a delta that will never be accepted (its round closed); keep the residual."""
+        directory = self.spool_dir(round_)
+        if directory.exists():
+            shutil.rmtree(directory)
+            fsync_dir(self._spool)
+
+    def promote(self, round_: int) -> None:
+        """The coordinator accepted the delta of ``round_``: record it, advance the residual.
+
+        Idempotent, in an order that a crash at any step can finish later: the progress
+        record first, then the residual (a rename), then the spool is removed.
+        """
+        uploaded = self.uploaded_round()
+        if uploaded is None or uploaded < round_:
+            body = {"format": FORMAT_VERSION, "uploaded_round": round_}
+            self.root.mkdir(parents=True, exist_ok=True)
+            atomic_write_bytes(self.root / "progress.json", json.dumps(body).encode())
+        residual = self.spool_dir(round_) / "residual.pt"
+        if residual.exists():
+            replace_durably(residual, self.root / "feedback.pt")
+        self.discard_spool(round_)
+
+    def uploaded_round(self) -> int | None:
+        """The last round whose delta the coordinator accepted, if any."""
+        data = _read_json(self.root / "progress.json")
+        if data is None:
+            return None
+        value = data.get("uploaded_round")
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise StateError(f"{self.root / 'progress.json'}: uploaded_round is {value!r}")
+        return value
+
+    def recover(self) -> None:
+        """Finish promotions a crash interrupted and drop spools of rounds already taken."""
+        uploaded = self.uploaded_round()
+        if uploaded is None:
+            return
+        for round_ in self.spooled_rounds():
+            if round_ == uploaded:
+                self.promote(round_)
+            elif round_ < uploaded:
+                self.discard_spool(round_)
+
+
+class AgentState:
+    """The agent's state directory: one :class:`JobState` per job."""
+
+    def __init__(self, root: str | os.PathLike[str]) -> None:
+        self.root = Path(root)
+
+    def job(self, job: str) -> JobState:
+        return JobState(self.root, job)
+
+    def prepare(self) -> None:
+        """Create the state directory (owner-only: θ and residuals never leave the region)."""
+        self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
+
+
+def load_tensors(path: Path) -> dict[str, Tensor]:
+    """A torch.save'd mapping of names to tensors, loaded safely (``weights_only``)."""
+    body = _load(path)
+    if not all(isinstance(k, str) and isinstance(v, Tensor) for k, v in body.items()):
+        raise StateError(f"{path}: not a mapping of names to tensors")
+    return {str(k): v for k, v in body.items()}
+
+
+def _load(path: Path) -> dict[str, Any]:
+    try:
+        body = torch.load(path, map_location="cpu", weights_only=True)
+    except FileNotFoundError:
+        raise StateError(f"{path} is missing") from None
+    except Exception as exc:
+        raise StateError(f"{path}: unreadable: {exc}") from None
+    if not isinstance(body, dict):
+        raise StateError(f"{path}: expected a mapping, found {type(body).__name__}")
+    return body
+
+
+def _read_json(path: Path) -> dict[str, Any] | None:
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        return None
+    try:
+        data = json.loads(raw)
+    except ValueError as exc:
+        raise StateError(f"{path}: not JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise StateError(f"{path}: expected a JSON object")
+    return data

@@ -1,0 +1,123 @@
+"""The region's retained status on ``regions/<region>/status``, kept fresh.
+
+:class:`StatusReporter` holds what the agent is doing (state, job, round, the hash of
+the θ it trained from, train loss, worker restarts, a detail line) and publishes it,
+retained with QoS 1, whenever it changes and every ``interval_s`` besides (so
+``sent_at`` and the restart count stay current). The broker's Last Will and the goodbye
+on a clean stop carry ``offline`` (:meth:`StatusReporter.offline`). Publishing never
+blocks the caller: :meth:`update` only records and wakes the publishing task.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+from collections.abc import Callable
+from typing import Any
+
+import geofed
+from geofed.control import ControlClient, ControlError, Publication, RegionStatus, Topics, encode
+from geofed.control.messages import RegionState
+
+log = logging.getLogger(__name__)
+
+AGENT_VERSION = f"geofed-agent/{geofed.__version__}"
+_FIELDS = frozenset({"state", "job", "round", "params_hash", "train_loss", "detail"})
+
+
+class StatusReporter:
+    """Publishes the region's status (see the module docstring)."""
+
+    def __init__(
+        self,
+        control: ControlClient,
+        topics: Topics,
+        region: str,
+        *,
+        interval_s: float,
+        timeout_s: float,
+        restarts: Callable[[], int] = lambda: 0,
+    ) -> None:
+        self._control = control
+        self._topic = topics.region_status(region)
+        self._region = region
+        self._interval_s = interval_s
+        self._timeout_s = timeout_s
+        self._restarts = restarts
+        self._fields: dict[str, Any] = {"state": "online", "detail": "starting"}
+        self._changed = asyncio.Event()
+        self._changed.set()
+        #: The last status the broker acknowledged (tests and logs read it).
+        self.published: RegionStatus | None = None
+
+    @property
+    def topic(self) -> str:
+        return self._topic
+
+    @property
+    def state(self) -> RegionState:
+        state: RegionState = self._fields["state"]
+        return state
+
+    def current(self, worker_restarts: int = 0) -> RegionStatus:
+        return RegionStatus(
+            region=self._region,
+            agent_version=AGENT_VERSION,
+            worker_restarts=worker_restarts,
+            **self._fields,
+        )
+
+    def update(self, state: RegionState, **fields: Any) -> None:
+        """Record a new status; fields not given keep their values, ``detail`` resets."""
+        unknown = set(fields) - _FIELDS
+        if unknown:
+            raise ValueError(f"unknown status fields {sorted(unknown)}")
+        detail = fields.pop("detail", "")
+        loss = fields.get("train_loss")
+        if loss is not None and not math.isfinite(loss):
+            # JSON has no NaN; a diverged loss is said in words.
+            fields["train_loss"] = None
+            detail = f"{detail} (train loss {loss})".strip()
+        new = {**self._fields, **fields, "state": state, "detail": detail[:4096]}
+        if new != self._fields:
+            self._fields = new
+            log.info("status %s %s", state, detail, extra={"status": dict(new)})
+            self._changed.set()
+
+    def offline(self, detail: str = "") -> Publication:
+        """The ``offline`` status, for the goodbye."""
+        return offline_status(self._topic, self._region, detail)
+
+    async def publish_now(self) -> None:
+        """Publish the current status once (raises ``ControlError`` if not acknowledged)."""
+        restarts = await asyncio.to_thread(self._restarts)
+        status = self.current(restarts)
+        await self._control.publish(
+            self._topic, encode(status), retain=True, timeout_s=self._timeout_s
+        )
+        self.published = status
+
+    async def run(self) -> None:
+        """Publish on every change and every ``interval_s``, until cancelled."""
+        while True:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._changed.wait(), self._interval_s)
+            self._changed.clear()
+            try:
+                await self.publish_now()
+            except ControlError as exc:
+                log.warning("status not published: %s", exc)
+
+    def mark_stale(self) -> None:
+        """Publish again soon (after a reconnect: a Last Will may have replaced ours)."""
+        self._changed.set()
+
+
+def offline_status(topic: str, region: str, detail: str = "") -> Publication:
+    """The retained ``offline`` status of ``region``: the Last Will and the goodbye."""
+    status = RegionStatus(
+        region=region, state="offline", agent_version=AGENT_VERSION, detail=detail
+    )
+    return Publication(topic, encode(status), retain=True)

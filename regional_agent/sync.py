@@ -1,0 +1,329 @@
+"""Reaching θ_r for a round: apply the published update, or resync from the checkpoint.
+
+:func:`verify_artifact` is the one gate every downloaded artifact passes before any of
+its values is used: the bundle parses, the manifest's signature verifies against the
+federation trust bundle, its signer is a ``coordinator`` of the federation, kind, job
+and round are the expected ones, every frame matches its chunk record, and the stream
+decodes (strictly, bounded) into exactly the tensors the manifest declares. Then the
+parameters it reconstructs must hash to the manifest's ``parameters_hash``.
+
+:class:`Synchronizer` decides how to get there (protocol: "Round lifecycle", step 2):
+nothing to do when the held θ already has the announced hash; the update when the held
+θ is the version just before; a full resync otherwise, and whenever an update is
+refused. Verification and the tensor arithmetic run in a worker thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any, Literal
+
+import torch
+from torch import Tensor
+
+from geofed.codec import CodecError, decode
+from geofed.control import RoundAnnouncement
+from geofed.deltas import DeltaError, apply_update
+from geofed.manifest import Manifest, ManifestError, SignedManifest, verify_chunks
+from geofed.params import parameters_vector_hash
+from geofed.pki import TrustBundle
+from geofed.types import ArtifactKind, Role
+from geofed.wire import BundleError, split_bundle
+from regional_agent.http import CoordinatorClient, HttpError
+from regional_agent.state import ParamsVersion
+
+log = logging.getLogger(__name__)
+
+Clock = Callable[[], datetime]
+Params = dict[str, Tensor]
+
+
+class SyncError(Exception):
+    """θ_r could not be reached; the message says what failed."""
+
+
+class ArtifactRejected(SyncError):
+    """A downloaded update or snapshot failed verification; none of it was used."""
+
+
+class ResyncFailed(SyncError):
+    """The latest checkpoint does not reconstruct the announced θ_r."""
+
+
+@dataclass(frozen=True)
+class VerifiedArtifact:
+    """A verified manifest and the tensors its stream decodes to."""
+
+    manifest: Manifest
+    tensors: Params
+    manifest_digest: str
+    """sha256 of the signed manifest bytes (what announcements call ``update_digest``)."""
+
+
+@dataclass(frozen=True)
+class Synced:
+    """The θ reached, its version, and how (``held``, ``update`` or ``resync``)."""
+
+    params: Params
+    version: ParamsVersion
+    method: Literal["held", "update", "resync"]
+    refused: str | None = None
+    """Why an update was refused before the resync, if one was."""
+
+
+def _utc_now() -> datetime:
+    return datetime.now(UTC)
+
+
+def verify_artifact(
+    data: bytes,
+    bundle: TrustBundle,
+    *,
+    kind: ArtifactKind,
+    job: str,
+    round_: int,
+    now: datetime,
+    max_decoded_bytes: int | None = None,
+) -> VerifiedArtifact:
+    """Verify an artifact bundle (see the module docstring); raise :class:`ArtifactRejected`."""
+    what = f"{kind.value} {job}/{round_}"
+    try:
+        manifest_bytes, stream = split_bundle(data)
+        signed = SignedManifest.from_bytes(manifest_bytes)
+        signer = signed.verify(bundle, now=now)
+    except (BundleError, ManifestError) as exc:
+        raise ArtifactRejected(f"{what}: {exc}") from None
+    manifest = signed.manifest
+    if signer.role is not Role.COORDINATOR:
+        raise ArtifactRejected(f"{what}: signed by {signer}, not by a coordinator")
+    found = (manifest.kind, manifest.job, manifest.round)
+    if found != (kind, job, round_):
+        raise ArtifactRejected(f"{what}: the manifest is for {found[0].value} {job}/{found[2]}")
+    frames = _frames(manifest, stream, what)
+    try:
+        verify_chunks(manifest, frames)
+        tensors = decode(
+            frames,
+            expected_header_digest=manifest.chunks[0].sha256,
+            expected_digests=[record.sha256 for record in manifest.chunks[1:-1]],
+            max_decoded_bytes=max_decoded_bytes,
+        )
+    except (ManifestError, CodecError) as exc:
+        raise ArtifactRejected(f"{what}: {exc}") from None
+    declared = [(t.name, t.dtype, tuple(t.shape)) for t in manifest.tensors]
+    actual = [(n, str(t.dtype).removeprefix("torch."), tuple(t.shape)) for n, t in tensors.items()]
+    if declared != actual:
+        raise ArtifactRejected(f"{what}: the stream's tensors differ from the manifest's")
+    if any(t.dtype != torch.float32 for t in tensors.values()):
+        raise ArtifactRejected(f"{what}: parameters and updates must be float32")
+    return VerifiedArtifact(manifest, tensors, hashlib.sha256(manifest_bytes).hexdigest())
+
+
+def _frames(manifest: Manifest, stream: bytes, what: str) -> list[bytes]:
+    if len(manifest.chunks) < 2 or len(stream) != manifest.total_size:
+        raise ArtifactRejected(
+            f"{what}: stream of {len(stream)} bytes, the manifest declares "
+            f"{manifest.total_size} in {len(manifest.chunks)} frames"
+        )
+    frames, offset = [], 0
+    for record in manifest.chunks:
+        frames.append(stream[offset : offset + record.size])
+        offset += record.size
+    return frames
+
+
+def apply_verified_update(
+    params: Mapping[str, Tensor], version: ParamsVersion, update: VerifiedArtifact
+) -> tuple[Params, ParamsVersion]:
+    """θ_{r+1} = θ_r + û, checked against the update's base and parameters hashes."""
+    manifest = update.manifest
+    where = f"update {manifest.job}/{manifest.round}"
+    if manifest.round != version.round:
+        raise ArtifactRejected(f"{where} applies to θ_{manifest.round}; θ_{version.round} is held")
+    if manifest.base_hash != version.hash:
+        raise ArtifactRejected(f"{where} has base_hash {manifest.base_hash}, θ is {version.hash}")
+    try:
+        result = apply_update(params, update.tensors)
+    except DeltaError as exc:
+        raise ArtifactRejected(f"{where}: {exc}") from None
+    found = parameters_vector_hash(result)
+    if found != manifest.parameters_hash:
+        raise ArtifactRejected(
+            f"{where}: parameters hash {found}, the manifest says {manifest.parameters_hash}"
+        )
+    return result, ParamsVersion(round=version.round + 1, hash=found)
+
+
+def snapshot_params(snapshot: VerifiedArtifact) -> tuple[Params, ParamsVersion]:
+    """θ of a verified snapshot, checked against its ``parameters_hash``."""
+    manifest = snapshot.manifest
+    found = parameters_vector_hash(snapshot.tensors)
+    if found != manifest.parameters_hash:
+        raise ArtifactRejected(
+            f"snapshot {manifest.job}/{manifest.round}: parameters hash {found}, "
+            f"the manifest says {manifest.parameters_hash}"
+        )
+    return snapshot.tensors, ParamsVersion(round=manifest.round, hash=found)
+
+
+class Synchronizer:
+    """Brings a region's θ to the one a round announces."""
+
+    def __init__(
+        self, client: CoordinatorClient, bundle: TrustBundle, *, clock: Clock = _utc_now
+    ) -> None:
+        self._client = client
+        self._bundle = bundle
+        self._clock = clock
+
+    async def sync(
+        self, announcement: RoundAnnouncement, held: tuple[ParamsVersion, Params] | None
+    ) -> Synced:
+        """θ_r for ``announcement``, from ``held`` (version and tensors) when it can be."""
+        target = ParamsVersion(announcement.base_round, announcement.base_hash)
+        if held is not None and held[0].hash == target.hash:
+            return Synced(held[1], target, "held")
+        refused: str | None = None
+        url = announcement.update_url
+        if held is not None and url is not None and held[0].round == target.round - 1:
+            try:
+                params, version = await self._update(announcement, url, held)
+            except (ArtifactRejected, HttpError) as exc:
+                refused = str(exc)
+                log.warning("refused the update to θ_%d (%s); resyncing", target.round, exc)
+            else:
+                if version == target:
+                    return Synced(params, version, "update")
+                refused = f"update gives θ hash {version.hash}, announced {target.hash}"
+                log.warning("%s; resyncing", refused)
+        params, version = await self.resync(announcement.job, target)
+        return Synced(params, version, "resync", refused)
+
+    async def _update(
+        self, announcement: RoundAnnouncement, url: str, held: tuple[ParamsVersion, Params]
+    ) -> tuple[Params, ParamsVersion]:
+        data = await self._client.download(url, what=f"update {announcement.job}/{held[0].round}")
+        version, params = held
+        limit = 4 * sum(t.numel() for t in params.values())
+
+        def verify_and_apply() -> tuple[Params, ParamsVersion]:
+            update = verify_artifact(
+                data,
+                self._bundle,
+                kind=ArtifactKind.GLOBAL_UPDATE,
+                job=announcement.job,
+                round_=version.round,
+                now=self._clock(),
+                max_decoded_bytes=limit,
+            )
+            digest = update.manifest_digest
+            if announcement.update_digest is not None and digest != announcement.update_digest:
+                raise ArtifactRejected(
+                    f"update {announcement.job}/{version.round}: manifest digest {digest}, "
+                    f"the announcement says {announcement.update_digest}"
+                )
+            return apply_verified_update(params, version, update)
+
+        return await asyncio.to_thread(verify_and_apply)
+
+    async def resync(self, job: str, target: ParamsVersion) -> tuple[Params, ParamsVersion]:
+        """θ of ``target`` from the latest checkpoint: its snapshot, then its updates."""
+        answer = await self._client.request("GET", f"/v1/jobs/{job}/checkpoints/latest")
+        snapshot, updates = _chain(answer.json(), job, target.round)
+        try:
+            data = await self._client.download(
+                snapshot.url, what=f"snapshot {job}/{snapshot.round}"
+            )
+            params, version = await asyncio.to_thread(self._verify_snapshot, data, job, snapshot)
+            for part in updates:
+                data = await self._client.download(part.url, what=f"update {job}/{part.round}")
+                params, version = await asyncio.to_thread(
+                    self._verify_and_apply, data, job, part, params, version
+                )
+        except ArtifactRejected as exc:
+            raise ResyncFailed(f"resync of {job} to θ_{target.round}: {exc}") from exc
+        if version != target:
+            raise ResyncFailed(
+                f"resync of {job}: the checkpoint gives θ_{version.round} with hash "
+                f"{version.hash}, the round announced θ_{target.round} with hash {target.hash}"
+            )
+        return params, version
+
+    def _verify_snapshot(
+        self, data: bytes, job: str, part: ChainPart
+    ) -> tuple[Params, ParamsVersion]:
+        snapshot = verify_artifact(
+            data,
+            self._bundle,
+            kind=ArtifactKind.GLOBAL_CHECKPOINT,
+            job=job,
+            round_=part.round,
+            now=self._clock(),
+        )
+        part.check_digest(snapshot)
+        return snapshot_params(snapshot)
+
+    def _verify_and_apply(
+        self, data: bytes, job: str, part: ChainPart, params: Params, version: ParamsVersion
+    ) -> tuple[Params, ParamsVersion]:
+        update = verify_artifact(
+            data,
+            self._bundle,
+            kind=ArtifactKind.GLOBAL_UPDATE,
+            job=job,
+            round_=part.round,
+            now=self._clock(),
+            max_decoded_bytes=4 * sum(t.numel() for t in params.values()),
+        )
+        part.check_digest(update)
+        return apply_verified_update(params, version, update)
+
+
+@dataclass(frozen=True, slots=True)
+class ChainPart:
+    """One artifact of a checkpoint chain as ``checkpoints/latest`` lists it."""
+
+    round: int
+    url: str
+    manifest_digest: str | None
+
+    def check_digest(self, artifact: VerifiedArtifact) -> None:
+        if self.manifest_digest is not None and artifact.manifest_digest != self.manifest_digest:
+            raise ArtifactRejected(
+                f"{artifact.manifest.kind.value} {artifact.manifest.job}/{self.round}: manifest "
+                f"digest {artifact.manifest_digest}, the checkpoint lists {self.manifest_digest}"
+            )
+
+    @classmethod
+    def parse(cls, entry: Any) -> ChainPart:
+        digest = entry.get("manifest_digest")
+        return cls(int(entry["round"]), str(entry["url"]), None if digest is None else str(digest))
+
+
+def _chain(info: Mapping[str, Any], job: str, target: int) -> tuple[ChainPart, list[ChainPart]]:
+    """The snapshot and the updates after it up to θ_target (``checkpoints/latest``)."""
+    try:
+        snapshot = ChainPart.parse(info["snapshot"])
+        updates = sorted(
+            (ChainPart.parse(entry) for entry in info.get("updates", [])),
+            key=lambda part: part.round,
+        )
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise ResyncFailed(f"checkpoint of {job}: malformed answer ({exc!r})") from None
+    if snapshot.round > target:
+        raise ResyncFailed(
+            f"checkpoint of {job} starts at θ_{snapshot.round}, after the announced θ_{target}"
+        )
+    needed = [part for part in updates if snapshot.round <= part.round < target]
+    if [part.round for part in needed] != list(range(snapshot.round, target)):
+        have = [part.round for part in updates]
+        raise ResyncFailed(
+            f"checkpoint of {job}: updates {have} after snapshot θ_{snapshot.round} do not "
+            f"reach θ_{target}"
+        )
+    return snapshot, needed

@@ -1,0 +1,194 @@
+"""Resumable, idempotent upload of a spooled delta (protocol: "Upload a delta").
+
+One upload is: ``PUT .../manifest`` (the coordinator answers which chunks it already
+holds), ``PUT .../chunks/{i}`` for each missing frame, ``POST .../commit``. When the
+connection drops or times out, the uploader backs off and starts again from the
+manifest, so it re-sends only what the coordinator did not acknowledge; a delta the
+coordinator already accepted is answered ``accepted`` at once. Everything is keyed by
+(job, round, region), so retrying after an agent restart is harmless too.
+
+Answers that retrying cannot change end the upload with a specific error:
+:class:`RoundClosed` (a straggler: wait for the next announcement), :class:`BaseMismatch`
+(the coordinator's θ_r is not ours: resync), :class:`UploadRefused` (anything else the
+coordinator refuses, with its code). The whole upload is bounded by ``upload_s``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from geofed.control.backoff import Backoff
+from geofed.timeouts import Timeout, wait_for
+from regional_agent.http import CoordinatorClient, HttpError, TransportError
+from regional_agent.state import SpooledDelta
+
+log = logging.getLogger(__name__)
+
+Sleep = Callable[[float], Awaitable[None]]
+#: Codes meaning the delta no longer belongs to an open round.
+_CLOSED_CODES = frozenset({"round_closed", "wrong_round"})
+#: An ``incomplete`` commit (a chunk lost after its acknowledgement) or a vanished open
+#: upload means starting over from the manifest; not forever.
+_MAX_INCOMPLETE = 3
+
+
+class UploadError(Exception):
+    """Base class of upload failures that retrying will not fix."""
+
+
+class RoundClosed(UploadError):
+    """The round closed before the delta was accepted: this region is a straggler."""
+
+
+class BaseMismatch(UploadError):
+    """The coordinator's θ_r differs from the one the delta was trained from."""
+
+
+class UploadRefused(UploadError):
+    """The coordinator refused the delta; ``code`` is its error code."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass(slots=True)
+class UploadReport:
+    """How an upload went: the receipt, and what it took."""
+
+    receipt: Mapping[str, Any]
+    chunks_sent: int = 0
+    bytes_sent: int = 0
+    attempts: int = 0
+    already_accepted: bool = False
+    retried_after: list[str] = field(default_factory=list)
+
+
+class Uploader:
+    """Uploads spooled deltas of one region to the coordinator."""
+
+    def __init__(
+        self,
+        client: CoordinatorClient,
+        region: str,
+        *,
+        backoff: Backoff | None = None,
+        sleep: Sleep = asyncio.sleep,
+        rng: random.Random | None = None,
+    ) -> None:
+        self._client = client
+        self._region = region
+        self._backoff = backoff or Backoff(initial_s=0.2, max_s=10.0)
+        self._sleep = sleep
+        self._rng = rng or random.Random()
+
+    def delta_path(self, job: str, round_: int) -> str:
+        return f"/v1/jobs/{job}/rounds/{round_}/deltas/{self._region}"
+
+    async def upload(
+        self, job: str, delta: SpooledDelta, metrics: Mapping[str, float]
+    ) -> UploadReport:
+        """Upload ``delta`` of ``job`` until accepted; raise :class:`UploadError` or ``Timeout``."""
+        what = f"upload of the delta of job {job} round {delta.round}"
+        report = UploadReport(receipt={})
+        limit = self._client.timeouts.upload_s
+        return await wait_for(self._upload(job, delta, dict(metrics), report), limit, what)
+
+    async def _upload(
+        self, job: str, delta: SpooledDelta, metrics: dict[str, float], report: UploadReport
+    ) -> UploadReport:
+        base = self.delta_path(job, delta.round)
+        failures = 0
+        incomplete = 0
+        while True:
+            report.attempts += 1
+            try:
+                if await self._attempt(base, delta, metrics, report):
+                    return report
+                incomplete += 1
+                if incomplete >= _MAX_INCOMPLETE:
+                    raise UploadRefused(
+                        "incomplete",
+                        f"upload of {base} lost chunks or its open upload {incomplete} times "
+                        "in a row",
+                    )
+            except (TransportError, Timeout) as exc:
+                delay = self._backoff.delay(failures, self._rng)
+                failures += 1
+                report.retried_after.append(str(exc))
+                log.warning("%s: %s; resuming in %.2f s", base, exc, delay)
+                await self._sleep(delay)
+            except HttpError as exc:
+                raise _refusal(exc) from exc
+
+    async def _attempt(
+        self,
+        base: str,
+        delta: SpooledDelta,
+        metrics: dict[str, float],
+        report: UploadReport,
+    ) -> bool:
+        """One pass: manifest, missing chunks, commit. False to start over from the manifest."""
+        answer = await self._client.request(
+            "PUT", f"{base}/manifest", data=delta.manifest_bytes, what=f"PUT {base}/manifest"
+        )
+        state = answer.json()
+        if state.get("state") == "accepted":
+            report.receipt = state.get("receipt") or state
+            report.already_accepted = True
+            return True
+        received = _received(state, delta.frame_count)
+        for index in range(delta.frame_count):
+            if index in received:
+                continue
+            frame = await asyncio.to_thread(delta.read_frame, index)
+            try:
+                await self._client.request(
+                    "PUT", f"{base}/chunks/{index}", data=frame, what=f"PUT {base}/chunks/{index}"
+                )
+            except HttpError as exc:
+                if exc.code != "not_found":
+                    raise
+                # The open upload is gone (replaced or expired): offer the manifest again.
+                log.warning("%s: %s; offering the manifest again", base, exc.message)
+                return False
+            report.chunks_sent += 1
+            report.bytes_sent += len(frame)
+        try:
+            commit = await self._client.request(
+                "POST", f"{base}/commit", json_body={"metrics": metrics}, what=f"commit {base}"
+            )
+        except HttpError as exc:
+            if exc.code == "incomplete":
+                log.warning("%s: %s; asking again which chunks are missing", base, exc.message)
+                return False
+            raise
+        body = commit.json()
+        if body.get("state") != "accepted":
+            raise UploadRefused("bad_answer", f"commit of {base} answered {body!r}")
+        report.receipt = body.get("receipt") or body
+        return True
+
+
+def _received(state: Mapping[str, Any], count: int) -> set[int]:
+    if state.get("state") != "open":
+        raise UploadRefused("bad_answer", f"manifest answer has state {state.get('state')!r}")
+    received = state.get("received", [])
+    if not isinstance(received, list) or not all(
+        isinstance(i, int) and not isinstance(i, bool) and 0 <= i < count for i in received
+    ):
+        raise UploadRefused("bad_answer", f"manifest answer lists received={received!r}")
+    return set(received)
+
+
+def _refusal(error: HttpError) -> UploadError:
+    if error.code in _CLOSED_CODES:
+        return RoundClosed(str(error))
+    if error.code == "base_mismatch":
+        return BaseMismatch(str(error))
+    return UploadRefused(error.code, str(error))

@@ -1,0 +1,276 @@
+"""The agent's config loader: typed, resolved paths, errors naming file, line and key."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from geofed.cli import main as geofed_main
+from regional_agent.config import (
+    AgentConfigError,
+    load_config,
+    training_datasets,
+)
+from regional_agent.config import load_region_policies as region_policies
+from regional_agent.credentials import CredentialsError, load_credentials
+from tests.support.pki import Federation, make_federation
+
+REPO = Path(__file__).resolve().parents[2]
+POLICIES = REPO / "configs" / "policies"
+
+
+@pytest.fixture(scope="module")
+def federation(tmp_path_factory: pytest.TempPathFactory) -> Federation:
+    fed = make_federation(tmp_path_factory.mktemp("pki"), "acme")
+    fed.region("eu-west")
+    fed.region("us-east")
+    return fed
+
+
+def credential_dir(fed: Federation, role_name: str) -> Path:
+    return fed.root / "credentials" / f"org-{role_name}"
+
+
+def write(tmp_path: Path, fed: Federation, text: str | None = None, **fields: str) -> Path:
+    values = {
+        "federation": "acme",
+        "region": "eu-west",
+        "policy": str(POLICIES / "eu-west.yaml"),
+        "url": "https://coordinator.acme.example:8443",
+        "mqtt": "{host: mqtt.acme.example, port: 8883}",
+        "cert": str(credential_dir(fed, "region-eu-west") / "cert.pem"),
+        "key": str(credential_dir(fed, "region-eu-west") / "key.pem"),
+        "bundle": str(fed.bundle_file),
+        "extra": "",
+    }
+    values.update(fields)
+    body = text or (
+        "federation: {federation}\n"
+        "region: {region}\n"
+        "policy: {policy}\n"
+        "coordinator_url: {url}\n"
+        "mqtt: {mqtt}\n"
+        "identity:\n"
+        "  cert: {cert}\n"
+        "  key: {key}\n"
+        "  trust_bundle: {bundle}\n"
+        "state_dir: state\n"
+        "{extra}"
+    ).format(**values)
+    path = tmp_path / "agent.yaml"
+    path.write_text(body)
+    return path
+
+
+def problems(path: Path) -> list[str]:
+    with pytest.raises(AgentConfigError) as info:
+        load_config(path)
+    return [str(problem) for problem in info.value.problems]
+
+
+def test_a_valid_config_loads_with_defaults_and_resolved_paths(
+    tmp_path: Path, federation: Federation
+) -> None:
+    config = load_config(write(tmp_path, federation))
+    assert config.state_dir == tmp_path / "state"
+    assert config.workers.count == 2
+    assert config.workers.backend == "auto"
+    assert config.mqtt.tls is True
+    assert config.timeouts.request_s == 30
+    assert config.identity_uri.uri == "spiffe://acme/region/eu-west"
+    assert config.workers_dir == tmp_path / "state" / "workers"
+
+
+@pytest.fixture(autouse=True)
+def _policy_next_to_config(tmp_path: Path) -> None:
+    # Relative policy paths resolve against the config file's directory.
+    (tmp_path.parent / "policy.yaml").write_text((POLICIES / "eu-west.yaml").read_text())
+
+
+def test_relative_paths_resolve_against_the_config_file(
+    tmp_path: Path, federation: Federation
+) -> None:
+    config = load_config(write(tmp_path, federation, policy="../policy.yaml"))
+    assert config.policy == tmp_path / ".." / "policy.yaml"
+    assert config.policy.is_file()
+
+
+@pytest.mark.parametrize(
+    ("fields", "expected"),
+    [
+        ({"mqtt": "{host: h, port: '8883'}"}, "agent.yaml:5: mqtt.port: Input should be a valid"),
+        ({"mqtt": "{host: h, prot: 1}"}, "agent.yaml:5: mqtt.prot: unknown key; allowed keys"),
+        ({"region": "EU_West"}, "agent.yaml:2: region: invalid region 'EU_West'"),
+        ({"url": "ftp://x"}, "agent.yaml:4: coordinator_url: 'ftp://x' is not an http"),
+        (
+            {"url": "http://coordinator.acme.example:8443"},
+            "agent.yaml:1: (document): coordinator_url 'http://coordinator.acme.example:8443' "
+            "must be https://",
+        ),
+        (
+            {"url": "http://10.0.0.5:8443", "extra": "insecure_loopback: true\n"},
+            "is not a loopback address; plain HTTP leaves no machine",
+        ),
+        (
+            {"mqtt": "{host: mqtt.acme.example, port: 1883, tls: false}"},
+            "mqtt.tls: false, but mqtt.host 'mqtt.acme.example' is not a loopback address",
+        ),
+        (
+            {"extra": "timeouts: {request_s: 3, upload_s: 2}\n"},
+            "agent.yaml:11: timeouts: inconsistent timeouts: connect_s (10) must be at most "
+            "request_s (3); request_s (3) must be greater than heartbeat_s (5); upload_s (2) "
+            "must be greater than request_s (3)",
+        ),
+        (
+            {"extra": "workers:\n  count: 2\n  env: {OMP_NUM_THREADS: '8'}\n"},
+            "agent.yaml:11: workers: env may not set OMP_NUM_THREADS",
+        ),
+        (
+            {"extra": "workers: {backend: mpi}\n"},
+            "agent.yaml:11: workers.backend: Input should be 'auto', 'gloo' or 'nccl'",
+        ),
+        (
+            {"extra": "workers: {env: {'bad name': x}}\n"},
+            "agent.yaml:11: workers.env: 'bad name' is not an environment variable name",
+        ),
+        ({"extra": "state_dir: again\n"}, "agent.yaml:11: state_dir: duplicate key"),
+        ({"extra": "datasets: [a, a]\n"}, "agent.yaml:11: datasets: a dataset is listed twice"),
+    ],
+)
+def test_schema_errors_name_file_line_and_key(
+    tmp_path: Path, federation: Federation, fields: dict[str, str], expected: str
+) -> None:
+    found = problems(write(tmp_path, federation, **fields))
+    assert any(expected in problem for problem in found), found
+
+
+def test_every_schema_problem_is_reported_at_once(tmp_path: Path, federation: Federation) -> None:
+    path = write(tmp_path, federation, mqtt="{port: 0}", extra="workers: {count: 0}\n")
+    found = problems(path)
+    assert any("agent.yaml:5: mqtt.port" in p for p in found)
+    assert any("agent.yaml:11: workers.count" in p for p in found)
+
+
+def test_a_missing_key_names_its_parent(tmp_path: Path) -> None:
+    path = tmp_path / "agent.yaml"
+    path.write_text("federation: acme\nregion: eu-west\n")
+    found = problems(path)
+    assert f"{path}:1: coordinator_url: missing required key 'coordinator_url'" in found
+    assert len(found) == 4  # policy, coordinator_url, identity, state_dir
+
+
+def test_malformed_yaml_names_the_line(tmp_path: Path) -> None:
+    path = tmp_path / "agent.yaml"
+    path.write_text("federation: acme\nregion: [eu-west\n")
+    [problem] = problems(path)
+    assert problem.startswith(f"{path}:")
+    assert "(syntax)" in problem
+
+
+def test_an_unreadable_file_is_a_config_error(tmp_path: Path) -> None:
+    [problem] = problems(tmp_path / "missing.yaml")
+    assert "missing.yaml: (file): cannot read" in problem
+
+
+def test_the_policy_must_govern_this_region(tmp_path: Path, federation: Federation) -> None:
+    found = problems(write(tmp_path, federation, policy=str(POLICIES / "us-east.yaml")))
+    assert found == [
+        f"{tmp_path / 'agent.yaml'}:3: policy: {POLICIES / 'us-east.yaml'} governs us-east, "
+        "not eu-west"
+    ]
+
+
+def test_datasets_must_be_declared_by_the_policy(tmp_path: Path, federation: Federation) -> None:
+    path = write(tmp_path, federation, extra="datasets: [eu-parliament-proceedings, us-books]\n")
+    [problem] = problems(path)
+    assert ":11: datasets[1]: eu-west's policy declares no dataset 'us-books'" in problem
+
+
+def test_training_datasets_default_to_every_declared_dataset(
+    tmp_path: Path, federation: Federation
+) -> None:
+    config = load_config(write(tmp_path, federation))
+    assert training_datasets(config, region_policies(config)) == (
+        "eu-parliament-proceedings",
+        "eu-support-chats",
+    )
+    chosen = load_config(write(tmp_path, federation, extra="datasets: [eu-support-chats]\n"))
+    assert training_datasets(chosen, region_policies(chosen)) == ("eu-support-chats",)
+
+
+def test_missing_identity_files_are_named(tmp_path: Path, federation: Federation) -> None:
+    missing = tmp_path / "nope.pem"
+    found = problems(write(tmp_path, federation, cert=str(missing)))
+    assert found == [
+        f"{tmp_path / 'agent.yaml'}:7: identity.cert: {missing} is not a readable file"
+    ]
+
+
+def test_a_certificate_of_another_region_is_refused(tmp_path: Path, federation: Federation) -> None:
+    other = credential_dir(federation, "region-us-east")
+    path = write(tmp_path, federation, cert=str(other / "cert.pem"), key=str(other / "key.pem"))
+    [problem] = problems(path)
+    assert ":6: identity: " in problem
+    assert "is spiffe://acme/region/us-east, but this agent is spiffe://acme/region/eu-west" in (
+        problem
+    )
+
+
+def test_a_key_that_does_not_match_the_certificate_is_refused(
+    tmp_path: Path, federation: Federation
+) -> None:
+    other = credential_dir(federation, "region-us-east")
+    [problem] = problems(write(tmp_path, federation, key=str(other / "key.pem")))
+    assert "is not the ECDSA key of" in problem
+
+
+def test_a_trust_bundle_of_another_federation_is_refused(
+    tmp_path: Path, federation: Federation
+) -> None:
+    other = make_federation(tmp_path / "other", "otherfed")
+    [problem] = problems(write(tmp_path, federation, bundle=str(other.bundle_file)))
+    assert "is for federation 'otherfed', not 'acme'" in problem
+
+
+def test_load_credentials_gives_the_region_key_and_bundle(
+    tmp_path: Path, federation: Federation
+) -> None:
+    credentials = load_credentials(load_config(write(tmp_path, federation)))
+    assert credentials.identity.uri == "spiffe://acme/region/eu-west"
+    assert credentials.bundle.federation == "acme"
+    assert credentials.private_key.public_key() == credentials.certificate.public_key()
+    assert issubclass(CredentialsError, ValueError)
+
+
+def test_geofed_agent_exits_2_on_a_config_error(
+    tmp_path: Path, federation: Federation, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = write(tmp_path, federation, mqtt="{host: h, port: 0}")
+    assert geofed_main(["agent", "--config", str(path)]) == 2
+    assert f"error: {path}:5: mqtt.port" in capsys.readouterr().err
+
+
+@pytest.fixture(scope="module")
+def demo_layout(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A copy of configs/ next to run/pki/, made with the commands the examples document."""
+    root = tmp_path_factory.mktemp("demo")
+    shutil.copytree(REPO / "configs", root / "configs")
+    pki = root / "run" / "pki"
+    assert geofed_main(["ca", "init", "--federation", "demo", "--out", str(pki / "ca")]) == 0
+    for region in ("eu-west", "us-east", "ap-south"):
+        issue = ["ca", "issue", "--ca", str(pki / "ca"), "--role", "region", "--name", region]
+        assert geofed_main([*issue, "--out", str(pki / region)]) == 0
+    return root
+
+
+@pytest.mark.parametrize("region", ["eu-west", "us-east", "ap-south"])
+def test_the_example_configs_load_in_the_demo_layout(demo_layout: Path, region: str) -> None:
+    config = load_config(demo_layout / "configs" / f"agent-{region}.yaml")
+    assert config.region == region
+    assert config.federation == "demo"
+    assert load_credentials(config).identity.uri == f"spiffe://demo/region/{region}"
+    datasets = training_datasets(config, region_policies(config))
+    assert len(datasets) == 1
+    assert config.state_dir.resolve() == (demo_layout / "run" / "agents" / region).resolve()

@@ -1,0 +1,183 @@
+"""The agent's durable regional state: θ files, spooled deltas, the residual's promotion."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from pathlib import Path
+
+import pytest
+import torch
+
+from geofed.codec import CodecConfig, ErrorFeedback, decode
+from geofed.params import parameters_vector_hash, state_to_fp32
+from geofed.types import ArtifactKind
+from policies import load_policies
+from regional_agent.credentials import Credentials
+from regional_agent.delta import (
+    DeltaOrigin,
+    delta_manifest,
+    encode_delta,
+    export_decision,
+    sign_delta,
+)
+from regional_agent.state import AgentState, DeltaMeta, JobState, ParamsVersion, StateError
+from tests.support.pki import Principal, make_federation
+from tests.support.tiny_task import TinyTask
+
+JOB = "tiny"
+Params = dict[str, torch.Tensor]
+
+
+@pytest.fixture(scope="module")
+def region(tmp_path_factory: pytest.TempPathFactory) -> tuple[Principal, Credentials]:
+    fed = make_federation(tmp_path_factory.mktemp("pki"))
+    principal = fed.region("eu-west")
+    credentials = Credentials(
+        identity=principal.identity,
+        certificate=principal.credential.certificate,
+        private_key=principal.credential.private_key,
+        bundle=fed.bundle(),
+        cert_file=principal.cert_file,
+        key_file=principal.key_file,
+    )
+    return principal, credentials
+
+
+def theta(seed: int) -> Params:
+    return state_to_fp32(TinyTask().build_model(seed=seed))
+
+
+def spool_round(
+    state: JobState, credentials: Credentials, round_: int, feedback: ErrorFeedback
+) -> ErrorFeedback:
+    """Encode, sign and spool a delta of ``round_``; return the residual it leaves."""
+    base = theta(1)
+    local = {n: t + 0.003 * (round_ + 1) * torch.randn(t.shape) for n, t in base.items()}
+    encoded = encode_delta(base, local, feedback, CodecConfig(scheme="int4", block_size=16))
+    origin = DeltaOrigin(
+        job=JOB,
+        round=round_,
+        base_round=round_,
+        base_hash=parameters_vector_hash(base),
+        tokens=32,
+        producer=credentials.identity,
+        jurisdiction="EU",
+        datasets=("eu-parliament-proceedings",),
+    )
+    signed = sign_delta(delta_manifest(origin, encoded, now=datetime.now(UTC)), credentials)
+    meta = DeltaMeta(train_loss=1.25, tokens=32, params_hash=origin.base_hash)
+    state.write_spool(round_, signed.to_bytes(), encoded.frames, encoded.feedback, meta)
+    return encoded.feedback
+
+
+def assert_residuals_equal(left: ErrorFeedback, right: ErrorFeedback) -> None:
+    assert left.residual.keys() == right.residual.keys()
+    for name, tensor in left.residual.items():
+        assert torch.equal(tensor, right.residual[name]), name
+
+
+def test_params_round_trip_and_older_files_are_pruned(tmp_path: Path) -> None:
+    state = AgentState(tmp_path).job(JOB)
+    assert state.load_params() is None
+    for round_ in range(4):
+        params = theta(round_)
+        state.save_params(ParamsVersion(round_, parameters_vector_hash(params)), params)
+    held = state.load_params()
+    assert held is not None
+    version, params = held
+    assert version == ParamsVersion(3, parameters_vector_hash(theta(3)))
+    assert all(torch.equal(params[n], theta(3)[n]) for n in params)
+    files = sorted(p.name for p in (tmp_path / "jobs" / JOB / "params").glob("round-*.pt"))
+    assert files == ["round-2.pt", "round-3.pt"]  # the current one and one before it
+
+
+def test_damaged_params_are_dropped_so_the_next_sync_resyncs(tmp_path: Path) -> None:
+    state = AgentState(tmp_path).job(JOB)
+    params = theta(0)
+    path = state.save_params(ParamsVersion(0, parameters_vector_hash(params)), params)
+    damaged = {n: t.clone() for n, t in params.items()}
+    next(iter(damaged.values())).view(-1)[0] += 1.0
+    torch.save(damaged, path)
+    assert state.load_params() is None
+    assert state.current_version() is None
+
+
+def test_a_spooled_delta_reads_back_frame_by_frame(
+    tmp_path: Path, region: tuple[Principal, Credentials]
+) -> None:
+    state = AgentState(tmp_path).job(JOB)
+    spool_round(state, region[1], 3, ErrorFeedback())
+    spooled = state.read_spool(3)
+    assert spooled is not None
+    manifest = spooled.manifest.manifest
+    assert manifest.kind is ArtifactKind.MODEL_DELTA
+    assert (manifest.job, manifest.round, manifest.tokens) == (JOB, 3, 32)
+    frames = [spooled.read_frame(i) for i in range(spooled.frame_count)]
+    assert [len(f) for f in frames] == [record.size for record in manifest.chunks]
+    decoded = decode(frames)
+    assert set(decoded) == set(theta(0))
+    assert spooled.meta.train_loss == 1.25
+    assert state.spooled_rounds() == [3]
+    with pytest.raises(StateError, match="has no frame 99"):
+        spooled.read_frame(99)
+
+
+def test_a_spool_without_its_manifest_does_not_exist(
+    tmp_path: Path, region: tuple[Principal, Credentials]
+) -> None:
+    state = AgentState(tmp_path).job(JOB)
+    spool_round(state, region[1], 2, ErrorFeedback())
+    (state.spool_dir(2) / "manifest.json").unlink()  # a crash before the last write
+    assert state.read_spool(2) is None
+    spool_round(state, region[1], 2, ErrorFeedback())  # written again over the remains
+    assert state.read_spool(2) is not None
+
+
+def test_the_residual_advances_only_when_the_delta_is_accepted(
+    tmp_path: Path, region: tuple[Principal, Credentials]
+) -> None:
+    state = AgentState(tmp_path).job(JOB)
+    first = spool_round(state, region[1], 0, state.load_feedback())
+    assert state.load_feedback().residual == {}  # spooled, not yet accepted
+    state.promote(0)
+    assert state.uploaded_round() == 0
+    assert state.spooled_rounds() == []
+    assert_residuals_equal(state.load_feedback(), first)
+    # A straggler's delta is dropped and leaves the residual as it was.
+    spool_round(state, region[1], 1, state.load_feedback())
+    state.discard_spool(1)
+    assert_residuals_equal(state.load_feedback(), first)
+    assert state.uploaded_round() == 0
+    second = spool_round(state, region[1], 2, state.load_feedback())
+    state.promote(2)
+    state.promote(2)  # idempotent
+    assert_residuals_equal(state.load_feedback(), second)
+    assert state.uploaded_round() == 2
+
+
+def test_recover_finishes_a_promotion_a_crash_interrupted(
+    tmp_path: Path, region: tuple[Principal, Credentials]
+) -> None:
+    state = AgentState(tmp_path).job(JOB)
+    spool_round(state, region[1], 4, ErrorFeedback())
+    old = spool_round(state, region[1], 3, ErrorFeedback())
+    residual = spool_round(state, region[1], 5, ErrorFeedback())
+    # The crash came right after the progress record of round 5 was written.
+    (state.root / "progress.json").write_text('{"format": 1, "uploaded_round": 5}')
+    state.recover()
+    assert state.spooled_rounds() == []
+    assert_residuals_equal(state.load_feedback(), residual)
+    assert not torch.equal(
+        next(iter(old.residual.values())), next(iter(residual.residual.values()))
+    )
+
+
+def test_the_own_policy_decides_where_deltas_may_go() -> None:
+    repo = Path(__file__).resolve().parents[2]
+    policies = load_policies([repo / "configs" / "policies"])
+    allowed = export_decision(policies, "eu-west", ["eu-parliament-proceedings"])
+    assert allowed.allowed
+    assert "eu-west:exports.model_delta[0]" in str(allowed)
+    unknown = export_decision(policies, "eu-west", ["us-public-domain-books"])
+    assert not unknown.allowed
+    assert "eu-west declares no dataset us-public-domain-books" in unknown.reason

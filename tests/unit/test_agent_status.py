@@ -1,0 +1,51 @@
+"""The region's status record: what it says, how it changes, and the offline goodbye."""
+
+from __future__ import annotations
+
+import pytest
+
+from geofed.control import ControlClient, RegionStatus, Topics, decode
+from regional_agent.status import AGENT_VERSION, StatusReporter
+
+TOPICS = Topics("acme")
+
+
+def reporter() -> StatusReporter:
+    # Never started: these tests publish nothing.
+    control = ControlClient("127.0.0.1", 1, client_id="region.eu-west")
+    return StatusReporter(control, TOPICS, "eu-west", interval_s=1.0, timeout_s=1.0)
+
+
+def test_fields_persist_and_the_detail_resets() -> None:
+    status = reporter()
+    status.update("training", job="llm", round=3, params_hash="ab" * 32, detail="50 steps")
+    status.update("uploading", train_loss=2.5)
+    current = status.current(worker_restarts=2)
+    assert (current.state, current.job, current.round) == ("uploading", "llm", 3)
+    assert current.params_hash == "ab" * 32
+    assert current.train_loss == 2.5
+    assert current.detail == ""
+    assert current.worker_restarts == 2
+    assert current.agent_version == AGENT_VERSION
+    assert status.state == "uploading"
+
+
+def test_a_diverged_loss_is_reported_in_words() -> None:
+    status = reporter()
+    status.update("error", job="llm", round=1, train_loss=float("nan"), detail="diverged")
+    current = status.current()
+    assert current.train_loss is None
+    assert current.detail == "diverged (train loss nan)"
+
+
+def test_unknown_fields_are_refused() -> None:
+    with pytest.raises(ValueError, match="unknown status fields"):
+        reporter().update("online", colour="green")
+
+
+def test_the_goodbye_is_a_retained_offline_status() -> None:
+    goodbye = reporter().offline("stopped")
+    assert goodbye.topic == TOPICS.region_status("eu-west")
+    assert goodbye.retain
+    message = decode(goodbye.payload, RegionStatus)
+    assert (message.region, message.state, message.detail) == ("eu-west", "offline", "stopped")
