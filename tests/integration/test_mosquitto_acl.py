@@ -18,7 +18,6 @@ Two ways to show that a message never arrived, without waiting for a timeout:
 from __future__ import annotations
 
 import asyncio
-import getpass
 import os
 import shutil
 import signal
@@ -34,50 +33,17 @@ from geofed.cli import main
 from geofed.control import ControlClient, Publication, Topics
 from geofed.mqtt_acl import Principals, render_acl
 from geofed.types import Role
-from tests.support.mosquitto import HOST, MosquittoBroker, run_mosquitto
+from tests.support.mosquitto import MosquittoBroker
+from tests.support.mosquitto_production import PRODUCTION_CONF, production_broker, rewritten
 from tests.support.pki import LOOPBACK_DNS, LOOPBACK_IPS, Federation, Principal, make_federation
 
 pytestmark = pytest.mark.integration
 
 REPO = Path(__file__).resolve().parents[2]
-PRODUCTION_CONF = REPO / "deploy" / "mosquitto" / "mosquitto.conf"
 MOSQUITTO_SUB = Path("/usr/bin/mosquitto_sub")
 BRIDGE_EXAMPLE = REPO / "deploy" / "mosquitto" / "bridge-region.conf.example"
 EXAMPLE_POLICIES = REPO / "configs" / "policies"  # regions ap-south, eu-west, us-east
 TOPICS = Topics("acme")
-
-
-def rewritten(path: Path, replacements: dict[str, str]) -> str:
-    """``path``'s text with the value of each ``key value`` line in ``replacements`` replaced."""
-    lines, seen = [], set()
-    for line in path.read_text().splitlines():
-        key = line.split(" ", 1)[0]
-        if key in replacements:
-            assert key not in seen, f"{path} sets {key} twice"
-            seen.add(key)
-            line = f"{key} {replacements[key]}"
-        lines.append(line)
-    missing = sorted(set(replacements) - seen)
-    assert not missing, f"{path} no longer sets {missing}; update this test"
-    return "\n".join(lines) + "\n"
-
-
-def production_config(
-    port: int, *, cafile: Path, certfile: Path, keyfile: Path, acl_file: Path, state: Path
-) -> str:
-    """deploy/mosquitto/mosquitto.conf with each deployment-specific value replaced."""
-    replacements = {
-        # Started as root Mosquitto would switch to "mosquitto", who cannot read our keys.
-        "user": getpass.getuser(),
-        "listener": f"{port} {HOST}",
-        "cafile": str(cafile),
-        "certfile": str(certfile),
-        "keyfile": str(keyfile),
-        "acl_file": str(acl_file),
-        "persistence_location": f"{state}/",
-    }
-    # Debug logging shows "Denied PUBLISH" lines in the test's log.
-    return rewritten(PRODUCTION_CONF, replacements) + "log_type debug\n"
 
 
 def bridge_config(upstream: MosquittoBroker, federation: Federation, region: Principal) -> str:
@@ -123,44 +89,6 @@ def principals(federation: Federation) -> dict[str, Principal]:
             Role.OBSERVER, "mqtt-eu-west", dns_names=LOOPBACK_DNS, ip_addresses=LOOPBACK_IPS
         ),
     }
-
-
-@asynccontextmanager
-async def production_broker(
-    federation: Federation,
-    principals: dict[str, Principal],
-    acl_file: Path,
-    workdir: Path,
-    *,
-    server_name: str = "broker",
-    extra: str = "",
-) -> AsyncIterator[MosquittoBroker]:
-    """The production config on a free port; ``extra`` is appended (a bridge)."""
-    server = principals[server_name]
-    state = workdir / "state"
-    state.mkdir(parents=True, exist_ok=True)
-
-    def config(port: int) -> str:
-        return (
-            production_config(
-                port,
-                cafile=federation.ca_file,
-                certfile=server.cert_file,
-                keyfile=server.key_file,
-                acl_file=acl_file,
-                state=state,
-            )
-            + extra
-        )
-
-    with run_mosquitto(
-        workdir,
-        cafile=federation.ca_file,
-        certfile=server.cert_file,
-        keyfile=server.key_file,
-        config=config,
-    ) as broker:
-        yield broker
 
 
 @pytest.fixture
