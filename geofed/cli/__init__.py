@@ -13,7 +13,7 @@ import sys
 from collections.abc import Sequence
 
 # Sub-command modules, imported lazily so `geofed policy check` does not pay for torch.
-_COMMAND_MODULES: tuple[str, ...] = ("ca", "policy")
+_COMMAND_MODULES: tuple[str, ...] = ("agent", "ca", "coordinator", "demo", "jobs", "mqtt", "policy")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,180 @@
+"""Admin HTTP handlers: health, metrics, jobs, regions, audit.
+
+Thin: parse the request, check the caller's role, call the job manager or the store,
+answer JSON. Operators manage jobs; operators and observers read.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from coordinator.auth import READERS, caller, require_role
+from coordinator.bodies import read_limited
+from coordinator.errors import ApiError, BadRequest, TooLarge
+from coordinator.keys import JOBS, REGISTRY, RUNTIME, SERVICES
+from geofed.timeouts import Timeout, wait_for
+from geofed.types import InvalidName, Role, validate_name
+
+__all__ = ["int_query", "routes"]
+
+routes = web.RouteTableDef()
+
+
+@routes.get("/healthz")
+async def healthz(request: web.Request) -> web.Response:
+    """The process is alive and serving."""
+    return web.json_response({"status": "ok"})
+
+
+@routes.get("/readyz")
+async def readyz(request: web.Request) -> web.Response:
+    """Ready: the state database answers, MQTT is connected, policies are loaded."""
+    services = request.app[SERVICES]
+    checks: dict[str, Any] = {}
+    try:
+        await services.executors.db(services.store.audit_head)
+        checks["database"] = "ok"
+    except Exception as exc:  # any failure of the store means not ready
+        checks["database"] = f"error: {exc}"
+    checks["mqtt"] = "ok" if services.control.connected else "disconnected"
+    policies = len(services.runtime.policies)
+    checks["policies"] = f"ok ({policies} regions)" if policies else "none loaded"
+    ready = all(str(value).startswith("ok") for value in checks.values())
+    return web.json_response({"ready": ready, "checks": checks}, status=200 if ready else 503)
+
+
+@routes.get("/metrics")
+async def metrics(request: web.Request) -> web.Response:
+    caller(request)
+    body = generate_latest(request.app[REGISTRY])
+    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+@routes.get("/v1/jobs")
+async def list_jobs(request: web.Request) -> web.Response:
+    require_role(request, *READERS)
+    jobs = request.app[JOBS]
+    body = [engine.status() for engine in jobs.engines()]
+    unavailable = [
+        {"job": job, "state": "unavailable", "error": reason}
+        for job, reason in jobs.unavailable().items()
+    ]
+    return web.json_response({"jobs": body + unavailable})
+
+
+@routes.post("/v1/jobs")
+async def submit_job(request: web.Request) -> web.Response:
+    actor = require_role(request, Role.OPERATOR)
+    config = request.app[RUNTIME].config
+    limit = config.limits.max_job_spec_bytes
+    if request.content_length is not None and request.content_length > limit:
+        raise TooLarge(f"job spec of {request.content_length} bytes exceeds {limit}")
+    try:
+        data = await wait_for(
+            read_limited(request.content, limit, "job spec"),
+            config.timeouts.request_s,
+            "reading the job spec",
+        )
+    except Timeout as exc:
+        raise ApiError(408, "timeout", str(exc)) from None
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise BadRequest(f"job spec is not UTF-8: {exc}") from None
+    result = await request.app[JOBS].submit(text, actor)
+    return web.json_response(result, status=201)
+
+
+@routes.get("/v1/jobs/{job}")
+async def job_status(request: web.Request) -> web.Response:
+    identity = caller(request)
+    engine = request.app[JOBS].engine(request.match_info["job"])
+    if identity.role not in READERS and not (
+        identity.role is Role.REGION and identity.name in engine.ctx.spec.regions
+    ):
+        require_role(request, *READERS)
+    body = engine.status()
+    if identity.role in READERS:
+        body["spec"] = engine.ctx.spec.to_json()
+    return web.json_response(body)
+
+
+@routes.post("/v1/jobs/{job}/{action:pause|resume|cancel}")
+async def change_job(request: web.Request) -> web.Response:
+    actor = require_role(request, Role.OPERATOR)
+    result = await request.app[JOBS].change(
+        request.match_info["job"], request.match_info["action"], actor
+    )
+    return web.json_response(result)
+
+
+@routes.get("/v1/regions")
+async def regions(request: web.Request) -> web.Response:
+    require_role(request, *READERS)
+    services = request.app[SERVICES]
+    body = []
+    for region in services.runtime.policies:
+        entry: dict[str, Any] = {
+            "region": region,
+            "jurisdiction": services.runtime.policies.jurisdiction_of(region),
+            "state": "unknown",
+        }
+        view = services.control.regions.get(region)
+        if view is not None:
+            status = view.status
+            entry.update(
+                state=status.state,
+                job=status.job,
+                round=status.round,
+                params_hash=status.params_hash,
+                train_loss=status.train_loss,
+                worker_restarts=status.worker_restarts,
+                detail=status.detail,
+                updated_at=status.sent_at.isoformat(),
+            )
+        body.append(entry)
+    return web.json_response({"regions": body})
+
+
+@routes.get("/v1/audit")
+async def audit(request: web.Request) -> web.Response:
+    require_role(request, *READERS)
+    query = request.query
+    after = int_query(query.get("after", "0"), "after", 0)
+    limit = int_query(query.get("limit", "100"), "limit", 1, 1000)
+    job = query.get("job")
+    if job is not None:
+        try:
+            validate_name("job", job)
+        except InvalidName as exc:
+            raise BadRequest(str(exc)) from None
+    services = request.app[SERVICES]
+    entries = await services.executors.db(services.store.audit_entries, after, limit, job)
+    seq, digest = await services.executors.db(services.store.audit_head)
+    body: dict[str, Any] = {
+        "entries": [entry.to_dict() for entry in entries],
+        "head": {"seq": seq, "hash": digest},
+    }
+    if query.get("verify") in ("1", "true"):
+        result = await services.executors.db(services.store.verify_audit)
+        body["verify"] = {
+            "ok": result.ok,
+            "checked": result.checked,
+            "first_bad_seq": result.first_bad_seq,
+            "reason": result.reason,
+        }
+    return web.json_response(body)
+
+
+def int_query(text: str, name: str, low: int, high: int | None = None) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise BadRequest(f"query parameter {name} must be an integer, got {text!r}") from None
+    if value < low or (high is not None and value > high):
+        bound = f"{low}..{high}" if high is not None else f">= {low}"
+        raise BadRequest(f"query parameter {name} must be {bound}, got {value}")
+    return value

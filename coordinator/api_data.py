@@ -1,0 +1,224 @@
+"""Data-plane HTTP handlers: delta uploads (three steps and single shot) and downloads.
+
+Downloads go only to regions of the job, and each is a residency decision: every
+artifact a region fetches (an update, or a checkpoint snapshot to resync from) carries
+the global model to that region, so it is decided as a ``global_update`` to it, counted
+and audited. Files are served with HTTP ``Range`` support so a download resumes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from aiohttp import web
+from aiohttp.abc import AbstractStreamWriter
+
+from coordinator.api_admin import int_query
+from coordinator.artifacts import chain_at, find_entry
+from coordinator.auth import caller
+from coordinator.checkpoints import CheckpointEntry, EntryKind
+from coordinator.engine import JobEngine
+from coordinator.errors import ApiError, BadRequest, Forbidden, NotFound
+from coordinator.keys import JOBS, SERVICES, UPLOADS
+from geofed.blobstore import InvalidDigest, validate_digest
+from geofed.timeouts import wait_for
+from geofed.types import ArtifactKind, Identity, InvalidName, Role, validate_name
+from policies import Transfer, decide_transfer
+
+__all__ = ["routes"]
+
+routes = web.RouteTableDef()
+
+_DELTA = "/v1/jobs/{job}/rounds/{round}/deltas/{region}"
+
+
+def _names(request: web.Request) -> tuple[str, int, str]:
+    info = request.match_info
+    try:
+        job = validate_name("job", info["job"])
+        region = validate_name("region", info["region"])
+    except InvalidName as exc:
+        raise BadRequest(str(exc)) from None
+    return job, int_query(info["round"], "round", 0), region
+
+
+@routes.put(_DELTA + "/manifest")
+async def put_manifest(request: web.Request) -> web.Response:
+    job, round_, region = _names(request)
+    uploads = request.app[UPLOADS]
+    result = await uploads.put_manifest(job, round_, region, caller(request), request.content)
+    return web.json_response(result)
+
+
+@routes.put(_DELTA + "/chunks/{index}")
+async def put_chunk(request: web.Request) -> web.Response:
+    job, round_, region = _names(request)
+    try:
+        index = int(request.match_info["index"])
+    except ValueError:
+        raise BadRequest("frame index must be an integer", "bad_chunk_index") from None
+    uploads = request.app[UPLOADS]
+    result = await uploads.put_chunk(job, round_, region, index, caller(request), request.content)
+    return web.json_response(result)
+
+
+@routes.post(_DELTA + "/commit")
+async def commit(request: web.Request) -> web.Response:
+    job, round_, region = _names(request)
+    uploads = request.app[UPLOADS]
+    result = await uploads.commit(job, round_, region, caller(request), request.content)
+    return web.json_response(result)
+
+
+@routes.put(_DELTA)
+async def single_shot(request: web.Request) -> web.Response:
+    job, round_, region = _names(request)
+    uploads = request.app[UPLOADS]
+    result = await uploads.single_shot(job, round_, region, caller(request), request.content)
+    return web.json_response(result)
+
+
+@routes.get("/v1/jobs/{job}/rounds/{round}/update")
+async def get_update(request: web.Request) -> web.StreamResponse:
+    engine, identity = _download_access(request)
+    round_ = int_query(request.match_info["round"], "round", 0)
+    if round_ >= engine.version:
+        raise NotFound(
+            f"update {round_} of job {engine.job} is not published "
+            f"(round {engine.version} is current)"
+        )
+    services = request.app[SERVICES]
+    location = engine.ctx.publishing.location
+    entry = await services.executors.files(
+        find_entry, location, engine.job, EntryKind.UPDATE, round_
+    )
+    if entry is None:
+        raise NotFound(f"update {round_} of job {engine.job} is not stored in {location.name}")
+    return await _serve(request, engine, identity, entry, round_)
+
+
+@routes.get("/v1/jobs/{job}/checkpoints/latest")
+async def latest_checkpoint(request: web.Request) -> web.Response:
+    engine, _ = _download_access(request)
+    working = engine.working
+    if working is None:
+        raise NotFound(f"job {engine.job} has no parameters yet")
+    services = request.app[SERVICES]
+    location = engine.ctx.publishing.location
+    chain = await services.executors.files(chain_at, location, engine.job, working.version)
+    if chain is None:
+        raise NotFound(f"job {engine.job} has no restorable checkpoint in {location.name}")
+    snapshot, updates = chain
+
+    def part(entry: CheckpointEntry) -> dict[str, Any]:
+        return {
+            "round": entry.round,
+            "url": f"/v1/jobs/{engine.job}/artifacts/{entry.payload_digest}",
+            "manifest_digest": entry.manifest_digest,
+        }
+
+    return web.json_response(
+        {
+            "job": engine.job,
+            "round": working.version,
+            "parameters_hash": working.params_hash,
+            "location": location.name,
+            "snapshot": part(snapshot),
+            "updates": [part(update) for update in updates],
+        }
+    )
+
+
+@routes.get("/v1/jobs/{job}/artifacts/{digest}")
+async def get_artifact(request: web.Request) -> web.StreamResponse:
+    engine, identity = _download_access(request)
+    try:
+        digest = validate_digest(request.match_info["digest"])
+    except InvalidDigest as exc:
+        raise BadRequest(str(exc)) from None
+    services = request.app[SERVICES]
+    location = engine.ctx.publishing.location
+    entries = await services.executors.files(location.store.entries, engine.job)
+    entry = next((e for e in entries if e.payload_digest == digest), None)
+    if entry is None:
+        raise NotFound(f"job {engine.job} has no artifact {digest}")
+    return await _serve(request, engine, identity, entry, entry.round)
+
+
+def _download_access(request: web.Request) -> tuple[JobEngine, Identity]:
+    identity = caller(request)
+    engine = request.app[JOBS].engine(request.match_info["job"])
+    if identity.role is not Role.REGION or identity.name not in engine.ctx.spec.regions:
+        raise Forbidden(
+            f"{identity} may not download artifacts of job {engine.job}; its regions may"
+        )
+    return engine, identity
+
+
+async def _serve(
+    request: web.Request, engine: JobEngine, identity: Identity, entry: CheckpointEntry, round_: int
+) -> web.StreamResponse:
+    services = request.app[SERVICES]
+    ctx = engine.ctx
+    decision = decide_transfer(
+        services.runtime.policies,
+        Transfer(
+            ArtifactKind.GLOBAL_UPDATE,
+            ctx.coordinator_endpoint(),
+            ctx.region_endpoint(identity.name),
+            ctx.provenance(),
+        ),
+    )
+    await services.policy_decision(
+        decision,
+        kind=ArtifactKind.GLOBAL_UPDATE.value,
+        actor=identity,
+        job=engine.job,
+        round=round_,
+        region=identity.name,
+    )
+    if not decision.allowed:
+        raise ApiError(
+            403,
+            "policy_denied",
+            f"residency policy refuses sending this artifact to {identity.name}: "
+            f"{decision.reason} [rule {decision.rule.rule_id} at {decision.rule.origin}]",
+        )
+    kind = "global_update" if entry.kind is EntryKind.UPDATE else "global_checkpoint"
+
+    def sent(status: int, size: int) -> None:
+        services.metrics.sent_bytes.labels(kind=kind).inc(size)
+        if status == 200:
+            services.metrics.fp32_equivalent_bytes.labels(direction="sent").inc(ctx.fp32_bytes)
+
+    return _CountedFile(
+        ctx.publishing.location.path_of(entry.payload_digest),
+        sent,
+        services.config.timeouts.download_s,
+        headers={"Content-Type": "application/octet-stream"},
+    )
+
+
+class _CountedFile(web.FileResponse):
+    """A file response (``Range`` included) that reports what it sent, within a time limit."""
+
+    def __init__(
+        self,
+        path: Path,
+        on_sent: Callable[[int, int], None],
+        timeout_s: float,
+        headers: dict[str, str],
+    ) -> None:
+        super().__init__(path, headers=headers)
+        self._on_sent = on_sent
+        self._timeout_s = timeout_s
+
+    async def prepare(self, request: web.BaseRequest) -> AbstractStreamWriter | None:
+        # A client that stops reading would hold the connection forever; download_s bounds it.
+        writer = await wait_for(
+            super().prepare(request), self._timeout_s, f"sending {request.path}"
+        )
+        self._on_sent(self.status, self.content_length or 0)
+        return writer

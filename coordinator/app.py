@@ -1,0 +1,140 @@
+"""The coordinator's aiohttp application: factory, middlewares, routes, lifecycle.
+
+:func:`create_app` builds the app from a loaded :class:`~coordinator.runtime.Runtime`.
+Everything long-lived starts in one ``cleanup_ctx`` and stops in reverse order when the
+app is cleaned up (SIGTERM): engines are cancelled between steps (a publication already
+computing finishes in its thread and is simply not committed, so the restarted
+coordinator recomputes it), the MQTT client disconnects, the thread pools finish what
+they are running, and the state database closes.
+
+Middlewares, outermost first: JSON errors; then either TLS identity (client
+certificate verified against the trust bundle, identity header refused) or, in insecure
+loopback mode, the identity header.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+
+from aiohttp import web
+from aiohttp.typedefs import Handler
+from prometheus_client import CollectorRegistry
+
+from coordinator import api_admin, api_data
+from coordinator.auth import header_identity_middleware, refuse_identity_header_middleware
+from coordinator.control import ControlPlane
+from coordinator.errors import ApiError
+from coordinator.executors import Executors
+from coordinator.jobs import JobManager
+from coordinator.keys import JOBS, REGISTRY, RUNTIME, SERVICES, UPLOADS
+from coordinator.metrics import CoordinatorMetrics
+from coordinator.runtime import Runtime
+from coordinator.services import Services
+from coordinator.sqlite_store import SqliteStore
+from coordinator.uploads import UploadService
+from geofed.pki.httpauth import identity_middleware
+
+__all__ = ["INSECURE_BANNER", "create_app"]
+
+log = logging.getLogger(__name__)
+
+INSECURE_BANNER = (
+    "INSECURE LOOPBACK MODE: plain HTTP without client certificates; callers are whoever "
+    "their X-Geofed-Identity header claims. For the single-machine demo only."
+)
+
+_STATUS_CODES = {
+    400: "bad_request",
+    403: "forbidden",
+    404: "not_found",
+    405: "bad_request",
+    413: "too_large",
+}
+
+
+@web.middleware
+async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Every error as ``{"error": CODE, "message": TEXT}``."""
+    try:
+        return await handler(request)
+    except ApiError as exc:
+        return web.json_response(exc.body(), status=exc.status)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        code = _STATUS_CODES.get(exc.status, "bad_request" if exc.status < 500 else "internal")
+        return web.json_response({"error": code, "message": exc.reason}, status=exc.status)
+    except asyncio.CancelledError:
+        raise
+    except Exception:
+        log.exception("%s %s failed", request.method, request.path)
+        return web.json_response(
+            {"error": "internal", "message": "internal error; see the coordinator's log"},
+            status=500,
+        )
+
+
+def create_app(
+    runtime: Runtime,
+    *,
+    registry: CollectorRegistry,
+    clock: Callable[[], float] = time.time,
+) -> web.Application:
+    """The coordinator app for ``runtime``; serve it with ``runtime.server_ssl()``."""
+    config = runtime.config
+    if config.tls_enabled:
+        identity = [refuse_identity_header_middleware(), identity_middleware(runtime.trust)]
+    else:
+        log.warning(INSECURE_BANNER)
+        identity = [header_identity_middleware(config.federation)]
+    limits = config.limits
+    app = web.Application(
+        middlewares=[error_middleware, *identity],
+        client_max_size=max(limits.max_manifest_bytes, limits.max_job_spec_bytes) + 4096,
+    )
+    app[RUNTIME] = runtime
+    app[REGISTRY] = registry
+    app.cleanup_ctx.append(_lifecycle(clock))
+    app.add_routes(api_admin.routes)
+    app.add_routes(api_data.routes)
+    return app
+
+
+def _lifecycle(
+    clock: Callable[[], float],
+) -> Callable[[web.Application], AsyncIterator[None]]:
+    async def lifecycle(app: web.Application) -> AsyncIterator[None]:
+        runtime = app[RUNTIME]
+        config = runtime.config
+        executors = Executors()
+        metrics = CoordinatorMetrics(app[REGISTRY])
+        for name, timestamp in runtime.certificate_expiry().items():
+            metrics.certificate_expiry.labels(certificate=name).set(timestamp)
+        store = await executors.db(SqliteStore.in_state_dir, config.state_dir)
+        control = ControlPlane(config, runtime.mqtt_ssl(), metrics, frozenset(runtime.policies))
+        await control.start()
+        mqtt = asyncio.create_task(control.client.run(), name="mqtt")
+        services = Services(runtime, store, executors, control, metrics, clock)
+        jobs = JobManager(services)
+        app[SERVICES] = services
+        app[JOBS] = jobs
+        app[UPLOADS] = UploadService(services, jobs)
+        try:
+            await jobs.start()
+            yield
+        finally:
+            await jobs.stop()
+            await control.close()
+            if not mqtt.done():
+                mqtt.cancel()
+            await asyncio.wait([mqtt])
+            if not mqtt.cancelled() and mqtt.exception() is not None:
+                log.error("MQTT client ended with an error: %s", mqtt.exception())
+            await executors.db(store.close)
+            await asyncio.to_thread(executors.shutdown)
+            log.info("coordinator stopped")
+
+    return lifecycle

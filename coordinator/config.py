@@ -1,0 +1,311 @@
+"""The coordinator's configuration file: one typed model, validated once at start-up.
+
+YAML, unknown keys are errors, and every error names the file, the line and the key
+(``coordinator.yaml:14: timeouts: inconsistent timeouts: upload_s (30) must be greater
+than request_s (60)``). Relative paths are relative to the file's own directory.
+
+.. code-block:: yaml
+
+    federation: acme                  # the federation this coordinator serves
+    jurisdiction: EU                  # where the coordinator runs (policies match on it)
+    listen: {host: 0.0.0.0, port: 8443}
+    trust_bundle: pki/trust.yaml      # trusted CAs: TLS peers and manifest signers
+    identity: {cert: pki/coordinator/cert.pem, key: pki/coordinator/key.pem}
+    tls: {}                           # HTTPS with client certificates (default: identity's)
+    # insecure_loopback: true         # plain HTTP on 127.0.0.1, demo only (no tls section)
+    mqtt: {host: broker.acme.example, port: 8883, tls: true}
+    state_dir: /var/lib/geofed/coordinator
+    policies_dir: /etc/geofed/policies
+    storage:
+      - {name: eu-ckpt, jurisdiction: EU, path: /srv/checkpoints/eu}
+    timeouts: {heartbeat_s: 5, request_s: 30, upload_s: 300, download_s: 300,
+               round_deadline_s: 1800}
+    limits: {max_upload_bytes: 2147483648, max_manifest_bytes: 16777216}
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+from pathlib import Path
+from typing import Annotated, Any, Self
+
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+
+from coordinator.quarantine import QuarantineConfig
+from geofed.manifest import MAX_SIGNED_MANIFEST_BYTES
+from geofed.timeouts import Timeouts
+from geofed.types import validate_name
+from policies.destinations import validate_jurisdiction
+from policies.errors import PolicyLoadError, Problem
+from policies.validation import validate_document
+from policies.yaml_loader import load_located
+
+__all__ = [
+    "ConfigError",
+    "CoordinatorConfig",
+    "IdentityConfig",
+    "LimitsConfig",
+    "ListenConfig",
+    "MqttConfig",
+    "StorageConfig",
+    "TlsConfig",
+    "is_loopback_host",
+    "load_config",
+    "parse_config",
+]
+
+
+class ConfigError(Exception):
+    """The configuration is unusable; ``problems`` lists every ``file:line: key: message``."""
+
+    def __init__(self, problems: list[str]) -> None:
+        if not problems:
+            raise ValueError("ConfigError needs at least one problem")
+        self.problems = tuple(problems)
+        more = len(problems) - 1
+        super().__init__(problems[0] + (f" (and {more} more)" if more else ""))
+
+
+def is_loopback_host(host: str) -> bool:
+    """Whether ``host`` names only this machine (``localhost``, 127.0.0.0/8, ``::1``)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _federation(value: str) -> str:
+    return validate_name("federation", value)
+
+
+def _storage_name(value: str) -> str:
+    return validate_name("storage location", value)
+
+
+def _region(value: str) -> str:
+    return validate_name("region", value)
+
+
+def _coordinator_name(value: str) -> str:
+    return validate_name("coordinator name", value)
+
+
+FederationName = Annotated[str, AfterValidator(_federation)]
+Jurisdiction = Annotated[str, AfterValidator(validate_jurisdiction)]
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ListenConfig(_Section):
+    """Where the HTTPS API listens."""
+
+    host: str = Field(default="127.0.0.1", min_length=1, description="address to bind")
+    port: int = Field(default=8443, ge=0, le=65535, description="TCP port; 0 picks a free one")
+
+
+class IdentityConfig(_Section):
+    """The coordinator's own credential (``geofed ca issue --role coordinator``).
+
+    Its key signs every published update and checkpoint; its certificate is the TLS
+    server certificate unless ``tls`` names another one.
+    """
+
+    cert: Path = Field(description="PEM certificate naming spiffe://<federation>/coordinator/*")
+    key: Path = Field(description="PEM private key of that certificate")
+
+
+class TlsConfig(_Section):
+    """HTTPS server credential; client certificates are always required."""
+
+    cert: Path | None = Field(default=None, description="default: identity.cert")
+    key: Path | None = Field(default=None, description="default: identity.key")
+
+
+class MqttConfig(_Section):
+    """The control-plane broker."""
+
+    host: str = Field(default="127.0.0.1", min_length=1)
+    port: int = Field(default=8883, ge=1, le=65535)
+    tls: bool = Field(
+        default=True,
+        description="mutual TLS with the identity credential; plain TCP only to a loopback "
+        "broker (the embedded demo broker)",
+    )
+    client_id: str | None = Field(
+        default=None, max_length=128, description="default: coordinator-<name>"
+    )
+
+    @field_validator("tls")
+    @classmethod
+    def _plain_only_on_loopback(cls, value: bool, info: ValidationInfo) -> bool:
+        host = info.data.get("host")
+        if not value and isinstance(host, str) and not is_loopback_host(host):
+            raise ValueError(
+                f"plain-text MQTT is allowed only to a loopback broker, not {host!r}; set tls: true"
+            )
+        return value
+
+
+class StorageConfig(_Section):
+    """A storage location the coordinator may write global checkpoints to."""
+
+    name: Annotated[str, AfterValidator(_storage_name)] = Field(
+        description="as declared in a region policy's storage list (or a new name)"
+    )
+    jurisdiction: Jurisdiction = Field(description="where the bytes physically live")
+    path: Path = Field(description="directory of the checkpoint store")
+    region: Annotated[str, AfterValidator(_region)] | None = Field(
+        default=None, description="owning region, if any (declared locations take it from there)"
+    )
+
+
+class LimitsConfig(_Section):
+    """Bounds on what a client may send."""
+
+    max_upload_bytes: int = Field(
+        default=2 << 30, ge=1024, description="largest delta stream (sum of its frames), bytes"
+    )
+    max_manifest_bytes: int = Field(
+        default=1 << 24,
+        ge=1024,
+        le=MAX_SIGNED_MANIFEST_BYTES,
+        description="largest signed manifest, bytes",
+    )
+    max_chunk_bytes: int = Field(
+        default=64 << 20, ge=1024, description="largest single frame of a delta stream, bytes"
+    )
+    max_job_spec_bytes: int = Field(
+        default=1 << 20, ge=1024, description="largest job spec body, bytes"
+    )
+
+
+class CoordinatorConfig(_Section):
+    """The whole coordinator configuration file (see the module docstring)."""
+
+    federation: FederationName
+    name: Annotated[str, AfterValidator(_coordinator_name)] = Field(
+        default="main", description="coordinator/<name> of the identity certificate"
+    )
+    jurisdiction: Jurisdiction = Field(description="where the coordinator runs")
+    listen: ListenConfig = Field(default_factory=ListenConfig)
+    insecure_loopback: bool = Field(
+        default=False,
+        description="plain HTTP on a loopback address with identities taken from the "
+        "X-Geofed-Identity header: the single-machine demo only",
+    )
+    tls: TlsConfig | None = Field(default=None, description="HTTPS settings (TLS is the default)")
+    trust_bundle: Path = Field(description="federation trust bundle file")
+    identity: IdentityConfig
+    mqtt: MqttConfig = Field(default_factory=MqttConfig)
+    state_dir: Path = Field(description="SQLite database, spooled deltas and working blobs")
+    policies_dir: Path = Field(description="directory of region policy files")
+    storage: tuple[StorageConfig, ...] = Field(
+        min_length=1, description="locations global checkpoints may be written to"
+    )
+    timeouts: Timeouts = Field(default_factory=Timeouts)
+    limits: LimitsConfig = Field(default_factory=LimitsConfig)
+    quarantine: QuarantineConfig = Field(default_factory=QuarantineConfig)
+
+    @field_validator("insecure_loopback")
+    @classmethod
+    def _loopback_only(cls, value: bool, info: ValidationInfo) -> bool:
+        listen = info.data.get("listen")
+        if value and isinstance(listen, ListenConfig) and not is_loopback_host(listen.host):
+            raise ValueError(
+                f"insecure_loopback serves plain HTTP, so listen.host must be a loopback "
+                f"address (127.0.0.1, ::1, localhost), not {listen.host!r}"
+            )
+        return value
+
+    @field_validator("tls")
+    @classmethod
+    def _tls_xor_insecure(cls, value: TlsConfig | None, info: ValidationInfo) -> TlsConfig | None:
+        if value is not None and info.data.get("insecure_loopback"):
+            raise ValueError("tls and insecure_loopback: true exclude each other; remove one")
+        return value
+
+    @field_validator("storage")
+    @classmethod
+    def _unique_storage(cls, value: tuple[StorageConfig, ...]) -> tuple[StorageConfig, ...]:
+        names = [entry.name for entry in value]
+        repeated = sorted({name for name in names if names.count(name) > 1})
+        if repeated:
+            raise ValueError(f"storage names must be unique; repeated: {', '.join(repeated)}")
+        return value
+
+    @property
+    def tls_enabled(self) -> bool:
+        return not self.insecure_loopback
+
+    @property
+    def tls_cert(self) -> Path:
+        tls = self.tls or TlsConfig()
+        return tls.cert or self.identity.cert
+
+    @property
+    def tls_key(self) -> Path:
+        tls = self.tls or TlsConfig()
+        return tls.key or self.identity.key
+
+    @property
+    def mqtt_client_id(self) -> str:
+        return self.mqtt.client_id or f"coordinator-{self.name}"
+
+    def storage_named(self, name: str) -> StorageConfig | None:
+        return next((entry for entry in self.storage if entry.name == name), None)
+
+    def resolved(self, base: Path) -> Self:
+        """A copy with every relative path made relative to ``base`` (the file's directory)."""
+
+        def fix(path: Path) -> Path:
+            return Path(os.path.normpath(path if path.is_absolute() else base / path))
+
+        tls = self.tls
+        if tls is not None:
+            tls = tls.model_copy(
+                update={
+                    "cert": fix(tls.cert) if tls.cert else None,
+                    "key": fix(tls.key) if tls.key else None,
+                }
+            )
+        update: dict[str, Any] = {
+            "trust_bundle": fix(self.trust_bundle),
+            "identity": self.identity.model_copy(
+                update={"cert": fix(self.identity.cert), "key": fix(self.identity.key)}
+            ),
+            "tls": tls,
+            "state_dir": fix(self.state_dir),
+            "policies_dir": fix(self.policies_dir),
+            "storage": tuple(s.model_copy(update={"path": fix(s.path)}) for s in self.storage),
+        }
+        return self.model_copy(update=update)
+
+
+def parse_config(text: str, file: str, *, base: Path | None = None) -> CoordinatorConfig:
+    """Parse and validate a configuration document; ``file`` names it in errors.
+
+    Relative paths are resolved against ``base`` (default: the current directory).
+    Raise :class:`ConfigError` listing every problem found.
+    """
+    try:
+        document = load_located(text, file)
+        config = validate_document(CoordinatorConfig, document, file)
+    except PolicyLoadError as exc:
+        raise ConfigError([str(problem) for problem in exc.problems]) from None
+    return config.resolved(base if base is not None else Path.cwd())
+
+
+def load_config(path: Path | str) -> CoordinatorConfig:
+    """Read and validate the configuration file at ``path``."""
+    file = Path(path)
+    try:
+        text = file.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        problem = Problem(str(file), None, "(file)", f"cannot read: {exc}")
+        raise ConfigError([str(problem)]) from None
+    return parse_config(text, str(file), base=file.resolve().parent)

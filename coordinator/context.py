@@ -1,0 +1,142 @@
+"""Everything the coordinator derives once from a job's spec: task, tensors, placement.
+
+Building a context imports the job's task and builds its model once, to learn the exact
+tensors (names, shapes, float32) every delta and update of the job must carry. That is
+blocking work: call :func:`build_context` from a worker thread.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from coordinator.jobspec import JobSpec
+from coordinator.publisher import JobPublishing
+from coordinator.runtime import Runtime
+from geofed.manifest import Provenance as ManifestProvenance
+from geofed.manifest import TensorSpec
+from geofed.params import state_to_fp32
+from geofed.task import Task, TaskError, load_task
+from policies import Endpoint, Provenance
+
+__all__ = ["JobContext", "JobContextError", "build_context", "initial_parameters"]
+
+
+class JobContextError(Exception):
+    """The job's task cannot be loaded or its model cannot be federated."""
+
+
+@dataclass(frozen=True)
+class JobContext:
+    """A job's spec with what follows from it (see the module docstring)."""
+
+    spec: JobSpec
+    task: Task[Any]
+    shapes: dict[str, tuple[int, ...]]
+    jurisdictions: dict[str, str]
+    coordinator_jurisdiction: str
+    publishing: JobPublishing
+
+    @property
+    def job(self) -> str:
+        return self.spec.job
+
+    @property
+    def numel(self) -> int:
+        return sum(_numel(shape) for shape in self.shapes.values())
+
+    @property
+    def fp32_bytes(self) -> int:
+        return 4 * self.numel
+
+    @property
+    def location_name(self) -> str:
+        return self.publishing.location.name
+
+    def tensor_specs(self) -> tuple[TensorSpec, ...]:
+        """What every delta's manifest must declare, in order."""
+        return tuple(
+            TensorSpec(name=name, dtype="float32", shape=shape)
+            for name, shape in self.shapes.items()
+        )
+
+    def region_endpoint(self, region: str) -> Endpoint:
+        return Endpoint.of_region(region, self.jurisdictions.get(region))
+
+    def coordinator_endpoint(self) -> Endpoint:
+        return Endpoint.coordinator(self.coordinator_jurisdiction)
+
+    def storage_endpoint(self) -> Endpoint:
+        location = self.publishing.location
+        return Endpoint.of_storage(location.name, location.jurisdiction, location.region)
+
+    def provenance(self) -> Provenance:
+        """Every region of the job with its datasets: what global artifacts derive from."""
+        return Provenance.of(dict(self.spec.regions))
+
+
+def initial_parameters(task: Task[Any], seed: int) -> dict[str, Tensor]:
+    """θ_0: the task's model for the job's seed, as float32 CPU tensors."""
+    params = state_to_fp32(task.build_model(seed=seed))
+    odd = sorted(name for name, t in params.items() if t.dtype != torch.float32)
+    if odd:
+        raise JobContextError(
+            f"the model has non-floating tensors {odd}; only floating-point state can be averaged"
+        )
+    return params
+
+
+def build_context(spec: JobSpec, runtime: Runtime, location: str) -> JobContext:
+    """Load the task and derive the job's tensors; :class:`JobContextError` if unusable."""
+    try:
+        task = load_task(spec.task.spec, spec.task.options)
+        params = initial_parameters(task, spec.seed)
+    except TaskError as exc:
+        raise JobContextError(str(exc)) from None
+    except JobContextError:
+        raise
+    except Exception as exc:  # the task is the operator's code: report whatever it raised
+        raise JobContextError(
+            f"task {spec.task.spec!r} failed: {type(exc).__name__}: {exc}"
+        ) from exc
+    shapes = {name: tuple(tensor.shape) for name, tensor in params.items()}
+    jurisdictions = {
+        region: runtime.policies.jurisdiction_of(region) or "" for region in spec.regions
+    }
+    provenance = tuple(
+        ManifestProvenance(
+            region=region,
+            jurisdiction=jurisdictions[region] or "unknown",
+            datasets=tuple(sorted(spec.regions[region])),
+        )
+        for region in sorted(spec.regions)
+    )
+    publishing = JobPublishing(
+        job=spec.job,
+        codec=spec.codec.update_config(),
+        snapshot_every=spec.snapshot_every,
+        provenance=provenance,
+        specs=shapes,
+        location=runtime.locations[location],
+        signer=runtime.signer,
+        params_store=runtime.params,
+        deltas=runtime.deltas,
+    )
+    return JobContext(
+        spec=spec,
+        task=task,
+        shapes=shapes,
+        jurisdictions={r: j for r, j in jurisdictions.items() if j},
+        coordinator_jurisdiction=runtime.config.jurisdiction,
+        publishing=publishing,
+    )
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    count = 1
+    for size in shape:
+        count *= size
+    return count

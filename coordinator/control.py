@@ -1,0 +1,150 @@
+"""The coordinator's side of the MQTT control plane.
+
+It publishes each job's round announcement (retained, re-published after every
+reconnect so a broker that lost it gets it back), events and region commands, and
+follows every region's retained status to know which regions are up. A publish that
+cannot be acknowledged in time is logged, never raised into the round engine: the
+announcement is re-sent when the link comes back, and agents also learn the state of a
+job over HTTPS.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import ssl
+from dataclasses import dataclass
+from typing import Literal
+
+from coordinator.config import CoordinatorConfig
+from coordinator.metrics import CoordinatorMetrics
+from geofed.control import (
+    Command,
+    ControlClient,
+    ControlError,
+    Deduplicator,
+    Event,
+    MessageError,
+    RegionStatus,
+    RoundAnnouncement,
+    TopicError,
+    Topics,
+    decode,
+    encode,
+)
+
+__all__ = ["ControlPlane", "RegionView"]
+
+log = logging.getLogger(__name__)
+
+CommandAction = Literal["pause", "resume", "cancel", "resync", "drain"]
+
+
+@dataclass(frozen=True, slots=True)
+class RegionView:
+    """The latest status a region's agent published."""
+
+    status: RegionStatus
+
+    @property
+    def up(self) -> bool:
+        return self.status.state != "offline"
+
+
+class ControlPlane:
+    """Announcements, events and commands out; region statuses in."""
+
+    def __init__(
+        self,
+        config: CoordinatorConfig,
+        tls: ssl.SSLContext | None,
+        metrics: CoordinatorMetrics,
+        known_regions: frozenset[str],
+    ) -> None:
+        timeouts = config.timeouts
+        self.topics = Topics(config.federation)
+        self.client = ControlClient(
+            config.mqtt.host,
+            config.mqtt.port,
+            client_id=config.mqtt_client_id,
+            tls=tls,
+            keepalive_s=max(1, math.ceil(timeouts.heartbeat_s)),
+            timeout_s=timeouts.request_s,
+            handler_timeout_s=timeouts.request_s,
+        )
+        self._timeout_s = timeouts.request_s
+        self._metrics = metrics
+        self._known = known_regions
+        self._retained: dict[str, bytes] = {}
+        self._dedup = Deduplicator()
+        self.regions: dict[str, RegionView] = {}
+        for region in known_regions:
+            metrics.region_up.labels(region=region).set(0)
+        metrics.regions_up.set(0)
+        metrics.mqtt_connected.set_function(lambda: 1.0 if self.connected else 0.0)
+
+    @property
+    def connected(self) -> bool:
+        return self.client.connected.is_set()
+
+    async def start(self) -> None:
+        """Register the status subscription and the reconnect hook; run ``client.run()`` next."""
+        self.client.on_connect(self._on_connect)
+        await self.client.subscribe(self.topics.all_region_status(), self._on_status)
+
+    async def close(self) -> None:
+        await self.client.close(timeout_s=self._timeout_s)
+
+    async def announce(self, announcement: RoundAnnouncement) -> None:
+        """Publish a job's round announcement, retained; kept to re-send after reconnects."""
+        topic = self.topics.job_round(announcement.job)
+        payload = encode(announcement)
+        self._retained[topic] = payload
+        await self._publish(topic, payload, retain=True)
+
+    async def event(
+        self,
+        kind: str,
+        *,
+        job: str | None = None,
+        round: int | None = None,
+        region: str | None = None,
+        detail: str = "",
+    ) -> None:
+        message = Event(kind=kind, job=job, round=round, region=region, detail=detail[:4096])
+        await self._publish(self.topics.events(), encode(message), retain=False)
+
+    async def command(self, region: str, action: CommandAction, job: str, reason: str) -> None:
+        message = Command(action=action, job=job, reason=reason[:4096])
+        await self._publish(self.topics.region_commands(region), encode(message), retain=False)
+
+    async def _publish(self, topic: str, payload: bytes, *, retain: bool) -> None:
+        try:
+            await self.client.publish(topic, payload, retain=retain, timeout_s=self._timeout_s)
+        except ControlError as exc:
+            log.warning("control message to %s not delivered now: %s", topic, exc)
+
+    async def _on_connect(self) -> None:
+        for topic, payload in list(self._retained.items()):
+            await self._publish(topic, payload, retain=True)
+
+    async def _on_status(self, topic: str, payload: bytes) -> None:
+        try:
+            region = self.topics.parse(topic).region
+            status = decode(payload, RegionStatus)
+        except (TopicError, MessageError) as exc:
+            log.warning("ignored region status on %s: %s", topic, exc)
+            return
+        if status.region != region or region not in self._known:
+            log.warning(
+                "ignored status of %s on %s: no policy names that region", status.region, topic
+            )
+            return
+        if not self._dedup.first_time(status.message_id):
+            return
+        current = self.regions.get(region)
+        if current is not None and current.status.sent_at > status.sent_at:
+            return  # an older status delivered late
+        self.regions[region] = RegionView(status)
+        self._metrics.region_up.labels(region=region).set(1 if status.state != "offline" else 0)
+        self._metrics.regions_up.set(sum(1 for view in self.regions.values() if view.up))

@@ -1,0 +1,127 @@
+"""``geofed coordinator --config FILE``: load, serve until SIGTERM, stop cleanly.
+
+Exit codes (systemd's ``Restart=`` rules rely on them):
+
+- 0: stopped on SIGTERM or SIGINT after finishing in-flight writes;
+- 1: runtime failure (cannot bind the port, state database unusable, crash);
+- 2: configuration error (the file, the trust bundle, the credential, the policies, a
+  malformed ``$NOTIFY_SOCKET``/``$WATCHDOG_USEC``), printed as ``file:line: key: message``
+  lines; retrying cannot help.
+
+Under systemd (``Type=notify``, ``deploy/systemd``) it sends ``READY=1`` once it serves,
+``WATCHDOG=1`` from its event loop every half of ``WatchdogSec=`` (a stuck loop stops
+them), and ``STOPPING=1`` when SIGTERM arrives.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+from aiohttp import web
+from prometheus_client import CollectorRegistry
+
+from coordinator.app import create_app
+from coordinator.config import ConfigError, load_config
+from coordinator.runtime import Runtime, load_runtime
+from coordinator.store import StoreError
+from geofed.sdnotify import Notifier, NotifyEnvironmentError, run_watchdog, watchdog_interval
+
+__all__ = ["EXIT_CONFIG", "EXIT_OK", "EXIT_RUNTIME", "main", "serve"]
+
+log = logging.getLogger(__name__)
+
+EXIT_OK = 0
+EXIT_RUNTIME = 1
+EXIT_CONFIG = 2
+
+
+async def serve(
+    runtime: Runtime,
+    stop: asyncio.Event,
+    *,
+    registry: CollectorRegistry | None = None,
+    on_ready: Callable[[int], None] | None = None,
+    notifier: Notifier | None = None,
+    watchdog_s: float | None = None,
+) -> None:
+    """Serve ``runtime`` until ``stop`` is set; ``on_ready(port)`` once listening."""
+    notifier = notifier or Notifier(None)
+    config = runtime.config
+    app = create_app(runtime, registry=registry or CollectorRegistry())
+    runner = web.AppRunner(app, handle_signals=False, access_log=None)
+    await runner.setup()
+    try:
+        site = web.TCPSite(
+            runner, config.listen.host, config.listen.port, ssl_context=runtime.server_ssl()
+        )
+        await site.start()
+        port = _bound_port(runner, config.listen.port)
+        scheme = "https" if config.tls_enabled else "http"
+        log.info(
+            "coordinator %s serving on %s://%s:%d",
+            runtime.signer.identity,
+            scheme,
+            config.listen.host,
+            port,
+        )
+        if on_ready is not None:
+            on_ready(port)
+        notifier.ready(f"serving on {scheme}://{config.listen.host}:{port}")
+        watchdog = None
+        if watchdog_s is not None:
+            watchdog = asyncio.create_task(run_watchdog(notifier, watchdog_s), name="watchdog")
+        await stop.wait()
+        log.info("stopping: finishing in-flight work")
+        notifier.stopping("finishing in-flight work")
+        if watchdog is not None:
+            watchdog.cancel()
+            await asyncio.wait([watchdog])
+    finally:
+        await runner.cleanup()
+
+
+def _bound_port(runner: web.AppRunner, configured: int) -> int:
+    for address in runner.addresses:
+        if isinstance(address, tuple) and len(address) >= 2:
+            return int(address[1])
+    return configured
+
+
+async def _run(runtime: Runtime, notifier: Notifier, watchdog_s: float | None) -> None:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await serve(runtime, stop, notifier=notifier, watchdog_s=watchdog_s)
+
+
+def main(config_path: str | Path) -> int:
+    """Run the coordinator; return the process exit code (see the module docstring)."""
+    try:
+        notifier = Notifier.from_env(os.environ)
+        watchdog_s = watchdog_interval(os.environ)
+        config = load_config(config_path)
+        runtime = load_runtime(config)
+    except NotifyEnvironmentError as exc:
+        print(f"error: systemd environment: {exc}", file=sys.stderr)
+        return EXIT_CONFIG
+    except ConfigError as exc:
+        for problem in exc.problems:
+            print(f"error: {problem}", file=sys.stderr)
+        return EXIT_CONFIG
+    try:
+        with notifier:
+            asyncio.run(_run(runtime, notifier, watchdog_s))
+    except (OSError, StoreError) as exc:
+        log.error("coordinator failed: %s", exc)  # noqa: TRY400 - the message says it all
+        return EXIT_RUNTIME
+    except Exception:
+        log.exception("coordinator crashed")
+        return EXIT_RUNTIME
+    return EXIT_OK

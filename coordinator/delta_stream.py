@@ -1,0 +1,123 @@
+"""A delta's stream, checked while it is copied into the blob store; its manifest, checked.
+
+Commit verification decodes the whole stream exactly once: every frame against the
+manifest, the header's tensors and codec against the manifest and the job, every decoded
+value for finiteness, the decoded size against the model's. The stream is copied into the
+content-addressed blob store in the same pass, and nothing is stored if any check fails.
+CPU and disk work: run these in a worker thread.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from datetime import UTC, datetime
+
+import torch
+
+from coordinator.delta_checks import DeltaExpectation, check_delta_manifest, verify_signature
+from coordinator.errors import BadRequest
+from geofed.blobstore import FsBlobStore
+from geofed.codec import (
+    CorruptChunk,
+    DecodedSizeExceeded,
+    DecodeError,
+    DigestMismatch,
+    StreamDecoder,
+)
+from geofed.manifest import ManifestError, SignedManifest, TensorSpec
+from geofed.pki import TrustBundle
+
+__all__ = ["checked_manifest", "verify_and_store"]
+
+
+def checked_manifest(
+    body: bytes, expect: DeltaExpectation, bundle: TrustBundle, max_size: int
+) -> tuple[SignedManifest, str]:
+    """Parse, check and verify a delta manifest (CPU work: run it off the event loop)."""
+    try:
+        signed = SignedManifest.from_bytes(body, max_size=max_size)
+    except ManifestError as exc:
+        raise BadRequest(str(exc), "malformed_manifest") from None
+    check_delta_manifest(signed, expect)
+    verify_signature(signed, bundle, datetime.now(UTC))
+    return signed, signed.manifest.digest()
+
+
+def verify_and_store(
+    frames: Iterator[bytes],
+    signed: SignedManifest,
+    tensors: tuple[TensorSpec, ...],
+    blobs: FsBlobStore,
+) -> tuple[str, int]:
+    """Decode the stream once while copying it into ``blobs``; return (digest, size).
+
+    Checks every frame against the manifest, the header's tensors and codec against the
+    manifest and the job, every decoded value for finiteness, and the decoded size
+    against the model's. Raises the protocol's 400 errors; nothing is stored on error.
+    """
+    manifest = signed.manifest
+    digests = [record.sha256 for record in manifest.chunks]
+    numel = sum(math.prod(spec.shape) for spec in tensors)
+    decoder = StreamDecoder(
+        expected_header_digest=digests[0],
+        expected_digests=digests[1:-1],
+        max_decoded_bytes=4 * numel,
+    )
+    size = 0
+
+    def checked() -> Iterator[bytes]:
+        nonlocal size
+        header_checked = False
+        for frame in frames:
+            for piece in decoder.feed(frame):
+                if not bool(torch.isfinite(piece.values).all()):
+                    raise BadRequest(
+                        f"tensor {piece.name!r} elements [{piece.offset}:"
+                        f"{piece.offset + piece.count}] hold NaN or Inf",
+                        "non_finite",
+                    )
+            if not header_checked:
+                _check_header(decoder, signed, tensors)
+                header_checked = True
+            size += len(frame)
+            yield frame
+        decoder.finish()
+
+    try:
+        digest = blobs.put_stream(checked())
+    except DigestMismatch as exc:
+        raise BadRequest(str(exc), "corrupt_chunk") from None
+    except DecodedSizeExceeded as exc:
+        raise BadRequest(str(exc), "decode_failed") from None
+    except CorruptChunk as exc:
+        # The codec refuses non-finite payloads as corrupt; the protocol names them apart.
+        code = "non_finite" if "NaN or Inf" in str(exc) else "decode_failed"
+        raise BadRequest(f"the stream does not decode: {exc}", code) from None
+    except DecodeError as exc:
+        raise BadRequest(f"the stream does not decode: {exc}", "decode_failed") from None
+    return digest, size
+
+
+def _check_header(
+    decoder: StreamDecoder, signed: SignedManifest, tensors: tuple[TensorSpec, ...]
+) -> None:
+    found = [(spec.name, spec.dtype, spec.shape) for spec in decoder.specs]
+    wanted = [(spec.name, spec.dtype, tuple(spec.shape)) for spec in tensors]
+    if found != wanted:
+        raise BadRequest(
+            "the stream header's tensors differ from the manifest's and the job's model",
+            "shape_mismatch",
+        )
+    config = decoder.config
+    declared = signed.manifest.codec
+    header = (config.scheme, config.block_size, config.zstd_level, config.stochastic_rounding)
+    if header != (
+        declared.scheme,
+        declared.block_size,
+        declared.zstd_level,
+        declared.stochastic_rounding,
+    ):
+        raise BadRequest(
+            f"the stream header's codec {header} differs from the manifest's", "codec_mismatch"
+        )

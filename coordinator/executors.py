@@ -1,0 +1,58 @@
+"""Where blocking work runs, so the event loop never blocks.
+
+- ``store``: one thread for every state-store call (SQLite wants one writer; the store's
+  calls are short and serialised anyway).
+- ``compute``: a small pool for codec and torch work (decoding, aggregation, encoding,
+  evaluation); torch releases the GIL in its kernels.
+- ``files``: a pool for file I/O (spooling chunks with fsync, serving blob metadata).
+
+:meth:`Executors.shutdown` waits for work already running, so a SIGTERM lets in-flight
+writes finish; queued work that has not started is dropped (every write is atomic, so
+dropping one before it starts loses nothing acknowledged).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import ParamSpec, TypeVar
+
+__all__ = ["Executors"]
+
+P = ParamSpec("P")
+T = TypeVar("T")
+
+
+class Executors:
+    """The coordinator's thread pools (see the module docstring)."""
+
+    def __init__(self, *, compute_threads: int = 2, file_threads: int = 4) -> None:
+        self._store = ThreadPoolExecutor(1, thread_name_prefix="geofed-store")
+        self._compute = ThreadPoolExecutor(compute_threads, thread_name_prefix="geofed-compute")
+        self._files = ThreadPoolExecutor(file_threads, thread_name_prefix="geofed-files")
+
+    async def db(self, fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
+        """Run a state-store call in the store thread."""
+        return await self._run(self._store, fn, *args, **kwargs)
+
+    async def compute(self, fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
+        """Run codec or torch work in the compute pool."""
+        return await self._run(self._compute, fn, *args, **kwargs)
+
+    async def files(self, fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
+        """Run file I/O in the file pool."""
+        return await self._run(self._files, fn, *args, **kwargs)
+
+    async def _run(
+        self, pool: ThreadPoolExecutor, fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs
+    ) -> T:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(pool, functools.partial(fn, *args, **kwargs))
+
+    def shutdown(self) -> None:
+        """Wait for running work and drop queued work; compute and files first, store last."""
+        self._compute.shutdown(wait=True, cancel_futures=True)
+        self._files.shutdown(wait=True, cancel_futures=True)
+        self._store.shutdown(wait=True, cancel_futures=True)

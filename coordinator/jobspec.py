@@ -1,0 +1,244 @@
+"""The job spec: what an operator submits (``geofed job submit FILE``, ``POST /v1/jobs``).
+
+YAML or JSON, unknown keys are errors, and every error names the file (or the request),
+the line and the key. The spec is stored as submitted, in its validated JSON form.
+
+.. code-block:: yaml
+
+    job: charlm-demo                   # job id (a DNS-label-like name)
+    task:
+      spec: geofed.examples.charlm:CharLMTask     # importable package.module:Class
+      options: {d_model: 96, n_layers: 2}          # validated by the task's Options
+    regions:                           # region -> datasets it trains on
+      eu-west: [eu-parliament-proceedings]
+      us-east: [us-public-domain-books]
+    min_regions: 2                     # quorum once the deadline passes (default: all)
+    rounds: 20                         # outer rounds to run
+    inner_steps: 50                    # H: local steps per round
+    seed: 0                            # θ_0 and every region's data order
+    codec: {scheme: int8, block_size: 128, zstd_level: 1}
+    outer_optimizer: {kind: nesterov, lr: 0.7, momentum: 0.9}   # or {kind: average}
+    snapshot_every: 5                  # K: full snapshot every K rounds
+    deadline: {initial_s: 1800, min_s: 600, max_s: 14400}       # adaptive bounds
+    checkpoint_storage: [eu-ckpt, us-ckpt]                      # candidates, in preference
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated, Literal
+
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    JsonValue,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+
+from coordinator.deadline import DeadlineConfig
+from coordinator.outer_optimizer import OuterOptimizerConfig
+from geofed.codec import CodecConfig
+from geofed.control import CodecParams as AnnouncedCodec
+from geofed.manifest import CodecParams as ManifestCodec
+from geofed.task import TaskSpecError, parse_task_spec
+from geofed.types import validate_name
+from policies.errors import PolicyLoadError, Problem
+from policies.validation import validate_document
+from policies.yaml_loader import LineMap, LocatedDocument, load_located
+
+__all__ = ["CodecSpec", "JobSpec", "JobSpecError", "TaskSpec", "parse_job_spec"]
+
+
+class JobSpecError(ValueError):
+    """A job spec is malformed; ``problems`` lists every ``file:line: key: message``."""
+
+    def __init__(self, problems: list[str]) -> None:
+        if not problems:
+            raise ValueError("JobSpecError needs at least one problem")
+        self.problems = tuple(problems)
+        more = len(problems) - 1
+        super().__init__(problems[0] + (f" (and {more} more)" if more else ""))
+
+
+def _job(value: str) -> str:
+    return validate_name("job", value)
+
+
+def _region(value: str) -> str:
+    return validate_name("region", value)
+
+
+def _dataset(value: str) -> str:
+    return validate_name("dataset", value)
+
+
+def _storage(value: str) -> str:
+    return validate_name("storage location", value)
+
+
+JobId = Annotated[str, AfterValidator(_job)]
+RegionName = Annotated[str, AfterValidator(_region)]
+DatasetName = Annotated[str, AfterValidator(_dataset)]
+StorageName = Annotated[str, AfterValidator(_storage)]
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class TaskSpec(_Section):
+    """The task every region trains and the coordinator evaluates."""
+
+    spec: str = Field(description="import path 'package.module:ClassName' of a geofed Task")
+    options: dict[str, JsonValue] = Field(
+        default_factory=dict, description="checked against the task's Options when submitted"
+    )
+
+    @field_validator("spec")
+    @classmethod
+    def _importable_shape(cls, value: str) -> str:
+        try:
+            parse_task_spec(value)
+        except TaskSpecError as exc:
+            raise ValueError(str(exc)) from None
+        return value
+
+
+class CodecSpec(_Section):
+    """How regions encode their deltas and the coordinator its updates."""
+
+    scheme: Literal["fp32", "int8", "int4"] = "int8"
+    block_size: int = Field(default=128, ge=2, le=1 << 16, description="even")
+    zstd_level: int = Field(default=1, ge=1, le=22)
+    stochastic_rounding: bool = Field(
+        default=False, description="for regions' deltas; the coordinator's update rounds to nearest"
+    )
+
+    @field_validator("block_size")
+    @classmethod
+    def _even(cls, value: int) -> int:
+        if value % 2:
+            raise ValueError(f"block_size {value} must be even")
+        return value
+
+    def update_config(self) -> CodecConfig:
+        """The codec configuration of the coordinator's own updates (deterministic)."""
+        return CodecConfig(
+            scheme=self.scheme, block_size=self.block_size, zstd_level=self.zstd_level
+        )
+
+    def announced(self) -> AnnouncedCodec:
+        return AnnouncedCodec(
+            scheme=self.scheme,
+            block_size=self.block_size,
+            zstd_level=self.zstd_level,
+            stochastic_rounding=self.stochastic_rounding,
+        )
+
+    def matches(self, codec: ManifestCodec) -> bool:
+        """Whether a delta's manifest declares exactly this job's codec."""
+        return (codec.scheme, codec.block_size, codec.zstd_level, codec.stochastic_rounding) == (
+            self.scheme,
+            self.block_size,
+            self.zstd_level,
+            self.stochastic_rounding,
+        )
+
+
+class JobSpec(_Section):
+    """A whole job (see the module docstring)."""
+
+    job: JobId
+    task: TaskSpec
+    regions: dict[RegionName, tuple[DatasetName, ...]] = Field(
+        min_length=1, description="region -> datasets it trains on"
+    )
+    min_regions: int | None = Field(
+        default=None, ge=1, description="quorum at the deadline; default: every region"
+    )
+    rounds: int = Field(ge=1, description="outer rounds")
+    inner_steps: int = Field(ge=1, description="local steps per round (H)")
+    seed: int = Field(default=0, ge=0, lt=2**63)
+    codec: CodecSpec = Field(default_factory=CodecSpec)
+    outer_optimizer: OuterOptimizerConfig = Field(default_factory=OuterOptimizerConfig)
+    snapshot_every: int = Field(default=10, ge=1, description="K: a full snapshot every K rounds")
+    deadline: DeadlineConfig = Field(default_factory=DeadlineConfig)
+    max_round_attempts: int = Field(
+        default=3, ge=1, description="tries of a round that fails below quorum before the job fails"
+    )
+    checkpoint_storage: tuple[StorageName, ...] = Field(
+        min_length=1, description="candidate storage locations, in order of preference"
+    )
+
+    @field_validator("regions")
+    @classmethod
+    def _datasets_given(cls, value: dict[str, tuple[str, ...]]) -> dict[str, tuple[str, ...]]:
+        for region, datasets in value.items():
+            if not datasets:
+                raise ValueError(f"region {region} is assigned no datasets")
+            if len(set(datasets)) != len(datasets):
+                raise ValueError(f"region {region} lists a dataset twice")
+        return value
+
+    @field_validator("checkpoint_storage")
+    @classmethod
+    def _unique_storage(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        if len(set(value)) != len(value):
+            raise ValueError(f"checkpoint_storage repeats a name: {list(value)}")
+        return value
+
+    @model_validator(mode="after")
+    def _quorum(self) -> JobSpec:
+        if self.min_regions is not None and self.min_regions > len(self.regions):
+            raise ValueError(
+                f"min_regions ({self.min_regions}) exceeds the {len(self.regions)} regions"
+            )
+        return self
+
+    @property
+    def quorum(self) -> int:
+        return self.min_regions if self.min_regions is not None else len(self.regions)
+
+    @property
+    def region_names(self) -> tuple[str, ...]:
+        return tuple(sorted(self.regions))
+
+    def to_json(self) -> dict[str, JsonValue]:
+        data: dict[str, JsonValue] = self.model_dump(mode="json")
+        return data
+
+
+def parse_job_spec(text: str, file: str) -> JobSpec:
+    """Parse a YAML or JSON job spec; raise :class:`JobSpecError` naming file, line and key."""
+    try:
+        document = load_located(text, file)
+    except PolicyLoadError as yaml_error:
+        document = _as_json(text, file, yaml_error)
+    try:
+        return validate_document(JobSpec, document, file)
+    except PolicyLoadError as exc:
+        raise JobSpecError([str(problem) for problem in exc.problems]) from None
+
+
+def parse_stored_spec(data: object) -> JobSpec:
+    """Rebuild a spec from its stored JSON form (it validated when it was submitted)."""
+    try:
+        return JobSpec.model_validate(data)
+    except ValidationError as exc:
+        raise JobSpecError([f"stored job spec: {exc}"]) from None
+
+
+def _as_json(text: str, file: str, yaml_error: PolicyLoadError) -> LocatedDocument:
+    """JSON that YAML cannot read (tabs): parse it as JSON; keys then have no line."""
+    if not text.lstrip().startswith("{"):
+        raise JobSpecError([str(p) for p in yaml_error.problems]) from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        problem = Problem(file, exc.lineno, "(syntax)", exc.msg)
+        raise JobSpecError([str(problem)]) from None
+    return LocatedDocument(data, LineMap({}))

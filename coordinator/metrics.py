@@ -1,0 +1,196 @@
+"""The coordinator's Prometheus metrics: the one catalogue of names, and their collectors.
+
+Alert rules and dashboards reference the names in :data:`CATALOGUE`; change a name here
+and there together. Conventions: prefix ``geofed_``, base units (seconds, bytes),
+counters end in ``_total``, timestamps are Unix seconds. Labels take only bounded values:
+``job`` and ``region`` come from admitted jobs and loaded policies (never from a URL a
+client made up), ``code``, ``kind``, ``verdict``, ``direction`` and ``certificate`` from
+fixed sets. Checkpoint age is ``time() - geofed_last_checkpoint_timestamp_seconds``.
+
+The registry is always passed in (never the process-global one), so every test and
+every coordinator in one process has its own.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Final, Literal
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+__all__ = ["CATALOGUE", "DURATION_BUCKETS_S", "CoordinatorMetrics", "MetricSpec"]
+
+#: Round and aggregation durations: from a second up to eight hours (WAN rounds are long;
+#: the client library's default buckets stop at 10 s).
+DURATION_BUCKETS_S: Final = (
+    1.0, 5.0, 15.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1200.0, 1800.0, 3600.0, 7200.0,
+    14400.0, 28800.0,
+)  # fmt: skip
+
+Kind = Literal["counter", "gauge", "histogram"]
+
+
+@dataclass(frozen=True, slots=True)
+class MetricSpec:
+    """One metric: its exposed name, type, help text and label names."""
+
+    name: str
+    kind: Kind
+    help: str
+    labels: tuple[str, ...] = ()
+
+
+ROUNDS_COMPLETED = MetricSpec(
+    "geofed_rounds_completed_total", "counter", "Rounds whose update was published.", ("job",)
+)
+ROUNDS_FAILED = MetricSpec(
+    "geofed_rounds_failed_total", "counter", "Rounds that ended below quorum.", ("job",)
+)
+ROUND_DURATION = MetricSpec(
+    "geofed_round_duration_seconds",
+    "histogram",
+    "Time from a round's announcement to its publication.",
+    ("job",),
+)
+CURRENT_ROUND = MetricSpec(
+    "geofed_current_round", "gauge", "Round a job is collecting (its base version).", ("job",)
+)
+DELTAS_ACCEPTED = MetricSpec(
+    "geofed_deltas_accepted_total", "counter", "Region deltas accepted.", ("job", "region")
+)
+DELTAS_REJECTED = MetricSpec(
+    "geofed_deltas_rejected_total",
+    "counter",
+    "Delta uploads refused, by error code of the data-plane protocol.",
+    ("code",),
+)
+STRAGGLERS = MetricSpec(
+    "geofed_stragglers_total",
+    "counter",
+    "Participants that missed a round's close.",
+    ("job", "region"),
+)
+RECEIVED_BYTES = MetricSpec(
+    "geofed_received_bytes_total", "counter", "Artifact bytes received, by kind.", ("kind",)
+)
+SENT_BYTES = MetricSpec(
+    "geofed_sent_bytes_total", "counter", "Artifact bytes served, by kind.", ("kind",)
+)
+FP32_EQUIVALENT_BYTES = MetricSpec(
+    "geofed_fp32_equivalent_bytes_total",
+    "counter",
+    "What the accepted deltas and published updates would weigh as raw float32.",
+    ("direction",),
+)
+POLICY_DECISIONS = MetricSpec(
+    "geofed_policy_decisions_total",
+    "counter",
+    "Residency decisions, by verdict (allow, deny) and kind (admission or artifact kind).",
+    ("verdict", "kind"),
+)
+AGGREGATION_DURATION = MetricSpec(
+    "geofed_aggregation_duration_seconds",
+    "histogram",
+    "Aggregation, outer step, encoding and persistence of one round.",
+    ("job",),
+)
+REGIONS_UP = MetricSpec("geofed_regions_up", "gauge", "Regions whose agent reports online.")
+REGION_UP = MetricSpec(
+    "geofed_region_up", "gauge", "1 while the region's agent reports online.", ("region",)
+)
+GLOBAL_VALIDATION_LOSS = MetricSpec(
+    "geofed_global_validation_loss",
+    "gauge",
+    "Validation loss of the latest global parameters.",
+    ("job",),
+)
+REGION_TRAIN_LOSS = MetricSpec(
+    "geofed_region_train_loss",
+    "gauge",
+    "Training loss a region reported with its latest delta.",
+    ("job", "region"),
+)
+LAST_CHECKPOINT = MetricSpec(
+    "geofed_last_checkpoint_timestamp_seconds",
+    "gauge",
+    "When the job's latest global checkpoint part was stored.",
+    ("job",),
+)
+CERTIFICATE_EXPIRY = MetricSpec(
+    "geofed_certificate_expiry_timestamp_seconds",
+    "gauge",
+    "notAfter of the coordinator's certificates (identity, tls).",
+    ("certificate",),
+)
+JOBS = MetricSpec("geofed_jobs", "gauge", "Jobs known to the coordinator, by state.", ("state",))
+MQTT_CONNECTED = MetricSpec(
+    "geofed_mqtt_connected", "gauge", "1 while the control-plane connection is up."
+)
+
+CATALOGUE: Final[tuple[MetricSpec, ...]] = (
+    ROUNDS_COMPLETED,
+    ROUNDS_FAILED,
+    ROUND_DURATION,
+    CURRENT_ROUND,
+    DELTAS_ACCEPTED,
+    DELTAS_REJECTED,
+    STRAGGLERS,
+    RECEIVED_BYTES,
+    SENT_BYTES,
+    FP32_EQUIVALENT_BYTES,
+    POLICY_DECISIONS,
+    AGGREGATION_DURATION,
+    REGIONS_UP,
+    REGION_UP,
+    GLOBAL_VALIDATION_LOSS,
+    REGION_TRAIN_LOSS,
+    LAST_CHECKPOINT,
+    CERTIFICATE_EXPIRY,
+    JOBS,
+    MQTT_CONNECTED,
+)
+
+
+def _counter(spec: MetricSpec, registry: CollectorRegistry) -> Counter:
+    # The client appends _total itself; give it the stem.
+    return Counter(spec.name.removesuffix("_total"), spec.help, spec.labels, registry=registry)
+
+
+def _gauge(spec: MetricSpec, registry: CollectorRegistry) -> Gauge:
+    return Gauge(spec.name, spec.help, spec.labels, registry=registry)
+
+
+def _histogram(spec: MetricSpec, registry: CollectorRegistry) -> Histogram:
+    return Histogram(
+        spec.name, spec.help, spec.labels, registry=registry, buckets=DURATION_BUCKETS_S
+    )
+
+
+class CoordinatorMetrics:
+    """Every collector of the catalogue, registered in ``registry``."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.registry = registry
+        self.rounds_completed = _counter(ROUNDS_COMPLETED, registry)
+        self.rounds_failed = _counter(ROUNDS_FAILED, registry)
+        self.round_duration = _histogram(ROUND_DURATION, registry)
+        self.current_round = _gauge(CURRENT_ROUND, registry)
+        self.deltas_accepted = _counter(DELTAS_ACCEPTED, registry)
+        self.deltas_rejected = _counter(DELTAS_REJECTED, registry)
+        self.stragglers = _counter(STRAGGLERS, registry)
+        self.received_bytes = _counter(RECEIVED_BYTES, registry)
+        self.sent_bytes = _counter(SENT_BYTES, registry)
+        self.fp32_equivalent_bytes = _counter(FP32_EQUIVALENT_BYTES, registry)
+        self.policy_decisions = _counter(POLICY_DECISIONS, registry)
+        self.aggregation_duration = _histogram(AGGREGATION_DURATION, registry)
+        self.regions_up = _gauge(REGIONS_UP, registry)
+        self.region_up = _gauge(REGION_UP, registry)
+        self.global_validation_loss = _gauge(GLOBAL_VALIDATION_LOSS, registry)
+        self.region_train_loss = _gauge(REGION_TRAIN_LOSS, registry)
+        self.last_checkpoint = _gauge(LAST_CHECKPOINT, registry)
+        self.certificate_expiry = _gauge(CERTIFICATE_EXPIRY, registry)
+        self.jobs = _gauge(JOBS, registry)
+        self.mqtt_connected = _gauge(MQTT_CONNECTED, registry)
+
+    def policy_decision(self, allowed: bool, kind: str) -> None:
+        self.policy_decisions.labels(verdict="allow" if allowed else "deny", kind=kind).inc()

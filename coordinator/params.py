@@ -1,0 +1,132 @@
+"""The coordinator's working state of a job: θ_r, the outer optimizer state, the EF residual.
+
+Each lives in a content-addressed blob (``torch.save`` bytes, loaded back with
+``weights_only=True``, so the round trip is bit-exact and loading runs no pickled code).
+The blobs are written first; the state store's pointers to them change only in the
+transaction that marks the round published, so a crash in between leaves the previous
+state in force and only orphaned blobs behind. Blocking: call it from a worker thread.
+"""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Final
+
+import torch
+from torch import Tensor
+
+from geofed.blobstore import BlobNotFound, BlobStore, BlobStoreError
+from geofed.params import parameters_vector_hash
+
+__all__ = ["POINTERS", "ParamsError", "ParamsStore", "WorkingState"]
+
+#: Pointer names (per job) in the state store.
+VERSION: Final = "version"
+PARAMS: Final = "params"
+PARAMS_HASH: Final = "params_hash"
+OUTER_STATE: Final = "outer_state"
+EF_RESIDUAL: Final = "ef_residual"
+POINTERS: Final = (VERSION, PARAMS, PARAMS_HASH, OUTER_STATE, EF_RESIDUAL)
+
+
+class ParamsError(Exception):
+    """Working state cannot be saved or loaded (missing or damaged blob, bad pointers)."""
+
+
+@dataclass(frozen=True)
+class WorkingState:
+    """θ_version of a job and what the next outer step needs.
+
+    ``residual`` is None until the first update was published (no quantization error
+    yet). Tensors are never modified in place once they are part of a state.
+    """
+
+    version: int
+    params: dict[str, Tensor]
+    params_hash: str
+    optimizer_state: Mapping[str, Any]
+    residual: dict[str, Tensor] | None
+
+    @classmethod
+    def initial(cls, params: dict[str, Tensor], optimizer_state: Mapping[str, Any]) -> WorkingState:
+        return cls(0, params, parameters_vector_hash(params), optimizer_state, None)
+
+
+class ParamsStore:
+    """Saves and loads :class:`WorkingState` as blobs plus pointer values."""
+
+    def __init__(self, blobs: BlobStore) -> None:
+        self._blobs = blobs
+
+    def save(self, state: WorkingState) -> dict[str, str]:
+        """Store the blobs of ``state``; return the pointer values that name them."""
+        residual = "" if state.residual is None else self._put(state.residual)
+        return {
+            VERSION: str(state.version),
+            PARAMS: self._put(state.params),
+            PARAMS_HASH: state.params_hash,
+            OUTER_STATE: self._put(dict(state.optimizer_state)),
+            EF_RESIDUAL: residual,
+        }
+
+    def load(self, pointers: Mapping[str, str]) -> WorkingState:
+        """Rebuild the state the pointers name; check θ against its recorded hash."""
+        missing = [name for name in POINTERS if name not in pointers]
+        if missing:
+            raise ParamsError(f"job state lacks pointers {missing}")
+        try:
+            version = int(pointers[VERSION])
+        except ValueError:
+            raise ParamsError(f"version pointer {pointers[VERSION]!r} is not an integer") from None
+        params = self._tensors(self._get(pointers[PARAMS]), "parameters")
+        actual = parameters_vector_hash(params)
+        if actual != pointers[PARAMS_HASH]:
+            raise ParamsError(
+                f"parameters blob {pointers[PARAMS]} hashes to {actual}, not the recorded "
+                f"{pointers[PARAMS_HASH]}"
+            )
+        optimizer_state = self._get(pointers[OUTER_STATE])
+        if not isinstance(optimizer_state, dict):
+            raise ParamsError("outer optimizer state blob is not a mapping")
+        residual = None
+        if pointers[EF_RESIDUAL]:
+            residual = self._tensors(self._get(pointers[EF_RESIDUAL]), "residual")
+        return WorkingState(version, params, actual, optimizer_state, residual)
+
+    def delete(self, pointers: Mapping[str, str], keep: Mapping[str, str]) -> int:
+        """Remove the blobs ``pointers`` name that ``keep`` does not; return how many."""
+        kept = {keep.get(name) for name in (PARAMS, OUTER_STATE, EF_RESIDUAL)}
+        removed = 0
+        for name in (PARAMS, OUTER_STATE, EF_RESIDUAL):
+            digest = pointers.get(name)
+            if digest and digest not in kept and self._blobs.delete(digest):
+                removed += 1
+        return removed
+
+    def _put(self, value: object) -> str:
+        buffer = io.BytesIO()
+        torch.save(value, buffer)
+        return self._blobs.put(buffer.getbuffer())
+
+    def _get(self, digest: str) -> object:
+        try:
+            data = self._blobs.get(digest)
+        except BlobNotFound:
+            raise ParamsError(f"working-state blob {digest} is missing") from None
+        except BlobStoreError as exc:
+            raise ParamsError(f"working-state blob {digest} is unusable: {exc}") from None
+        try:
+            loaded: object = torch.load(io.BytesIO(data), weights_only=True)
+        except Exception as exc:  # torch raises many kinds on damaged pickles
+            raise ParamsError(f"working-state blob {digest} does not load: {exc}") from exc
+        return loaded
+
+    @staticmethod
+    def _tensors(value: object, what: str) -> dict[str, Tensor]:
+        if not isinstance(value, dict) or not all(
+            isinstance(k, str) and isinstance(v, Tensor) for k, v in value.items()
+        ):
+            raise ParamsError(f"{what} blob is not a mapping of names to tensors")
+        return dict(value)

@@ -1,0 +1,131 @@
+"""What the coordinator persists about jobs and rounds, and how it announces them.
+
+A job is ``running``, ``paused``, ``cancelled``, ``completed`` or ``failed``. Each round
+of a job has one record in the state store (``rounds`` table, key (job, round)): the
+round state machine's state, the attempt number (a round that failed below quorum, or
+was abandoned by a pause, is re-opened as a new attempt with the deltas already
+accepted), consecutive failures, why its deadline is what it is, and the quarantine
+standing of the job's regions when the record was written.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from enum import StrEnum
+from typing import Any
+
+from coordinator.quarantine import Quarantine, QuarantineConfig
+from coordinator.round_state import RoundState
+from geofed.control import RoundAnnouncement
+from geofed.control.messages import RoundState as AnnouncedState
+
+__all__ = ["JobState", "RoundRecord", "announcement", "update_path"]
+
+
+class JobState(StrEnum):
+    RUNNING = "running"
+    PAUSED = "paused"
+    CANCELLED = "cancelled"
+    COMPLETED = "completed"
+    FAILED = "failed"
+
+    @property
+    def final(self) -> bool:
+        return self in (JobState.CANCELLED, JobState.COMPLETED, JobState.FAILED)
+
+
+@dataclass
+class RoundRecord:
+    """One round's persisted record (see the module docstring)."""
+
+    state: RoundState
+    attempt: int
+    failures: int
+    deadline_reason: str
+    quarantine: Quarantine
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "state": self.state.to_dict(),
+            "attempt": self.attempt,
+            "failures": self.failures,
+            "deadline_reason": self.deadline_reason,
+            "quarantine": self.quarantine.to_dict(),
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any], config: QuarantineConfig) -> RoundRecord:
+        """Rebuild a record; raises ``RoundStateError``/``QuarantineError``/``ValueError``."""
+        attempt, failures = data.get("attempt"), data.get("failures")
+        if not isinstance(attempt, int) or not isinstance(failures, int):
+            raise ValueError(  # noqa: TRY004 - a damaged record, reported like the others
+                f"round record has no attempt/failures counts: {dict(data)!r:.200}"
+            )
+        return cls(
+            state=RoundState.from_dict(data.get("state")),
+            attempt=attempt,
+            failures=failures,
+            deadline_reason=str(data.get("deadline_reason", "")),
+            quarantine=Quarantine.from_dict(config, data.get("quarantine", {"regions": {}})),
+        )
+
+
+def update_path(job: str, round: int) -> str:
+    """The URL path of the global update of ``round``."""
+    return f"/v1/jobs/{job}/rounds/{round}/update"
+
+
+def announcement(
+    *,
+    job: str,
+    version: int,
+    params_hash: str,
+    update_digest: str | None,
+    round_state: RoundState | None,
+    state: AnnouncedState,
+    regions: tuple[str, ...],
+    quorum: int,
+    inner_steps: int,
+    codec: Any,
+    task: str,
+    task_options: Mapping[str, Any],
+    seed: int,
+    default_deadline_s: float,
+    now: float,
+) -> RoundAnnouncement:
+    """The announcement of round ``version`` in ``state``.
+
+    Without an open round (a paused job between rounds, a finished or cancelled job)
+    the job's regions stand in as participants and ``now`` as the deadline.
+    """
+    if round_state is not None and round_state.config.round == version:
+        participants = round_state.config.participants
+        min_regions = round_state.config.min_regions
+        deadline_at = round_state.deadline_at
+        deadline_s = round_state.deadline_at - round_state.config.opened_at
+    else:
+        participants = regions
+        min_regions = min(quorum, len(regions))
+        deadline_at = now
+        deadline_s = default_deadline_s
+    has_update = version > 0 and update_digest is not None
+    return RoundAnnouncement(
+        job=job,
+        round=version,
+        base_round=version,
+        base_hash=params_hash,
+        update_url=update_path(job, version - 1) if has_update else None,
+        update_digest=update_digest if has_update else None,
+        participants=participants,
+        min_regions=min_regions,
+        deadline=datetime.fromtimestamp(deadline_at, UTC),
+        deadline_s=max(deadline_s, 1e-3),
+        inner_steps=inner_steps,
+        codec=codec,
+        task=task,
+        task_options=dict(task_options),
+        seed=seed,
+        state=state,
+    )

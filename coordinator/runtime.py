@@ -1,0 +1,254 @@
+"""What the coordinator loads once at start-up from its configuration.
+
+Trust bundle, its own credential (checked to be ``coordinator/<name>`` of the federation),
+the region policies, the checkpoint locations (checked against the storage the policies
+declare) and the working directories. Any problem is a :class:`ConfigError`, so the
+daemon exits with the configuration-error code before it serves anything.
+"""
+
+from __future__ import annotations
+
+import logging
+import ssl
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+
+from cryptography import x509
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+
+from coordinator.artifacts import Location, Signer
+from coordinator.config import ConfigError, CoordinatorConfig
+from coordinator.params import ParamsStore
+from geofed.blobstore import FsBlobStore
+from geofed.pki import (
+    CertificateRefused,
+    PKIError,
+    TrustBundle,
+    client_ssl_context,
+    load_trust_bundle,
+    read_certificate,
+    server_ssl_context,
+    verify_certificate,
+)
+from geofed.pki.authority import IssuedCredential
+from geofed.types import Role
+from policies import PolicyLoadError, PolicySet, load_policies
+
+__all__ = ["BundleSource", "Runtime", "load_runtime"]
+
+log = logging.getLogger(__name__)
+
+
+class BundleSource:
+    """The trust bundle, re-read whenever its file changes.
+
+    Revocations added to the file (``geofed ca revoke``) then apply to the next request
+    and the next manifest, without a restart. A file that no longer loads is logged and
+    the last good bundle stays in force. TLS contexts keep the CA list they were built
+    with: a new authority needs a restart.
+    """
+
+    def __init__(self, path: Path, bundle: TrustBundle) -> None:
+        self._path = path
+        self._bundle = bundle
+        self._stamp = self._stat()
+
+    def _stat(self) -> tuple[int, int] | None:
+        try:
+            status = self._path.stat()
+        except OSError:
+            return None
+        return (status.st_mtime_ns, status.st_size)
+
+    def __call__(self) -> TrustBundle:
+        stamp = self._stat()
+        if stamp is not None and stamp != self._stamp:
+            self._stamp = stamp
+            try:
+                bundle = load_trust_bundle(self._path)
+            except PKIError as exc:
+                log.error(  # noqa: TRY400 - the error names the file, line and key
+                    "trust bundle %s no longer loads; keeping the previous one: %s", self._path, exc
+                )
+            else:
+                if bundle.federation == self._bundle.federation:
+                    self._bundle = bundle
+                    log.info(
+                        "trust bundle %s reloaded (%d revoked serials)",
+                        self._path,
+                        len(bundle.revoked_serials),
+                    )
+                else:
+                    log.error(
+                        "trust bundle %s now names federation %r; ignored",
+                        self._path,
+                        bundle.federation,
+                    )
+        return self._bundle
+
+
+@dataclass(frozen=True)
+class Runtime:
+    """Loaded, checked start-up state (see the module docstring)."""
+
+    config: CoordinatorConfig
+    bundle: TrustBundle
+    credential: IssuedCredential
+    signer: Signer
+    policies: PolicySet
+    locations: dict[str, Location]
+    deltas: FsBlobStore
+    params: ParamsStore
+    spool_dir: Path
+    tls_certificate: x509.Certificate | None
+    trust: BundleSource
+
+    def server_ssl(self) -> ssl.SSLContext | None:
+        """The HTTPS context, or None in insecure loopback mode."""
+        if not self.config.tls_enabled:
+            return None
+        return server_ssl_context(self.bundle, self.config.tls_cert, self.config.tls_key)
+
+    def mqtt_ssl(self) -> ssl.SSLContext | None:
+        if not self.config.mqtt.tls:
+            return None
+        return client_ssl_context(self.bundle, self.config.identity.cert, self.config.identity.key)
+
+    def certificate_expiry(self) -> dict[str, float]:
+        """notAfter (Unix seconds) of the identity and the TLS server certificates."""
+        expiry = {"identity": self.credential.certificate.not_valid_after_utc.timestamp()}
+        if self.tls_certificate is not None:
+            expiry["tls"] = self.tls_certificate.not_valid_after_utc.timestamp()
+        return expiry
+
+
+def load_runtime(config: CoordinatorConfig) -> Runtime:
+    """Load and check everything the configuration names; :class:`ConfigError` if unusable."""
+    problems: list[str] = []
+    bundle = _bundle(config, problems)
+    credential = _credential(config, bundle, problems)
+    policies = _policies(config, problems)
+    locations: dict[str, Location] = {}
+    if policies is not None:
+        locations = _locations(config, policies, problems)
+    if problems or bundle is None or credential is None or policies is None:
+        raise ConfigError(problems or ["configuration is unusable"])
+    tls_certificate = None
+    if config.tls_enabled:
+        try:
+            server_ssl_context(bundle, config.tls_cert, config.tls_key)
+            tls_certificate = read_certificate(config.tls_cert)
+        except (OSError, ssl.SSLError, ValueError, PKIError) as exc:
+            raise ConfigError(
+                [f"tls: cannot use {config.tls_cert} / {config.tls_key}: {exc}"]
+            ) from None
+    try:
+        config.state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        spool = config.state_dir / "spool"
+        spool.mkdir(exist_ok=True, mode=0o700)
+        deltas = FsBlobStore(config.state_dir / "blobs")
+    except OSError as exc:
+        raise ConfigError([f"state_dir: cannot use {config.state_dir}: {exc}"]) from None
+    signer = Signer(credential.identity, credential.certificate, credential.private_key)
+    return Runtime(
+        config,
+        bundle,
+        credential,
+        signer,
+        policies,
+        locations,
+        deltas,
+        ParamsStore(deltas),
+        spool,
+        tls_certificate,
+        BundleSource(config.trust_bundle, bundle),
+    )
+
+
+def _bundle(config: CoordinatorConfig, problems: list[str]) -> TrustBundle | None:
+    try:
+        bundle = load_trust_bundle(config.trust_bundle)
+    except PKIError as exc:
+        problems.append(f"trust_bundle: {exc}")
+        return None
+    if bundle.federation != config.federation:
+        problems.append(
+            f"trust_bundle: {config.trust_bundle} is for federation {bundle.federation!r}, "
+            f"the configuration says {config.federation!r}"
+        )
+    return bundle
+
+
+def _credential(
+    config: CoordinatorConfig, bundle: TrustBundle | None, problems: list[str]
+) -> IssuedCredential | None:
+    try:
+        cert = read_certificate(config.identity.cert)
+        key = _read_key(config.identity.key, cert)
+    except (PKIError, ValueError) as exc:
+        problems.append(f"identity: {exc}")
+        return None
+    if bundle is None:
+        return None
+    try:
+        identity = verify_certificate(cert, bundle, now=datetime.now(UTC))
+    except CertificateRefused as exc:
+        problems.append(f"identity: {config.identity.cert}: refused by the trust bundle: {exc}")
+        return None
+    if identity.role is not Role.COORDINATOR or identity.name != config.name:
+        problems.append(
+            f"identity: {config.identity.cert} is {identity}, expected "
+            f"spiffe://{config.federation}/coordinator/{config.name}"
+        )
+        return None
+    return IssuedCredential(identity=identity, certificate=cert, private_key=key, issuer=cert)
+
+
+def _read_key(path: Path, cert: x509.Certificate) -> ec.EllipticCurvePrivateKey:
+    try:
+        key = serialization.load_pem_private_key(path.read_bytes(), password=None)
+    except (OSError, ValueError, TypeError) as exc:
+        raise ValueError(f"{path}: not a readable PEM private key: {exc}") from None
+    if not isinstance(key, ec.EllipticCurvePrivateKey):
+        raise ValueError(f"{path}: expected an ECDSA key")  # noqa: TRY004 - a bad file
+    if key.public_key() != cert.public_key():
+        raise ValueError(f"{path}: key does not belong to the certificate {cert.subject}")
+    return key
+
+
+def _policies(config: CoordinatorConfig, problems: list[str]) -> PolicySet | None:
+    try:
+        policies = load_policies([config.policies_dir])
+    except PolicyLoadError as exc:
+        problems.extend(f"policies_dir: {problem}" for problem in exc.problems)
+        return None
+    for warning in policies.warnings:
+        log.warning("policy %s", warning)
+    return policies
+
+
+def _locations(
+    config: CoordinatorConfig, policies: PolicySet, problems: list[str]
+) -> dict[str, Location]:
+    locations: dict[str, Location] = {}
+    for entry in config.storage:
+        region = entry.region
+        declared = policies.storage(entry.name)
+        if declared is not None:
+            if declared.storage.jurisdiction != entry.jurisdiction:
+                where = declared.owner.origin(declared.path)
+                problems.append(
+                    f"storage {entry.name}: jurisdiction {entry.jurisdiction} differs from "
+                    f"{declared.storage.jurisdiction} declared at {where}"
+                )
+                continue
+            region = declared.owner.region
+        try:
+            locations[entry.name] = Location.open(
+                entry.name, entry.jurisdiction, region, entry.path
+            )
+        except OSError as exc:
+            problems.append(f"storage {entry.name}: cannot use {entry.path}: {exc}")
+    return locations

@@ -1,0 +1,97 @@
+"""A job's rounds over real TLS, a real SQLite state directory and an embedded broker."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+
+from coordinator.audit import AuditEntry, verify_chain
+from geofed.control.broker import EmbeddedBroker
+from geofed.params import parameters_vector_hash
+from tests.support.coordinator import (
+    Announcements,
+    coordinator,
+    job_yaml,
+    metric_value,
+    request,
+    write_setup,
+)
+
+pytestmark = pytest.mark.integration
+
+
+async def test_a_round_runs_from_submission_to_a_verifiable_update(tmp_path: Path) -> None:
+    async with EmbeddedBroker() as broker, Announcements(broker.port) as announcements:
+        setup = write_setup(tmp_path, broker.port)
+        async with coordinator(setup) as running:
+            operator = running.session(setup.operator)
+            task = "tests.support.coordinator:EvaluatedTinyTask"
+            status, body = await request(operator, "POST", "/v1/jobs", data=job_yaml(task=task))
+            assert status == 201, body
+            assert body["checkpoint_location"] == "eu-ckpt"  # eu-west keeps models in the EU
+
+            first = await announcements.until(round=0, state="open")
+            assert first.participants == ("eu-west", "us-east")
+            assert first.update_url is None
+
+            eu, us = running.region("eu-west"), running.region("us-east")
+            theta0, theta0_hash, version = await us.download_params("tiny")
+            assert (version, theta0_hash) == (0, first.base_hash)
+
+            manifest, stream = eu.delta("tiny", 0, first.base_hash, seed=1, tokens=100)
+            status, body = await eu.three_step("tiny", 0, manifest, stream)
+            assert (status, body["state"]) == (200, "accepted"), body
+            # Idempotent: the same delta again is answered with the same receipt.
+            again = await eu.three_step("tiny", 0, manifest, stream)
+            assert again == (200, body)
+
+            manifest, stream = us.delta("tiny", 0, first.base_hash, seed=2, tokens=300)
+            status, body = await us.single_shot("tiny", 0, manifest, stream)
+            assert (status, body["state"]) == (200, "accepted"), body
+
+            second = await announcements.until(round=1, state="open")
+            assert second.update_url == "/v1/jobs/tiny/rounds/0/update"
+            update, parameters_hash = await eu.download_update("tiny", 0)
+            theta1 = {name: theta0[name] + update[name] for name in theta0}
+            assert parameters_vector_hash(theta1) == parameters_hash == second.base_hash
+            # An interrupted download resumes with a Range request.
+            path = "/v1/jobs/tiny/rounds/0/update"
+            async with eu.session.get(path) as response:
+                whole = await response.read()
+            async with eu.session.get(path, headers={"Range": "bytes=100-"}) as response:
+                assert response.status == 206
+                assert await response.read() == whole[100:]
+            # A joiner resyncing from the checkpoint chain reaches the same bits.
+            _, resynced_hash, version = await us.download_params("tiny")
+            assert (version, resynced_hash) == (1, second.base_hash)
+
+            observer = running.session(setup.observer)
+            completed = 'geofed_rounds_completed_total{job="tiny"}'
+            assert await metric_value(running, observer, completed) == 1.0
+            accepted = 'geofed_deltas_accepted_total{job="tiny",region="eu-west"}'
+            assert await metric_value(running, observer, accepted) == 1.0
+
+            # θ_1 is evaluated in the background with the task's held-out loss.
+            async with asyncio.timeout(10):
+                while True:
+                    status, job = await request(observer, "GET", "/v1/jobs/tiny")
+                    if job["global_val_loss"] is not None:
+                        break
+                    await asyncio.sleep(0.05)
+            assert job["global_val_loss"]["round"] == 1
+            loss = await metric_value(
+                running, observer, 'geofed_global_validation_loss{job="tiny"}'
+            )
+            assert loss == job["global_val_loss"]["value"]
+            assert loss > 0
+
+            status, audit = await request(observer, "GET", "/v1/audit?limit=1000&verify=1")
+            assert status == 200
+            assert audit["verify"]["ok"], audit
+            entries = [AuditEntry.from_dict(entry) for entry in audit["entries"]]
+            assert verify_chain(entries, start_seq=1).ok
+            actions = [entry.action for entry in entries]
+            assert actions.count("round.publish") == 1
+            assert {"job.admit", "delta.accept", "policy.model_delta"} <= set(actions)

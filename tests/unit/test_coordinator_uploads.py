@@ -1,0 +1,261 @@
+"""Delta manifest checks and commit verification, without sockets."""
+
+from __future__ import annotations
+
+import hashlib
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import zstandard
+
+from coordinator.delta_checks import DeltaExpectation, check_delta_manifest, verify_signature
+from coordinator.delta_stream import verify_and_store
+from coordinator.errors import ApiError
+from coordinator.jobspec import CodecSpec
+from geofed.blobstore import FsBlobStore
+from geofed.codec import CodecConfig, EncodedStream, encode_stream
+from geofed.codec.wire import (
+    ChunkFields,
+    FrameKind,
+    TrailerFields,
+    chunk_fields,
+    seal,
+    trailer_body,
+)
+from geofed.manifest import (
+    CodecParams,
+    Manifest,
+    Provenance,
+    SignedManifest,
+    TensorSpec,
+    chunk_records,
+    sign_manifest,
+)
+from geofed.types import ArtifactKind
+from tests.support.pki import Federation, make_federation
+
+BASE = "ab" * 32
+CODEC = CodecConfig(scheme="int8", block_size=32, chunk_elements=64)
+SPECS = (
+    TensorSpec(name="w", dtype="float32", shape=(8, 16)),
+    TensorSpec(name="b", dtype="float32", shape=(8,)),
+)
+
+
+@pytest.fixture(scope="module")
+def fed(tmp_path_factory: pytest.TempPathFactory) -> Federation:
+    return make_federation(tmp_path_factory.mktemp("fed"), "acme")
+
+
+@pytest.fixture(scope="module")
+def eu_west(fed: Federation) -> Any:
+    return fed.region("eu-west")
+
+
+def _tensors() -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(0)
+    return {"w": torch.randn(8, 16, generator=gen), "b": torch.randn(8, generator=gen)}
+
+
+def _signed(region: Any, stream: EncodedStream, **overrides: Any) -> SignedManifest:
+    fields: dict[str, Any] = {
+        "kind": ArtifactKind.MODEL_DELTA,
+        "job": "job-1",
+        "round": 3,
+        "producer": region.identity.uri,
+        "codec": CodecParams(
+            scheme=stream.config.scheme,
+            block_size=stream.config.block_size,
+            zstd_level=stream.config.zstd_level,
+            stochastic_rounding=False,
+        ),
+        "tensors": tuple(
+            TensorSpec(name=s.name, dtype=s.dtype, shape=s.shape) for s in stream.specs
+        ),
+        "chunks": chunk_records(stream.frames()),
+        "total_size": stream.total_bytes,
+        "provenance": (Provenance(region="eu-west", jurisdiction="EU", datasets=("eu-a",)),),
+        "created_at": datetime.now(UTC),
+        "base_round": 3,
+        "base_hash": BASE,
+        "tokens": 64,
+    }
+    fields.update(overrides)
+    cred = region.credential
+    return sign_manifest(Manifest(**fields), cred.private_key, cred.certificate)
+
+
+def _expect(**overrides: Any) -> DeltaExpectation:
+    fields: dict[str, Any] = {
+        "job": "job-1",
+        "round": 3,
+        "region": "eu-west",
+        "federation": "acme",
+        "base_hash": BASE,
+        "tensors": SPECS,
+        "codec": CodecSpec(scheme="int8", block_size=32),
+        "datasets": ["eu-a", "eu-b"],
+        "jurisdiction": "EU",
+        "max_upload_bytes": 1 << 20,
+        "max_chunk_bytes": 1 << 16,
+    }
+    fields.update(overrides)
+    return DeltaExpectation(**fields)
+
+
+def _code(signed: SignedManifest, expect: DeltaExpectation) -> tuple[int, str, str]:
+    with pytest.raises(ApiError) as caught:
+        check_delta_manifest(signed, expect)
+    return caught.value.status, caught.value.code, caught.value.message
+
+
+def test_a_valid_delta_passes_every_check(eu_west: Any, fed: Federation) -> None:
+    signed = _signed(eu_west, encode_stream(_tensors(), CODEC))
+    check_delta_manifest(signed, _expect())
+    assert verify_signature(signed, fed.bundle(), datetime.now(UTC)) == eu_west.identity
+
+
+@pytest.mark.parametrize(
+    ("overrides", "expect", "wanted"),
+    [
+        ({"kind": ArtifactKind.GLOBAL_UPDATE}, {}, (400, "malformed_manifest", "model_delta")),
+        ({"round": 4, "base_round": 4}, {}, (409, "wrong_round", "round 4")),
+        ({"base_hash": "cd" * 32}, {}, (409, "base_mismatch", "resync")),
+        ({}, {"tensors": SPECS[:1]}, (400, "shape_mismatch", "unexpected ['b']")),
+        (
+            {},
+            {"tensors": (SPECS[0], TensorSpec(name="b", dtype="float32", shape=(9,)))},
+            (400, "shape_mismatch", "float32[9]"),
+        ),
+        ({}, {"codec": CodecSpec(scheme="int4", block_size=32)}, (400, "codec_mismatch", "int4")),
+        ({}, {"max_upload_bytes": 100}, (413, "too_large", "limit is 100")),
+        ({"tokens": None}, {}, (400, "bad_request", "tokens")),
+        (
+            {"provenance": (Provenance(region="eu-west", jurisdiction="EU", datasets=("x",)),)},
+            {},
+            (400, "bad_request", "subset"),
+        ),
+        (
+            {"provenance": (Provenance(region="eu-west", jurisdiction="US", datasets=("eu-a",)),)},
+            {},
+            (400, "bad_request", "policy says EU"),
+        ),
+        ({"job": "job-2"}, {}, (400, "bad_request", "job job-2")),
+    ],
+)
+def test_each_mismatch_is_refused_with_its_code(
+    eu_west: Any, overrides: dict[str, Any], expect: dict[str, Any], wanted: tuple[int, str, str]
+) -> None:
+    signed = _signed(eu_west, encode_stream(_tensors(), CODEC), **overrides)
+    status, code, message = _code(signed, _expect(**expect))
+    assert (status, code) == wanted[:2]
+    assert wanted[2] in message
+
+
+def test_another_regions_delta_is_a_producer_mismatch(fed: Federation) -> None:
+    signed = _signed(fed.region("us-east"), encode_stream(_tensors(), CODEC))
+    assert _code(signed, _expect())[:2] == (403, "producer_mismatch")
+
+
+def test_signature_refusals_map_to_protocol_codes(eu_west: Any, fed: Federation) -> None:
+    signed = _signed(eu_west, encode_stream(_tensors(), CODEC))
+    forged = SignedManifest(signed.manifest, bytes(reversed(signed.signature)), signed.certificate)
+    with pytest.raises(ApiError) as caught:
+        verify_signature(forged, fed.bundle(), datetime.now(UTC))
+    assert (caught.value.status, caught.value.code) == (403, "bad_signature")
+    fed.add_untrusted_authority("rogue")
+    rogue = fed.region("eu-west", authority="rogue")
+    stranger = _signed(rogue, encode_stream(_tensors(), CODEC))
+    with pytest.raises(ApiError) as caught:
+        verify_signature(stranger, fed.bundle(), datetime.now(UTC))
+    assert (caught.value.status, caught.value.code) == (403, "untrusted_certificate")
+
+
+def test_verified_stream_is_stored_whole(eu_west: Any, tmp_path: Path) -> None:
+    stream = encode_stream(_tensors(), CODEC)
+    blobs = FsBlobStore(tmp_path)
+    digest, size = verify_and_store(iter(stream.frames()), _signed(eu_west, stream), SPECS, blobs)
+    assert blobs.get(digest) == stream.to_bytes()
+    assert size == stream.total_bytes
+
+
+def test_frames_out_of_order_store_nothing(eu_west: Any, tmp_path: Path) -> None:
+    stream = encode_stream(_tensors(), CODEC)
+    frames = list(stream.frames())
+    frames[1], frames[2] = frames[2], frames[1]
+    blobs = FsBlobStore(tmp_path)
+    with pytest.raises(ApiError) as caught:
+        verify_and_store(iter(frames), _signed(eu_west, stream), SPECS, blobs)
+    assert caught.value.code == "decode_failed"
+    assert "where chunk 0 was expected" in caught.value.message
+    assert list(blobs.iter_digests()) == []
+
+
+def test_a_frame_other_than_the_manifests_is_a_corrupt_chunk(eu_west: Any, tmp_path: Path) -> None:
+    stream = encode_stream(_tensors(), CODEC)
+    other = encode_stream({name: t + 1 for name, t in _tensors().items()}, CODEC)
+    frames = [stream.header, other.chunks[0].data, *[c.data for c in stream.chunks[1:]]]
+    frames.append(stream.trailer)
+    blobs = FsBlobStore(tmp_path)
+    with pytest.raises(ApiError) as caught:
+        verify_and_store(iter(frames), _signed(eu_west, stream), SPECS, blobs)
+    assert caught.value.code == "corrupt_chunk"
+    assert list(blobs.iter_digests()) == []
+
+
+def test_a_stream_for_another_model_is_a_shape_mismatch(eu_west: Any, tmp_path: Path) -> None:
+    stream = encode_stream({"w": torch.zeros(8, 16), "c": torch.zeros(8)}, CODEC)
+    with pytest.raises(ApiError) as caught:
+        verify_and_store(
+            iter(stream.frames()), _signed(eu_west, stream), SPECS, FsBlobStore(tmp_path)
+        )
+    assert caught.value.code == "shape_mismatch"
+
+
+def _forged_fp32_stream(values: torch.Tensor) -> list[bytes]:
+    """A well-framed fp32 stream carrying ``values`` as they are (an encoder refuses Inf)."""
+    template = encode_stream({"v": torch.zeros(values.numel())}, CodecConfig(scheme="fp32"))
+    header = template.header
+    header_digest = hashlib.sha256(header).digest()
+    payload = values.to(torch.float32).numpy().tobytes()
+    compressed = zstandard.ZstdCompressor(level=1, write_content_size=True).compress(payload)
+    fields = ChunkFields(0, 0, 0, 0, values.numel(), len(payload), header_digest)
+    chunk = seal(FrameKind.CHUNK, [chunk_fields(fields), compressed])
+    stream_digest = hashlib.sha256(header_digest + chunk.digest).digest()
+    trailer = seal(
+        FrameKind.TRAILER,
+        [
+            trailer_body(
+                TrailerFields(1, values.numel(), len(header) + len(chunk.data), stream_digest)
+            )
+        ],
+    )
+    return [header, chunk.data, trailer.data]
+
+
+def test_non_finite_values_are_refused(eu_west: Any, tmp_path: Path) -> None:
+    frames = _forged_fp32_stream(torch.tensor([1.0, float("inf"), 2.0, 3.0]))
+    specs = (TensorSpec(name="v", dtype="float32", shape=(4,)),)
+    manifest = Manifest(
+        kind=ArtifactKind.MODEL_DELTA,
+        job="job-1",
+        round=3,
+        producer=eu_west.identity.uri,
+        codec=CodecParams(scheme="fp32", block_size=128, zstd_level=1, stochastic_rounding=False),
+        tensors=specs,
+        chunks=chunk_records(frames),
+        total_size=sum(len(f) for f in frames),
+        provenance=(Provenance(region="eu-west", jurisdiction="EU", datasets=("eu-a",)),),
+        created_at=datetime.now(UTC),
+        base_hash=BASE,
+        tokens=1,
+    )
+    signed = sign_manifest(manifest, eu_west.credential.private_key, eu_west.credential.certificate)
+    blobs = FsBlobStore(tmp_path)
+    with pytest.raises(ApiError) as caught:
+        verify_and_store(iter(frames), signed, specs, blobs)
+    assert caught.value.code == "non_finite"
+    assert list(blobs.iter_digests()) == []
