@@ -5,8 +5,10 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.geofed-installed
 # The CPU build of torch; an unpinned torch would pull a multi-GB CUDA build.
 TORCH_SPEC ?= torch==2.13.0
+# Each demo run gets a fresh work dir (PKI, state, logs, summary.json).
+DEMO_DIR ?= run/demo-$(shell date +%Y%m%d-%H%M%S)
 
-.PHONY: setup system-deps test lint typecheck pytest bench clean
+.PHONY: setup system-deps demo test lint typecheck pytest bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -31,6 +33,10 @@ pytest: $(STAMP) system-deps
 	$(VENV)/bin/pytest tests
 
 test: lint typecheck pytest
+
+# The main job: a coordinator and 3 regional agents on loopback training the example task.
+demo: $(STAMP)
+	$(VENV)/bin/geofed demo --workdir $(DEMO_DIR)
 
 bench: $(STAMP)
 	$(PY) -m benchmarks.codec_bench

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import time
 from collections import deque
@@ -69,6 +70,9 @@ __all__ = ["DeltaOffer", "JobEngine"]
 log = logging.getLogger(__name__)
 
 VAL_LOSS_POINTER = "val_loss"
+VAL_HISTORY_POINTER = "val_loss_history"
+#: How long a finished job waits for the evaluation of its last parameters.
+FINAL_EVALUATION_WAIT_S = 600.0
 _STATE_POINTERS = ("version", "params", "params_hash", "outer_state", "ef_residual")
 
 
@@ -87,6 +91,7 @@ class JobEngine:
         self.record: RoundRecord | None = None
         self.update_digest: str | None = None
         self.val_loss: tuple[int, float] | None = None
+        self.val_history: dict[int, float] = {}
         self.last_error = ""
         self._history: deque[RoundTiming] = deque(maxlen=ctx.spec.deadline.window_rounds)
         self._quarantine = Quarantine(services.config.quarantine)
@@ -162,6 +167,9 @@ class JobEngine:
         }
         if self.val_loss is not None:
             body["global_val_loss"] = {"round": self.val_loss[0], "value": self.val_loss[1]}
+        body["val_loss_history"] = [
+            {"round": number, "value": value} for number, value in sorted(self.val_history.items())
+        ]
         record = self.record
         if record is not None:
             rs = record.state
@@ -321,6 +329,9 @@ class JobEngine:
             round_text, _, value = loss.partition(":")
             self.val_loss = (int(round_text), float(value))
             self._s.metrics.global_validation_loss.labels(job=self.job).set(float(value))
+        history = pointers.get(VAL_HISTORY_POINTER)
+        if history:
+            self.val_history = {int(k): float(v) for k, v in json.loads(history).items()}
         self._s.metrics.current_round.labels(job=self.job).set(version)
 
     @property
@@ -347,6 +358,7 @@ class JobEngine:
         )
         self.working = state
         self._s.metrics.last_checkpoint.labels(job=self.job).set(time.time())
+        self._evaluate_later(state)  # the initial loss: what training is measured against
 
     async def _storage_decision(self, round: int) -> bool:
         """May this job's checkpoints go to its location? Decided, counted and audited."""
@@ -603,6 +615,10 @@ class JobEngine:
 
     async def _complete(self) -> None:
         """The job ran all its rounds (the publishing transaction usually recorded it)."""
+        # The last parameters' evaluation is the job's result: let it finish, not cancel it.
+        pending = {t for t in self._background if t.get_name().startswith("evaluate-")}
+        if pending:
+            await asyncio.wait(pending, timeout=FINAL_EVALUATION_WAIT_S)
         if self._state is not JobState.COMPLETED:
             await self._s.executors.db(
                 self._s.store.set_job_state, self.job, JobState.COMPLETED.value
@@ -672,6 +688,14 @@ class JobEngine:
             return
         loss = metrics.get("val_loss")
         if loss is None:
+            return
+        self.val_history[state.version] = float(loss)
+        history = json.dumps({str(k): v for k, v in sorted(self.val_history.items())})
+        await self._s.executors.db(
+            self._s.store.set_pointer, self.job, VAL_HISTORY_POINTER, history
+        )
+        # Evaluations may finish out of order; the gauge shows the newest parameters'.
+        if self.val_loss is not None and self.val_loss[0] > state.version:
             return
         self.val_loss = (state.version, float(loss))
         self._s.metrics.global_validation_loss.labels(job=self.job).set(float(loss))

@@ -1,0 +1,1 @@
+"""``geofed demo``: a coordinator and regional agents on loopback, training the example task."""
