@@ -21,6 +21,13 @@ progress and then stops the agent cleanly.
 stopped the worker group and said ``offline``; it raises :class:`AgentFailed` when the
 agent cannot go on (the worker group failed past its relaunch cap, the broker refused a
 subscription).
+
+Metrics: the agent feeds its :class:`~regional_agent.metrics.AgentMetrics` with how each
+round ended, whether a job it takes part in is under way (the wall time of compute
+utilisation), and drops a job's series once the coordinator announces it done or
+cancelled; the pipeline, the synchronizer and the uploader record the rest.
+:meth:`Agent.refresh_metrics` reads the live values (MQTT connection, worker-group
+restarts) before each scrape.
 """
 
 from __future__ import annotations
@@ -29,10 +36,12 @@ import asyncio
 import contextlib
 import logging
 import random
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any, TypeVar
+
+from prometheus_client import CollectorRegistry
 
 from geofed.control import (
     Backoff,
@@ -52,6 +61,7 @@ from regional_agent.config import AgentConfig, training_datasets
 from regional_agent.credentials import Credentials
 from regional_agent.http import CoordinatorClient, build_session
 from regional_agent.launcher import Launcher, LocalElasticLauncher
+from regional_agent.metrics import AgentMetrics
 from regional_agent.pipeline import RegionFacts, RetryLater, RoundEnd, RoundPipeline
 from regional_agent.schedule import Running, Schedule, Stop
 from regional_agent.state import AgentState
@@ -95,11 +105,21 @@ class Agent:
         launcher: Launcher | None = None,
         clock: Clock = _utc_now,
         rng: random.Random | None = None,
+        metrics: AgentMetrics | None = None,
+        worker_environ: Mapping[str, str] | None = None,
+        on_ready: Callable[[], None] | None = None,
     ) -> None:
+        """``metrics`` default to a private registry; ``worker_environ`` is the local
+        launcher's base environment (default: this process's); ``on_ready()`` runs once
+        the worker group is up and the agent takes rounds."""
         self._config = config
         self._credentials = credentials
         self._clock = clock
         self._rng = rng or random.Random()
+        self._metrics = metrics or AgentMetrics(CollectorRegistry(), config.region)
+        self._on_ready = on_ready
+        self._refreshing = asyncio.Lock()
+        self._ended_jobs: set[str] = set()
         self._region = RegionFacts(credentials, policies, training_datasets(config, policies))
         self._topics = Topics(config.federation)
         timeouts = config.timeouts
@@ -122,7 +142,10 @@ class Agent:
         workers = config.workers
         self._workers = WorkerGroup(
             config.workers_dir,
-            launcher or LocalElasticLauncher(config.workers_dir, workers.launcher_config()),
+            launcher
+            or LocalElasticLauncher(
+                config.workers_dir, workers.launcher_config(), environ=worker_environ
+            ),
             WorkerGroupConfig(
                 start_timeout_s=workers.start_timeout_s, max_relaunches=workers.max_relaunches
             ),
@@ -156,6 +179,26 @@ class Agent:
     def workers(self) -> WorkerGroup:
         return self._workers
 
+    @property
+    def metrics(self) -> AgentMetrics:
+        return self._metrics
+
+    async def refresh_metrics(self) -> None:
+        """Bring the metrics read from live state up to date (before a scrape)."""
+        # One at a time: restart counts read out of order would look like a new group.
+        async with self._refreshing:
+            restarts = await asyncio.to_thread(lambda: self._workers.restart_count)
+            self._metrics.observe_worker_restarts(restarts)
+            self._metrics.set_mqtt_connected(self._control.connected.is_set())
+
+    def health(self) -> dict[str, str]:
+        """What ``/healthz`` tells besides being alive."""
+        return {
+            "state": self._status.state,
+            "mqtt": "connected" if self._control.connected.is_set() else "disconnected",
+            "workers": "running" if self._workers.running else "not running",
+        }
+
     def request_stop(self) -> None:
         """Ask :meth:`run` to stop the agent cleanly (the SIGTERM path)."""
         self._stop.set()
@@ -172,9 +215,12 @@ class Agent:
                 self._region,
                 self._state,
                 self._workers,
-                Synchronizer(client, self._credentials.bundle, clock=self._clock),
-                Uploader(client, config.region, rng=self._rng),
+                Synchronizer(
+                    client, self._credentials.bundle, clock=self._clock, metrics=self._metrics
+                ),
+                Uploader(client, config.region, rng=self._rng, metrics=self._metrics),
                 self._status,
+                metrics=self._metrics,
                 train_timeout_s=config.timeouts.round_deadline_s,
                 clock=self._clock,
             )
@@ -191,6 +237,8 @@ class Agent:
                 self._status.update("online", detail="starting the worker group")
                 if await self._until_stop(self._workers.start(), background):
                     self._status.update("online", detail="ready")
+                    if self._on_ready is not None:
+                        self._on_ready()
                     await self._until_stop(self._drive(), background)
             finally:
                 await self._shutdown(background)
@@ -227,6 +275,7 @@ class Agent:
 
     async def _shutdown(self, background: list[asyncio.Task[None]]) -> None:
         self._status.update("offline", detail="stopping")
+        self._metrics.set_participating(False)
         try:
             status = await self._workers.stop()
             log.info("worker group stopped (status %s)", status)
@@ -281,8 +330,12 @@ class Agent:
             self._failures += 1
             await self._pause(self._retry.delay(self._failures - 1, self._rng))
             return
+        else:
+            # Before the job's series may be dropped below, if the job ended meanwhile.
+            self._metrics.round_ended(job, end.outcome)
         finally:
             self._running = None
+            self._metrics_follow_schedule()
         self._failures = 0
         final = end.outcome == "accepted"
         self._schedule.settle(job, round_, deadline=None if final else announcement.deadline)
@@ -312,6 +365,15 @@ class Agent:
         log.info("job %s round %d: stopping it (%s)", stop.job, running.round, stop.reason)
         running.task.cancel()
 
+    def _metrics_follow_schedule(self) -> None:
+        """Wall time runs while a job is under way; ended jobs lose their series."""
+        self._metrics.set_participating(self._schedule.participating())
+        running = self._running.job if self._running is not None else None
+        for job in sorted(self._ended_jobs):
+            if job != running:
+                self._metrics.forget_job(job)
+        self._ended_jobs = {job for job in self._ended_jobs if job == running}
+
     def _running_view(self) -> Running | None:
         running = self._running
         if running is None:
@@ -337,6 +399,9 @@ class Agent:
             return
         self._stop_running(self._schedule.offer(announcement, self._running_view()))
         job = announcement.job
+        if announcement.state in ("done", "cancelled"):
+            self._ended_jobs.add(job)
+        self._metrics_follow_schedule()
         if self._running is None and announcement.state == "paused":
             self._status.update("paused", job=job, detail="job paused by the coordinator")
         self._wakeup.set()
@@ -351,6 +416,7 @@ class Agent:
             return
         log.info("command %s for job %s: %s", command.action, command.job, command.reason)
         self._stop_running(self._schedule.command(command, self._running_view()))
+        self._metrics_follow_schedule()
         job, reason = command.job, command.reason
         if command.action == "drain":
             self._status.update("draining", detail=reason or "finishing the current round")

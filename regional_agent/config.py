@@ -20,6 +20,7 @@
       env: {NCCL_SOCKET_IFNAME: eth0} # extra environment for the workers
     state_dir: /var/lib/geofed/eu-west
     timeouts: {request_s: 30, upload_s: 300}
+    metrics: {enabled: true, host: 127.0.0.1, port: 9443}   # /metrics and /healthz, mTLS
 
 Relative paths are relative to the config file's directory. Unknown and duplicate keys
 are errors, and every error names the file, the line and the key
@@ -28,7 +29,8 @@ with it and the coordinator's are verified against the trust bundle, whatever th
 transport. ``insecure_loopback`` replaces only the HTTP transport (plain HTTP with an
 ``X-Geofed-Identity`` header instead of a client certificate) and is refused unless the
 coordinator is on a loopback address; ``mqtt.tls: false`` likewise only for a loopback
-broker (the embedded demo broker).
+broker (the embedded demo broker). The ``metrics`` listener is HTTPS with the region's
+certificate and client certificates required in every mode, the demo's included.
 """
 
 from __future__ import annotations
@@ -89,6 +91,30 @@ class MqttConfig(_Section):
         default=True,
         description="TLS with the region's certificate; false only for a loopback demo broker",
     )
+
+
+class MetricsConfig(_Section):
+    """The operations listener: ``/metrics`` and ``/healthz`` over mutual TLS.
+
+    It presents the region's identity certificate (issue it with the DNS name Prometheus
+    scrapes, ``geofed ca issue ... --dns``) and requires a client certificate of the
+    federation; observers, operators and coordinators may read the metrics.
+    """
+
+    enabled: StrictBool = Field(default=True, description="serve /metrics and /healthz")
+    host: str = Field(
+        default="127.0.0.1",
+        min_length=1,
+        description="address to listen on; 0.0.0.0 or the host's address for a remote scraper",
+    )
+    port: StrictInt = Field(default=9443, ge=0, le=65535, description="0: any free port")
+
+    @field_validator("host")
+    @classmethod
+    def _host(cls, value: str) -> str:
+        if any(c.isspace() for c in value) or "/" in value:
+            raise ValueError(f"{value!r} is not a host name or address")
+        return value
 
 
 class IdentityConfig(_Section):
@@ -165,6 +191,7 @@ class AgentConfig(_Section):
     workers: WorkersConfig = Field(default_factory=WorkersConfig)
     state_dir: Path
     timeouts: Timeouts = Field(default_factory=Timeouts)
+    metrics: MetricsConfig = Field(default_factory=MetricsConfig)
 
     @field_validator("federation")
     @classmethod
@@ -350,6 +377,7 @@ __all__ = [
     "AgentConfig",
     "AgentConfigError",
     "IdentityConfig",
+    "MetricsConfig",
     "MqttConfig",
     "WorkersConfig",
     "is_loopback",

@@ -5,23 +5,61 @@ them):
 
 - ``0``: stopped cleanly (SIGTERM or SIGINT, or a ``drain`` command finished);
 - ``1``: runtime failure (the worker group failed past its relaunch cap, the broker
-  refused a subscription, an unexpected error); restarting may help;
+  refused a subscription, the metrics listener cannot bind its address, an unexpected
+  error); restarting may help;
 - ``2``: configuration error (the config file, the policy file, or the identity files it
-  names); restarting will not help until the files are fixed.
+  names, or a malformed ``$NOTIFY_SOCKET``/``$WATCHDOG_USEC``); restarting will not help
+  until the files are fixed.
 
 On SIGTERM the agent cancels the round in progress (its durable state lets the next
 start resume it), stops the worker group (a stop request, then SIGKILL after its
 deadline), publishes ``offline`` and exits.
+
+Operations. The daemon creates the Prometheus registry and the agent's metrics and
+serves them on the metrics listener (:mod:`regional_agent.metrics_server`), bound before
+the worker group starts so that a taken port fails fast and closed last so that the
+shutdown can be watched. Under systemd (``Type=notify``, :mod:`geofed.sdnotify`; a no-op
+elsewhere) it sends:
+
+- ``EXTEND_TIMEOUT_USEC`` before starting the worker group, so that
+  ``workers.start_timeout_s`` rather than ``TimeoutStartSec=`` bounds that start;
+- ``READY=1`` once the metrics listener is bound and every rank of the worker group is
+  ready: from then on the agent takes rounds. It waits for neither the broker nor the
+  coordinator: an MQTT outage is retried with back-off while the agent runs (``STATUS=``
+  and ``geofed_agent_mqtt_connected`` show it), and the coordinator is first needed when
+  a round is announced;
+- ``STATUS=`` on every change of the region's status, the one published retained on
+  MQTT (``training job llm round 3: 50 steps``);
+- ``STOPPING=1`` when SIGTERM or SIGINT arrives, or when the agent stops by itself
+  (drained, failed);
+- ``WATCHDOG=1`` every half of ``WatchdogSec=`` from the event loop (a task of the
+  daemon), so a stuck loop gets the daemon killed and restarted.
+
+The worker group inherits the environment without the notify variables: workers never
+talk to systemd.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import os
 import signal
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 
+from prometheus_client import CollectorRegistry
+
+from geofed.control import RegionStatus
+from geofed.sdnotify import (
+    Notifier,
+    NotifyEnvironmentError,
+    run_watchdog,
+    watchdog_interval,
+    without_notify_env,
+)
 from policies import PolicyLoadError, PolicySet
 from regional_agent.agent import Agent, AgentFailed
 from regional_agent.config import (
@@ -31,16 +69,27 @@ from regional_agent.config import (
     load_region_policies,
 )
 from regional_agent.credentials import Credentials, CredentialsError, load_credentials
+from regional_agent.metrics import AgentMetrics
+from regional_agent.metrics_server import MetricsServer, MetricsServerError, metrics_server
+from regional_agent.status import describe
 
 log = logging.getLogger(__name__)
 
 EXIT_OK = 0
 EXIT_FAILURE = 1
 EXIT_CONFIG = 2
+#: Start-up beyond the worker group's own start (listener, state, first status).
+_START_MARGIN_S = 30.0
 
 
 def main(config_path: Path | str) -> int:
     """Run the agent configured by ``config_path``; return the process exit code."""
+    try:
+        notifier = Notifier.from_env(os.environ)
+        watchdog_s = watchdog_interval(os.environ)
+    except NotifyEnvironmentError as exc:
+        print(f"error: systemd environment: {exc}", file=sys.stderr)
+        return EXIT_CONFIG
     try:
         config = load_config(config_path)
         credentials = load_credentials(config)
@@ -53,8 +102,11 @@ def main(config_path: Path | str) -> int:
         print(f"error: {config_path}: {exc}", file=sys.stderr)
         return EXIT_CONFIG
     try:
-        asyncio.run(serve(config, credentials, policies))
-    except AgentFailed as exc:
+        with notifier:
+            asyncio.run(
+                serve(config, credentials, policies, notifier=notifier, watchdog_s=watchdog_s)
+            )
+    except (AgentFailed, MetricsServerError) as exc:
         log.error("agent failed: %s", exc)  # noqa: TRY400 - the reason is the message
         return EXIT_FAILURE
     except Exception:
@@ -64,26 +116,90 @@ def main(config_path: Path | str) -> int:
     return EXIT_OK
 
 
-async def serve(config: AgentConfig, credentials: Credentials, policies: PolicySet) -> None:
-    """Run an agent in this event loop until SIGTERM/SIGINT, a drain, or a failure."""
-    agent = Agent(config, credentials, policies)
-    loop = asyncio.get_running_loop()
-    signals = (signal.SIGTERM, signal.SIGINT)
+async def serve(
+    config: AgentConfig,
+    credentials: Credentials,
+    policies: PolicySet,
+    *,
+    notifier: Notifier | None = None,
+    watchdog_s: float | None = None,
+    registry: CollectorRegistry | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> None:
+    """Run an agent in this event loop until SIGTERM/SIGINT, a drain, or a failure.
+
+    ``watchdog_s`` is :func:`geofed.sdnotify.watchdog_interval`'s answer; ``environ``
+    the environment the worker group's is derived from (default: this process's).
+    """
+    notifier = notifier or Notifier(None)
+    registry = CollectorRegistry() if registry is None else registry
+    metrics = AgentMetrics(registry, config.region)
+    metrics.set_certificate_expiry("identity", credentials.certificate.not_valid_after_utc)
+    listener: MetricsServer | None = None
+
+    def on_ready() -> None:
+        where = f"metrics on {listener.url}" if listener is not None else "metrics disabled"
+        notifier.ready(f"online: ready; {where}")
+
+    agent = Agent(
+        config,
+        credentials,
+        policies,
+        metrics=metrics,
+        worker_environ=without_notify_env(os.environ if environ is None else environ),
+        on_ready=on_ready,
+    )
+
+    def tell_systemd(status: RegionStatus) -> None:
+        notifier.status(describe(status))
+
+    agent.status.add_listener(tell_systemd)
+    stopping = False
+
+    def stop(reason: str) -> None:
+        nonlocal stopping
+        if not stopping:
+            stopping = True
+            notifier.stopping(reason)
 
     def on_signal(signum: int) -> None:
-        log.info("received %s; stopping", signal.Signals(signum).name)
+        name = signal.Signals(signum).name
+        log.info("received %s; stopping", name)
+        stop(f"offline: {name} received, stopping")
         agent.request_stop()
 
+    loop = asyncio.get_running_loop()
+    signals = (signal.SIGTERM, signal.SIGINT)
     for signum in signals:
         loop.add_signal_handler(signum, on_signal, signum)
-    log.info(
-        "agent for region %s of federation %s starting (state in %s)",
-        config.region,
-        config.federation,
-        config.state_dir,
-    )
+    watchdog: asyncio.Task[None] | None = None
     try:
-        await agent.run()
+        async with contextlib.AsyncExitStack() as stack:
+            if config.metrics.enabled:
+                server = metrics_server(
+                    config.metrics,
+                    credentials,
+                    registry,
+                    refresh=agent.refresh_metrics,
+                    health=agent.health,
+                )
+                listener = await stack.enter_async_context(server)
+            if watchdog_s is not None:
+                watchdog = asyncio.create_task(run_watchdog(notifier, watchdog_s), name="watchdog")
+            log.info(
+                "agent for region %s of federation %s starting (state in %s)",
+                config.region,
+                config.federation,
+                config.state_dir,
+            )
+            notifier.extend_timeout(config.workers.start_timeout_s + _START_MARGIN_S)
+            try:
+                await agent.run()
+            finally:
+                stop("offline: stopping")
     finally:
+        if watchdog is not None:
+            watchdog.cancel()
+            await asyncio.wait([watchdog])
         for signum in signals:
             loop.remove_signal_handler(signum)

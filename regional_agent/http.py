@@ -173,25 +173,34 @@ class CoordinatorClient:
             raise _http_error(status, body, what)
         return Answer(status, headers, body)
 
-    async def download(self, path_or_url: str, *, what: str | None = None) -> bytes:
+    async def download(
+        self,
+        path_or_url: str,
+        *,
+        what: str | None = None,
+        on_bytes: Callable[[int], None] | None = None,
+    ) -> bytes:
         """GET a whole file within ``download_s``, resuming with ``Range`` after a drop.
 
         Transport failures are retried with back-off until the download deadline; an
         error answer from the coordinator (404, 403, ...) is raised at once.
+        ``on_bytes(n)`` hears every block as it arrives, re-sent ones included (what
+        the WAN carried, for metrics).
         """
         url = self.url(path_or_url)
         label = what or f"download {url.path}"
+        work = self._download(url, label, on_bytes or _ignore)
         try:
-            return await wait_for(self._download(url, label), self.timeouts.download_s, label)
+            return await wait_for(work, self.timeouts.download_s, label)
         except Timeout as exc:
             raise TransportError(str(exc)) from exc
 
-    async def _download(self, url: URL, what: str) -> bytes:
+    async def _download(self, url: URL, what: str, on_bytes: Callable[[int], None]) -> bytes:
         received = bytearray()
         attempt = 0
         while True:
             try:
-                await self._fetch_into(url, received, what)
+                await self._fetch_into(url, received, what, on_bytes)
                 return bytes(received)
             except TransportError as exc:
                 delay = self.backoff.delay(attempt, self.rng)
@@ -199,7 +208,9 @@ class CoordinatorClient:
                 attempt += 1
                 await self.sleep(delay)
 
-    async def _fetch_into(self, url: URL, received: bytearray, what: str) -> None:
+    async def _fetch_into(
+        self, url: URL, received: bytearray, what: str, on_bytes: Callable[[int], None]
+    ) -> None:
         headers = {"Range": f"bytes={len(received)}-"} if received else {}
         try:
             async with self.session.get(url, headers=headers) as response:
@@ -213,10 +224,15 @@ class CoordinatorClient:
                     response.content.read(_READ_BLOCK), self.timeouts.request_s, f"{what} read"
                 ):
                     received += block
+                    on_bytes(len(block))
         except CertificateRefused as exc:
             raise UntrustedServer(f"{what}: {url.origin()} refused: {exc}") from exc
         except (aiohttp.ClientError, OSError, Timeout) as exc:
             raise TransportError(f"{what}: {type(exc).__name__}: {exc}") from exc
+
+
+def _ignore(_count: int) -> None:
+    pass
 
 
 def _check_range(content_range: str, start: int, what: str) -> None:

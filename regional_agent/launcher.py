@@ -224,9 +224,17 @@ class LocalLauncherConfig:
 class LocalElasticLauncher(Launcher):
     """Runs ``torch.distributed.run`` with ``regional_agent.worker`` on this machine."""
 
-    def __init__(self, workdir: str | os.PathLike[str], config: LocalLauncherConfig) -> None:
+    def __init__(
+        self,
+        workdir: str | os.PathLike[str],
+        config: LocalLauncherConfig,
+        *,
+        environ: Mapping[str, str] | None = None,
+    ) -> None:
+        """``environ`` is the workers' base environment (default: this process's at start)."""
         self._handoff = HandoffDir(Path(workdir).resolve())
         self._config = config
+        self._environ = None if environ is None else dict(environ)
         backend = resolve_backend(config.backend)
         if backend == "nccl" and config.nproc_per_node > torch.cuda.device_count():
             raise LauncherConfigError(
@@ -283,7 +291,7 @@ class LocalElasticLauncher(Launcher):
         ]
 
     def environment(self, launch_id: str) -> dict[str, str]:
-        env = dict(os.environ)
+        env = dict(os.environ if self._environ is None else self._environ)
         env.update(self._config.env)
         env["OMP_NUM_THREADS"] = str(self._config.omp_num_threads)
         env["PYTHONUNBUFFERED"] = "1"

@@ -13,12 +13,17 @@ done marker, the spooled delta), so running the same announcement again after a 
 or a cancellation repeats no finished work: a spooled delta is re-sent as it is, a
 trained round is read back from the worker group's hand-off directory. Blocking work
 (hashing, codec, signing, file I/O) runs in worker threads.
+
+Metrics (:class:`~regional_agent.metrics.AgentMetrics`): the time the worker group
+trains, each round trained (once per round, however often it is read back), the
+region's own policy refusals, and the size of every delta the coordinator accepts.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
@@ -26,7 +31,9 @@ from typing import Any, Literal, TypeVar
 
 from geofed.codec import CodecError
 from geofed.control import RoundAnnouncement
+from geofed.manifest import Manifest
 from geofed.timeouts import Timeout
+from geofed.types import ArtifactKind
 from policies import PolicySet
 from regional_agent.credentials import Credentials
 from regional_agent.delta import (
@@ -41,6 +48,7 @@ from regional_agent.delta import (
 )
 from regional_agent.handoff import RoundInstruction
 from regional_agent.http import CoordinatorError, HttpError, TransportError
+from regional_agent.metrics import AgentMetrics
 from regional_agent.state import AgentState, DeltaMeta, JobState, SpooledDelta, StateError
 from regional_agent.status import StatusReporter
 from regional_agent.sync import ResyncFailed, Synced, Synchronizer
@@ -118,6 +126,7 @@ class RoundPipeline:
         uploader: Uploader,
         status: StatusReporter,
         *,
+        metrics: AgentMetrics,
         train_timeout_s: float,
         clock: Clock,
     ) -> None:
@@ -127,8 +136,11 @@ class RoundPipeline:
         self._sync = synchronizer
         self._uploader = uploader
         self._status = status
+        self._metrics = metrics
         self._train_timeout_s = train_timeout_s
         self._clock = clock
+        # job -> the last round counted as trained (a round read back is not counted again)
+        self._trained: dict[str, int] = {}
 
     async def run(self, announcement: RoundAnnouncement, *, resync: bool = False) -> RoundEnd:
         """Take part in the announced round; ``resync`` discards the θ held first."""
@@ -196,7 +208,8 @@ class RoundPipeline:
         )
         instruction = self._instruction(announcement, job, synced)
         try:
-            result = await self._workers.run_round(instruction, self._train_timeout_s)
+            with self._metrics.training():
+                result = await self._workers.run_round(instruction, self._train_timeout_s)
         except RoundFailed as exc:
             return RoundEnd("failed", str(exc), params_hash=base_hash)
         summary = result.summary
@@ -206,6 +219,7 @@ class RoundPipeline:
                 f"the workers trained from θ {summary.base_params_hash}, not {base_hash}",
                 params_hash=base_hash,
             )
+        self._count_trained(announcement.job, announcement.round, summary.mean_loss)
         self._status.update(
             "uploading", **where, train_loss=summary.mean_loss, detail="encoding the delta"
         )
@@ -271,6 +285,7 @@ class RoundPipeline:
         decision = export_decision(self._region.policies, self._region.name, self._region.datasets)
         if not decision.allowed:
             # Defence in depth: the region's own policy is asked before anything leaves.
+            self._metrics.policy_denied(ArtifactKind.MODEL_DELTA)
             await _blocking(job.discard_spool, announcement.round)
             return end("refused", f"own policy: {decision}")
         self._status.update(
@@ -297,6 +312,7 @@ class RoundPipeline:
         except UploadRefused as exc:
             await _blocking(job.discard_spool, announcement.round)
             return end("refused", str(exc))
+        self._count_accepted(delta.manifest.manifest)
         await _blocking(job.promote, announcement.round)
         sent = f"{report.chunks_sent} chunks, {report.bytes_sent} bytes sent"
         return end(
@@ -321,4 +337,19 @@ class RoundPipeline:
                 log.info("round %d: the spooled delta was not taken (%s); dropping it", round_, exc)
                 await _blocking(job.discard_spool, round_)
                 continue
+            self._count_accepted(delta.manifest.manifest)
             await _blocking(job.promote, round_)
+
+    # -- metrics ----------------------------------------------------------------------
+
+    def _count_trained(self, job: str, round_: int, loss: float) -> None:
+        if self._trained.get(job, -1) >= round_:
+            return
+        self._trained[job] = round_
+        if not math.isfinite(loss):
+            log.warning("job %s round %d: training loss %s is not exported", job, round_, loss)
+        self._metrics.round_trained(job, round_, loss if math.isfinite(loss) else None)
+
+    def _count_accepted(self, manifest: Manifest) -> None:
+        fp32_bytes = 4 * sum(math.prod(spec.shape) for spec in manifest.tensors)
+        self._metrics.delta_accepted(manifest.codec.scheme, manifest.total_size, fp32_bytes)

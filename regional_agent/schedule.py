@@ -112,6 +112,20 @@ class Schedule:
                 return announcement
         return None
 
+    def participating(self) -> bool:
+        """Whether a job this region takes part in is under way (a round open or closing).
+
+        Time under way is the wall time of the compute utilisation metric: training,
+        and the waits for uploads, aggregation and the next announcement between rounds.
+        """
+        return any(
+            announcement.state in ("open", "closed")
+            and self.region in announcement.participants
+            and job not in self._paused
+            and job not in self._cancelled
+            for job, announcement in self._latest.items()
+        )
+
     def settle(self, job: str, round_: int, *, deadline: datetime | None = None) -> None:
         """Round ``round_`` of ``job`` ended for this region.
 

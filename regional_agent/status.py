@@ -6,6 +6,9 @@ retained with QoS 1, whenever it changes and every ``interval_s`` besides (so
 ``sent_at`` and the restart count stay current). The broker's Last Will and the goodbye
 on a clean stop carry ``offline`` (:meth:`StatusReporter.offline`). Publishing never
 blocks the caller: :meth:`update` only records and wakes the publishing task.
+
+Listeners (:meth:`StatusReporter.add_listener`) hear every change at once, in the
+caller's task: the daemon turns them into systemd ``STATUS=`` lines (:func:`describe`).
 """
 
 from __future__ import annotations
@@ -25,6 +28,8 @@ log = logging.getLogger(__name__)
 
 AGENT_VERSION = f"geofed-agent/{geofed.__version__}"
 _FIELDS = frozenset({"state", "job", "round", "params_hash", "train_loss", "detail"})
+
+Listener = Callable[[RegionStatus], None]
 
 
 class StatusReporter:
@@ -49,6 +54,8 @@ class StatusReporter:
         self._fields: dict[str, Any] = {"state": "online", "detail": "starting"}
         self._changed = asyncio.Event()
         self._changed.set()
+        self._listeners: list[Listener] = []
+        self._restarts_seen = 0
         #: The last status the broker acknowledged (tests and logs read it).
         self.published: RegionStatus | None = None
 
@@ -85,6 +92,24 @@ class StatusReporter:
             self._fields = new
             log.info("status %s %s", state, detail, extra={"status": dict(new)})
             self._changed.set()
+            self._tell_listeners()
+
+    def add_listener(self, listener: Listener) -> None:
+        """Call ``listener(status)`` now and after every change (it must not block)."""
+        self._listeners.append(listener)
+        self._call(listener, self.current(self._restarts_seen))
+
+    def _tell_listeners(self) -> None:
+        status = self.current(self._restarts_seen)
+        for listener in self._listeners:
+            self._call(listener, status)
+
+    @staticmethod
+    def _call(listener: Listener, status: RegionStatus) -> None:
+        try:
+            listener(status)
+        except Exception:  # a listener's failure must not fail the agent's state change
+            log.exception("status listener %r failed", listener)
 
     def offline(self, detail: str = "") -> Publication:
         """The ``offline`` status, for the goodbye."""
@@ -93,6 +118,7 @@ class StatusReporter:
     async def publish_now(self) -> None:
         """Publish the current status once (raises ``ControlError`` if not acknowledged)."""
         restarts = await asyncio.to_thread(self._restarts)
+        self._restarts_seen = restarts
         status = self.current(restarts)
         await self._control.publish(
             self._topic, encode(status), retain=True, timeout_s=self._timeout_s
@@ -113,6 +139,18 @@ class StatusReporter:
     def mark_stale(self) -> None:
         """Publish again soon (after a reconnect: a Last Will may have replaced ours)."""
         self._changed.set()
+
+
+def describe(status: RegionStatus) -> str:
+    """One line for humans: ``training job llm round 3: 50 steps``."""
+    line: str = status.state
+    if status.job is not None:
+        line += f" job {status.job}"
+        if status.round is not None:
+            line += f" round {status.round}"
+    if status.detail:
+        line += f": {status.detail}"
+    return line
 
 
 def offline_status(topic: str, region: str, detail: str = "") -> Publication:

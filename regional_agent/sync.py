@@ -11,6 +11,10 @@ parameters it reconstructs must hash to the manifest's ``parameters_hash``.
 nothing to do when the held θ already has the announced hash; the update when the held
 θ is the version just before; a full resync otherwise, and whenever an update is
 refused. Verification and the tensor arithmetic run in a worker thread.
+
+With :class:`~regional_agent.metrics.AgentMetrics` it counts the bytes downloaded (as
+they arrive, failed downloads included), the float32 size of every verified update or
+snapshot it applies, and each completed resync.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ from geofed.pki import TrustBundle
 from geofed.types import ArtifactKind, Role
 from geofed.wire import BundleError, split_bundle
 from regional_agent.http import CoordinatorClient, HttpError
+from regional_agent.metrics import AgentMetrics, MetricsError
 from regional_agent.state import ParamsVersion
 
 log = logging.getLogger(__name__)
@@ -175,11 +180,17 @@ class Synchronizer:
     """Brings a region's θ to the one a round announces."""
 
     def __init__(
-        self, client: CoordinatorClient, bundle: TrustBundle, *, clock: Clock = _utc_now
+        self,
+        client: CoordinatorClient,
+        bundle: TrustBundle,
+        *,
+        clock: Clock = _utc_now,
+        metrics: AgentMetrics | None = None,
     ) -> None:
         self._client = client
         self._bundle = bundle
         self._clock = clock
+        self._metrics = metrics
 
     async def sync(
         self, announcement: RoundAnnouncement, held: tuple[ParamsVersion, Params] | None
@@ -192,12 +203,13 @@ class Synchronizer:
         url = announcement.update_url
         if held is not None and url is not None and held[0].round == target.round - 1:
             try:
-                params, version = await self._update(announcement, url, held)
+                params, version, scheme = await self._update(announcement, url, held)
             except (ArtifactRejected, HttpError) as exc:
                 refused = str(exc)
                 log.warning("refused the update to θ_%d (%s); resyncing", target.round, exc)
             else:
                 if version == target:
+                    self._applied(scheme, _fp32_bytes(params))
                     return Synced(params, version, "update")
                 refused = f"update gives θ hash {version.hash}, announced {target.hash}"
                 log.warning("%s; resyncing", refused)
@@ -206,12 +218,17 @@ class Synchronizer:
 
     async def _update(
         self, announcement: RoundAnnouncement, url: str, held: tuple[ParamsVersion, Params]
-    ) -> tuple[Params, ParamsVersion]:
-        data = await self._client.download(url, what=f"update {announcement.job}/{held[0].round}")
+    ) -> tuple[Params, ParamsVersion, str]:
+        """θ after the announced update, its version, and the update's codec scheme."""
+        data = await self._client.download(
+            url,
+            what=f"update {announcement.job}/{held[0].round}",
+            on_bytes=self._counter(ArtifactKind.GLOBAL_UPDATE),
+        )
         version, params = held
         limit = 4 * sum(t.numel() for t in params.values())
 
-        def verify_and_apply() -> tuple[Params, ParamsVersion]:
+        def verify_and_apply() -> tuple[Params, ParamsVersion, str]:
             update = verify_artifact(
                 data,
                 self._bundle,
@@ -227,7 +244,7 @@ class Synchronizer:
                     f"update {announcement.job}/{version.round}: manifest digest {digest}, "
                     f"the announcement says {announcement.update_digest}"
                 )
-            return apply_verified_update(params, version, update)
+            return (*apply_verified_update(params, version, update), update.manifest.codec.scheme)
 
         return await asyncio.to_thread(verify_and_apply)
 
@@ -235,16 +252,27 @@ class Synchronizer:
         """θ of ``target`` from the latest checkpoint: its snapshot, then its updates."""
         answer = await self._client.request("GET", f"/v1/jobs/{job}/checkpoints/latest")
         snapshot, updates = _chain(answer.json(), job, target.round)
+        applied: list[tuple[str, int]] = []  # counted once the chain reaches θ_r
         try:
             data = await self._client.download(
-                snapshot.url, what=f"snapshot {job}/{snapshot.round}"
+                snapshot.url,
+                what=f"snapshot {job}/{snapshot.round}",
+                on_bytes=self._counter(ArtifactKind.GLOBAL_CHECKPOINT),
             )
-            params, version = await asyncio.to_thread(self._verify_snapshot, data, job, snapshot)
+            params, version, scheme = await asyncio.to_thread(
+                self._verify_snapshot, data, job, snapshot
+            )
+            applied.append((scheme, _fp32_bytes(params)))
             for part in updates:
-                data = await self._client.download(part.url, what=f"update {job}/{part.round}")
-                params, version = await asyncio.to_thread(
+                data = await self._client.download(
+                    part.url,
+                    what=f"update {job}/{part.round}",
+                    on_bytes=self._counter(ArtifactKind.GLOBAL_UPDATE),
+                )
+                params, version, scheme = await asyncio.to_thread(
                     self._verify_and_apply, data, job, part, params, version
                 )
+                applied.append((scheme, _fp32_bytes(params)))
         except ArtifactRejected as exc:
             raise ResyncFailed(f"resync of {job} to θ_{target.round}: {exc}") from exc
         if version != target:
@@ -252,11 +280,29 @@ class Synchronizer:
                 f"resync of {job}: the checkpoint gives θ_{version.round} with hash "
                 f"{version.hash}, the round announced θ_{target.round} with hash {target.hash}"
             )
+        for scheme, fp32_bytes in applied:
+            self._applied(scheme, fp32_bytes)
+        if self._metrics is not None:
+            self._metrics.resynced(job)
         return params, version
+
+    def _counter(self, kind: ArtifactKind) -> Callable[[int], None] | None:
+        metrics = self._metrics
+        if metrics is None:
+            return None
+        return lambda count: metrics.downloaded(kind, count)
+
+    def _applied(self, scheme: str, fp32_bytes: int) -> None:
+        if self._metrics is None:
+            return
+        try:
+            self._metrics.download_applied(scheme, fp32_bytes)
+        except MetricsError as exc:  # a scheme the catalogue lacks: θ is fine, the count not
+            log.warning("applied download not counted: %s", exc)
 
     def _verify_snapshot(
         self, data: bytes, job: str, part: ChainPart
-    ) -> tuple[Params, ParamsVersion]:
+    ) -> tuple[Params, ParamsVersion, str]:
         snapshot = verify_artifact(
             data,
             self._bundle,
@@ -266,11 +312,11 @@ class Synchronizer:
             now=self._clock(),
         )
         part.check_digest(snapshot)
-        return snapshot_params(snapshot)
+        return (*snapshot_params(snapshot), snapshot.manifest.codec.scheme)
 
     def _verify_and_apply(
         self, data: bytes, job: str, part: ChainPart, params: Params, version: ParamsVersion
-    ) -> tuple[Params, ParamsVersion]:
+    ) -> tuple[Params, ParamsVersion, str]:
         update = verify_artifact(
             data,
             self._bundle,
@@ -281,7 +327,7 @@ class Synchronizer:
             max_decoded_bytes=4 * sum(t.numel() for t in params.values()),
         )
         part.check_digest(update)
-        return apply_verified_update(params, version, update)
+        return (*apply_verified_update(params, version, update), update.manifest.codec.scheme)
 
 
 @dataclass(frozen=True, slots=True)
@@ -303,6 +349,10 @@ class ChainPart:
     def parse(cls, entry: Any) -> ChainPart:
         digest = entry.get("manifest_digest")
         return cls(int(entry["round"]), str(entry["url"]), None if digest is None else str(digest))
+
+
+def _fp32_bytes(params: Params) -> int:
+    return 4 * sum(t.numel() for t in params.values())
 
 
 def _chain(info: Mapping[str, Any], job: str, target: int) -> tuple[ChainPart, list[ChainPart]]:

@@ -11,6 +11,10 @@ Answers that retrying cannot change end the upload with a specific error:
 :class:`RoundClosed` (a straggler: wait for the next announcement), :class:`BaseMismatch`
 (the coordinator's θ_r is not ours: resync), :class:`UploadRefused` (anything else the
 coordinator refuses, with its code). The whole upload is bounded by ``upload_s``.
+
+With :class:`~regional_agent.metrics.AgentMetrics`, every upload that ends (accepted,
+refused or timed out; not one cancelled by the agent) counts its bytes, its retries and
+its duration.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,6 +30,7 @@ from typing import Any
 from geofed.control.backoff import Backoff
 from geofed.timeouts import Timeout, wait_for
 from regional_agent.http import CoordinatorClient, HttpError, TransportError
+from regional_agent.metrics import AgentMetrics
 from regional_agent.state import SpooledDelta
 
 log = logging.getLogger(__name__)
@@ -80,12 +86,16 @@ class Uploader:
         backoff: Backoff | None = None,
         sleep: Sleep = asyncio.sleep,
         rng: random.Random | None = None,
+        metrics: AgentMetrics | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._client = client
         self._region = region
         self._backoff = backoff or Backoff(initial_s=0.2, max_s=10.0)
         self._sleep = sleep
         self._rng = rng or random.Random()
+        self._metrics = metrics
+        self._clock = clock
 
     def delta_path(self, job: str, round_: int) -> str:
         return f"/v1/jobs/{job}/rounds/{round_}/deltas/{self._region}"
@@ -97,7 +107,17 @@ class Uploader:
         what = f"upload of the delta of job {job} round {delta.round}"
         report = UploadReport(receipt={})
         limit = self._client.timeouts.upload_s
-        return await wait_for(self._upload(job, delta, dict(metrics), report), limit, what)
+        started = self._clock()
+        cancelled = False
+        try:
+            return await wait_for(self._upload(job, delta, dict(metrics), report), limit, what)
+        except asyncio.CancelledError:
+            cancelled = True  # not an upload's duration: the agent stopped it
+            raise
+        finally:
+            if self._metrics is not None and not cancelled:
+                seconds = max(0.0, self._clock() - started)
+                self._metrics.upload_finished(report.bytes_sent, max(1, report.attempts), seconds)
 
     async def _upload(
         self, job: str, delta: SpooledDelta, metrics: dict[str, float], report: UploadReport
