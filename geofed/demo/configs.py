@@ -8,7 +8,7 @@ taking part, and the job's length. The daemons then validate them as usual.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -78,12 +78,21 @@ def write_demo_configs(
     inner_steps: int,
     mqtt_tls: bool = False,
     task_options: dict[str, Any] | None = None,
+    customize: Callable[[str, dict[str, Any]], None] | None = None,
 ) -> DemoConfigs:
     """Write the coordinator, agent and job configs of one demo run into ``work/config``.
 
     ``mqtt_tls`` points the daemons at a TLS broker (Mosquitto with client certificates)
     instead of the embedded plain-text one; ``task_options`` overrides the example task's.
+    ``customize(name, data)`` may edit each document before it is written (``coordinator``,
+    ``agent-<region>``, ``job``): tests use it to route an agent through a WAN emulator.
     """
+
+    def write(path: Path, name: str, data: dict[str, Any]) -> Path:
+        if customize is not None:
+            customize(name, data)
+        return _write(path, data)
+
     out = work / "config"
     out.mkdir(parents=True, exist_ok=True)
     policies = (examples / "policies").resolve()
@@ -102,7 +111,7 @@ def write_demo_configs(
     coordinator["policies_dir"] = str(policies)
     for storage in coordinator.get("storage", []):
         storage["path"] = str(work / "checkpoints" / storage["name"])
-    coordinator_path = _write(out / "coordinator.yaml", coordinator)
+    coordinator_path = write(out / "coordinator.yaml", "coordinator", coordinator)
 
     agents: dict[str, Path] = {}
     datasets: dict[str, list[str]] = {}
@@ -119,8 +128,11 @@ def write_demo_configs(
             "trust_bundle": str(federation.trust_bundle),
         }
         agent["state_dir"] = str(work / "agents" / region)
+        # Several agents share this machine: each takes a free port for /metrics.
+        if isinstance(agent.get("metrics"), dict):
+            agent["metrics"]["port"] = 0
         datasets[region] = list(agent["datasets"])
-        agents[region] = _write(out / f"agent-{region}.yaml", agent)
+        agents[region] = write(out / f"agent-{region}.yaml", f"agent-{region}", agent)
 
     job = _read(examples / "job-charlm.yaml")
     job["regions"] = datasets
@@ -129,5 +141,5 @@ def write_demo_configs(
     job["inner_steps"] = inner_steps
     if task_options is not None:
         job["task"]["options"] = {**job["task"].get("options", {}), **task_options}
-    job_path = _write(out / "job.yaml", job)
+    job_path = write(out / "job.yaml", "job", job)
     return DemoConfigs(coordinator_path, agents, job_path, str(job["job"]))
