@@ -38,8 +38,11 @@ test: lint typecheck pytest
 demo: $(STAMP)
 	$(VENV)/bin/geofed demo --workdir $(DEMO_DIR)
 
+# Figures go to benchmarks/results/ (JSON and markdown); the convergence runs take ~15 min.
 bench: $(STAMP)
 	$(PY) -m benchmarks.codec_bench
+	$(PY) -m benchmarks.round_overhead
+	$(PY) -m benchmarks.convergence
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,338 @@
+"""An in-process simulation of a federation's training rounds, for the benchmarks.
+
+The round math is geofed's own: each region trains ``inner_steps`` steps from θ_r with
+the task's inner optimizer (whose state persists across rounds, as in a region's worker
+group), forms Δ = θ_r - θ_local, encodes it with region-side error feedback
+(:class:`geofed.codec.ErrorFeedback`); the coordinator decodes the deltas chunk by chunk
+into a token-weighted sum in canonical order (:func:`coordinator.aggregation.aggregate`),
+takes the outer step, encodes θ' - θ_r plus its own residual, and sets
+θ_{r+1} = θ_r + decode(update), which a region's reconstruction must match bit for bit.
+
+What is not simulated: processes, networks and torch.distributed. A region with W
+workers at local batch b is simulated as one model that accumulates the gradients of
+its W rank shards' batches, each scaled by 1/W: the gradient DDP's all-reduce would
+produce, i.e. one model at batch W·b. The synchronous baseline is the same with all
+regions' rank shards in every step: data-parallel training across every region.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import math
+import time
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+from torch import nn
+
+from coordinator.aggregation import (
+    aggregate,
+    apply_update,
+    feedback_residual,
+    pseudo_gradient,
+    update_to_publish,
+)
+from coordinator.outer_optimizer import OuterOptimizer, OuterOptimizerConfig
+from geofed.codec import (
+    CodecConfig,
+    EncodedStream,
+    ErrorFeedback,
+    decode,
+    decode_pieces,
+    encode_stream,
+)
+from geofed.codec.config import Scheme
+from geofed.params import parameters_vector_hash, state_to_fp32
+from geofed.task import DataShard, Task
+
+Method = Literal["sync", "diloco"]
+
+
+class SimulationError(RuntimeError):
+    """A simulated run cannot go on: bad settings, divergence or a broken invariant."""
+
+
+@dataclass(frozen=True, slots=True)
+class RunSpec:
+    """One simulated training run.
+
+    ``sync`` trains ``warmup_steps + rounds * inner_steps`` synchronous steps and
+    evaluates every ``inner_steps``; ``diloco`` trains ``warmup_steps`` synchronous
+    steps (a warm start), then ``rounds`` rounds of ``inner_steps`` inner steps. Both
+    see the same tokens.
+    """
+
+    name: str
+    method: Method
+    regions: int
+    workers: int
+    rounds: int
+    inner_steps: int
+    seed: int
+    scheme: Scheme = "fp32"
+    outer: OuterOptimizerConfig = field(default_factory=OuterOptimizerConfig)
+    warmup_steps: int = 0
+
+    def __post_init__(self) -> None:
+        for what in ("regions", "workers", "rounds", "inner_steps"):
+            if getattr(self, what) < 1:
+                raise SimulationError(f"{what} must be >= 1, got {getattr(self, what)}")
+        if self.warmup_steps < 0 or self.seed < 0:
+            raise SimulationError("warmup_steps and seed must be >= 0")
+
+    @property
+    def total_steps(self) -> int:
+        return self.warmup_steps + self.rounds * self.inner_steps
+
+
+@dataclass(frozen=True, slots=True)
+class CurvePoint:
+    """Validation loss of the global parameters after ``step`` steps (``tokens`` in all)."""
+
+    step: int
+    tokens: int
+    val_loss: float
+
+
+@dataclass(slots=True)
+class RunResult:
+    """Figures of one run. Bytes are on the simulated WAN, summed over all regions."""
+
+    spec: RunSpec
+    curve: list[CurvePoint] = field(default_factory=list)
+    tokens: int = 0
+    bytes_up: int = 0
+    bytes_down: int = 0
+    fp32_bytes_up: int = 0
+    fp32_bytes_down: int = 0
+    # Worst encoded/fp32 size over rounds: of one delta, of the update, and of what one
+    # region moves in one round (its delta up and the update down).
+    max_delta_ratio: float = 0.0
+    max_update_ratio: float = 0.0
+    max_round_region_ratio: float = 0.0
+    train_s: float = 0.0
+    comm_s: float = 0.0
+    eval_s: float = 0.0
+    wall_s: float = 0.0
+
+    @property
+    def final_val_loss(self) -> float:
+        return self.curve[-1].val_loss
+
+
+def region_name(index: int) -> str:
+    return f"region-{index}"
+
+
+def rank_batches(task: Task[Any], spec: RunSpec) -> list[list[Iterator[Any]]]:
+    """Return each region's rank-shard batch iterators, ``[region][rank]``."""
+    return [
+        [
+            task.batches(DataShard(region_name(r), r, spec.regions, rank, spec.workers, spec.seed))
+            for rank in range(spec.workers)
+        ]
+        for r in range(spec.regions)
+    ]
+
+
+def warm_up(task: Task[Any], spec: RunSpec) -> None:
+    """Read every shard and the validation split, and build a model and its optimizer once.
+
+    So no timed run pays for the data loading, or for the modules torch imports the
+    first time an optimizer is built (seconds).
+    """
+    for region in rank_batches(task, spec):
+        for shard in region:
+            next(shard)
+    model = task.build_model(seed=spec.seed)
+    task.build_optimizer(model.parameters())
+    task.evaluate(model)
+
+
+def train_steps(
+    task: Task[Any],
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    shards: Sequence[Iterator[Any]],
+    steps: int,
+) -> int:
+    """Train ``steps`` steps, each on one batch of every shard (mean gradient); return tokens."""
+    tokens = 0
+    model.train()
+    for _ in range(steps):
+        optimizer.zero_grad(set_to_none=True)
+        for shard in shards:
+            batch = next(shard)
+            loss = task.loss(model, batch)
+            if not math.isfinite(float(loss.detach())):
+                raise SimulationError(f"training diverged: loss {float(loss.detach())}")
+            (loss / len(shards)).backward()
+            tokens += task.tokens(batch)
+        optimizer.step()
+    return tokens
+
+
+class SimCoordinator:
+    """The coordinator's side of a round: aggregate, outer step, publish with feedback."""
+
+    def __init__(
+        self, params: Mapping[str, torch.Tensor], outer: OuterOptimizerConfig, codec: CodecConfig
+    ) -> None:
+        self.params = dict(params)
+        self._outer = OuterOptimizer(outer)
+        self._codec = codec
+        self._residual: dict[str, torch.Tensor] | None = None
+        self._specs = {name: tuple(t.shape) for name, t in self.params.items()}
+
+    def close_round(self, deltas: Mapping[str, tuple[float, EncodedStream]]) -> EncodedStream:
+        """Fold the encoded deltas in, step, and return the encoded global update."""
+        sources = {
+            region: (weight, functools.partial(decode_pieces, stream.frames()))
+            for region, (weight, stream) in deltas.items()
+        }
+        mean_delta = aggregate(self._specs, sources)
+        target = self._outer.step(self.params, mean_delta)
+        intended = update_to_publish(self.params, target, self._residual)
+        update = encode_stream(intended, self._codec)
+        decoded = decode(update.frames())
+        self._residual = feedback_residual(intended, decoded)
+        self.params = apply_update(self.params, decoded)
+        return update
+
+
+def _evaluate(task: Task[Any], model: nn.Module, result: RunResult, step: int) -> None:
+    started = time.perf_counter()
+    val_loss = task.evaluate(model)["val_loss"]
+    result.eval_s += time.perf_counter() - started
+    if not math.isfinite(val_loss):
+        raise SimulationError(f"{result.spec.name}: validation loss {val_loss} at step {step}")
+    result.curve.append(CurvePoint(step, result.tokens, val_loss))
+
+
+def _train_sync(
+    task: Task[Any],
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    shards: list[Iterator[Any]],
+    steps: int,
+    eval_every: int,
+    result: RunResult,
+    first_step: int,
+) -> None:
+    """Synchronous steps on every region's shards, evaluating every ``eval_every`` steps."""
+    done = 0
+    while done < steps:
+        chunk = min(eval_every, steps - done)
+        started = time.perf_counter()
+        result.tokens += train_steps(task, model, optimizer, shards, chunk)
+        result.train_s += time.perf_counter() - started
+        done += chunk
+        _evaluate(task, model, result, first_step + done)
+
+
+def simulate(task: Task[Any], spec: RunSpec) -> RunResult:
+    """Run ``spec`` on ``task`` in this process and return its figures."""
+    started = time.perf_counter()
+    torch.manual_seed(spec.seed)
+    result = RunResult(spec)
+    shards = rank_batches(task, spec)
+    every_shard = [it for region in shards for it in region]
+    model = task.build_model(seed=spec.seed)
+    optimizer = task.build_optimizer(model.parameters())
+    _evaluate(task, model, result, 0)
+    if spec.method == "sync":
+        _train_sync(
+            task, model, optimizer, every_shard, spec.total_steps, spec.inner_steps, result, 0
+        )
+    else:
+        if spec.warmup_steps:
+            _train_sync(
+                task, model, optimizer, every_shard, spec.warmup_steps, spec.warmup_steps, result, 0
+            )
+        _run_rounds(task, spec, model, optimizer, shards, result)
+    result.wall_s = time.perf_counter() - started
+    return result
+
+
+def _run_rounds(
+    task: Task[Any],
+    spec: RunSpec,
+    global_model: nn.Module,
+    warm_optimizer: torch.optim.Optimizer,
+    shards: list[list[Iterator[Any]]],
+    result: RunResult,
+) -> None:
+    codec = CodecConfig(scheme=spec.scheme)
+    coordinator = SimCoordinator(state_to_fp32(global_model), spec.outer, codec)
+    warm_state = warm_optimizer.state_dict() if spec.warmup_steps else None
+    models: list[nn.Module] = []
+    optimizers: list[torch.optim.Optimizer] = []
+    for _ in range(spec.regions):
+        model = task.build_model(seed=spec.seed)
+        optimizer = task.build_optimizer(model.parameters())
+        if warm_state is not None:
+            # A deep copy each: loading does not copy tensors that need no cast, and the
+            # regions' optimizer states must not alias.
+            optimizer.load_state_dict(copy.deepcopy(warm_state))
+        models.append(model)
+        optimizers.append(optimizer)
+    feedback = [ErrorFeedback() for _ in range(spec.regions)]
+    for round_ in range(spec.rounds):
+        base = coordinator.params
+        deltas: dict[str, tuple[float, EncodedStream]] = {}
+        for index, (model, optimizer) in enumerate(zip(models, optimizers, strict=True)):
+            tick = time.perf_counter()
+            model.load_state_dict(base)
+            tokens = train_steps(task, model, optimizer, shards[index], spec.inner_steps)
+            result.tokens += tokens
+            result.train_s += time.perf_counter() - tick
+            tick = time.perf_counter()
+            delta = pseudo_gradient(base, state_to_fp32(model))
+            stream = feedback[index].step(delta, codec)
+            deltas[region_name(index)] = (float(tokens), stream)
+            result.comm_s += time.perf_counter() - tick
+        tick = time.perf_counter()
+        update = coordinator.close_round(deltas)
+        _check_reconstruction(base, update, coordinator.params, round_)
+        result.comm_s += time.perf_counter() - tick
+        _count_bytes(result, [stream for _, stream in deltas.values()], update)
+        global_model.load_state_dict(coordinator.params)
+        _evaluate(task, global_model, result, spec.warmup_steps + (round_ + 1) * spec.inner_steps)
+
+
+def _count_bytes(result: RunResult, deltas: list[EncodedStream], update: EncodedStream) -> None:
+    """Add one round's WAN traffic: every delta up, and the update down to every region."""
+    result.max_update_ratio = max(result.max_update_ratio, update.total_bytes / update.fp32_bytes)
+    for delta in deltas:
+        result.bytes_up += delta.total_bytes
+        result.fp32_bytes_up += delta.fp32_bytes
+        result.bytes_down += update.total_bytes
+        result.fp32_bytes_down += update.fp32_bytes
+        result.max_delta_ratio = max(result.max_delta_ratio, delta.total_bytes / delta.fp32_bytes)
+        moved = (delta.total_bytes + update.total_bytes) / (delta.fp32_bytes + update.fp32_bytes)
+        result.max_round_region_ratio = max(result.max_round_region_ratio, moved)
+
+
+def _check_reconstruction(
+    base: Mapping[str, torch.Tensor],
+    update: EncodedStream,
+    coordinator_params: Mapping[str, torch.Tensor],
+    round_: int,
+) -> None:
+    """A region's θ_r + decode(update) must hash equal to the coordinator's θ_{r+1}."""
+    region_params = apply_update(base, decode(update.frames()))
+    if parameters_vector_hash(region_params) != parameters_vector_hash(coordinator_params):
+        raise SimulationError(f"round {round_}: a region's reconstruction differs from θ_(r+1)")
+
+
+def loss_stats(values: Iterable[float]) -> dict[str, float | int]:
+    """Return mean, sample standard deviation (0 for one value), min, max and count."""
+    data = list(values)
+    if not data:
+        raise SimulationError("no values to summarise")
+    mean = sum(data) / len(data)
+    std = math.sqrt(sum((x - mean) ** 2 for x in data) / (len(data) - 1)) if len(data) > 1 else 0.0
+    return {"mean": mean, "std": std, "min": min(data), "max": max(data), "n": len(data)}
