@@ -7,7 +7,6 @@ import random
 import signal
 import subprocess
 import sys
-import time
 import warnings
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -173,8 +172,9 @@ async def main(port: int, tls_files: list[str]) -> None:
 
 asyncio.run(main(int(sys.argv[1]), sys.argv[2:]))
 """
-#: Mosquitto 2.0.11 took 4.6-4.8 s to drop a silent client with keep-alive 2 s here.
-KEEPALIVE_S, SLACK_S = 2, 3.0
+#: Mosquitto 2.0.11 took 4.6-4.8 s to drop a silent client with keep-alive 2 s on an idle
+#: machine; the slack covers a loaded one (a broker that never drops it still fails).
+KEEPALIVE_S, SLACK_S = 2, 20.0
 
 
 async def start_agent(port: int, *tls_files: str) -> subprocess.Popen[bytes]:
@@ -207,9 +207,7 @@ async def test_last_will_marks_a_killed_agent_offline(broker: EmbeddedBroker) ->
             _, payload = await inbox.get()
             assert decode(payload, RegionStatus).state == "online"
             child.send_signal(signal.SIGKILL)
-            killed_at = time.monotonic()
             _, payload = await inbox.get(timeout_s=KEEPALIVE_S * 1.5 + SLACK_S)
-            assert time.monotonic() - killed_at <= KEEPALIVE_S * 1.5 + SLACK_S
         status = decode(payload, RegionStatus)
         assert (status.region, status.state) == ("eu-west", "offline")
         # The will was retained: a subscriber arriving now still learns the agent is gone.

@@ -10,7 +10,6 @@ import asyncio
 import gc
 import signal
 import ssl
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -198,10 +197,7 @@ async def test_hung_agent_goes_offline_after_keepalive(
         async with running(watcher):
             await inbox.until(lambda _t, p: decode(p, RegionStatus).state == "online")
             child.send_signal(signal.SIGSTOP)
-            stopped_at = time.monotonic()
             _, payload = await inbox.get(timeout_s=KEEPALIVE_S * 1.5 + SLACK_S)
-            elapsed = time.monotonic() - stopped_at
         assert decode(payload, RegionStatus).state == "offline"
-        assert elapsed <= KEEPALIVE_S * 1.5 + SLACK_S
     finally:
         reap(child)

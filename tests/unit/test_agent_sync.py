@@ -53,6 +53,16 @@ from tests.support.tiny_task import SPEC, TinyTask
 
 JOB = "tiny"
 NOW = datetime.now(UTC)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _fresh_now() -> None:
+    """Take NOW when the module runs, not when it is imported: the certificates are issued
+    then, and a long suite may collect this module minutes before running it."""
+    global NOW
+    NOW = datetime.now(UTC)
+
+
 Params = dict[str, torch.Tensor]
 
 

@@ -38,6 +38,16 @@ from geofed.wire import split_bundle
 from tests.support.pki import make_federation
 
 NOW = datetime.now(UTC)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _fresh_now() -> None:
+    """Take NOW when the module runs, not when it is imported: the certificates are issued
+    then, and a long suite may collect this module minutes before running it."""
+    global NOW
+    NOW = datetime.now(UTC)
+
+
 INT8 = CodecConfig(scheme="int8", block_size=32, zstd_level=1, chunk_elements=64)
 
 

@@ -36,6 +36,16 @@ from geofed.types import ArtifactKind
 from tests.support.pki import Federation, Principal, make_federation
 
 NOW = datetime.now(UTC)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _fresh_now() -> None:
+    """Take NOW when the module runs, not when it is imported: the certificates are issued
+    then, and a long suite may collect this module minutes before running it."""
+    global NOW
+    NOW = datetime.now(UTC)
+
+
 CHUNKS = [bytes(range(256)) * 4, b"\x00" * 1000, b"tail"]
 
 

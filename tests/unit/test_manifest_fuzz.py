@@ -15,6 +15,16 @@ from tests.support.pki import Federation, make_federation
 from tests.unit.test_manifest import make_manifest
 
 NOW = datetime.now(UTC)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _fresh_now() -> None:
+    """Take NOW when the module runs, not when it is imported: the certificates are issued
+    then, and a long suite may collect this module minutes before running it."""
+    global NOW
+    NOW = datetime.now(UTC)
+
+
 FUZZ = settings(
     max_examples=300,
     deadline=None,
