@@ -114,6 +114,7 @@ identity:
   key: {principal.key_file}
   trust_bundle: {setup.fed.bundle_file}
 workers: {{count: 1, backend: gloo, start_timeout_s: 120}}
+metrics: {{host: 127.0.0.1, port: 0}}
 state_dir: {setup.root / "agents" / region}
 timeouts: {TIMEOUTS}
 """
