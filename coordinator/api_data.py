@@ -23,15 +23,22 @@ from coordinator.engine import JobEngine
 from coordinator.errors import ApiError, BadRequest, Forbidden, NotFound
 from coordinator.keys import JOBS, SERVICES, UPLOADS
 from geofed.blobstore import InvalidDigest, validate_digest
+from geofed.pki.errors import CertificateRefused
 from geofed.timeouts import wait_for
 from geofed.types import ArtifactKind, Identity, InvalidName, Role, validate_name
 from policies import Transfer, decide_transfer
 
-__all__ = ["routes"]
+__all__ = ["refused_peer", "routes"]
 
 routes = web.RouteTableDef()
 
 _DELTA = "/v1/jobs/{job}/rounds/{round}/deltas/{region}"
+_UPLOAD_STEPS = {
+    ("PUT", _DELTA + "/manifest"): "manifest",
+    ("PUT", _DELTA + "/chunks/{index}"): "chunk",
+    ("POST", _DELTA + "/commit"): "commit",
+    ("PUT", _DELTA): "bundle",
+}
 
 
 def _names(request: web.Request) -> tuple[str, int, str]:
@@ -78,6 +85,23 @@ async def single_shot(request: web.Request) -> web.Response:
     uploads = request.app[UPLOADS]
     result = await uploads.single_shot(job, round_, region, caller(request), request.content)
     return web.json_response(result)
+
+
+async def refused_peer(request: web.Request, error: CertificateRefused) -> None:
+    """Count and audit a delta upload whose client certificate was refused (revoked, ...).
+
+    The TLS identity check answers before any handler runs; without this, an upload with
+    a revoked certificate would leave no trace in the refusal counter and the audit log.
+    """
+    resource = request.match_info.route.resource
+    step = None if resource is None else _UPLOAD_STEPS.get((request.method, resource.canonical))
+    if step is None:
+        return
+    try:
+        job, round_, region = _names(request)
+    except ApiError:
+        return
+    await request.app[UPLOADS].refused_peer(job, round_, region, step, error, request.remote)
 
 
 @routes.get("/v1/jobs/{job}/rounds/{round}/update")

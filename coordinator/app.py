@@ -86,7 +86,10 @@ def create_app(
     """The coordinator app for ``runtime``; serve it with ``runtime.server_ssl()``."""
     config = runtime.config
     if config.tls_enabled:
-        identity = [refuse_identity_header_middleware(), identity_middleware(runtime.trust)]
+        identity = [
+            refuse_identity_header_middleware(),
+            identity_middleware(runtime.trust, on_refused=api_data.refused_peer),
+        ]
     else:
         log.warning(INSECURE_BANNER)
         identity = [header_identity_middleware(config.federation)]

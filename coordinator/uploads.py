@@ -34,6 +34,7 @@ from coordinator.spool import Spool
 from coordinator.store import Receipt
 from coordinator.transactions import DeltaOffer, upload_pointer
 from geofed.manifest import ManifestError, SignedManifest
+from geofed.pki.errors import CertificateRefused
 from geofed.timeouts import Timeout, wait_for
 from geofed.types import ArtifactKind, Identity, Role
 from geofed.wire import HEADER_SIZE, BundleError, manifest_length
@@ -102,6 +103,24 @@ class UploadService:
         step = self._single_shot(job, round, region, actor, body)
         return await self._counted(job, round, region, actor, "bundle", step)
 
+    async def refused_peer(
+        self,
+        job: str,
+        round: int,
+        region: str,
+        step: str,
+        refusal: CertificateRefused,
+        remote: str | None,
+    ) -> None:
+        """Count and audit an upload whose client certificate the TLS identity check refused.
+
+        The caller was answered with the PKI's reason (``revoked``, ``unknown_authority``,
+        ...); the counter and the audit log file it under ``untrusted_certificate``.
+        """
+        error = Forbidden(f"{refusal.code}: {refusal}", "untrusted_certificate")
+        actor = f"unverified peer {remote or 'unknown'}"
+        await self._reject(job, round, region, actor, step, error)
+
     async def _counted(
         self,
         job: str,
@@ -125,7 +144,7 @@ class UploadService:
         return result
 
     async def _reject(
-        self, job: str, round: int, region: str, actor: Identity, step: str, exc: ApiError
+        self, job: str, round: int, region: str, actor: Identity | str, step: str, exc: ApiError
     ) -> None:
         self._s.metrics.deltas_rejected.labels(code=exc.code).inc()
         log.info("refused %s %s of job %s round %d: %s", region, step, job, round, exc.message)

@@ -83,7 +83,8 @@ class TensorSpec:
 
     def __post_init__(self) -> None:
         check_tensor_name(self.name)
-        if self.dtype not in DTYPES:
+        # Parsed headers are untrusted JSON: an unhashable dtype must not escape as TypeError.
+        if not isinstance(self.dtype, str) or self.dtype not in DTYPES:
             raise InvalidConfig(
                 f"tensor {self.name!r}: dtype {self.dtype!r} is not one of {', '.join(DTYPES)}"
             )

@@ -220,9 +220,12 @@ class BlockCodec:
         # floats, exact and identical whatever the decoder's denormal handling.
         low, high = torch.aminmax(scales)
         if not (low.item() >= MIN_SCALE and high.item() <= MAX_SCALE):
+            # With finite scales every q * s is finite: a NaN or Inf value can only come
+            # from a scale, and receivers report those apart from other corruption.
+            finite = math.isfinite(low.item()) and math.isfinite(high.item())
             raise CorruptChunk(
                 f"{label}: block scales must lie in [2**-120, 2**120], "
-                f"found [{low.item()}, {high.item()}]"
+                f"found [{low.item()}, {high.item()}]" + ("" if finite else ": NaN or Inf")
             )
         if out is None:
             out = torch.empty(count, dtype=torch.float32)

@@ -3,7 +3,8 @@
 Server side: :func:`identity_middleware` verifies the client certificate of every request
 (grants, revocation, federation; OpenSSL already checked the chain during the handshake),
 stores the :class:`~geofed.types.Identity` under :data:`PEER_IDENTITY`, and answers a
-refused peer with ``403 {"error": CODE, "message": TEXT}``.
+refused peer with ``403 {"error": CODE, "message": TEXT}`` (after an optional hook that
+lets the server count or audit the refusal).
 
 Client side: :class:`VerifiedConnector` is a ``TCPConnector`` that checks the server's
 certificate the same way, and against the identity the caller expects, after the
@@ -20,7 +21,7 @@ from __future__ import annotations
 
 import logging
 import ssl
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any, Final
 
 import aiohttp
@@ -40,14 +41,20 @@ PEER_IDENTITY: Final = web.RequestKey("geofed_peer_identity", Identity)
 """Where :func:`identity_middleware` puts the verified identity of the request's peer."""
 
 BundleSource = TrustBundle | Callable[[], TrustBundle]
+RefusalHook = Callable[[web.Request, CertificateRefused], Awaitable[None]]
 
 
 def _current(source: BundleSource) -> TrustBundle:
     return source if isinstance(source, TrustBundle) else source()
 
 
-def identity_middleware(bundle: BundleSource, *, clock: Clock = utc_now) -> Middleware:
-    """An aiohttp middleware admitting only requests from accepted federation identities."""
+def identity_middleware(
+    bundle: BundleSource, *, clock: Clock = utc_now, on_refused: RefusalHook | None = None
+) -> Middleware:
+    """An aiohttp middleware admitting only requests from accepted federation identities.
+
+    ``on_refused`` runs for every refused request before it is answered.
+    """
 
     @web.middleware
     async def verify_peer(request: web.Request, handler: Handler) -> web.StreamResponse:
@@ -64,6 +71,8 @@ def identity_middleware(bundle: BundleSource, *, clock: Clock = utc_now) -> Midd
                 err,
                 extra={"refusal": err.code},
             )
+            if on_refused is not None:
+                await on_refused(request, err)
             return web.json_response({"error": err.code, "message": str(err)}, status=403)
         request[PEER_IDENTITY] = identity
         return await handler(request)

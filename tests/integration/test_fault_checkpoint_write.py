@@ -1,0 +1,340 @@
+"""A full disk under the global checkpoint store while the coordinator publishes a round.
+
+The checkpoint locations live on a small tmpfs mounted for the test (a real filesystem
+that really runs out of space; mounting needs root, which this project's machines are).
+After round 0 is published the test fills the tmpfs, entirely or all but the room for
+part of round 1's publication, so a write of that publication fails with ENOSPC.
+Throughout, a watcher verifies every visible file of the checkpoint store: blobs hash to
+their names and every index entry names stored blobs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import hashlib
+import json
+import os
+import subprocess
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+
+from tests.integration.test_fault_hostile_uploads import (
+    JOB,
+    audit_after,
+    mosquitto_setup,
+    wait_collecting,
+)
+from tests.support.coordinator import (
+    FakeRegion,
+    Running,
+    coordinator,
+    job_yaml,
+    metric_value,
+    request,
+)
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+ENOSPC_TEXT = os.strerror(errno.ENOSPC)  # "No space left on device"
+PAGE = 4096  # tmpfs allocates whole pages
+
+
+@contextmanager
+def tmpfs(path: Path, size: str = "1m") -> Iterator[Path]:
+    """A tmpfs of ``size`` mounted on ``path`` for the block (needs root)."""
+    path.mkdir(parents=True)
+    result = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size},mode=0700", "tmpfs", str(path)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert result.returncode == 0, f"cannot mount a tmpfs (root needed): {result.stderr}"
+    try:
+        yield path
+    finally:
+        # Lazy: a failing test may still hold a file open; the mount must not outlive it.
+        subprocess.run(["umount", "--lazy", str(path)], check=True)
+
+
+def fill(directory: Path) -> Path:
+    """Write a file into ``directory`` until its filesystem has no block left."""
+    filler = directory / "filler"
+    block = b"\xa5" * PAGE
+    with filler.open("wb", buffering=0) as file:
+        while True:
+            try:
+                file.write(block)
+            except OSError as exc:
+                if exc.errno != errno.ENOSPC:
+                    raise
+                break
+    assert os.statvfs(directory).f_bavail == 0
+    return filler
+
+
+def visible_problems(root: Path) -> list[str]:
+    """Every visible file of the checkpoint stores (directories of ``root``) that does not
+    verify. Temp files (``.name.tmp``, the ``.incoming`` directory) are a writer's private
+    business; anything else is what a reader could see and must be whole.
+    """
+    problems = []
+    stores = [path for path in root.iterdir() if path.is_dir()]
+    for path in sorted(p for store in stores for p in store.rglob("*")):
+        relative = path.relative_to(root)
+        if any(part.startswith(".") for part in relative.parts) or not path.is_file():
+            continue
+        try:
+            data = path.read_bytes()
+        except FileNotFoundError:
+            continue  # deleted since the listing (an old index replaced, a blob pruned)
+        if path.name == "index.json":
+            problems += _index_problems(path, data)
+        elif path.parent.parent.name == "blobs":
+            digest = path.parent.name + path.name
+            if hashlib.sha256(data).hexdigest() != digest:
+                problems.append(f"{relative}: content does not hash to its name")
+        else:
+            problems.append(f"{relative}: unexpected file")
+    return problems
+
+
+def _index_problems(path: Path, data: bytes) -> list[str]:
+    try:
+        entries = json.loads(data)["entries"]
+    except (ValueError, KeyError) as exc:
+        return [f"{path}: unreadable index ({exc})"]
+    blobs = path.parents[2] / "blobs"
+    return [
+        f"{path}: {entry['kind']} {entry['round']} names missing blob {digest}"
+        for entry in entries
+        for digest in (entry["payload_digest"], entry["manifest_digest"])
+        if not (blobs / digest[:2] / digest[2:]).is_file()
+    ]
+
+
+def temp_files(root: Path) -> list[Path]:
+    return [p for p in root.rglob("*") if p.is_file() and p.name.endswith(".tmp")]
+
+
+class Watcher:
+    """Scans the checkpoint stores over and over while a block runs; collects problems."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.problems: set[str] = set()
+        self.scans = 0
+        self._stop = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+
+    async def _run(self) -> None:
+        while not self._stop.is_set():
+            self.problems.update(await asyncio.to_thread(visible_problems, self.root))
+            self.scans += 1
+            await asyncio.sleep(0.005)
+
+    async def __aenter__(self) -> Watcher:
+        self._task = asyncio.create_task(self._run())
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self._stop.set()
+        if self._task is not None:
+            await self._task
+
+
+@dataclass
+class Clients:
+    """Sessions on one running coordinator: its observer and the job's two regions."""
+
+    running: Running
+    observer: aiohttp.ClientSession = field(init=False)
+    eu: FakeRegion = field(init=False)
+    us: FakeRegion = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.observer = self.running.session(self.running.setup.observer)
+        self.eu = self.running.region("eu-west")
+        self.us = self.running.region("us-east")
+
+    async def submit(self, spec: str) -> None:
+        operator = self.running.session(self.running.setup.operator)
+        status, body = await request(operator, "POST", "/v1/jobs", data=spec)
+        assert status == 201, body
+
+    async def deltas(self, round: int, base: str) -> None:
+        """Honest deltas of both regions for ``round``, accepted."""
+        for region, seed in ((self.eu, 2 * round + 1), (self.us, 2 * round + 2)):
+            manifest, stream = region.delta(JOB, round, base, seed=seed)
+            status, body = await region.single_shot(JOB, round, manifest, stream)
+            assert (status, body["state"]) == (200, "accepted"), body
+
+    async def latest(self) -> dict[str, Any]:
+        status, body = await request(self.us.session, "GET", f"/v1/jobs/{JOB}/checkpoints/latest")
+        assert status == 200, body
+        return body
+
+    async def restores(self) -> tuple[str, int]:
+        """What a joiner restores from the latest checkpoint, every signature checked."""
+        _, params_hash, version = await self.us.download_params(JOB)
+        return params_hash, version
+
+    async def until(self, predicate: Any, what: str, timeout_s: float = 30.0) -> Any:
+        """Poll the job's status until ``predicate(status)`` holds; return that status."""
+        body: dict[str, Any] = {}
+        try:
+            async with asyncio.timeout(timeout_s):
+                while True:
+                    status, body = await request(self.observer, "GET", f"/v1/jobs/{JOB}")
+                    if status == 200 and predicate(body):
+                        return body
+                    await asyncio.sleep(0.02)
+        except TimeoutError:
+            raise AssertionError(f"{what} did not happen: {body}") from None
+
+
+async def first_round(clients: Clients) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Publish round 0 with honest deltas; the job status and latest checkpoint after it."""
+    await clients.deltas(0, (await wait_collecting(clients.observer, 0))["params_hash"])
+    job = await wait_collecting(clients.observer, 1)
+    latest = await clients.latest()
+    assert (latest["round"], latest["parameters_hash"]) == (1, job["params_hash"])
+    return job, latest
+
+
+def failing_with_enospc(status: dict[str, Any]) -> bool:
+    return bool(status["error"]) and ENOSPC_TEXT in status["error"]
+
+
+async def test_a_full_disk_fails_the_publication_and_the_previous_checkpoint_restores(
+    tmp_path: Path,
+) -> None:
+    with mosquitto_setup(tmp_path) as setup, tmpfs(tmp_path / "ckpt") as ckpt:
+        async with coordinator(setup) as running:
+            clients = Clients(running)
+            await clients.submit(job_yaml())
+            job, latest = await first_round(clients)
+            filler = fill(ckpt)
+            async with Watcher(ckpt) as watcher:
+                started = time.monotonic()
+                await clients.deltas(1, job["params_hash"])
+                failed = await clients.until(lambda b: b["state"] == "failed", "job failure")
+                elapsed = time.monotonic() - started
+                print(f"3 failed publications and the job's failure took {elapsed:.2f} s")
+            assert watcher.scans > 0
+            assert not watcher.problems, sorted(watcher.problems)
+            assert not temp_files(ckpt), temp_files(ckpt)
+
+            # The failure is reported: job error, round.fail and job.fail entries, a metric.
+            assert ENOSPC_TEXT in failed["error"], failed
+            assert (failed["round"], failed["params_hash"]) == (1, job["params_hash"])
+            entries = await audit_after(clients.observer, 0)
+            fails = [e for e in entries if e["action"] == "round.fail"]
+            assert len(fails) == 3, fails  # max_round_attempts
+            assert all(ENOSPC_TEXT in e["details"]["reason"] for e in fails), fails
+            assert [e["round"] for e in entries if e["action"] == "round.publish"] == [0]
+            assert any(e["action"] == "job.fail" for e in entries)
+            metric = f'geofed_rounds_failed_total{{job="{JOB}"}}'
+            assert await metric_value(running, clients.observer, metric) == 3.0
+
+            # The previous checkpoint is still the latest, and a joiner restores it.
+            assert await clients.latest() == latest
+            assert await clients.restores() == (job["params_hash"], 1)
+
+        # Space back, coordinator restarted: the same checkpoint restores.
+        filler.unlink()
+        async with coordinator(setup) as running:
+            clients = Clients(running)
+            assert await clients.latest() == latest
+            assert await clients.restores() == (job["params_hash"], 1)
+        assert not visible_problems(ckpt)
+
+
+def pages(size: int) -> int:
+    return -(-size // PAGE)
+
+
+def leave_free(filler: Path, count: int) -> None:
+    """Free exactly ``count`` pages of a full tmpfs by shortening its filler file."""
+    root = filler.parent
+    os.truncate(filler, filler.stat().st_size - count * PAGE)
+    assert os.statvfs(root).f_bavail == count
+
+
+def room_for_the_update_and_not_the_snapshot(location: Path) -> int:
+    """Free pages that hold round 1's update, its manifest, the new index and the snapshot
+    bundle, but not the snapshot's manifest (sizes taken from round 0's artifacts)."""
+    index = location / "jobs" / JOB / "index.json"
+    entries = json.loads(index.read_bytes())["entries"]
+
+    def size(digest: str) -> int:
+        return (location / "blobs" / digest[:2] / digest[2:]).stat().st_size
+
+    update = next(e for e in entries if e["kind"] == "update")
+    snapshot = next(e for e in entries if e["kind"] == "snapshot")
+    new_index = pages(index.stat().st_size + 1024)  # one entry more
+    bundle = pages(size(snapshot["payload_digest"]))
+    # The new index is written beside the old one, whose pages return on the rename.
+    return (
+        pages(size(update["payload_digest"]))
+        + pages(size(update["manifest_digest"]))
+        + max(new_index, bundle)
+    )
+
+
+async def test_a_snapshot_that_does_not_fit_leaves_the_chain_whole_and_publishes_later(
+    tmp_path: Path,
+) -> None:
+    with mosquitto_setup(tmp_path) as setup, tmpfs(tmp_path / "ckpt") as ckpt:
+        async with coordinator(setup) as running:
+            clients = Clients(running)
+            await clients.submit(job_yaml(rounds=2, extra="max_round_attempts: 100000\n"))
+            job, latest = await first_round(clients)
+            storage = setup.config().storage_named(job["checkpoint_location"])
+            assert storage is not None
+            location = storage.path
+            filler = fill(ckpt)
+            leave_free(filler, room_for_the_update_and_not_the_snapshot(location))
+            async with Watcher(ckpt) as watcher:
+                await clients.deltas(1, job["params_hash"])
+                failing = await clients.until(failing_with_enospc, "ENOSPC")
+                # Round 1's update is in the index, its snapshot is not; the latest
+                # checkpoint is still θ_1, which a joiner restores.
+                index = json.loads((location / "jobs" / JOB / "index.json").read_bytes())
+                recorded = [(e["kind"], e["round"]) for e in index["entries"]]
+                assert recorded == [("snapshot", 0), ("update", 0), ("update", 1)], recorded
+                assert (failing["round"], failing["params_hash"]) == (1, job["params_hash"])
+                assert await clients.latest() == latest
+                assert await clients.restores() == (job["params_hash"], 1)
+                filler.unlink()
+                freed = time.monotonic()
+                done = await clients.until(lambda b: b["state"] == "completed", "completion")
+                recovery_s = time.monotonic() - freed
+            assert watcher.scans > 0
+            assert not watcher.problems, sorted(watcher.problems)
+            assert not temp_files(ckpt), temp_files(ckpt)
+
+            entries = await audit_after(clients.observer, 0)
+            fails = [e for e in entries if e["action"] == "round.fail"]
+            assert fails, "the publication never failed"
+            assert all(ENOSPC_TEXT in e["details"]["reason"] for e in fails), fails
+            # Applied exactly once, reusing the update recorded by the failed attempt.
+            publishes = [e for e in entries if e["action"] == "round.publish"]
+            assert [e["round"] for e in publishes] == [0, 1]
+            assert publishes[1]["details"]["update"] == index["entries"][2]["payload_digest"]
+            now = await clients.latest()
+            assert (now["round"], now["snapshot"]["round"], now["updates"]) == (2, 2, [])
+            assert await clients.restores() == (done["params_hash"], 2)
+            print(
+                f"round 1's publication failed {len(fails)} time(s) before space returned; "
+                f"published {recovery_s:.2f} s after it did"
+            )
+        assert not visible_problems(ckpt)
