@@ -115,12 +115,17 @@ async def change_job(request: web.Request) -> web.Response:
 async def regions(request: web.Request) -> web.Response:
     require_role(request, *READERS)
     services = request.app[SERVICES]
+    quarantines = {engine.job: engine.quarantined() for engine in request.app[JOBS].engines()}
     body = []
     for region in services.runtime.policies:
         entry: dict[str, Any] = {
             "region": region,
             "jurisdiction": services.runtime.policies.jurisdiction_of(region),
             "state": "unknown",
+            # job -> why this region sits out its rounds
+            "quarantined": {
+                job: held[region] for job, held in sorted(quarantines.items()) if region in held
+            },
         }
         view = services.control.regions.get(region)
         if view is not None:

@@ -5,7 +5,9 @@ reconnect so a broker that lost it gets it back), events and region commands, an
 follows every region's retained status to know which regions are up. A publish that
 cannot be acknowledged in time is logged, never raised into the round engine: the
 announcement is re-sent when the link comes back, and agents also learn the state of a
-job over HTTPS.
+job over HTTPS. While the broker is unreachable, announcements and events are not waited
+for at all (the round engine keeps closing and publishing rounds whose deltas arrive
+over HTTPS); commands still wait for the link, up to the request timeout.
 """
 
 from __future__ import annotations
@@ -100,7 +102,7 @@ class ControlPlane:
         topic = self.topics.job_round(announcement.job)
         payload = encode(announcement)
         self._retained[topic] = payload
-        await self._publish(topic, payload, retain=True)
+        await self._publish(topic, payload, retain=True, wait=False)
 
     async def event(
         self,
@@ -112,13 +114,21 @@ class ControlPlane:
         detail: str = "",
     ) -> None:
         message = Event(kind=kind, job=job, round=round, region=region, detail=detail[:4096])
-        await self._publish(self.topics.events(), encode(message), retain=False)
+        await self._publish(self.topics.events(), encode(message), retain=False, wait=False)
 
     async def command(self, region: str, action: CommandAction, job: str, reason: str) -> None:
         message = Command(action=action, job=job, reason=reason[:4096])
         await self._publish(self.topics.region_commands(region), encode(message), retain=False)
 
-    async def _publish(self, topic: str, payload: bytes, *, retain: bool) -> None:
+    async def _publish(
+        self, topic: str, payload: bytes, *, retain: bool, wait: bool = True
+    ) -> None:
+        """Publish; with ``wait`` False, give up at once while the broker is unreachable."""
+        if not wait and not self.connected:
+            # Waiting would hold the round engine up for the request timeout per message;
+            # the latest announcement is re-sent on reconnect, events are informational.
+            log.warning("control message to %s not delivered now: no broker connection", topic)
+            return
         try:
             await self.client.publish(topic, payload, retain=retain, timeout_s=self._timeout_s)
         except ControlError as exc:

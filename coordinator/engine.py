@@ -170,6 +170,7 @@ class JobEngine:
         body["val_loss_history"] = [
             {"round": number, "value": value} for number, value in sorted(self.val_history.items())
         ]
+        body["quarantined"] = self.quarantined()
         record = self.record
         if record is not None:
             rs = record.state
@@ -185,6 +186,25 @@ class JobEngine:
                 "end_reason": rs.end_reason or None,
             }
         return body
+
+    def quarantined(self) -> dict[str, str]:
+        """The job's regions in quarantine for the current round now, each with why."""
+        if self._state.final:
+            return {}
+        now, version = self._s.clock(), self.version
+        verdicts = (self._quarantine.status(r, version, now) for r in self.ctx.spec.region_names)
+        return {v.region: v.reason for v in verdicts if v.quarantined}
+
+    def _export_quarantine(self) -> None:
+        quarantined = self.quarantined()
+        gauge = self._s.metrics.region_quarantined
+        for region in self.ctx.spec.region_names:
+            gauge.labels(job=self.job, region=region).set(1 if region in quarantined else 0)
+
+    def _record_outcome(self, region: str, round: int, outcome: Outcome, now: float) -> None:
+        decision = self._quarantine.record(region, round, outcome, now)
+        if decision.changed:
+            log.warning("job %s: %s", self.job, decision.reason)
 
     # -- commands -----------------------------------------------------------------
 
@@ -250,6 +270,7 @@ class JobEngine:
             await self._fail_job(f"{type(exc).__name__}: {exc}")
         finally:
             self.ready.set()
+            self._export_quarantine()  # an ended job holds no region back
             for task in list(self._background):
                 task.cancel()
             if self._background:
@@ -292,6 +313,7 @@ class JobEngine:
     # -- recovery and initialisation ------------------------------------------------
 
     async def _recover(self) -> None:
+        self._s.metrics.job_started(self.job, self.ctx.spec.regions)
         db = self._s.executors.db
         store = self._s.store
         pointers = await db(store.list_pointers, self.job)
@@ -333,6 +355,7 @@ class JobEngine:
         if history:
             self.val_history = {int(k): float(v) for k, v in json.loads(history).items()}
         self._s.metrics.current_round.labels(job=self.job).set(version)
+        self._export_quarantine()
 
     @property
     def _params(self) -> ParamsStore:
@@ -422,6 +445,7 @@ class JobEngine:
             )
             self.record = record
         self._s.metrics.current_round.labels(job=self.job).set(version)
+        self._export_quarantine()
         log.info(
             "job %s round %d open (attempt %d): %s; deadline %.1f s: %s",
             self.job,
@@ -465,7 +489,7 @@ class JobEngine:
             if timing is not None:
                 self._history.append(timing)  # its stragglers make the next deadline grow
             for region in decision.stragglers:
-                self._quarantine.record(region, round_, Outcome.STRAGGLER, self._s.clock())
+                self._record_outcome(region, round_, Outcome.STRAGGLER, self._s.clock())
             await self._s.audit(
                 actor=self._s.actor,
                 action="round.fail",
@@ -491,6 +515,8 @@ class JobEngine:
             for r in receipts
             if r.region in rs.included
         ]
+        faults, state_dir = self._s.runtime.faults, self._s.config.state_dir
+        await faults.reached("aggregate", state_dir, self.job, round_)
         started = time.monotonic()
         try:
             published = await self._s.executors.compute(
@@ -501,6 +527,7 @@ class JobEngine:
             await self._publication_failed(record, f"{type(exc).__name__}: {exc}")
             return
         elapsed = time.monotonic() - started
+        await faults.reached("publish", state_dir, self.job, round_)
         await self._commit_publication(record, published)
         await self._s.executors.files(self._discard_inputs, round_, sources)
         metrics = self._s.metrics
@@ -539,9 +566,9 @@ class JobEngine:
         async with self._lock:
             rs.mark_published(now)
             for region in rs.included:
-                self._quarantine.record(region, rs.config.round, Outcome.DELIVERED, now)
+                self._record_outcome(region, rs.config.round, Outcome.DELIVERED, now)
             for region in rs.stragglers:
-                self._quarantine.record(region, rs.config.round, Outcome.STRAGGLER, now)
+                self._record_outcome(region, rs.config.round, Outcome.STRAGGLER, now)
             record.quarantine = self._quarantine
             completed = published.state.version >= self.ctx.spec.rounds
             details = {

@@ -13,10 +13,14 @@ every coordinator in one process has its own.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Final, Literal
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from coordinator.errors import CODES
+from geofed.types import ArtifactKind
 
 __all__ = ["CATALOGUE", "DURATION_BUCKETS_S", "CoordinatorMetrics", "MetricSpec"]
 
@@ -98,6 +102,12 @@ REGIONS_UP = MetricSpec("geofed_regions_up", "gauge", "Regions whose agent repor
 REGION_UP = MetricSpec(
     "geofed_region_up", "gauge", "1 while the region's agent reports online.", ("region",)
 )
+REGION_QUARANTINED = MetricSpec(
+    "geofed_region_quarantined",
+    "gauge",
+    "1 while the region sits out the job's rounds in quarantine (repeated misses).",
+    ("job", "region"),
+)
 GLOBAL_VALIDATION_LOSS = MetricSpec(
     "geofed_global_validation_loss",
     "gauge",
@@ -142,6 +152,7 @@ CATALOGUE: Final[tuple[MetricSpec, ...]] = (
     AGGREGATION_DURATION,
     REGIONS_UP,
     REGION_UP,
+    REGION_QUARANTINED,
     GLOBAL_VALIDATION_LOSS,
     REGION_TRAIN_LOSS,
     LAST_CHECKPOINT,
@@ -185,12 +196,27 @@ class CoordinatorMetrics:
         self.aggregation_duration = _histogram(AGGREGATION_DURATION, registry)
         self.regions_up = _gauge(REGIONS_UP, registry)
         self.region_up = _gauge(REGION_UP, registry)
+        self.region_quarantined = _gauge(REGION_QUARANTINED, registry)
         self.global_validation_loss = _gauge(GLOBAL_VALIDATION_LOSS, registry)
         self.region_train_loss = _gauge(REGION_TRAIN_LOSS, registry)
         self.last_checkpoint = _gauge(LAST_CHECKPOINT, registry)
         self.certificate_expiry = _gauge(CERTIFICATE_EXPIRY, registry)
         self.jobs = _gauge(JOBS, registry)
         self.mqtt_connected = _gauge(MQTT_CONNECTED, registry)
+        # Series that exist from the start: increase() over a counter born at its first
+        # increment is 0, so the alerts on these would miss the first event.
+        for code in CODES:
+            self.deltas_rejected.labels(code=code)
+        for verdict in ("allow", "deny"):
+            for kind in (*(k.value for k in ArtifactKind), "admission"):
+                self.policy_decisions.labels(verdict=verdict, kind=kind)
+
+    def job_started(self, job: str, regions: Iterable[str]) -> None:
+        """Create a job's round counters at zero (see ``__init__``)."""
+        self.rounds_completed.labels(job=job)
+        self.rounds_failed.labels(job=job)
+        for region in regions:
+            self.stragglers.labels(job=job, region=region)
 
     def policy_decision(self, allowed: bool, kind: str) -> None:
         self.policy_decisions.labels(verdict="allow" if allowed else "deny", kind=kind).inc()

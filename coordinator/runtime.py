@@ -2,15 +2,18 @@
 
 Trust bundle, its own credential (checked to be ``coordinator/<name>`` of the federation),
 the region policies, the checkpoint locations (checked against the storage the policies
-declare) and the working directories. Any problem is a :class:`ConfigError`, so the
-daemon exits with the configuration-error code before it serves anything.
+declare) and the working directories; also the fault-injection points of crash tests
+(:mod:`coordinator.faults`, inert unless their environment variable is set). Any problem
+is a :class:`ConfigError`, so the daemon exits with the configuration-error code before
+it serves anything.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import ssl
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -20,6 +23,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 
 from coordinator.artifacts import Location, Signer
 from coordinator.config import ConfigError, CoordinatorConfig
+from coordinator.faults import FaultError, FaultPoints
 from coordinator.params import ParamsStore
 from geofed.blobstore import FsBlobStore
 from geofed.pki import (
@@ -104,6 +108,7 @@ class Runtime:
     spool_dir: Path
     tls_certificate: x509.Certificate | None
     trust: BundleSource
+    faults: FaultPoints = field(default_factory=FaultPoints)
 
     def server_ssl(self) -> ssl.SSLContext | None:
         """The HTTPS context, or None in insecure loopback mode."""
@@ -151,6 +156,12 @@ def load_runtime(config: CoordinatorConfig) -> Runtime:
         deltas = FsBlobStore(config.state_dir / "blobs")
     except OSError as exc:
         raise ConfigError([f"state_dir: cannot use {config.state_dir}: {exc}"]) from None
+    try:
+        faults = FaultPoints.from_environ(os.environ)
+    except FaultError as exc:
+        raise ConfigError([str(exc)]) from None
+    if faults.pause_at is not None:
+        log.warning("fault injection armed: %s", faults)
     signer = Signer(credential.identity, credential.certificate, credential.private_key)
     return Runtime(
         config,
@@ -164,6 +175,7 @@ def load_runtime(config: CoordinatorConfig) -> Runtime:
         spool,
         tls_certificate,
         BundleSource(config.trust_bundle, bundle),
+        faults,
     )
 
 

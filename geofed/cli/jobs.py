@@ -252,6 +252,8 @@ def _print_job(body: dict[str, Any], out: TextIO) -> None:
         )
         if current.get("end_reason"):
             print(f"  {current['end_reason']}", file=out)
+    for _, reason in sorted(body.get("quarantined", {}).items()):
+        print(f"  {reason}", file=out)
     if body.get("error"):
         print(f"  error: {body['error']}", file=out)
 
