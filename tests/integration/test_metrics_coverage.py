@@ -1,0 +1,183 @@
+"""Every metric the alert rules and the dashboard select is in a live daemon's /metrics.
+
+``tests/unit/test_dashboard.py`` checks that rules and panels name catalogued metrics;
+this checks that the running daemons actually export them. A federation of real
+processes (Mosquitto with mTLS, a coordinator, two agents with their worker groups)
+completes a round of the example task, and Prometheus' view is taken the way Prometheus
+takes it: ``/metrics`` of the coordinator and of each agent over HTTPS with an observer
+certificate. A name a rule or a panel selects that its daemon does not expose is a dead
+alert or an empty panel; the failure names the alert or panel.
+
+A series that appears only at its first increment is a failure too: ``increase()`` over
+a counter born at 1 is 0, so the alert on it would miss the first event.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import aiohttp
+import pytest
+import yaml
+from prometheus_client.parser import text_string_to_metric_families
+
+from coordinator import metrics as coordinator_metrics
+from geofed.pki import client_ssl_context, load_trust_bundle
+from geofed.pki.httpauth import VerifiedConnector
+from geofed.types import Identity, Role
+from regional_agent import metrics as agent_metrics
+from tests.support.federation import FEDERATION, FederationRun, running_federation
+from tests.unit.test_dashboard import DASHBOARD, RULES, _queries, catalogued, selectors
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+REGIONS = ("eu-west", "us-east")
+ROUNDS = 3  # scraped after the first: the job still runs, so per-job series still exist
+TIMEOUT = aiohttp.ClientTimeout(total=30)
+COORDINATOR_NAMES = frozenset(spec.name for spec in coordinator_metrics.CATALOGUE)
+AGENT_NAMES = frozenset(spec.name for spec in agent_metrics.CATALOGUE)
+#: Synthesised by Prometheus for every target, never exported by a daemon.
+SCRAPE_SERIES = frozenset({"up"})
+_VARIABLE = re.compile(r"label_values\((?P<metric>\w+), (?P<label>\w+)\)")
+
+
+@dataclass(frozen=True)
+class Use:
+    """One metric name selected by an alert, a recording rule, a panel or a variable."""
+
+    where: str
+    name: str
+    label: str | None = None  # a variable's label, which some series must carry
+
+
+def uses() -> Iterator[Use]:
+    rules = yaml.safe_load(RULES.read_text())
+    for group in rules["groups"]:
+        for rule in group["rules"]:
+            where = f"alert {rule['alert']}" if "alert" in rule else f"record {rule['record']}"
+            for selector in selectors(rule["expr"]):
+                yield Use(where, selector.name)
+    dashboard = json.loads(DASHBOARD.read_text())
+    for title, expr in _queries(dashboard):
+        for selector in selectors(expr):
+            yield Use(f"panel {title!r}", selector.name)
+    for variable in dashboard["templating"]["list"]:
+        match = _VARIABLE.fullmatch(variable["query"]["query"])
+        assert match, f"variable {variable['name']}: cannot read {variable['query']['query']!r}"
+        yield Use(f"variable ${variable['name']}", match["metric"], match["label"])
+
+
+def exporter(name: str) -> str | None:
+    """Which daemon exports ``name`` (a histogram's series map to the histogram)."""
+    base = catalogued(name)
+    if base in COORDINATOR_NAMES:
+        return "coordinator"
+    if base in AGENT_NAMES:
+        return "agent"
+    return None
+
+
+def series(text: str) -> dict[str, list[dict[str, str]]]:
+    """Sample name (``_total``, ``_bucket``... as exposed) -> the label sets of its samples."""
+    found: dict[str, list[dict[str, str]]] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            found.setdefault(sample.name, []).append(sample.labels)
+    return found
+
+
+def missing(use: Use, exposition: dict[str, list[dict[str, str]]], source: str) -> str | None:
+    samples = exposition.get(use.name)
+    if not samples:
+        return f"{use.where}: {use.name} is not in {source}"
+    if use.label is not None and not any(use.label in labels for labels in samples):
+        return f"{use.where}: no series of {use.name} in {source} has a {use.label!r} label"
+    return None
+
+
+async def agent_metrics_url(fed: FederationRun, region: str, timeout_s: float = 60.0) -> str:
+    """The URL the agent bound (the demo configs ask for port 0) from its start-up log."""
+    log = fed.work / "logs" / f"agent-{region}.log"
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        fed.children.check_alive()
+        text = log.read_text(errors="replace") if log.exists() else ""
+        match = re.search(r"serving metrics on (https://\S+/metrics)", text)
+        if match:
+            return match[1]
+        await asyncio.sleep(0.3)
+    raise AssertionError(f"agent {region} logged no metrics URL within {timeout_s} s")
+
+
+async def scrape(session: aiohttp.ClientSession, url: str) -> str:
+    async with session.get(url) as response:
+        body = await response.text()
+        assert response.status == 200, f"GET {url}: {response.status} {body}"
+        assert response.content_type == "text/plain", response.content_type
+        return body
+
+
+def test_rules_and_dashboard_select_metrics_of_both_daemons() -> None:
+    """The reading below is not vacuous: it finds every alert and both daemons' names."""
+    found = list(uses())
+    alerts = {u.where for u in found if u.where.startswith("alert ")}
+    rules = yaml.safe_load(RULES.read_text())
+    expected = {f"alert {r['alert']}" for g in rules["groups"] for r in g["rules"] if "alert" in r}
+    assert alerts == expected
+    owners = {exporter(u.name) for u in found if u.name not in SCRAPE_SERIES}
+    assert owners == {"coordinator", "agent"}
+    assert any(u.where.startswith("panel ") for u in found)
+    assert any(u.where.startswith("variable ") for u in found)
+
+
+async def test_every_selected_metric_is_exported_by_its_daemon(tmp_path: Path) -> None:
+    async with running_federation(
+        tmp_path, regions=REGIONS, rounds=ROUNDS, inner_steps=3, broker="mosquitto"
+    ) as fed:
+        status, body = await fed.submit()
+        assert status == 201, body
+        await fed.wait_round(1)
+
+        bundle = load_trust_bundle(fed.federation.trust_bundle)
+        observer = client_ssl_context(bundle, fed.observer.cert, fed.observer.key)
+        async with aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(ssl=observer), timeout=TIMEOUT
+        ) as session:
+            coordinator_text = await scrape(session, f"{fed.base}/metrics")
+        source = f"the coordinator's {fed.base}/metrics"
+        expositions = {"coordinator": {source: series(coordinator_text)}}
+        # The demo's region certificates name no host: check the agent's identity instead.
+        agent_context = client_ssl_context(bundle, fed.observer.cert, fed.observer.key)
+        agent_context.check_hostname = False
+        for region in REGIONS:
+            url = await agent_metrics_url(fed, region)
+            identity = Identity(federation=FEDERATION, role=Role.REGION, name=region)
+            connector = VerifiedConnector(bundle, agent_context, expect=identity)
+            async with aiohttp.ClientSession(connector=connector, timeout=TIMEOUT) as session:
+                text = await scrape(session, url)
+            expositions.setdefault("agent", {})[f"the {region} agent's {url}"] = series(text)
+        job = await fed.status()
+        assert job["state"] == "running", "the job ended before the scrape: per-job series gone"
+
+    problems: list[str] = []
+    checked = 0
+    for use in dict.fromkeys(uses()):
+        if use.name in SCRAPE_SERIES:
+            continue
+        daemon = exporter(use.name)
+        if daemon is None:
+            problems.append(f"{use.where}: {use.name} is in no daemon's metrics catalogue")
+            continue
+        for source, exposition in expositions[daemon].items():
+            checked += 1
+            problem = missing(use, exposition, source)
+            if problem is not None:
+                problems.append(problem)
+    assert checked > 0
+    assert problems == [], "dead alerts or empty panels:\n" + "\n".join(problems)
