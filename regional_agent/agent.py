@@ -13,6 +13,10 @@ round has not ended for this region yet. A newer announcement of the running job
 round closed, moved on, was paused) cancels the running round, except while its delta
 is being uploaded: then the upload finishes (accepted, or refused as a straggler).
 
+An earlier round announced after a later one (a coordinator restored from an older
+backup) is run again; the pipeline confirms the rollback with the coordinator before it
+discards the job's regional state.
+
 Commands: ``pause``/``resume`` hold and release a job, ``cancel`` drops it, ``resync``
 discards the held θ (the next sync is a full resync), ``drain`` finishes the round in
 progress and then stops the agent cleanly.

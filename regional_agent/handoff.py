@@ -27,6 +27,7 @@ import math
 import os
 import re
 import secrets
+import sys
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -457,6 +458,22 @@ class HandoffDir:
             self.instruction_path(job, round_).unlink(missing_ok=True)
             pruned += 1
         return pruned
+
+    def forget_job(self, job: str) -> None:
+        """Drop ``job``'s round files and, if it is ``job``'s, the regional checkpoint.
+
+        File by file, never the directory: the worker scans it while idle. A worker whose
+        in-memory state is past a round asked again, and that finds no regional checkpoint,
+        takes this as the agent's discard and starts afresh (see the worker).
+        """
+        self.prune_rounds(job, sys.maxsize)
+        try:
+            checkpoint = self.read_checkpoint()
+        except InvalidHandoffData:
+            checkpoint = None  # unreadable: no job can resume from it anyway
+            self.checkpoint_path.unlink(missing_ok=True)
+        if checkpoint is not None and checkpoint.job == job:
+            self.checkpoint_path.unlink(missing_ok=True)
 
     # -- regional checkpoint -------------------------------------------------------------
 

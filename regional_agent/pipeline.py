@@ -14,6 +14,11 @@ or a cancellation repeats no finished work: a spooled delta is re-sent as it is,
 trained round is read back from the worker group's hand-off directory. Blocking work
 (hashing, codec, signing, file I/O) runs in worker threads.
 
+A coordinator restored from an older backup announces a round the region is already
+past: the pipeline confirms it with the coordinator, discards the job's regional state
+(θ, residual, progress, spooled deltas, the worker group's regional checkpoint) and
+takes part in the announced round from a full resync.
+
 Metrics (:class:`~regional_agent.metrics.AgentMetrics`): the time the worker group
 trains, each round trained (once per round, however often it is read back), the
 region's own policy refusals, and the size of every delta the coordinator accepts.
@@ -49,6 +54,7 @@ from regional_agent.delta import (
 from regional_agent.handoff import RoundInstruction
 from regional_agent.http import CoordinatorError, HttpError, TransportError
 from regional_agent.metrics import AgentMetrics
+from regional_agent.schedule import Progress, judge_rollback
 from regional_agent.state import AgentState, DeltaMeta, JobState, SpooledDelta, StateError
 from regional_agent.status import StatusReporter
 from regional_agent.sync import ResyncFailed, Synced, Synchronizer
@@ -59,6 +65,8 @@ log = logging.getLogger(__name__)
 
 Clock = Callable[[], datetime]
 Outcome = Literal["accepted", "straggler", "refused", "failed"]
+#: How often a rollback checks whether the worker group finished the round it trains.
+_IDLE_POLL_S = 0.2
 
 
 T = TypeVar("T")
@@ -149,6 +157,7 @@ class RoundPipeline:
             if resync:
                 await _blocking(job.forget_params)
             await _blocking(job.recover)
+            await self._follow_rollback(job, announcement)
             uploaded = await _blocking(job.uploaded_round)
             if uploaded is not None and uploaded >= announcement.round:
                 return RoundEnd("accepted", f"the delta of round {announcement.round} was accepted")
@@ -318,6 +327,60 @@ class RoundPipeline:
         return end(
             "accepted", f"delta accepted ({sent}{', resumed' if report.attempts > 1 else ''})"
         )
+
+    async def _follow_rollback(self, job: JobState, announcement: RoundAnnouncement) -> None:
+        """Discard the job's regional state if its coordinator was restored from a backup.
+
+        Only when the announcement contradicts the recorded progress is the coordinator
+        asked which θ it holds; :func:`~regional_agent.schedule.judge_rollback` decides.
+        After the discard the round runs as for a region that joins afresh: a full resync
+        from the coordinator's latest checkpoint, a new error-feedback residual, and a
+        worker group that starts its inner state anew.
+        """
+        progress = Progress(*await _blocking(job.progress))
+        if not progress.contradicted_by(announcement):
+            return
+        try:
+            coordinator = await self._sync.coordinator_version(announcement.job)
+        except HttpError as exc:
+            if exc.status >= 500:
+                raise RetryLater(str(exc)) from exc
+            log.warning("job %s: cannot ask the coordinator which θ it holds: %s", job.job, exc)
+            return
+        rollback = judge_rollback(announcement, progress, coordinator)
+        if rollback is None:
+            log.info(
+                "job %s round %d: a stale announcement (the coordinator holds %s); "
+                "keeping the local state",
+                job.job,
+                announcement.round,
+                f"θ_{coordinator.round}" if coordinator is not None else "no θ",
+            )
+            return
+        log.warning(
+            "job %s: coordinator rolled back from round %d to %d; "
+            "discarding local job state and resyncing",
+            job.job,
+            rollback.from_round,
+            rollback.to_round,
+        )
+        await self._workers_idle()
+        await _blocking(job.discard)
+        await _blocking(self._workers.handoff.forget_job, job.job)
+        self._trained.pop(job.job, None)  # the rounds after the restored one run again
+
+    async def _workers_idle(self) -> None:
+        """Wait until the worker group has no instruction in hand (bounded by the train
+        timeout): a round it still trains would write its regional checkpoint after the
+        discard, and the group would then refuse the restored round as a replay."""
+        handoff = self._workers.handoff
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self._train_timeout_s
+        while (pending := await _blocking(handoff.pending_instruction)) is not None:
+            if loop.time() > deadline:
+                job, round_ = pending
+                raise RetryLater(f"the worker group still trains round {round_} of {job}")
+            await asyncio.sleep(_IDLE_POLL_S)
 
     async def _settle_stale_spools(self, job: JobState, current_round: int) -> None:
         """Deltas of earlier rounds left by a crash: learn whether they were accepted."""

@@ -5,6 +5,10 @@ about each job (paused, cancelled, resync) and has settled (rounds that ended fo
 region, whatever the outcome). The agent feeds it every announcement and command it
 receives, and asks :meth:`Schedule.next_round` what to do; each decision comes with the
 reason it was taken, for the logs.
+
+:func:`judge_rollback` tells a coordinator restored from an older backup from a stale
+announcement, from what the region's durable state records (:class:`Progress`) and what
+the coordinator says it holds now.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from dataclasses import dataclass
 from datetime import datetime
 
 from geofed.control import Command, RoundAnnouncement
+from regional_agent.state import ParamsVersion
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,6 +61,13 @@ class Schedule:
         sent earlier) is ignored. A newer one for the running job stops the running round
         when that round is no longer open, unless the round merely closed while its delta
         is being uploaded: the upload then ends on its own (accepted, or a straggler).
+
+        An earlier round sent *later* than the one kept is taken: a coordinator never
+        announces an earlier round after a later one, unless it was restored from an
+        older backup. A stale copy (a retained message replayed on reconnect, a broker
+        restored from old persistence) was sent before, so it is still ignored. The
+        rounds settled after it are forgotten; the pipeline confirms the rollback with
+        the coordinator (:func:`judge_rollback`) before it discards anything.
         """
         job = announcement.job
         known = self._latest.get(job)
@@ -63,7 +75,11 @@ class Schedule:
             known.round,
             known.sent_at,
         ):
-            return None
+            if announcement.sent_at <= known.sent_at:
+                return None
+            settled = self._settled.get(job)
+            if settled is not None and settled[0] >= announcement.round:
+                del self._settled[job]
         self._latest[job] = announcement
         if running is None or running.job != job:
             return None
@@ -165,3 +181,74 @@ class Schedule:
         return job in self._paused or (
             (latest := self._latest.get(job)) is not None and latest.state == "paused"
         )
+
+
+@dataclass(frozen=True, slots=True)
+class Progress:
+    """How far the region got in a job, as its durable state records it."""
+
+    params: ParamsVersion | None
+    """The θ held."""
+    uploaded_round: int | None
+    """The last round whose delta the coordinator accepted."""
+
+    @property
+    def reached(self) -> int | None:
+        """The latest θ version the coordinator is known to have reached."""
+        rounds: list[int] = []
+        if self.params is not None:
+            rounds.append(self.params.round)
+        if self.uploaded_round is not None:
+            rounds.append(self.uploaded_round)
+        return max(rounds, default=None)
+
+    def contradicted_by(self, announcement: RoundAnnouncement) -> bool:
+        """Whether ``announcement`` cannot follow this progress in one history.
+
+        It does not when the region is past its base (it holds a later θ, or delivered a
+        later round), or when the region delivered this very round from a θ of the same
+        version with another hash (θ_r has one hash per history). A round announced again
+        with the base the region holds (re-opened below quorum) is no contradiction.
+        """
+        reached = self.reached
+        if reached is None:
+            return False
+        if reached > announcement.base_round:
+            return True
+        return (
+            self.params is not None
+            and self.params.round == announcement.base_round
+            and self.params.hash != announcement.base_hash
+            and self.uploaded_round is not None
+            and self.uploaded_round >= announcement.round
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class Rollback:
+    """The coordinator of ``job`` went back from θ version ``from_round`` to ``to_round``."""
+
+    job: str
+    from_round: int
+    to_round: int
+
+
+def judge_rollback(
+    announcement: RoundAnnouncement, progress: Progress, coordinator: ParamsVersion | None
+) -> Rollback | None:
+    """Whether ``announcement`` comes from a coordinator restored from an older backup.
+
+    Messages carry no epoch, so the coordinator is asked (``coordinator``: the θ version
+    it holds now). A rollback needs both: the announcement contradicts the region's
+    progress, and the coordinator itself holds exactly the announced base. A stale
+    announcement (replayed, redelivered, left retained by a restored broker) fails the
+    second test: the coordinator has moved past it, so the region keeps its state, and
+    the current announcement follows.
+    """
+    if coordinator is None or not progress.contradicted_by(announcement):
+        return None
+    if coordinator != ParamsVersion(announcement.base_round, announcement.base_hash):
+        return None
+    reached = progress.reached
+    assert reached is not None  # a contradiction needs progress
+    return Rollback(announcement.job, reached, announcement.base_round)

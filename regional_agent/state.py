@@ -297,6 +297,23 @@ class JobState:
             raise StateError(f"{self.root / 'progress.json'}: uploaded_round is {value!r}")
         return value
 
+    def progress(self) -> tuple[ParamsVersion | None, int | None]:
+        """The θ held and the last round delivered, as recorded."""
+        return self.current_version(), self.uploaded_round()
+
+    def discard(self) -> None:
+        """Drop everything of the job (θ, residual, progress, spooled deltas).
+
+        For a coordinator restored from an older backup: none of it belongs to the
+        coordinator's history any more. Markers go first, so a crash midway leaves a
+        state that reads as holding nothing rather than as holding a half-removed θ.
+        """
+        (self._params / "current.json").unlink(missing_ok=True)
+        (self.root / "progress.json").unlink(missing_ok=True)
+        if self.root.exists():
+            shutil.rmtree(self.root)
+            fsync_dir(self.root.parent)
+
     def recover(self) -> None:
         """Finish promotions a crash interrupted and drop spools of rounds already taken."""
         uploaded = self.uploaded_round()

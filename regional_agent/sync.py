@@ -38,7 +38,7 @@ from geofed.params import parameters_vector_hash
 from geofed.pki import TrustBundle
 from geofed.types import ArtifactKind, Role
 from geofed.wire import BundleError, split_bundle
-from regional_agent.http import CoordinatorClient, HttpError
+from regional_agent.http import CoordinatorClient, CoordinatorError, HttpError
 from regional_agent.metrics import AgentMetrics, MetricsError
 from regional_agent.state import ParamsVersion
 
@@ -247,6 +247,16 @@ class Synchronizer:
             return (*apply_verified_update(params, version, update), update.manifest.codec.scheme)
 
         return await asyncio.to_thread(verify_and_apply)
+
+    async def coordinator_version(self, job: str) -> ParamsVersion | None:
+        """The θ version the coordinator holds now for ``job`` (None before it has any)."""
+        answer = (await self._client.request("GET", f"/v1/jobs/{job}")).json()
+        round_, hash_ = answer.get("round"), answer.get("params_hash")
+        if hash_ is None:
+            return None
+        if not isinstance(round_, int) or isinstance(round_, bool) or not isinstance(hash_, str):
+            raise CoordinatorError(f"job {job}: malformed status (round {round_!r})")
+        return ParamsVersion(round_, hash_)
 
     async def resync(self, job: str, target: ParamsVersion) -> tuple[Params, ParamsVersion]:
         """θ of ``target`` from the latest checkpoint: its snapshot, then its updates."""

@@ -164,6 +164,16 @@ class RoundRunner:
         error: str | None = None
         replay = False
         base_hash = ""
+        # Rank 0 alone reads the hand-off directory; the verdict is shared so that every
+        # rank drops its state together. Asked only when the state would replay the round.
+        (dropped,) = self._agree(self._rank == 0 and self._regional_state_dropped(instruction))
+        if dropped:
+            log.warning(
+                "job %s round %d: the regional checkpoint was discarded; starting afresh",
+                job,
+                round_,
+            )
+            self._state = None
         try:
             state = self._state_for(instruction)
             replay = state.last_round is not None and round_ <= state.last_round
@@ -186,6 +196,21 @@ class RoundRunner:
                 self._republish(state, instruction)
             return
         self._train(state, instruction, base_hash)
+
+    def _regional_state_dropped(self, instruction: RoundInstruction) -> bool:
+        """Whether the agent discarded the regional state this rank still holds.
+
+        The checkpoint is written with every round this state completed, so a state
+        past the instructed round with no checkpoint on disk was discarded (the agent
+        follows a coordinator restored from an older backup): the round is trained
+        afresh rather than refused as a replay.
+        """
+        state = self._state
+        if state is None or state.job != instruction.job or state.last_round is None:
+            return False
+        if instruction.round > state.last_round:
+            return False
+        return not self._handoff.checkpoint_path.exists()
 
     def _state_for(self, instruction: RoundInstruction) -> _JobState:
         if self._state is not None and self._state.job == instruction.job:
