@@ -21,6 +21,7 @@ than request_s (60)``). Relative paths are relative to the file's own directory.
     timeouts: {heartbeat_s: 5, request_s: 30, upload_s: 300, download_s: 300,
                round_deadline_s: 1800}
     limits: {max_upload_bytes: 2147483648, max_manifest_bytes: 16777216}
+    publication_retry: {initial_s: 5, max_s: 300, max_attempts: 10}
 """
 
 from __future__ import annotations
@@ -30,7 +31,15 @@ import os
 from pathlib import Path
 from typing import Annotated, Any, Self
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from coordinator.quarantine import QuarantineConfig
 from geofed.manifest import MAX_SIGNED_MANIFEST_BYTES
@@ -48,6 +57,7 @@ __all__ = [
     "LimitsConfig",
     "ListenConfig",
     "MqttConfig",
+    "PublicationRetryConfig",
     "StorageConfig",
     "TlsConfig",
     "is_loopback_host",
@@ -184,6 +194,45 @@ class LimitsConfig(_Section):
     )
 
 
+class PublicationRetryConfig(_Section):
+    """How a round whose publication failed (checkpoint storage trouble) is tried again.
+
+    The n-th consecutive failure of a round's publication waits ``initial_s * 2**(n-1)``
+    seconds, at most ``max_s``, before the next attempt; after ``max_attempts`` failed
+    attempts the job fails. These failures do not count against the job's
+    ``max_round_attempts``, which bounds rounds the regions could not complete.
+    """
+
+    initial_s: float = Field(
+        default=5.0,
+        ge=0.001,
+        le=86400,
+        allow_inf_nan=False,
+        description="wait after the first failure",
+    )
+    max_s: float = Field(
+        default=300.0, gt=0, le=86400, allow_inf_nan=False, description="longest wait"
+    )
+    max_attempts: int = Field(
+        default=10, ge=1, le=10000, description="publication attempts of one round"
+    )
+
+    @model_validator(mode="after")
+    def _ordered(self) -> Self:
+        if self.max_s < self.initial_s:
+            raise ValueError(
+                f"max_s ({self.max_s:g}) must be at least initial_s ({self.initial_s:g})"
+            )
+        return self
+
+    def delay_s(self, failures: int) -> float:
+        """The wait after the ``failures``-th consecutive failed attempt (counted from 1)."""
+        if failures < 1:
+            raise ValueError(f"failures counts from 1, not {failures}")
+        # initial_s >= 1 ms, so past 2**30 the cap applies; the bound keeps the power finite.
+        return min(self.max_s, self.initial_s * 2.0 ** min(failures - 1, 30))
+
+
 class CoordinatorConfig(_Section):
     """The whole coordinator configuration file (see the module docstring)."""
 
@@ -210,6 +259,7 @@ class CoordinatorConfig(_Section):
     timeouts: Timeouts = Field(default_factory=Timeouts)
     limits: LimitsConfig = Field(default_factory=LimitsConfig)
     quarantine: QuarantineConfig = Field(default_factory=QuarantineConfig)
+    publication_retry: PublicationRetryConfig = Field(default_factory=PublicationRetryConfig)
 
     @field_validator("insecure_loopback")
     @classmethod

@@ -16,9 +16,12 @@ One :class:`JobEngine` per job runs as a task the job manager owns. Each round r
    round bit for bit. θ_{r+1} is evaluated in the background afterwards.
 
 A round that fails below quorum is re-opened (a new attempt, keeping accepted deltas)
-up to ``max_round_attempts`` times, then the job fails. Pausing abandons the collecting
-round; resuming re-opens it. Every state change is decided under one lock, persisted,
-then announced.
+up to ``max_round_attempts`` times, then the job fails. A publication that fails (the
+checkpoint storage is full or unwritable) keeps the round closed with the same deltas
+and is tried again after an exponential back-off (``publication_retry`` in the
+coordinator config), up to its own bound of attempts, then the job fails. Pausing
+abandons the collecting round; resuming re-opens it. Every state change is decided under
+one lock, persisted, then announced.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ from collections import deque
 from datetime import UTC, datetime
 from typing import Any
 
-from coordinator.audit import Verdict
+from coordinator.audit import Verdict, format_time
 from coordinator.checkpoints import EntryKind
 from coordinator.context import JobContext, initial_parameters
 from coordinator.deadline import RoundTiming, next_deadline
@@ -97,6 +100,8 @@ class JobEngine:
         self._quarantine = Quarantine(services.config.quarantine)
         self._background: set[asyncio.Task[None]] = set()
         self._announced: tuple[int, str, float] | None = None
+        #: When the next try of a failed publication is due (wall clock); None otherwise.
+        self._publication_retry_at: float | None = None
 
     # -- what the API reads -------------------------------------------------------
 
@@ -281,7 +286,23 @@ class JobEngine:
             rs = self.round_state
             current = rs is not None and rs.config.round == self.version
             if rs is not None and current and rs.phase is RoundPhase.AGGREGATING:
-                await self._publish()  # finish what closed, whatever was asked since
+                retry_at = self._publication_retry_at
+                if retry_at is None:
+                    await self._publish()  # finish what closed, whatever was asked since
+                elif self._state is JobState.CANCELLED:
+                    await self._stop_round("job cancelled by an operator", "cancelled", True)
+                    return
+                elif self._state is JobState.PAUSED:
+                    await self._announce("paused")
+                    self.ready.set()
+                    await self._sleep(None)
+                    # A resume tries again at once: the operator may have freed space.
+                    self._publication_retry_at = min(retry_at, self._s.clock())
+                elif self._s.clock() >= retry_at:
+                    self._publication_retry_at = None
+                else:
+                    self.ready.set()
+                    await self._sleep(retry_at)
                 continue
             if self._state is JobState.CANCELLED:
                 await self._stop_round("job cancelled by an operator", "cancelled")
@@ -438,6 +459,7 @@ class JobEngine:
             failures=failures,
             deadline_reason=reason + (f"; {selection.reason}" if selection.excluded else ""),
             quarantine=self._quarantine,
+            publication_failures=previous.publication_failures if previous is not None else 0,
         )
         async with self._lock:
             await self._s.executors.db(
@@ -523,12 +545,18 @@ class JobEngine:
                 publish_round, self.ctx.publishing, working, sources, datetime.now(UTC)
             )
         except Exception as exc:
-            log.exception("job %s round %d: publication failed", self.job, round_)
-            await self._publication_failed(record, f"{type(exc).__name__}: {exc}")
+            await self._publication_failed(record, exc)
             return
         elapsed = time.monotonic() - started
         await faults.reached("publish", state_dir, self.job, round_)
         await self._commit_publication(record, published)
+        if record.publication_failures:
+            log.info(
+                "job %s round %d published after %d failed attempt(s)",
+                self.job,
+                round_,
+                record.publication_failures,
+            )
         await self._s.executors.files(self._discard_inputs, round_, sources)
         metrics = self._s.metrics
         metrics.aggregation_duration.labels(job=self.job).observe(elapsed)
@@ -595,6 +623,8 @@ class JobEngine:
             )
             self.working = published.state
             self.update_digest = published.update.manifest_digest
+            if record.publication_failures:
+                self.last_error = ""  # it described the publication's retries, now over
             if completed:
                 self._state = JobState.COMPLETED
         kept = {name: published.pointers[name] for name in _STATE_POINTERS}
@@ -611,29 +641,94 @@ class JobEngine:
                 "job %s round %d: cannot discard its spooled deltas: %s", self.job, round, exc
             )
 
-    async def _publication_failed(self, record: RoundRecord, reason: str) -> None:
+    async def _publication_failed(self, record: RoundRecord, exc: Exception) -> None:
+        """Count a failed publication; schedule the next try, or fail the job past the bound.
+
+        The round stays closed with its deltas: the next try aggregates the same ones, and
+        the artifacts a failed try stored are reused. The regions' ``max_round_attempts``
+        is not spent on the coordinator's storage trouble.
+        """
+        retry = self._s.config.publication_retry
+        reason = f"{type(exc).__name__}: {exc}"
+        round_ = record.state.config.round
+        now = self._s.clock()
         async with self._lock:
-            record.state.fail(self._s.clock(), f"publication failed: {reason}")
-            record.failures += 1
-            await self._s.executors.db(
-                self._s.store.save_round, self.job, record.state.config.round, record.to_dict()
-            )
-        self.last_error = reason
+            record.publication_failures += 1
+            failures = record.publication_failures
+            exhausted = failures >= retry.max_attempts
+            if exhausted:
+                record.state.fail(now, f"publication failed: {reason}")
+            await self._s.executors.db(self._s.store.save_round, self.job, round_, record.to_dict())
+        delay = retry.delay_s(failures)
+        retry_at = now + delay
         self._s.metrics.rounds_failed.labels(job=self.job).inc()
         await self._s.audit(
             actor=self._s.actor,
             action="round.fail",
             verdict=Verdict.ERROR,
             job=self.job,
-            round=record.state.config.round,
-            details={"reason": reason},
+            round=round_,
+            details={
+                "reason": reason,
+                "publication_failures": failures,
+                "max_attempts": retry.max_attempts,
+                "retry_in_s": None if exhausted else delay,
+                "retry_at": None if exhausted else format_time(retry_at),
+            },
+        )
+        if exhausted:
+            root = self.ctx.publishing.location.store.root
+            log.error(
+                "job %s round %d: publication attempt %d of %d failed: %s",
+                self.job,
+                round_,
+                failures,
+                retry.max_attempts,
+                reason,
+                exc_info=exc,
+            )
+            await self._fail_job(
+                f"round {round_} could not be published: all {failures} attempt(s) allowed by "
+                f"publication_retry.max_attempts failed; last: {reason}. Free space (or fix "
+                f"permissions) in the checkpoint location {self.ctx.location_name} ({root}) "
+                f"and the state directory ({self._s.config.state_dir}), then submit the job "
+                f"again; its checkpoints up to round {round_} remain. To ride out longer "
+                f"outages, raise publication_retry in the coordinator config."
+            )
+            return
+        self._publication_retry_at = retry_at
+        when = datetime.fromtimestamp(retry_at, UTC).isoformat(timespec="seconds")
+        self.last_error = (
+            f"publication of round {round_} failed (attempt {failures} of "
+            f"{retry.max_attempts}): {reason}; retrying at {when} (in {delay:g} s)"
+        )
+        log.warning(
+            "job %s round %d: publication attempt %d of %d failed: %s; next attempt in %g s, at %s",
+            self.job,
+            round_,
+            failures,
+            retry.max_attempts,
+            reason,
+            delay,
+            when,
+            exc_info=exc,
         )
 
-    async def _stop_round(self, reason: str, announced: AnnouncedState) -> None:
-        """Abandon the collecting round (pause, cancel) and announce the job's state."""
+    async def _stop_round(
+        self, reason: str, announced: AnnouncedState, closed_too: bool = False
+    ) -> None:
+        """Abandon the collecting round (pause, cancel) and announce the job's state.
+
+        ``closed_too`` also abandons a closed round (one waiting to retry its publication).
+        """
+        phases = (
+            (RoundPhase.COLLECTING, RoundPhase.AGGREGATING)
+            if closed_too
+            else (RoundPhase.COLLECTING,)
+        )
         async with self._lock:
             record = self.record
-            if record is not None and record.state.phase is RoundPhase.COLLECTING:
+            if record is not None and record.state.phase in phases:
                 record.state.abandon(self._s.clock(), reason)
                 await self._s.executors.db(
                     self._s.store.save_round, self.job, record.state.config.round, record.to_dict()

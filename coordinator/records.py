@@ -4,8 +4,8 @@ A job is ``running``, ``paused``, ``cancelled``, ``completed`` or ``failed``. Ea
 of a job has one record in the state store (``rounds`` table, key (job, round)): the
 round state machine's state, the attempt number (a round that failed below quorum, or
 was abandoned by a pause, is re-opened as a new attempt with the deltas already
-accepted), consecutive failures, why its deadline is what it is, and the quarantine
-standing of the job's regions when the record was written.
+accepted), consecutive failures, failed publication attempts, why its deadline is what
+it is, and the quarantine standing of the job's regions when the record was written.
 """
 
 from __future__ import annotations
@@ -45,6 +45,7 @@ class RoundRecord:
     failures: int
     deadline_reason: str
     quarantine: Quarantine
+    publication_failures: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -53,15 +54,21 @@ class RoundRecord:
             "failures": self.failures,
             "deadline_reason": self.deadline_reason,
             "quarantine": self.quarantine.to_dict(),
+            "publication_failures": self.publication_failures,
         }
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any], config: QuarantineConfig) -> RoundRecord:
         """Rebuild a record; raises ``RoundStateError``/``QuarantineError``/``ValueError``."""
         attempt, failures = data.get("attempt"), data.get("failures")
+        publication_failures = data.get("publication_failures", 0)  # absent in older records
         if not isinstance(attempt, int) or not isinstance(failures, int):
             raise ValueError(  # noqa: TRY004 - a damaged record, reported like the others
                 f"round record has no attempt/failures counts: {dict(data)!r:.200}"
+            )
+        if not isinstance(publication_failures, int):
+            raise ValueError(  # noqa: TRY004 - a damaged record, reported like the others
+                f"round record has a bad publication_failures count: {publication_failures!r}"
             )
         return cls(
             state=RoundState.from_dict(data.get("state")),
@@ -69,6 +76,7 @@ class RoundRecord:
             failures=failures,
             deadline_reason=str(data.get("deadline_reason", "")),
             quarantine=Quarantine.from_dict(config, data.get("quarantine", {"regions": {}})),
+            publication_failures=publication_failures,
         )
 
 

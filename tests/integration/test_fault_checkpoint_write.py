@@ -5,7 +5,8 @@ that really runs out of space; mounting needs root, which this project's machine
 After round 0 is published the test fills the tmpfs, entirely or all but the room for
 part of round 1's publication, so a write of that publication fails with ENOSPC.
 Throughout, a watcher verifies every visible file of the checkpoint store: blobs hash to
-their names and every index entry names stored blobs.
+their names and every index entry names stored blobs. Each test configures a small
+``publication_retry`` back-off, so failed publications are retried within seconds.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import errno
 import hashlib
+import itertools
 import json
 import os
 import subprocess
@@ -20,12 +22,14 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 import pytest
 
+from coordinator.config import PublicationRetryConfig
 from tests.integration.test_fault_hostile_uploads import (
     JOB,
     audit_after,
@@ -35,6 +39,7 @@ from tests.integration.test_fault_hostile_uploads import (
 from tests.support.coordinator import (
     FakeRegion,
     Running,
+    Setup,
     coordinator,
     job_yaml,
     metric_value,
@@ -170,6 +175,12 @@ class Clients:
         status, body = await request(operator, "POST", "/v1/jobs", data=spec)
         assert status == 201, body
 
+    async def command(self, action: str) -> None:
+        """Pause, resume or cancel the job as its operator."""
+        operator = self.running.session(self.running.setup.operator)
+        status, body = await request(operator, "POST", f"/v1/jobs/{JOB}/{action}")
+        assert status == 200, body
+
     async def deltas(self, round: int, base: str) -> None:
         """Honest deltas of both regions for ``round``, accepted."""
         for region, seed in ((self.eu, 2 * round + 1), (self.us, 2 * round + 2)):
@@ -214,10 +225,48 @@ def failing_with_enospc(status: dict[str, Any]) -> bool:
     return bool(status["error"]) and ENOSPC_TEXT in status["error"]
 
 
+def configure_retry(setup: Setup, initial_s: float, max_s: float, max_attempts: int) -> None:
+    """Give the coordinator of ``setup`` this publication back-off (before it starts)."""
+    with setup.config_path.open("a") as file:
+        file.write(
+            f"publication_retry: {{initial_s: {initial_s}, max_s: {max_s}, "
+            f"max_attempts: {max_attempts}}}\n"
+        )
+    retry = setup.config().publication_retry
+    assert (retry.initial_s, retry.max_s, retry.max_attempts) == (initial_s, max_s, max_attempts)
+
+
+def audit_time(text: str) -> datetime:
+    return datetime.strptime(text, "%Y-%m-%dT%H:%M:%S.%fZ").replace(tzinfo=UTC)
+
+
+def check_backoff(fails: list[dict[str, Any]], retry: PublicationRetryConfig) -> list[float]:
+    """Each failed attempt waited the configured back-off after the one before it (the
+    next attempt started no earlier than the announced ``retry_at``). The gaps, seconds."""
+    numbers = [e["details"]["publication_failures"] for e in fails]
+    assert numbers == list(range(1, len(fails) + 1)), fails
+    for entry, number in zip(fails, numbers, strict=True):
+        if entry["details"]["retry_at"] is None:  # the last allowed attempt
+            assert number == retry.max_attempts, entry
+            continue
+        assert entry["details"]["retry_in_s"] == retry.delay_s(number), entry
+        assert audit_time(entry["details"]["retry_at"]) > audit_time(entry["time"]), entry
+    for before, after in itertools.pairwise(fails):
+        assert audit_time(after["time"]) >= audit_time(before["details"]["retry_at"])
+    return [
+        (audit_time(after["time"]) - audit_time(before["time"])).total_seconds()
+        for before, after in itertools.pairwise(fails)
+    ]
+
+
 async def test_a_full_disk_fails_the_publication_and_the_previous_checkpoint_restores(
     tmp_path: Path,
 ) -> None:
     with mosquitto_setup(tmp_path) as setup, tmpfs(tmp_path / "ckpt") as ckpt:
+        # More publication attempts than the job's round attempts (3 by default): the
+        # coordinator's storage trouble has its own bound.
+        configure_retry(setup, initial_s=0.05, max_s=0.2, max_attempts=5)
+        retry = setup.config().publication_retry
         async with coordinator(setup) as running:
             clients = Clients(running)
             await clients.submit(job_yaml())
@@ -228,22 +277,36 @@ async def test_a_full_disk_fails_the_publication_and_the_previous_checkpoint_res
                 await clients.deltas(1, job["params_hash"])
                 failed = await clients.until(lambda b: b["state"] == "failed", "job failure")
                 elapsed = time.monotonic() - started
-                print(f"3 failed publications and the job's failure took {elapsed:.2f} s")
             assert watcher.scans > 0
             assert not watcher.problems, sorted(watcher.problems)
             assert not temp_files(ckpt), temp_files(ckpt)
 
             # The failure is reported: job error, round.fail and job.fail entries, a metric.
-            assert ENOSPC_TEXT in failed["error"], failed
+            error = failed["error"]
+            assert ENOSPC_TEXT in error, failed
+            assert f"all {retry.max_attempts} attempt(s)" in error, error
+            assert "publication_retry.max_attempts" in error, error
+            assert "Free space" in error, error
+            assert "submit the job again" in error, error
             assert (failed["round"], failed["params_hash"]) == (1, job["params_hash"])
+            # The closed round was retried as it was, never re-opened.
+            assert (failed["current"]["attempt"], failed["current"]["phase"]) == (1, "failed")
             entries = await audit_after(clients.observer, 0)
             fails = [e for e in entries if e["action"] == "round.fail"]
-            assert len(fails) == 3, fails  # max_round_attempts
+            assert len(fails) == retry.max_attempts, fails
             assert all(ENOSPC_TEXT in e["details"]["reason"] for e in fails), fails
+            gaps = check_backoff(fails, retry)
             assert [e["round"] for e in entries if e["action"] == "round.publish"] == [0]
-            assert any(e["action"] == "job.fail" for e in entries)
+            job_fails = [e for e in entries if e["action"] == "job.fail"]
+            assert [e["details"]["reason"] for e in job_fails] == [error]
+            assert entries.index(job_fails[0]) > entries.index(fails[-1])
             metric = f'geofed_rounds_failed_total{{job="{JOB}"}}'
-            assert await metric_value(running, clients.observer, metric) == 3.0
+            assert await metric_value(running, clients.observer, metric) == retry.max_attempts
+            print(
+                f"{retry.max_attempts} failed publications and the job's failure took "
+                f"{elapsed:.2f} s; gaps between attempts (s): "
+                + ", ".join(f"{gap:.3f}" for gap in gaps)
+            )
 
             # The previous checkpoint is still the latest, and a joiner restores it.
             assert await clients.latest() == latest
@@ -253,6 +316,8 @@ async def test_a_full_disk_fails_the_publication_and_the_previous_checkpoint_res
         filler.unlink()
         async with coordinator(setup) as running:
             clients = Clients(running)
+            # The engine loads the job's parameters in the background after the start.
+            await clients.until(lambda b: b["params_hash"] is not None, "recovery")
             assert await clients.latest() == latest
             assert await clients.restores() == (job["params_hash"], 1)
         assert not visible_problems(ckpt)
@@ -290,13 +355,29 @@ def room_for_the_update_and_not_the_snapshot(location: Path) -> int:
     )
 
 
+async def statuses_until_failures(clients: Clients, count: int) -> list[dict[str, Any]]:
+    """The job's status, polled until the audit log holds ``count`` failed attempts."""
+    statuses: list[dict[str, Any]] = []
+    async with asyncio.timeout(60):
+        while True:
+            status, body = await request(clients.observer, "GET", f"/v1/jobs/{JOB}")
+            assert status == 200, body
+            statuses.append(body)
+            entries = await audit_after(clients.observer, 0)
+            if sum(e["action"] == "round.fail" for e in entries) >= count:
+                return statuses
+            await asyncio.sleep(0.02)
+
+
 async def test_a_snapshot_that_does_not_fit_leaves_the_chain_whole_and_publishes_later(
     tmp_path: Path,
 ) -> None:
     with mosquitto_setup(tmp_path) as setup, tmpfs(tmp_path / "ckpt") as ckpt:
+        configure_retry(setup, initial_s=0.1, max_s=0.4, max_attempts=1000)
+        retry = setup.config().publication_retry
         async with coordinator(setup) as running:
             clients = Clients(running)
-            await clients.submit(job_yaml(rounds=2, extra="max_round_attempts: 100000\n"))
+            await clients.submit(job_yaml(rounds=2))  # max_round_attempts: 3, the default
             job, latest = await first_round(clients)
             storage = setup.config().storage_named(job["checkpoint_location"])
             assert storage is not None
@@ -314,6 +395,18 @@ async def test_a_snapshot_that_does_not_fit_leaves_the_chain_whole_and_publishes
                 assert (failing["round"], failing["params_hash"]) == (1, job["params_hash"])
                 assert await clients.latest() == latest
                 assert await clients.restores() == (job["params_hash"], 1)
+                # More failed publications than the job's round attempts: the job keeps
+                # running, the round stays closed (never re-opened), the error says when
+                # the next attempt is.
+                statuses = await statuses_until_failures(clients, 5)
+                for status in [failing, *statuses]:
+                    assert status["state"] == "running", status
+                    current = status["current"]
+                    assert (current["round"], current["phase"]) == (1, "aggregating"), status
+                    assert current["attempt"] == 1, status
+                    assert ENOSPC_TEXT in status["error"], status
+                    assert "publication of round 1 failed" in status["error"], status
+                    assert "retrying at" in status["error"], status
                 filler.unlink()
                 freed = time.monotonic()
                 done = await clients.until(lambda b: b["state"] == "completed", "completion")
@@ -321,20 +414,102 @@ async def test_a_snapshot_that_does_not_fit_leaves_the_chain_whole_and_publishes
             assert watcher.scans > 0
             assert not watcher.problems, sorted(watcher.problems)
             assert not temp_files(ckpt), temp_files(ckpt)
+            assert done["error"] is None, done  # the retries are over
 
             entries = await audit_after(clients.observer, 0)
+            assert not [e for e in entries if e["action"] == "job.fail"], entries
             fails = [e for e in entries if e["action"] == "round.fail"]
-            assert fails, "the publication never failed"
+            assert len(fails) >= 5, fails
             assert all(ENOSPC_TEXT in e["details"]["reason"] for e in fails), fails
-            # Applied exactly once, reusing the update recorded by the failed attempt.
+            assert all(e["round"] == 1 for e in fails), fails
+            gaps = check_backoff(fails, retry)
+            # Applied exactly once, reusing the update recorded by the failed attempt, at
+            # the attempt the back-off scheduled after the last failure.
             publishes = [e for e in entries if e["action"] == "round.publish"]
             assert [e["round"] for e in publishes] == [0, 1]
             assert publishes[1]["details"]["update"] == index["entries"][2]["payload_digest"]
+            assert audit_time(publishes[1]["time"]) >= audit_time(fails[-1]["details"]["retry_at"])
+            metric = f'geofed_rounds_failed_total{{job="{JOB}"}}'
+            assert await metric_value(running, clients.observer, metric) == len(fails)
             now = await clients.latest()
             assert (now["round"], now["snapshot"]["round"], now["updates"]) == (2, 2, [])
             assert await clients.restores() == (done["params_hash"], 2)
             print(
-                f"round 1's publication failed {len(fails)} time(s) before space returned; "
-                f"published {recovery_s:.2f} s after it did"
+                f"round 1's publication failed {len(fails)} time(s) before space returned, "
+                "the job running throughout; gaps between attempts (s): "
+                + ", ".join(f"{gap:.3f}" for gap in gaps)
+                + f"; published {recovery_s:.2f} s after space returned"
             )
+        assert not visible_problems(ckpt)
+
+
+def backing_off(round: int) -> Any:
+    """A predicate on the job's status: ``round``'s publication waits for its next try."""
+
+    def predicate(status: dict[str, Any]) -> bool:
+        current = status.get("current") or {}
+        return (
+            failing_with_enospc(status)
+            and "retrying at" in status["error"]
+            and (current.get("round"), current.get("phase")) == (round, "aggregating")
+        )
+
+    return predicate
+
+
+async def test_a_publication_backing_off_answers_pause_resume_and_cancel_at_once(
+    tmp_path: Path,
+) -> None:
+    with mosquitto_setup(tmp_path) as setup, tmpfs(tmp_path / "ckpt") as ckpt:
+        # A back-off far longer than the test's waits: anything that happens before it
+        # ends happened because of an operator's command, not because the wait was over.
+        configure_retry(setup, initial_s=600, max_s=600, max_attempts=3)
+        async with coordinator(setup) as running:
+            clients = Clients(running)
+            await clients.submit(job_yaml(rounds=3))
+            job, _ = await first_round(clients)
+
+            # Paused while it backs off, space freed, resumed: published at once.
+            filler = fill(ckpt)
+            await clients.deltas(1, job["params_hash"])
+            backing = await clients.until(backing_off(1), "round 1 backing off")
+            assert "(in 600 s)" in backing["error"], backing
+            await clients.command("pause")
+            paused = await clients.until(lambda b: b["state"] == "paused", "pause")
+            assert (paused["round"], paused["current"]["phase"]) == (1, "aggregating"), paused
+            filler.unlink()
+            await clients.command("resume")
+            resumed_at = time.monotonic()
+            job = await wait_collecting(clients.observer, 2, timeout_s=60)
+            print(f"round 1 published {time.monotonic() - resumed_at:.2f} s after the resume")
+            assert job["error"] is None, job
+            entries = await audit_after(clients.observer, 0)
+            assert [e["round"] for e in entries if e["action"] == "round.fail"] == [1]
+            assert [e["round"] for e in entries if e["action"] == "round.publish"] == [0, 1]
+
+            # Cancelled while it backs off: the closed round is abandoned, nothing published.
+            filler = fill(ckpt)
+            await clients.deltas(2, job["params_hash"])
+            await clients.until(backing_off(2), "round 2 backing off")
+            await clients.command("cancel")
+            cancelled = await clients.until(
+                lambda b: b["state"] == "cancelled" and b["current"]["phase"] == "abandoned",
+                "cancellation",
+                timeout_s=60,
+            )
+            assert cancelled["round"] == 2, cancelled
+            entries = await audit_after(clients.observer, 0)
+            assert [e["round"] for e in entries if e["action"] == "round.fail"] == [1, 2]
+            assert [e["round"] for e in entries if e["action"] == "round.publish"] == [0, 1]
+            assert not [e for e in entries if e["action"] == "job.fail"], entries
+        filler.unlink()
+
+        # A restart does not publish the abandoned round of the cancelled job.
+        async with coordinator(setup) as running:
+            clients = Clients(running)
+            status = await clients.until(lambda b: b.get("current") is not None, "recovery")
+            assert (status["state"], status["round"]) == ("cancelled", 2), status
+            assert status["current"]["phase"] == "abandoned", status
+            latest = await clients.latest()
+            assert latest["round"] == 2, latest
         assert not visible_problems(ckpt)
