@@ -151,6 +151,9 @@ def _parse(data: bytes, max_size: int) -> SignedManifest:
         raise MalformedManifest(f"certificate is not PEM: {err}") from None
     if len(certs) != 1:
         raise MalformedManifest(f"expected one certificate, found {len(certs)}")
+    # cryptography still loads these (with a deprecation warning); RFC 5280 forbids them.
+    if certs[0].serial_number <= 0:
+        raise MalformedManifest("certificate serial number is not positive (RFC 5280)")
     return SignedManifest(manifest=envelope.manifest, signature=signature, certificate=certs[0])
 
 

@@ -317,6 +317,19 @@ def _pem_twice(doc: dict[str, Any]) -> None:
     doc["certificate"] = doc["certificate"] * 2
 
 
+def _negative_serial(doc: dict[str, Any]) -> None:
+    """Set the sign bit of the certificate's serial number (signature left as it was)."""
+    pem = doc["certificate"]
+    body = "".join(line for line in pem.splitlines() if not line.startswith("-----"))
+    der = bytearray(base64.b64decode(body))
+    version = der.index(b"\xa0\x03\x02\x01\x02")  # [0] EXPLICIT INTEGER 2 (v3)
+    serial = version + 5
+    assert der[serial] == 0x02  # INTEGER
+    der[serial + 2] |= 0x80
+    encoded = base64.encodebytes(bytes(der)).decode()
+    doc["certificate"] = f"-----BEGIN CERTIFICATE-----\n{encoded}-----END CERTIFICATE-----\n"
+
+
 @pytest.mark.parametrize(
     ("mutate", "message"),
     [
@@ -328,6 +341,7 @@ def _pem_twice(doc: dict[str, Any]) -> None:
         (lambda doc: doc.update(signature=""), "signature of 0 bytes"),
         (lambda doc: doc.update(certificate="-----BEGIN CERTIFICATE-----\nxx"), "not PEM"),
         (_pem_twice, "expected one certificate, found 2"),
+        (_negative_serial, "serial number is not positive"),
     ],
 )
 def test_malformed_documents(producer, mutate, message):
