@@ -4,10 +4,12 @@ It publishes each job's round announcement (retained, re-published after every
 reconnect so a broker that lost it gets it back), events and region commands, and
 follows every region's retained status to know which regions are up. A publish that
 cannot be acknowledged in time is logged, never raised into the round engine: the
-announcement is re-sent when the link comes back, and agents also learn the state of a
-job over HTTPS. While the broker is unreachable, announcements and events are not waited
-for at all (the round engine keeps closing and publishing rounds whose deltas arrive
-over HTTPS); commands still wait for the link, up to the request timeout.
+announcement is re-sent when the link comes back. Agents learn of rounds only from these
+announcements; over HTTPS they download parameters and upload deltas, and an upload into
+a round that has moved on is answered ``round_closed`` (or ``wrong_round``). While the
+broker is unreachable, announcements and events are not waited for at all (the round
+engine keeps closing and publishing rounds whose deltas arrive over HTTPS); commands
+still wait for the link, up to the request timeout.
 """
 
 from __future__ import annotations

@@ -9,6 +9,9 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import os
+import select
+import signal
 import sys
 from collections.abc import Sequence
 
@@ -44,5 +47,31 @@ def main(argv: Sequence[str] | None = None) -> int:
         stream=sys.stderr,
     )
     handler = args.handler
-    code: int = handler(args)
+    try:
+        code: int = handler(args)
+        # Output still buffered meets a closed pipe here rather than at interpreter exit.
+        sys.stdout.flush()
+    except BrokenPipeError:
+        if not _stdout_closed():
+            raise  # a socket's, not stdout's: an error like any other
+        # The reader went away (`geofed ... | head -1`): stop quietly, as a tool killed by
+        # SIGPIPE would. SIGPIPE itself stays ignored, as Python sets it, so that the
+        # daemons see a closed socket as an error rather than die of it.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        try:
+            os.dup2(devnull, sys.stdout.fileno())  # the flush at exit must not fail again
+        finally:
+            os.close(devnull)
+        return 128 + signal.SIGPIPE
     return code
+
+
+def _stdout_closed() -> bool:
+    """Whether stdout is a file descriptor whose reader has gone (poll reports an error)."""
+    try:
+        fd = sys.stdout.fileno()
+    except (AttributeError, OSError, ValueError):
+        return False  # not a real file (captured output)
+    poller = select.poll()
+    poller.register(fd, select.POLLOUT)
+    return any(event & select.POLLERR for _, event in poller.poll(0))

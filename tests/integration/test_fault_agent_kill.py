@@ -16,8 +16,7 @@ round announcement on the broker.
   published parameters and delivers again; it lost only the rounds it was down for.
 
 Both: every round is published once, and both regions trained each of their rounds from
-the parameters the coordinator announced (the same hash), ending on the same θ. The
-helpers here (observer, polling, audit, agent ``/metrics``) serve the other fault tests.
+the parameters the coordinator announced (the same hash), ending on the same θ.
 """
 
 from __future__ import annotations
@@ -29,24 +28,25 @@ import os
 import re
 import signal
 import time
-from collections import defaultdict
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import aiohttp
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
-from coordinator.audit import AuditEntry
-from geofed.control import Backoff, ControlClient, Topics
-from geofed.control.messages import RegionStatus, RoundAnnouncement, decode_any
-from geofed.pki import client_ssl_context, load_trust_bundle
-from geofed.pki.httpauth import VerifiedConnector
-from geofed.types import Identity, Role
 from regional_agent.launcher import descendants
-from tests.support.federation import FEDERATION, FederationRun, running_federation
+from tests.support.federation import FederationRun
+from tests.support.observe import (
+    WAIT_S,
+    ControlObserver,
+    audit_entries,
+    check_same_parameters,
+    observed_federation,
+    poll,
+    sample,
+    wait_job,
+)
 from tests.support.wanproxy import LinkSettings, WanProxy
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -61,146 +61,6 @@ KILLED_ROUND = 1
 CAP_BPS = 4_000
 #: The round deadline of the past-the-deadline case (the coordinator's upload_s is below).
 DEADLINE_S = 30
-WAIT_S = 120.0
-
-
-@dataclass
-class Observer:
-    """Every status and announcement on the federation's topics, with its arrival time."""
-
-    port: int
-    backoff: Backoff | None = None
-    statuses: list[tuple[float, RegionStatus]] = field(default_factory=list)
-    announcements: list[RoundAnnouncement] = field(default_factory=list)
-
-    def __post_init__(self) -> None:
-        self.client = ControlClient(
-            "127.0.0.1", self.port, client_id="observer.tests", backoff=self.backoff
-        )
-        self._task: asyncio.Task[None] | None = None
-
-    async def _on_message(self, topic: str, payload: bytes) -> None:
-        message = decode_any(payload)
-        if isinstance(message, RegionStatus):
-            self.statuses.append((time.monotonic(), message))
-        elif isinstance(message, RoundAnnouncement):
-            self.announcements.append(message)
-
-    async def start(self) -> None:
-        await self.client.subscribe(Topics(FEDERATION).everything(), self._on_message)
-        self._task = asyncio.create_task(self.client.run())
-        await self.client.wait_connected(30)
-
-    async def stop(self) -> None:
-        await self.client.close()
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-
-    def accepted(self, region: str, round_: int) -> list[tuple[float, RegionStatus]]:
-        """The statuses in which ``region`` reported its delta of ``round_`` accepted."""
-        return [
-            (at, s)
-            for at, s in self.statuses
-            if s.region == region and s.round == round_ and s.detail.startswith("delta accepted")
-        ]
-
-
-async def poll(
-    fed: FederationRun,
-    predicate: Callable[[], bool],
-    what: str,
-    *,
-    killed: str | None = None,
-    timeout_s: float = WAIT_S,
-) -> None:
-    """Wait for ``predicate``; fail if a child other than ``killed`` has exited."""
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        check_others_alive(fed, killed)
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
-        await asyncio.sleep(0.05)
-
-
-def check_others_alive(fed: FederationRun, killed: str | None) -> None:
-    for child in fed.children.children:
-        if child.name != killed:
-            child.check_alive()
-
-
-async def wait_job(
-    fed: FederationRun,
-    predicate: Callable[[dict[str, Any]], bool],
-    what: str,
-    *,
-    killed: str | None = None,
-    timeout_s: float = WAIT_S,
-) -> dict[str, Any]:
-    """Poll the job's status until ``predicate`` holds (``killed`` may be down meanwhile)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        check_others_alive(fed, killed)
-        job = await fed.status()
-        if predicate(job):
-            return job
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}: {job}")
-        await asyncio.sleep(0.5)
-
-
-async def start_agents(fed: FederationRun, observer: Observer) -> None:
-    """Start every agent, wait for their worker groups, and submit the job."""
-    for region in REGIONS:
-        await fed.start_agent(region)
-
-    def ready() -> bool:
-        return all(
-            any(s.region == r and s.detail == "ready" for _, s in observer.statuses)
-            for r in REGIONS
-        )
-
-    await poll(fed, ready, "the agents' worker groups to start")
-    status, body = await fed.submit()
-    assert status == 201, body
-
-
-def sample(text: str, name: str, **labels: str) -> float:
-    """The sum of the samples of ``name`` whose labels include ``labels``."""
-    return sum(
-        s.value
-        for family in text_string_to_metric_families(text)
-        for s in family.samples
-        if s.name == name and all(s.labels.get(k) == v for k, v in labels.items())
-    )
-
-
-async def agent_metrics(fed: FederationRun, region: str) -> str:
-    """Scrape the agent's ``/metrics`` as an observer (its URL is in its start-up log)."""
-    log = fed.work / "logs" / f"agent-{region}.log"
-    url = next(
-        line.rsplit(" ", 1)[-1]
-        for line in log.read_text().splitlines()
-        if "serving metrics on https://" in line
-    )
-    bundle = load_trust_bundle(fed.federation.trust_bundle)
-    context = client_ssl_context(bundle, fed.observer.cert, fed.observer.key)
-    context.check_hostname = False  # the demo's region certificates name no host
-    expect = Identity(federation=FEDERATION, role=Role.REGION, name=region)
-    connector = VerifiedConnector(bundle, context, expect=expect)
-    async with (
-        aiohttp.ClientSession(connector=connector) as session,
-        session.get(url) as response,
-    ):
-        assert response.status == 200, await response.text()
-        return await response.text()
-
-
-async def audit_entries(fed: FederationRun) -> list[AuditEntry]:
-    page = await fed.get(f"/v1/audit?job={fed.job}&limit=1000&verify=1")
-    assert page["verify"]["ok"], page["verify"]
-    return [AuditEntry.from_dict(e) for e in page["entries"]]
 
 
 def spooled_frames(fed: FederationRun, region: str, round_: int) -> set[int]:
@@ -211,13 +71,6 @@ def spooled_frames(fed: FederationRun, region: str, round_: int) -> set[int]:
 
 def agent_spool(fed: FederationRun, region: str, round_: int) -> Path:
     return fed.work / "agents" / region / "jobs" / fed.job / "spool" / f"round-{round_}"
-
-
-def held_params(fed: FederationRun, region: str) -> dict[str, Any]:
-    """Which θ the region holds on disk."""
-    path = fed.work / "agents" / region / "jobs" / fed.job / "params" / "current.json"
-    data = json.loads(path.read_text())
-    return {"round": data["round"], "hash": data["hash"]}
 
 
 def configure(
@@ -279,7 +132,7 @@ class Kill:
 
 
 async def kill_mid_upload(
-    fed: FederationRun, proxy: WanProxy, observer: Observer, round_: int
+    fed: FederationRun, proxy: WanProxy, observer: ControlObserver, round_: int
 ) -> Kill:
     """SIGKILL the slow region's agent while the coordinator holds some of its frames."""
     manifest = agent_spool(fed, SLOW, round_) / "manifest.json"
@@ -311,70 +164,54 @@ async def kill_mid_upload(
     return Kill(killed_at, sizes, len(held))
 
 
-def check_same_parameters(
-    fed: FederationRun, observer: Observer, rounds: int, trained: dict[str, set[int]]
-) -> None:
-    """Each region trained exactly ``trained[region]``, each from the θ_r announced for it,
-    and both hold the same last θ."""
-    announced = {a.round: a.base_hash for a in observer.announcements if a.state == "open"}
-    assert set(announced) == set(range(rounds)), sorted(announced)
-    reported: dict[tuple[int, str], set[str]] = defaultdict(set)
-    for _, s in observer.statuses:
-        if s.job == fed.job and s.round is not None and s.params_hash is not None:
-            reported[(s.round, s.region)].add(s.params_hash)
-    for (round_, region), hashes in reported.items():
-        assert hashes == {announced[round_]}, (round_, region, hashes)
-    for region in REGIONS:
-        delivered = {r for r in range(rounds) if observer.accepted(region, r)}
-        assert delivered == trained[region], (region, delivered)
-        last = rounds - 1
-        assert held_params(fed, region) == {"round": last, "hash": announced[last]}, region
+@contextlib.asynccontextmanager
+async def slow_federation(
+    tmp_path: Path, *, rounds: int, seed: int, deadline_s: int | None = None
+) -> AsyncIterator[tuple[FederationRun, WanProxy, ControlObserver]]:
+    """Both regions training under an observer, the slow one through a capped proxy."""
+    proxy = WanProxy(
+        "127.0.0.1", 0, "127.0.0.1", 0, seed=seed, upstream=LinkSettings(bandwidth_bps=CAP_BPS)
+    )
+    async with (
+        proxy,
+        observed_federation(
+            tmp_path,
+            regions=REGIONS,
+            rounds=rounds,
+            inner_steps=INNER_STEPS,
+            customize=configure(proxy, deadline_s=deadline_s),
+        ) as (fed, observer),
+    ):
+        try:
+            yield fed, proxy, observer
+        finally:
+            reap_orphans(fed, SLOW)
 
 
 async def test_agent_killed_mid_upload_resumes_without_resending_acknowledged_frames(
     tmp_path: Path,
 ) -> None:
     rounds = 3
-    proxy = WanProxy(
-        "127.0.0.1", 0, "127.0.0.1", 0, seed=1, upstream=LinkSettings(bandwidth_bps=CAP_BPS)
-    )
-    async with (
-        proxy,
-        running_federation(
-            tmp_path,
-            regions=REGIONS,
-            rounds=rounds,
-            inner_steps=INNER_STEPS,
-            customize=configure(proxy),
-            start_agents=False,
-        ) as fed,
-    ):
-        observer = Observer(fed.mqtt_port)
-        await observer.start()
-        try:
-            await start_agents(fed, observer)
-            await fed.wait_round(KILLED_ROUND)
-            kill = await kill_mid_upload(fed, proxy, observer, KILLED_ROUND)
-            job = await fed.status()
-            assert job["round"] == KILLED_ROUND, job
-            assert job["current"]["delivered"] == ["us-east"], job
+    async with slow_federation(tmp_path, rounds=rounds, seed=1) as (fed, proxy, observer):
+        await fed.wait_round(KILLED_ROUND)
+        kill = await kill_mid_upload(fed, proxy, observer, KILLED_ROUND)
+        job = await fed.status()
+        assert job["round"] == KILLED_ROUND, job
+        assert job["current"]["delivered"] == ["us-east"], job
 
-            proxy.upstream = LinkSettings()
-            upstream_before = proxy.stats().bytes_upstream
-            await fed.restart(f"agent-{SLOW}")
-            await poll(fed, lambda: bool(observer.accepted(SLOW, KILLED_ROUND)), "the resume")
-            accepted_at, report = observer.accepted(SLOW, KILLED_ROUND)[-1]
-            upstream_resumed = proxy.stats().bytes_upstream - upstream_before
+        proxy.upstream = LinkSettings()
+        upstream_before = proxy.stats().bytes_upstream
+        await fed.restart(f"agent-{SLOW}")
+        await poll(fed, lambda: bool(observer.accepted(SLOW, KILLED_ROUND)), "the resume")
+        accepted_at, report = observer.accepted(SLOW, KILLED_ROUND)[-1]
+        upstream_resumed = proxy.stats().bytes_upstream - upstream_before
 
-            final = await fed.wait_completed(timeout_s=WAIT_S)
-            entries = await audit_entries(fed)
-            metrics = await fed.metrics_text()
-            check_same_parameters(
-                fed, observer, rounds, {region: set(range(rounds)) for region in REGIONS}
-            )
-        finally:
-            reap_orphans(fed, SLOW)
-            await observer.stop()
+        final = await fed.wait_completed(timeout_s=WAIT_S)
+        entries = await audit_entries(fed, job=fed.job, verify=True)
+        metrics = await fed.metrics_text()
+        check_same_parameters(
+            fed, observer, rounds, {region: set(range(rounds)) for region in REGIONS}
+        )
 
     # The restarted agent sent exactly the frames the coordinator did not hold.
     match = re.match(r"delta accepted \((\d+) chunks, (\d+) bytes sent", report.detail)
@@ -410,53 +247,37 @@ async def test_agent_down_past_the_deadline_rejoins_from_the_latest_parameters(
     tmp_path: Path,
 ) -> None:
     rounds = 4
-    proxy = WanProxy(
-        "127.0.0.1", 0, "127.0.0.1", 0, seed=2, upstream=LinkSettings(bandwidth_bps=CAP_BPS)
-    )
-    async with (
+    async with slow_federation(tmp_path, rounds=rounds, seed=2, deadline_s=DEADLINE_S) as (
+        fed,
         proxy,
-        running_federation(
-            tmp_path,
-            regions=REGIONS,
-            rounds=rounds,
-            inner_steps=INNER_STEPS,
-            customize=configure(proxy, deadline_s=DEADLINE_S),
-            start_agents=False,
-        ) as fed,
+        observer,
     ):
-        observer = Observer(fed.mqtt_port)
-        await observer.start()
-        try:
-            await start_agents(fed, observer)
-            await fed.wait_round(KILLED_ROUND)
-            kill = await kill_mid_upload(fed, proxy, observer, KILLED_ROUND)
+        await fed.wait_round(KILLED_ROUND)
+        kill = await kill_mid_upload(fed, proxy, observer, KILLED_ROUND)
 
-            # Down past the deadline: the round closes with the quorum of one, without it.
-            await wait_job(
-                fed,
-                lambda job: int(job["round"]) > KILLED_ROUND,
-                f"round {KILLED_ROUND} to close without {SLOW}",
-                killed=f"agent-{SLOW}",
-            )
-            proxy.upstream = LinkSettings()
-            restarted_at = time.monotonic()
-            await fed.restart(f"agent-{SLOW}")
-            final = await fed.wait_completed(timeout_s=WAIT_S + rounds * DEADLINE_S)
-            entries = await audit_entries(fed)
-            metrics = await fed.metrics_text()
-            again = [r for r in range(KILLED_ROUND + 1, rounds) if observer.accepted(SLOW, r)]
-            assert again, f"{SLOW} delivered no round after its restart"
-            rejoined = again[0]
-            back_at = observer.accepted(SLOW, rejoined)[-1][0]
-            check_same_parameters(
-                fed,
-                observer,
-                rounds,
-                {"us-east": set(range(rounds)), SLOW: {0, *range(rejoined, rounds)}},
-            )
-        finally:
-            reap_orphans(fed, SLOW)
-            await observer.stop()
+        # Down past the deadline: the round closes with the quorum of one, without it.
+        await wait_job(
+            fed,
+            lambda job: int(job["round"]) > KILLED_ROUND,
+            f"round {KILLED_ROUND} to close without {SLOW}",
+            killed=f"agent-{SLOW}",
+        )
+        proxy.upstream = LinkSettings()
+        restarted_at = time.monotonic()
+        await fed.restart(f"agent-{SLOW}")
+        final = await fed.wait_completed(timeout_s=WAIT_S + rounds * DEADLINE_S)
+        entries = await audit_entries(fed, job=fed.job, verify=True)
+        metrics = await fed.metrics_text()
+        again = [r for r in range(KILLED_ROUND + 1, rounds) if observer.accepted(SLOW, r)]
+        assert again, f"{SLOW} delivered no round after its restart"
+        rejoined = again[0]
+        back_at = observer.accepted(SLOW, rejoined)[-1][0]
+        check_same_parameters(
+            fed,
+            observer,
+            rounds,
+            {"us-east": set(range(rounds)), SLOW: {0, *range(rejoined, rounds)}},
+        )
 
     assert final["round"] == rounds
     publishes = [e for e in entries if e.action == "round.publish"]

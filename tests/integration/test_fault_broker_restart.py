@@ -26,17 +26,17 @@ from typing import Any
 import pytest
 
 from geofed.control import Backoff
-from tests.integration.test_fault_agent_kill import (
-    Observer,
+from tests.support.federation import FederationRun
+from tests.support.observe import (
+    WAIT_S,
     agent_metrics,
     audit_entries,
     held_params,
+    observed_federation,
     poll,
     sample,
-    start_agents,
     wait_job,
 )
-from tests.support.federation import FederationRun, running_federation
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -45,7 +45,6 @@ ROUNDS = 4
 INNER_STEPS = 3
 #: How long the broker stays down after the coordinator published a round without it.
 OUTAGE_S = 5.0
-WAIT_S = 120.0
 
 
 def one_worker(name: str, data: dict[str, Any]) -> None:
@@ -70,61 +69,55 @@ def connections(fed: FederationRun, name: str) -> int:
 
 
 async def test_broker_restart_loses_nothing_and_repeats_nothing(tmp_path: Path) -> None:
-    async with running_federation(
+    # The observer comes back quickly, to see as much as possible after the restart.
+    async with observed_federation(
         tmp_path,
+        backoff=Backoff(initial_s=0.1, max_s=0.5),
         regions=REGIONS,
         rounds=ROUNDS,
         inner_steps=INNER_STEPS,
         customize=one_worker,
-        start_agents=False,
-    ) as fed:
-        # The observer comes back quickly, to see as much as possible after the restart.
-        observer = Observer(fed.mqtt_port, backoff=Backoff(initial_s=0.1, max_s=0.5))
-        await observer.start()
-        try:
-            await start_agents(fed, observer)
-            await fed.wait_round(1)
-            assert await mqtt_gauges(fed) == dict.fromkeys(("coordinator", *REGIONS), 1.0)
+    ) as (fed, observer):
+        await fed.wait_round(1)
+        assert await mqtt_gauges(fed) == dict.fromkeys(("coordinator", *REGIONS), 1.0)
 
-            await fed.stop_broker()
-            stopped_at = time.monotonic()
-            await wait_job(fed, lambda job: int(job["round"]) >= 2, "round 1 to be published")
-            published_down = time.monotonic() - stopped_at
-            down = await mqtt_gauges(fed)
-            assert down == dict.fromkeys(("coordinator", *REGIONS), 0.0), down
-            await asyncio.sleep(max(0.0, OUTAGE_S - (time.monotonic() - stopped_at)))
+        await fed.stop_broker()
+        stopped_at = time.monotonic()
+        await wait_job(fed, lambda job: int(job["round"]) >= 2, "round 1 to be published")
+        published_down = time.monotonic() - stopped_at
+        down = await mqtt_gauges(fed)
+        assert down == dict.fromkeys(("coordinator", *REGIONS), 0.0), down
+        await asyncio.sleep(max(0.0, OUTAGE_S - (time.monotonic() - stopped_at)))
 
-            started_wall = datetime.now(UTC)
-            await fed.start_broker()
-            started_at = time.monotonic()
-            while sample(await fed.metrics_text(), "geofed_mqtt_connected") != 1.0:
-                assert time.monotonic() - started_at < WAIT_S, "the coordinator did not reconnect"
-                await asyncio.sleep(0.1)
-            coordinator_back = time.monotonic() - started_at
+        started_wall = datetime.now(UTC)
+        await fed.start_broker()
+        started_at = time.monotonic()
+        while sample(await fed.metrics_text(), "geofed_mqtt_connected") != 1.0:
+            assert time.monotonic() - started_at < WAIT_S, "the coordinator did not reconnect"
+            await asyncio.sleep(0.1)
+        coordinator_back = time.monotonic() - started_at
 
-            def back(region: str) -> bool:
-                return any(
-                    s.region == region and s.state != "offline" and s.sent_at >= started_wall
-                    for _, s in observer.statuses
-                )
-
-            await poll(fed, lambda: all(back(r) for r in REGIONS), "every agent online again")
-            agents_back = max(
-                min(
-                    s.sent_at
-                    for _, s in observer.statuses
-                    if s.region == r and s.sent_at >= started_wall
-                )
-                for r in REGIONS
+        def back(region: str) -> bool:
+            return any(
+                s.region == region and s.state != "offline" and s.sent_at >= started_wall
+                for _, s in observer.statuses
             )
 
-            final = await fed.wait_completed(timeout_s=WAIT_S)
-            entries = await audit_entries(fed)
-            up = await mqtt_gauges(fed)
-            reconnected = {name: connections(fed, name) for name in ("coordinator",)}
-            reconnected.update({r: connections(fed, f"agent-{r}") for r in REGIONS})
-        finally:
-            await observer.stop()
+        await poll(fed, lambda: all(back(r) for r in REGIONS), "every agent online again")
+        agents_back = max(
+            min(
+                s.sent_at
+                for _, s in observer.statuses
+                if s.region == r and s.sent_at >= started_wall
+            )
+            for r in REGIONS
+        )
+
+        final = await fed.wait_completed(timeout_s=WAIT_S)
+        entries = await audit_entries(fed, job=fed.job, verify=True)
+        up = await mqtt_gauges(fed)
+        reconnected = {name: connections(fed, name) for name in ("coordinator",)}
+        reconnected.update({r: connections(fed, f"agent-{r}") for r in REGIONS})
 
     assert up == dict.fromkeys(("coordinator", *REGIONS), 1.0), up
     # The round engine did not wait for the broker: it published round 1 and opened round 2

@@ -26,23 +26,16 @@ What it proves (the issue's scenarios 5 and 7):
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import signal
 import time
-from collections.abc import AsyncIterator
 from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
-from coordinator.audit import AuditEntry
 from geofed.cli import main
-from geofed.control import ControlClient, Topics
-from geofed.control.messages import RegionStatus, RoundAnnouncement, decode_any
-from geofed.pki import client_ssl_context, load_trust_bundle
-from tests.support.federation import FEDERATION, FederationRun, running_federation
+from tests.support.federation import FederationRun, running_federation
+from tests.support.observe import ControlObserver, audit_entries, sample, stop_agents
 from tests.support.wanproxy import LinkSettings, WanProxy
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -73,59 +66,6 @@ AGENT_TIMEOUTS = {
 }
 
 
-def sample(text: str, name: str, **labels: str) -> float:
-    """The sum of the samples of ``name`` whose labels include ``labels``."""
-    total = 0.0
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
-                total += s.value
-    return total
-
-
-async def audit_entries(fed: FederationRun) -> list[AuditEntry]:
-    entries: list[AuditEntry] = []
-    after = 0
-    while True:
-        page = await fed.get(f"/v1/audit?after={after}&limit=1000&job={fed.job}")
-        batch = [AuditEntry.from_dict(e) for e in page["entries"]]
-        if not batch:
-            return entries
-        entries.extend(batch)
-        after = batch[-1].seq
-
-
-class ControlObserver:
-    """An observer principal reading announcements and region statuses over the broker."""
-
-    def __init__(self, fed: FederationRun) -> None:
-        bundle = load_trust_bundle(fed.federation.trust_bundle)
-        tls = client_ssl_context(bundle, fed.observer.cert, fed.observer.key)
-        self.client = ControlClient("127.0.0.1", fed.mqtt_port, client_id="observer.tests", tls=tls)
-        self.statuses: list[RegionStatus] = []
-        self.announcements: list[RoundAnnouncement] = []
-
-    async def _on_message(self, topic: str, payload: bytes) -> None:
-        message = decode_any(payload)
-        if isinstance(message, RegionStatus):
-            self.statuses.append(message)
-        elif isinstance(message, RoundAnnouncement):
-            self.announcements.append(message)
-
-    @contextlib.asynccontextmanager
-    async def running(self) -> AsyncIterator[ControlObserver]:
-        await self.client.subscribe(Topics(FEDERATION).everything(), self._on_message)
-        task = asyncio.create_task(self.client.run())
-        try:
-            await self.client.wait_connected(30)
-            yield self
-        finally:
-            await self.client.close()
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-
-
 async def test_a_partitioned_region_straggles_is_quarantined_and_catches_up(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -149,18 +89,13 @@ async def test_a_partitioned_region_straggles_is_quarantined_and_catches_up(
                 data["min_regions"] = 2
                 data["deadline"] = DEADLINE
 
-        async with running_federation(
-            tmp_path, rounds=ROUNDS, inner_steps=3, broker="mosquitto", customize=customize
-        ) as fed:
-            observer = ControlObserver(fed)
-            async with observer.running():
-                await _scenario(fed, wan, observer, capsys)
-
-
-async def stop_agents(fed: FederationRun) -> None:
-    """Stop every agent cleanly and at once (the harness stops them one after another)."""
-    await asyncio.gather(*(fed.kill(f"agent-{r}", signal.SIGTERM) for r in fed.regions))
-    fed.children.children = [c for c in fed.children.children if c.returncode is None]
+        async with (
+            running_federation(
+                tmp_path, rounds=ROUNDS, inner_steps=3, broker="mosquitto", customize=customize
+            ) as fed,
+            ControlObserver.with_certificate(fed).running() as observer,
+        ):
+            await _scenario(fed, wan, observer, capsys)
 
 
 async def _agents_ready(fed: FederationRun, timeout_s: float = 120.0) -> None:
@@ -249,7 +184,7 @@ async def _scenario(
     await fed.wait_completed(timeout_s=120)
     await stop_agents(fed)
 
-    entries = await audit_entries(fed)
+    entries = await audit_entries(fed, job=fed.job)
     publications = {e.round: e.details for e in entries if e.action == "round.publish"}
     assert set(publications) == set(range(ROUNDS)), sorted(publications, key=str)
     assert len([e for e in entries if e.action == "round.publish"]) == ROUNDS  # once each
@@ -289,7 +224,7 @@ async def _scenario(
     )
     assert final_base == publications[ROUNDS - 2]["params_hash"]
     last: dict[str, set[str]] = {region: set() for region in fed.regions}
-    for s in observer.statuses:
+    for _, s in observer.statuses:
         if s.job == fed.job and s.round == ROUNDS - 1 and s.params_hash is not None:
             last[s.region].add(s.params_hash)
     assert last == {region: {final_base} for region in fed.regions}, last

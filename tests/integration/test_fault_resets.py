@@ -26,33 +26,24 @@ reset: the difference in what the proxies carried is what the resets cost on the
 
 from __future__ import annotations
 
-import asyncio
 import math
-import re
-import signal
 import time
 from contextlib import AsyncExitStack
 from pathlib import Path
 from typing import Any
 
-import aiohttp
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
-from coordinator.audit import AuditEntry
 from coordinator.checkpoints import CheckpointStore, EntryKind
 from geofed.blobstore import FsBlobStore
-from geofed.pki import client_ssl_context, load_trust_bundle
-from geofed.pki.httpauth import VerifiedConnector
-from geofed.types import Identity, Role
-from tests.support.federation import FEDERATION, FederationRun, running_federation
+from tests.support.federation import FederationRun, running_federation
+from tests.support.observe import agent_metrics, audit_entries, sample, stop_agents
 from tests.support.wanproxy import Direction, LinkSettings, WanProxy, plan_reset
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 ROUNDS = 3
 SEED = 6
-TIMEOUT = aiohttp.ClientTimeout(total=30)
 
 
 def link(share: float) -> LinkSettings:
@@ -73,52 +64,6 @@ def seeds(settings: LinkSettings, count: int) -> list[int]:
             found.append(seed)
         seed += 1
     return found
-
-
-def sample(text: str, name: str, **labels: str) -> float:
-    """The sum of the samples of ``name`` whose labels include ``labels``."""
-    total = 0.0
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
-                total += s.value
-    return total
-
-
-async def audit_entries(fed: FederationRun) -> list[AuditEntry]:
-    entries: list[AuditEntry] = []
-    after = 0
-    while True:
-        page = await fed.get(f"/v1/audit?after={after}&limit=1000&job={fed.job}")
-        batch = [AuditEntry.from_dict(e) for e in page["entries"]]
-        if not batch:
-            return entries
-        entries.extend(batch)
-        after = batch[-1].seq
-
-
-async def agent_metrics(fed: FederationRun, region: str) -> str:
-    """The agent's /metrics, read with the observer's certificate (the URL is in its log)."""
-    log = fed.work / "logs" / f"agent-{region}.log"
-    match = re.search(r"serving metrics on (https://\S+/metrics)", log.read_text(errors="replace"))
-    assert match, f"agent {region} logged no metrics URL"
-    bundle = load_trust_bundle(fed.federation.trust_bundle)
-    context = client_ssl_context(bundle, fed.observer.cert, fed.observer.key)
-    context.check_hostname = False  # the demo's region certificates name no host
-    identity = Identity(federation=FEDERATION, role=Role.REGION, name=region)
-    connector = VerifiedConnector(bundle, context, expect=identity)
-    async with (
-        aiohttp.ClientSession(connector=connector, timeout=TIMEOUT) as session,
-        session.get(match[1]) as response,
-    ):
-        assert response.status == 200
-        return await response.text()
-
-
-async def stop_agents(fed: FederationRun) -> None:
-    """Stop every agent cleanly and at once (the harness stops them one after another)."""
-    await asyncio.gather(*(fed.kill(f"agent-{r}", signal.SIGTERM) for r in fed.regions))
-    fed.children.children = [c for c in fed.children.children if c.returncode is None]
 
 
 def needed_download_bytes(fed: FederationRun) -> int:
@@ -188,7 +133,7 @@ async def _check(
     views: dict[str, dict[str, Any]],
     wall_s: float,
 ) -> None:
-    entries = await audit_entries(fed)
+    entries = await audit_entries(fed, job=fed.job)
     publications = {e.round: e.details for e in entries if e.action == "round.publish"}
     published = [e.round for e in entries if e.action == "round.publish"]
     assert published == list(range(ROUNDS)), published

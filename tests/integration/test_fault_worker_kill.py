@@ -23,16 +23,16 @@ from typing import Any
 
 import pytest
 
-from tests.integration.test_fault_agent_kill import (
-    Observer,
+from tests.support.federation import FederationRun
+from tests.support.observe import (
+    WAIT_S,
     agent_metrics,
     audit_entries,
     check_same_parameters,
+    observed_federation,
     poll,
     sample,
-    start_agents,
 )
-from tests.support.federation import FederationRun, running_federation
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -43,7 +43,6 @@ ROUNDS = 3
 #: inside a round.
 INNER_STEPS = 20
 KILLED_ROUND = 1
-WAIT_S = 120.0
 
 
 def configure(name: str, data: dict[str, Any]) -> None:
@@ -91,54 +90,43 @@ def alive(pid: int) -> bool:
 async def test_worker_killed_mid_round_is_restarted_and_the_region_loses_no_round(
     tmp_path: Path,
 ) -> None:
-    async with running_federation(
-        tmp_path,
-        regions=REGIONS,
-        rounds=ROUNDS,
-        inner_steps=INNER_STEPS,
-        customize=configure,
-        start_agents=False,
-    ) as fed:
-        observer = Observer(fed.mqtt_port)
-        await observer.start()
-        try:
-            await start_agents(fed, observer)
-            await poll(
-                fed,
-                lambda: training(fed, VICTIM, KILLED_ROUND),
-                f"{VICTIM} to train round {KILLED_ROUND}",
-                timeout_s=WAIT_S,
-            )
-            agents_before = agent_pids(fed)
-            rank0 = rank_status(fed, VICTIM, 0)
-            assert rank0["restart_count"] == 0, rank0
-            killed_at = time.monotonic()
-            os.kill(rank0["pid"], signal.SIGKILL)
-            still_training = training(fed, VICTIM, KILLED_ROUND)
+    async with observed_federation(
+        tmp_path, regions=REGIONS, rounds=ROUNDS, inner_steps=INNER_STEPS, customize=configure
+    ) as (fed, observer):
+        await poll(
+            fed,
+            lambda: training(fed, VICTIM, KILLED_ROUND),
+            f"{VICTIM} to train round {KILLED_ROUND}",
+            timeout_s=WAIT_S,
+        )
+        agents_before = agent_pids(fed)
+        rank0 = rank_status(fed, VICTIM, 0)
+        assert rank0["restart_count"] == 0, rank0
+        killed_at = time.monotonic()
+        os.kill(rank0["pid"], signal.SIGKILL)
+        still_training = training(fed, VICTIM, KILLED_ROUND)
 
-            await poll(
-                fed,
-                lambda: (
-                    rank_status(fed, VICTIM, 0)["restart_count"] >= 1
-                    and rank_status(fed, VICTIM, 0)["state"] == "ready"
-                ),
-                "the worker group to be restarted",
-            )
-            assert not alive(rank0["pid"])
-            restarted = rank_status(fed, VICTIM, 0)
-            assert restarted["launch_id"] == rank0["launch_id"]  # in place, by the launcher
-            await poll(fed, lambda: bool(observer.accepted(VICTIM, KILLED_ROUND)), "the delta")
-            accepted_at = observer.accepted(VICTIM, KILLED_ROUND)[-1][0]
+        await poll(
+            fed,
+            lambda: (
+                rank_status(fed, VICTIM, 0)["restart_count"] >= 1
+                and rank_status(fed, VICTIM, 0)["state"] == "ready"
+            ),
+            "the worker group to be restarted",
+        )
+        assert not alive(rank0["pid"])
+        restarted = rank_status(fed, VICTIM, 0)
+        assert restarted["launch_id"] == rank0["launch_id"]  # in place, by the launcher
+        await poll(fed, lambda: bool(observer.accepted(VICTIM, KILLED_ROUND)), "the delta")
+        accepted_at = observer.accepted(VICTIM, KILLED_ROUND)[-1][0]
 
-            final = await fed.wait_completed(timeout_s=WAIT_S)
-            agents_after = agent_pids(fed)
-            agent_text = await agent_metrics(fed, VICTIM)
-            entries = await audit_entries(fed)
-            check_same_parameters(
-                fed, observer, ROUNDS, {region: set(range(ROUNDS)) for region in REGIONS}
-            )
-        finally:
-            await observer.stop()
+        final = await fed.wait_completed(timeout_s=WAIT_S)
+        agents_after = agent_pids(fed)
+        agent_text = await agent_metrics(fed, VICTIM)
+        entries = await audit_entries(fed, job=fed.job, verify=True)
+        check_same_parameters(
+            fed, observer, ROUNDS, {region: set(range(ROUNDS)) for region in REGIONS}
+        )
 
     assert still_training, "the kill landed after the round had finished"
     assert final["round"] == ROUNDS

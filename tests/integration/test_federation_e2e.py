@@ -10,8 +10,6 @@ rounds; an upload under another region's identity is refused and changes nothing
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import re
 from collections import defaultdict
 from pathlib import Path
@@ -19,79 +17,25 @@ from typing import Any
 
 import aiohttp
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
-from coordinator.audit import AuditEntry, verify_chain
-from geofed.control import ControlClient, Topics
-from geofed.control.messages import RegionStatus, RoundAnnouncement, decode_any
+from coordinator.audit import verify_chain
 from geofed.pki import client_ssl_context, load_trust_bundle
-from tests.support.federation import FEDERATION, FederationRun, running_federation
+from tests.support.federation import FederationRun, running_federation
+from tests.support.observe import ControlObserver, audit_entries, sample
 
 pytestmark = pytest.mark.integration
 
 ROUNDS = 5
 
 
-def sample(text: str, name: str, **labels: str) -> float:
-    """The sum of the samples of ``name`` whose labels include ``labels``."""
-    total = 0.0
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
-                total += s.value
-    return total
-
-
-async def audit_entries(fed: FederationRun) -> list[AuditEntry]:
-    entries: list[AuditEntry] = []
-    after = 0
-    while True:
-        page = await fed.get(f"/v1/audit?after={after}&limit=1000")
-        batch = [AuditEntry.from_dict(e) for e in page["entries"]]
-        if not batch:
-            return entries
-        entries.extend(batch)
-        after = batch[-1].seq
-
-
-class ControlObserver:
-    """An observer principal reading every control message over the TLS broker."""
-
-    def __init__(self, fed: FederationRun) -> None:
-        bundle = load_trust_bundle(fed.federation.trust_bundle)
-        tls = client_ssl_context(bundle, fed.observer.cert, fed.observer.key)
-        self.client = ControlClient("127.0.0.1", fed.mqtt_port, client_id="observer.tests", tls=tls)
-        self.statuses: list[RegionStatus] = []
-        self.announcements: list[RoundAnnouncement] = []
-
-    async def _on_message(self, topic: str, payload: bytes) -> None:
-        message = decode_any(payload)
-        if isinstance(message, RegionStatus):
-            self.statuses.append(message)
-        elif isinstance(message, RoundAnnouncement):
-            self.announcements.append(message)
-
-    async def start(self) -> asyncio.Task[None]:
-        topics = Topics(FEDERATION)
-        await self.client.subscribe(topics.everything(), self._on_message)
-        task = asyncio.create_task(self.client.run())
-        await self.client.wait_connected(30)
-        return task
-
-
 async def test_federation_trains_over_mosquitto_with_mtls(tmp_path: Path) -> None:
-    async with running_federation(
-        tmp_path, rounds=ROUNDS, inner_steps=8, broker="mosquitto", start_agents=False
-    ) as fed:
-        observer = ControlObserver(fed)
-        observer_task = await observer.start()
-        try:
-            await _run_and_check(fed, observer)
-        finally:
-            await observer.client.close()
-            observer_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await observer_task
+    async with (
+        running_federation(
+            tmp_path, rounds=ROUNDS, inner_steps=8, broker="mosquitto", start_agents=False
+        ) as fed,
+        ControlObserver.with_certificate(fed).running() as observer,
+    ):
+        await _run_and_check(fed, observer)
 
 
 async def _run_and_check(fed: FederationRun, observer: ControlObserver) -> None:
@@ -118,7 +62,7 @@ async def _run_and_check(fed: FederationRun, observer: ControlObserver) -> None:
     announced = {a.round: a.base_hash for a in observer.announcements if a.job == fed.job}
     assert set(announced) >= set(range(ROUNDS)), sorted(announced)
     reported: dict[tuple[int, str], set[str]] = defaultdict(set)
-    for s in observer.statuses:
+    for _, s in observer.statuses:
         if s.job == fed.job and s.round is not None and s.params_hash is not None:
             reported[(s.round, s.region)].add(s.params_hash)
     for round_ in range(ROUNDS):

@@ -31,6 +31,7 @@ from coordinator.errors import CODES
 from geofed.manifest import ManifestError, SignedManifest
 from geofed.wire import HEADER_SIZE, BundleError, pack_bundle, split_bundle
 from tests.integration.test_fault_hostile_uploads import JOB, mosquitto_setup, wait_collecting
+from tests.support import fuzz
 from tests.support.coordinator import FakeRegion, Running, coordinator, job_yaml, request
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -163,23 +164,13 @@ def target(tmp_path: Path) -> Iterator[Target]:
 
 # -- strategies ----------------------------------------------------------------------
 
-json_values = st.recursive(
-    st.none()
-    | st.booleans()
-    | st.integers(min_value=-(2**70), max_value=2**70)
-    | st.floats()
-    | st.text(max_size=16),
-    lambda children: (
-        st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=8), children, max_size=4)
-    ),
-    max_leaves=12,
-)
+json_values = fuzz.json_values()
 
 
 @st.composite
 def byte_mutation(draw: st.DrawFn, template: str) -> tuple[str, Any]:
     """Edits, a cut and an appended tail, applied later to the named template."""
-    edits = draw(st.lists(st.tuples(st.integers(min_value=0), st.integers(0, 255)), max_size=6))
+    edits = draw(fuzz.byte_edits())
     cut = draw(st.none() | st.integers(min_value=0))
     tail = draw(st.binary(max_size=32))
     return template, (edits, cut, tail)
@@ -188,7 +179,7 @@ def byte_mutation(draw: st.DrawFn, template: str) -> tuple[str, Any]:
 @st.composite
 def structural_mutation(draw: st.DrawFn) -> tuple[str, Any]:
     """A JSON path of the signed manifest to set, drop or extend, and a value."""
-    action = draw(st.sampled_from(["set", "drop", "add"]))
+    action = draw(st.sampled_from(fuzz.ACTIONS))
     return "structure", (draw(st.integers(min_value=0)), action, draw(json_values))
 
 
@@ -210,46 +201,10 @@ bodies = st.one_of(
 )
 
 
-def _mutate(
-    data: bytes, edits: list[tuple[int, int]], cut: int | None, tail: bytes, keep: int = 0
-) -> bytes:
-    """``data`` with bytes replaced, cut short and extended, its first ``keep`` intact."""
-    out = bytearray(data)
-    span = len(out) - keep
-    for position, value in edits:
-        out[keep + position % span] = value
-    if cut is not None:
-        out = out[: keep + cut % (span + 1)]
-    return bytes(out) + tail
-
-
-def _paths(value: Any, prefix: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
-    found = [prefix]
-    if isinstance(value, dict):
-        for key, child in value.items():
-            found += _paths(child, (*prefix, key))
-    elif isinstance(value, list):
-        for position, child in enumerate(value):
-            found += _paths(child, (*prefix, position))
-    return found
-
-
 def _restructure(manifest: bytes, choice: int, action: str, value: Any) -> bytes:
     document = json.loads(manifest)
-    paths = _paths(document)[1:]
-    path = paths[choice % len(paths)]
-    parent: Any = document
-    for part in path[:-1]:
-        parent = parent[part]
-    key = path[-1]
-    if action == "set":
-        parent[key] = value
-    elif action == "drop":
-        del parent[key]
-    elif isinstance(parent, dict):
-        parent[f"{key}x"] = value
-    else:
-        parent.append(value)
+    paths = fuzz.json_paths(document)[1:]
+    fuzz.edit_at(document, paths[choice % len(paths)], action, value)
     return json.dumps(document).encode()
 
 
@@ -264,13 +219,13 @@ def materialize(target: Target, kind: str, spec: Any) -> bytes:
         return _restructure(target.manifest, *spec)
     if kind == "frame":
         index, (edits, cut, tail) = spec
-        return _mutate(target.frames[index % len(target.frames)], edits, cut, tail)
+        return fuzz.mutated(target.frames[index % len(target.frames)], edits, cut, tail)
     edits, cut, tail = spec
     if kind == "manifest":
-        return _mutate(target.manifest, edits, cut, tail)
+        return fuzz.mutated(target.manifest, edits, cut, tail)
     # "stream" mutates only the frames of the bundle, after its intact manifest.
     keep = HEADER_SIZE + len(target.manifest) if kind == "stream" else 0
-    return _mutate(target.bundle, edits, cut, tail, keep)
+    return fuzz.mutated(target.bundle, edits, cut, tail, keep)
 
 
 # -- the oracle ----------------------------------------------------------------------

@@ -25,6 +25,7 @@ from geofed.codec import CodecConfig, DecodeError, StreamDecoder, decode, encode
 from geofed.codec.wire import PREFIX, TAG_SIZE, parse_header_body
 from geofed.control import TopicError, TopicKind, Topics
 from geofed.wire import HEADER_SIZE, BundleError, manifest_length, pack_bundle, split_bundle
+from tests.support import fuzz
 
 FUZZ = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -38,27 +39,8 @@ STREAMS = {
 }
 MAX_DECODED = 4 * sum(t.numel() for t in TENSORS.values())
 
-json_values = st.recursive(
-    st.none()
-    | st.booleans()
-    | st.integers(min_value=-(2**70), max_value=2**70)
-    | st.floats()
-    | st.text(max_size=16),
-    lambda children: (
-        st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=8), children, max_size=4)
-    ),
-    max_leaves=12,
-)
-edits = st.lists(st.tuples(st.integers(min_value=0), st.integers(0, 255)), min_size=1, max_size=6)
-
-
-def mutated(data: bytes, changes: list[tuple[int, int]], cut: int | None, tail: bytes) -> bytes:
-    out = bytearray(data)
-    for position, value in changes:
-        out[position % len(out)] = value
-    if cut is not None:
-        out = out[: cut % (len(out) + 1)]
-    return bytes(out) + tail
+json_values = fuzz.json_values()
+edits = fuzz.byte_edits(min_size=1)
 
 
 # -- artifact bundles --------------------------------------------------------------------
@@ -80,7 +62,7 @@ def test_fuzz_bundle_framing_random_bytes(data: bytes) -> None:
 def test_fuzz_bundle_framing_of_a_mutated_bundle(
     changes: list[tuple[int, int]], cut: int | None, tail: bytes
 ) -> None:
-    data = mutated(pack_bundle(b'{"m": 1}', [b"frame-a", b"frame-b"]), changes, cut, tail)
+    data = fuzz.mutated(pack_bundle(b'{"m": 1}', [b"frame-a", b"frame-b"]), changes, cut, tail)
     try:
         manifest, stream = split_bundle(data)
     except BundleError:
@@ -125,7 +107,7 @@ def test_fuzz_stream_decoder_mutated_streams(
     """Changed streams are refused; with the manifest's digests nothing but the original
     stream decodes, and without them whatever decodes is bounded and finite."""
     original = STREAMS[scheme].to_bytes()
-    data = mutated(original, changes, cut, tail)
+    data = fuzz.mutated(original, changes, cut, tail)
     decoded = _decode_or_refuse(data, with_digests=scheme if checked else None)
     if decoded is None:
         return
@@ -164,28 +146,13 @@ def test_fuzz_stream_header_body(value: Any, raw: bytes, use_raw: bool) -> None:
     assert config.block_size >= 1
 
 
-def _paths(value: Any, prefix: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
-    found = [prefix]
-    if isinstance(value, dict):
-        for key, child in value.items():
-            found += _paths(child, (*prefix, key))
-    elif isinstance(value, list):
-        for position, child in enumerate(value):
-            found += _paths(child, (*prefix, position))
-    return found
-
-
 @FUZZ
 @given(choice=st.integers(min_value=0), value=json_values)
 def test_fuzz_stream_header_of_a_valid_stream(choice: int, value: Any) -> None:
     """One field of a valid header replaced: refused, or still a sane configuration."""
     document = json.loads(STREAMS["int8"].header[PREFIX.size : -TAG_SIZE])
-    paths = _paths(document)[1:]
-    path = paths[choice % len(paths)]
-    parent: Any = document
-    for part in path[:-1]:
-        parent = parent[part]
-    parent[path[-1]] = value
+    paths = fuzz.json_paths(document)[1:]
+    fuzz.edit_at(document, paths[choice % len(paths)], "set", value)
     try:
         config, specs = parse_header_body(json.dumps(document).encode(), "header")
     except DecodeError:

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import json
 from datetime import UTC, datetime
-from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from geofed.manifest import ManifestError, SignedManifest, sign_manifest
+from tests.support import fuzz
 from tests.support.pki import Federation, make_federation
 from tests.unit.test_manifest import make_manifest
 
@@ -31,17 +31,7 @@ FUZZ = settings(
     suppress_health_check=[HealthCheck.function_scoped_fixture],
 )
 
-json_values = st.recursive(
-    st.none()
-    | st.booleans()
-    | st.integers(min_value=-(2**70), max_value=2**70)
-    | st.floats(allow_nan=False)
-    | st.text(max_size=20),
-    lambda children: (
-        st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=8), children, max_size=4)
-    ),
-    max_leaves=12,
-)
+json_values = fuzz.json_values(allow_nan=False, text_size=20)
 
 
 @pytest.fixture(scope="module")
@@ -75,46 +65,21 @@ def test_random_bytes(fed, data):
 
 
 @FUZZ
-@given(edits=st.lists(st.tuples(st.integers(min_value=0), st.integers(0, 255)), max_size=8))
+@given(edits=fuzz.byte_edits(max_size=8))
 def test_byte_edits_of_a_valid_document(fed, wire, edits):
-    mutated = bytearray(wire)
-    for position, value in edits:
-        mutated[position % len(mutated)] = value
-    _parse_and_verify(fed, bytes(mutated))
+    _parse_and_verify(fed, fuzz.mutated(wire, edits))
 
 
 @FUZZ
 @given(cut=st.integers(min_value=0), extra=st.binary(max_size=16))
 def test_truncated_and_extended_documents(fed, wire, cut, extra):
-    _parse_and_verify(fed, wire[: cut % (len(wire) + 1)] + extra)
-
-
-def _paths(value: Any, prefix: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
-    found = [prefix]
-    if isinstance(value, dict):
-        for key, child in value.items():
-            found += _paths(child, (*prefix, key))
-    elif isinstance(value, list):
-        for index, child in enumerate(value):
-            found += _paths(child, (*prefix, index))
-    return found
+    _parse_and_verify(fed, fuzz.mutated(wire, [], cut, extra))
 
 
 @FUZZ
-@given(choice=st.data(), replacement=json_values, action=st.sampled_from(["set", "drop", "add"]))
+@given(choice=st.data(), replacement=json_values, action=st.sampled_from(fuzz.ACTIONS))
 def test_structural_mutations_of_a_valid_document(fed, wire, choice, replacement, action):
     document = json.loads(wire)
-    path = choice.draw(st.sampled_from(_paths(document)[1:]))
-    parent: Any = document
-    for part in path[:-1]:
-        parent = parent[part]
-    key = path[-1]
-    if action == "set":
-        parent[key] = replacement
-    elif action == "drop":
-        del parent[key]
-    elif isinstance(parent, dict):
-        parent[f"{key}x"] = replacement
-    else:
-        parent.append(replacement)
+    path = choice.draw(st.sampled_from(fuzz.json_paths(document)[1:]))
+    fuzz.edit_at(document, path, action, replacement)
     _parse_and_verify(fed, json.dumps(document).encode())

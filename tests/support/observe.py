@@ -1,0 +1,250 @@
+"""Watching a running federation from outside, as the integration and fault tests do.
+
+Prometheus samples, the coordinator's audit log page by page, an agent's ``/metrics``,
+an MQTT observer recording every region status and round announcement, polling with the
+federation's processes checked on the way, and what a region holds on disk.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import re
+import signal
+import ssl
+import time
+from collections import defaultdict
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
+
+from coordinator.audit import AuditEntry
+from geofed.control import Backoff, ControlClient, Topics
+from geofed.control.messages import RegionStatus, RoundAnnouncement, decode_any
+from geofed.pki import client_ssl_context, load_trust_bundle
+from geofed.pki.httpauth import VerifiedConnector
+from geofed.types import Identity, Role
+from tests.support.federation import FEDERATION, FederationRun, running_federation
+
+#: How long a fault test waits for one step of its scenario.
+WAIT_S = 120.0
+
+
+def sample(text: str, name: str, **labels: str) -> float:
+    """The sum of the samples of ``name`` whose labels include ``labels``."""
+    return sum(
+        s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if s.name == name and all(s.labels.get(k) == v for k, v in labels.items())
+    )
+
+
+async def audit_entries(
+    fed: FederationRun, *, job: str | None = None, verify: bool = False
+) -> list[AuditEntry]:
+    """Every audit entry (of ``job`` only, if given), page by page; with ``verify``, the
+    coordinator must also find its whole stored chain intact."""
+    query = f"&job={job}" if job is not None else ""
+    entries: list[AuditEntry] = []
+    after = 0
+    while True:
+        check = "&verify=1" if verify and after == 0 else ""
+        page = await fed.get(f"/v1/audit?after={after}&limit=1000{query}{check}")
+        if check:
+            assert page["verify"]["ok"], page["verify"]
+        batch = [AuditEntry.from_dict(e) for e in page["entries"]]
+        if not batch:
+            return entries
+        entries.extend(batch)
+        after = batch[-1].seq
+
+
+async def agent_metrics(fed: FederationRun, region: str) -> str:
+    """The agent's ``/metrics``, read with the observer's certificate (the URL is in its log)."""
+    log = fed.work / "logs" / f"agent-{region}.log"
+    match = re.search(r"serving metrics on (https://\S+/metrics)", log.read_text(errors="replace"))
+    assert match, f"agent {region} logged no metrics URL"
+    bundle = load_trust_bundle(fed.federation.trust_bundle)
+    context = client_ssl_context(bundle, fed.observer.cert, fed.observer.key)
+    context.check_hostname = False  # the demo's region certificates name no host
+    identity = Identity(federation=FEDERATION, role=Role.REGION, name=region)
+    connector = VerifiedConnector(bundle, context, expect=identity)
+    async with (
+        aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=30)) as s,
+        s.get(match[1]) as response,
+    ):
+        assert response.status == 200, await response.text()
+        return await response.text()
+
+
+@dataclass
+class ControlObserver:
+    """Every status (with its arrival time) and round announcement on the federation's
+    topics. ``tls`` is for Mosquitto with mutual TLS (see :meth:`with_certificate`)."""
+
+    port: int
+    tls: ssl.SSLContext | None = None
+    backoff: Backoff | None = None
+    statuses: list[tuple[float, RegionStatus]] = field(default_factory=list)
+    announcements: list[RoundAnnouncement] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.client = ControlClient(
+            "127.0.0.1", self.port, client_id="observer.tests", tls=self.tls, backoff=self.backoff
+        )
+        self._task: asyncio.Task[None] | None = None
+
+    @classmethod
+    def with_certificate(cls, fed: FederationRun) -> ControlObserver:
+        """An observer principal with the federation's observer certificate."""
+        bundle = load_trust_bundle(fed.federation.trust_bundle)
+        tls = client_ssl_context(bundle, fed.observer.cert, fed.observer.key)
+        return cls(fed.mqtt_port, tls=tls)
+
+    async def _on_message(self, topic: str, payload: bytes) -> None:
+        message = decode_any(payload)
+        if isinstance(message, RegionStatus):
+            self.statuses.append((time.monotonic(), message))
+        elif isinstance(message, RoundAnnouncement):
+            self.announcements.append(message)
+
+    async def start(self) -> None:
+        await self.client.subscribe(Topics(FEDERATION).everything(), self._on_message)
+        self._task = asyncio.create_task(self.client.run())
+        await self.client.wait_connected(30)
+
+    async def stop(self) -> None:
+        await self.client.close()
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+    @contextlib.asynccontextmanager
+    async def running(self) -> AsyncIterator[ControlObserver]:
+        try:
+            await self.start()
+            yield self
+        finally:
+            await self.stop()
+
+    def accepted(self, region: str, round_: int) -> list[tuple[float, RegionStatus]]:
+        """The statuses in which ``region`` reported its delta of ``round_`` accepted."""
+        return [
+            (at, s)
+            for at, s in self.statuses
+            if s.region == region and s.round == round_ and s.detail.startswith("delta accepted")
+        ]
+
+
+def check_others_alive(fed: FederationRun, killed: str | None) -> None:
+    """Fail if a child process other than ``killed`` has exited."""
+    for child in fed.children.children:
+        if child.name != killed:
+            child.check_alive()
+
+
+async def poll(
+    fed: FederationRun,
+    predicate: Callable[[], bool],
+    what: str,
+    *,
+    killed: str | None = None,
+    timeout_s: float = WAIT_S,
+) -> None:
+    """Wait for ``predicate``; fail if a child other than ``killed`` has exited."""
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        check_others_alive(fed, killed)
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+        await asyncio.sleep(0.05)
+
+
+async def wait_job(
+    fed: FederationRun,
+    predicate: Callable[[dict[str, Any]], bool],
+    what: str,
+    *,
+    killed: str | None = None,
+    timeout_s: float = WAIT_S,
+) -> dict[str, Any]:
+    """Poll the job's status until ``predicate`` holds (``killed`` may be down meanwhile)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        check_others_alive(fed, killed)
+        job = await fed.status()
+        if predicate(job):
+            return job
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}: {job}")
+        await asyncio.sleep(0.5)
+
+
+async def start_agents(fed: FederationRun, observer: ControlObserver) -> None:
+    """Start every agent, wait for their worker groups, and submit the job."""
+    for region in fed.regions:
+        await fed.start_agent(region)
+
+    def ready() -> bool:
+        return all(
+            any(s.region == r and s.detail == "ready" for _, s in observer.statuses)
+            for r in fed.regions
+        )
+
+    await poll(fed, ready, "the agents' worker groups to start")
+    status, body = await fed.submit()
+    assert status == 201, body
+
+
+@contextlib.asynccontextmanager
+async def observed_federation(
+    tmp_path: Path, *, backoff: Backoff | None = None, **options: Any
+) -> AsyncIterator[tuple[FederationRun, ControlObserver]]:
+    """A federation on the embedded broker (``options`` as for ``running_federation``)
+    whose agents start, and whose job is submitted, under a running observer."""
+    async with (
+        running_federation(tmp_path, start_agents=False, **options) as fed,
+        ControlObserver(fed.mqtt_port, backoff=backoff).running() as observer,
+    ):
+        await start_agents(fed, observer)
+        yield fed, observer
+
+
+async def stop_agents(fed: FederationRun) -> None:
+    """Stop every agent cleanly and at once (the harness stops them one after another)."""
+    await asyncio.gather(*(fed.kill(f"agent-{r}", signal.SIGTERM) for r in fed.regions))
+    fed.children.children = [c for c in fed.children.children if c.returncode is None]
+
+
+def held_params(fed: FederationRun, region: str) -> dict[str, Any]:
+    """Which θ the region holds on disk."""
+    path = fed.work / "agents" / region / "jobs" / fed.job / "params" / "current.json"
+    data = json.loads(path.read_text())
+    return {"round": data["round"], "hash": data["hash"]}
+
+
+def check_same_parameters(
+    fed: FederationRun, observer: ControlObserver, rounds: int, trained: dict[str, set[int]]
+) -> None:
+    """Each region trained exactly ``trained[region]``, each from the θ_r announced for it,
+    and every region holds the same last θ."""
+    announced = {a.round: a.base_hash for a in observer.announcements if a.state == "open"}
+    assert set(announced) == set(range(rounds)), sorted(announced)
+    reported: dict[tuple[int, str], set[str]] = defaultdict(set)
+    for _, s in observer.statuses:
+        if s.job == fed.job and s.round is not None and s.params_hash is not None:
+            reported[(s.round, s.region)].add(s.params_hash)
+    for (round_, region), hashes in reported.items():
+        assert hashes == {announced[round_]}, (round_, region, hashes)
+    for region in fed.regions:
+        delivered = {r for r in range(rounds) if observer.accepted(region, r)}
+        assert delivered == trained[region], (region, delivered)
+        last = rounds - 1
+        assert held_params(fed, region) == {"round": last, "hash": announced[last]}, region
