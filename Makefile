@@ -38,7 +38,8 @@ test: lint typecheck pytest
 demo: $(STAMP)
 	$(VENV)/bin/geofed demo --workdir $(DEMO_DIR)
 
-# Figures go to benchmarks/results/ (JSON and markdown); the convergence runs take ~15 min.
+# Figures go to benchmarks/results/ (JSON and markdown); about 8 min on 2 quiet cores.
+# The convergence H/warm-start sweep: $(PY) -m benchmarks.convergence --sweep
 bench: $(STAMP)
 	$(PY) -m benchmarks.codec_bench
 	$(PY) -m benchmarks.round_overhead
