@@ -5,7 +5,8 @@ SQLite), two regions and a quorum of two. The coordinator is stopped once θ_1 i
 published, its state (database, blobs, checkpoint chains) copied as a backup, and
 started again; the federation goes on to θ_3. Then the coordinator is killed, its state
 replaced by the backup, and started again: it announces round 1 while both regions hold
-θ_3 and have delivered round 2.
+θ_3 or θ_2 (or, when the backup already holds both round-1 deltas, publishes θ_2 from
+them at once and announces round 2).
 
 What it proves: each region's agent confirms the rollback with the coordinator, says so
 once in its log, discards its state of the job (θ, residual, progress, the worker
@@ -34,11 +35,14 @@ BACKUP_ROUND = 1
 REACHED_ROUND = BACKUP_ROUND + 2
 
 
-def warning(reached: int) -> str:
-    return (
-        f"coordinator rolled back from round {reached} to {BACKUP_ROUND}; "
-        "discarding local job state and resyncing"
+def rollbacks(log: str) -> list[tuple[int, int]]:
+    """The (from, to) rounds of every rollback warning in an agent's log."""
+    found = re.findall(
+        r"coordinator rolled back from round (\d+) to (\d+); "
+        r"discarding local job state and resyncing",
+        log,
     )
+    return [(int(a), int(b)) for a, b in found]
 
 
 def state_dirs(fed: FederationRun) -> tuple[Path, Path]:
@@ -70,7 +74,7 @@ async def test_agents_follow_a_coordinator_restored_from_an_older_backup(
 ) -> None:
     backup = tmp_path / "backup"
     async with running_federation(
-        tmp_path / "fed", regions=REGIONS, rounds=ROUNDS, inner_steps=3
+        tmp_path / "fed", regions=REGIONS, rounds=ROUNDS, inner_steps=10
     ) as fed:
         status, body = await fed.submit()
         assert status == 201, body
@@ -81,13 +85,13 @@ async def test_agents_follow_a_coordinator_restored_from_an_older_backup(
         for part in state_dirs(fed):
             shutil.copytree(part, backup / part.name, symlinks=True)
         await fed.restart("coordinator")
-        before = await fed.wait_round(REACHED_ROUND)
-        assert int(before["round"]) == REACHED_ROUND, before
+        await fed.wait_round(REACHED_ROUND)
 
         await fed.kill("coordinator", signal.SIGKILL)
-        # Both delivered round 2 (θ_3 needs both); each may or may not hold θ_3 yet.
+        # Both delivered round 2 (θ_3 needs both); a fast round may have gone one further
+        # before the kill; each region may or may not hold the last θ yet.
         ahead = {region: reached(fed, region) for region in REGIONS}
-        assert set(ahead.values()) <= {REACHED_ROUND - 1, REACHED_ROUND}, ahead
+        assert all(REACHED_ROUND - 1 <= a < ROUNDS for a in ahead.values()), ahead
         for part in state_dirs(fed):
             shutil.rmtree(part)
             shutil.copytree(backup / part.name, part, symlinks=True)
@@ -118,16 +122,25 @@ async def test_agents_follow_a_coordinator_restored_from_an_older_backup(
             assert held(fed, region) == {"round": ROUNDS - 1, "hash": theta[ROUNDS - 1]}, region
             assert regions[region]["params_hash"] == theta[ROUNDS - 1], regions[region]
             log = agent_log(fed, region)
-            assert log.count(warning(ahead[region])) == 1, (region, ahead, log[-4000:])
+            # Deltas delivered just before the backup was taken are in the backup: the
+            # restored coordinator keeps them (acknowledged work) and may publish θ_2 from
+            # them before the agents notice, so an agent may roll back to round 1 or 2.
+            seen = rollbacks(log)
+            assert len(seen) == 1, (region, seen, log[-4000:])
             assert log.count("coordinator rolled back") == 1, (region, log[-4000:])
-            after = log[log.index(warning(ahead[region])) :]
+            (start, to) = seen[0]
+            assert start == ahead[region], (region, ahead, seen)
+            assert BACKUP_ROUND <= to < start, (region, seen)
+            after = log[log.index(f"coordinator rolled back from round {start} to {to}") :]
             sent = [int(n) for n in re.findall(r"delta accepted \(\d+ chunks, (\d+) bytes", after)]
-            # Every round from the restored one on was delivered again, once.
-            assert len(sent) == ROUNDS - BACKUP_ROUND, (region, sent)
+            # Every round from there on was delivered again, once; a delta the restored
+            # coordinator already held is refused and its own kept.
+            kept = f"rounds/{to}/deltas/{region}/manifest: HTTP 409 already_accepted"
+            assert len(sent) + (kept in after) == ROUNDS - to, (region, seen, sent)
             resent[region] = sum(sent)
         print(
             f"\nrestored at θ_{BACKUP_ROUND}, regions at {ahead}: θ_{BACKUP_ROUND + 1} again "
             f"{first_round_s:.1f} s and θ_{ROUNDS} {completed_s:.1f} s after the restart; "
-            f"{REACHED_ROUND - BACKUP_ROUND} rounds lost; delta bytes sent after the "
+            f"{max(ahead.values()) - BACKUP_ROUND} rounds lost; delta bytes sent after the "
             f"rollback {resent}"
         )
