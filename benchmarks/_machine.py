@@ -3,6 +3,7 @@
 Every benchmark stores :func:`describe_machine` next to its figures, because a number
 means little without the machine it came from, and figures from a busy machine must
 be read as such (the load average is sampled when the description is taken).
+:func:`targets_table` renders the verdicts every report states next to them.
 """
 
 from __future__ import annotations
@@ -98,3 +99,15 @@ def machine_line(machine: dict[str, Any]) -> str:
         f"load {load_text}; Python {machine['python']}, torch {machine['torch']} "
         f"({machine['torch_cpu_capability']}, {machine['torch_threads']} threads)"
     )
+
+
+def targets_table(checks: list[dict[str, Any]]) -> list[str]:
+    """The markdown lines of a report's "Targets (DESIGN)" section.
+
+    ``met`` is True, False or None (a figure reported, not judged).
+    """
+    lines = ["", "## Targets (DESIGN)", "", "| target | measured | verdict |", "|---|---|---|"]
+    for check in checks:
+        verdict = {True: "met", False: "NOT met", None: "reported"}[check["met"]]
+        lines.append(f"| {check['name']} | {check['measured']} | {verdict} |")
+    return lines

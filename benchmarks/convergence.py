@@ -37,7 +37,7 @@ from benchmarks._federation_sim import (
     simulate,
     warm_up,
 )
-from benchmarks._machine import describe_machine, machine_line
+from benchmarks._machine import describe_machine, machine_line, targets_table
 from coordinator.outer_optimizer import OuterOptimizerConfig
 from geofed.examples.charlm import CharLMOptions, CharLMTask
 from geofed.fsutil import atomic_write_bytes
@@ -468,10 +468,7 @@ def render_main(report: dict[str, Any]) -> str:
             + f" | {moved} | {fp32} | {ratio} | {c['wall_s']['mean']:.0f} "
             f"({c['train_s']:.0f} / {c['comm_s']:.1f} / {c['eval_s']:.1f}) |"
         )
-    lines += ["", "## Targets (DESIGN)", "", "| target | measured | verdict |", "|---|---|---|"]
-    for check in report["targets"]:
-        verdict = {True: "met", False: "NOT met", None: "reported"}[check["met"]]
-        lines.append(f"| {check['name']} | {check['measured']} | {verdict} |")
+    lines += targets_table(report["targets"])
     names = list(configs)
     lines += [
         "",

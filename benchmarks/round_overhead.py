@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-from benchmarks._machine import describe_machine, machine_line
+from benchmarks._machine import describe_machine, machine_line, targets_table
 from benchmarks._memory import current_rss_bytes, peak_rss_bytes, reset_peak_rss
 from coordinator.aggregation import aggregate, apply_update, feedback_residual, update_to_publish
 from coordinator.outer_optimizer import OuterOptimizer, OuterOptimizerConfig
@@ -418,11 +418,7 @@ def render(report: dict[str, Any]) -> str:
             + " | ".join(f"{growth[p] / model_bytes:.2f}x" for p in PHASES)
             + " |"
         )
-    lines += ["", "## Targets (DESIGN)", "", "| target | measured | verdict |", "|---|---|---|"]
-    for check in report["targets"]:
-        lines.append(
-            f"| {check['name']} | {check['measured']} | {'met' if check['met'] else 'NOT met'} |"
-        )
+    lines += targets_table(report["targets"])
     return "\n".join(lines) + "\n"
 
 

@@ -8,21 +8,11 @@ import pytest
 
 from coordinator.config import ConfigError, load_config, parse_config
 from coordinator.runtime import load_runtime
+from tests.support.configs import MINIMAL_COORDINATOR as MINIMAL
 from tests.support.pki import Federation, make_federation
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = REPO / "configs" / "coordinator.yaml"
-
-MINIMAL = """\
-federation: acme
-jurisdiction: EU
-trust_bundle: pki/trust.yaml
-identity: {cert: pki/cert.pem, key: pki/key.pem}
-state_dir: state
-policies_dir: policies
-storage:
-  - {name: eu-ckpt, jurisdiction: EU, path: ckpt}
-"""
 
 
 def _problems(text: str) -> tuple[str, ...]:

@@ -10,19 +10,9 @@ from coordinator.config import ConfigError, PublicationRetryConfig, load_config,
 from coordinator.quarantine import Quarantine, QuarantineConfig
 from coordinator.records import RoundRecord
 from coordinator.round_state import RoundConfig, RoundState
+from tests.support.configs import MINIMAL_COORDINATOR as MINIMAL
 
 REPO = Path(__file__).resolve().parents[2]
-
-MINIMAL = """\
-federation: acme
-jurisdiction: EU
-trust_bundle: pki/trust.yaml
-identity: {cert: pki/cert.pem, key: pki/key.pem}
-state_dir: state
-policies_dir: policies
-storage:
-  - {name: eu-ckpt, jurisdiction: EU, path: ckpt}
-"""
 
 
 def test_the_wait_doubles_from_initial_s_and_stops_at_max_s() -> None:
