@@ -120,10 +120,10 @@ async def test_broker_restart_loses_nothing_and_repeats_nothing(tmp_path: Path) 
         reconnected.update({r: connections(fed, f"agent-{r}") for r in REGIONS})
 
     assert up == dict.fromkeys(("coordinator", *REGIONS), 1.0), up
-    # The round engine did not wait for the broker: it published round 1 and opened round 2
-    # meanwhile, and the announcement reached the agents once the broker was back.
+    # The round engine never waited for the broker (it skips announcements while the link
+    # is down, "not delivered now", and re-sends the latest on reconnect); whether it had
+    # one to skip depends on when the outage began relative to round 1's publication.
     log = (tmp_path / "logs" / "coordinator.log").read_text()
-    assert "not delivered now: no broker connection" in log
     assert "not acknowledged within" not in log
     assert reconnected == dict.fromkeys(("coordinator", *REGIONS), 2), reconnected
     assert final["round"] == ROUNDS
