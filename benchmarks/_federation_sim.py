@@ -1,12 +1,15 @@
 """An in-process simulation of a federation's training rounds, for the benchmarks.
 
-The round math is geofed's own: each region trains ``inner_steps`` steps from θ_r with
-the task's inner optimizer (whose state persists across rounds, as in a region's worker
-group), forms Δ = θ_r - θ_local, encodes it with region-side error feedback
-(:class:`geofed.codec.ErrorFeedback`); the coordinator decodes the deltas chunk by chunk
-into a token-weighted sum in canonical order (:func:`coordinator.aggregation.aggregate`),
-takes the outer step, encodes θ' - θ_r plus its own residual, and sets
-θ_{r+1} = θ_r + decode(update), which a region's reconstruction must match bit for bit.
+The round math is the daemons' own, called, not restated: each region trains
+``inner_steps`` steps from θ_r with the task's inner optimizer (whose state persists
+across rounds, as in a region's worker group), then forms and encodes Δ = θ_r - θ_local
+with its error feedback as the regional agent does (:func:`regional_agent.delta.encode_delta`);
+the coordinator decodes the deltas chunk by chunk into a token-weighted sum in canonical
+order (:func:`coordinator.aggregation.aggregate`, as
+:func:`coordinator.outer_round.mean_delta` does over its spool), then takes the outer step,
+encodes θ' - θ_r plus its own residual and sets θ_{r+1} = θ_r + decode(update)
+(:func:`coordinator.outer_round.publication_step`), which a region's reconstruction must
+match bit for bit.
 
 What is not simulated: processes, networks and torch.distributed. A region with W
 workers at local batch b is simulated as one model that accumulates the gradients of
@@ -28,25 +31,15 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from coordinator.aggregation import (
-    aggregate,
-    apply_update,
-    feedback_residual,
-    pseudo_gradient,
-    update_to_publish,
-)
+from coordinator.aggregation import aggregate
 from coordinator.outer_optimizer import OuterOptimizer, OuterOptimizerConfig
-from geofed.codec import (
-    CodecConfig,
-    EncodedStream,
-    ErrorFeedback,
-    decode,
-    decode_pieces,
-    encode_stream,
-)
-from geofed.codec.config import Scheme
+from coordinator.outer_round import publication_step
+from geofed.codec import EncodedStream, ErrorFeedback, decode, decode_pieces
+from geofed.codec_params import CodecParams, Scheme
+from geofed.deltas import apply_update
 from geofed.params import parameters_vector_hash, state_to_fp32
 from geofed.task import DataShard, Task
+from regional_agent.delta import EncodedDelta, encode_delta
 
 Method = Literal["sync", "diloco"]
 
@@ -176,31 +169,35 @@ def train_steps(
 
 
 class SimCoordinator:
-    """The coordinator's side of a round: aggregate, outer step, publish with feedback."""
+    """The coordinator's side of a round, as the daemon's ``publish_round`` computes it.
+
+    It keeps what the daemon's working state keeps between rounds (θ, the outer
+    optimizer's state, the update residual); only the storing and signing are left out.
+    """
 
     def __init__(
-        self, params: Mapping[str, torch.Tensor], outer: OuterOptimizerConfig, codec: CodecConfig
+        self, params: Mapping[str, torch.Tensor], outer: OuterOptimizerConfig, codec: CodecParams
     ) -> None:
         self.params = dict(params)
-        self._outer = OuterOptimizer(outer)
+        self._optimizer_state = OuterOptimizer(outer).state_dict()
         self._codec = codec
         self._residual: dict[str, torch.Tensor] | None = None
         self._specs = {name: tuple(t.shape) for name, t in self.params.items()}
 
-    def close_round(self, deltas: Mapping[str, tuple[float, EncodedStream]]) -> EncodedStream:
-        """Fold the encoded deltas in, step, and return the encoded global update."""
+    def close_round(self, deltas: Mapping[str, tuple[int, EncodedDelta]]) -> EncodedStream:
+        """Fold the encoded deltas (region -> tokens, delta) in, step, return the update."""
         sources = {
-            region: (weight, functools.partial(decode_pieces, stream.frames()))
-            for region, (weight, stream) in deltas.items()
+            region: (float(tokens), functools.partial(decode_pieces, delta.frames))
+            for region, (tokens, delta) in deltas.items()
         }
-        mean_delta = aggregate(self._specs, sources)
-        target = self._outer.step(self.params, mean_delta)
-        intended = update_to_publish(self.params, target, self._residual)
-        update = encode_stream(intended, self._codec)
-        decoded = decode(update.frames())
-        self._residual = feedback_residual(intended, decoded)
-        self.params = apply_update(self.params, decoded)
-        return update
+        mean = aggregate(self._specs, sources)
+        publication = publication_step(
+            self.params, mean, self._optimizer_state, self._residual, self._codec
+        )
+        self.params = publication.params
+        self._optimizer_state = publication.optimizer_state
+        self._residual = publication.residual
+        return publication.stream
 
 
 def _evaluate(task: Task[Any], model: nn.Module, result: RunResult, step: int) -> None:
@@ -222,7 +219,11 @@ def _train_sync(
     result: RunResult,
     first_step: int,
 ) -> None:
-    """Synchronous steps on every region's shards, evaluating every ``eval_every`` steps."""
+    """Synchronous steps on every region's shards, evaluating every ``eval_every`` steps.
+
+    Plain data-parallel torch training, no geofed round: the whole of the synchronous
+    baseline, and the warm start of a DiLoCo run.
+    """
     done = 0
     while done < steps:
         chunk = min(eval_every, steps - done)
@@ -265,7 +266,7 @@ def _run_rounds(
     shards: list[list[Iterator[Any]]],
     result: RunResult,
 ) -> None:
-    codec = CodecConfig(scheme=spec.scheme)
+    codec = CodecParams(scheme=spec.scheme)
     coordinator = SimCoordinator(state_to_fp32(global_model), spec.outer, codec)
     warm_state = warm_optimizer.state_dict() if spec.warmup_steps else None
     models: list[nn.Module] = []
@@ -282,7 +283,7 @@ def _run_rounds(
     feedback = [ErrorFeedback() for _ in range(spec.regions)]
     for round_ in range(spec.rounds):
         base = coordinator.params
-        deltas: dict[str, tuple[float, EncodedStream]] = {}
+        deltas: dict[str, tuple[int, EncodedDelta]] = {}
         for index, (model, optimizer) in enumerate(zip(models, optimizers, strict=True)):
             tick = time.perf_counter()
             model.load_state_dict(base)
@@ -290,20 +291,21 @@ def _run_rounds(
             result.tokens += tokens
             result.train_s += time.perf_counter() - tick
             tick = time.perf_counter()
-            delta = pseudo_gradient(base, state_to_fp32(model))
-            stream = feedback[index].step(delta, codec)
-            deltas[region_name(index)] = (float(tokens), stream)
+            encoded = encode_delta(base, state_to_fp32(model), feedback[index], codec)
+            # Every delta is delivered here, so the region takes its new residual at once.
+            feedback[index] = encoded.feedback
+            deltas[region_name(index)] = (tokens, encoded)
             result.comm_s += time.perf_counter() - tick
         tick = time.perf_counter()
         update = coordinator.close_round(deltas)
         _check_reconstruction(base, update, coordinator.params, round_)
         result.comm_s += time.perf_counter() - tick
-        _count_bytes(result, [stream for _, stream in deltas.values()], update)
+        _count_bytes(result, [delta for _, delta in deltas.values()], update)
         global_model.load_state_dict(coordinator.params)
         _evaluate(task, global_model, result, spec.warmup_steps + (round_ + 1) * spec.inner_steps)
 
 
-def _count_bytes(result: RunResult, deltas: list[EncodedStream], update: EncodedStream) -> None:
+def _count_bytes(result: RunResult, deltas: list[EncodedDelta], update: EncodedStream) -> None:
     """Add one round's WAN traffic: every delta up, and the update down to every region."""
     result.max_update_ratio = max(result.max_update_ratio, update.total_bytes / update.fp32_bytes)
     for delta in deltas:

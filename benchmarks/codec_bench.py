@@ -39,9 +39,11 @@ from torch import nn
 
 from benchmarks._machine import describe_machine, machine_line
 from benchmarks._memory import PeakMemory
-from geofed.codec import CodecConfig, decode, decode_pieces, encode_stream
-from geofed.codec.config import Scheme
+from geofed.codec import DEFAULT_CHUNK_ELEMENTS, decode, decode_pieces, encode_stream
+from geofed.codec.layout import chunk_slots, payload_size
 from geofed.codec.quantize import BlockCodec
+from geofed.codec_params import CodecParams, Scheme
+from geofed.fsutil import atomic_write_bytes
 
 RESULTS = Path(__file__).resolve().parent / "results"
 SCHEMES: tuple[Scheme, ...] = ("fp32", "int8", "int4")
@@ -101,7 +103,7 @@ def consume(pieces: Iterator[Any]) -> None:
 
 
 def measure_codec(
-    tensors: dict[str, torch.Tensor], config: CodecConfig, repeats: int, workers: int
+    tensors: dict[str, torch.Tensor], config: CodecParams, repeats: int, workers: int
 ) -> dict[str, Any]:
     size = fp32_bytes(tensors)
     encode_timing, decode_timing = Timing(), Timing()
@@ -252,16 +254,15 @@ def measure_ratios(
     rows: list[dict[str, Any]] = []
     reference = torch.cat([t.reshape(-1) for t in tensors.values()]).double()
     for scheme in SCHEMES:
-        config = CodecConfig(scheme=scheme, block_size=block_size, zstd_level=level)
-        data = encode_stream(tensors, config).to_bytes()
+        config = CodecParams(scheme=scheme, block_size=block_size, zstd_level=level)
+        stream = encode_stream(tensors, config)
+        data = stream.to_bytes()
         decoded = decode(data)
         flat = torch.cat([decoded[name].reshape(-1) for name in tensors]).double()
+        # The chunk payloads before zstd, as the stream's own layout sizes them.
         before_zstd = sum(
-            BlockCodec(scheme, block_size)
-            .encode(t.reshape(-1)[o : o + config.chunk_elements], label="r")
-            .numel()
-            for t in tensors.values()
-            for o in range(0, t.numel(), config.chunk_elements)
+            payload_size(scheme, slot.count, block_size)
+            for slot in chunk_slots(stream.specs, stream.chunk_elements)
         )
         rows.append(
             {
@@ -326,13 +327,7 @@ def markdown(results: dict[str, Any]) -> str:
 
 def write_json(path: Path, document: dict[str, Any]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    temporary = path.with_name(path.name + ".tmp")
-    with open(temporary, "w", encoding="utf-8") as handle:
-        json.dump(document, handle, indent=2)
-        handle.write("\n")
-        handle.flush()
-        os.fsync(handle.fileno())
-    temporary.replace(path)
+    atomic_write_bytes(path, (json.dumps(document, indent=2) + "\n").encode())
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -375,7 +370,7 @@ def main(argv: list[str] | None = None) -> int:
             common = {"params": params, "threads": threads, "workers": workers}
             for level in levels:
                 for scheme in SCHEMES:
-                    config = CodecConfig(
+                    config = CodecParams(
                         scheme=scheme, block_size=args.block_size, zstd_level=level
                     )
                     row = measure_codec(tensors, config, repeats, workers)
@@ -392,7 +387,7 @@ def main(argv: list[str] | None = None) -> int:
                     {"method": "zstd-fp32 (baseline)", "zstd_level": level, **common, **plain}
                 )
             for scheme in ("int8", "int4"):
-                chunk = CodecConfig().chunk_elements
+                chunk = DEFAULT_CHUNK_ELEMENTS
                 only = measure_quantize_only(tensors, scheme, args.block_size, chunk, repeats)
                 throughput.append(
                     {

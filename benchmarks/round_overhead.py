@@ -4,16 +4,20 @@
         [--repeats 3] [--threads 1] [--smoke] [--out PATH] [--note TEXT]
 
 For each number of regions R, the coordinator's work once the last delta is accepted is
-timed phase by phase: decode the R spooled deltas in canonical order into the weighted
-sum (:func:`coordinator.aggregation.aggregate`), the outer step, encoding the update
-with coordinator-side error feedback, decoding it, θ_{r+1} = θ_r + û, and the hash of
-θ_{r+1}. The baseline, run the same way, decodes every delta fully into memory and
-averages with ``torch.stack(...).mean(0)``.
+timed phase by phase, by calling the functions the daemon's ``publish_round`` calls:
+decode the R spooled deltas in canonical order into the weighted sum
+(:func:`coordinator.outer_round.mean_delta`), then the steps of
+:func:`coordinator.outer_round.publication_step` (the outer step, encoding the update with
+coordinator-side error feedback, decoding it, θ_{r+1} = θ_r + û), and the hash of
+θ_{r+1}. The baseline ("naive"), run the same way, replaces only the first phase: it
+decodes every delta fully into memory and averages with ``torch.stack(...).mean(0)``,
+which the daemon never does.
 
 The model is the charlm transformer's tensor layout (d_model 512 and as many layers as
 ``--params`` needs: 25.5M parameters for 25e6) filled with synthetic random values.
-Deltas are encoded before anything is timed and spooled to files, which the coordinator
-reads in 1 MiB parts as it reads its spool. Each (R, method) runs in a fresh process;
+Deltas are encoded before anything is timed and spooled to a blob store like the
+coordinator's (:class:`geofed.blobstore.FsBlobStore`), which is read in 1 MiB parts and
+verified against each blob's digest. Each (R, method) runs in a fresh process;
 its peak memory is the peak RSS above the RSS at the start of the round (which holds θ,
 the outer momentum and the update residual), per phase (see :mod:`benchmarks._memory`).
 """
@@ -40,10 +44,11 @@ import torch
 
 from benchmarks._machine import describe_machine, machine_line, targets_table
 from benchmarks._memory import current_rss_bytes, peak_rss_bytes, reset_peak_rss
-from coordinator.aggregation import aggregate, apply_update, feedback_residual, update_to_publish
 from coordinator.outer_optimizer import OuterOptimizer, OuterOptimizerConfig
-from geofed.codec import CodecConfig, decode, decode_pieces, encode_stream
-from geofed.codec.config import SCHEMES, Scheme
+from coordinator.outer_round import PUBLICATION_PHASES, DeltaSource, mean_delta, publication_step
+from geofed.blobstore import BlobStore, FsBlobStore
+from geofed.codec import decode, encode_stream
+from geofed.codec_params import SCHEMES, CodecParams, Scheme
 from geofed.examples.charlm.model import CharTransformer
 from geofed.fsutil import atomic_write_bytes
 from geofed.params import parameters_vector_hash
@@ -51,9 +56,8 @@ from geofed.params import parameters_vector_hash
 RESULTS = Path(__file__).resolve().parent / "results"
 REPO_ROOT = Path(__file__).resolve().parent.parent
 METHODS = ("streaming", "naive")
-PHASES = ("aggregate", "outer_step", "encode_update", "decode_update", "apply", "hash")
-READ_SIZE = 1 << 20
-REGION_TOKENS = 65536.0  # every region reports the same tokens: the naive mean is then exact
+PHASES = ("aggregate", *PUBLICATION_PHASES, "hash")
+REGION_TOKENS = 65536  # every region reports the same tokens: the naive mean is then exact
 # glibc's initial mmap threshold, fixed: every block of 128 KiB or more is its own mapping
 # and goes back to the OS when freed, so RSS follows the live tensors. (glibc otherwise
 # raises the threshold as blocks are freed and keeps freed blocks in its heap, and the
@@ -96,49 +100,42 @@ def random_state(shapes: Shapes, seed: int, scale: float) -> dict[str, torch.Ten
     return {name: torch.randn(shape, generator=generator) * scale for name, shape in shapes.items()}
 
 
-def write_spool(shapes: Shapes, scheme: Scheme, regions: int, directory: Path) -> list[int]:
-    """Encode one delta per region (Δ ~ N(0, 1e-3²)) into files; return their sizes."""
-    sizes = []
-    for index in range(regions):
-        stream = encode_stream(random_state(shapes, 1000 + index, 1e-3), CodecConfig(scheme))
-        with open(directory / f"region-{index:02d}.gfdc", "wb") as spool:
-            for frame in stream.frames():
-                spool.write(frame)
-        sizes.append(stream.total_bytes)
-    return sizes
+def write_spool(shapes: Shapes, scheme: Scheme, regions: int, blobs: BlobStore) -> list[str]:
+    """Encode one delta per region (Δ ~ N(0, 1e-3²)) into ``blobs``; return their digests."""
+    return [
+        blobs.put_stream(
+            encode_stream(random_state(shapes, 1000 + index, 1e-3), CodecParams(scheme)).frames()
+        )
+        for index in range(regions)
+    ]
+
+
+def delta_sources(digests: Sequence[str]) -> list[DeltaSource]:
+    return [
+        DeltaSource(f"region-{index:02d}", REGION_TOKENS, digest)
+        for index, digest in enumerate(digests)
+    ]
 
 
 # -- one measured process ----------------------------------------------------------
 
 
-def _read_parts(path: Path) -> Iterator[bytes]:
-    with open(path, "rb") as spool:
-        while part := spool.read(READ_SIZE):
-            yield part
+def streaming_mean(
+    shapes: Shapes, blobs: BlobStore, sources: Sequence[DeltaSource]
+) -> dict[str, torch.Tensor]:
+    """The daemon's aggregation: chunk by chunk into the weighted sum, in canonical order."""
+    # The bound the coordinator puts on a delta's decoded size: the model's fp32 size.
+    return mean_delta(blobs, shapes, sources, 4 * _count(shapes))
 
 
-def streaming_mean(shapes: Shapes, paths: Sequence[Path]) -> dict[str, torch.Tensor]:
-    """Decode chunk by chunk into the running weighted sum, in canonical order."""
-    buffer = torch.empty(CodecConfig().chunk_elements, dtype=torch.float32)
-
-    def buffer_for(name: str, offset: int, count: int) -> torch.Tensor:
-        # One buffer for every chunk: the sum copies each piece before the next is decoded.
-        del name, offset
-        return buffer[:count]
-
-    sources = {
-        f"region-{index:02d}": (
-            REGION_TOKENS,
-            lambda path=path: decode_pieces(_read_parts(path), buffer_for=buffer_for),
-        )
-        for index, path in enumerate(paths)
-    }
-    return aggregate(shapes, sources)
-
-
-def naive_mean(shapes: Shapes, paths: Sequence[Path]) -> dict[str, torch.Tensor]:
-    """Decode every delta whole, then ``torch.stack(...).mean(0)`` per tensor."""
-    deltas = [decode(_read_parts(path)) for path in paths]
+def naive_mean(
+    shapes: Shapes, blobs: BlobStore, sources: Sequence[DeltaSource]
+) -> dict[str, torch.Tensor]:
+    """Baseline, not the daemon's path: decode every delta whole, then stack and average."""
+    deltas = []
+    for source in sources:
+        with blobs.open(source.blob_digest) as reader:
+            deltas.append(decode(reader))
     return {name: torch.stack([delta[name] for delta in deltas]).mean(0) for name in shapes}
 
 
@@ -164,22 +161,23 @@ class _Meter:
 
 
 def measure(
-    method: str, shapes: Shapes, paths: Sequence[Path], scheme: Scheme, repeats: int
+    method: str,
+    shapes: Shapes,
+    blobs: BlobStore,
+    sources: Sequence[DeltaSource],
+    scheme: Scheme,
+    repeats: int,
 ) -> dict[str, Any]:
     """Run ``repeats`` coordinator rounds over the spooled deltas; return times and memory."""
     mean_of = streaming_mean if method == "streaming" else naive_mean
     theta = random_state(shapes, 1, 0.02)
-    outer_config = OuterOptimizerConfig()
-    outer = OuterOptimizer.from_state_dict(
-        {
-            "version": 1,
-            "config": outer_config.model_dump(),
-            "steps": 1,
-            "momentum_buffers": random_state(shapes, 2, 1e-3),
-        }
-    )
+    # The working state after some round: momentum from one outer step, a residual.
+    outer = OuterOptimizer(OuterOptimizerConfig())
+    outer.step(theta, random_state(shapes, 2, 1e-3))
+    optimizer_state = outer.state_dict()
+    del outer
     residual = random_state(shapes, 3, 1e-6)
-    codec = CodecConfig(scheme=scheme)
+    codec = CodecParams(scheme=scheme)
     meter = _Meter()
     round_s: list[float] = []
     update_bytes = 0
@@ -191,28 +189,23 @@ def measure(
         meter.round_start = current_rss_bytes() or 0
         started = time.perf_counter()
         with meter.phase("aggregate"):
-            mean_delta = mean_of(shapes, paths)
-        with meter.phase("outer_step"):
-            target = outer.step(theta, mean_delta)
-            del mean_delta
-        with meter.phase("encode_update"):
-            intended = update_to_publish(theta, target, residual)
-            del target
-            update = encode_stream(intended, codec)
-        with meter.phase("decode_update"):
-            decoded = decode(update.frames())
-        with meter.phase("apply"):
-            residual = feedback_residual(intended, decoded)
-            del intended
-            theta = apply_update(theta, decoded)
-            update_bytes = update.total_bytes
-            del decoded, update
+            mean = mean_of(shapes, blobs, sources)
+        # As in publish_round: the mean is held until the step returns, and the state of
+        # round r until round r + 1 is hashed.
+        publication = publication_step(
+            theta, mean, optimizer_state, residual, codec, phase=meter.phase
+        )
+        del mean
         with meter.phase("hash"):
-            parameters_vector_hash(theta)
+            parameters_vector_hash(publication.params)
         round_s.append(time.perf_counter() - started)
+        theta, residual = publication.params, publication.residual
+        optimizer_state = publication.optimizer_state
+        update_bytes = publication.stream.total_bytes
+        del publication
     return {
         "method": method,
-        "regions": len(paths),
+        "regions": len(sources),
         "round_s": round_s,
         "phase_s": meter.seconds,
         "phase_peak_growth_bytes": meter.growth,
@@ -228,8 +221,9 @@ def run_child(argv: Sequence[str]) -> int:
     job = json.loads(argv[0])
     torch.set_num_threads(job["threads"])
     shapes = charlm_shapes(job["config"])
-    paths = [Path(job["spool"]) / f"region-{i:02d}.gfdc" for i in range(job["regions"])]
-    result = measure(job["method"], shapes, paths, job["scheme"], job["repeats"])
+    blobs = FsBlobStore(job["spool"])
+    sources = delta_sources(job["digests"][: job["regions"]])
+    result = measure(job["method"], shapes, blobs, sources, job["scheme"], job["repeats"])
     print(json.dumps(result))
     return 0
 
@@ -430,7 +424,9 @@ def run(settings: Settings) -> dict[str, Any]:
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="geofed-round-overhead-") as spool:
         print(f"encoding {max(settings.regions)} deltas of {numel:,} parameters", file=sys.stderr)
-        sizes = write_spool(shapes, settings.scheme, max(settings.regions), Path(spool))
+        blobs = FsBlobStore(spool)
+        digests = write_spool(shapes, settings.scheme, max(settings.regions), blobs)
+        sizes = [blobs.size(digest) for digest in digests]
         for regions in settings.regions:
             row: dict[str, Any] = {"regions": regions}
             for method in METHODS:
@@ -439,6 +435,7 @@ def run(settings: Settings) -> dict[str, Any]:
                     "regions": regions,
                     "config": config,
                     "spool": spool,
+                    "digests": digests,
                     "scheme": settings.scheme,
                     "repeats": settings.repeats,
                     "threads": settings.threads,
@@ -480,7 +477,9 @@ def run(settings: Settings) -> dict[str, Any]:
             "(glibc's initial value, fixed) so that RSS follows live tensors; freshly mapped "
             "memory then costs page faults each round, which the times include.",
             "Every region reports the same tokens, so the naive unweighted mean equals the "
-            "weighted one. The streaming path reuses one decode buffer for every chunk.",
+            "weighted one. The streaming path is the coordinator's own (mean_delta over its "
+            "blob store, then publication_step); naive differs from it in the aggregate "
+            "phase only.",
             "In a coordinator that folds deltas in as they arrive (recording the order), "
             "only the last region's share of the aggregate phase is on this critical path.",
         ],

@@ -15,6 +15,7 @@ from coordinator.auth import READERS, caller, require_role
 from coordinator.bodies import read_limited
 from coordinator.errors import ApiError, BadRequest, TooLarge
 from coordinator.keys import JOBS, REGISTRY, RUNTIME, SERVICES
+from geofed.api_paths import ApiPaths
 from geofed.timeouts import Timeout, wait_for
 from geofed.types import InvalidName, Role, validate_name
 
@@ -23,19 +24,19 @@ __all__ = ["int_query", "routes"]
 routes = web.RouteTableDef()
 
 
-@routes.get("/healthz")
+@routes.get(ApiPaths.HEALTHZ)
 async def healthz(request: web.Request) -> web.Response:
     """The process is alive and serving."""
     return web.json_response({"status": "ok"})
 
 
-@routes.get("/readyz")
+@routes.get(ApiPaths.READYZ)
 async def readyz(request: web.Request) -> web.Response:
     """Ready: the state database answers, MQTT is connected, policies are loaded."""
     services = request.app[SERVICES]
     checks: dict[str, Any] = {}
     try:
-        await services.executors.db(services.store.audit_head)
+        await services.db.audit_head()
         checks["database"] = "ok"
     except Exception as exc:  # any failure of the store means not ready
         checks["database"] = f"error: {exc}"
@@ -46,14 +47,14 @@ async def readyz(request: web.Request) -> web.Response:
     return web.json_response({"ready": ready, "checks": checks}, status=200 if ready else 503)
 
 
-@routes.get("/metrics")
+@routes.get(ApiPaths.METRICS)
 async def metrics(request: web.Request) -> web.Response:
     caller(request)
     body = generate_latest(request.app[REGISTRY])
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 
-@routes.get("/v1/jobs")
+@routes.get(ApiPaths.JOBS)
 async def list_jobs(request: web.Request) -> web.Response:
     require_role(request, *READERS)
     jobs = request.app[JOBS]
@@ -65,7 +66,7 @@ async def list_jobs(request: web.Request) -> web.Response:
     return web.json_response({"jobs": body + unavailable})
 
 
-@routes.post("/v1/jobs")
+@routes.post(ApiPaths.JOBS)
 async def submit_job(request: web.Request) -> web.Response:
     actor = require_role(request, Role.OPERATOR)
     config = request.app[RUNTIME].config
@@ -88,7 +89,7 @@ async def submit_job(request: web.Request) -> web.Response:
     return web.json_response(result, status=201)
 
 
-@routes.get("/v1/jobs/{job}")
+@routes.get(ApiPaths.JOB)
 async def job_status(request: web.Request) -> web.Response:
     identity = caller(request)
     engine = request.app[JOBS].engine(request.match_info["job"])
@@ -102,7 +103,7 @@ async def job_status(request: web.Request) -> web.Response:
     return web.json_response(body)
 
 
-@routes.post("/v1/jobs/{job}/{action:pause|resume|cancel}")
+@routes.post(ApiPaths.JOB_ACTION)
 async def change_job(request: web.Request) -> web.Response:
     actor = require_role(request, Role.OPERATOR)
     result = await request.app[JOBS].change(
@@ -111,7 +112,7 @@ async def change_job(request: web.Request) -> web.Response:
     return web.json_response(result)
 
 
-@routes.get("/v1/regions")
+@routes.get(ApiPaths.REGIONS)
 async def regions(request: web.Request) -> web.Response:
     require_role(request, *READERS)
     services = request.app[SERVICES]
@@ -144,7 +145,7 @@ async def regions(request: web.Request) -> web.Response:
     return web.json_response({"regions": body})
 
 
-@routes.get("/v1/audit")
+@routes.get(ApiPaths.AUDIT)
 async def audit(request: web.Request) -> web.Response:
     require_role(request, *READERS)
     query = request.query
@@ -157,14 +158,14 @@ async def audit(request: web.Request) -> web.Response:
         except InvalidName as exc:
             raise BadRequest(str(exc)) from None
     services = request.app[SERVICES]
-    entries = await services.executors.db(services.store.audit_entries, after, limit, job)
-    seq, digest = await services.executors.db(services.store.audit_head)
+    entries = await services.db.audit_entries(after, limit, job)
+    seq, digest = await services.db.audit_head()
     body: dict[str, Any] = {
         "entries": [entry.to_dict() for entry in entries],
         "head": {"seq": seq, "hash": digest},
     }
     if query.get("verify") in ("1", "true"):
-        result = await services.executors.db(services.store.verify_audit)
+        result = await services.db.verify_audit()
         body["verify"] = {
             "ok": result.ok,
             "checked": result.checked,

@@ -22,22 +22,22 @@ from coordinator.checkpoints import CheckpointEntry, EntryKind
 from coordinator.engine import JobEngine
 from coordinator.errors import ApiError, BadRequest, Forbidden, NotFound
 from coordinator.keys import JOBS, SERVICES, UPLOADS
+from coordinator.residency import region_download
+from geofed.api_paths import ApiPaths
 from geofed.blobstore import InvalidDigest, validate_digest
 from geofed.pki.errors import CertificateRefused
 from geofed.timeouts import wait_for
-from geofed.types import ArtifactKind, Identity, InvalidName, Role, validate_name
-from policies import Transfer, decide_transfer
+from geofed.types import Identity, InvalidName, Role, validate_name
 
 __all__ = ["refused_peer", "routes"]
 
 routes = web.RouteTableDef()
 
-_DELTA = "/v1/jobs/{job}/rounds/{round}/deltas/{region}"
 _UPLOAD_STEPS = {
-    ("PUT", _DELTA + "/manifest"): "manifest",
-    ("PUT", _DELTA + "/chunks/{index}"): "chunk",
-    ("POST", _DELTA + "/commit"): "commit",
-    ("PUT", _DELTA): "bundle",
+    ("PUT", ApiPaths.DELTA_MANIFEST): "manifest",
+    ("PUT", ApiPaths.DELTA_CHUNK): "chunk",
+    ("POST", ApiPaths.DELTA_COMMIT): "commit",
+    ("PUT", ApiPaths.DELTA): "bundle",
 }
 
 
@@ -51,7 +51,7 @@ def _names(request: web.Request) -> tuple[str, int, str]:
     return job, int_query(info["round"], "round", 0), region
 
 
-@routes.put(_DELTA + "/manifest")
+@routes.put(ApiPaths.DELTA_MANIFEST)
 async def put_manifest(request: web.Request) -> web.Response:
     job, round_, region = _names(request)
     uploads = request.app[UPLOADS]
@@ -59,7 +59,7 @@ async def put_manifest(request: web.Request) -> web.Response:
     return web.json_response(result)
 
 
-@routes.put(_DELTA + "/chunks/{index}")
+@routes.put(ApiPaths.DELTA_CHUNK)
 async def put_chunk(request: web.Request) -> web.Response:
     job, round_, region = _names(request)
     try:
@@ -71,7 +71,7 @@ async def put_chunk(request: web.Request) -> web.Response:
     return web.json_response(result)
 
 
-@routes.post(_DELTA + "/commit")
+@routes.post(ApiPaths.DELTA_COMMIT)
 async def commit(request: web.Request) -> web.Response:
     job, round_, region = _names(request)
     uploads = request.app[UPLOADS]
@@ -79,7 +79,7 @@ async def commit(request: web.Request) -> web.Response:
     return web.json_response(result)
 
 
-@routes.put(_DELTA)
+@routes.put(ApiPaths.DELTA)
 async def single_shot(request: web.Request) -> web.Response:
     job, round_, region = _names(request)
     uploads = request.app[UPLOADS]
@@ -104,7 +104,7 @@ async def refused_peer(request: web.Request, error: CertificateRefused) -> None:
     await request.app[UPLOADS].refused_peer(job, round_, region, step, error, request.remote)
 
 
-@routes.get("/v1/jobs/{job}/rounds/{round}/update")
+@routes.get(ApiPaths.UPDATE)
 async def get_update(request: web.Request) -> web.StreamResponse:
     engine, identity = _download_access(request)
     round_ = int_query(request.match_info["round"], "round", 0)
@@ -123,7 +123,7 @@ async def get_update(request: web.Request) -> web.StreamResponse:
     return await _serve(request, engine, identity, entry, round_)
 
 
-@routes.get("/v1/jobs/{job}/checkpoints/latest")
+@routes.get(ApiPaths.LATEST_CHECKPOINT)
 async def latest_checkpoint(request: web.Request) -> web.Response:
     engine, _ = _download_access(request)
     working = engine.working
@@ -139,7 +139,7 @@ async def latest_checkpoint(request: web.Request) -> web.Response:
     def part(entry: CheckpointEntry) -> dict[str, Any]:
         return {
             "round": entry.round,
-            "url": f"/v1/jobs/{engine.job}/artifacts/{entry.payload_digest}",
+            "url": ApiPaths.artifact(engine.job, entry.payload_digest),
             "manifest_digest": entry.manifest_digest,
         }
 
@@ -155,7 +155,7 @@ async def latest_checkpoint(request: web.Request) -> web.Response:
     )
 
 
-@routes.get("/v1/jobs/{job}/artifacts/{digest}")
+@routes.get(ApiPaths.ARTIFACT)
 async def get_artifact(request: web.Request) -> web.StreamResponse:
     engine, identity = _download_access(request)
     try:
@@ -186,30 +186,14 @@ async def _serve(
 ) -> web.StreamResponse:
     services = request.app[SERVICES]
     ctx = engine.ctx
-    decision = decide_transfer(
-        services.runtime.policies,
-        Transfer(
-            ArtifactKind.GLOBAL_UPDATE,
-            ctx.coordinator_endpoint(),
-            ctx.region_endpoint(identity.name),
-            ctx.provenance(),
-        ),
-    )
-    await services.policy_decision(
-        decision,
-        kind=ArtifactKind.GLOBAL_UPDATE.value,
+    await services.residency.enforce(
+        region_download(ctx, identity.name),
+        what=f"sending this artifact to {identity.name}",
         actor=identity,
         job=engine.job,
         round=round_,
         region=identity.name,
     )
-    if not decision.allowed:
-        raise ApiError(
-            403,
-            "policy_denied",
-            f"residency policy refuses sending this artifact to {identity.name}: "
-            f"{decision.reason} [rule {decision.rule.rule_id} at {decision.rule.origin}]",
-        )
     kind = "global_update" if entry.kind is EntryKind.UPDATE else "global_checkpoint"
 
     def sent(status: int, size: int) -> None:

@@ -24,6 +24,7 @@ from aiohttp.typedefs import Handler
 from prometheus_client import CollectorRegistry
 
 from coordinator import api_admin, api_data
+from coordinator.async_store import AsyncStore
 from coordinator.auth import header_identity_middleware, refuse_identity_header_middleware
 from coordinator.control import ControlPlane
 from coordinator.errors import ApiError
@@ -116,11 +117,11 @@ def _lifecycle(
         metrics = CoordinatorMetrics(app[REGISTRY])
         for name, timestamp in runtime.certificate_expiry().items():
             metrics.certificate_expiry.labels(certificate=name).set(timestamp)
-        store = await executors.db(SqliteStore.in_state_dir, config.state_dir)
+        db = await AsyncStore.open(lambda: SqliteStore.in_state_dir(config.state_dir), executors)
         control = ControlPlane(config, runtime.mqtt_ssl(), metrics, frozenset(runtime.policies))
         await control.start()
         mqtt = asyncio.create_task(control.client.run(), name="mqtt")
-        services = Services(runtime, store, executors, control, metrics, clock)
+        services = Services(runtime, db, executors, control, metrics, clock)
         jobs = JobManager(services)
         app[SERVICES] = services
         app[JOBS] = jobs
@@ -136,7 +137,7 @@ def _lifecycle(
             await asyncio.wait([mqtt])
             if not mqtt.cancelled() and mqtt.exception() is not None:
                 log.error("MQTT client ended with an error: %s", mqtt.exception())
-            await executors.db(store.close)
+            await db.close()
             await asyncio.to_thread(executors.shutdown)
             log.info("coordinator stopped")
 

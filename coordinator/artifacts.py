@@ -1,7 +1,7 @@
 """Signed artifacts the coordinator publishes, and where they are kept.
 
 A published global update and a checkpoint snapshot are each one *artifact bundle*
-(:mod:`geofed.wire`: signed manifest + codec stream), stored as one blob in the job's
+(:mod:`geofed.artifact_bundle`: signed manifest + codec stream), stored as one blob in the job's
 checkpoint location and recorded in that location's chain index
 (:class:`~coordinator.checkpoints.CheckpointStore`): the payload digest is the bundle's
 sha256 (its content address, ``GET /v1/jobs/{job}/artifacts/{sha256}``), the manifest
@@ -15,35 +15,25 @@ bundle itself cannot be compared). Blocking: call from a worker thread.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass
-from datetime import datetime
 from pathlib import Path
 
 from cryptography import x509
 from cryptography.hazmat.primitives.asymmetric import ec
 
 from coordinator.checkpoints import CheckpointEntry, CheckpointStore, EntryKind
+from geofed.artifact_bundle import HEADER_SIZE, iter_bundle, manifest_length
 from geofed.blobstore import FsBlobStore
 from geofed.codec import EncodedStream
-from geofed.manifest import (
-    CodecParams,
-    Manifest,
-    Provenance,
-    SignedManifest,
-    TensorSpec,
-    chunk_records,
-    sign_manifest,
-)
-from geofed.types import ArtifactKind, Identity
-from geofed.wire import HEADER_SIZE, iter_bundle, manifest_length
+from geofed.manifest import Manifest, SignedManifest, sign_manifest
+from geofed.types import Identity
 
 __all__ = [
     "ArtifactConflict",
     "Location",
     "Signer",
     "StoredArtifact",
-    "build_manifest",
     "chain_at",
     "find_entry",
     "store_artifact",
@@ -96,47 +86,6 @@ class StoredArtifact:
     bundle_digest: str
     manifest_digest: str
     size: int
-
-
-def build_manifest(
-    *,
-    kind: ArtifactKind,
-    job: str,
-    round: int,
-    producer: Identity,
-    stream: EncodedStream,
-    provenance: Sequence[Provenance],
-    created_at: datetime,
-    base_round: int | None = None,
-    base_hash: str | None = None,
-    parameters_hash: str | None = None,
-    tokens: int | None = None,
-) -> Manifest:
-    """The manifest of ``stream``: one chunk record per frame (header, chunks, trailer)."""
-    config = stream.config
-    return Manifest(
-        kind=kind,
-        job=job,
-        round=round,
-        producer=producer.uri,
-        codec=CodecParams(
-            scheme=config.scheme,
-            block_size=config.block_size,
-            zstd_level=config.zstd_level,
-            stochastic_rounding=config.stochastic_rounding,
-        ),
-        tensors=tuple(
-            TensorSpec(name=spec.name, dtype=spec.dtype, shape=spec.shape) for spec in stream.specs
-        ),
-        chunks=chunk_records(stream.frames()),
-        total_size=stream.total_bytes,
-        provenance=tuple(provenance),
-        created_at=created_at,
-        base_round=base_round,
-        base_hash=base_hash,
-        parameters_hash=parameters_hash,
-        tokens=tokens,
-    )
 
 
 def store_artifact(

@@ -1,10 +1,11 @@
 """Append-only, hash-chained audit log.
 
 Every decision the coordinator makes about identity, residency and artifacts is one
-entry. Each entry carries the hash of the one before it (``prev_hash``) and its own
-``hash = sha256(canonical JSON of the entry, prev_hash included)``, so altering or
-deleting any row breaks the chain at that point. :func:`verify_chain` is pure and
-checks entries from anywhere (the database, or what ``GET /v1/audit`` returned).
+entry, appended as an :class:`AuditEvent`. Each entry carries the hash of the one before
+it (``prev_hash``) and its own ``hash = sha256(canonical JSON of the entry, prev_hash
+included)``, so altering or deleting any row breaks the chain at that point.
+:func:`verify_chain` is pure and checks entries from anywhere (the database, or what
+``GET /v1/audit`` returned).
 
 :class:`AuditLog` keeps the log in a SQLite table. Given the coordinator state
 database's connection, an append joins the transaction that is already open there, so
@@ -43,13 +44,31 @@ class InvalidAuditEntry(AuditError, ValueError):
     """An entry to append (or one received from elsewhere) is malformed."""
 
 
-class Verdict(StrEnum):
+class AuditVerdict(StrEnum):
     """Outcome recorded with an action: a decision (allow/deny) or an operation (ok/error)."""
 
     ALLOW = "allow"
     DENY = "deny"
     OK = "ok"
     ERROR = "error"
+
+
+@dataclass(frozen=True, slots=True)
+class AuditEvent:
+    """What one entry records, before the log numbers, times and chains it.
+
+    ``actor`` is who acted (an identity, or a description such as an unverified peer);
+    ``job``/``round``/``region`` name the subject, where it has one. The log checks the
+    fields when the event is appended (:class:`InvalidAuditEntry`).
+    """
+
+    actor: str | Identity
+    action: str
+    verdict: AuditVerdict | str
+    job: str | None = None
+    round: int | None = None
+    region: str | None = None
+    details: Mapping[str, Any] | None = field(default=None, hash=False)
 
 
 def canonical_json(value: Any) -> bytes:
@@ -266,19 +285,9 @@ class AuditLog:
             with self._lock:
                 self._conn.close()
 
-    def append(
-        self,
-        *,
-        actor: str | Identity,
-        action: str,
-        verdict: Verdict | str,
-        job: str | None = None,
-        round: int | None = None,
-        region: str | None = None,
-        details: Mapping[str, Any] | None = None,
-    ) -> AuditEntry:
+    def append(self, event: AuditEvent) -> AuditEntry:
         """Append one entry and return it (in the open transaction, if there is one)."""
-        fields = _validated(actor, action, verdict, job, round, region, details)
+        fields = _validated(event)
         with self._lock, self._transaction():
             row = self._conn.execute(
                 "SELECT seq, hash FROM audit_log ORDER BY seq DESC LIMIT 1"
@@ -366,15 +375,9 @@ class _Tx:
         self._conn.execute("ROLLBACK" if exc_type is not None else "COMMIT")
 
 
-def _validated(
-    actor: str | Identity,
-    action: str,
-    verdict: Verdict | str,
-    job: str | None,
-    round_: int | None,
-    region: str | None,
-    details: Mapping[str, Any] | None,
-) -> dict[str, Any]:
+def _validated(event: AuditEvent) -> dict[str, Any]:
+    actor, action, verdict = event.actor, event.action, event.verdict
+    round_, details = event.round, event.details
     actor_s = actor.uri if isinstance(actor, Identity) else actor
     if not isinstance(actor_s, str) or not actor_s or len(actor_s) > _MAX_ACTOR_LEN:
         raise InvalidAuditEntry(f"actor must be a non-empty string (identity URI): {actor!r}")
@@ -385,15 +388,15 @@ def _validated(
             f"action must be a short ASCII word like 'delta.accept': {action!r}"
         )
     try:
-        verdict_v = Verdict(verdict)
+        verdict_v = AuditVerdict(verdict)
     except ValueError:
-        allowed = ", ".join(v.value for v in Verdict)
+        allowed = ", ".join(v.value for v in AuditVerdict)
         raise InvalidAuditEntry(f"verdict must be one of {allowed}: {verdict!r}") from None
     try:
-        if job is not None:
-            validate_name("job", job)
-        if region is not None:
-            validate_name("region", region)
+        if event.job is not None:
+            validate_name("job", event.job)
+        if event.region is not None:
+            validate_name("region", event.region)
     except InvalidName as exc:
         raise InvalidAuditEntry(str(exc)) from None
     if round_ is not None and (
@@ -409,9 +412,9 @@ def _validated(
         "actor": actor_s,
         "action": action,
         "verdict": verdict_v.value,
-        "job": job,
+        "job": event.job,
         "round": round_,
-        "region": region,
+        "region": event.region,
         "details": details_d,
     }
 

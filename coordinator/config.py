@@ -26,15 +26,12 @@ than request_s (60)``). Relative paths are relative to the file's own directory.
 
 from __future__ import annotations
 
-import ipaddress
 import os
 from pathlib import Path
 from typing import Annotated, Any, Self
 
 from pydantic import (
     AfterValidator,
-    BaseModel,
-    ConfigDict,
     Field,
     ValidationInfo,
     field_validator,
@@ -42,6 +39,9 @@ from pydantic import (
 )
 
 from coordinator.quarantine import QuarantineConfig
+from geofed.backoff import Backoff
+from geofed.config_sections import ConfigSection, IdentityConfig, MqttConfig
+from geofed.loopback import is_loopback
 from geofed.manifest import MAX_SIGNED_MANIFEST_BYTES
 from geofed.timeouts import Timeouts
 from geofed.types import validate_name
@@ -53,14 +53,12 @@ from policies.yaml_loader import load_located
 __all__ = [
     "ConfigError",
     "CoordinatorConfig",
-    "IdentityConfig",
+    "CoordinatorMqttConfig",
     "LimitsConfig",
     "ListenConfig",
-    "MqttConfig",
     "PublicationRetryConfig",
     "StorageConfig",
     "TlsConfig",
-    "is_loopback_host",
     "load_config",
     "parse_config",
 ]
@@ -75,16 +73,6 @@ class ConfigError(Exception):
         self.problems = tuple(problems)
         more = len(problems) - 1
         super().__init__(problems[0] + (f" (and {more} more)" if more else ""))
-
-
-def is_loopback_host(host: str) -> bool:
-    """Whether ``host`` names only this machine (``localhost``, 127.0.0.0/8, ``::1``)."""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def _federation(value: str) -> str:
@@ -107,61 +95,29 @@ FederationName = Annotated[str, AfterValidator(_federation)]
 Jurisdiction = Annotated[str, AfterValidator(validate_jurisdiction)]
 
 
-class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-
-class ListenConfig(_Section):
+class ListenConfig(ConfigSection):
     """Where the HTTPS API listens."""
 
     host: str = Field(default="127.0.0.1", min_length=1, description="address to bind")
     port: int = Field(default=8443, ge=0, le=65535, description="TCP port; 0 picks a free one")
 
 
-class IdentityConfig(_Section):
-    """The coordinator's own credential (``geofed ca issue --role coordinator``).
-
-    Its key signs every published update and checkpoint; its certificate is the TLS
-    server certificate unless ``tls`` names another one.
-    """
-
-    cert: Path = Field(description="PEM certificate naming spiffe://<federation>/coordinator/*")
-    key: Path = Field(description="PEM private key of that certificate")
-
-
-class TlsConfig(_Section):
+class TlsConfig(ConfigSection):
     """HTTPS server credential; client certificates are always required."""
 
     cert: Path | None = Field(default=None, description="default: identity.cert")
     key: Path | None = Field(default=None, description="default: identity.key")
 
 
-class MqttConfig(_Section):
-    """The control-plane broker."""
+class CoordinatorMqttConfig(MqttConfig):
+    """The control-plane broker, and the client id the coordinator connects with."""
 
-    host: str = Field(default="127.0.0.1", min_length=1)
-    port: int = Field(default=8883, ge=1, le=65535)
-    tls: bool = Field(
-        default=True,
-        description="mutual TLS with the identity credential; plain TCP only to a loopback "
-        "broker (the embedded demo broker)",
-    )
     client_id: str | None = Field(
         default=None, max_length=128, description="default: coordinator-<name>"
     )
 
-    @field_validator("tls")
-    @classmethod
-    def _plain_only_on_loopback(cls, value: bool, info: ValidationInfo) -> bool:
-        host = info.data.get("host")
-        if not value and isinstance(host, str) and not is_loopback_host(host):
-            raise ValueError(
-                f"plain-text MQTT is allowed only to a loopback broker, not {host!r}; set tls: true"
-            )
-        return value
 
-
-class StorageConfig(_Section):
+class StorageConfig(ConfigSection):
     """A storage location the coordinator may write global checkpoints to."""
 
     name: Annotated[str, AfterValidator(_storage_name)] = Field(
@@ -174,7 +130,7 @@ class StorageConfig(_Section):
     )
 
 
-class LimitsConfig(_Section):
+class LimitsConfig(ConfigSection):
     """Bounds on what a client may send."""
 
     max_upload_bytes: int = Field(
@@ -194,7 +150,7 @@ class LimitsConfig(_Section):
     )
 
 
-class PublicationRetryConfig(_Section):
+class PublicationRetryConfig(ConfigSection):
     """How a round whose publication failed (checkpoint storage trouble) is tried again.
 
     The n-th consecutive failure of a round's publication waits ``initial_s * 2**(n-1)``
@@ -225,15 +181,19 @@ class PublicationRetryConfig(_Section):
             )
         return self
 
+    @property
+    def backoff(self) -> Backoff:
+        """The schedule as a back-off, without jitter (one coordinator retries, not a herd)."""
+        return Backoff(initial_s=self.initial_s, max_s=self.max_s, multiplier=2.0, jitter=0.0)
+
     def delay_s(self, failures: int) -> float:
         """The wait after the ``failures``-th consecutive failed attempt (counted from 1)."""
         if failures < 1:
             raise ValueError(f"failures counts from 1, not {failures}")
-        # initial_s >= 1 ms, so past 2**30 the cap applies; the bound keeps the power finite.
-        return min(self.max_s, self.initial_s * 2.0 ** min(failures - 1, 30))
+        return self.backoff.ceiling(failures - 1)
 
 
-class CoordinatorConfig(_Section):
+class CoordinatorConfig(ConfigSection):
     """The whole coordinator configuration file (see the module docstring)."""
 
     federation: FederationName
@@ -249,8 +209,13 @@ class CoordinatorConfig(_Section):
     )
     tls: TlsConfig | None = Field(default=None, description="HTTPS settings (TLS is the default)")
     trust_bundle: Path = Field(description="federation trust bundle file")
-    identity: IdentityConfig
-    mqtt: MqttConfig = Field(default_factory=MqttConfig)
+    identity: IdentityConfig = Field(
+        description="the coordinator's credential (geofed ca issue --role coordinator): its "
+        "key signs every published update and checkpoint; its certificate naming "
+        "spiffe://<federation>/coordinator/<name> is the TLS server certificate unless tls "
+        "names another one"
+    )
+    mqtt: CoordinatorMqttConfig = Field(default_factory=CoordinatorMqttConfig)
     state_dir: Path = Field(description="SQLite database, spooled deltas and working blobs")
     policies_dir: Path = Field(description="directory of region policy files")
     storage: tuple[StorageConfig, ...] = Field(
@@ -265,7 +230,7 @@ class CoordinatorConfig(_Section):
     @classmethod
     def _loopback_only(cls, value: bool, info: ValidationInfo) -> bool:
         listen = info.data.get("listen")
-        if value and isinstance(listen, ListenConfig) and not is_loopback_host(listen.host):
+        if value and isinstance(listen, ListenConfig) and not is_loopback(listen.host):
             raise ValueError(
                 f"insecure_loopback serves plain HTTP, so listen.host must be a loopback "
                 f"address (127.0.0.1, ::1, localhost), not {listen.host!r}"

@@ -14,10 +14,9 @@ import torch
 from torch import Tensor
 
 from coordinator.jobspec import JobSpec
-from coordinator.publisher import JobPublishing
+from coordinator.outer_round import JobPublishing
 from coordinator.runtime import Runtime
-from geofed.manifest import Provenance as ManifestProvenance
-from geofed.manifest import TensorSpec
+from geofed.manifest import ArtifactProvenance, ManifestTensor
 from geofed.params import state_to_fp32
 from geofed.task import Task, TaskError, load_task
 from policies import Endpoint, Provenance
@@ -56,10 +55,10 @@ class JobContext:
     def location_name(self) -> str:
         return self.publishing.location.name
 
-    def tensor_specs(self) -> tuple[TensorSpec, ...]:
+    def tensor_specs(self) -> tuple[ManifestTensor, ...]:
         """What every delta's manifest must declare, in order."""
         return tuple(
-            TensorSpec(name=name, dtype="float32", shape=shape)
+            ManifestTensor(name=name, dtype="float32", shape=shape)
             for name, shape in self.shapes.items()
         )
 
@@ -107,7 +106,7 @@ def build_context(spec: JobSpec, runtime: Runtime, location: str) -> JobContext:
         region: runtime.policies.jurisdiction_of(region) or "" for region in spec.regions
     }
     provenance = tuple(
-        ManifestProvenance(
+        ArtifactProvenance(
             region=region,
             jurisdiction=jurisdictions[region] or "unknown",
             datasets=tuple(sorted(spec.regions[region])),
@@ -116,7 +115,7 @@ def build_context(spec: JobSpec, runtime: Runtime, location: str) -> JobContext:
     )
     publishing = JobPublishing(
         job=spec.job,
-        codec=spec.codec.update_config(),
+        codec=spec.codec.rounding_to_nearest(),
         snapshot_every=spec.snapshot_every,
         provenance=provenance,
         specs=shapes,

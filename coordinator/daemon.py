@@ -1,12 +1,10 @@
 """``geofed coordinator --config FILE``: load, serve until SIGTERM, stop cleanly.
 
-Exit codes (systemd's ``Restart=`` rules rely on them):
-
-- 0: stopped on SIGTERM or SIGINT after finishing in-flight writes;
-- 1: runtime failure (cannot bind the port, state database unusable, crash);
-- 2: configuration error (the file, the trust bundle, the credential, the policies, a
-  malformed ``$NOTIFY_SOCKET``/``$WATCHDOG_USEC``), printed as ``file:line: key: message``
-  lines; retrying cannot help.
+Exit codes are :class:`geofed.exit_codes.ExitCode`, the table both daemons share:
+``OK`` (0) after SIGTERM or SIGINT once in-flight writes are done, ``RUNTIME`` (1) when
+the port cannot be bound, the state database is unusable or the daemon crashed,
+``CONFIG`` (2) for a bad file (the config, the trust bundle, the credential, the
+policies) or systemd environment, printed as ``file:line: key: message`` lines.
 
 Under systemd (``Type=notify``, ``deploy/systemd``) it sends ``READY=1`` once it serves,
 ``WATCHDOG=1`` from its event loop every half of ``WatchdogSec=`` (a stuck loop stops
@@ -30,16 +28,12 @@ from coordinator.app import create_app
 from coordinator.config import ConfigError, load_config
 from coordinator.runtime import Runtime, load_runtime
 from coordinator.store import StoreError
+from geofed.exit_codes import ExitCode
 from geofed.sdnotify import Notifier, NotifyEnvironmentError, run_watchdog, watchdog_interval
 
-__all__ = ["EXIT_CONFIG", "EXIT_OK", "EXIT_RUNTIME", "main", "serve"]
+__all__ = ["main", "serve"]
 
 log = logging.getLogger(__name__)
-
-EXIT_OK = 0
-EXIT_RUNTIME = 1
-EXIT_CONFIG = 2
-
 
 async def serve(
     runtime: Runtime,
@@ -110,18 +104,18 @@ def main(config_path: str | Path) -> int:
         runtime = load_runtime(config)
     except NotifyEnvironmentError as exc:
         print(f"error: systemd environment: {exc}", file=sys.stderr)
-        return EXIT_CONFIG
+        return ExitCode.CONFIG
     except ConfigError as exc:
         for problem in exc.problems:
             print(f"error: {problem}", file=sys.stderr)
-        return EXIT_CONFIG
+        return ExitCode.CONFIG
     try:
         with notifier:
             asyncio.run(_run(runtime, notifier, watchdog_s))
     except (OSError, StoreError) as exc:
         log.error("coordinator failed: %s", exc)  # noqa: TRY400 - the message says it all
-        return EXIT_RUNTIME
+        return ExitCode.RUNTIME
     except Exception:
         log.exception("coordinator crashed")
-        return EXIT_RUNTIME
-    return EXIT_OK
+        return ExitCode.RUNTIME
+    return ExitCode.OK

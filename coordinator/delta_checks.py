@@ -13,13 +13,13 @@ from collections.abc import Sequence
 from datetime import datetime
 
 from coordinator.errors import ApiError, BadRequest, Conflict, Forbidden, TooLarge
-from coordinator.jobspec import CodecSpec
+from geofed.codec_params import CodecParams
 from geofed.manifest import (
     BadSignature,
     ManifestError,
+    ManifestTensor,
     ProducerMismatch,
     SignedManifest,
-    TensorSpec,
     UntrustedSigner,
 )
 from geofed.pki import TrustBundle
@@ -45,8 +45,8 @@ class DeltaExpectation:
         region: str,
         federation: str,
         base_hash: str,
-        tensors: Sequence[TensorSpec],
-        codec: CodecSpec,
+        tensors: Sequence[ManifestTensor],
+        codec: CodecParams,
         datasets: Sequence[str],
         jurisdiction: str | None,
         max_upload_bytes: int,
@@ -102,10 +102,10 @@ def check_delta_manifest(signed: SignedManifest, expect: DeltaExpectation) -> No
             "base_mismatch",
         )
     _check_tensors(manifest.tensors, expect.tensors)
-    if not expect.codec.matches(manifest.codec):
+    if manifest.codec != expect.codec:
         raise BadRequest(
-            f"delta is encoded with {manifest.codec.model_dump()}; job {expect.job} uses "
-            f"{expect.codec.model_dump()}",
+            f"delta is encoded with {manifest.codec.as_dict()}; job {expect.job} uses "
+            f"{expect.codec.as_dict()}",
             "codec_mismatch",
         )
     _check_sizes(signed, expect)
@@ -114,7 +114,7 @@ def check_delta_manifest(signed: SignedManifest, expect: DeltaExpectation) -> No
     _check_provenance(signed, expect)
 
 
-def _check_tensors(found: Sequence[TensorSpec], wanted: Sequence[TensorSpec]) -> None:
+def _check_tensors(found: Sequence[ManifestTensor], wanted: Sequence[ManifestTensor]) -> None:
     if tuple(found) == tuple(wanted):
         return
     found_names = [spec.name for spec in found]

@@ -25,7 +25,7 @@ from geofed.codec import (
     DigestMismatch,
     StreamDecoder,
 )
-from geofed.manifest import ManifestError, SignedManifest, TensorSpec
+from geofed.manifest import ManifestError, ManifestTensor, SignedManifest
 from geofed.pki import TrustBundle
 
 __all__ = ["checked_manifest", "verify_and_store"]
@@ -47,7 +47,7 @@ def checked_manifest(
 def verify_and_store(
     frames: Iterator[bytes],
     signed: SignedManifest,
-    tensors: tuple[TensorSpec, ...],
+    tensors: tuple[ManifestTensor, ...],
     blobs: FsBlobStore,
 ) -> tuple[str, int]:
     """Decode the stream once while copying it into ``blobs``; return (digest, size).
@@ -100,7 +100,7 @@ def verify_and_store(
 
 
 def _check_header(
-    decoder: StreamDecoder, signed: SignedManifest, tensors: tuple[TensorSpec, ...]
+    decoder: StreamDecoder, signed: SignedManifest, tensors: tuple[ManifestTensor, ...]
 ) -> None:
     found = [(spec.name, spec.dtype, spec.shape) for spec in decoder.specs]
     wanted = [(spec.name, spec.dtype, tuple(spec.shape)) for spec in tensors]
@@ -109,15 +109,8 @@ def _check_header(
             "the stream header's tensors differ from the manifest's and the job's model",
             "shape_mismatch",
         )
-    config = decoder.config
-    declared = signed.manifest.codec
-    header = (config.scheme, config.block_size, config.zstd_level, config.stochastic_rounding)
-    if header != (
-        declared.scheme,
-        declared.block_size,
-        declared.zstd_level,
-        declared.stochastic_rounding,
-    ):
+    if decoder.codec != signed.manifest.codec:
         raise BadRequest(
-            f"the stream header's codec {header} differs from the manifest's", "codec_mismatch"
+            f"the stream header's codec {decoder.codec.as_dict()} differs from the manifest's",
+            "codec_mismatch",
         )

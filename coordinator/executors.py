@@ -34,7 +34,7 @@ class Executors:
         self._files = ThreadPoolExecutor(file_threads, thread_name_prefix="geofed-files")
 
     async def db(self, fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
-        """Run a state-store call in the store thread."""
+        """Run a state-store call in the store thread (callers go through ``AsyncStore``)."""
         return await self._run(self._store, fn, *args, **kwargs)
 
     async def compute(self, fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:

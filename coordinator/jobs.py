@@ -17,7 +17,7 @@ import logging
 from collections.abc import Iterable
 from typing import Any, Literal
 
-from coordinator.audit import Verdict
+from coordinator.audit import AuditEvent, AuditVerdict
 from coordinator.context import JobContext, JobContextError, build_context
 from coordinator.deadline import DeadlineError
 from coordinator.engine import JobEngine
@@ -26,14 +26,13 @@ from coordinator.jobspec import JobSpec, JobSpecError, parse_job_spec, parse_sto
 from coordinator.records import JobState
 from coordinator.services import Services
 from coordinator.store import AlreadyExists, ConflictError
+from coordinator.transactions import LOCATION_POINTER, record_admitted_job, record_job_change
 from geofed.types import Identity, InvalidName, validate_name
 from policies import Admission, JobPlacement, PlacementError, StorageLocation, admit_job
 
-__all__ = ["LOCATION_POINTER", "JobManager"]
+__all__ = ["JobManager"]
 
 log = logging.getLogger(__name__)
-
-LOCATION_POINTER = "checkpoint_location"
 Action = Literal["pause", "resume", "cancel"]
 
 #: action -> (states it applies to, resulting state, command sent to the job's regions)
@@ -58,13 +57,11 @@ class JobManager:
 
     async def start(self) -> None:
         """Rebuild and start the engine of every stored job."""
-        records = await self._s.executors.db(self._s.store.list_jobs)
+        records = await self._s.db.list_jobs()
         for record in records:
             try:
                 spec = parse_stored_spec(record.spec)
-                location = await self._s.executors.db(
-                    self._s.store.get_pointer, record.job_id, LOCATION_POINTER
-                )
+                location = await self._s.db.get_pointer(record.job_id, LOCATION_POINTER)
                 ctx = await self._s.executors.compute(
                     build_context, spec, self._s.runtime, _configured(location, self._s)
                 )
@@ -157,9 +154,17 @@ class JobManager:
                 )
             except JobContextError as exc:
                 raise BadRequest(f"job {spec.job}: {exc}") from None
-            await self._s.executors.db(
-                self._create, spec, location, actor, len(admission.decisions)
-            )
+            try:
+                await self._s.db.run(
+                    record_admitted_job,
+                    spec.job,
+                    spec.to_json(),
+                    location,
+                    actor,
+                    len(admission.decisions),
+                )
+            except AlreadyExists:
+                raise Conflict(f"job {spec.job} already exists", "already_exists") from None
             engine = self._launch(ctx, JobState.RUNNING)
         with contextlib.suppress(TimeoutError):
             # θ_0 and round 0 are usually ready in well under a second; answer then.
@@ -209,32 +214,18 @@ class JobManager:
     async def _record_admission(self, spec: JobSpec, admission: Admission, actor: Identity) -> None:
         if admission.admitted:
             return  # recorded with the job itself, in one transaction
-        await self._s.audit(
-            actor=actor,
-            action="job.admit",
-            verdict=Verdict.DENY,
-            job=spec.job,
-            details={
-                "denials": [d.as_dict() for d in admission.denials],
-                "decisions": [d.as_dict() for d in admission.decisions],
-            },
+        await self._s.db.append_audit(
+            AuditEvent(
+                actor=actor,
+                action="job.admit",
+                verdict=AuditVerdict.DENY,
+                job=spec.job,
+                details={
+                    "denials": [d.as_dict() for d in admission.denials],
+                    "decisions": [d.as_dict() for d in admission.decisions],
+                },
+            )
         )
-
-    def _create(self, spec: JobSpec, location: str, actor: Identity, decisions: int) -> None:
-        store = self._s.store
-        try:
-            with store.transaction():
-                store.create_job(spec.job, spec.to_json(), JobState.RUNNING.value)
-                store.set_pointer(spec.job, LOCATION_POINTER, location)
-                store.append_audit(
-                    actor=actor,
-                    action="job.admit",
-                    verdict=Verdict.ALLOW,
-                    job=spec.job,
-                    details={"checkpoint_location": location, "decisions": decisions},
-                )
-        except AlreadyExists:
-            raise Conflict(f"job {spec.job} already exists", "already_exists") from None
 
     # -- pause, resume, cancel ---------------------------------------------------------
 
@@ -251,21 +242,8 @@ class JobManager:
                 f"{' or '.join(sorted(s.value for s in allowed))} jobs",
                 "invalid_state",
             )
-
-        def commit() -> None:
-            store = self._s.store
-            with store.transaction():
-                store.set_job_state(job, target.value, expected=current.value)
-                store.append_audit(
-                    actor=actor,
-                    action=f"job.{action}",
-                    verdict=Verdict.OK,
-                    job=job,
-                    details={"from": current.value, "to": target.value},
-                )
-
         try:
-            await self._s.executors.db(commit)
+            await self._s.db.run(record_job_change, job, action, current, target, actor)
         except ConflictError as exc:
             raise Conflict(f"job {job} changed meanwhile: {exc}", "invalid_state") from None
         engine.set_state(target)

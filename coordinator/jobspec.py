@@ -16,7 +16,7 @@ the line and the key. The spec is stored as submitted, in its validated JSON for
     rounds: 20                         # outer rounds to run
     inner_steps: 50                    # H: local steps per round
     seed: 0                            # θ_0 and every region's data order
-    codec: {scheme: int8, block_size: 128, zstd_level: 1}
+    codec: {scheme: int8, block_size: 128, zstd_level: 1}        # geofed.codec_params
     outer_optimizer: {kind: nesterov, lr: 0.7, momentum: 0.9}   # or {kind: average}
     snapshot_every: 5                  # K: full snapshot every K rounds
     deadline: {initial_s: 1800, min_s: 600, max_s: 14400}       # adaptive bounds
@@ -26,7 +26,7 @@ the line and the key. The spec is stored as submitted, in its validated JSON for
 from __future__ import annotations
 
 import json
-from typing import Annotated, Literal
+from typing import Annotated
 
 from pydantic import (
     AfterValidator,
@@ -41,16 +41,15 @@ from pydantic import (
 
 from coordinator.deadline import DeadlineConfig
 from coordinator.outer_optimizer import OuterOptimizerConfig
-from geofed.codec import CodecConfig
-from geofed.control import CodecParams as AnnouncedCodec
-from geofed.manifest import CodecParams as ManifestCodec
+from geofed.codec_params import CodecParams
+from geofed.located_yaml import LineMap, LocatedDocument
 from geofed.task import TaskSpecError, parse_task_spec
 from geofed.types import validate_name
 from policies.errors import PolicyLoadError, Problem
 from policies.validation import validate_document
-from policies.yaml_loader import LineMap, LocatedDocument, load_located
+from policies.yaml_loader import load_located
 
-__all__ = ["CodecSpec", "JobSpec", "JobSpecError", "TaskSpec", "parse_job_spec"]
+__all__ = ["JobSpec", "JobSpecError", "TaskSpec", "parse_job_spec"]
 
 
 class JobSpecError(ValueError):
@@ -108,47 +107,6 @@ class TaskSpec(_Section):
         return value
 
 
-class CodecSpec(_Section):
-    """How regions encode their deltas and the coordinator its updates."""
-
-    scheme: Literal["fp32", "int8", "int4"] = "int8"
-    block_size: int = Field(default=128, ge=2, le=1 << 16, description="even")
-    zstd_level: int = Field(default=1, ge=1, le=22)
-    stochastic_rounding: bool = Field(
-        default=False, description="for regions' deltas; the coordinator's update rounds to nearest"
-    )
-
-    @field_validator("block_size")
-    @classmethod
-    def _even(cls, value: int) -> int:
-        if value % 2:
-            raise ValueError(f"block_size {value} must be even")
-        return value
-
-    def update_config(self) -> CodecConfig:
-        """The codec configuration of the coordinator's own updates (deterministic)."""
-        return CodecConfig(
-            scheme=self.scheme, block_size=self.block_size, zstd_level=self.zstd_level
-        )
-
-    def announced(self) -> AnnouncedCodec:
-        return AnnouncedCodec(
-            scheme=self.scheme,
-            block_size=self.block_size,
-            zstd_level=self.zstd_level,
-            stochastic_rounding=self.stochastic_rounding,
-        )
-
-    def matches(self, codec: ManifestCodec) -> bool:
-        """Whether a delta's manifest declares exactly this job's codec."""
-        return (codec.scheme, codec.block_size, codec.zstd_level, codec.stochastic_rounding) == (
-            self.scheme,
-            self.block_size,
-            self.zstd_level,
-            self.stochastic_rounding,
-        )
-
-
 class JobSpec(_Section):
     """A whole job (see the module docstring)."""
 
@@ -163,7 +121,11 @@ class JobSpec(_Section):
     rounds: int = Field(ge=1, description="outer rounds")
     inner_steps: int = Field(ge=1, description="local steps per round (H)")
     seed: int = Field(default=0, ge=0, lt=2**63)
-    codec: CodecSpec = Field(default_factory=CodecSpec)
+    codec: CodecParams = Field(
+        default_factory=CodecParams,
+        description="how regions encode their deltas and the coordinator its updates "
+        "(stochastic_rounding is for regions' deltas; the update rounds to nearest)",
+    )
     outer_optimizer: OuterOptimizerConfig = Field(default_factory=OuterOptimizerConfig)
     snapshot_every: int = Field(default=10, ge=1, description="K: a full snapshot every K rounds")
     deadline: DeadlineConfig = Field(default_factory=DeadlineConfig)

@@ -14,15 +14,15 @@ every coordinator in one process has its own.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
-from typing import Final, Literal
+from typing import Final
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Histogram
 
 from coordinator.errors import CODES
+from geofed.metric_spec import MetricSpec, counter, gauge, histogram
 from geofed.types import ArtifactKind
 
-__all__ = ["CATALOGUE", "DURATION_BUCKETS_S", "CoordinatorMetrics", "MetricSpec"]
+__all__ = ["CATALOGUE", "DURATION_BUCKETS_S", "CoordinatorMetrics"]
 
 #: Round and aggregation durations: from a second up to eight hours (WAN rounds are long;
 #: the client library's default buckets stop at 10 s).
@@ -30,19 +30,6 @@ DURATION_BUCKETS_S: Final = (
     1.0, 5.0, 15.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1200.0, 1800.0, 3600.0, 7200.0,
     14400.0, 28800.0,
 )  # fmt: skip
-
-Kind = Literal["counter", "gauge", "histogram"]
-
-
-@dataclass(frozen=True, slots=True)
-class MetricSpec:
-    """One metric: its exposed name, type, help text and label names."""
-
-    name: str
-    kind: Kind
-    help: str
-    labels: tuple[str, ...] = ()
-
 
 ROUNDS_COMPLETED = MetricSpec(
     "geofed_rounds_completed_total", "counter", "Rounds whose update was published.", ("job",)
@@ -162,19 +149,8 @@ CATALOGUE: Final[tuple[MetricSpec, ...]] = (
 )
 
 
-def _counter(spec: MetricSpec, registry: CollectorRegistry) -> Counter:
-    # The client appends _total itself; give it the stem.
-    return Counter(spec.name.removesuffix("_total"), spec.help, spec.labels, registry=registry)
-
-
-def _gauge(spec: MetricSpec, registry: CollectorRegistry) -> Gauge:
-    return Gauge(spec.name, spec.help, spec.labels, registry=registry)
-
-
-def _histogram(spec: MetricSpec, registry: CollectorRegistry) -> Histogram:
-    return Histogram(
-        spec.name, spec.help, spec.labels, registry=registry, buckets=DURATION_BUCKETS_S
-    )
+def _duration(spec: MetricSpec, registry: CollectorRegistry) -> Histogram:
+    return histogram(spec, registry, DURATION_BUCKETS_S)
 
 
 class CoordinatorMetrics:
@@ -182,27 +158,27 @@ class CoordinatorMetrics:
 
     def __init__(self, registry: CollectorRegistry) -> None:
         self.registry = registry
-        self.rounds_completed = _counter(ROUNDS_COMPLETED, registry)
-        self.rounds_failed = _counter(ROUNDS_FAILED, registry)
-        self.round_duration = _histogram(ROUND_DURATION, registry)
-        self.current_round = _gauge(CURRENT_ROUND, registry)
-        self.deltas_accepted = _counter(DELTAS_ACCEPTED, registry)
-        self.deltas_rejected = _counter(DELTAS_REJECTED, registry)
-        self.stragglers = _counter(STRAGGLERS, registry)
-        self.received_bytes = _counter(RECEIVED_BYTES, registry)
-        self.sent_bytes = _counter(SENT_BYTES, registry)
-        self.fp32_equivalent_bytes = _counter(FP32_EQUIVALENT_BYTES, registry)
-        self.policy_decisions = _counter(POLICY_DECISIONS, registry)
-        self.aggregation_duration = _histogram(AGGREGATION_DURATION, registry)
-        self.regions_up = _gauge(REGIONS_UP, registry)
-        self.region_up = _gauge(REGION_UP, registry)
-        self.region_quarantined = _gauge(REGION_QUARANTINED, registry)
-        self.global_validation_loss = _gauge(GLOBAL_VALIDATION_LOSS, registry)
-        self.region_train_loss = _gauge(REGION_TRAIN_LOSS, registry)
-        self.last_checkpoint = _gauge(LAST_CHECKPOINT, registry)
-        self.certificate_expiry = _gauge(CERTIFICATE_EXPIRY, registry)
-        self.jobs = _gauge(JOBS, registry)
-        self.mqtt_connected = _gauge(MQTT_CONNECTED, registry)
+        self.rounds_completed = counter(ROUNDS_COMPLETED, registry)
+        self.rounds_failed = counter(ROUNDS_FAILED, registry)
+        self.round_duration = _duration(ROUND_DURATION, registry)
+        self.current_round = gauge(CURRENT_ROUND, registry)
+        self.deltas_accepted = counter(DELTAS_ACCEPTED, registry)
+        self.deltas_rejected = counter(DELTAS_REJECTED, registry)
+        self.stragglers = counter(STRAGGLERS, registry)
+        self.received_bytes = counter(RECEIVED_BYTES, registry)
+        self.sent_bytes = counter(SENT_BYTES, registry)
+        self.fp32_equivalent_bytes = counter(FP32_EQUIVALENT_BYTES, registry)
+        self.policy_decisions = counter(POLICY_DECISIONS, registry)
+        self.aggregation_duration = _duration(AGGREGATION_DURATION, registry)
+        self.regions_up = gauge(REGIONS_UP, registry)
+        self.region_up = gauge(REGION_UP, registry)
+        self.region_quarantined = gauge(REGION_QUARANTINED, registry)
+        self.global_validation_loss = gauge(GLOBAL_VALIDATION_LOSS, registry)
+        self.region_train_loss = gauge(REGION_TRAIN_LOSS, registry)
+        self.last_checkpoint = gauge(LAST_CHECKPOINT, registry)
+        self.certificate_expiry = gauge(CERTIFICATE_EXPIRY, registry)
+        self.jobs = gauge(JOBS, registry)
+        self.mqtt_connected = gauge(MQTT_CONNECTED, registry)
         # Series that exist from the start: increase() over a counter born at its first
         # increment is 0, so the alerts on these would miss the first event.
         for code in CODES:

@@ -18,10 +18,11 @@ from typing import Any
 
 from coordinator.quarantine import Quarantine, QuarantineConfig
 from coordinator.round_state import RoundState
+from geofed.api_paths import ApiPaths
 from geofed.control import RoundAnnouncement
-from geofed.control.messages import RoundState as AnnouncedState
+from geofed.control.messages import AnnouncedPhase
 
-__all__ = ["JobState", "RoundRecord", "announcement", "update_path"]
+__all__ = ["JobState", "RoundRecord", "announcement"]
 
 
 class JobState(StrEnum):
@@ -80,11 +81,6 @@ class RoundRecord:
         )
 
 
-def update_path(job: str, round: int) -> str:
-    """The URL path of the global update of ``round``."""
-    return f"/v1/jobs/{job}/rounds/{round}/update"
-
-
 def announcement(
     *,
     job: str,
@@ -92,7 +88,7 @@ def announcement(
     params_hash: str,
     update_digest: str | None,
     round_state: RoundState | None,
-    state: AnnouncedState,
+    state: AnnouncedPhase,
     regions: tuple[str, ...],
     quorum: int,
     inner_steps: int,
@@ -124,7 +120,7 @@ def announcement(
         round=version,
         base_round=version,
         base_hash=params_hash,
-        update_url=update_path(job, version - 1) if has_update else None,
+        update_url=ApiPaths.update(job, version - 1) if has_update else None,
         update_digest=update_digest if has_update else None,
         participants=participants,
         min_regions=min_regions,

@@ -16,6 +16,8 @@ noticed (a region that is merely slow gets one more chance, the job does not sta
 one that is gone), then it fails; a failed round publishes nothing and the next one
 starts from the same base.
 
+Whether a delta is acceptable is stated once, by :func:`judge_delta`: against the round
+alone, or first against its job (the upload path asks before it reads a byte).
 Only :meth:`RoundState.tick` closes a round, so a delta that arrives after the deadline
 but before the closing tick is still accepted; the daemon ticks at ``wake_at`` and first
 thing after a restart. ``now`` is wall-clock POSIX seconds (the state outlives the
@@ -37,13 +39,15 @@ from geofed.types import validate_name
 
 __all__ = [
     "Action",
-    "Decision",
+    "DeltaVerdict",
+    "DeltaVerdictCode",
+    "JobIntake",
     "RoundConfig",
+    "RoundDecision",
     "RoundPhase",
     "RoundState",
     "RoundStateError",
-    "Verdict",
-    "VerdictCode",
+    "judge_delta",
 ]
 
 
@@ -59,25 +63,38 @@ class RoundPhase(StrEnum):
     ABANDONED = "abandoned"
 
 
-class VerdictCode(StrEnum):
+class DeltaVerdictCode(StrEnum):
     ACCEPTED = "accepted"
     DUPLICATE = "duplicate"  # already accepted: not an error, the upload may answer 200 again
     NOT_PARTICIPANT = "not_participant"
-    WRONG_ROUND = "wrong_round"
-    LATE = "late"  # the round closed (or ended) without this region
+    WRONG_ROUND = "wrong_round"  # not the round that is open
+    LATE = "late"  # the round closed or ended without this region, or the job takes none
 
 
 @dataclass(frozen=True, slots=True)
-class Verdict:
-    """What to do with one uploaded delta, and why."""
+class DeltaVerdict:
+    """What to do with one uploaded delta, and why (see :func:`judge_delta`)."""
 
-    code: VerdictCode
+    code: DeltaVerdictCode
     reason: str
 
     @property
     def accepted(self) -> bool:
         """True when the delta is (or already was) part of the round."""
-        return self.code in (VerdictCode.ACCEPTED, VerdictCode.DUPLICATE)
+        return self.code in (DeltaVerdictCode.ACCEPTED, DeltaVerdictCode.DUPLICATE)
+
+
+@dataclass(frozen=True, slots=True)
+class JobIntake:
+    """The job's side of taking a delta: its name, its current round, whether it runs.
+
+    ``stopped`` is the job's state while it takes no deltas (``paused``, ``cancelled``,
+    ...), empty while it runs.
+    """
+
+    job: str
+    version: int
+    stopped: str = ""
 
 
 class Action(StrEnum):
@@ -89,7 +106,7 @@ class Action(StrEnum):
 
 
 @dataclass(frozen=True, slots=True)
-class Decision:
+class RoundDecision:
     """The outcome of one :meth:`RoundState.tick`; ``wake_at`` is when to tick again."""
 
     action: Action
@@ -216,51 +233,28 @@ class RoundState(BaseModel):
 
     # -- events ----------------------------------------------------------------
 
-    def on_delta(self, region: str, round: int, now: float) -> Verdict:
-        """Decide on an uploaded delta; records it when accepted."""
-        now = _check_now(now)
-        cfg = self.config
-        if round != cfg.round:
-            return Verdict(
-                VerdictCode.WRONG_ROUND, f"delta is for round {round}, this is round {cfg.round}"
-            )
-        if region not in cfg.participants:
-            return Verdict(
-                VerdictCode.NOT_PARTICIPANT,
-                f"{region!r} is not a participant of round {cfg.round} "
-                f"(participants: {', '.join(cfg.participants)})",
-            )
-        for arrival in self.arrivals:
-            if arrival.region == region:
-                return Verdict(
-                    VerdictCode.DUPLICATE,
-                    f"{region}'s delta for round {cfg.round} was already accepted "
-                    f"{self._rel(arrival.at)}; it is counted once",
-                )
-        if self.phase is not RoundPhase.COLLECTING:
-            return Verdict(VerdictCode.LATE, self._late_reason(region))
-        self.arrivals.append(Arrival(region=region, at=now))
-        return Verdict(
-            VerdictCode.ACCEPTED,
-            f"{region}'s delta accepted for round {cfg.round} {self._rel(now)} "
-            f"({len(self.arrivals)} of {len(cfg.participants)} delivered, "
-            f"quorum {cfg.min_regions})",
-        )
+    def on_delta(self, region: str, round: int, now: float) -> DeltaVerdict:
+        """Judge an uploaded delta (:func:`judge_delta`); record it when accepted."""
+        verdict = judge_delta(self, region, round, now)
+        if verdict.code is DeltaVerdictCode.ACCEPTED:
+            self.arrivals.append(Arrival(region=region, at=float(now)))
+        return verdict
 
-    def tick(self, now: float) -> Decision:
+    def tick(self, now: float) -> RoundDecision:
         """Decide whether to keep waiting, close, extend or fail, and apply it."""
         now = _check_now(now)
         cfg = self.config
         if self.phase is not RoundPhase.COLLECTING:
-            return Decision(Action.IDLE, f"round {cfg.round} is {self.phase}: nothing to decide")
+            reason = f"round {cfg.round} is {self.phase}: nothing to decide"
+            return RoundDecision(Action.IDLE, reason)
         count, total, missing = len(self.arrivals), len(cfg.participants), self.missing
         if not missing:
             return self._close(now, f"all {total} participants delivered")
         if now < self.deadline_at:
-            return Decision(
+            return RoundDecision(
                 Action.WAIT,
                 f"waiting for {len(missing)} of {total} participants ({', '.join(missing)}) "
-                f"until the deadline {self._rel(self.deadline_at)}; {count} delivered, "
+                f"until the deadline {_since_open(cfg, self.deadline_at)}; {count} delivered, "
                 f"quorum {cfg.min_regions}",
                 wake_at=self.deadline_at,
             )
@@ -274,16 +268,17 @@ class RoundState(BaseModel):
         if self.extensions < cfg.max_extensions:
             self.extensions += 1
             self.deadline_at = now + cfg.effective_extension_s
-            return Decision(
+            return RoundDecision(
                 Action.EXTEND,
                 f"{below}; extension {self.extensions} of {cfg.max_extensions} by "
-                f"{cfg.effective_extension_s:g} s, new deadline {self._rel(self.deadline_at)}",
+                f"{cfg.effective_extension_s:g} s, new deadline "
+                f"{_since_open(cfg, self.deadline_at)}",
                 stragglers=missing,
                 wake_at=self.deadline_at,
             )
         reason = f"{below} after {self.extensions} extension(s); round {cfg.round} failed"
         self._end(RoundPhase.FAILED, now, reason)
-        return Decision(Action.FAIL, reason, stragglers=missing)
+        return RoundDecision(Action.FAIL, reason, stragglers=missing)
 
     def mark_published(self, now: float) -> None:
         """Record that the round's update is published and durable."""
@@ -319,25 +314,12 @@ class RoundState(BaseModel):
 
     # -- internals -------------------------------------------------------------
 
-    def _rel(self, at: float) -> str:
-        return f"at +{at - self.config.opened_at:.3f} s"
-
-    def _late_reason(self, region: str) -> str:
-        n = self.config.round
-        if self.phase in (RoundPhase.AGGREGATING, RoundPhase.PUBLISHED):
-            closed = self.closed_at if self.closed_at is not None else self.deadline_at
-            return (
-                f"round {n} closed {self._rel(closed)} without {region}, counted as a "
-                f"straggler; its delta is not used, the region should join round {n + 1}"
-            )
-        return f"round {n} is {self.phase} ({self.end_reason}); it takes no more deltas"
-
-    def _close(self, now: float, reason: str) -> Decision:
+    def _close(self, now: float, reason: str) -> RoundDecision:
         self.phase = RoundPhase.AGGREGATING
         self.closed_at = now
         self.included = tuple(sorted(self.delivered))
         self.stragglers = self.missing
-        return Decision(Action.CLOSE, reason, self.included, self.stragglers)
+        return RoundDecision(Action.CLOSE, reason, self.included, self.stragglers)
 
     def _finish(self, phase: RoundPhase, now: float, reason: str) -> None:
         now = _check_now(now)
@@ -351,3 +333,80 @@ class RoundState(BaseModel):
         self.phase = phase
         self.ended_at = now
         self.end_reason = reason
+
+
+def judge_delta(
+    current: RoundState | None,
+    region: str,
+    round: int,
+    now: float,
+    job: JobIntake | None = None,
+) -> DeltaVerdict:
+    """Is ``region``'s delta for ``round`` acceptable now? The one statement of the rule.
+
+    Against ``current`` alone it answers what the round takes. With the job's ``job``
+    intake it first answers what the job takes: nothing while it is stopped, and only
+    deltas for its current round, which ``current`` must be. A delta the round already
+    holds is a duplicate, whatever the phase, so that its upload can be answered again.
+    Read-only: :meth:`RoundState.on_delta` records an accepted delta.
+    """
+    now = _check_now(now)
+    if job is not None:
+        if job.stopped:
+            return DeltaVerdict(
+                DeltaVerdictCode.LATE, f"job {job.job} is {job.stopped}; it takes no deltas"
+            )
+        if round < job.version:
+            return DeltaVerdict(
+                DeltaVerdictCode.LATE,
+                f"round {round} of job {job.job} is over; the current round is {job.version}",
+            )
+        if round > job.version or current is None or current.config.round != round:
+            return DeltaVerdict(
+                DeltaVerdictCode.WRONG_ROUND,
+                f"round {round} of job {job.job} is not open (current round {job.version})",
+            )
+    if current is None:
+        raise RoundStateError("a delta is judged against its round, or against its job")
+    cfg = current.config
+    n, of_job = cfg.round, f" of job {job.job}" if job is not None else ""
+    if round != n:
+        return DeltaVerdict(
+            DeltaVerdictCode.WRONG_ROUND, f"delta is for round {round}, this is round {n}"
+        )
+    if region not in cfg.participants:
+        return DeltaVerdict(
+            DeltaVerdictCode.NOT_PARTICIPANT,
+            f"{region!r} is not a participant of round {n}{of_job} "
+            f"(participants: {', '.join(cfg.participants)})",
+        )
+    for arrival in current.arrivals:
+        if arrival.region == region:
+            return DeltaVerdict(
+                DeltaVerdictCode.DUPLICATE,
+                f"{region}'s delta for round {n}{of_job} was already accepted "
+                f"{_since_open(cfg, arrival.at)}; it is counted once",
+            )
+    if current.phase in (RoundPhase.AGGREGATING, RoundPhase.PUBLISHED):
+        closed = current.closed_at if current.closed_at is not None else current.deadline_at
+        return DeltaVerdict(
+            DeltaVerdictCode.LATE,
+            f"round {n}{of_job} closed {_since_open(cfg, closed)} without {region}, counted "
+            f"as a straggler; its delta is not used, the region should join round {n + 1}",
+        )
+    if current.phase is not RoundPhase.COLLECTING:
+        return DeltaVerdict(
+            DeltaVerdictCode.LATE,
+            f"round {n}{of_job} is {current.phase} ({current.end_reason}); "
+            "it takes no more deltas",
+        )
+    return DeltaVerdict(
+        DeltaVerdictCode.ACCEPTED,
+        f"{region}'s delta accepted for round {n}{of_job} {_since_open(cfg, now)} "
+        f"({len(current.arrivals) + 1} of {len(cfg.participants)} delivered, "
+        f"quorum {cfg.min_regions})",
+    )
+
+
+def _since_open(config: RoundConfig, at: float) -> str:
+    return f"at +{at - config.opened_at:.3f} s"

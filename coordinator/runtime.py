@@ -24,7 +24,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from coordinator.artifacts import Location, Signer
 from coordinator.config import ConfigError, CoordinatorConfig
 from coordinator.faults import FaultError, FaultPoints
-from coordinator.params import ParamsStore
+from coordinator.working_state import ParamsStore
 from geofed.blobstore import FsBlobStore
 from geofed.pki import (
     CertificateRefused,

@@ -2,19 +2,17 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
-from coordinator.audit import AuditEntry, Verdict
+from coordinator.async_store import AsyncStore
 from coordinator.config import CoordinatorConfig
 from coordinator.control import ControlPlane
 from coordinator.executors import Executors
 from coordinator.metrics import CoordinatorMetrics
+from coordinator.residency import ResidencyGate
 from coordinator.runtime import Runtime
-from coordinator.store import Store
 from geofed.types import Identity
-from policies import Decision
 
 __all__ = ["Services"]
 
@@ -23,11 +21,12 @@ __all__ = ["Services"]
 class Services:
     """Start-up state, the state store, thread pools, control plane, metrics and clock.
 
-    ``clock`` is wall-clock POSIX seconds: round deadlines outlive the process.
+    ``db`` is the state store; its calls run in the store thread. ``clock`` is
+    wall-clock POSIX seconds: round deadlines outlive the process.
     """
 
     runtime: Runtime
-    store: Store
+    db: AsyncStore
     executors: Executors
     control: ControlPlane
     metrics: CoordinatorMetrics
@@ -42,47 +41,7 @@ class Services:
         """The coordinator itself, as the actor of what it decides on its own."""
         return self.runtime.signer.identity
 
-    async def audit(
-        self,
-        *,
-        actor: Identity | str,
-        action: str,
-        verdict: Verdict | str,
-        job: str | None = None,
-        round: int | None = None,
-        region: str | None = None,
-        details: Mapping[str, Any] | None = None,
-    ) -> AuditEntry:
-        """Append one audit entry (in the store thread)."""
-        return await self.executors.db(
-            self.store.append_audit,
-            actor=actor,
-            action=action,
-            verdict=verdict,
-            job=job,
-            round=round,
-            region=region,
-            details=details,
-        )
-
-    async def policy_decision(
-        self,
-        decision: Decision,
-        *,
-        kind: str,
-        actor: Identity | str,
-        job: str | None,
-        round: int | None = None,
-        region: str | None = None,
-    ) -> None:
-        """Count a residency decision and append it to the audit log."""
-        self.metrics.policy_decision(decision.allowed, kind)
-        await self.audit(
-            actor=actor,
-            action=f"policy.{kind}",
-            verdict=Verdict.ALLOW if decision.allowed else Verdict.DENY,
-            job=job,
-            round=round,
-            region=region,
-            details=decision.as_dict(),
-        )
+    @property
+    def residency(self) -> ResidencyGate:
+        """The residency gate under the loaded policies."""
+        return ResidencyGate(self.runtime.policies, self.db, self.metrics)

@@ -24,17 +24,17 @@ from pathlib import Path
 from typing import Any
 
 from coordinator import audit
-from coordinator.audit import AuditEntry, AuditLog, InvalidAuditEntry, Verdict, VerifyResult
+from coordinator.audit import AuditEntry, AuditEvent, AuditLog, InvalidAuditEntry, VerifyResult
 from coordinator.store import (
     AlreadyExists,
     ConflictError,
     InvalidValue,
     JobRecord,
-    NotFound,
+    MissingRecord,
     Receipt,
-    RoundRecord,
     SchemaError,
     StoreClosed,
+    StoredRound,
     StoreFailure,
     check_count,
     check_digest,
@@ -46,7 +46,6 @@ from coordinator.store import (
     check_state,
     to_json,
 )
-from geofed.types import Identity
 
 DB_FILENAME = "coordinator.db"
 
@@ -222,7 +221,7 @@ class SqliteStore:
         with self.transaction():
             job = self.get_job(job_id)
             if job is None:
-                raise NotFound(f"no job {job_id!r}")
+                raise MissingRecord(f"no job {job_id!r}")
             if expected is not None and job.state != expected:
                 raise ConflictError(f"job {job_id!r} is {job.state!r}, not {expected!r}")
             now = self._clock()
@@ -233,7 +232,7 @@ class SqliteStore:
 
     # Rounds.
 
-    def save_round(self, job_id: str, round: int, state: Mapping[str, Any]) -> RoundRecord:
+    def save_round(self, job_id: str, round: int, state: Mapping[str, Any]) -> StoredRound:
         check_job_id(job_id)
         check_round(round)
         state_json = to_json("round state", state)
@@ -246,14 +245,14 @@ class SqliteStore:
                 " DO UPDATE SET state = excluded.state, updated_at = excluded.updated_at",
                 (job_id, round, state_json, now),
             )
-        return RoundRecord(job_id, round, json.loads(state_json), now)
+        return StoredRound(job_id, round, json.loads(state_json), now)
 
-    def load_round(self, job_id: str, round: int) -> RoundRecord | None:
+    def load_round(self, job_id: str, round: int) -> StoredRound | None:
         check_job_id(job_id)
         check_round(round)
         return self._one_round("WHERE job_id = ? AND round = ?", (job_id, round))
 
-    def latest_round(self, job_id: str) -> RoundRecord | None:
+    def latest_round(self, job_id: str) -> StoredRound | None:
         check_job_id(job_id)
         return self._one_round("WHERE job_id = ? ORDER BY round DESC LIMIT 1", (job_id,))
 
@@ -405,28 +404,10 @@ class SqliteStore:
 
     # Audit log.
 
-    def append_audit(
-        self,
-        *,
-        actor: str | Identity,
-        action: str,
-        verdict: Verdict | str,
-        job: str | None = None,
-        round: int | None = None,
-        region: str | None = None,
-        details: Mapping[str, Any] | None = None,
-    ) -> AuditEntry:
+    def append_audit(self, event: AuditEvent) -> AuditEntry:
         with self.transaction():
             try:
-                return self._audit.append(
-                    actor=actor,
-                    action=action,
-                    verdict=verdict,
-                    job=job,
-                    round=round,
-                    region=region,
-                    details=details,
-                )
+                return self._audit.append(event)
             except InvalidAuditEntry as exc:
                 raise InvalidValue(str(exc)) from None
 
@@ -506,15 +487,15 @@ class SqliteStore:
 
     def _require_job(self, job_id: str) -> None:
         if not self._job_exists(job_id):
-            raise NotFound(f"no job {job_id!r}")
+            raise MissingRecord(f"no job {job_id!r}")
 
-    def _one_round(self, where: str, params: tuple[object, ...]) -> RoundRecord | None:
+    def _one_round(self, where: str, params: tuple[object, ...]) -> StoredRound | None:
         with self._reading():
             row = self._conn.execute(
                 f"SELECT job_id, round, state, updated_at FROM rounds {where}",  # noqa: S608
                 params,
             ).fetchone()
-        return RoundRecord(row[0], row[1], json.loads(row[2]), row[3]) if row else None
+        return StoredRound(row[0], row[1], json.loads(row[2]), row[3]) if row else None
 
     def __repr__(self) -> str:
         return f"SqliteStore({str(self._path)!r})"

@@ -7,8 +7,9 @@ blobs) and the audit log. Every write is durable when the call returns, and
 
 The embedded implementation is SQLite (:mod:`coordinator.sqlite_store`); PostgreSQL can
 implement the same :class:`Store` protocol later and run the same test suite.
-The API blocks by design: the daemon calls it from one dedicated worker thread through
-an executor, never on the event loop.
+The API blocks by design: the daemon calls it through
+:class:`~coordinator.async_store.AsyncStore`, on one dedicated worker thread, never on
+the event loop.
 """
 
 from __future__ import annotations
@@ -20,9 +21,9 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
-from coordinator.audit import AuditEntry, Verdict, VerifyResult
+from coordinator.audit import AuditEntry, AuditEvent, VerifyResult
 from geofed.blobstore import validate_digest
-from geofed.types import Identity, validate_name
+from geofed.types import validate_name
 
 _STATE_RE = re.compile(r"^[a-z][a-z0-9_]{0,31}$")
 _POINTER_RE = re.compile(r"^[a-z0-9][a-z0-9_.-]{0,127}$")
@@ -37,7 +38,7 @@ class InvalidValue(StoreError, ValueError):
     """An argument is malformed; nothing was written."""
 
 
-class NotFound(StoreError, LookupError):
+class MissingRecord(StoreError, LookupError):
     """The job (or other record) a write refers to does not exist."""
 
 
@@ -71,7 +72,9 @@ class JobRecord:
 
 
 @dataclass(frozen=True, slots=True)
-class RoundRecord:
+class StoredRound:
+    """A round's opaque state as stored (the round driver owns its meaning)."""
+
     job_id: str
     round: int
     state: Mapping[str, Any] = field(hash=False)
@@ -142,13 +145,13 @@ class Store(Protocol):
         ...
 
     # Rounds.
-    def save_round(self, job_id: str, round: int, state: Mapping[str, Any]) -> RoundRecord:
+    def save_round(self, job_id: str, round: int, state: Mapping[str, Any]) -> StoredRound:
         """Create or replace a round's state."""
         ...
 
-    def load_round(self, job_id: str, round: int) -> RoundRecord | None: ...
+    def load_round(self, job_id: str, round: int) -> StoredRound | None: ...
 
-    def latest_round(self, job_id: str) -> RoundRecord | None:
+    def latest_round(self, job_id: str) -> StoredRound | None:
         """The round with the highest number, or None."""
         ...
 
@@ -208,17 +211,7 @@ class Store(Protocol):
     def list_pointers(self, job_id: str) -> dict[str, str]: ...
 
     # Audit log.
-    def append_audit(
-        self,
-        *,
-        actor: str | Identity,
-        action: str,
-        verdict: Verdict | str,
-        job: str | None = None,
-        round: int | None = None,
-        region: str | None = None,
-        details: Mapping[str, Any] | None = None,
-    ) -> AuditEntry:
+    def append_audit(self, event: AuditEvent) -> AuditEntry:
         """Append an audit entry, in the open transaction if there is one."""
         ...
 

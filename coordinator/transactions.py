@@ -1,8 +1,12 @@
-"""The state-store transactions of the round driver: one per state change, all or nothing.
+"""The coordinator's state-store transactions: one per state change, all or nothing.
 
-Each function runs in the store thread and commits its writes together with the audit
-entry that records them, so the audit log and the state never disagree:
+Each function takes the blocking store first, runs in the store thread (through
+:meth:`coordinator.async_store.AsyncStore.run`) and commits its writes together with the
+audit entry that records them, so the audit log and the state never disagree:
 
+- :func:`record_admitted_job`: the admitted job, its checkpoint location, the admission;
+- :func:`record_job_change`: an operator's pause, resume or cancel, only from the state seen;
+- :func:`open_upload`: a region's upload now follows this manifest (another one's frames go);
 - :func:`accept_delta`: the receipt, the round state that counts it, the end of the upload;
 - :func:`record_initial`: the pointers to θ_0's working state, with the snapshot audited;
 - :func:`record_publication`: round r published *and* the pointers moved to θ_{r+1}, so a
@@ -16,24 +20,91 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from coordinator.audit import Verdict
+from coordinator.audit import AuditEvent, AuditVerdict
 from coordinator.records import JobState
 from coordinator.store import Receipt, Store
 from geofed.types import Identity
 
 __all__ = [
+    "LOCATION_POINTER",
     "DeltaOffer",
     "accept_delta",
+    "open_upload",
+    "record_admitted_job",
     "record_initial",
+    "record_job_change",
     "record_job_failure",
     "record_publication",
     "upload_pointer",
 ]
 
+#: Pointer naming the storage location a job's checkpoints go to (chosen at admission).
+LOCATION_POINTER = "checkpoint_location"
+
 
 def upload_pointer(round: int, region: str) -> str:
     """Pointer naming the open (uncommitted) upload of a region for a round."""
     return f"upload.{round}.{region}"
+
+
+def record_admitted_job(
+    store: Store,
+    job: str,
+    spec: Mapping[str, Any],
+    location: str,
+    actor: Identity,
+    decisions: int,
+) -> None:
+    """Create the admitted job, running, with its checkpoint location; audit the admission.
+
+    :class:`~coordinator.store.AlreadyExists` if the job id is taken.
+    """
+    with store.transaction():
+        store.create_job(job, spec, JobState.RUNNING.value)
+        store.set_pointer(job, LOCATION_POINTER, location)
+        store.append_audit(
+            AuditEvent(
+                actor=actor,
+                action="job.admit",
+                verdict=AuditVerdict.ALLOW,
+                job=job,
+                details={"checkpoint_location": location, "decisions": decisions},
+            )
+        )
+
+
+def record_job_change(
+    store: Store, job: str, action: str, current: JobState, target: JobState, actor: Identity
+) -> None:
+    """``action`` moves the job from ``current`` to ``target``; ConflictError if it moved."""
+    with store.transaction():
+        store.set_job_state(job, target.value, expected=current.value)
+        store.append_audit(
+            AuditEvent(
+                actor=actor,
+                action=f"job.{action}",
+                verdict=AuditVerdict.OK,
+                job=job,
+                details={"from": current.value, "to": target.value},
+            )
+        )
+
+
+def open_upload(
+    store: Store, job: str, round: int, region: str, manifest_digest: str
+) -> dict[int, str]:
+    """Point the region's open upload at this manifest; return its frames received so far.
+
+    An upload of another manifest for the same round is forgotten (its frames with it);
+    the same manifest again resumes where it stopped.
+    """
+    pointer = upload_pointer(round, region)
+    with store.transaction():
+        previous = store.get_pointer(job, pointer)
+        if previous and previous != manifest_digest:
+            store.clear_upload(job, round, region, previous)
+        store.set_pointer(job, pointer, manifest_digest)
+    return store.uploaded_chunks(job, round, region, manifest_digest)
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,19 +139,21 @@ def accept_delta(
         store.clear_upload(job, offer.round, offer.region)
         store.set_pointer(job, upload_pointer(offer.round, offer.region), "")
         store.append_audit(
-            actor=offer.actor,
-            action="delta.accept",
-            verdict=Verdict.ALLOW,
-            job=job,
-            round=offer.round,
-            region=offer.region,
-            details={
-                "manifest": offer.manifest_digest,
-                "stream": offer.blob_digest,
-                "size": offer.size,
-                "tokens": offer.tokens,
-                "reason": reason,
-            },
+            AuditEvent(
+                actor=offer.actor,
+                action="delta.accept",
+                verdict=AuditVerdict.ALLOW,
+                job=job,
+                round=offer.round,
+                region=offer.region,
+                details={
+                    "manifest": offer.manifest_digest,
+                    "stream": offer.blob_digest,
+                    "size": offer.size,
+                    "tokens": offer.tokens,
+                    "reason": reason,
+                },
+            )
         )
     return receipt
 
@@ -97,12 +170,14 @@ def record_initial(
         for name, value in pointers.items():
             store.set_pointer(job, name, value)
         store.append_audit(
-            actor=actor,
-            action="checkpoint.snapshot",
-            verdict=Verdict.OK,
-            job=job,
-            round=0,
-            details=details,
+            AuditEvent(
+                actor=actor,
+                action="checkpoint.snapshot",
+                verdict=AuditVerdict.OK,
+                job=job,
+                round=0,
+                details=details,
+            )
         )
 
 
@@ -125,12 +200,14 @@ def record_publication(
         if completed:
             store.set_job_state(job, JobState.COMPLETED.value)
         store.append_audit(
-            actor=actor,
-            action="round.publish",
-            verdict=Verdict.OK,
-            job=job,
-            round=round,
-            details=details,
+            AuditEvent(
+                actor=actor,
+                action="round.publish",
+                verdict=AuditVerdict.OK,
+                job=job,
+                round=round,
+                details=details,
+            )
         )
 
 
@@ -138,9 +215,11 @@ def record_job_failure(store: Store, job: str, actor: Identity, reason: str) -> 
     with store.transaction():
         store.set_job_state(job, JobState.FAILED.value)
         store.append_audit(
-            actor=actor,
-            action="job.fail",
-            verdict=Verdict.ERROR,
-            job=job,
-            details={"reason": reason},
+            AuditEvent(
+                actor=actor,
+                action="job.fail",
+                verdict=AuditVerdict.ERROR,
+                job=job,
+                details={"reason": reason},
+            )
         )

@@ -22,23 +22,24 @@ from typing import Any
 
 from aiohttp import StreamReader
 
-from coordinator.audit import Verdict
+from coordinator.acceptance import accepted_again
+from coordinator.audit import AuditEvent, AuditVerdict
 from coordinator.bodies import commit_metrics, read_exactly, read_frame, read_limited
-from coordinator.delta_checks import DeltaExpectation, delta_provenance
+from coordinator.delta_checks import DeltaExpectation
 from coordinator.delta_stream import checked_manifest, verify_and_store
 from coordinator.engine import JobEngine
 from coordinator.errors import ApiError, BadRequest, Conflict, Forbidden, NotFound, TooLarge
 from coordinator.jobs import JobManager
+from coordinator.residency import delta_upload
 from coordinator.services import Services
 from coordinator.spool import Spool
 from coordinator.store import Receipt
-from coordinator.transactions import DeltaOffer, upload_pointer
+from coordinator.transactions import DeltaOffer, open_upload, upload_pointer
+from geofed.artifact_bundle import HEADER_SIZE, BundleError, manifest_length
 from geofed.manifest import ManifestError, SignedManifest
 from geofed.pki.errors import CertificateRefused
 from geofed.timeouts import Timeout, wait_for
 from geofed.types import ArtifactKind, Identity, Role
-from geofed.wire import HEADER_SIZE, BundleError, manifest_length
-from policies import Transfer, decide_transfer
 
 __all__ = ["UploadService", "receipt_json"]
 
@@ -149,14 +150,16 @@ class UploadService:
         self._s.metrics.deltas_rejected.labels(code=exc.code).inc()
         log.info("refused %s %s of job %s round %d: %s", region, step, job, round, exc.message)
         try:
-            await self._s.audit(
-                actor=actor,
-                action="delta.reject",
-                verdict=Verdict.DENY,
-                job=job,
-                round=round,
-                region=region,
-                details={"step": step, "code": exc.code, "message": exc.message[:1000]},
+            await self._s.db.append_audit(
+                AuditEvent(
+                    actor=actor,
+                    action="delta.reject",
+                    verdict=AuditVerdict.DENY,
+                    job=job,
+                    round=round,
+                    region=region,
+                    details={"step": step, "code": exc.code, "message": exc.message[:1000]},
+                )
             )
         except Exception:
             log.exception("cannot audit a refused upload")
@@ -188,28 +191,20 @@ class UploadService:
             self._s.runtime.trust(),
             limits.max_manifest_bytes,
         )
-        await self._residency(engine, signed, actor, round, region)
-        accepted = await self._accepted(engine, round, region)
+        await self._s.residency.enforce(
+            delta_upload(engine.ctx, region, signed),
+            what="this delta",
+            actor=actor,
+            job=job,
+            round=round,
+            region=region,
+        )
+        accepted = await self._s.db.receipt(job, round, region)
         if accepted is not None:
-            if accepted.manifest_digest == digest:
-                return {"state": "accepted", "receipt": receipt_json(accepted)}
-            raise Conflict(
-                f"{region} already has a different delta accepted for round {round} of job {job}",
-                "already_accepted",
-            )
-        store, db = self._s.store, self._s.executors.db
+            again = accepted_again(accepted, digest, job=job, round=round, region=region)
+            return {"state": "accepted", "receipt": receipt_json(again)}
         await self._s.executors.files(self._spool.save_manifest, job, round, region, digest, body)
-        pointer = upload_pointer(round, region)
-
-        def open_upload() -> dict[int, str]:
-            with store.transaction():
-                previous = store.get_pointer(job, pointer)
-                if previous and previous != digest:
-                    store.clear_upload(job, round, region, previous)
-                store.set_pointer(job, pointer, digest)
-            return store.uploaded_chunks(job, round, region, digest)
-
-        received = await db(open_upload)
+        received = await self._s.db.run(open_upload, job, round, region, digest)
         self._remember(digest, signed)
         return {
             "state": "open",
@@ -252,9 +247,7 @@ class UploadService:
             return actual
 
         actual = await self._s.executors.files(check_and_spool)
-        await self._s.executors.db(
-            self._s.store.record_upload_chunk, job, round, region, digest, index, actual, len(data)
-        )
+        await self._s.db.record_upload_chunk(job, round, region, digest, index, actual, len(data))
         self._s.metrics.received_bytes.labels(kind=ArtifactKind.MODEL_DELTA.value).inc(len(data))
         return {"index": index}
 
@@ -267,17 +260,13 @@ class UploadService:
         metrics: Mapping[str, float],
     ) -> dict[str, Any]:
         engine = self._engine(job, region, actor, round)
-        pointer = await self._s.executors.db(
-            self._s.store.get_pointer, job, upload_pointer(round, region)
-        )
+        pointer = await self._s.db.get_pointer(job, upload_pointer(round, region))
         if not pointer:
-            accepted = await self._accepted(engine, round, region)
+            accepted = await self._s.db.receipt(job, round, region)
             if accepted is not None:
                 return {"state": "accepted", "receipt": receipt_json(accepted)}
         digest, signed = await self._open_upload(engine, round, region)
-        received = await self._s.executors.db(
-            self._s.store.uploaded_chunks, job, round, region, digest
-        )
+        received = await self._s.db.uploaded_chunks(job, round, region, digest)
         missing = [i for i in range(len(signed.manifest.chunks)) if i not in received]
         if missing:
             raise Conflict(
@@ -356,45 +345,11 @@ class UploadService:
             max_chunk_bytes=limits.max_chunk_bytes,
         )
 
-    async def _residency(
-        self, engine: JobEngine, signed: SignedManifest, actor: Identity, round: int, region: str
-    ) -> None:
-        ctx = engine.ctx
-        transfer = Transfer(
-            ArtifactKind.MODEL_DELTA,
-            ctx.region_endpoint(region),
-            ctx.coordinator_endpoint(),
-            delta_provenance(signed),
-        )
-        decision = decide_transfer(self._s.runtime.policies, transfer)
-        await self._s.policy_decision(
-            decision,
-            kind=ArtifactKind.MODEL_DELTA.value,
-            actor=actor,
-            job=engine.job,
-            round=round,
-            region=region,
-        )
-        if not decision.allowed:
-            raise ApiError(
-                403,
-                "policy_denied",
-                f"residency policy refuses this delta: {decision.reason} "
-                f"[rule {decision.rule.rule_id} at {decision.rule.origin}]",
-                {"rule": decision.rule.rule_id, "origin": decision.rule.origin},
-            )
-
-    async def _accepted(self, engine: JobEngine, round: int, region: str) -> Receipt | None:
-        receipts = await self._s.executors.db(self._s.store.list_receipts, engine.job, round)
-        return next((r for r in receipts if r.region == region), None)
-
     async def _open_upload(
         self, engine: JobEngine, round: int, region: str
     ) -> tuple[str, SignedManifest]:
         job = engine.job
-        digest = await self._s.executors.db(
-            self._s.store.get_pointer, job, upload_pointer(round, region)
-        )
+        digest = await self._s.db.get_pointer(job, upload_pointer(round, region))
         if not digest:
             raise NotFound(
                 f"no open upload of {region} for round {round} of job {job}: PUT its manifest first"

@@ -50,7 +50,7 @@ class CorruptBlob(BlobStoreError):
     """A stored blob's content no longer hashes to its digest."""
 
 
-class DigestMismatch(BlobStoreError, ValueError):
+class BlobDigestMismatch(BlobStoreError, ValueError):
     """Data offered to ``put`` does not hash to the digest the caller expected."""
 
 
@@ -318,4 +318,4 @@ class FsBlobStore:
 
 def _check_expected(digest: str, expected: str | None) -> None:
     if expected is not None and validate_digest(expected) != digest:
-        raise DigestMismatch(f"data hashes to {digest}, expected {expected}")
+        raise BlobDigestMismatch(f"data hashes to {digest}, expected {expected}")

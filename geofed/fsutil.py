@@ -3,7 +3,9 @@
 A reader of ``path`` sees either the complete old content or the complete new content,
 never a torn mix, even if the process dies or the machine loses power mid-write (the
 ALICE study, OSDI'14, found 60 crash bugs in 11 systems that skipped one of these steps).
-On any error the temporary file is removed and the old file is left untouched.
+On any error the temporary file is removed and the old file is left untouched. The temp
+file is created with the file's final mode (``private``: exactly 0600), so a key is never
+readable by others, not even briefly.
 
 These functions block on disk I/O by design; asyncio daemons call them through a thread
 (``asyncio.to_thread`` or an executor).
@@ -25,6 +27,8 @@ FdOpener = Callable[[int], BinaryIO]
 """Wraps a raw file descriptor into a binary writer; the default is ``os.fdopen(fd, "wb")``."""
 
 PRIVATE_MODE = 0o600
+#: Certificates, trust bundles and other files anyone may read (the umask may narrow it).
+PUBLIC_MODE = 0o644
 _DEFAULT_MODE = 0o666  # narrowed by the process umask, like open()
 _TEMP_SUFFIX = ".tmp"
 
@@ -42,17 +46,29 @@ def fsync_dir(path: StrPath) -> None:
         os.close(fd)
 
 
-def create_temp(directory: StrPath, stem: str, *, private: bool = False) -> tuple[int, Path]:
+def _file_mode(private: bool, mode: int | None) -> int:
+    if mode is None:
+        return PRIVATE_MODE if private else _DEFAULT_MODE
+    if private:
+        raise ValueError("private and mode exclude each other (private means mode 0600)")
+    return mode
+
+
+def create_temp(
+    directory: StrPath, stem: str, *, private: bool = False, mode: int | None = None
+) -> tuple[int, Path]:
     """Create a new, empty, uniquely named hidden temp file in ``directory``.
 
     Returns the open write-only descriptor and its path. The name starts with a dot and
-    ends in ``.tmp`` so directory scans can skip it. ``private`` forces mode 0600.
+    ends in ``.tmp`` so directory scans can skip it. ``private`` forces mode 0600;
+    ``mode`` is the mode to create it with otherwise (default 0666), narrowed by the umask.
     """
-    mode = PRIVATE_MODE if private else _DEFAULT_MODE
+    file_mode = _file_mode(private, mode)
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
     for _ in range(100):
         tmp = Path(directory) / f".{stem}.{secrets.token_hex(6)}{_TEMP_SUFFIX}"
         try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, mode)
+            fd = os.open(tmp, flags, file_mode)
         except FileExistsError:
             continue
         if private:
@@ -83,15 +99,26 @@ class AtomicFile:
     and fsyncs the directory. If the block (or any step) raises, the temp file is
     removed, ``path`` keeps its old content, and the exception propagates.
 
-    ``fdopen`` wraps the temp file's descriptor; it exists so tests can put a faulty
-    disk under the writer.
+    ``private`` and ``mode`` are those of :func:`create_temp`. ``durable=False`` skips
+    both fsyncs, for advisory files rewritten often: a reader still never sees a torn
+    file, but a crash may lose the latest version. ``fdopen`` wraps the temp file's
+    descriptor; it exists so tests can put a faulty disk under the writer.
     """
 
     def __init__(
-        self, path: StrPath, *, private: bool = False, fdopen: FdOpener = _default_fdopen
+        self,
+        path: StrPath,
+        *,
+        private: bool = False,
+        mode: int | None = None,
+        durable: bool = True,
+        fdopen: FdOpener = _default_fdopen,
     ) -> None:
+        _file_mode(private, mode)  # refuse a contradiction here, not at __enter__
         self._path = Path(path)
         self._private = private
+        self._mode = mode
+        self._durable = durable
         self._fdopen = fdopen
         self._file: BinaryIO | None = None
         self._tmp: Path | None = None
@@ -110,7 +137,7 @@ class AtomicFile:
         if self._file is not None:
             raise RuntimeError(f"AtomicFile for {self._path} is already open")
         parent = self._path.parent
-        fd, tmp = create_temp(parent, self._path.name, private=self._private)
+        fd, tmp = create_temp(parent, self._path.name, private=self._private, mode=self._mode)
         try:
             self._file = self._fdopen(fd)
         except BaseException:
@@ -136,9 +163,13 @@ class AtomicFile:
             return
         try:
             file.flush()
-            os.fsync(file.fileno())
+            if self._durable:
+                os.fsync(file.fileno())
             file.close()
-            replace_durably(tmp, self._path)
+            if self._durable:
+                replace_durably(tmp, self._path)
+            else:
+                tmp.replace(self._path)
         except BaseException:
             _discard(file, tmp)
             raise
@@ -156,10 +187,18 @@ def _discard(file: BinaryIO, tmp: Path) -> None:
 
 
 def atomic_write_bytes(
-    path: StrPath, data: bytes | bytearray | memoryview, *, private: bool = False
+    path: StrPath,
+    data: bytes | bytearray | memoryview,
+    *,
+    private: bool = False,
+    mode: int | None = None,
+    durable: bool = True,
 ) -> None:
-    """Atomically replace ``path`` with ``data`` (durable when this returns)."""
-    with AtomicFile(path, private=private) as f:
+    """Atomically replace ``path`` with ``data`` (durable when this returns).
+
+    ``private``, ``mode`` and ``durable`` are those of :class:`AtomicFile`.
+    """
+    with AtomicFile(path, private=private, mode=mode, durable=durable) as f:
         f.write(data)
 
 

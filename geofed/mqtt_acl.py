@@ -33,8 +33,8 @@ from geofed.types import Identity, InvalidName, Role
 __all__ = [
     "Access",
     "AclError",
-    "Grant",
     "Principals",
+    "TopicRule",
     "UserRules",
     "acl_rules",
     "render_acl",
@@ -54,7 +54,7 @@ class Access(StrEnum):
 
 
 @dataclass(frozen=True, slots=True)
-class Grant:
+class TopicRule:
     """One ``topic <access> <pattern>`` line."""
 
     access: Access
@@ -69,7 +69,7 @@ class UserRules:
     """The grants of one username (a certificate CN)."""
 
     username: str
-    grants: tuple[Grant, ...]
+    grants: tuple[TopicRule, ...]
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,25 +122,25 @@ def acl_rules(principals: Principals) -> tuple[UserRules, ...]:
     topics = Topics(principals.federation)
     federation = principals.federation
     rules: list[UserRules] = []
-    grants: tuple[Grant, ...]
+    grants: tuple[TopicRule, ...]
     for name in principals.coordinators:
         grants = (
-            Grant(Access.READWRITE, f"{topics.prefix}/jobs/#"),
-            Grant(Access.WRITE, topics.all_region_commands()),
-            Grant(Access.WRITE, topics.events()),
-            Grant(Access.READ, topics.all_region_status()),
+            TopicRule(Access.READWRITE, f"{topics.prefix}/jobs/#"),
+            TopicRule(Access.WRITE, topics.all_region_commands()),
+            TopicRule(Access.WRITE, topics.events()),
+            TopicRule(Access.READ, topics.all_region_status()),
         )
         rules.append(UserRules(_username(federation, Role.COORDINATOR, name), grants))
     for name in principals.regions:
         grants = (
-            Grant(Access.READWRITE, topics.region_status(name)),
-            Grant(Access.READ, topics.region_commands(name)),
-            Grant(Access.READ, topics.all_job_rounds()),
-            Grant(Access.READ, topics.events()),
+            TopicRule(Access.READWRITE, topics.region_status(name)),
+            TopicRule(Access.READ, topics.region_commands(name)),
+            TopicRule(Access.READ, topics.all_job_rounds()),
+            TopicRule(Access.READ, topics.events()),
         )
         rules.append(UserRules(_username(federation, Role.REGION, name), grants))
     for name in principals.observers:
-        grants = (Grant(Access.READ, topics.everything()), Grant(Access.READ, "$SYS/#"))
+        grants = (TopicRule(Access.READ, topics.everything()), TopicRule(Access.READ, "$SYS/#"))
         rules.append(UserRules(_username(federation, Role.OBSERVER, name), grants))
     return tuple(rules)
 

@@ -28,7 +28,7 @@ import logging
 import os
 import socket
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from types import TracebackType
 
 __all__ = [
@@ -227,6 +227,8 @@ async def run_watchdog(
     interval_s: float,
     *,
     alive: Callable[[], bool] = lambda: True,
+    clock: Callable[[], float] | None = None,
+    sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
 ) -> None:
     """Ping ``WATCHDOG=1`` every ``interval_s / 2`` from the event loop, until cancelled.
 
@@ -234,13 +236,17 @@ async def run_watchdog(
     them and systemd restarts the daemon (``WatchdogSignal=``, then ``Restart=``). A tick
     where ``alive()`` is false (or raises) sends nothing, for the same effect when the
     daemon knows it is wedged although its loop still turns.
+
+    ``clock`` (seconds; default: the running loop's clock) and ``sleep`` (default
+    :func:`asyncio.sleep`) are the schedule's time source and wait, so that the schedule
+    can run on simulated time.
     """
     if not interval_s > 0:
         raise ValueError(f"watchdog interval must be positive, got {interval_s!r}")
     period = interval_s / 2
-    loop = asyncio.get_running_loop()
+    now_s = clock if clock is not None else asyncio.get_running_loop().time
     healthy = True
-    next_at = loop.time()
+    next_at = now_s()
     while True:
         ok, error = _check(alive)
         if ok:
@@ -251,11 +257,11 @@ async def run_watchdog(
             log.error("daemon reports itself not alive; withholding watchdog pings", exc_info=error)
         healthy = ok
         next_at += period
-        now = loop.time()
+        now = now_s()
         if next_at < now:
             # The loop stalled past a tick: carry on from now rather than burst to catch up.
             next_at = now + period
-        await asyncio.sleep(next_at - now)
+        await sleep(next_at - now)
 
 
 def _check(alive: Callable[[], bool]) -> tuple[bool, Exception | None]:

@@ -23,13 +23,14 @@ from types import MappingProxyType
 
 from pydantic import Field
 
+from geofed.located_yaml import KeyPath, format_key_path
 from geofed.types import InvalidName, validate_name
 from policies.destinations import Endpoint, validate_jurisdiction
 from policies.errors import InvalidDestination, PlacementError, PolicyLoadError, Problem
 from policies.policy_set import PolicySet
 from policies.schema import DatasetName, Jurisdiction, RegionName, StorageName, StrictModel
 from policies.validation import validate_document
-from policies.yaml_loader import KeyPath, format_key_path, load_located
+from policies.yaml_loader import load_located
 
 
 @dataclass(frozen=True, slots=True)

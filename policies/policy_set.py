@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 
+from geofed.located_yaml import KeyPath, LineMap, format_key_path
 from policies.decisions import RuleRef
 from policies.destinations import (
     Endpoint,
@@ -15,7 +16,6 @@ from policies.destinations import (
 )
 from policies.errors import PolicyLoadError, Problem, Severity, UnknownEndpoint
 from policies.schema import Dataset, ExportRules, RegionPolicy, Storage
-from policies.yaml_loader import KeyPath, LineMap, format_key_path
 
 
 @dataclass(frozen=True, slots=True)

@@ -12,13 +12,13 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+from geofed.located_yaml import KeyPath, format_key_path
 from geofed.types import ArtifactKind
 from policies.decisions import Decision, RuleRef, Verdict
 from policies.destinations import Endpoint, EndpointKind
 from policies.policy_set import LoadedPolicy, PolicySet
 from policies.provenance import Provenance
 from policies.schema import Effect, ExportRules
-from policies.yaml_loader import KeyPath, format_key_path
 
 
 @dataclass(frozen=True, slots=True)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import types
 import typing
 from typing import Any, TypeVar, Union
@@ -9,8 +10,8 @@ from typing import Any, TypeVar, Union
 from pydantic import BaseModel, ValidationError
 from pydantic_core import ErrorDetails
 
+from geofed.located_yaml import KeyPath, LocatedDocument, format_key_path
 from policies.errors import PolicyLoadError, Problem
-from policies.yaml_loader import KeyPath, LocatedDocument, format_key_path
 
 ModelT = TypeVar("ModelT", bound=BaseModel)
 
@@ -69,6 +70,8 @@ def _allowed_keys(model: type[BaseModel], path: KeyPath) -> list[str]:
     annotation = _unwrap(annotation)
     if isinstance(annotation, type) and issubclass(annotation, BaseModel):
         return list(annotation.model_fields)
+    if isinstance(annotation, type) and dataclasses.is_dataclass(annotation):
+        return [field.name for field in dataclasses.fields(annotation)]
     return []
 
 

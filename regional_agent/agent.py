@@ -47,8 +47,8 @@ from typing import Any, TypeVar
 
 from prometheus_client import CollectorRegistry
 
+from geofed.backoff import Backoff, Retry
 from geofed.control import (
-    Backoff,
     Command,
     ControlClient,
     Deduplicator,
@@ -62,8 +62,8 @@ from geofed.control.messages import RegionState
 from geofed.pki import client_ssl_context, mqtt_username
 from policies import PolicySet
 from regional_agent.config import AgentConfig, training_datasets
+from regional_agent.coordinator_client import CoordinatorClient, build_session
 from regional_agent.credentials import Credentials
-from regional_agent.http import CoordinatorClient, build_session
 from regional_agent.launcher import Launcher, LocalElasticLauncher
 from regional_agent.metrics import AgentMetrics
 from regional_agent.pipeline import RegionFacts, RetryLater, RoundEnd, RoundPipeline
@@ -167,8 +167,8 @@ class Agent:
         self._dedup = Deduplicator()
         self._schedule = Schedule(config.region)
         self._running: _RoundTask | None = None
-        self._retry = Backoff(initial_s=1.0, max_s=30.0)
-        self._failures = 0
+        # Rounds that ended in RetryLater in a row; each waits longer before the next.
+        self._retry = Retry(Backoff(initial_s=1.0, max_s=30.0), rng=self._rng)
         self._wakeup = asyncio.Event()
         self._stop = asyncio.Event()
         self._pipeline: RoundPipeline | None = None
@@ -331,8 +331,7 @@ class Agent:
             return
         except RetryLater as exc:
             self._status.update("error", job=job, round=round_, detail=f"will retry: {exc}")
-            self._failures += 1
-            await self._pause(self._retry.delay(self._failures - 1, self._rng))
+            await self._pause(self._retry.failed())
             return
         else:
             # Before the job's series may be dropped below, if the job ended meanwhile.
@@ -340,7 +339,7 @@ class Agent:
         finally:
             self._running = None
             self._metrics_follow_schedule()
-        self._failures = 0
+        self._retry.reset()
         final = end.outcome == "accepted"
         self._schedule.settle(job, round_, deadline=None if final else announcement.deadline)
         self.history.append((job, round_, end.outcome))

@@ -35,15 +35,12 @@ certificate and client certificates required in every mode, the demo's included.
 
 from __future__ import annotations
 
-import ipaddress
 import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Annotated, Literal
 
 from pydantic import (
-    BaseModel,
-    ConfigDict,
     Field,
     StrictBool,
     StrictInt,
@@ -52,12 +49,15 @@ from pydantic import (
 )
 from yarl import URL
 
+from geofed.config_sections import ConfigSection, MqttConfig
+from geofed.located_yaml import KeyPath, LineMap, format_key_path
+from geofed.loopback import is_loopback
 from geofed.timeouts import Timeouts
 from geofed.types import Identity, Role, validate_name
 from policies import PolicyLoadError, PolicySet, Problem, load_policies
 from policies.validation import validate_document
-from policies.yaml_loader import KeyPath, LineMap, format_key_path, load_located
-from regional_agent.credentials import CredentialsError, load_credentials
+from policies.yaml_loader import load_located
+from regional_agent.credentials import AgentIdentityConfig, CredentialsError, load_credentials
 from regional_agent.launcher import LauncherConfigError, LocalLauncherConfig
 
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -75,25 +75,10 @@ class AgentConfigError(Exception):
         super().__init__(f"{self.problems[0]}{suffix}")
 
 
-class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-
 Name = Annotated[str, Field(min_length=1, max_length=63)]
 
 
-class MqttConfig(_Section):
-    """Where the control-plane broker listens."""
-
-    host: str = Field(default="127.0.0.1", min_length=1)
-    port: StrictInt = Field(default=8883, ge=1, le=65535)
-    tls: StrictBool = Field(
-        default=True,
-        description="TLS with the region's certificate; false only for a loopback demo broker",
-    )
-
-
-class MetricsConfig(_Section):
+class MetricsConfig(ConfigSection):
     """The operations listener: ``/metrics`` and ``/healthz`` over mutual TLS.
 
     It presents the region's identity certificate (issue it with the DNS name Prometheus
@@ -117,15 +102,7 @@ class MetricsConfig(_Section):
         return value
 
 
-class IdentityConfig(_Section):
-    """The region's key and certificate, and the federation's trust bundle."""
-
-    cert: Path
-    key: Path
-    trust_bundle: Path
-
-
-class WorkersConfig(_Section):
+class WorkersConfig(ConfigSection):
     """The local worker group (torch.distributed) the agent launches and supervises."""
 
     count: StrictInt = Field(default=2, ge=1, description="ranks on this node")
@@ -175,7 +152,7 @@ class WorkersConfig(_Section):
         return self
 
 
-class AgentConfig(_Section):
+class AgentConfig(ConfigSection):
     """Everything one regional agent needs to know, checked once at load."""
 
     federation: Name
@@ -186,7 +163,7 @@ class AgentConfig(_Section):
     )
     coordinator_url: str = Field(description="base URL of the coordinator's HTTP API")
     mqtt: MqttConfig = Field(default_factory=MqttConfig)
-    identity: IdentityConfig
+    identity: AgentIdentityConfig
     insecure_loopback: StrictBool = False
     workers: WorkersConfig = Field(default_factory=WorkersConfig)
     state_dir: Path
@@ -223,11 +200,6 @@ class AgentConfig(_Section):
     @model_validator(mode="after")
     def _transport(self) -> AgentConfig:
         url = URL(self.coordinator_url)
-        if not self.mqtt.tls and not is_loopback(self.mqtt.host):
-            raise ValueError(
-                f"mqtt.tls: false, but mqtt.host {self.mqtt.host!r} is not a loopback address; "
-                "plain MQTT leaves no machine"
-            )
         if not self.insecure_loopback:
             if url.scheme != "https":
                 raise ValueError(
@@ -253,16 +225,6 @@ class AgentConfig(_Section):
     def workers_dir(self) -> Path:
         """The worker group's hand-off directory, inside the state directory."""
         return self.state_dir / "workers"
-
-
-def is_loopback(host: str) -> bool:
-    """Whether ``host`` names this machine only (``localhost``, 127.0.0.0/8, ``::1``)."""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False
 
 
 _PATH_FIELDS: tuple[KeyPath, ...] = (
@@ -354,7 +316,7 @@ def _check_files(config: AgentConfig, file: str, lines: LineMap) -> None:
                 )
             )
     try:
-        load_credentials(config)
+        load_credentials(config.identity, config.identity_uri)
     except CredentialsError as exc:
         problems.append(problem(("identity",), str(exc)))
     if problems:
@@ -376,11 +338,8 @@ def training_datasets(config: AgentConfig, policies: PolicySet) -> tuple[str, ..
 __all__ = [
     "AgentConfig",
     "AgentConfigError",
-    "IdentityConfig",
     "MetricsConfig",
-    "MqttConfig",
     "WorkersConfig",
-    "is_loopback",
     "load_config",
     "load_region_policies",
     "training_datasets",

@@ -1,6 +1,7 @@
 """The region's credential: its signing key and certificate, and the federation's trust bundle.
 
-Read once at start-up from the files the agent's configuration names (``identity``).
+Read once at start-up from the files the agent's configuration names (its ``identity``
+section, :class:`AgentIdentityConfig`).
 The certificate must name this region of this federation
 (``spiffe://<federation>/region/<region>``); its key signs every delta manifest and
 authenticates the agent over TLS; the trust bundle verifies the coordinator's server
@@ -11,12 +12,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from cryptography import x509
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
+from pydantic import Field
 
+from geofed.config_sections import IdentityConfig
 from geofed.pki import (
     BadCertificate,
     CredentialStoreError,
@@ -28,8 +30,11 @@ from geofed.pki import (
 )
 from geofed.types import Identity
 
-if TYPE_CHECKING:
-    from regional_agent.config import AgentConfig
+
+class AgentIdentityConfig(IdentityConfig):
+    """The agent's ``identity`` section: the region's key and certificate, and the trust bundle."""
+
+    trust_bundle: Path = Field(description="the federation's trust bundle file")
 
 
 class CredentialsError(ValueError):
@@ -48,17 +53,16 @@ class Credentials:
     key_file: Path
 
 
-def load_credentials(config: AgentConfig) -> Credentials:
-    """Read the identity files; the certificate must name this region of this federation."""
-    files = config.identity
+def load_credentials(files: AgentIdentityConfig, expected: Identity) -> Credentials:
+    """Read the identity ``files``; the certificate must name ``expected``, this region."""
     try:
         bundle = load_trust_bundle(files.trust_bundle)
     except TrustBundleError as exc:
         raise CredentialsError(f"trust bundle: {exc}") from None
-    if bundle.federation != config.federation:
+    if bundle.federation != expected.federation:
         raise CredentialsError(
             f"trust bundle {files.trust_bundle} is for federation {bundle.federation!r}, "
-            f"not {config.federation!r}"
+            f"not {expected.federation!r}"
         )
     try:
         certificate = read_certificate(files.cert)
@@ -73,7 +77,6 @@ def load_credentials(config: AgentConfig) -> Credentials:
         certificate.public_key()
     ):
         raise CredentialsError(f"{files.key} is not the ECDSA key of {files.cert}")
-    expected = config.identity_uri
     if identity != expected:
         raise CredentialsError(f"{files.cert} is {identity}, but this agent is {expected}")
     return Credentials(

@@ -1,15 +1,12 @@
 """The agent daemon's entry point: load the configuration, run the agent, stop on SIGTERM.
 
-Exit codes (systemd's ``Restart=on-failure`` and ``RestartPreventExitStatus=2`` rely on
-them):
-
-- ``0``: stopped cleanly (SIGTERM or SIGINT, or a ``drain`` command finished);
-- ``1``: runtime failure (the worker group failed past its relaunch cap, the broker
-  refused a subscription, the metrics listener cannot bind its address, an unexpected
-  error); restarting may help;
-- ``2``: configuration error (the config file, the policy file, or the identity files it
-  names, or a malformed ``$NOTIFY_SOCKET``/``$WATCHDOG_USEC``); restarting will not help
-  until the files are fixed.
+Exit codes are :class:`geofed.exit_codes.ExitCode`, the table both daemons share:
+``OK`` (0) when stopped cleanly (SIGTERM or SIGINT, or a ``drain`` command finished),
+``RUNTIME`` (1) when the worker group failed past its relaunch cap, the broker refused a
+subscription, the metrics listener cannot bind its address or an unexpected error
+occurred (restarting may help), ``CONFIG`` (2) for a bad config file, policy file or
+identity file it names, or a malformed ``$NOTIFY_SOCKET``/``$WATCHDOG_USEC``
+(restarting will not help until the files are fixed).
 
 On SIGTERM the agent cancels the round in progress (its durable state lets the next
 start resume it), stops the worker group (a stop request, then SIGKILL after its
@@ -53,6 +50,7 @@ from pathlib import Path
 from prometheus_client import CollectorRegistry
 
 from geofed.control import RegionStatus
+from geofed.exit_codes import ExitCode
 from geofed.sdnotify import (
     Notifier,
     NotifyEnvironmentError,
@@ -75,9 +73,6 @@ from regional_agent.status import describe
 
 log = logging.getLogger(__name__)
 
-EXIT_OK = 0
-EXIT_FAILURE = 1
-EXIT_CONFIG = 2
 #: Start-up beyond the worker group's own start (listener, state, first status).
 _START_MARGIN_S = 30.0
 
@@ -89,18 +84,18 @@ def main(config_path: Path | str) -> int:
         watchdog_s = watchdog_interval(os.environ)
     except NotifyEnvironmentError as exc:
         print(f"error: systemd environment: {exc}", file=sys.stderr)
-        return EXIT_CONFIG
+        return ExitCode.CONFIG
     try:
         config = load_config(config_path)
-        credentials = load_credentials(config)
+        credentials = load_credentials(config.identity, config.identity_uri)
         policies = load_region_policies(config)
     except AgentConfigError as exc:
         for problem in exc.problems:
             print(f"error: {problem}", file=sys.stderr)
-        return EXIT_CONFIG
+        return ExitCode.CONFIG
     except (CredentialsError, PolicyLoadError) as exc:
         print(f"error: {config_path}: {exc}", file=sys.stderr)
-        return EXIT_CONFIG
+        return ExitCode.CONFIG
     try:
         with notifier:
             asyncio.run(
@@ -108,12 +103,12 @@ def main(config_path: Path | str) -> int:
             )
     except (AgentFailed, MetricsServerError) as exc:
         log.error("agent failed: %s", exc)  # noqa: TRY400 - the reason is the message
-        return EXIT_FAILURE
+        return ExitCode.RUNTIME
     except Exception:
         log.exception("agent failed")
-        return EXIT_FAILURE
+        return ExitCode.RUNTIME
     log.info("agent stopped")
-    return EXIT_OK
+    return ExitCode.OK
 
 
 async def serve(

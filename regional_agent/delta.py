@@ -3,7 +3,8 @@
 Pure computation on tensors (no I/O, no clock read): the agent runs :func:`encode_delta`
 in a worker thread, never on its event loop. The residual is carried in a *copy* of the
 error-feedback state, so the caller's state advances only when it decides the delta was
-delivered (see :meth:`regional_agent.state.JobState.promote`).
+delivered (see :meth:`regional_agent.state.JobDirectory.promote`). Whether the delta may
+leave the region at all is :mod:`regional_agent.residency`'s decision.
 """
 
 from __future__ import annotations
@@ -16,26 +17,21 @@ from datetime import datetime
 import torch
 from torch import Tensor
 
-from geofed.codec import CodecConfig, ErrorFeedback, TensorSpec
-from geofed.control import CodecParams
+from geofed.codec import DEFAULT_CHUNK_ELEMENTS, EncodedStream, ErrorFeedback, TensorLayout
+from geofed.codec_params import CodecParams
 from geofed.deltas import pseudo_gradient
 from geofed.manifest import (
-    ChunkRecord,
+    ArtifactProvenance,
     Manifest,
-    Provenance,
     SignedManifest,
-    chunk_records,
+    build_manifest,
     sign_manifest,
 )
-from geofed.manifest import CodecParams as ManifestCodec
-from geofed.manifest import TensorSpec as ManifestTensor
 from geofed.types import ArtifactKind, Identity
-from policies import Decision, Endpoint, PolicySet, Transfer, decide_transfer
-from policies import Provenance as PolicyProvenance
 from regional_agent.credentials import Credentials
 
 
-class DeltaError(ValueError):
+class UnusableDelta(ValueError):
     """The trained parameters cannot form a delta of the base (names, dtypes, shapes)."""
 
 
@@ -43,19 +39,28 @@ class DeltaError(ValueError):
 class EncodedDelta:
     """An encoded pseudo-gradient and the residual it leaves for the next round."""
 
-    frames: list[bytes]
-    specs: list[TensorSpec]
-    config: CodecConfig
+    stream: EncodedStream
     feedback: ErrorFeedback
-    fp32_bytes: int
+
+    @property
+    def frames(self) -> list[bytes]:
+        return list(self.stream.frames())
+
+    @property
+    def specs(self) -> list[TensorLayout]:
+        return self.stream.specs
+
+    @property
+    def codec(self) -> CodecParams:
+        return self.stream.codec
+
+    @property
+    def fp32_bytes(self) -> int:
+        return self.stream.fp32_bytes
 
     @property
     def total_bytes(self) -> int:
-        return sum(len(frame) for frame in self.frames)
-
-    @property
-    def records(self) -> tuple[ChunkRecord, ...]:
-        return chunk_records(self.frames)
+        return self.stream.total_bytes
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,16 +77,6 @@ class DeltaOrigin:
     datasets: Sequence[str]
 
 
-def codec_config(params: CodecParams) -> CodecConfig:
-    """The codec configuration an announcement's codec parameters name."""
-    return CodecConfig(
-        scheme=params.scheme,
-        block_size=params.block_size,
-        zstd_level=params.zstd_level,
-        stochastic_rounding=params.stochastic_rounding,
-    )
-
-
 def rounding_generator(job: str, round_: int, region: str) -> torch.Generator:
     """A generator seeded from (job, round, region): re-encoding a round gives the same bytes."""
     digest = hashlib.sha256(f"geofed-delta/{job}/{round_}/{region}".encode()).digest()
@@ -92,53 +87,35 @@ def encode_delta(
     base: Mapping[str, Tensor],
     local: Mapping[str, Tensor],
     feedback: ErrorFeedback,
-    config: CodecConfig,
+    codec: CodecParams,
     *,
+    chunk_elements: int = DEFAULT_CHUNK_ELEMENTS,
     generator: torch.Generator | None = None,
 ) -> EncodedDelta:
     """Encode Δ = base - local with error feedback; ``feedback`` itself is not changed."""
     for name, tensor in local.items():
         if not tensor.is_floating_point():
-            raise DeltaError(f"tensor {name!r} is {tensor.dtype}; a delta needs float tensors")
+            raise UnusableDelta(f"tensor {name!r} is {tensor.dtype}; a delta needs float tensors")
     try:
         delta = pseudo_gradient(base, local)
     except ValueError as exc:
-        raise DeltaError(str(exc)) from None
+        raise UnusableDelta(str(exc)) from None
     after = ErrorFeedback()
     after.load_state_dict(feedback.state_dict())
-    stream = after.step(delta, config, generator=generator)
-    return EncodedDelta(
-        frames=list(stream.frames()),
-        specs=list(stream.specs),
-        config=config,
-        feedback=after,
-        fp32_bytes=stream.fp32_bytes,
-    )
+    stream = after.step(delta, codec, chunk_elements=chunk_elements, generator=generator)
+    return EncodedDelta(stream=stream, feedback=after)
 
 
 def delta_manifest(origin: DeltaOrigin, encoded: EncodedDelta, *, now: datetime) -> Manifest:
     """The manifest of a ``model_delta`` (protocol: "What the signed manifests say")."""
-    records = encoded.records
-    config = encoded.config
-    return Manifest(
+    return build_manifest(
         kind=ArtifactKind.MODEL_DELTA,
         job=origin.job,
         round=origin.round,
-        producer=origin.producer.uri,
-        codec=ManifestCodec(
-            scheme=config.scheme,
-            block_size=config.block_size,
-            zstd_level=config.zstd_level,
-            stochastic_rounding=config.stochastic_rounding,
-        ),
-        tensors=tuple(
-            ManifestTensor(name=spec.name, dtype=spec.dtype, shape=spec.shape)
-            for spec in encoded.specs
-        ),
-        chunks=records,
-        total_size=sum(record.size for record in records),
+        producer=origin.producer,
+        stream=encoded.stream,
         provenance=(
-            Provenance(
+            ArtifactProvenance(
                 region=origin.producer.name,
                 jurisdiction=origin.jurisdiction,
                 datasets=tuple(sorted(origin.datasets)),
@@ -154,14 +131,3 @@ def delta_manifest(origin: DeltaOrigin, encoded: EncodedDelta, *, now: datetime)
 def sign_delta(manifest: Manifest, credentials: Credentials) -> SignedManifest:
     """Sign ``manifest`` with the region's key."""
     return sign_manifest(manifest, credentials.private_key, credentials.certificate)
-
-
-def export_decision(policies: PolicySet, region: str, datasets: Sequence[str]) -> Decision:
-    """May a ``model_delta`` of ``region`` (trained on ``datasets``) go to the coordinator?"""
-    transfer = Transfer(
-        kind=ArtifactKind.MODEL_DELTA,
-        source=Endpoint.of_region(region, policies.jurisdiction_of(region)),
-        destination=Endpoint.coordinator(),
-        provenance=PolicyProvenance.of({region: datasets}),
-    )
-    return decide_transfer(policies, transfer)

@@ -26,7 +26,6 @@ import json
 import math
 import os
 import re
-import secrets
 import sys
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
@@ -539,12 +538,7 @@ class HandoffDir:
 def _replace_quickly(path: Path, data: Mapping[str, Any]) -> None:
     """Rename a whole JSON file into place without fsync (for advisory files)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{secrets.token_hex(6)}.tmp")
-    try:
-        tmp.write_bytes(json.dumps(dict(data)).encode())
-        tmp.replace(path)
-    finally:
-        tmp.unlink(missing_ok=True)
+    atomic_write_bytes(path, json.dumps(dict(data)).encode(), durable=False)
 
 
 def _read_json_or_none(path: Path) -> dict[str, Any] | None:

@@ -25,14 +25,15 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from datetime import datetime
-from typing import Final, Literal
+from typing import Final
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily
 from prometheus_client.registry import Collector
 
+from geofed import codec_params
+from geofed.metric_spec import MetricSpec, counter, gauge, histogram
 from geofed.types import ArtifactKind, InvalidName, validate_name
 
 __all__ = [
@@ -44,7 +45,6 @@ __all__ = [
     "SCHEMES",
     "TRANSFER_BUCKETS_S",
     "AgentMetrics",
-    "MetricSpec",
     "MetricsError",
 ]
 
@@ -55,27 +55,16 @@ TRANSFER_BUCKETS_S: Final = (
 )  # fmt: skip
 
 DIRECTIONS: Final = frozenset({"upload", "download"})
-SCHEMES: Final = frozenset({"fp32", "int8", "int4"})
+SCHEMES: Final = frozenset(codec_params.SCHEMES)
 OUTCOMES: Final = frozenset({"accepted", "straggler", "refused", "failed"})
 DOWNLOAD_KINDS: Final = frozenset({ArtifactKind.GLOBAL_UPDATE, ArtifactKind.GLOBAL_CHECKPOINT})
 CERTIFICATES: Final = frozenset({"identity", "tls", "mqtt"})
 
-Kind = Literal["counter", "gauge", "histogram"]
 Clock = Callable[[], float]
 
 
 class MetricsError(ValueError):
     """A value or label the catalogue does not allow; nothing was recorded."""
-
-
-@dataclass(frozen=True, slots=True)
-class MetricSpec:
-    """One metric: its exposed name, type, help text and label names."""
-
-    name: str
-    kind: Kind
-    help: str
-    labels: tuple[str, ...] = ()
 
 
 WORKER_RESTARTS = MetricSpec(
@@ -270,15 +259,6 @@ def _elapsed(since: float | None, now: float) -> float:
     return 0.0 if since is None else max(0.0, now - since)
 
 
-def _counter(spec: MetricSpec, registry: CollectorRegistry) -> Counter:
-    # The client appends _total itself; give it the stem.
-    return Counter(spec.name.removesuffix("_total"), spec.help, spec.labels, registry=registry)
-
-
-def _gauge(spec: MetricSpec, registry: CollectorRegistry) -> Gauge:
-    return Gauge(spec.name, spec.help, spec.labels, registry=registry)
-
-
 class AgentMetrics:
     """Every collector of the catalogue for the agent of ``region``, registered in ``registry``.
 
@@ -295,27 +275,21 @@ class AgentMetrics:
         except InvalidName as exc:
             raise MetricsError(str(exc)) from None
         self.registry = registry
-        self.worker_restarts = _counter(WORKER_RESTARTS, registry)
-        self.rounds_trained = _counter(ROUNDS_TRAINED, registry)
-        self.round_outcomes = _counter(ROUND_OUTCOMES, registry)
-        self.round = _gauge(ROUND, registry)
-        self.train_loss = _gauge(TRAIN_LOSS, registry)
-        self.upload_bytes = _counter(UPLOAD_BYTES, registry)
-        self.upload_retries = _counter(UPLOAD_RETRIES, registry)
-        self.upload_duration = Histogram(
-            UPLOAD_DURATION.name,
-            UPLOAD_DURATION.help,
-            UPLOAD_DURATION.labels,
-            registry=registry,
-            buckets=TRANSFER_BUCKETS_S,
-        )
-        self.delta_bytes = _counter(DELTA_BYTES, registry)
-        self.download_bytes = _counter(DOWNLOAD_BYTES, registry)
-        self.fp32_equivalent_bytes = _counter(FP32_EQUIVALENT_BYTES, registry)
-        self.resyncs = _counter(RESYNCS, registry)
-        self.mqtt_connected = _gauge(MQTT_CONNECTED, registry)
-        self.policy_denials = _counter(POLICY_DENIALS, registry)
-        self.certificate_expiry = _gauge(CERTIFICATE_EXPIRY, registry)
+        self.worker_restarts = counter(WORKER_RESTARTS, registry)
+        self.rounds_trained = counter(ROUNDS_TRAINED, registry)
+        self.round_outcomes = counter(ROUND_OUTCOMES, registry)
+        self.round = gauge(ROUND, registry)
+        self.train_loss = gauge(TRAIN_LOSS, registry)
+        self.upload_bytes = counter(UPLOAD_BYTES, registry)
+        self.upload_retries = counter(UPLOAD_RETRIES, registry)
+        self.upload_duration = histogram(UPLOAD_DURATION, registry, TRANSFER_BUCKETS_S)
+        self.delta_bytes = counter(DELTA_BYTES, registry)
+        self.download_bytes = counter(DOWNLOAD_BYTES, registry)
+        self.fp32_equivalent_bytes = counter(FP32_EQUIVALENT_BYTES, registry)
+        self.resyncs = counter(RESYNCS, registry)
+        self.mqtt_connected = gauge(MQTT_CONNECTED, registry)
+        self.policy_denials = counter(POLICY_DENIALS, registry)
+        self.certificate_expiry = gauge(CERTIFICATE_EXPIRY, registry)
         self._stopwatches = _Stopwatches(self.region, clock)
         registry.register(self._stopwatches)
         self._restarts_seen = 0

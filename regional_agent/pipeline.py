@@ -2,7 +2,8 @@
 
 :meth:`RoundPipeline.run` takes a round announcement and returns how the round ended
 for this region (:class:`RoundEnd`): ``accepted``, ``straggler`` (the round closed
-first), ``refused`` (by the coordinator or by the region's own policy) or ``failed``
+first), ``refused`` (by the coordinator, or by the region's own policy: see
+:mod:`regional_agent.residency`, asked before training and before any upload) or ``failed``
 (θ_r could not be reconstructed, or the workers refused the instruction). Failures that
 a later try may overcome (the coordinator unreachable, a wait ran out) raise
 :class:`RetryLater`; a worker group that crashed past its relaunch cap raises
@@ -20,8 +21,9 @@ past: the pipeline confirms it with the coordinator, discards the job's regional
 takes part in the announced round from a full resync.
 
 Metrics (:class:`~regional_agent.metrics.AgentMetrics`): the time the worker group
-trains, each round trained (once per round, however often it is read back), the
-region's own policy refusals, and the size of every delta the coordinator accepts.
+trains, each round trained (once per round, however often it is read back), and the
+size of every delta the coordinator accepts; the residency gate counts the region's own
+policy refusals.
 """
 
 from __future__ import annotations
@@ -38,24 +40,22 @@ from geofed.codec import CodecError
 from geofed.control import RoundAnnouncement
 from geofed.manifest import Manifest
 from geofed.timeouts import Timeout
-from geofed.types import ArtifactKind
 from policies import PolicySet
+from regional_agent.coordinator_client import CoordinatorError, HttpError, TransportError
 from regional_agent.credentials import Credentials
 from regional_agent.delta import (
-    DeltaError,
     DeltaOrigin,
-    codec_config,
+    UnusableDelta,
     delta_manifest,
     encode_delta,
-    export_decision,
     rounding_generator,
     sign_delta,
 )
 from regional_agent.handoff import RoundInstruction
-from regional_agent.http import CoordinatorError, HttpError, TransportError
 from regional_agent.metrics import AgentMetrics
+from regional_agent.residency import ExportGate
 from regional_agent.schedule import Progress, judge_rollback
-from regional_agent.state import AgentState, DeltaMeta, JobState, SpooledDelta, StateError
+from regional_agent.state import AgentState, DeltaMeta, JobDirectory, SpooledDelta, StateError
 from regional_agent.status import StatusReporter
 from regional_agent.sync import ResyncFailed, Synced, Synchronizer
 from regional_agent.uploader import BaseMismatch, RoundClosed, Uploader, UploadRefused
@@ -149,6 +149,7 @@ class RoundPipeline:
         self._clock = clock
         # job -> the last round counted as trained (a round read back is not counted again)
         self._trained: dict[str, int] = {}
+        self._residency = ExportGate(region.policies, region.name, region.datasets, metrics)
 
     async def run(self, announcement: RoundAnnouncement, *, resync: bool = False) -> RoundEnd:
         """Take part in the announced round; ``resync`` discards the θ held first."""
@@ -173,7 +174,7 @@ class RoundPipeline:
             return await self._deliver(job, announcement, spooled)
         except (TransportError, Timeout) as exc:
             raise RetryLater(str(exc)) from exc
-        except (CoordinatorError, DeltaError, CodecError, StateError) as exc:
+        except (CoordinatorError, UnusableDelta, CodecError, StateError) as exc:
             # The coordinator is not who it should be (or answers nonsense), the trained
             # parameters cannot form a delta (shapes, NaN), or the regional state is
             # damaged: this round is lost for this region.
@@ -182,8 +183,12 @@ class RoundPipeline:
     # -- steps ------------------------------------------------------------------------
 
     async def _produce(
-        self, job: JobState, announcement: RoundAnnouncement
+        self, job: JobDirectory, announcement: RoundAnnouncement
     ) -> SpooledDelta | RoundEnd:
+        refused = self._residency.refusal(announcement.job, announcement.round, "training")
+        if refused is not None:
+            # Training a round whose delta could never leave would only waste the round.
+            return RoundEnd("refused", refused)
         where = {"job": announcement.job, "round": announcement.round}
         # The hash and loss of an earlier round do not describe this one.
         self._status.update(
@@ -250,11 +255,7 @@ class RoundPipeline:
             if announcement.codec.stochastic_rounding:
                 generator = rounding_generator(job.job, announcement.round, self._region.name)
             encoded = encode_delta(
-                synced.params,
-                result.params,
-                feedback,
-                codec_config(announcement.codec),
-                generator=generator,
+                synced.params, result.params, feedback, announcement.codec, generator=generator
             )
             manifest = delta_manifest(origin, encoded, now=self._clock())
             signed = sign_delta(manifest, self._region.credentials)
@@ -267,7 +268,7 @@ class RoundPipeline:
         return delta
 
     def _instruction(
-        self, announcement: RoundAnnouncement, job: JobState, synced: Synced
+        self, announcement: RoundAnnouncement, job: JobDirectory, synced: Synced
     ) -> RoundInstruction:
         participants = sorted(announcement.participants)
         return RoundInstruction(
@@ -284,19 +285,18 @@ class RoundPipeline:
         )
 
     async def _deliver(
-        self, job: JobState, announcement: RoundAnnouncement, delta: SpooledDelta
+        self, job: JobDirectory, announcement: RoundAnnouncement, delta: SpooledDelta
     ) -> RoundEnd:
         meta = delta.meta
 
         def end(outcome: Outcome, detail: str) -> RoundEnd:
             return RoundEnd(outcome, detail, meta.params_hash, meta.train_loss)
 
-        decision = export_decision(self._region.policies, self._region.name, self._region.datasets)
-        if not decision.allowed:
-            # Defence in depth: the region's own policy is asked before anything leaves.
-            self._metrics.policy_denied(ArtifactKind.MODEL_DELTA)
+        # Asked again before anything leaves: a spooled delta may meet a changed policy.
+        refused = self._residency.refusal(announcement.job, announcement.round, "upload")
+        if refused is not None:
             await _blocking(job.discard_spool, announcement.round)
-            return end("refused", f"own policy: {decision}")
+            return end("refused", refused)
         self._status.update(
             "uploading",
             job=announcement.job,
@@ -328,7 +328,7 @@ class RoundPipeline:
             "accepted", f"delta accepted ({sent}{', resumed' if report.attempts > 1 else ''})"
         )
 
-    async def _follow_rollback(self, job: JobState, announcement: RoundAnnouncement) -> None:
+    async def _follow_rollback(self, job: JobDirectory, announcement: RoundAnnouncement) -> None:
         """Discard the job's regional state if its coordinator was restored from a backup.
 
         Only when the announcement contradicts the recorded progress is the coordinator
@@ -382,13 +382,16 @@ class RoundPipeline:
                 raise RetryLater(f"the worker group still trains round {round_} of {job}")
             await asyncio.sleep(_IDLE_POLL_S)
 
-    async def _settle_stale_spools(self, job: JobState, current_round: int) -> None:
-        """Deltas of earlier rounds left by a crash: learn whether they were accepted."""
+    async def _settle_stale_spools(self, job: JobDirectory, current_round: int) -> None:
+        """Deltas of earlier rounds left by a crash: learn whether they were accepted.
+
+        A delta the region's own policy now refuses is dropped unsent.
+        """
         for round_ in await _blocking(job.spooled_rounds):
             if round_ >= current_round:
                 continue
             delta = await _blocking(job.read_spool, round_)
-            if delta is None:
+            if delta is None or self._residency.refusal(job.job, round_, "upload") is not None:
                 await _blocking(job.discard_spool, round_)
                 continue
             try:

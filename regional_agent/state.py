@@ -17,7 +17,7 @@ cursor) in its own hand-off directory. Layout under the state directory::
 Every file is written temp + fsync + rename (:mod:`geofed.fsutil`), and a thing exists
 only once the file naming it does (``current.json``, ``manifest.json``), so a crash at
 any point leaves the previous state readable. The residual advances only when a delta
-is accepted (:meth:`JobState.promote`): a delta that never reached the coordinator
+is accepted (:meth:`JobDirectory.promote`): a delta that never reached the coordinator
 leaves nothing of itself behind. All methods block on disk I/O; the agent calls them
 through ``asyncio.to_thread``.
 """
@@ -110,8 +110,8 @@ class SpooledDelta:
         return data
 
 
-class JobState:
-    """One job's regional state under ``root`` (see the module docstring)."""
+class JobDirectory:
+    """One job's directory of regional state, ``root/jobs/<job>`` (see the module docstring)."""
 
     def __init__(self, root: Path, job: str) -> None:
         self.job = validate_name("job", job)
@@ -327,13 +327,13 @@ class JobState:
 
 
 class AgentState:
-    """The agent's state directory: one :class:`JobState` per job."""
+    """The agent's state directory: one :class:`JobDirectory` per job."""
 
     def __init__(self, root: str | os.PathLike[str]) -> None:
         self.root = Path(root)
 
-    def job(self, job: str) -> JobState:
-        return JobState(self.root, job)
+    def job(self, job: str) -> JobDirectory:
+        return JobDirectory(self.root, job)
 
     def prepare(self) -> None:
         """Create the state directory (owner-only: θ and residuals never leave the region)."""

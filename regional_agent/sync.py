@@ -30,6 +30,8 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
+from geofed.api_paths import ApiPaths
+from geofed.artifact_bundle import BundleError, split_bundle
 from geofed.codec import CodecError, decode
 from geofed.control import RoundAnnouncement
 from geofed.deltas import DeltaError, apply_update
@@ -37,8 +39,7 @@ from geofed.manifest import Manifest, ManifestError, SignedManifest, verify_chun
 from geofed.params import parameters_vector_hash
 from geofed.pki import TrustBundle
 from geofed.types import ArtifactKind, Role
-from geofed.wire import BundleError, split_bundle
-from regional_agent.http import CoordinatorClient, CoordinatorError, HttpError
+from regional_agent.coordinator_client import CoordinatorClient, CoordinatorError, HttpError
 from regional_agent.metrics import AgentMetrics, MetricsError
 from regional_agent.state import ParamsVersion
 
@@ -250,7 +251,7 @@ class Synchronizer:
 
     async def coordinator_version(self, job: str) -> ParamsVersion | None:
         """The θ version the coordinator holds now for ``job`` (None before it has any)."""
-        answer = (await self._client.request("GET", f"/v1/jobs/{job}")).json()
+        answer = (await self._client.request("GET", ApiPaths.job(job))).json()
         round_, hash_ = answer.get("round"), answer.get("params_hash")
         if hash_ is None:
             return None
@@ -260,7 +261,7 @@ class Synchronizer:
 
     async def resync(self, job: str, target: ParamsVersion) -> tuple[Params, ParamsVersion]:
         """θ of ``target`` from the latest checkpoint: its snapshot, then its updates."""
-        answer = await self._client.request("GET", f"/v1/jobs/{job}/checkpoints/latest")
+        answer = await self._client.request("GET", ApiPaths.latest_checkpoint(job))
         snapshot, updates = _chain(answer.json(), job, target.round)
         applied: list[tuple[str, int]] = []  # counted once the chain reaches θ_r
         try:

@@ -23,19 +23,19 @@ import asyncio
 import logging
 import random
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from geofed.control.backoff import Backoff
+from geofed.api_paths import ApiPaths
+from geofed.backoff import Backoff, Retry, Sleep
 from geofed.timeouts import Timeout, wait_for
-from regional_agent.http import CoordinatorClient, HttpError, TransportError
+from regional_agent.coordinator_client import CoordinatorClient, HttpError, TransportError
 from regional_agent.metrics import AgentMetrics
 from regional_agent.state import SpooledDelta
 
 log = logging.getLogger(__name__)
 
-Sleep = Callable[[float], Awaitable[None]]
 #: Codes meaning the delta no longer belongs to an open round.
 _CLOSED_CODES = frozenset({"round_closed", "wrong_round"})
 #: An ``incomplete`` commit (a chunk lost after its acknowledgement) or a vanished open
@@ -98,7 +98,7 @@ class Uploader:
         self._clock = clock
 
     def delta_path(self, job: str, round_: int) -> str:
-        return f"/v1/jobs/{job}/rounds/{round_}/deltas/{self._region}"
+        return ApiPaths.delta(job, round_, self._region)
 
     async def upload(
         self, job: str, delta: SpooledDelta, metrics: Mapping[str, float]
@@ -123,12 +123,12 @@ class Uploader:
         self, job: str, delta: SpooledDelta, metrics: dict[str, float], report: UploadReport
     ) -> UploadReport:
         base = self.delta_path(job, delta.round)
-        failures = 0
+        retry = Retry(self._backoff, rng=self._rng, sleep=self._sleep)
         incomplete = 0
         while True:
             report.attempts += 1
             try:
-                if await self._attempt(base, delta, metrics, report):
+                if await self._attempt(job, delta, metrics, report):
                     return report
                 incomplete += 1
                 if incomplete >= _MAX_INCOMPLETE:
@@ -138,24 +138,25 @@ class Uploader:
                         "in a row",
                     )
             except (TransportError, Timeout) as exc:
-                delay = self._backoff.delay(failures, self._rng)
-                failures += 1
+                delay = retry.failed()
                 report.retried_after.append(str(exc))
                 log.warning("%s: %s; resuming in %.2f s", base, exc, delay)
-                await self._sleep(delay)
+                await retry.wait(delay)
             except HttpError as exc:
                 raise _refusal(exc) from exc
 
     async def _attempt(
         self,
-        base: str,
+        job: str,
         delta: SpooledDelta,
         metrics: dict[str, float],
         report: UploadReport,
     ) -> bool:
         """One pass: manifest, missing chunks, commit. False to start over from the manifest."""
+        base = self.delta_path(job, delta.round)
+        manifest = ApiPaths.delta_manifest(job, delta.round, self._region)
         answer = await self._client.request(
-            "PUT", f"{base}/manifest", data=delta.manifest_bytes, what=f"PUT {base}/manifest"
+            "PUT", manifest, data=delta.manifest_bytes, what=f"PUT {manifest}"
         )
         state = answer.json()
         if state.get("state") == "accepted":
@@ -167,10 +168,9 @@ class Uploader:
             if index in received:
                 continue
             frame = await asyncio.to_thread(delta.read_frame, index)
+            chunk = ApiPaths.delta_chunk(job, delta.round, self._region, index)
             try:
-                await self._client.request(
-                    "PUT", f"{base}/chunks/{index}", data=frame, what=f"PUT {base}/chunks/{index}"
-                )
+                await self._client.request("PUT", chunk, data=frame, what=f"PUT {chunk}")
             except HttpError as exc:
                 if exc.code != "not_found":
                     raise
@@ -181,7 +181,10 @@ class Uploader:
             report.bytes_sent += len(frame)
         try:
             commit = await self._client.request(
-                "POST", f"{base}/commit", json_body={"metrics": metrics}, what=f"commit {base}"
+                "POST",
+                ApiPaths.delta_commit(job, delta.round, self._region),
+                json_body={"metrics": metrics},
+                what=f"commit {base}",
             )
         except HttpError as exc:
             if exc.code == "incomplete":

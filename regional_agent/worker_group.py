@@ -22,13 +22,12 @@ import asyncio
 import contextlib
 import logging
 import random
-import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
-from geofed.control.backoff import Backoff
+from geofed.backoff import Backoff, Retry
 from geofed.timeouts import Timeout, wait_for
 from regional_agent.handoff import HandoffDir, RoundInstruction, RoundResult
 from regional_agent.launcher import Launcher
@@ -93,15 +92,16 @@ class WorkerGroup:
         self.handoff = HandoffDir(workdir)
         self._launcher = launcher
         self._config = config if config is not None else WorkerGroupConfig()
-        self._rng = rng if rng is not None else random.Random()
-        self._sleep = sleep
+        # Consecutive relaunches: reset once a launch stayed up healthy_after_s.
+        self._retry = Retry(
+            self._config.backoff, rng=rng if rng is not None else random.Random(), sleep=sleep
+        )
         self._supervisor: asyncio.Task[None] | None = None
         self._inflight: asyncio.Future[Any] | None = None
         self._round_lock = asyncio.Lock()
         self._failure: WorkerGroupFailed | None = None
         self._stopped = False
         self._relaunches = 0
-        self._consecutive = 0
         self._launched_at = 0.0
 
     @property
@@ -128,7 +128,7 @@ class WorkerGroup:
             raise WorkerGroupError("a worker group is started once; build a new one to restart")
         await asyncio.to_thread(self._prepare_workdir)
         await self._launcher_call(self._launcher.start)
-        self._launched_at = time.monotonic()
+        self._launched_at = self._retry.now()
         self._supervisor = asyncio.create_task(self._supervise(), name="worker-group-supervisor")
         try:
             await wait_for(self._until_ready(), self._config.start_timeout_s, "worker group start")
@@ -266,30 +266,29 @@ class WorkerGroup:
                     )
                 continue
             tails = await asyncio.to_thread(self._log_tails)
-            if time.monotonic() - self._launched_at >= self._config.healthy_after_s:
-                self._consecutive = 0
-            if self._consecutive >= self._config.max_relaunches:
+            retry = self._retry
+            retry.recovered(self._launched_at, self._config.healthy_after_s)
+            if retry.failures >= self._config.max_relaunches:
                 self._failure = WorkerGroupFailed(
-                    f"worker group exited with status {status} after {self._consecutive} "
+                    f"worker group exited with status {status} after {retry.failures} "
                     f"consecutive relaunches (the cap); last output:\n{tails}"
                 )
                 log.error("%s", self._failure)
                 await self._launcher_call(self._launcher.kill)
                 return
-            delay = self._config.backoff.delay(self._consecutive, self._rng)
+            delay = retry.failed()
             log.error(
                 "worker group exited with status %s; relaunching in %.1f s\n%s",
                 status,
                 delay,
                 tails,
             )
-            await self._sleep(delay)
+            await retry.wait(delay)
             await self._launcher_call(self._launcher.kill)
             await asyncio.to_thread(self._prepare_workdir)
             await self._launcher_call(self._launcher.start)
-            self._launched_at = time.monotonic()
+            self._launched_at = retry.now()
             self._relaunches += 1
-            self._consecutive += 1
 
     def _log_tails(self) -> str:
         paths = sorted(self.handoff.log_dir.glob("rank-*.log"))

@@ -3,6 +3,9 @@
 Schemes: ``fp32`` (lossless), ``int8`` and ``int4`` (blockwise absmax; see
 :mod:`geofed.codec.quantize` for the math). Encoding is deterministic for given inputs
 (and generator state, with stochastic rounding); decoding is bit-identical everywhere.
+The parameters are :class:`geofed.codec_params.CodecParams`, the model job specs, round
+announcements and manifests share; the chunk size is the encoder's own choice
+(``chunk_elements``, recorded in the stream header).
 
 Wire format, version 1
 ======================
@@ -63,7 +66,6 @@ Trailer body: 56 bytes::
 """
 
 from geofed.codec.assembly import decode, decode_pieces
-from geofed.codec.config import CodecConfig, TensorSpec
 from geofed.codec.decoder import Piece, StreamDecoder
 from geofed.codec.encoder import Chunk, EncodedStream, encode, encode_stream
 from geofed.codec.errors import (
@@ -82,10 +84,12 @@ from geofed.codec.errors import (
     UnsupportedVersion,
 )
 from geofed.codec.feedback import ErrorFeedback, ErrorFeedbackError
+from geofed.codec.layout import DEFAULT_CHUNK_ELEMENTS
+from geofed.codec.tensors import TensorLayout
 
 __all__ = [
+    "DEFAULT_CHUNK_ELEMENTS",
     "Chunk",
-    "CodecConfig",
     "CodecError",
     "CorruptChunk",
     "CorruptStream",
@@ -102,7 +106,7 @@ __all__ = [
     "OutOfOrder",
     "Piece",
     "StreamDecoder",
-    "TensorSpec",
+    "TensorLayout",
     "TruncatedStream",
     "UnsupportedVersion",
     "decode",

@@ -6,8 +6,8 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import torch
 
-from geofed.codec.config import TensorSpec
 from geofed.codec.decoder import Piece, StreamDecoder
+from geofed.codec.tensors import TensorLayout
 from geofed.codec.wire import Bytes
 
 
@@ -62,7 +62,7 @@ def decode(
 class _Target:
     """Whole tensors that :func:`decode` fills, float32 ones decoded in place."""
 
-    def __init__(self, specs: Callable[[], list[TensorSpec]]) -> None:
+    def __init__(self, specs: Callable[[], list[TensorLayout]]) -> None:
         self._specs = specs
         self._tensors: dict[str, torch.Tensor] | None = None
         self._scratch = torch.empty(0, dtype=torch.float32)

@@ -13,7 +13,6 @@ import torch
 import zstandard
 
 from geofed.codec.compression import decompress_exact
-from geofed.codec.config import CodecConfig, TensorSpec
 from geofed.codec.errors import (
     CorruptChunk,
     CorruptStream,
@@ -28,6 +27,7 @@ from geofed.codec.framing import FrameReader
 from geofed.codec.layout import ChunkSlot, chunk_count, chunk_slots, payload_size
 from geofed.codec.layout import zstd_compress_bound as compress_bound
 from geofed.codec.quantize import BlockCodec
+from geofed.codec.tensors import TensorLayout
 from geofed.codec.wire import (
     CHUNK_FIELDS,
     MAX_HEADER_BODY,
@@ -43,6 +43,7 @@ from geofed.codec.wire import (
     parse_trailer_body,
     verify_tag,
 )
+from geofed.codec_params import CodecParams
 
 _HEX_DIGEST = re.compile(r"^[0-9a-f]{64}$")
 _E = TypeVar("_E", bound=BaseException)
@@ -62,9 +63,10 @@ class Piece:
 class _Header:
     """What the stream header established."""
 
-    config: CodecConfig
-    specs: list[TensorSpec]
-    codec: BlockCodec
+    codec: CodecParams
+    chunk_elements: int
+    specs: list[TensorLayout]
+    block_codec: BlockCodec
     digest: bytes
     chunk_total: int
     chunk_limit: int  # the largest zstd frame a chunk of this stream may carry
@@ -125,13 +127,19 @@ class StreamDecoder:
         self._failure: BaseException | None = None
 
     @property
-    def specs(self) -> list[TensorSpec]:
+    def specs(self) -> list[TensorLayout]:
         """The tensors the stream describes; available once the header was read."""
         return list(self._known_header().specs)
 
     @property
-    def config(self) -> CodecConfig:
-        return self._known_header().config
+    def codec(self) -> CodecParams:
+        """The codec parameters the stream header names; available once it was read."""
+        return self._known_header().codec
+
+    @property
+    def chunk_elements(self) -> int:
+        """Elements per chunk, from the stream header."""
+        return self._known_header().chunk_elements
 
     @property
     def complete(self) -> bool:
@@ -252,8 +260,8 @@ class StreamDecoder:
             raise DigestMismatch(
                 f"stream header sha256 {digest.hex()} is not the manifest's {self._expected_header}"
             )
-        config, specs = parse_header_body(body, "stream header")
-        total = chunk_count(specs, config.chunk_elements)
+        codec, chunk_elements, specs = parse_header_body(body, "stream header")
+        total = chunk_count(specs, chunk_elements)
         if self._expected is not None and len(self._expected) != total:
             raise CorruptStream(
                 f"stream has {total} chunks but the manifest lists {len(self._expected)} digests"
@@ -265,16 +273,17 @@ class StreamDecoder:
                 f"{self._max_decoded} this decoder accepts"
             )
         self._header = _Header(
-            config=config,
+            codec=codec,
+            chunk_elements=chunk_elements,
             specs=specs,
-            codec=BlockCodec(config.scheme, config.block_size),
+            block_codec=BlockCodec(codec.scheme, codec.block_size),
             digest=digest,
             chunk_total=total,
             chunk_limit=compress_bound(
-                payload_size(config.scheme, config.chunk_elements, config.block_size)
+                payload_size(codec.scheme, chunk_elements, codec.block_size)
             ),
         )
-        self._slots = chunk_slots(specs, config.chunk_elements)
+        self._slots = chunk_slots(specs, chunk_elements)
         self._next = next(self._slots, None)
         self._stream_hash = hashlib.sha256(digest)
         self._state = _State.CHUNKS
@@ -300,16 +309,16 @@ class StreamDecoder:
         stop = slot.offset + slot.count
         label = f"chunk {slot.index} (tensor {spec.name!r} elements [{slot.offset}:{stop}])"
         found = (fields.tensor, fields.offset, fields.count, fields.scheme_code)
-        wanted = (slot.tensor, slot.offset, slot.count, SCHEME_CODES[header.config.scheme])
+        wanted = (slot.tensor, slot.offset, slot.count, SCHEME_CODES[header.codec.scheme])
         if found != wanted:
             raise CorruptChunk(f"{label}: (tensor, offset, count, scheme) is {found}, not {wanted}")
-        size = payload_size(header.config.scheme, slot.count, header.config.block_size)
+        size = payload_size(header.codec.scheme, slot.count, header.codec.block_size)
         if fields.decoded_size != size:
             error = DecodedSizeExceeded if fields.decoded_size > size else CorruptChunk
             raise error(f"{label}: declares {fields.decoded_size} decoded bytes, not {size}")
         out = self._output_buffer(spec.name, slot)
         payload = decompress_exact(self._decompressor, body[CHUNK_FIELDS.size :], size, label)
-        values = header.codec.decode(payload, slot.count, label=label, out=out)
+        values = header.block_codec.decode(payload, slot.count, label=label, out=out)
         self._stream_hash.update(digest)
         self._next = next(self._slots, None)
         return Piece(spec.name, slot.offset, slot.count, values)

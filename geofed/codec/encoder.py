@@ -10,11 +10,11 @@ from dataclasses import dataclass
 
 import torch
 
-from geofed.codec.config import DTYPE_NAMES, CodecConfig, Scheme, TensorSpec, check_tensor_name
 from geofed.codec.errors import CodecError, EncodeError
-from geofed.codec.layout import ChunkSlot, chunk_slots
+from geofed.codec.layout import DEFAULT_CHUNK_ELEMENTS, ChunkSlot, check_chunk_elements, chunk_slots
 from geofed.codec.pipeline import ChunkSealer, Pipeline
 from geofed.codec.quantize import BlockCodec
+from geofed.codec.tensors import DTYPE_NAMES, TensorLayout, check_tensor_name
 from geofed.codec.wire import (
     FrameKind,
     Sealed,
@@ -23,6 +23,7 @@ from geofed.codec.wire import (
     seal,
     trailer_body,
 )
+from geofed.codec_params import CodecParams, Scheme
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,8 +51,9 @@ class EncodedStream:
     them in order: header, chunks by index, trailer.
     """
 
-    specs: list[TensorSpec]
-    config: CodecConfig
+    specs: list[TensorLayout]
+    codec: CodecParams
+    chunk_elements: int
     header: bytes
     header_digest: str
     chunks: list[Chunk]
@@ -83,12 +85,16 @@ class EncodedStream:
 
 def encode_stream(
     tensors: Mapping[str, torch.Tensor],
-    config: CodecConfig,
+    codec: CodecParams,
     *,
+    chunk_elements: int = DEFAULT_CHUNK_ELEMENTS,
     generator: torch.Generator | None = None,
     workers: int = 1,
 ) -> EncodedStream:
-    """Encode ``tensors`` (in mapping order) as a stream.
+    """Encode ``tensors`` (in mapping order) as a stream with ``codec``.
+
+    Each chunk carries ``chunk_elements`` values of one tensor (a multiple of the block
+    size; the last chunk of a tensor may be shorter).
 
     Quantization runs on each tensor's own device; only payloads reach the host.
     ``generator`` drives stochastic rounding and must live on the tensors' device; its
@@ -97,14 +103,15 @@ def encode_stream(
     Raises :class:`EncodeError` (naming the tensor) on an unsupported dtype, a bad name
     or a non-finite value.
     """
-    if not isinstance(config, CodecConfig):
-        raise EncodeError(f"config must be a CodecConfig, not {type(config).__name__}")
+    if not isinstance(codec, CodecParams):
+        raise EncodeError(f"codec must be a CodecParams, not {type(codec).__name__}")
+    check_chunk_elements(chunk_elements, codec.block_size)
     if not isinstance(workers, int) or not 1 <= workers <= (os.cpu_count() or 1) * 4:
         raise EncodeError(f"workers {workers!r} must be an int from 1 to 4 x the CPU count")
     specs, flats = _describe(tensors)
     rng_state = generator.get_state() if generator is not None else None
     try:
-        return _encode(specs, flats, config, generator, workers)
+        return _encode(specs, flats, codec, chunk_elements, generator, workers)
     except BaseException:
         if generator is not None and rng_state is not None:
             generator.set_state(rng_state)
@@ -121,21 +128,23 @@ def encode(
     generator: torch.Generator | None = None,
 ) -> bytes:
     """Encode ``tensors`` into one contiguous stream (header, chunks, trailer)."""
-    config = CodecConfig(
+    codec = CodecParams(
         scheme=scheme,
         block_size=block_size,
         zstd_level=zstd_level,
         stochastic_rounding=stochastic_rounding,
     )
-    return encode_stream(tensors, config, generator=generator).to_bytes()
+    return encode_stream(tensors, codec, generator=generator).to_bytes()
 
 
-def _describe(tensors: Mapping[str, torch.Tensor]) -> tuple[list[TensorSpec], list[torch.Tensor]]:
+def _describe(
+    tensors: Mapping[str, torch.Tensor],
+) -> tuple[list[TensorLayout], list[torch.Tensor]]:
     if not isinstance(tensors, Mapping):
         raise EncodeError(
             f"tensors must be a mapping of name to tensor, not {type(tensors).__name__}"
         )
-    specs: list[TensorSpec] = []
+    specs: list[TensorLayout] = []
     flats: list[torch.Tensor] = []
     for name, tensor in tensors.items():
         try:
@@ -155,23 +164,24 @@ def _describe(tensors: Mapping[str, torch.Tensor]) -> tuple[list[TensorSpec], li
                 f"tensor {name!r} has dtype {tensor.dtype}; supported: "
                 + ", ".join(str(d) for d in DTYPE_NAMES)
             )
-        specs.append(TensorSpec(name, dtype, tuple(tensor.shape)))
+        specs.append(TensorLayout(name, dtype, tuple(tensor.shape)))
         flats.append(tensor.detach().reshape(-1))
     return specs, flats
 
 
 def _encode(
-    specs: list[TensorSpec],
+    specs: list[TensorLayout],
     flats: list[torch.Tensor],
-    config: CodecConfig,
+    params: CodecParams,
+    chunk_elements: int,
     generator: torch.Generator | None,
     workers: int,
 ) -> EncodedStream:
-    header = seal(FrameKind.HEADER, [header_body(config, specs)])
+    header = seal(FrameKind.HEADER, [header_body(params, chunk_elements, specs)])
     codec = BlockCodec(
-        config.scheme, config.block_size, stochastic_rounding=config.stochastic_rounding
+        params.scheme, params.block_size, stochastic_rounding=params.stochastic_rounding
     )
-    sealer = ChunkSealer(config, header.digest)
+    sealer = ChunkSealer(params, header.digest)
     stream_hash = hashlib.sha256(header.digest)
     chunks: list[Chunk] = []
 
@@ -183,7 +193,7 @@ def _encode(
         )
 
     with Pipeline(workers) as pipeline:
-        for slot in chunk_slots(specs, config.chunk_elements):
+        for slot in chunk_slots(specs, chunk_elements):
             spec = specs[slot.tensor]
             flat = flats[slot.tensor]
             label = f"tensor {spec.name!r} elements [{slot.offset}:{slot.offset + slot.count}]"
@@ -216,7 +226,8 @@ def _encode(
     )
     return EncodedStream(
         specs=specs,
-        config=config,
+        codec=params,
+        chunk_elements=chunk_elements,
         header=header.data,
         header_digest=header.digest.hex(),
         chunks=chunks,

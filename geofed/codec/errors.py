@@ -1,18 +1,30 @@
 """Exceptions raised by the delta codec.
 
 Every error names what is wrong (which tensor, which chunk, which field) so that a
-rejected upload can be explained to its sender without a debugger.
+rejected upload can be explained to its sender without a debugger. The base
+:class:`CodecError` and :class:`InvalidConfig` are defined with the codec parameters
+(:mod:`geofed.codec_params`), which validate without importing the codec.
 """
 
 from __future__ import annotations
 
+from geofed.codec_params import CodecError, InvalidConfig
 
-class CodecError(Exception):
-    """Base class of every codec error."""
-
-
-class InvalidConfig(CodecError, ValueError):
-    """A codec parameter or tensor description is out of range."""
+__all__ = [
+    "CodecError",
+    "CorruptChunk",
+    "CorruptStream",
+    "DecodeError",
+    "DecodedSizeExceeded",
+    "DecoderStateError",
+    "DigestMismatch",
+    "EncodeError",
+    "InvalidConfig",
+    "NonFiniteValue",
+    "OutOfOrder",
+    "TruncatedStream",
+    "UnsupportedVersion",
+]
 
 
 class EncodeError(CodecError, ValueError):

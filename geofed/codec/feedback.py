@@ -13,9 +13,11 @@ from collections.abc import Mapping
 import torch
 
 from geofed.codec.assembly import decode
-from geofed.codec.config import CodecConfig, check_tensor_name
 from geofed.codec.encoder import EncodedStream, encode_stream
 from geofed.codec.errors import CodecError
+from geofed.codec.layout import DEFAULT_CHUNK_ELEMENTS
+from geofed.codec.tensors import check_tensor_name
+from geofed.codec_params import CodecParams
 
 _STATE_VERSION = 1
 
@@ -71,13 +73,16 @@ class ErrorFeedback:
     def step(
         self,
         delta: Mapping[str, torch.Tensor],
-        config: CodecConfig,
+        codec: CodecParams,
         *,
+        chunk_elements: int = DEFAULT_CHUNK_ELEMENTS,
         generator: torch.Generator | None = None,
     ) -> EncodedStream:
         """Compensate ``delta``, encode it, and keep what decoding it will miss."""
         compensated = self.compensate(delta)
-        stream = encode_stream(compensated, config, generator=generator)
+        stream = encode_stream(
+            compensated, codec, chunk_elements=chunk_elements, generator=generator
+        )
         self.update(compensated, decode(stream.frames()))
         return stream
 

@@ -10,28 +10,28 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 
 from geofed.codec.compression import new_compressor
-from geofed.codec.config import CodecConfig
 from geofed.codec.layout import ChunkSlot
 from geofed.codec.wire import SCHEME_CODES, ChunkFields, FrameKind, Sealed, chunk_fields, seal
+from geofed.codec_params import CodecParams
 
 
 class ChunkSealer:
     """Compresses payloads and frames them; one zstd context per thread."""
 
-    def __init__(self, config: CodecConfig, header_digest: bytes) -> None:
-        self._config = config
+    def __init__(self, codec: CodecParams, header_digest: bytes) -> None:
+        self._codec = codec
         self._header_digest = header_digest
         self._local = threading.local()
 
     def seal(self, slot: ChunkSlot, payload: torch.Tensor) -> Sealed:
         compressor = getattr(self._local, "compressor", None)
         if compressor is None:
-            compressor = new_compressor(self._config.zstd_level)
+            compressor = new_compressor(self._codec.zstd_level)
             self._local.compressor = compressor
         fields = ChunkFields(
             index=slot.index,
             tensor=slot.tensor,
-            scheme_code=SCHEME_CODES[self._config.scheme],
+            scheme_code=SCHEME_CODES[self._codec.scheme],
             offset=slot.offset,
             count=slot.count,
             decoded_size=payload.numel(),

@@ -27,9 +27,9 @@ from typing import Final
 
 import torch
 
-from geofed.codec.config import Scheme
 from geofed.codec.errors import CorruptChunk, EncodeError, NonFiniteValue
 from geofed.codec.layout import SCALE_BYTES, num_blocks, payload_size
+from geofed.codec_params import Scheme
 
 TILE_ELEMENTS: Final = 1 << 20
 MIN_SCALE: Final = 2.0**-120

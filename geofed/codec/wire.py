@@ -14,8 +14,10 @@ from dataclasses import dataclass
 from enum import IntEnum
 from typing import Final
 
-from geofed.codec.config import SCHEMES, CodecConfig, TensorSpec
 from geofed.codec.errors import CorruptStream, InvalidConfig, UnsupportedVersion
+from geofed.codec.layout import check_chunk_elements
+from geofed.codec.tensors import TensorLayout
+from geofed.codec_params import SCHEMES, CodecParams
 
 MAGIC: Final = b"GFDC"
 VERSION: Final = 1
@@ -108,20 +110,22 @@ def verify_tag(frame: memoryview, where: str) -> bytes:
     return hasher.digest()
 
 
-def header_body(config: CodecConfig, specs: Sequence[TensorSpec]) -> bytes:
+def header_body(codec: CodecParams, chunk_elements: int, specs: Sequence[TensorLayout]) -> bytes:
     document = {
-        "scheme": config.scheme,
-        "block_size": config.block_size,
-        "zstd_level": config.zstd_level,
-        "stochastic_rounding": config.stochastic_rounding,
-        "chunk_elements": config.chunk_elements,
+        **codec.as_dict(),
+        "chunk_elements": chunk_elements,
         "tensors": [[spec.name, spec.dtype, list(spec.shape)] for spec in specs],
     }
     return json.dumps(document, sort_keys=True, separators=(",", ":")).encode("ascii")
 
 
-def parse_header_body(body: Bytes, where: str) -> tuple[CodecConfig, list[TensorSpec]]:
-    """Parse and validate a stream header body; raise :class:`CorruptStream` if invalid."""
+def parse_header_body(
+    body: Bytes, where: str
+) -> tuple[CodecParams, int, list[TensorLayout]]:
+    """Parse and validate a stream header body: codec parameters, chunk size, tensors.
+
+    Raises :class:`CorruptStream` if the header is invalid.
+    """
     try:
         document = json.loads(bytes(body).decode("ascii"))
     except (ValueError, RecursionError) as exc:
@@ -132,8 +136,10 @@ def parse_header_body(body: Bytes, where: str) -> tuple[CodecConfig, list[Tensor
     tensors = document.pop("tensors")
     if not isinstance(tensors, list):
         raise CorruptStream(f"{where}: 'tensors' is not a list")
+    chunk_elements = document.pop("chunk_elements")
     try:
-        config = CodecConfig(**document)
+        codec = CodecParams(**document)
+        chunk_elements = check_chunk_elements(chunk_elements, codec.block_size)
         specs = [_parse_spec(entry) for entry in tensors]
     except InvalidConfig as exc:
         raise CorruptStream(f"{where}: {exc}") from exc
@@ -141,14 +147,14 @@ def parse_header_body(body: Bytes, where: str) -> tuple[CodecConfig, list[Tensor
     if len(set(names)) != len(names):
         duplicate = next(name for name in names if names.count(name) > 1)
         raise CorruptStream(f"{where}: tensor {duplicate!r} is listed twice")
-    return config, specs
+    return codec, chunk_elements, specs
 
 
-def _parse_spec(entry: object) -> TensorSpec:
+def _parse_spec(entry: object) -> TensorLayout:
     if not (isinstance(entry, list) and len(entry) == 3 and isinstance(entry[2], list)):
         raise InvalidConfig(f"tensor entry {entry!r} is not [name, dtype, [sizes...]]")
     name, dtype, shape = entry
-    return TensorSpec(name, dtype, tuple(shape))
+    return TensorLayout(name, dtype, tuple(shape))
 
 
 def chunk_fields(fields: ChunkFields) -> bytes:

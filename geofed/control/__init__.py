@@ -5,7 +5,6 @@ the other way; bulk data never travels here (it goes over HTTPS). The embedded b
 lives in :mod:`geofed.control.broker` and is imported only by those who run it.
 """
 
-from geofed.control.backoff import Backoff
 from geofed.control.client import ControlClient, Handler, Publication
 from geofed.control.errors import (
     BrokerError,
@@ -17,7 +16,6 @@ from geofed.control.errors import (
     TopicError,
 )
 from geofed.control.messages import (
-    CodecParams,
     Command,
     Deduplicator,
     Event,
@@ -30,9 +28,7 @@ from geofed.control.messages import (
 from geofed.control.topics import ParsedTopic, TopicKind, Topics
 
 __all__ = [
-    "Backoff",
     "BrokerError",
-    "CodecParams",
     "Command",
     "ControlClient",
     "ControlError",

@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import ipaddress
 import logging
 import signal
 import sys
@@ -31,6 +30,7 @@ from types import TracebackType
 from typing import Any, Self
 
 from geofed.control.errors import BrokerError
+from geofed.loopback import is_loopback
 
 log = logging.getLogger(__name__)
 
@@ -40,18 +40,11 @@ AMQTT_LOGGERS = ("amqtt", "transitions")
 
 
 def _require_loopback(host: str) -> str:
-    if host == "localhost":
-        return host
-    try:
-        address = ipaddress.ip_address(host)
-    except ValueError:
+    # A bind address, not a URL's host: an IPv6 one comes without brackets.
+    if host.startswith("[") or not is_loopback(host):
         raise BrokerError(
-            f"embedded broker host must be a loopback address, got {host!r}"
-        ) from None
-    if not address.is_loopback:
-        raise BrokerError(
-            f"refusing to expose the unauthenticated embedded broker on {host}: "
-            "bind it to a loopback address (127.0.0.1 or ::1)"
+            f"refusing to expose the unauthenticated embedded broker on {host!r}: "
+            "bind it to a loopback address (127.0.0.1, ::1 or localhost)"
         )
     return host
 

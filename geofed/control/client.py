@@ -25,7 +25,7 @@ from typing import Any
 import aiomqtt
 from paho.mqtt.reasoncodes import ReasonCode
 
-from geofed.control.backoff import Backoff
+from geofed.backoff import Backoff, Retry, Sleep
 from geofed.control.errors import (
     ControlError,
     ControlTimeout,
@@ -39,7 +39,6 @@ log = logging.getLogger(__name__)
 Handler = Callable[[str, bytes], Awaitable[None]]
 """Receives (topic, payload) of each message whose topic matches its filter."""
 ConnectHook = Callable[[], Awaitable[None]]
-Sleep = Callable[[float], Awaitable[None]]
 _QOS = 1
 
 
@@ -123,8 +122,8 @@ class ControlClient:
         self._tls, self._will = tls, will
         self._keepalive_s, self._timeout_s = keepalive_s, timeout_s
         self._handler_timeout_s, self._clean_session = handler_timeout_s, clean_session
-        self._backoff = backoff or Backoff()
-        self._sleep, self._rng, self._clock = sleep, rng or random.Random(), clock
+        self._retry = Retry(backoff or Backoff(), rng=rng, sleep=sleep, clock=clock)
+        self._clock = clock
         self._handlers: dict[str, list[Handler]] = {}
         self._hooks: list[ConnectHook] = []
         self._hook_tasks: set[asyncio.Task[None]] = set()
@@ -189,7 +188,7 @@ class ControlClient:
         if self._task is not None:
             raise ControlError(f"control client {self.client_id}: run() was already started")
         self._task = asyncio.current_task()
-        attempt = 0
+        retry = self._retry
         try:
             while not self._stopping.is_set():
                 up_since, error = await self._session()
@@ -197,9 +196,10 @@ class ControlClient:
                     break
                 if up_since is None:
                     self.connect_failures += 1
-                elif self._clock() - up_since >= self._backoff.reset_after_s:
-                    attempt = 0
-                delay = self._backoff.delay(attempt, self._rng)
+                else:
+                    retry.recovered(up_since)
+                attempt = retry.failures
+                delay = retry.failed()
                 # Warn when the link goes (or first fails to come) up; repeats are routine.
                 level = logging.WARNING if up_since is not None or attempt == 0 else logging.INFO
                 what = "lost" if up_since is not None else "failed"
@@ -213,8 +213,7 @@ class ControlClient:
                     delay,
                     extra={"attempt": attempt, "connect_failures": self.connect_failures},
                 )
-                attempt += 1
-                await _first(self._sleep(delay), self._stopping.wait(), within=None)
+                await _first(retry.wait(delay), self._stopping.wait(), within=None)
         finally:
             # Whatever ended the loop, the client is done: publish() now fails fast.
             self._stopping.set()

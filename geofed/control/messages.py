@@ -32,6 +32,7 @@ from pydantic import (
     model_validator,
 )
 
+from geofed.codec_params import CodecParams
 from geofed.control.errors import MessageError
 from geofed.types import validate_name
 
@@ -58,7 +59,7 @@ Sha256Hex = Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{64}$")]
 Text = Annotated[str, StringConstraints(max_length=4096)]
 RoundNumber = Annotated[int, Field(ge=0, lt=2**63)]
 
-RoundState = Literal["open", "closed", "done", "cancelled", "paused"]
+AnnouncedPhase = Literal["open", "closed", "done", "cancelled", "paused"]
 """``open``: regions train; ``closed``: no more deltas, aggregating; ``done``: the job
 finished; ``cancelled``: the job was cancelled; ``paused``: regions hold until resumed."""
 
@@ -73,17 +74,6 @@ class _Message(BaseModel):
 
     message_id: UUID = Field(default_factory=uuid4)
     sent_at: UtcDatetime = Field(default_factory=_utc_now)
-
-
-class CodecParams(BaseModel):
-    """How deltas and updates of a job are encoded (mirrors the codec's configuration)."""
-
-    model_config = ConfigDict(strict=True, extra="forbid", frozen=True)
-
-    scheme: Literal["fp32", "int8", "int4"] = "int8"
-    block_size: int = Field(default=128, ge=1, le=1 << 20)
-    zstd_level: int = Field(default=1, ge=1, le=22)
-    stochastic_rounding: bool = False
 
 
 class RoundAnnouncement(_Message):
@@ -110,7 +100,7 @@ class RoundAnnouncement(_Message):
     task: Annotated[str, StringConstraints(pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")]
     task_options: dict[str, JsonValue] = Field(default_factory=dict)
     seed: int = Field(ge=0, lt=2**63)
-    state: RoundState
+    state: AnnouncedPhase
 
     @model_validator(mode="after")
     def _consistent(self) -> Self:

@@ -1,5 +1,6 @@
 """Signed artifact manifests: per-chunk digests, provenance, producer signature."""
 
+from geofed.manifest.builder import EncodedArtifact, EncodedTensor, build_manifest
 from geofed.manifest.chunks import chunk_records, verify_chunk, verify_chunks
 from geofed.manifest.errors import (
     BadSignature,
@@ -13,11 +14,10 @@ from geofed.manifest.errors import (
 from geofed.manifest.model import (
     FORMAT_VERSION,
     SIGNED_KINDS,
+    ArtifactProvenance,
     ChunkRecord,
-    CodecParams,
     Manifest,
-    Provenance,
-    TensorSpec,
+    ManifestTensor,
     canonical_json,
 )
 from geofed.manifest.signed import MAX_SIGNED_MANIFEST_BYTES, SignedManifest, sign_manifest
@@ -26,19 +26,21 @@ __all__ = [
     "FORMAT_VERSION",
     "MAX_SIGNED_MANIFEST_BYTES",
     "SIGNED_KINDS",
+    "ArtifactProvenance",
     "BadSignature",
     "ChunkDigestMismatch",
     "ChunkRecord",
-    "CodecParams",
+    "EncodedArtifact",
+    "EncodedTensor",
     "MalformedManifest",
     "Manifest",
     "ManifestError",
+    "ManifestTensor",
     "ProducerMismatch",
-    "Provenance",
     "SignedManifest",
-    "TensorSpec",
     "UnknownChunk",
     "UntrustedSigner",
+    "build_manifest",
     "canonical_json",
     "chunk_records",
     "sign_manifest",

@@ -3,8 +3,9 @@
 The manifest is the unit of trust of the data plane: its per-chunk SHA-256 digests let a
 receiver verify every chunk as it streams in, and its signature (see
 :mod:`geofed.manifest.signed`) ties all of it to the producer's federation identity.
-The codec and the manifest meet only in data: codec parameters and tensor specs are
-plain fields here, so this package does not import the codec.
+The codec and the manifest meet only in data: the codec parameters are the shared
+:class:`~geofed.codec_params.CodecParams` and tensors are plain fields here, so this
+package does not import the codec.
 
 The canonical form (:meth:`Manifest.canonical_bytes`) is JSON with sorted keys, no
 whitespace, UTF-8; it is what gets signed and what :meth:`Manifest.digest` hashes.
@@ -23,13 +24,13 @@ from pydantic import (
     ConfigDict,
     Field,
     Strict,
-    StrictBool,
     StrictInt,
     StrictStr,
     field_validator,
     model_validator,
 )
 
+from geofed.codec_params import CodecParams
 from geofed.types import ArtifactKind, Identity, validate_name
 
 FORMAT_VERSION: Final = 1
@@ -53,16 +54,7 @@ class _Record(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
-class CodecParams(_Record):
-    """How the artifact's tensors were encoded."""
-
-    scheme: Annotated[StrictStr, Field(pattern=r"^[a-z0-9][a-z0-9_-]{0,31}$")]
-    block_size: Annotated[StrictInt, Field(ge=1, le=1 << 24)]
-    zstd_level: Annotated[StrictInt, Field(ge=-(1 << 17), le=22)]
-    stochastic_rounding: StrictBool
-
-
-class TensorSpec(_Record):
+class ManifestTensor(_Record):
     """One tensor of the artifact, in stream order."""
 
     name: Label
@@ -82,7 +74,7 @@ class ChunkRecord(_Record):
         return cls(sha256=hashlib.sha256(data).hexdigest(), size=len(data))
 
 
-class Provenance(_Record):
+class ArtifactProvenance(_Record):
     """A region that contributed to the artifact, with its jurisdiction and datasets."""
 
     region: StrictStr
@@ -103,11 +95,11 @@ class Manifest(_Record):
     job: StrictStr
     round: Count
     producer: StrictStr = Field(description="SPIFFE URI of the signer")
-    codec: CodecParams
-    tensors: tuple[TensorSpec, ...]
+    codec: CodecParams = Field(description="how the tensors were encoded")
+    tensors: tuple[ManifestTensor, ...]
     chunks: tuple[ChunkRecord, ...] = Field(description="in stream order")
     total_size: Count = Field(description="sum of chunk sizes, bytes")
-    provenance: tuple[Provenance, ...]
+    provenance: tuple[ArtifactProvenance, ...]
     created_at: Annotated[AwareDatetime, Strict()]
     base_round: Count | None = Field(default=None, description="round of the base parameters")
     base_hash: Sha256Hex | None = Field(default=None, description="hash of the base parameters")
@@ -141,7 +133,9 @@ class Manifest(_Record):
 
     @field_validator("tensors")
     @classmethod
-    def _unique_tensors(cls, value: tuple[TensorSpec, ...]) -> tuple[TensorSpec, ...]:
+    def _unique_tensors(
+        cls, value: tuple[ManifestTensor, ...]
+    ) -> tuple[ManifestTensor, ...]:
         seen: set[str] = set()
         for spec in value:
             if spec.name in seen:

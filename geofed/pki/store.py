@@ -14,7 +14,7 @@ A credential directory (``geofed ca issue``)::
     ca.pem      the certificate of the CA that issued it
 
 Nothing is overwritten unless ``force`` is set. Every file is written atomically, keys
-with mode 0600 from creation (see :mod:`geofed.pki.files`); the CA directory is created
+with mode 0600 from creation (see :mod:`geofed.fsutil`); the CA directory is created
 0700. Keys are stored unencrypted: daemons read them unattended at start-up.
 """
 
@@ -30,9 +30,9 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+from geofed.fsutil import PUBLIC_MODE, atomic_write_bytes
 from geofed.pki.authority import CertificateAuthority, IssuedCredential
 from geofed.pki.errors import BadCertificate, CredentialStoreError
-from geofed.pki.files import PRIVATE_MODE, PUBLIC_MODE, write_file_atomic
 from geofed.pki.trust import TrustBundleFile, format_serial, write_trust_bundle_file
 from geofed.pki.verify import certificate_identity
 
@@ -87,8 +87,8 @@ def save_ca(ca: CertificateAuthority, directory: Path, *, force: bool = False) -
         fingerprint_sha256=cert.fingerprint(hashes.SHA256()).hex(),
         not_after=cert.not_valid_after_utc,
     )
-    write_file_atomic(directory / CA_KEY, _key_pem(ca.private_key), mode=PRIVATE_MODE)
-    write_file_atomic(directory / CA_CERT, _cert_pem(cert), mode=PUBLIC_MODE)
+    atomic_write_bytes(directory / CA_KEY, _key_pem(ca.private_key), private=True)
+    atomic_write_bytes(directory / CA_CERT, _cert_pem(cert), mode=PUBLIC_MODE)
     bundle = TrustBundleFile.model_validate(
         {
             "federation": ca.federation,
@@ -99,7 +99,7 @@ def save_ca(ca: CertificateAuthority, directory: Path, *, force: bool = False) -
     write_trust_bundle_file(directory / TRUST_BUNDLE, bundle)
     # Metadata last: a CA directory is complete once ca.yaml exists.
     text = yaml.safe_dump(meta.model_dump(mode="json"), sort_keys=False)
-    write_file_atomic(directory / CA_META, text.encode("utf-8"), mode=PUBLIC_MODE)
+    atomic_write_bytes(directory / CA_META, text.encode("utf-8"), mode=PUBLIC_MODE)
 
 
 def load_ca(directory: Path) -> CertificateAuthority:
@@ -122,9 +122,9 @@ def save_credential(
     """Write an issued credential into ``directory``."""
     _prepare(directory, (KEY, CERT, ISSUER), force=force, mode=0o755)
     files = CredentialFiles(directory)
-    write_file_atomic(files.key_file, _key_pem(credential.private_key), mode=PRIVATE_MODE)
-    write_file_atomic(files.issuer_file, _cert_pem(credential.issuer), mode=PUBLIC_MODE)
-    write_file_atomic(files.cert_file, _cert_pem(credential.certificate), mode=PUBLIC_MODE)
+    atomic_write_bytes(files.key_file, _key_pem(credential.private_key), private=True)
+    atomic_write_bytes(files.issuer_file, _cert_pem(credential.issuer), mode=PUBLIC_MODE)
+    atomic_write_bytes(files.cert_file, _cert_pem(credential.certificate), mode=PUBLIC_MODE)
     return files
 
 

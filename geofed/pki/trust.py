@@ -39,10 +39,17 @@ from pydantic import (
     field_validator,
 )
 
+from geofed.fsutil import PUBLIC_MODE, atomic_write_bytes
+from geofed.located_yaml import (
+    DOCUMENT_KEY,
+    SYNTAX_KEY,
+    LocatedDocument,
+    LocatedYamlError,
+    format_key_path,
+    parse_located,
+)
 from geofed.pki.errors import TrustBundleError
-from geofed.pki.files import PUBLIC_MODE, write_file_atomic
 from geofed.pki.grants import Grant
-from geofed.pki.yamlsource import YamlSource, YamlSourceError, load_yaml
 from geofed.types import Identity, validate_name
 
 _SERIAL_RE = re.compile(r"^[0-9a-f]{1,40}$")
@@ -166,7 +173,7 @@ def load_trust_bundle(path: Path) -> TrustBundle:
         except (OSError, ValueError) as err:
             loc = ("authorities", index, "certificate")
             raise TrustBundleError(
-                path, source.line_of(loc), _key_text(loc), f"{cert_path}: {err}"
+                path, source.lines.line_of(loc), format_key_path(loc), f"{cert_path}: {err}"
             ) from None
         grants = tuple(Grant.parse(text) for text in entry.grants)
         authorities.append(TrustedAuthority(name=entry.name, certificate=cert, grants=grants))
@@ -182,31 +189,37 @@ def read_trust_bundle_file(path: Path) -> TrustBundleFile:
     return _read(path)[0]
 
 
-def _read(path: Path) -> tuple[TrustBundleFile, YamlSource]:
+def _read(path: Path) -> tuple[TrustBundleFile, LocatedDocument]:
     try:
         text = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as err:
         raise TrustBundleError(path, None, None, f"cannot read trust bundle: {err}") from None
     try:
-        source = load_yaml(text)
-    except YamlSourceError as err:
-        raise TrustBundleError(path, err.line, None, err.message) from None
+        # Unbounded: revocation lists only grow, and the model below is shallow (strings
+        # and lists of strings), so validating it never walks far into an alias's expansion.
+        source = parse_located(text, max_bytes=None, max_nodes=None)
+    except LocatedYamlError as err:
+        problem = err.problems[0]
+        located = problem.key in (SYNTAX_KEY, DOCUMENT_KEY)
+        message = problem.message if located else f"{problem.key}: {problem.message}"
+        raise TrustBundleError(path, problem.line, None, message) from None
     if not isinstance(source.data, dict):
-        raise TrustBundleError(path, source.line_of(()), None, "expected a mapping at top level")
+        line = source.lines.line_of(()) if source.lines.lines else None
+        raise TrustBundleError(path, line, None, "expected a mapping at top level")
     try:
         return TrustBundleFile.model_validate(source.data), source
     except ValidationError as err:
         first = err.errors()[0]
         loc = tuple(first["loc"])
         more = f" (and {err.error_count() - 1} more errors)" if err.error_count() > 1 else ""
-        key = _key_text(loc) or None
-        raise TrustBundleError(path, source.line_of(loc), key, first["msg"] + more) from None
+        key = format_key_path(loc) if loc else None
+        raise TrustBundleError(path, source.lines.line_of(loc), key, first["msg"] + more) from None
 
 
 def write_trust_bundle_file(path: Path, spec: TrustBundleFile) -> None:
     """Write ``spec`` to ``path`` atomically (comments in a previous file are not kept)."""
     text = yaml.safe_dump(spec.model_dump(), sort_keys=False, default_flow_style=False)
-    write_file_atomic(path, text.encode("utf-8"), mode=PUBLIC_MODE)
+    atomic_write_bytes(path, text.encode("utf-8"), mode=PUBLIC_MODE)
 
 
 def add_revoked_serials(path: Path, serials: Sequence[int]) -> list[int]:
@@ -235,10 +248,3 @@ def _check_ca(cert: x509.Certificate) -> None:
         cert.verify_directly_issued_by(cert)
     except (ValueError, TypeError, InvalidSignature, UnsupportedAlgorithm) as err:
         raise ValueError(f"not a self-signed root CA ({err or type(err).__name__})") from None
-
-
-def _key_text(loc: tuple[str | int, ...]) -> str:
-    text = ""
-    for part in loc:
-        text += f"[{part}]" if isinstance(part, int) else (f".{part}" if text else part)
-    return text

@@ -2,7 +2,7 @@
 
 The embedded MQTT broker runs in the test's event loop, the coordinator is served in it
 on an ephemeral port with real TLS (``tests/support/coordinator.py``),
-and each agent is a ``python -m geofed agent`` subprocess with its own worker group
+and each agent is a ``python -m geofed_cli agent`` subprocess with its own worker group
 (one gloo rank, the tiny task). The test watches the regions' retained statuses and the
 round announcements, submits a three-round job as an operator, kills one agent after
 its first delivery and starts it again, drains the other at the end, and checks that
@@ -136,7 +136,7 @@ class Agents:
             self.procs[region] = await asyncio.create_subprocess_exec(
                 sys.executable,
                 "-m",
-                "geofed",
+                "geofed_cli",
                 "agent",
                 "--config",
                 str(config),

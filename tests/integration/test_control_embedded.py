@@ -9,13 +9,12 @@ import subprocess
 import sys
 import warnings
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from typing import Any
 
 import pytest
 
+from geofed.backoff import Backoff
 from geofed.control import (
-    Backoff,
     Command,
     ControlClient,
     ControlTimeout,
@@ -24,69 +23,29 @@ from geofed.control import (
     RegionStatus,
     RoundAnnouncement,
     SubscriptionRefused,
-    Topics,
     decode,
     encode,
 )
 from geofed.control.broker import EmbeddedBroker
-from tests.unit.test_control_messages import announcement
+from tests.support.control import (
+    KEEPALIVE_S,
+    SLACK_S,
+    TOPICS,
+    Inbox,
+    RecordingSleep,
+    reap,
+    running,
+    start_agent,
+)
+from tests.support.control_messages import announcement
+from tests.support.waiting import eventually
 
 pytestmark = pytest.mark.integration
-TOPICS = Topics("acme")
-
-
-class Inbox:
-    """Collects (topic, payload) pairs a handler receives."""
-
-    def __init__(self) -> None:
-        self.queue: asyncio.Queue[tuple[str, bytes]] = asyncio.Queue()
-
-    async def __call__(self, topic: str, payload: bytes) -> None:
-        await self.queue.put((topic, payload))
-
-    async def get(self, timeout_s: float = 5.0) -> tuple[str, bytes]:
-        return await asyncio.wait_for(self.queue.get(), timeout_s)
-
-    async def until(self, predicate: Any, timeout_s: float = 5.0) -> tuple[str, bytes]:
-        async with asyncio.timeout(timeout_s):
-            while True:
-                item = await self.queue.get()
-                if predicate(*item):
-                    return item
-
-
-class RecordingSleep:
-    """A fake clock's sleep: records each back-off delay and yields only briefly."""
-
-    def __init__(self) -> None:
-        self.delays: list[float] = []
-
-    async def __call__(self, delay: float) -> None:
-        self.delays.append(delay)
-        await asyncio.sleep(0.02)
-
-
-async def eventually(condition: Any, timeout_s: float = 10.0) -> None:
-    """Poll ``condition`` (state with no event to wait on) until true or time out."""
-    async with asyncio.timeout(timeout_s):
-        while not condition():  # noqa: ASYNC110 - counters offer no event
-            await asyncio.sleep(0.02)
 
 
 def make_client(port: int, client_id: str, **kwargs: Any) -> ControlClient:
     kwargs.setdefault("timeout_s", 5.0)
     return ControlClient("127.0.0.1", port, client_id=client_id, **kwargs)
-
-
-@asynccontextmanager
-async def running(client: ControlClient) -> AsyncIterator[ControlClient]:
-    task = asyncio.create_task(client.run())
-    try:
-        await client.wait_connected(5.0)
-        yield client
-    finally:
-        await client.close(timeout_s=5.0)
-        await asyncio.wait_for(task, 5.0)
 
 
 @pytest.fixture
@@ -149,54 +108,6 @@ async def test_a_failing_handler_does_not_stop_delivery(broker: EmbeddedBroker) 
     assert calls == 2
 
 
-AGENT_SCRIPT = """
-import asyncio, sys
-from pathlib import Path
-from geofed.control import ControlClient, Publication, RegionStatus, Topics, encode
-
-async def main(port: int, tls_files: list[str]) -> None:
-    tls = None
-    if tls_files:
-        from geofed.pki import client_ssl_context, load_trust_bundle
-        bundle, cert, key = (Path(p) for p in tls_files)
-        tls = client_ssl_context(load_trust_bundle(bundle), cert, key)
-    topic = Topics("acme").region_status("eu-west")
-    offline = encode(RegionStatus(region="eu-west", state="offline", agent_version="test"))
-    client = ControlClient("127.0.0.1", port, client_id="agent-eu-west", keepalive_s=2, tls=tls,
-                           will=Publication(topic, offline, retain=True))
-    task = asyncio.create_task(client.run())
-    online = RegionStatus(region="eu-west", state="online", agent_version="test")
-    await client.publish(topic, encode(online), retain=True)
-    print("ready", flush=True)
-    await task
-
-asyncio.run(main(int(sys.argv[1]), sys.argv[2:]))
-"""
-#: Mosquitto 2.0.11 took 4.6-4.8 s to drop a silent client with keep-alive 2 s on an idle
-#: machine; the slack covers a loaded one (a broker that never drops it still fails).
-KEEPALIVE_S, SLACK_S = 2, 20.0
-
-
-async def start_agent(port: int, *tls_files: str) -> subprocess.Popen[bytes]:
-    """Start the agent script in a child process; return once its status is published."""
-    child = await asyncio.to_thread(
-        subprocess.Popen,
-        [sys.executable, "-c", AGENT_SCRIPT, str(port), *tls_files],
-        stdout=subprocess.PIPE,
-    )
-    assert child.stdout is not None
-    line = await asyncio.wait_for(asyncio.to_thread(child.stdout.readline), 30)
-    assert line.strip() == b"ready", f"agent did not start (exit code {child.poll()})"
-    return child
-
-
-def reap(child: subprocess.Popen[bytes]) -> None:
-    child.kill()
-    child.wait(timeout=10)
-    if child.stdout is not None:
-        child.stdout.close()
-
-
 async def test_last_will_marks_a_killed_agent_offline(broker: EmbeddedBroker) -> None:
     child = await start_agent(broker.port)
     try:
@@ -237,6 +148,9 @@ async def test_clean_close_sends_goodbye_not_the_will(broker: EmbeddedBroker) ->
         await asyncio.wait_for(task, 5)
         states = [decode((await inbox.get())[1], RegionStatus).state for _ in range(2)]
         assert states == ["online", "offline"]
+        # No later event can prove the broker will never send the Will; on loopback, with
+        # the broker in this event loop, it handles the DISCONNECT within milliseconds, so
+        # 0.3 s bounds the wait for a wrongly published one.
         await asyncio.sleep(0.3)
         assert inbox.queue.empty(), "the Last Will was published after a clean close"
     with pytest.raises(NotRunning):
@@ -317,7 +231,10 @@ async def test_publish_waits_for_the_broker_to_come_back() -> None:
         await broker.stop()
         await eventually(lambda: not agent.connected.is_set())
         publishing = asyncio.create_task(agent.publish(TOPICS.events(), b"late", timeout_s=10))
-        await asyncio.sleep(0.3)
+        # Two more refused reconnection attempts while the publication waits: it outlives
+        # the outage instead of failing at once.
+        failures = agent.connect_failures
+        await eventually(lambda: agent.connect_failures >= failures + 2)
         assert not publishing.done()
         broker = EmbeddedBroker(port=port)
         await broker.start()

@@ -16,20 +16,21 @@ from typing import Any
 
 import pytest
 
-from geofed.control import Backoff, Command, ControlClient, RegionStatus, decode, encode
-from tests.integration.test_control_embedded import (
+from geofed.backoff import Backoff
+from geofed.control import Command, ControlClient, RegionStatus, decode, encode
+from tests.support.control import (
     KEEPALIVE_S,
     SLACK_S,
     TOPICS,
     Inbox,
     RecordingSleep,
-    eventually,
     reap,
     running,
     start_agent,
 )
 from tests.support.mosquitto import MosquittoBroker, run_mosquitto
 from tests.support.pki import Federation, Principal, make_federation
+from tests.support.waiting import eventually
 
 pytestmark = pytest.mark.integration
 

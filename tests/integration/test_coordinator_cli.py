@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from geofed.cli import main
 from geofed.control import ControlClient, RegionStatus, Topics, encode
 from geofed.control.broker import EmbeddedBroker
+from geofed_cli import main
 from tests.support.coordinator import (
     coordinator,
     job_yaml,

@@ -13,11 +13,11 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from geofed.cli import main
 from geofed.control.broker import EmbeddedBroker
 from geofed.pki import CredentialFiles, load_credential
 from geofed.pki.httpauth import VerifiedConnector
 from geofed.types import Role
+from geofed_cli import main
 from tests.support.coordinator import coordinator, request, write_setup
 from tests.support.pki import Principal
 
@@ -85,7 +85,7 @@ async def _serve_until_sigterm(tmp_path: Path, systemd: Systemd) -> None:
         process = await asyncio.create_subprocess_exec(
             sys.executable,
             "-m",
-            "geofed",
+            "geofed_cli",
             "coordinator",
             "--config",
             str(config),

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from geofed.codec import CodecConfig
+from geofed.artifact_bundle import pack_bundle
+from geofed.codec_params import CodecParams
 from geofed.control.broker import EmbeddedBroker
-from geofed.wire import pack_bundle
 from tests.support.coordinator import (
     Announcements,
     Running,
@@ -77,7 +77,7 @@ async def test_refused_uploads_change_nothing(tmp_path: Path) -> None:
             )
             assert (status, body["error"]) == (409, "base_mismatch")
             int4, _ = eu.delta(
-                "tiny", 0, base, seed=1, codec=CodecConfig(scheme="int4", block_size=32)
+                "tiny", 0, base, seed=1, codec=CodecParams(scheme="int4", block_size=32)
             )
             status, body = await request(
                 eu.session, "PUT", eu.path("tiny", 0) + "/manifest", data=int4

@@ -154,6 +154,8 @@ async def kill_mid_upload(
         "the dead agent's connections to close",
         killed=f"agent-{SLOW}",
     )
+    # With the connections closed nothing new can come; the spool has settled once 2 s
+    # pass without a change (a received frame is written within milliseconds).
     held: set[int] | None = None
     while (now := spooled_frames(fed, SLOW, round_)) != held:
         held = now

@@ -25,7 +25,7 @@ from typing import Any
 
 import pytest
 
-from geofed.control import Backoff
+from geofed.backoff import Backoff
 from tests.support.federation import FederationRun
 from tests.support.observe import (
     WAIT_S,

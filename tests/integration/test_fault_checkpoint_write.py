@@ -30,20 +30,18 @@ import aiohttp
 import pytest
 
 from coordinator.config import PublicationRetryConfig
-from tests.integration.test_fault_hostile_uploads import (
-    JOB,
-    audit_after,
-    mosquitto_setup,
-    wait_collecting,
-)
 from tests.support.coordinator import (
+    JOB,
     FakeRegion,
     Running,
     Setup,
+    audit_after,
     coordinator,
     job_yaml,
     metric_value,
+    mosquitto_setup,
     request,
+    wait_collecting,
 )
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]

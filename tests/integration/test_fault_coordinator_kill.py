@@ -34,11 +34,11 @@ import pytest
 from coordinator.audit import AuditEntry
 from coordinator.checkpoints import CheckpointStore
 from coordinator.faults import FAULT_ENV
-from geofed.cli import main
-from geofed.demo.processes import Child, ChildSet
+from geofed.artifact_bundle import split_bundle
 from geofed.pki.httpauth import VerifiedConnector
 from geofed.types import Role
-from geofed.wire import split_bundle
+from geofed_cli import main
+from geofed_cli.demo.processes import Child, ChildSet
 from tests.support.coordinator import (
     HTTP_TIMEOUT,
     FakeRegion,

@@ -10,13 +10,11 @@ honest upload of the same round succeeds afterwards.
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import json
 import math
 import struct
-from collections.abc import Awaitable, Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,6 +26,7 @@ import zstandard
 from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.asymmetric import ec
 
+from geofed.artifact_bundle import pack_bundle
 from geofed.codec import EncodedStream
 from geofed.codec.wire import (
     CHUNK_FIELDS,
@@ -41,62 +40,27 @@ from geofed.codec.wire import (
     seal,
     trailer_body,
 )
-from geofed.manifest import Manifest, SignedManifest, TensorSpec, chunk_records, sign_manifest
-from geofed.wire import pack_bundle
+from geofed.manifest import Manifest, ManifestTensor, SignedManifest, chunk_records, sign_manifest
 from tests.support.coordinator import (
-    FEDERATION,
+    JOB,
     FakeRegion,
     Running,
-    Setup,
+    audit_after,
     coordinator,
     job_yaml,
+    mosquitto_setup,
     request,
-    write_setup,
+    wait_collecting,
 )
-from tests.support.mosquitto import run_mosquitto
-from tests.support.pki import Principal, make_federation
+from tests.support.pki import Principal
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
-JOB = "tiny"
 REJECTED = "geofed_deltas_rejected_total"
 Answer = tuple[int, dict[str, Any]]
 
 
 # -- a coordinator on Mosquitto, and what the tests read from it ----------------------
-
-
-@contextmanager
-def mosquitto_setup(root: Path, **options: Any) -> Iterator[Setup]:
-    """A federation and a coordinator configuration on a running Mosquitto (mTLS)."""
-    fed = make_federation(root / "fed", FEDERATION)
-    server = fed.coordinator("broker")
-    with run_mosquitto(
-        root / "mqtt", cafile=fed.ca_file, certfile=server.cert_file, keyfile=server.key_file
-    ) as broker:
-        yield write_setup(root, broker.port, mqtt_tls=True, fed=fed, **options)
-
-
-async def wait_collecting(
-    observer: aiohttp.ClientSession, round: int, *, job: str = JOB, timeout_s: float = 30.0
-) -> dict[str, Any]:
-    """The job's status once ``round`` collects deltas (polled over HTTP)."""
-    body: dict[str, Any] = {}
-    try:
-        async with asyncio.timeout(timeout_s):
-            while True:
-                status, body = await request(observer, "GET", f"/v1/jobs/{job}")
-                current = body.get("current") or {}
-                if (
-                    status == 200
-                    and body["round"] == round
-                    and current.get("round") == round
-                    and current.get("phase") == "collecting"
-                ):
-                    return body
-                await asyncio.sleep(0.05)
-    except TimeoutError:
-        raise AssertionError(f"round {round} of {job} did not open: {body}") from None
 
 
 async def rejected_counts(observer: aiohttp.ClientSession) -> dict[str, float]:
@@ -111,16 +75,6 @@ async def rejected_counts(observer: aiohttp.ClientSession) -> dict[str, float]:
             code, _, value = line[len(prefix) :].partition('"} ')
             counts[code] = float(value)
     return counts
-
-
-async def audit_after(
-    observer: aiohttp.ClientSession, seq: int, *, job: str = JOB
-) -> list[dict[str, Any]]:
-    """Audit entries of ``job`` after ``seq``."""
-    status, body = await request(observer, "GET", f"/v1/audit?after={seq}&limit=1000&job={job}")
-    assert status == 200, body
-    entries: list[dict[str, Any]] = body["entries"]
-    return entries
 
 
 async def audit_head(observer: aiohttp.ClientSession) -> int:
@@ -236,9 +190,9 @@ def zstd_bomb(stream: EncodedStream) -> list[bytes]:
 def huge_header(stream: EncodedStream) -> list[bytes]:
     """A stream header declaring a billion-element tensor (a size bomb before any chunk)."""
     body = stream.header[PREFIX.size : -TAG_SIZE]
-    config, specs = parse_header_body(body, "header")
+    codec, chunk_elements, specs = parse_header_body(body, "header")
     specs[0] = type(specs[0])(specs[0].name, specs[0].dtype, (1 << 15, 1 << 15))
-    header = seal(FrameKind.HEADER, [header_body(config, specs)]).data
+    header = seal(FrameKind.HEADER, [header_body(codec, chunk_elements, specs)]).data
     return rechained(header, [chunk.data for chunk in stream.chunks], stream)
 
 
@@ -361,7 +315,7 @@ async def untrusted_signing_certificate(s: Scene) -> Answer:
 async def wrong_shapes_declared(s: Scene) -> Answer:
     manifest, stream = s.fresh()
     specs = list(SignedManifest.from_bytes(manifest).manifest.tensors)
-    specs[0] = TensorSpec(name=specs[0].name, dtype=specs[0].dtype, shape=(3, 3))
+    specs[0] = ManifestTensor(name=specs[0].name, dtype=specs[0].dtype, shape=(3, 3))
     return await s.bundle(
         resign(s.eu.principal, manifest, tensors=[spec.model_dump() for spec in specs]),
         list(stream.frames()),

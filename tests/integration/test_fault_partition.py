@@ -33,7 +33,7 @@ from typing import Any
 
 import pytest
 
-from geofed.cli import main
+from geofed_cli import main
 from tests.support.federation import FederationRun, running_federation
 from tests.support.observe import ControlObserver, audit_entries, sample, stop_agents
 from tests.support.wanproxy import LinkSettings, WanProxy

@@ -28,11 +28,19 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from coordinator.errors import CODES
+from geofed.artifact_bundle import HEADER_SIZE, BundleError, pack_bundle, split_bundle
 from geofed.manifest import ManifestError, SignedManifest
-from geofed.wire import HEADER_SIZE, BundleError, pack_bundle, split_bundle
-from tests.integration.test_fault_hostile_uploads import JOB, mosquitto_setup, wait_collecting
 from tests.support import fuzz
-from tests.support.coordinator import FakeRegion, Running, coordinator, job_yaml, request
+from tests.support.coordinator import (
+    JOB,
+    FakeRegion,
+    Running,
+    coordinator,
+    job_yaml,
+    mosquitto_setup,
+    request,
+    wait_collecting,
+)
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

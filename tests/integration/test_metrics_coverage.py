@@ -33,7 +33,8 @@ from geofed.pki.httpauth import VerifiedConnector
 from geofed.types import Identity, Role
 from regional_agent import metrics as agent_metrics
 from tests.support.federation import FEDERATION, FederationRun, running_federation
-from tests.unit.test_dashboard import DASHBOARD, RULES, _queries, catalogued, selectors
+from tests.support.monitoring import DASHBOARD, RULES, catalogued, queries
+from tests.support.promql import selectors
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -64,7 +65,7 @@ def uses() -> Iterator[Use]:
             for selector in selectors(rule["expr"]):
                 yield Use(where, selector.name)
     dashboard = json.loads(DASHBOARD.read_text())
-    for title, expr in _queries(dashboard):
+    for title, expr in queries(dashboard):
         for selector in selectors(expr):
             yield Use(f"panel {title!r}", selector.name)
     for variable in dashboard["templating"]["list"]:

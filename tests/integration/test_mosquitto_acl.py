@@ -29,13 +29,14 @@ from pathlib import Path
 import aiomqtt
 import pytest
 
-from geofed.cli import main
 from geofed.control import ControlClient, Publication, Topics
 from geofed.mqtt_acl import Principals, render_acl
 from geofed.types import Role
+from geofed_cli import main
 from tests.support.mosquitto import MosquittoBroker
 from tests.support.mosquitto_production import PRODUCTION_CONF, production_broker, rewritten
 from tests.support.pki import LOOPBACK_DNS, LOOPBACK_IPS, Federation, Principal, make_federation
+from tests.support.waiting import eventually
 
 pytestmark = pytest.mark.integration
 
@@ -199,16 +200,22 @@ async def test_an_unlisted_region_and_an_observer_cannot_publish(clients: Client
     await clients.client("coordinator").subscribe(TOPICS.all_region_status(), seen)
     await clients.client("eu-west").subscribe(TOPICS.all_job_rounds(), seen)
     mars, grafana = clients.client("mars"), clients.client("grafana")
-    coordinator = clients.clients["coordinator"]
+    coordinator, eu_west = clients.clients["coordinator"], clients.clients["eu-west"]
     async with clients.running():
         # Each publish returns on the broker's PUBACK, after it routed (or dropped) it.
         await mars.publish(TOPICS.region_status("mars"), b"mars online")
         await grafana.publish(TOPICS.region_status("eu-west"), b"forged by an observer")
         await grafana.publish(TOPICS.job_round("llm-7"), b"forged by an observer")
         await grafana.publish(TOPICS.region_commands("eu-west"), b"forged by an observer")
+        # One marker per subscription, routed after the forgeries: each subscriber receives
+        # in routing order, so a forgery that got through would come before its marker.
+        markers = {
+            (TOPICS.job_round("llm-7"), b"marker"),
+            (TOPICS.region_status("eu-west"), b"eu-west online"),
+        }
         await coordinator.publish(TOPICS.job_round("llm-7"), b"marker")
-        assert await seen.get() == (TOPICS.job_round("llm-7"), b"marker")
-        await asyncio.sleep(0.2)
+        await eu_west.publish(TOPICS.region_status("eu-west"), b"eu-west online")
+        assert {await seen.get(), await seen.get()} == markers
         assert seen.empty()
 
 
@@ -464,12 +471,6 @@ async def test_the_global_acl_bounds_a_misconfigured_bridge(
                 assert await statuses.get() == (TOPICS.region_status("eu-west"), b"eu-west online")
                 assert statuses.empty()
     assert "Denied PUBLISH from region.eu-west" in broker.log_text()
-
-
-async def eventually(condition: Callable[[], bool], timeout_s: float = 5.0) -> None:
-    async with asyncio.timeout(timeout_s):
-        while not condition():  # noqa: ASYNC110 - a log file offers no event to wait on
-            await asyncio.sleep(0.02)
 
 
 def test_the_production_config_has_no_plain_listener() -> None:

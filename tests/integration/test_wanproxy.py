@@ -18,6 +18,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
+from tests.support.waiting import eventually
 from tests.support.wanproxy import (
     Direction,
     InvalidSettings,
@@ -516,7 +517,7 @@ async def test_heal_with_reset_existing_resets_open_and_held_connections(
             wan.partition()
             async with connection(wan.port) as (held_r, held_w):
                 held_w.write(b"y")
-                await asyncio.sleep(0.05)  # let the proxy accept it
+                await eventually(lambda: wan.stats().connections_open == 2)  # accepted
                 wan.heal(reset_existing=True)
                 for reader in (open_r, held_r):
                     with pytest.raises(ConnectionResetError):
@@ -544,8 +545,7 @@ async def test_stop_closes_every_connection_and_leaves_no_task(echo: EchoServer)
         await asyncio.sleep(0.1)
         wan.partition()
         async with connection(wan.port) as (held_r, _held_w):
-            await asyncio.sleep(0.05)
-            assert wan.stats().connections_open == 2
+            await eventually(lambda: wan.stats().connections_open == 2)
             assert len(wan_tasks()) == 2 + 5  # two connections; one's four pumps and watcher
             await wan.stop()
             assert wan_tasks() == []

@@ -23,7 +23,7 @@ import pytest
 import pytest_asyncio
 import torch
 
-from geofed.control.backoff import Backoff
+from geofed.backoff import Backoff
 from geofed.params import parameters_vector_hash
 from geofed.task import DataShard
 from regional_agent.handoff import HandoffDir, RankStatus, RoundInstruction, RoundResult

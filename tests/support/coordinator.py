@@ -1,17 +1,18 @@
 """Shared set-up of the coordinator integration tests (no tests of its own).
 
 A throwaway federation (``tests.support.pki``), the repository's region policies, an
-embedded MQTT broker, and a coordinator app on an ephemeral loopback port with real TLS
-and a real SQLite state directory. :class:`FakeRegion` is the outer edge: test code
-acting as a regional agent, built directly on the codec, manifest and PKI libraries.
+embedded MQTT broker (or a real Mosquitto: :func:`mosquitto_setup`), and a coordinator app
+on an ephemeral loopback port with real TLS and a real SQLite state directory.
+:class:`FakeRegion` is the outer edge: test code acting as a regional agent, built
+directly on the codec, manifest and PKI libraries.
 """
 
 from __future__ import annotations
 
 import asyncio
 import socket
-from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -25,23 +26,22 @@ from prometheus_client import CollectorRegistry
 from coordinator.app import create_app
 from coordinator.config import CoordinatorConfig, load_config
 from coordinator.runtime import load_runtime
-from geofed.codec import CodecConfig, EncodedStream, decode, encode_stream
+from geofed.artifact_bundle import pack_bundle, split_bundle
+from geofed.codec import EncodedStream, decode, encode_stream
+from geofed.codec_params import CodecParams
 from geofed.control import ControlClient, RoundAnnouncement, Topics
 from geofed.control import decode as decode_message
 from geofed.manifest import (
-    CodecParams,
-    Manifest,
-    Provenance,
+    ArtifactProvenance,
     SignedManifest,
-    TensorSpec,
-    chunk_records,
+    build_manifest,
     sign_manifest,
 )
 from geofed.params import parameters_vector_hash, state_to_fp32
 from geofed.pki import TrustBundle, load_trust_bundle
 from geofed.pki.httpauth import VerifiedConnector
 from geofed.types import ArtifactKind, Role
-from geofed.wire import pack_bundle, split_bundle
+from tests.support.mosquitto import run_mosquitto
 from tests.support.pki import Federation, Principal, make_federation
 from tests.support.tiny_task import TinyOptions, TinyTask
 
@@ -55,7 +55,9 @@ DATASETS = {
 }
 HTTP_TIMEOUT = aiohttp.ClientTimeout(total=20)
 
-JOB = """\
+#: The job id :func:`job_yaml` writes unless told another.
+JOB = "tiny"
+_JOB_YAML = """\
 job: {job}
 task:
   spec: {task}
@@ -73,14 +75,14 @@ checkpoint_storage: [us-ckpt, eu-ckpt]
 
 
 def job_yaml(
-    job: str = "tiny",
+    job: str = JOB,
     *,
     rounds: int = 3,
     deadline: float = 30,
     extra: str = "",
     task: str = "tests.support.tiny_task:TinyTask",
 ) -> str:
-    return JOB.format(job=job, rounds=rounds, deadline=deadline, extra=extra, task=task)
+    return _JOB_YAML.format(job=job, rounds=rounds, deadline=deadline, extra=extra, task=task)
 
 
 class EvaluatedTinyTask(TinyTask):
@@ -283,36 +285,27 @@ class FakeRegion:
         *,
         seed: int,
         tokens: int = 100,
-        codec: CodecConfig | None = None,
+        codec: CodecParams | None = None,
+        chunk_elements: int = 64,
         tensors: dict[str, torch.Tensor] | None = None,
     ) -> tuple[bytes, EncodedStream]:
         """A signed manifest and the encoded stream of a small random delta."""
-        codec = codec or CodecConfig(scheme="int8", block_size=32, chunk_elements=64)
+        codec = codec or CodecParams(scheme="int8", block_size=32)
         if tensors is None:
             gen = torch.Generator().manual_seed(seed)
             tensors = {
                 name: 0.01 * torch.randn(t.shape, generator=gen)
                 for name, t in model_state().items()
             }
-        stream = encode_stream(tensors, codec)
-        manifest = Manifest(
+        stream = encode_stream(tensors, codec, chunk_elements=chunk_elements)
+        manifest = build_manifest(
             kind=ArtifactKind.MODEL_DELTA,
             job=job,
             round=round,
-            producer=self.principal.identity.uri,
-            codec=CodecParams(
-                scheme=codec.scheme,
-                block_size=codec.block_size,
-                zstd_level=codec.zstd_level,
-                stochastic_rounding=codec.stochastic_rounding,
-            ),
-            tensors=tuple(
-                TensorSpec(name=s.name, dtype=s.dtype, shape=s.shape) for s in stream.specs
-            ),
-            chunks=chunk_records(stream.frames()),
-            total_size=stream.total_bytes,
+            producer=self.principal.identity,
+            stream=stream,
             provenance=(
-                Provenance(
+                ArtifactProvenance(
                     region=self.name,
                     jurisdiction=JURISDICTIONS[self.name],
                     datasets=tuple(DATASETS[self.name]),
@@ -408,3 +401,49 @@ async def metric_value(running: Running, session: aiohttp.ClientSession, line_pr
         if line.startswith(line_prefix + " "):
             return float(line.rsplit(" ", 1)[1])
     return 0.0
+
+
+# -- a coordinator on Mosquitto, and what the tests read from it ---------------------------
+
+
+@contextmanager
+def mosquitto_setup(root: Path, **options: Any) -> Iterator[Setup]:
+    """A federation and a coordinator configuration on a running Mosquitto (mTLS)."""
+    fed = make_federation(root / "fed", FEDERATION)
+    server = fed.coordinator("broker")
+    with run_mosquitto(
+        root / "mqtt", cafile=fed.ca_file, certfile=server.cert_file, keyfile=server.key_file
+    ) as broker:
+        yield write_setup(root, broker.port, mqtt_tls=True, fed=fed, **options)
+
+
+async def wait_collecting(
+    observer: aiohttp.ClientSession, round: int, *, job: str = JOB, timeout_s: float = 30.0
+) -> dict[str, Any]:
+    """The job's status once ``round`` collects deltas (polled over HTTP)."""
+    body: dict[str, Any] = {}
+    try:
+        async with asyncio.timeout(timeout_s):
+            while True:
+                status, body = await request(observer, "GET", f"/v1/jobs/{job}")
+                current = body.get("current") or {}
+                if (
+                    status == 200
+                    and body["round"] == round
+                    and current.get("round") == round
+                    and current.get("phase") == "collecting"
+                ):
+                    return body
+                await asyncio.sleep(0.05)
+    except TimeoutError:
+        raise AssertionError(f"round {round} of {job} did not open: {body}") from None
+
+
+async def audit_after(
+    observer: aiohttp.ClientSession, seq: int, *, job: str = JOB
+) -> list[dict[str, Any]]:
+    """Audit entries of ``job`` after ``seq``."""
+    status, body = await request(observer, "GET", f"/v1/audit?after={seq}&limit=1000&job={job}")
+    assert status == 200, body
+    entries: list[dict[str, Any]] = body["entries"]
+    return entries

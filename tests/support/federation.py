@@ -1,6 +1,6 @@
 """A whole federation of real processes for integration and fault tests.
 
-The coordinator and each regional agent run as ``python -m geofed ...`` child processes
+The coordinator and each regional agent run as ``python -m geofed_cli ...`` child processes
 (each agent with its own local worker group), configured from the example files of
 ``configs/`` exactly as ``geofed demo`` does, over real HTTPS with client certificates.
 The broker is either the embedded one (in the test's own event loop, so a test can stop
@@ -26,12 +26,12 @@ import aiohttp
 import yaml
 
 from geofed.control.broker import EmbeddedBroker, quiet_broker_logging
-from geofed.demo.configs import DemoConfigs, write_demo_configs
-from geofed.demo.federation import Credential, DemoFederation, create_demo_federation
-from geofed.demo.processes import Child, ChildSet
 from geofed.mqtt_acl import Principals, render_acl
 from geofed.pki import client_ssl_context, issue, load_ca, load_trust_bundle, save_credential
 from geofed.types import Identity, Role
+from geofed_cli.demo.configs import DemoConfigs, write_demo_configs
+from geofed_cli.demo.federation import Credential, DemoFederation, create_demo_federation
+from geofed_cli.demo.processes import Child, ChildSet
 from tests.support.mosquitto import run_mosquitto
 from tests.support.mosquitto_production import production_config
 

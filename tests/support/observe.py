@@ -24,7 +24,8 @@ import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
 from coordinator.audit import AuditEntry
-from geofed.control import Backoff, ControlClient, Topics
+from geofed.backoff import Backoff
+from geofed.control import ControlClient, Topics
 from geofed.control.messages import RegionStatus, RoundAnnouncement, decode_any
 from geofed.pki import client_ssl_context, load_trust_bundle
 from geofed.pki.httpauth import VerifiedConnector

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from geofed.cli import main as geofed_main
+from geofed_cli import main as geofed_main
 from regional_agent.config import (
     AgentConfigError,
     load_config,
@@ -237,7 +237,8 @@ def test_a_trust_bundle_of_another_federation_is_refused(
 def test_load_credentials_gives_the_region_key_and_bundle(
     tmp_path: Path, federation: Federation
 ) -> None:
-    credentials = load_credentials(load_config(write(tmp_path, federation)))
+    config = load_config(write(tmp_path, federation))
+    credentials = load_credentials(config.identity, config.identity_uri)
     assert credentials.identity.uri == "spiffe://acme/region/eu-west"
     assert credentials.bundle.federation == "acme"
     assert credentials.private_key.public_key() == credentials.certificate.public_key()
@@ -270,7 +271,8 @@ def test_the_example_configs_load_in_the_demo_layout(demo_layout: Path, region: 
     config = load_config(demo_layout / "configs" / f"agent-{region}.yaml")
     assert config.region == region
     assert config.federation == "demo"
-    assert load_credentials(config).identity.uri == f"spiffe://demo/region/{region}"
+    credentials = load_credentials(config.identity, config.identity_uri)
+    assert credentials.identity.uri == f"spiffe://demo/region/{region}"
     datasets = training_datasets(config, region_policies(config))
     assert len(datasets) == 1
     assert config.state_dir.resolve() == (demo_layout / "run" / "agents" / region).resolve()

@@ -6,7 +6,7 @@ from datetime import timedelta
 
 from regional_agent.schedule import Progress, Rollback, Running, Schedule, Stop, judge_rollback
 from regional_agent.state import ParamsVersion
-from tests.unit.test_agent_schedule import REGION, T0, announce
+from tests.support.agent_schedule import REGION, T0, announce
 
 
 def theta(round_: int, tag: int = 0) -> ParamsVersion:

@@ -2,41 +2,13 @@
 
 from __future__ import annotations
 
-from datetime import UTC, datetime, timedelta
-from typing import Any
+from datetime import timedelta
 
 import pytest
 
-from geofed.control import CodecParams, Command, RoundAnnouncement
+from geofed.control import Command, RoundAnnouncement
 from regional_agent.schedule import Running, Schedule, Stop
-
-T0 = datetime(2026, 1, 1, tzinfo=UTC)
-REGION = "eu-west"
-
-
-def announce(
-    job: str = "llm", round_: int = 1, state: str = "open", **extra: Any
-) -> RoundAnnouncement:
-    fields: dict[str, Any] = {
-        "job": job,
-        "round": round_,
-        "base_round": round_,
-        "base_hash": f"{round_:064x}",
-        "update_url": f"/v1/jobs/{job}/rounds/{round_ - 1}/update" if round_ else None,
-        "update_digest": "ab" * 32 if round_ else None,
-        "participants": (REGION, "us-east"),
-        "min_regions": 1,
-        "deadline": T0 + timedelta(minutes=5),
-        "deadline_s": 300.0,
-        "inner_steps": 5,
-        "codec": CodecParams(),
-        "task": "tests.support.tiny_task:TinyTask",
-        "seed": 0,
-        "state": state,
-        "sent_at": T0 + timedelta(seconds=round_),
-    }
-    fields.update(extra)
-    return RoundAnnouncement(**fields)
+from tests.support.agent_schedule import REGION, T0, announce
 
 
 def command(action: str, job: str | None = "llm") -> Command:

@@ -8,19 +8,18 @@ from pathlib import Path
 import pytest
 import torch
 
-from geofed.codec import CodecConfig, ErrorFeedback, decode
+from geofed.codec import ErrorFeedback, decode
+from geofed.codec_params import CodecParams
 from geofed.params import parameters_vector_hash, state_to_fp32
 from geofed.types import ArtifactKind
-from policies import load_policies
 from regional_agent.credentials import Credentials
 from regional_agent.delta import (
     DeltaOrigin,
     delta_manifest,
     encode_delta,
-    export_decision,
     sign_delta,
 )
-from regional_agent.state import AgentState, DeltaMeta, JobState, ParamsVersion, StateError
+from regional_agent.state import AgentState, DeltaMeta, JobDirectory, ParamsVersion, StateError
 from tests.support.pki import Principal, make_federation
 from tests.support.tiny_task import TinyTask
 
@@ -48,12 +47,12 @@ def theta(seed: int) -> Params:
 
 
 def spool_round(
-    state: JobState, credentials: Credentials, round_: int, feedback: ErrorFeedback
+    state: JobDirectory, credentials: Credentials, round_: int, feedback: ErrorFeedback
 ) -> ErrorFeedback:
     """Encode, sign and spool a delta of ``round_``; return the residual it leaves."""
     base = theta(1)
     local = {n: t + 0.003 * (round_ + 1) * torch.randn(t.shape) for n, t in base.items()}
-    encoded = encode_delta(base, local, feedback, CodecConfig(scheme="int4", block_size=16))
+    encoded = encode_delta(base, local, feedback, CodecParams(scheme="int4", block_size=16))
     origin = DeltaOrigin(
         job=JOB,
         round=round_,
@@ -170,14 +169,3 @@ def test_recover_finishes_a_promotion_a_crash_interrupted(
     assert not torch.equal(
         next(iter(old.residual.values())), next(iter(residual.residual.values()))
     )
-
-
-def test_the_own_policy_decides_where_deltas_may_go() -> None:
-    repo = Path(__file__).resolve().parents[2]
-    policies = load_policies([repo / "configs" / "policies"])
-    allowed = export_decision(policies, "eu-west", ["eu-parliament-proceedings"])
-    assert allowed.allowed
-    assert "eu-west:exports.model_delta[0]" in str(allowed)
-    unknown = export_decision(policies, "eu-west", ["us-public-domain-books"])
-    assert not unknown.allowed
-    assert "eu-west declares no dataset us-public-domain-books" in unknown.reason

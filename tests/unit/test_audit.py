@@ -17,9 +17,10 @@ from hypothesis import strategies as st
 from coordinator.audit import (
     GENESIS_HASH,
     AuditEntry,
+    AuditEvent,
     AuditLog,
+    AuditVerdict,
     InvalidAuditEntry,
-    Verdict,
     canonical_json,
     format_time,
     verify_chain,
@@ -54,13 +55,15 @@ def log(db_path: Path) -> Iterator[AuditLog]:
 def fill(log: AuditLog, n: int) -> list[AuditEntry]:
     return [
         log.append(
-            actor=REGION if i % 2 else OPERATOR,
-            action="delta.accept" if i % 2 else "job.create",
-            verdict=Verdict.OK,
-            job="job-a" if i % 3 else "job-b",
-            round=i,
-            region="eu-west",
-            details={"i": i, "bytes": 1000 * i, "note": "ünïcode"},
+            AuditEvent(
+                actor=REGION if i % 2 else OPERATOR,
+                action="delta.accept" if i % 2 else "job.create",
+                verdict=AuditVerdict.OK,
+                job="job-a" if i % 3 else "job-b",
+                round=i,
+                region="eu-west",
+                details={"i": i, "bytes": 1000 * i, "note": "ünïcode"},
+            )
         )
         for i in range(n)
     ]
@@ -227,7 +230,7 @@ def test_invalid_appends_write_nothing(log: AuditLog) -> None:
         kwargs: dict[str, Any] = {"actor": OPERATOR, "action": "job.create", "verdict": "ok"}
         kwargs.update(overrides)
         with pytest.raises(InvalidAuditEntry):
-            log.append(**kwargs)
+            log.append(AuditEvent(**kwargs))
     assert log.head()[0] == 1
     assert log.verify().ok
 
@@ -238,18 +241,18 @@ def test_append_joins_an_open_transaction(db_path: Path) -> None:
     audit = AuditLog(conn, clock=Clock())
     audit.ensure_schema()
     conn.execute("CREATE TABLE state (k TEXT PRIMARY KEY, v TEXT)")
-    audit.append(actor=OPERATOR, action="job.create", verdict="ok", job="job-a")
+    audit.append(AuditEvent(OPERATOR, "job.create", "ok", job="job-a"))
 
     conn.execute("BEGIN IMMEDIATE")
     conn.execute("INSERT INTO state VALUES ('round', '7')")
-    audit.append(actor=OPERATOR, action="round.publish", verdict="ok", job="job-a", round=7)
+    audit.append(AuditEvent(OPERATOR, "round.publish", "ok", job="job-a", round=7))
     conn.execute("ROLLBACK")  # the state change fails, so its audit entry goes too
     assert conn.execute("SELECT count(*) FROM state").fetchone()[0] == 0
     assert audit.head()[0] == 1
 
     conn.execute("BEGIN IMMEDIATE")
     conn.execute("INSERT INTO state VALUES ('round', '7')")
-    entry = audit.append(actor=OPERATOR, action="round.publish", verdict="ok", round=7)
+    entry = audit.append(AuditEvent(OPERATOR, "round.publish", "ok", round=7))
     conn.execute("COMMIT")
     assert entry.seq == 2
     assert audit.verify().ok
@@ -272,7 +275,7 @@ def test_reopened_log_continues_the_chain(db_path: Path) -> None:
     second = AuditLog.open(db_path, clock=Clock())
     try:
         assert second.entries() == entries
-        nxt = second.append(actor=REGION, action="delta.accept", verdict=Verdict.ALLOW)
+        nxt = second.append(AuditEvent(REGION, "delta.accept", AuditVerdict.ALLOW))
         assert (nxt.seq, nxt.prev_hash) == (4, entries[-1].hash)
         assert second.verify().ok
     finally:

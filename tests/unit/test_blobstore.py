@@ -14,10 +14,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from geofed.blobstore import (
+    BlobDigestMismatch,
     BlobNotFound,
     BlobStore,
     CorruptBlob,
-    DigestMismatch,
     FsBlobStore,
     InvalidDigest,
     sha256_hex,
@@ -72,9 +72,9 @@ def test_blobs_and_dirs_are_private(store: FsBlobStore) -> None:
 
 def test_put_with_wrong_expected_digest_stores_nothing(store: FsBlobStore) -> None:
     wrong = sha256_hex(b"something else")
-    with pytest.raises(DigestMismatch, match=wrong):
+    with pytest.raises(BlobDigestMismatch, match=wrong):
         store.put(b"data", expected_digest=wrong)
-    with pytest.raises(DigestMismatch):
+    with pytest.raises(BlobDigestMismatch):
         store.put_stream([b"da", b"ta"], expected_digest=wrong)
     assert list(store.iter_digests()) == []
     assert temp_files(store.root) == []

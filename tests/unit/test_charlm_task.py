@@ -9,15 +9,13 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
-from torch import nn
 
 from geofed.examples.charlm import CharLMOptions, CharLMTask, TokenBatch
 from geofed.examples.charlm.model import count_parameters
 from geofed.examples.charlm.sampling import SamplingError
 from geofed.params import parameters_vector_hash
 from geofed.task import DataShard, TaskOptionsError, load_task
-from tests.unit.test_charlm_corpus import FAKE_UNITS, make_fake_stdlib
+from tests.support.fake_stdlib import FAKE_UNITS, make_fake_stdlib
 
 SPEC = "geofed.examples.charlm:CharLMTask"
 
@@ -227,14 +225,3 @@ def test_short_training_lowers_validation_loss(stdlib_task: CharLMTask) -> None:
     final = stdlib_task.evaluate(model)["val_loss"]
     assert sum(losses[-5:]) / 5 < sum(losses[:5]) / 5 - 1.0
     assert final < initial - 1.0
-
-
-def test_evaluate_looks_through_ddp(stdlib_task: CharLMTask, tmp_path: Path) -> None:
-    model = stdlib_task.build_model()
-    expected = stdlib_task.evaluate(model)
-    dist.init_process_group("gloo", init_method=(tmp_path / "store").as_uri(), rank=0, world_size=1)
-    try:
-        wrapped = nn.parallel.DistributedDataParallel(model)
-        assert stdlib_task.evaluate(wrapped) == expected
-    finally:
-        dist.destroy_process_group()

@@ -5,8 +5,6 @@ from __future__ import annotations
 import errno
 import io
 import json
-import multiprocessing
-import os
 from pathlib import Path
 
 import pytest
@@ -23,8 +21,14 @@ from coordinator.checkpoints import (
 from geofed.blobstore import sha256_hex
 from geofed.fsutil import AtomicFile
 from geofed.types import InvalidName
-
-JOB = "job-a"
+from tests.support.checkpoints import (
+    JOB,
+    assert_restorable,
+    open_store,
+    put_pair,
+    snapshot,
+    update,
+)
 
 
 class FullDiskFile(io.FileIO):
@@ -47,40 +51,9 @@ def failing_index_writer(path: Path, data: bytes) -> None:
         f.write(data)
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1_700_000_000.0
-
-    def __call__(self) -> float:
-        self.now += 1.0
-        return self.now
-
-
 @pytest.fixture
 def store(tmp_path: Path) -> CheckpointStore:
-    return CheckpointStore("eu-vault", tmp_path / "eu-vault", clock=Clock())
-
-
-def put_pair(store: CheckpointStore, label: str) -> tuple[str, str]:
-    """Store a payload and its manifest, as the caller does before recording."""
-    return store.blobs.put(f"payload {label}".encode()), store.blobs.put(
-        f"manifest {label}".encode()
-    )
-
-
-def snapshot(store: CheckpointStore, round_: int, job: str = JOB) -> CheckpointEntry:
-    return store.record_snapshot(job, round_, *put_pair(store, f"{job} snapshot {round_}"))
-
-
-def update(store: CheckpointStore, round_: int, job: str = JOB) -> CheckpointEntry:
-    return store.record_update(job, round_, *put_pair(store, f"{job} update {round_}"))
-
-
-def assert_restorable(store: CheckpointStore, job: str = JOB) -> None:
-    chain = store.latest(job)
-    assert chain is not None
-    for digest in chain.digests():
-        store.blobs.get(digest)  # present and intact
+    return open_store(tmp_path / "eu-vault")
 
 
 def test_no_checkpoint_yet(store: CheckpointStore) -> None:
@@ -216,33 +189,6 @@ def test_interrupted_index_write_keeps_previous_chain(store: CheckpointStore) ->
     chain = store.latest(JOB)
     assert chain is not None
     assert chain.round == 2
-
-
-def _crash_between_blobs_and_index(root: str) -> None:
-    store = CheckpointStore("eu-vault", root)
-    payload = store.blobs.put(b"orphan payload")
-    store.blobs.put(b"orphan manifest")
-    assert payload
-    os._exit(1)  # dies before record_update writes the index
-
-
-def test_crash_between_blob_and_index_write(store: CheckpointStore) -> None:
-    snapshot(store, 0)
-    update(store, 0)
-    before = store.latest(JOB)
-    child = multiprocessing.get_context("spawn").Process(
-        target=_crash_between_blobs_and_index, args=(str(store.root),)
-    )
-    child.start()
-    child.join(timeout=60)
-    assert child.exitcode == 1
-    reopened = CheckpointStore("eu-vault", store.root)
-    assert reopened.latest(JOB) == before
-    assert_restorable(reopened)
-    assert reopened.blobs.exists(sha256_hex(b"orphan payload"))  # an orphan, unreferenced
-    chain = reopened.latest(JOB)
-    assert chain is not None
-    assert sha256_hex(b"orphan payload") not in chain.digests()
 
 
 def test_persists_across_instances(store: CheckpointStore) -> None:

@@ -1,4 +1,4 @@
-"""CodecConfig and TensorSpec validation."""
+"""CodecParams, chunk size and TensorLayout validation."""
 
 from __future__ import annotations
 
@@ -6,14 +6,21 @@ from typing import Any
 
 import pytest
 
-from geofed.codec import CodecConfig, InvalidConfig, TensorSpec
+from geofed.codec import DEFAULT_CHUNK_ELEMENTS, InvalidConfig, TensorLayout
+from geofed.codec.layout import check_chunk_elements
+from geofed.codec_params import CodecParams
+
+
+def codec_and_chunks(chunk_elements: int = DEFAULT_CHUNK_ELEMENTS, **params: Any) -> None:
+    """Validate codec parameters and a chunk size as the encoder does."""
+    check_chunk_elements(chunk_elements, CodecParams(**params).block_size)
 
 
 def test_defaults_are_int8_block_128_level_1() -> None:
-    config = CodecConfig()
+    config = CodecParams()
     assert (config.scheme, config.block_size, config.zstd_level) == ("int8", 128, 1)
-    assert config.chunk_elements == 1 << 20
-    assert config.chunk_elements % config.block_size == 0
+    assert DEFAULT_CHUNK_ELEMENTS == 1 << 20
+    assert DEFAULT_CHUNK_ELEMENTS % config.block_size == 0
     assert config.stochastic_rounding is False
 
 
@@ -38,23 +45,23 @@ def test_defaults_are_int8_block_128_level_1() -> None:
 )
 def test_invalid_config_names_the_problem(kwargs: dict[str, Any], message: str) -> None:
     with pytest.raises(InvalidConfig, match=message.replace("[", r"\[").replace("(", r"\(")):
-        CodecConfig(**kwargs)
+        codec_and_chunks(**kwargs)
 
 
 def test_config_is_frozen() -> None:
-    config = CodecConfig()
+    config = CodecParams()
     with pytest.raises(AttributeError):
         config.scheme = "int4"  # type: ignore[misc]
 
 
 def test_negative_zstd_levels_are_allowed() -> None:
-    assert CodecConfig(zstd_level=-5).zstd_level == -5
+    assert CodecParams(zstd_level=-5).zstd_level == -5
 
 
 def test_tensor_spec_numel_and_dtype() -> None:
-    assert TensorSpec("w", "bfloat16", (3, 0, 2)).numel == 0
-    assert TensorSpec("s", "float32", ()).numel == 1
-    assert TensorSpec("m", "float16", (4, 5)).numel == 20
+    assert TensorLayout("w", "bfloat16", (3, 0, 2)).numel == 0
+    assert TensorLayout("s", "float32", ()).numel == 1
+    assert TensorLayout("m", "float16", (4, 5)).numel == 20
 
 
 @pytest.mark.parametrize(
@@ -72,4 +79,4 @@ def test_tensor_spec_numel_and_dtype() -> None:
 )
 def test_invalid_tensor_spec(args: tuple[Any, ...], message: str) -> None:
     with pytest.raises(InvalidConfig, match=message):
-        TensorSpec(*args)
+        TensorLayout(*args)

@@ -8,8 +8,8 @@ import math
 import pytest
 import torch
 
-from geofed.codec import CodecConfig, ErrorFeedback, ErrorFeedbackError, decode, encode_stream
-from geofed.codec.config import Scheme
+from geofed.codec import ErrorFeedback, ErrorFeedbackError, decode, encode_stream
+from geofed.codec_params import CodecParams, Scheme
 
 
 def deltas(rounds: int, seed: int = 0) -> list[dict[str, torch.Tensor]]:
@@ -44,7 +44,7 @@ def test_update_keeps_compensated_minus_reconstructed() -> None:
 def test_feedback_keeps_the_sum_of_transmitted_updates_close_to_the_true_sum(
     scheme: Scheme,
 ) -> None:
-    config = CodecConfig(scheme=scheme, block_size=64)
+    config = CodecParams(scheme=scheme, block_size=64)
     feedback = ErrorFeedback()
     true_sum = torch.zeros(64, 32, dtype=torch.float64)
     with_feedback = torch.zeros_like(true_sum)
@@ -65,7 +65,7 @@ def test_feedback_keeps_the_sum_of_transmitted_updates_close_to_the_true_sum(
 
 def test_state_dict_round_trips_through_torch_save() -> None:
     feedback = ErrorFeedback()
-    feedback.step(deltas(1)[0], CodecConfig(scheme="int4"))
+    feedback.step(deltas(1)[0], CodecParams(scheme="int4"))
     buffer = io.BytesIO()
     torch.save(feedback.state_dict(), buffer)
     buffer.seek(0)

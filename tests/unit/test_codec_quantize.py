@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from geofed.codec import CorruptChunk, EncodeError, NonFiniteValue
-from geofed.codec.config import Scheme
 from geofed.codec.layout import payload_size
 from geofed.codec.quantize import MAX_SCALE, MIN_SCALE, QMAX, BlockCodec
+from geofed.codec_params import Scheme
 
 # Decoding computes q * s exactly; the only float error is in x * fl(1/s) before rounding:
 # |q - x/s| <= 1/2 + qmax * (2u + u^2) / (1 - u) with u = 2**-24, below 1/2 + 2**-16 for

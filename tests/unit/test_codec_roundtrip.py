@@ -10,7 +10,6 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from geofed.codec import (
-    CodecConfig,
     EncodeError,
     NonFiniteValue,
     decode,
@@ -18,7 +17,7 @@ from geofed.codec import (
     encode,
     encode_stream,
 )
-from geofed.codec.config import Scheme
+from geofed.codec_params import CodecParams, Scheme
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 QMAX = {"int8": 127, "int4": 7}
@@ -68,8 +67,8 @@ def test_fp32_round_trips_bit_exactly(tensors: dict[str, torch.Tensor]) -> None:
 def test_quantized_error_is_within_half_a_step_of_its_block(
     tensors: dict[str, torch.Tensor], scheme: Scheme, block_size: int
 ) -> None:
-    config = CodecConfig(scheme=scheme, block_size=block_size, chunk_elements=block_size * 3)
-    stream = encode_stream(tensors, config)
+    config = CodecParams(scheme=scheme, block_size=block_size)
+    stream = encode_stream(tensors, config, chunk_elements=block_size * 3)
     assert [spec.name for spec in stream.specs] == list(tensors)
     for piece in decode_pieces(stream.to_bytes()):
         assert piece.values.dtype == torch.float32
@@ -125,8 +124,8 @@ def test_non_contiguous_and_odd_shapes_keep_their_layout(scheme: Scheme) -> None
 
 def test_tensors_spanning_many_chunks_decode_in_order() -> None:
     tensors = {"a": torch.randn(1000), "b": torch.randn(10), "c": torch.randn(33, 7)}
-    config = CodecConfig(scheme="int8", block_size=16, chunk_elements=96)
-    stream = encode_stream(tensors, config)
+    config = CodecParams(scheme="int8", block_size=16)
+    stream = encode_stream(tensors, config, chunk_elements=96)
     expected = [(name, offset) for name, t in tensors.items() for offset in range(0, t.numel(), 96)]
     assert [(chunk.tensor, chunk.offset) for chunk in stream.chunks] == expected
     assert [chunk.index for chunk in stream.chunks] == list(range(len(expected)))
@@ -139,7 +138,7 @@ def test_tensors_spanning_many_chunks_decode_in_order() -> None:
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_decode_returns_the_original_dtype_within_its_rounding(dtype: torch.dtype) -> None:
     x = (torch.randn(5000, generator=torch.Generator().manual_seed(6)) * 3).to(dtype)
-    stream = encode_stream({"x": x}, CodecConfig(scheme="int8"))
+    stream = encode_stream({"x": x}, CodecParams(scheme="int8"))
     (piece,) = decode_pieces(stream.to_bytes())
     decoded = decode(stream.to_bytes())["x"]
     assert torch.equal(decoded, piece.values.to(dtype))
@@ -148,8 +147,8 @@ def test_decode_returns_the_original_dtype_within_its_rounding(dtype: torch.dtyp
 def test_compression_ratios_on_gaussian_deltas() -> None:
     x = {"w": torch.randn(1 << 16, generator=torch.Generator().manual_seed(7)) * 1e-3}
     fp32_bytes = 4 * (1 << 16)
-    int8 = encode_stream(x, CodecConfig(scheme="int8"))
-    int4 = encode_stream(x, CodecConfig(scheme="int4"))
+    int8 = encode_stream(x, CodecParams(scheme="int8"))
+    int4 = encode_stream(x, CodecParams(scheme="int4"))
     assert int8.fp32_bytes == fp32_bytes
     # Before zstd: 4 * 128 / (128 + 2) = 3.94 and 4 * 128 / (64 + 2) = 7.76.
     assert 3.9 < fp32_bytes / int8.total_bytes < 4.6
@@ -158,7 +157,7 @@ def test_compression_ratios_on_gaussian_deltas() -> None:
 
 def test_stochastic_rounding_through_the_stream_is_seeded() -> None:
     x = {"w": torch.randn(3000, generator=torch.Generator().manual_seed(8))}
-    config = CodecConfig(scheme="int4", stochastic_rounding=True)
+    config = CodecParams(scheme="int4", stochastic_rounding=True)
     first = encode_stream(x, config, generator=torch.Generator().manual_seed(1)).to_bytes()
     again = encode_stream(x, config, generator=torch.Generator().manual_seed(1)).to_bytes()
     other = encode_stream(x, config, generator=torch.Generator().manual_seed(2)).to_bytes()
@@ -170,7 +169,7 @@ def test_failed_encode_restores_the_generator() -> None:
     generator = torch.Generator().manual_seed(3)
     state = generator.get_state()
     tensors = {"ok": torch.randn(3000), "bad": torch.tensor([1.0, math.nan])}
-    config = CodecConfig(scheme="int8", stochastic_rounding=True)
+    config = CodecParams(scheme="int8", stochastic_rounding=True)
     with pytest.raises(NonFiniteValue, match="tensor 'bad' elements \\[0:2\\]: element 1 is nan"):
         encode_stream(tensors, config, generator=generator)
     assert torch.equal(generator.get_state(), state)
@@ -206,7 +205,7 @@ def test_gradients_are_not_required_to_be_detached() -> None:
 
 
 def test_an_empty_mapping_round_trips() -> None:
-    stream = encode_stream({}, CodecConfig())
+    stream = encode_stream({}, CodecParams())
     assert stream.chunks == []
     assert decode(stream.to_bytes()) == {}
 
@@ -215,9 +214,9 @@ def test_an_empty_mapping_round_trips() -> None:
 def test_workers_produce_the_same_bytes(scheme: Scheme) -> None:
     generator = torch.Generator().manual_seed(11)
     tensors = {f"t{i}": torch.randn(700, generator=generator) for i in range(6)}
-    config = CodecConfig(scheme=scheme, block_size=32, chunk_elements=128)
-    inline = encode_stream(tensors, config)
-    threaded = encode_stream(tensors, config, workers=3)
+    config = CodecParams(scheme=scheme, block_size=32)
+    inline = encode_stream(tensors, config, chunk_elements=128)
+    threaded = encode_stream(tensors, config, chunk_elements=128, workers=3)
     assert threaded.to_bytes() == inline.to_bytes()
     assert threaded.digests == inline.digests
 
@@ -225,6 +224,6 @@ def test_workers_produce_the_same_bytes(scheme: Scheme) -> None:
 def test_workers_surface_encode_errors_and_validate() -> None:
     tensors = {"a": torch.randn(1000), "b": torch.tensor([1.0, -math.inf])}
     with pytest.raises(NonFiniteValue, match="tensor 'b'"):
-        encode_stream(tensors, CodecConfig(chunk_elements=128), workers=2)
+        encode_stream(tensors, CodecParams(), chunk_elements=128, workers=2)
     with pytest.raises(EncodeError, match="workers 0 must be an int from 1"):
-        encode_stream(tensors, CodecConfig(), workers=0)
+        encode_stream(tensors, CodecParams(), workers=0)

@@ -15,7 +15,6 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from geofed.codec import (
-    CodecConfig,
     CorruptChunk,
     CorruptStream,
     DecodedSizeExceeded,
@@ -32,7 +31,6 @@ from geofed.codec import (
     decode_pieces,
     encode_stream,
 )
-from geofed.codec.config import Scheme
 from geofed.codec.layout import payload_size
 from geofed.codec.wire import (
     CHUNK_FIELDS,
@@ -43,6 +41,7 @@ from geofed.codec.wire import (
     chunk_fields,
     seal,
 )
+from geofed.codec_params import CodecParams, Scheme
 
 PROPERTY = settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -54,8 +53,7 @@ def make_stream(scheme: Scheme = "int8", seed: int = 0, scale: float = 1.0) -> E
         "layer.bias": torch.randn(5, generator=generator).half() * scale,
         "empty": torch.empty(0),
     }
-    config = CodecConfig(scheme=scheme, block_size=16, chunk_elements=128)
-    return encode_stream(tensors, config)
+    return encode_stream(tensors, CodecParams(scheme=scheme, block_size=16), chunk_elements=128)
 
 
 STREAM = make_stream()
@@ -93,7 +91,8 @@ def test_decoder_exposes_the_header_once_read() -> None:
     assert list(decoder.feed(STREAM.header)) == []
     assert [spec.name for spec in decoder.specs] == ["layer.weight", "layer.bias", "empty"]
     assert decoder.specs[1].dtype == "float16"
-    assert decoder.config == STREAM.config
+    assert decoder.codec == STREAM.codec
+    assert decoder.chunk_elements == STREAM.chunk_elements
     assert not decoder.complete
 
 
@@ -191,7 +190,8 @@ def test_duplicated_chunks_are_refused() -> None:
 def test_a_chunk_of_a_stream_with_another_header_is_refused() -> None:
     other = encode_stream(
         {"layer.weight": torch.zeros(20, 16), "layer.bias": torch.zeros(5).half()},
-        CodecConfig(scheme="int8", block_size=16, chunk_elements=128),
+        CodecParams(scheme="int8", block_size=16),
+        chunk_elements=128,
     )
     spliced = STREAM.header + other.chunks[0].data
     with pytest.raises(CorruptChunk, match="chunk 0 belongs to another stream"):
@@ -250,11 +250,11 @@ def test_max_decoded_bytes_refuses_large_streams_at_the_header() -> None:
 def forged_chunk(stream: EncodedStream, *, decoded_size: int | None = None, zframe: bytes) -> bytes:
     """A chunk 0 frame with a valid tag carrying ``zframe``, as a hostile sender would."""
     slot = stream.chunks[0]
-    size = payload_size(stream.config.scheme, slot.count, stream.config.block_size)
+    size = payload_size(stream.codec.scheme, slot.count, stream.codec.block_size)
     fields = ChunkFields(
         index=0,
         tensor=0,
-        scheme_code=SCHEME_CODES[stream.config.scheme],
+        scheme_code=SCHEME_CODES[stream.codec.scheme],
         offset=0,
         count=slot.count,
         decoded_size=size if decoded_size is None else decoded_size,
@@ -273,7 +273,7 @@ def bomb(size: int, *, content_size: bool) -> bytes:
 
 
 # Chunks of 64Ki int8 elements: a chunk body may hold up to about 74 KB, room for bombs.
-BIG = encode_stream({"w": torch.zeros(1 << 16)}, CodecConfig(chunk_elements=1 << 16))
+BIG = encode_stream({"w": torch.zeros(1 << 16)}, CodecParams(), chunk_elements=1 << 16)
 BIG_PAYLOAD = payload_size("int8", 1 << 16, 128)
 
 

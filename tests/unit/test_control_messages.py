@@ -14,7 +14,6 @@ from hypothesis import strategies as st
 from pydantic import ValidationError
 
 from geofed.control import (
-    CodecParams,
     Command,
     Deduplicator,
     Event,
@@ -26,32 +25,7 @@ from geofed.control import (
     encode,
 )
 from geofed.control.messages import MAX_PAYLOAD_BYTES
-
-HASH = "ab" * 32
-T0 = datetime(2030, 1, 2, 3, 4, 5, tzinfo=UTC)
-
-
-def announcement(**overrides: Any) -> RoundAnnouncement:
-    fields: dict[str, Any] = {
-        "job": "llm-7",
-        "round": 3,
-        "base_round": 3,
-        "base_hash": HASH,
-        "update_url": "/v1/jobs/llm-7/rounds/2/update",
-        "update_digest": "cd" * 32,
-        "participants": ("eu-west", "us-east"),
-        "min_regions": 1,
-        "deadline": T0 + timedelta(minutes=5),
-        "deadline_s": 300.0,
-        "inner_steps": 500,
-        "codec": CodecParams(scheme="int4", block_size=64, zstd_level=3),
-        "task": "geofed.examples.tinylm:TinyLM",
-        "task_options": {"vocab": 64, "layers": [1, 2], "name": None},
-        "seed": 42,
-        "state": "open",
-    }
-    fields.update(overrides)
-    return RoundAnnouncement(**fields)
+from tests.support.control_messages import HASH, announcement
 
 
 def samples() -> list[RoundAnnouncement | RegionStatus | Command | Event]:

@@ -38,7 +38,7 @@ def test_the_example_job_parses() -> None:
     assert spec.quorum == 2
     assert spec.region_names == ("eu-west", "us-east")
     assert (spec.outer_optimizer.lr, spec.outer_optimizer.momentum) == (0.7, 0.9)
-    assert spec.codec.update_config().scheme == "int8"
+    assert spec.codec.rounding_to_nearest().scheme == "int8"
     assert spec.checkpoint_storage == ("eu-ckpt", "us-ckpt")
 
 

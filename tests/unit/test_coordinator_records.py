@@ -7,7 +7,8 @@ import json
 from coordinator.quarantine import Outcome, Quarantine, QuarantineConfig
 from coordinator.records import RoundRecord, announcement
 from coordinator.round_state import RoundConfig, RoundPhase, RoundState
-from geofed.control import CodecParams, RoundAnnouncement, decode, encode
+from geofed.codec_params import CodecParams
+from geofed.control import RoundAnnouncement, decode, encode
 
 HASH = "ab" * 32
 

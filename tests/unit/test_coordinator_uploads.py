@@ -14,9 +14,8 @@ import zstandard
 from coordinator.delta_checks import DeltaExpectation, check_delta_manifest, verify_signature
 from coordinator.delta_stream import verify_and_store
 from coordinator.errors import ApiError
-from coordinator.jobspec import CodecSpec
 from geofed.blobstore import FsBlobStore
-from geofed.codec import CodecConfig, EncodedStream, encode_stream
+from geofed.codec import EncodedStream, encode_stream
 from geofed.codec.wire import (
     ChunkFields,
     FrameKind,
@@ -25,12 +24,12 @@ from geofed.codec.wire import (
     seal,
     trailer_body,
 )
+from geofed.codec_params import CodecParams
 from geofed.manifest import (
-    CodecParams,
+    ArtifactProvenance,
     Manifest,
-    Provenance,
+    ManifestTensor,
     SignedManifest,
-    TensorSpec,
     chunk_records,
     sign_manifest,
 )
@@ -38,11 +37,16 @@ from geofed.types import ArtifactKind
 from tests.support.pki import Federation, make_federation
 
 BASE = "ab" * 32
-CODEC = CodecConfig(scheme="int8", block_size=32, chunk_elements=64)
+CODEC = CodecParams(scheme="int8", block_size=32)
+CHUNK_ELEMENTS = 64
 SPECS = (
-    TensorSpec(name="w", dtype="float32", shape=(8, 16)),
-    TensorSpec(name="b", dtype="float32", shape=(8,)),
+    ManifestTensor(name="w", dtype="float32", shape=(8, 16)),
+    ManifestTensor(name="b", dtype="float32", shape=(8,)),
 )
+
+
+def _encode(tensors: dict[str, torch.Tensor]) -> EncodedStream:
+    return encode_stream(tensors, CODEC, chunk_elements=CHUNK_ELEMENTS)
 
 
 @pytest.fixture(scope="module")
@@ -66,18 +70,15 @@ def _signed(region: Any, stream: EncodedStream, **overrides: Any) -> SignedManif
         "job": "job-1",
         "round": 3,
         "producer": region.identity.uri,
-        "codec": CodecParams(
-            scheme=stream.config.scheme,
-            block_size=stream.config.block_size,
-            zstd_level=stream.config.zstd_level,
-            stochastic_rounding=False,
-        ),
+        "codec": stream.codec,
         "tensors": tuple(
-            TensorSpec(name=s.name, dtype=s.dtype, shape=s.shape) for s in stream.specs
+            ManifestTensor(name=s.name, dtype=s.dtype, shape=s.shape) for s in stream.specs
         ),
         "chunks": chunk_records(stream.frames()),
         "total_size": stream.total_bytes,
-        "provenance": (Provenance(region="eu-west", jurisdiction="EU", datasets=("eu-a",)),),
+        "provenance": (
+            ArtifactProvenance(region="eu-west", jurisdiction="EU", datasets=("eu-a",)),
+        ),
         "created_at": datetime.now(UTC),
         "base_round": 3,
         "base_hash": BASE,
@@ -96,7 +97,7 @@ def _expect(**overrides: Any) -> DeltaExpectation:
         "federation": "acme",
         "base_hash": BASE,
         "tensors": SPECS,
-        "codec": CodecSpec(scheme="int8", block_size=32),
+        "codec": CodecParams(scheme="int8", block_size=32),
         "datasets": ["eu-a", "eu-b"],
         "jurisdiction": "EU",
         "max_upload_bytes": 1 << 20,
@@ -113,7 +114,7 @@ def _code(signed: SignedManifest, expect: DeltaExpectation) -> tuple[int, str, s
 
 
 def test_a_valid_delta_passes_every_check(eu_west: Any, fed: Federation) -> None:
-    signed = _signed(eu_west, encode_stream(_tensors(), CODEC))
+    signed = _signed(eu_west, _encode(_tensors()))
     check_delta_manifest(signed, _expect())
     assert verify_signature(signed, fed.bundle(), datetime.now(UTC)) == eu_west.identity
 
@@ -127,19 +128,27 @@ def test_a_valid_delta_passes_every_check(eu_west: Any, fed: Federation) -> None
         ({}, {"tensors": SPECS[:1]}, (400, "shape_mismatch", "unexpected ['b']")),
         (
             {},
-            {"tensors": (SPECS[0], TensorSpec(name="b", dtype="float32", shape=(9,)))},
+            {"tensors": (SPECS[0], ManifestTensor(name="b", dtype="float32", shape=(9,)))},
             (400, "shape_mismatch", "float32[9]"),
         ),
-        ({}, {"codec": CodecSpec(scheme="int4", block_size=32)}, (400, "codec_mismatch", "int4")),
+        ({}, {"codec": CodecParams(scheme="int4", block_size=32)}, (400, "codec_mismatch", "int4")),
         ({}, {"max_upload_bytes": 100}, (413, "too_large", "limit is 100")),
         ({"tokens": None}, {}, (400, "bad_request", "tokens")),
         (
-            {"provenance": (Provenance(region="eu-west", jurisdiction="EU", datasets=("x",)),)},
+            {
+                "provenance": (
+                    ArtifactProvenance(region="eu-west", jurisdiction="EU", datasets=("x",)),
+                )
+            },
             {},
             (400, "bad_request", "subset"),
         ),
         (
-            {"provenance": (Provenance(region="eu-west", jurisdiction="US", datasets=("eu-a",)),)},
+            {
+                "provenance": (
+                    ArtifactProvenance(region="eu-west", jurisdiction="US", datasets=("eu-a",)),
+                )
+            },
             {},
             (400, "bad_request", "policy says EU"),
         ),
@@ -149,33 +158,33 @@ def test_a_valid_delta_passes_every_check(eu_west: Any, fed: Federation) -> None
 def test_each_mismatch_is_refused_with_its_code(
     eu_west: Any, overrides: dict[str, Any], expect: dict[str, Any], wanted: tuple[int, str, str]
 ) -> None:
-    signed = _signed(eu_west, encode_stream(_tensors(), CODEC), **overrides)
+    signed = _signed(eu_west, _encode(_tensors()), **overrides)
     status, code, message = _code(signed, _expect(**expect))
     assert (status, code) == wanted[:2]
     assert wanted[2] in message
 
 
 def test_another_regions_delta_is_a_producer_mismatch(fed: Federation) -> None:
-    signed = _signed(fed.region("us-east"), encode_stream(_tensors(), CODEC))
+    signed = _signed(fed.region("us-east"), _encode(_tensors()))
     assert _code(signed, _expect())[:2] == (403, "producer_mismatch")
 
 
 def test_signature_refusals_map_to_protocol_codes(eu_west: Any, fed: Federation) -> None:
-    signed = _signed(eu_west, encode_stream(_tensors(), CODEC))
+    signed = _signed(eu_west, _encode(_tensors()))
     forged = SignedManifest(signed.manifest, bytes(reversed(signed.signature)), signed.certificate)
     with pytest.raises(ApiError) as caught:
         verify_signature(forged, fed.bundle(), datetime.now(UTC))
     assert (caught.value.status, caught.value.code) == (403, "bad_signature")
     fed.add_untrusted_authority("rogue")
     rogue = fed.region("eu-west", authority="rogue")
-    stranger = _signed(rogue, encode_stream(_tensors(), CODEC))
+    stranger = _signed(rogue, _encode(_tensors()))
     with pytest.raises(ApiError) as caught:
         verify_signature(stranger, fed.bundle(), datetime.now(UTC))
     assert (caught.value.status, caught.value.code) == (403, "untrusted_certificate")
 
 
 def test_verified_stream_is_stored_whole(eu_west: Any, tmp_path: Path) -> None:
-    stream = encode_stream(_tensors(), CODEC)
+    stream = _encode(_tensors())
     blobs = FsBlobStore(tmp_path)
     digest, size = verify_and_store(iter(stream.frames()), _signed(eu_west, stream), SPECS, blobs)
     assert blobs.get(digest) == stream.to_bytes()
@@ -183,7 +192,7 @@ def test_verified_stream_is_stored_whole(eu_west: Any, tmp_path: Path) -> None:
 
 
 def test_frames_out_of_order_store_nothing(eu_west: Any, tmp_path: Path) -> None:
-    stream = encode_stream(_tensors(), CODEC)
+    stream = _encode(_tensors())
     frames = list(stream.frames())
     frames[1], frames[2] = frames[2], frames[1]
     blobs = FsBlobStore(tmp_path)
@@ -195,8 +204,8 @@ def test_frames_out_of_order_store_nothing(eu_west: Any, tmp_path: Path) -> None
 
 
 def test_a_frame_other_than_the_manifests_is_a_corrupt_chunk(eu_west: Any, tmp_path: Path) -> None:
-    stream = encode_stream(_tensors(), CODEC)
-    other = encode_stream({name: t + 1 for name, t in _tensors().items()}, CODEC)
+    stream = _encode(_tensors())
+    other = _encode({name: t + 1 for name, t in _tensors().items()})
     frames = [stream.header, other.chunks[0].data, *[c.data for c in stream.chunks[1:]]]
     frames.append(stream.trailer)
     blobs = FsBlobStore(tmp_path)
@@ -207,7 +216,7 @@ def test_a_frame_other_than_the_manifests_is_a_corrupt_chunk(eu_west: Any, tmp_p
 
 
 def test_a_stream_for_another_model_is_a_shape_mismatch(eu_west: Any, tmp_path: Path) -> None:
-    stream = encode_stream({"w": torch.zeros(8, 16), "c": torch.zeros(8)}, CODEC)
+    stream = _encode({"w": torch.zeros(8, 16), "c": torch.zeros(8)})
     with pytest.raises(ApiError) as caught:
         verify_and_store(
             iter(stream.frames()), _signed(eu_west, stream), SPECS, FsBlobStore(tmp_path)
@@ -217,7 +226,7 @@ def test_a_stream_for_another_model_is_a_shape_mismatch(eu_west: Any, tmp_path: 
 
 def _forged_fp32_stream(values: torch.Tensor) -> list[bytes]:
     """A well-framed fp32 stream carrying ``values`` as they are (an encoder refuses Inf)."""
-    template = encode_stream({"v": torch.zeros(values.numel())}, CodecConfig(scheme="fp32"))
+    template = encode_stream({"v": torch.zeros(values.numel())}, CodecParams(scheme="fp32"))
     header = template.header
     header_digest = hashlib.sha256(header).digest()
     payload = values.to(torch.float32).numpy().tobytes()
@@ -238,7 +247,7 @@ def _forged_fp32_stream(values: torch.Tensor) -> list[bytes]:
 
 def test_non_finite_values_are_refused(eu_west: Any, tmp_path: Path) -> None:
     frames = _forged_fp32_stream(torch.tensor([1.0, float("inf"), 2.0, 3.0]))
-    specs = (TensorSpec(name="v", dtype="float32", shape=(4,)),)
+    specs = (ManifestTensor(name="v", dtype="float32", shape=(4,)),)
     manifest = Manifest(
         kind=ArtifactKind.MODEL_DELTA,
         job="job-1",
@@ -248,7 +257,7 @@ def test_non_finite_values_are_refused(eu_west: Any, tmp_path: Path) -> None:
         tensors=specs,
         chunks=chunk_records(frames),
         total_size=sum(len(f) for f in frames),
-        provenance=(Provenance(region="eu-west", jurisdiction="EU", datasets=("eu-a",)),),
+        provenance=(ArtifactProvenance(region="eu-west", jurisdiction="EU", datasets=("eu-a",)),),
         created_at=datetime.now(UTC),
         base_hash=BASE,
         tokens=1,

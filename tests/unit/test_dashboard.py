@@ -12,157 +12,31 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterator
-from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
 
-from coordinator import metrics as coordinator_metrics
 from coordinator.errors import CODES
 from coordinator.records import JobState
 from geofed.types import ArtifactKind
 from regional_agent import metrics as agent_metrics
+from tests.support.monitoring import (
+    CATALOGUE,
+    DASHBOARD,
+    ROOT,
+    RULES,
+    catalogued,
+    panels,
+    queries,
+)
+from tests.support.promql import Matcher, Selector, selectors
 
-ROOT = Path(__file__).resolve().parents[2]
-DASHBOARD = ROOT / "deploy" / "grafana" / "geofed.json"
 SCRAPE_CONFIG = ROOT / "deploy" / "prometheus" / "prometheus.yml"
-RULES = ROOT / "deploy" / "prometheus" / "geofed-rules.yml"
 RULE_TESTS = ROOT / "deploy" / "prometheus" / "geofed-rules.test.yml"
-
-# -- a small PromQL reader -------------------------------------------------------------
-
-_KEYWORDS = frozenset(
-    {"and", "or", "unless", "bool", "offset", "inf", "nan", "atan2", "start", "end"}
-)
-_LABEL_LISTS = frozenset({"by", "without", "on", "ignoring", "group_left", "group_right"})
-_TOKEN = re.compile(
-    r"""
-    (?P<string>"(?:\\.|[^"\\])*"|'(?:\\.|[^'\\])*'|`[^`]*`)
-  | (?P<range>\[[^\]]*\])
-  | (?P<lbrace>\{)
-  | (?P<ident>[A-Za-z_:][A-Za-z0-9_:]*)
-  | (?P<number>[0-9][0-9A-Za-z_.]*)
-  | (?P<variable>\$\{[^}]*\}|\$[A-Za-z_][A-Za-z0-9_]*)
-  | (?P<space>\s+)
-  | (?P<other>.)
-    """,
-    re.VERBOSE | re.DOTALL,
-)
-_STRING = re.compile(r""""(?:\\.|[^"\\])*"|'(?:\\.|[^'\\])*'""")
-_MATCHER = re.compile(
-    r"""\s*(?P<label>[A-Za-z_][A-Za-z0-9_]*)\s*(?P<op>=~|!~|!=|=)\s*
-        (?P<value>"(?:\\.|[^"\\])*"|'(?:\\.|[^'\\])*')\s*(?:,|$)""",
-    re.VERBOSE,
-)
-
-
-@dataclass(frozen=True)
-class Matcher:
-    label: str
-    op: str
-    value: str
-
-
-@dataclass(frozen=True)
-class Selector:
-    """A vector selector: a metric name and its label matchers."""
-
-    name: str
-    matchers: tuple[Matcher, ...] = field(default=())
-
-
-def _tokens(expr: str) -> list[tuple[str, str]]:
-    return [
-        (match.lastgroup or "", match.group())
-        for match in _TOKEN.finditer(expr)
-        if match.lastgroup != "space"
-    ]
-
-
-def _matchers(body: str) -> tuple[Matcher, ...]:
-    found, position = [], 0
-    while position < len(body.strip()):
-        match = _MATCHER.match(body, position)
-        if match is None:
-            raise ValueError(f"cannot read label matchers {{{body}}} at {body[position:]!r}")
-        found.append(Matcher(match["label"], match["op"], match["value"][1:-1]))
-        position = match.end()
-    return tuple(found)
-
-
-def _braces(expr: str, start: int) -> int:
-    """Index just past the ``}`` closing the ``{`` at ``start`` (strings skipped)."""
-    i = start + 1
-    while i < len(expr):
-        string = _STRING.match(expr, i)
-        if string is not None:
-            i = string.end()
-        elif expr[i] == "}":
-            return i + 1
-        else:
-            i += 1
-    raise ValueError(f"unclosed {{ in {expr!r}")
-
-
-def selectors(expr: str) -> list[Selector]:
-    """Every vector selector of a PromQL expression (Grafana variables allowed)."""
-    # Label matcher blocks go first, so their contents are never read as names.
-    blocks: list[str] = []
-    flat, i = [], 0
-    while i < len(expr):
-        string = _STRING.match(expr, i)
-        if string is not None:
-            flat.append(string.group())
-            i = string.end()
-        elif expr[i] == "{":
-            end = _braces(expr, i)
-            blocks.append(expr[i + 1 : end - 1])
-            flat.append(f"{{{len(blocks) - 1}}}")
-            i = end
-        else:
-            flat.append(expr[i])
-            i += 1
-    tokens = _tokens("".join(flat))
-    found: list[Selector] = []
-    skip_list = False
-    for n, (kind, text) in enumerate(tokens):
-        following = tokens[n + 1] if n + 1 < len(tokens) else ("", "")
-        if skip_list:
-            if kind == "other" and text == ")":
-                skip_list = False
-            continue
-        if kind == "ident":
-            if text in _LABEL_LISTS:
-                skip_list = following == ("other", "(")
-                continue
-            is_call = following == ("other", "(") or following[1] in ("by", "without")
-            if text in _KEYWORDS or is_call:
-                continue
-            matchers: tuple[Matcher, ...] = ()
-            if following[0] == "lbrace":
-                matchers = _matchers(blocks[int(_block_index(tokens, n + 1))])
-            found.append(Selector(text, matchers))
-        elif kind == "lbrace" and (n == 0 or tokens[n - 1][0] != "ident"):
-            block = _matchers(blocks[int(_block_index(tokens, n))])
-            names = [m.value for m in block if m.label == "__name__" and m.op == "="]
-            if not names:
-                raise ValueError(f"selector without a metric name in {expr!r}")
-            found.append(Selector(names[0], tuple(m for m in block if m.label != "__name__")))
-    return found
-
-
-def _block_index(tokens: list[tuple[str, str]], n: int) -> str:
-    # "{3}" was tokenised as lbrace, number "3", other "}".
-    return tokens[n + 1][1]
-
 
 # -- the catalogues ---------------------------------------------------------------------
 
-CATALOGUE = {spec.name: spec for spec in coordinator_metrics.CATALOGUE + agent_metrics.CATALOGUE}
-HISTOGRAM_SUFFIXES = ("_bucket", "_sum", "_count")
 #: Labels every scraped series carries besides its own (prometheus.yml, honor_labels).
 SCRAPE_LABELS = frozenset({"job", "instance"})
 #: The values fixed-set labels can take, per metric; absent: not checked.
@@ -191,17 +65,6 @@ LABEL_VALUES: dict[tuple[str, str], frozenset[str]] = {
 def scrape_jobs() -> frozenset[str]:
     config = yaml.safe_load(SCRAPE_CONFIG.read_text())
     return frozenset(job["job_name"] for job in config["scrape_configs"])
-
-
-def catalogued(name: str) -> str | None:
-    """The catalogue name ``name`` belongs to (histogram series map to their histogram)."""
-    if name in CATALOGUE:
-        return name
-    for suffix in HISTOGRAM_SUFFIXES:
-        base = name.removesuffix(suffix)
-        if base != name and base in CATALOGUE and CATALOGUE[base].kind == "histogram":
-            return base
-    return None
 
 
 def _literal_values(matcher: Matcher) -> list[str] | None:
@@ -298,18 +161,6 @@ def dashboard() -> dict[str, Any]:
     return document
 
 
-def _panels(dashboard: dict[str, Any]) -> Iterator[dict[str, Any]]:
-    for panel in dashboard["panels"]:
-        yield panel
-        yield from panel.get("panels", [])
-
-
-def _queries(dashboard: dict[str, Any]) -> Iterator[tuple[str, str]]:
-    for panel in _panels(dashboard):
-        for target in panel.get("targets", []):
-            yield panel["title"], target["expr"]
-
-
 def test_dashboard_is_an_importable_grafana_dashboard(dashboard):
     assert dashboard["schemaVersion"] == 39
     assert dashboard["uid"]
@@ -319,7 +170,7 @@ def test_dashboard_is_an_importable_grafana_dashboard(dashboard):
     assert inputs["DS_PROMETHEUS"]["type"] == "datasource"
     assert inputs["DS_PROMETHEUS"]["pluginId"] == "prometheus"
     expected = {"type": "prometheus", "uid": "${DS_PROMETHEUS}"}
-    for panel in _panels(dashboard):
+    for panel in panels(dashboard):
         if panel["type"] == "row":
             continue
         assert panel["datasource"] == expected, panel["title"]
@@ -340,7 +191,7 @@ def test_dashboard_has_a_job_variable_over_catalogued_metrics(dashboard):
 
 
 def test_every_panel_has_queries_and_every_query_its_own_ref(dashboard):
-    for panel in _panels(dashboard):
+    for panel in panels(dashboard):
         if panel["type"] == "row":
             assert "targets" not in panel
             continue
@@ -353,11 +204,11 @@ def test_every_panel_has_queries_and_every_query_its_own_ref(dashboard):
 
 
 def test_panel_ids_and_titles_are_unique(dashboard):
-    panels = list(_panels(dashboard))
-    ids = [panel["id"] for panel in panels]
+    every = list(panels(dashboard))
+    ids = [panel["id"] for panel in every]
     assert all(isinstance(i, int) and i > 0 for i in ids)
     assert len(ids) == len(set(ids))
-    titles = [panel["title"] for panel in panels]
+    titles = [panel["title"] for panel in every]
     assert len(titles) == len(set(titles))
 
 
@@ -379,7 +230,7 @@ def test_panels_fit_the_grid_without_overlapping(dashboard):
 
 def test_every_query_selects_catalogued_metrics(dashboard):
     found = [
-        f"{title}: {problem}" for title, expr in _queries(dashboard) for problem in problems(expr)
+        f"{title}: {problem}" for title, expr in queries(dashboard) for problem in problems(expr)
     ]
     assert found == []
 
@@ -387,7 +238,7 @@ def test_every_query_selects_catalogued_metrics(dashboard):
 def test_queries_use_only_defined_variables(dashboard):
     defined = {v["name"] for v in dashboard["templating"]["list"]}
     builtin = {"__rate_interval", "__interval", "__range"}
-    for title, expr in _queries(dashboard):
+    for title, expr in queries(dashboard):
         for name in re.findall(r"\$\{?(\w+)", expr):
             assert name in defined | builtin, f"{title}: ${name} is not defined"
 
@@ -395,7 +246,7 @@ def test_queries_use_only_defined_variables(dashboard):
 def test_dashboard_shows_what_operators_watch(dashboard):
     shown = {
         catalogued(selector.name) or selector.name
-        for _, expr in _queries(dashboard)
+        for _, expr in queries(dashboard)
         for selector in selectors(expr)
     }
     watched = {

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import errno
 import io
-import multiprocessing
 import os
 import stat
 import threading
@@ -14,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from geofed.fsutil import (
+    PUBLIC_MODE,
     AtomicFile,
     atomic_write_bytes,
     atomic_write_stream,
@@ -99,6 +99,22 @@ def test_private_mode_is_0600_and_default_follows_umask(tmp_path: Path) -> None:
     finally:
         os.umask(old_umask)
     assert stat.S_IMODE((tmp_path / "plain").stat().st_mode) == 0o644
+
+
+def test_an_explicit_mode_is_the_files_mode_from_creation(tmp_path: Path) -> None:
+    old_umask = os.umask(0)
+    try:
+        atomic_write_bytes(tmp_path / "cert.pem", b"cert", mode=PUBLIC_MODE)
+        with AtomicFile(tmp_path / "group.txt", mode=0o640) as f:
+            assert stat.S_IMODE(os.fstat(f.fileno()).st_mode) == 0o640
+            f.write(b"g")
+    finally:
+        os.umask(old_umask)
+    assert stat.S_IMODE((tmp_path / "cert.pem").stat().st_mode) == 0o644
+    assert stat.S_IMODE((tmp_path / "group.txt").stat().st_mode) == 0o640
+    with pytest.raises(ValueError, match="exclude each other"):
+        AtomicFile(tmp_path / "both", private=True, mode=0o644)
+    assert leftovers(tmp_path) == []
 
 
 def test_error_inside_block_keeps_old_content(target: Path) -> None:
@@ -240,19 +256,17 @@ def test_create_temp_and_replace_durably_across_directories(tmp_path: Path) -> N
     assert list((tmp_path / "a").iterdir()) == []
 
 
-def _die_while_writing(path: str) -> None:
-    with AtomicFile(path) as f:
-        f.write(b"half of the new content")
-        f.flush()
-        os._exit(1)
+def test_a_non_durable_write_replaces_whole_without_fsync(
+    target: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def no_fsync(fd: int) -> None:
+        raise AssertionError("fsync called for a non-durable write")
 
-
-def test_process_killed_midway_leaves_old_content(target: Path) -> None:
-    ctx = multiprocessing.get_context("spawn")
-    child = ctx.Process(target=_die_while_writing, args=(str(target),))
-    child.start()
-    child.join(timeout=60)
-    assert child.exitcode == 1
-    assert target.read_bytes() == OLD
-    # A crash leaves at most a hidden temp file beside the target, never a torn target.
-    assert all(name.startswith(".state.json.") for name in leftovers(target.parent))
+    monkeypatch.setattr(os, "fsync", no_fsync)
+    atomic_write_bytes(target, b"advisory", durable=False)
+    assert target.read_bytes() == b"advisory"
+    assert leftovers(target.parent) == []
+    with pytest.raises(AssertionError, match="fsync called"):
+        atomic_write_bytes(target, b"durable")
+    assert target.read_bytes() == b"advisory"
+    assert leftovers(target.parent) == []

@@ -21,10 +21,17 @@ from hypothesis import strategies as st
 from coordinator.audit import AuditEntry, InvalidAuditEntry
 from coordinator.bodies import commit_metrics
 from coordinator.errors import ApiError
-from geofed.codec import CodecConfig, DecodeError, StreamDecoder, decode, encode_stream
+from geofed.artifact_bundle import (
+    HEADER_SIZE,
+    BundleError,
+    manifest_length,
+    pack_bundle,
+    split_bundle,
+)
+from geofed.codec import DecodeError, StreamDecoder, decode, encode_stream
 from geofed.codec.wire import PREFIX, TAG_SIZE, parse_header_body
+from geofed.codec_params import CodecParams
 from geofed.control import TopicError, TopicKind, Topics
-from geofed.wire import HEADER_SIZE, BundleError, manifest_length, pack_bundle, split_bundle
 from tests.support import fuzz
 
 FUZZ = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -34,7 +41,7 @@ TENSORS = {
     "b": torch.arange(10, dtype=torch.float32),
 }
 STREAMS = {
-    scheme: encode_stream(TENSORS, CodecConfig(scheme=scheme, block_size=16, chunk_elements=32))
+    scheme: encode_stream(TENSORS, CodecParams(scheme=scheme, block_size=16), chunk_elements=32)
     for scheme in ("fp32", "int8", "int4")
 }
 MAX_DECODED = 4 * sum(t.numel() for t in TENSORS.values())
@@ -139,11 +146,12 @@ def _feed(decoder: StreamDecoder, data: bytes, parts: list[int]) -> None:
 def test_fuzz_stream_header_body(value: Any, raw: bytes, use_raw: bool) -> None:
     body = raw if use_raw else json.dumps(value).encode()
     try:
-        config, specs = parse_header_body(body, "header")
+        config, chunk_elements, specs = parse_header_body(body, "header")
     except DecodeError:
         return
     assert all(all(size >= 0 for size in spec.shape) for spec in specs)
     assert config.block_size >= 1
+    assert chunk_elements % config.block_size == 0
 
 
 @FUZZ
@@ -154,10 +162,11 @@ def test_fuzz_stream_header_of_a_valid_stream(choice: int, value: Any) -> None:
     paths = fuzz.json_paths(document)[1:]
     fuzz.edit_at(document, paths[choice % len(paths)], "set", value)
     try:
-        config, specs = parse_header_body(json.dumps(document).encode(), "header")
+        config, chunk_elements, specs = parse_header_body(json.dumps(document).encode(), "header")
     except DecodeError:
         return
     assert config.block_size >= 1
+    assert chunk_elements % config.block_size == 0
     assert all(all(size >= 0 for size in spec.shape) for spec in specs)
 
 

@@ -18,21 +18,19 @@ from geofed.manifest import (
     BadSignature,
     ChunkDigestMismatch,
     ChunkRecord,
-    CodecParams,
     MalformedManifest,
     Manifest,
+    ManifestTensor,
     ProducerMismatch,
-    Provenance,
     SignedManifest,
-    TensorSpec,
     UnknownChunk,
     UntrustedSigner,
-    chunk_records,
     sign_manifest,
     verify_chunk,
     verify_chunks,
 )
 from geofed.types import ArtifactKind
+from tests.support.manifests import CHUNKS, make_manifest
 from tests.support.pki import Federation, Principal, make_federation
 
 NOW = datetime.now(UTC)
@@ -44,9 +42,6 @@ def _fresh_now() -> None:
     then, and a long suite may collect this module minutes before running it."""
     global NOW
     NOW = datetime.now(UTC)
-
-
-CHUNKS = [bytes(range(256)) * 4, b"\x00" * 1000, b"tail"]
 
 
 @pytest.fixture(scope="module")
@@ -63,32 +58,6 @@ def fed(tmp_path_factory: pytest.TempPathFactory) -> Federation:
 @pytest.fixture(scope="module")
 def producer(fed: Federation) -> Principal:
     return fed.region("eu-west")
-
-
-def make_manifest(signer: Principal, **changes: Any) -> Manifest:
-    fields: dict[str, Any] = {
-        "kind": ArtifactKind.MODEL_DELTA,
-        "job": "tiny-lm",
-        "round": 7,
-        "producer": signer.identity.uri,
-        "codec": CodecParams(
-            scheme="int8", block_size=128, zstd_level=1, stochastic_rounding=False
-        ),
-        "tensors": (
-            TensorSpec(name="embed.weight", dtype="float32", shape=(64, 32)),
-            TensorSpec(name="head.bias", dtype="float32", shape=(64,)),
-        ),
-        "chunks": chunk_records(CHUNKS),
-        "total_size": sum(len(c) for c in CHUNKS),
-        "provenance": (Provenance(region="eu-west", jurisdiction="EU", datasets=("c4-eu",)),),
-        "created_at": datetime(2030, 1, 2, 3, 4, 5, 678000, tzinfo=UTC),
-        "base_round": 6,
-        "base_hash": "ab" * 32,
-        "tokens": 4096,
-        "parameters_hash": None,
-    }
-    fields.update(changes)
-    return Manifest(**fields)
 
 
 def signed(producer: Principal, manifest: Manifest | None = None) -> SignedManifest:
@@ -282,7 +251,7 @@ def test_sign_refuses_a_key_of_another_certificate(fed, producer):
         ({"created_at": datetime(2030, 1, 1)}, "timezone"),
         ({"base_hash": "AB" * 32}, "pattern"),
         (
-            {"tensors": (TensorSpec(name="w", dtype="float32", shape=(1,)),) * 2},
+            {"tensors": (ManifestTensor(name="w", dtype="float32", shape=(1,)),) * 2},
             "appears twice",
         ),
     ],

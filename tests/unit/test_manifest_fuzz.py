@@ -11,8 +11,8 @@ from hypothesis import strategies as st
 
 from geofed.manifest import ManifestError, SignedManifest, sign_manifest
 from tests.support import fuzz
+from tests.support.manifests import make_manifest
 from tests.support.pki import Federation, make_federation
-from tests.unit.test_manifest import make_manifest
 
 NOW = datetime.now(UTC)
 

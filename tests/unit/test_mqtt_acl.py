@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 from paho.mqtt.client import topic_matches_sub
 
-from geofed.cli import main
 from geofed.mqtt_acl import Access, AclError, Principals, acl_rules, render_acl
+from geofed_cli import main
 from policies import load_policies
 from tests.support.pki import make_federation
 

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 from cryptography import x509
 
-from geofed.cli import main
 from geofed.pki import load_credential, load_trust_bundle, verify_certificate
 from geofed.types import Role
+from geofed_cli import main
 
 
 def _mode(path: Path) -> int:

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from geofed.fsutil import atomic_write_bytes
 from geofed.pki import (
     CredentialStoreError,
     create_ca,
@@ -16,7 +17,6 @@ from geofed.pki import (
     save_ca,
     save_credential,
 )
-from geofed.pki.files import write_file_atomic
 from geofed.types import Identity, Role
 
 
@@ -93,8 +93,8 @@ def test_output_path_that_is_a_file(tmp_path):
 
 def test_atomic_write_creates_the_file_with_its_final_mode_and_leaves_no_temp(tmp_path):
     target = tmp_path / "secret"
-    write_file_atomic(target, b"one", mode=0o600)
-    write_file_atomic(target, b"two", mode=0o600)
+    atomic_write_bytes(target, b"one", private=True)
+    atomic_write_bytes(target, b"two", private=True)
     assert target.read_bytes() == b"two"
     assert _mode(target) == 0o600
     assert [p.name for p in tmp_path.iterdir()] == ["secret"]

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from geofed.cli import main
+from geofed_cli import main
 
 POLICY_DIR = str(Path(__file__).resolve().parents[2] / "configs" / "policies")
 

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from geofed.located_yaml import MAX_NODES
 from policies import (
     Classification,
     PolicyLoadError,
@@ -20,7 +21,6 @@ from policies import (
     placement,
     schema,
 )
-from policies.yaml_loader import MAX_NODES
 
 VALID = """\
 region: eu-west

@@ -10,11 +10,11 @@ from pydantic import ValidationError
 from coordinator.deadline import RoundTiming
 from coordinator.round_state import (
     Action,
+    DeltaVerdictCode,
     RoundConfig,
     RoundPhase,
     RoundState,
     RoundStateError,
-    VerdictCode,
 )
 
 T0 = 1_700_000_000.0
@@ -37,7 +37,7 @@ def test_closes_as_soon_as_everyone_delivered() -> None:
     state = make_round()
     for i, region in enumerate(["us-east", "ap-south", "eu-west"]):
         verdict = state.on_delta(region, 5, T0 + 100 + i)
-        assert verdict.code is VerdictCode.ACCEPTED
+        assert verdict.code is DeltaVerdictCode.ACCEPTED
         assert verdict.accepted
     assert "3 of 3 delivered, quorum 2" in verdict.reason
     decision = state.tick(T0 + 103)
@@ -104,7 +104,7 @@ def test_extension_gives_a_slow_region_its_chance() -> None:
     state.on_delta("eu-west", 5, T0 + 10)
     assert state.tick(T0 + 600).action is Action.EXTEND
     assert state.deadline_at == T0 + 900
-    assert state.on_delta("us-east", 5, T0 + 800).code is VerdictCode.ACCEPTED
+    assert state.on_delta("us-east", 5, T0 + 800).code is DeltaVerdictCode.ACCEPTED
     decision = state.tick(T0 + 900)
     assert decision.action is Action.CLOSE
     assert decision.included == ("eu-west", "us-east")
@@ -119,7 +119,7 @@ def test_duplicates_are_idempotent_before_and_after_closing() -> None:
     state = make_round()
     state.on_delta("eu-west", 5, T0 + 10)
     again = state.on_delta("eu-west", 5, T0 + 11)
-    assert again.code is VerdictCode.DUPLICATE
+    assert again.code is DeltaVerdictCode.DUPLICATE
     assert again.accepted  # the upload layer answers 200 again
     assert "already accepted at +10.000 s; it is counted once" in again.reason
     assert state.delivered == ("eu-west",)
@@ -127,7 +127,7 @@ def test_duplicates_are_idempotent_before_and_after_closing() -> None:
     state.tick(T0 + 600)
     state.mark_published(T0 + 650)
     after = state.on_delta("us-east", 5, T0 + 700)
-    assert after.code is VerdictCode.DUPLICATE
+    assert after.code is DeltaVerdictCode.DUPLICATE
     assert after.accepted
 
 
@@ -137,7 +137,7 @@ def test_straggler_delivering_after_close_is_late() -> None:
     state.on_delta("us-east", 5, T0 + 20)
     state.tick(T0 + 600)
     late = state.on_delta("ap-south", 5, T0 + 601)
-    assert late.code is VerdictCode.LATE
+    assert late.code is DeltaVerdictCode.LATE
     assert not late.accepted
     assert late.reason == (
         "round 5 closed at +600.000 s without ap-south, counted as a straggler; its delta "
@@ -150,7 +150,7 @@ def test_delta_after_a_failed_round_is_late() -> None:
     state = make_round(max_extensions=0)
     state.tick(T0 + 600)
     late = state.on_delta("eu-west", 5, T0 + 601)
-    assert late.code is VerdictCode.LATE
+    assert late.code is DeltaVerdictCode.LATE
     assert late.reason.startswith("round 5 is failed (deadline passed with 0 of 3")
 
 
@@ -158,7 +158,7 @@ def test_delta_after_the_deadline_but_before_the_closing_tick_counts() -> None:
     state = make_round()
     state.on_delta("eu-west", 5, T0 + 10)
     state.on_delta("us-east", 5, T0 + 20)
-    assert state.on_delta("ap-south", 5, T0 + 600.5).code is VerdictCode.ACCEPTED
+    assert state.on_delta("ap-south", 5, T0 + 600.5).code is DeltaVerdictCode.ACCEPTED
     assert state.tick(T0 + 601).reason == "all 3 participants delivered"
 
 
@@ -168,12 +168,12 @@ def test_delta_after_the_deadline_but_before_the_closing_tick_counts() -> None:
         (
             "sa-east",
             5,
-            VerdictCode.NOT_PARTICIPANT,
+            DeltaVerdictCode.NOT_PARTICIPANT,
             "'sa-east' is not a participant of round 5 (participants: ap-south, eu-west, us-east)",
         ),
-        ("NOT A NAME", 5, VerdictCode.NOT_PARTICIPANT, "'NOT A NAME' is not a participant"),
-        ("eu-west", 4, VerdictCode.WRONG_ROUND, "delta is for round 4, this is round 5"),
-        ("eu-west", 6, VerdictCode.WRONG_ROUND, "delta is for round 6, this is round 5"),
+        ("NOT A NAME", 5, DeltaVerdictCode.NOT_PARTICIPANT, "'NOT A NAME' is not a participant"),
+        ("eu-west", 4, DeltaVerdictCode.WRONG_ROUND, "delta is for round 4, this is round 5"),
+        ("eu-west", 6, DeltaVerdictCode.WRONG_ROUND, "delta is for round 6, this is round 5"),
     ],
 )
 def test_refused_deltas(region, round_, code, reason) -> None:

@@ -2,85 +2,52 @@
 
 :class:`StoreContract` holds the behaviour every :class:`~coordinator.store.Store` must
 have; it runs through the ``store_factory`` fixture, parametrized over
-:data:`IMPLEMENTATIONS`. A PostgreSQL store adds an entry there (a picklable spec that
-opens a store on the same backing database each time it is called). SQLite-only checks
-(pragmas, file modes, schema table) are in :class:`TestSqliteSpecifics`.
+:data:`tests.support.stores.IMPLEMENTATIONS` (where a PostgreSQL store adds its entry).
+A process dying mid-transaction is in ``tests/integration/test_killed_writers.py``.
+SQLite-only checks (pragmas, file modes, schema table) are in :class:`TestSqliteSpecifics`.
 """
 
 from __future__ import annotations
 
-import multiprocessing
-import os
 import sqlite3
 import stat
-import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from coordinator.audit import Verdict
+from coordinator.audit import AuditEvent, AuditVerdict
 from coordinator.sqlite_store import SCHEMA_VERSION, SqliteStore
 from coordinator.store import (
     AlreadyExists,
     ConflictError,
     InvalidValue,
-    NotFound,
+    MissingRecord,
     SchemaError,
     Store,
     StoreClosed,
     StoreError,
 )
-from geofed.blobstore import sha256_hex
-from geofed.types import Identity, Role
-
-JOB = "job-a"
-SPEC: dict[str, Any] = {"model": "charlm", "regions": ["eu-west", "us-east"], "inner_steps": 50}
-M1, M2 = sha256_hex(b"manifest 1"), sha256_hex(b"manifest 2")
-B1, B2 = sha256_hex(b"blob 1"), sha256_hex(b"blob 2")
-C = [sha256_hex(f"chunk {i}".encode()) for i in range(4)]
-OPERATOR = Identity("fed", Role.OPERATOR, "alice")
-
-
-@dataclass(frozen=True)
-class SqliteSpec:
-    """Opens a SQLite store on one file; picklable, so a child process can use it."""
-
-    path: Path
-
-    def __call__(self) -> Store:
-        return SqliteStore(self.path)
-
-
-IMPLEMENTATIONS: dict[str, Callable[[Path], Callable[[], Store]]] = {
-    "sqlite": lambda tmp: SqliteSpec(tmp / "state" / "coordinator.db"),
-}
-
-
-class StoreFactory:
-    """Opens stores from ``spec`` and closes whatever a test left open."""
-
-    def __init__(self, spec: Callable[[], Store]) -> None:
-        self.spec = spec
-        self._opened: list[Store] = []
-
-    def __call__(self) -> Store:
-        store = self.spec()
-        self._opened.append(store)
-        return store
-
-    def close_all(self) -> None:
-        for store in self._opened:
-            store.close()
+from tests.support.stores import (
+    B1,
+    B2,
+    IMPLEMENTATIONS,
+    JOB,
+    M1,
+    M2,
+    OPERATOR,
+    SPEC,
+    C,
+    StoreFactory,
+    with_job,
+)
 
 
 @pytest.fixture(params=sorted(IMPLEMENTATIONS))
 def store_factory(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[StoreFactory]:
-    (tmp_path / "state").mkdir()
-    factory = StoreFactory(IMPLEMENTATIONS[request.param](tmp_path))
+    factory = StoreFactory.for_implementation(request.param, tmp_path)
     yield factory
     factory.close_all()
 
@@ -88,27 +55,6 @@ def store_factory(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[St
 @pytest.fixture
 def store(store_factory: StoreFactory) -> Store:
     return store_factory()
-
-
-def with_job(store: Store, job_id: str = JOB) -> Store:
-    store.create_job(job_id, SPEC, "running")
-    return store
-
-
-def _die_mid_transaction(spec: Callable[[], Store], ready: Any, how: str) -> None:
-    """Child process: commit one receipt, then die inside the next transaction."""
-    store = spec()
-    store.record_receipt(JOB, 1, "eu-west", M1, B1, 100, 10)
-    with store.transaction():
-        store.create_job("job-half", SPEC, "running")
-        store.save_round(JOB, 1, {"phase": "closing"})
-        store.record_receipt(JOB, 1, "us-east", M2, B2, 200, 20)
-        store.set_pointer(JOB, "params", B2)
-        store.append_audit(actor=OPERATOR, action="round.publish", verdict="ok", job=JOB)
-        if how == "exit":
-            os._exit(1)
-        ready.set()
-        threading.Event().wait(60)  # the parent kills this process meanwhile
 
 
 class StoreContract:
@@ -166,7 +112,7 @@ class StoreContract:
         with pytest.raises(ConflictError, match="'paused', not 'running'"):
             store.set_job_state(JOB, "cancelled", expected="running")
         assert store.set_job_state(JOB, "running", expected="paused").state == "running"
-        with pytest.raises(NotFound, match="job-missing"):
+        with pytest.raises(MissingRecord, match="job-missing"):
             store.set_job_state("job-missing", "running")
 
     # Rounds.
@@ -186,7 +132,7 @@ class StoreContract:
         assert store.load_round(JOB, 7) is None
 
     def test_round_input_is_checked(self, store: Store) -> None:
-        with pytest.raises(NotFound):
+        with pytest.raises(MissingRecord):
             store.save_round("job-missing", 0, {})
         with_job(store)
         with pytest.raises(InvalidValue):
@@ -222,7 +168,7 @@ class StoreContract:
         assert store.list_receipts(JOB, 3) == [first]
 
     def test_receipt_input_is_checked(self, store: Store) -> None:
-        with pytest.raises(NotFound):
+        with pytest.raises(MissingRecord):
             store.record_receipt("job-missing", 0, "eu-west", M1, B1, 1, 1)
         with_job(store)
         bad = [
@@ -262,7 +208,7 @@ class StoreContract:
         assert store.uploaded_chunks(JOB, 2, "us-east", M1) == {0: C[1]}
 
     def test_upload_input_is_checked(self, store: Store) -> None:
-        with pytest.raises(NotFound):
+        with pytest.raises(MissingRecord):
             store.record_upload_chunk("job-missing", 0, "eu-west", M1, 0, C[0], 1)
         with_job(store)
         with pytest.raises(InvalidValue):
@@ -283,7 +229,7 @@ class StoreContract:
         store.set_pointer(JOB, "params", B2)
         assert store.get_pointer(JOB, "params") == B2
         assert store.list_pointers(JOB) == {"outer.momentum": B2, "params": B2}
-        with pytest.raises(NotFound):
+        with pytest.raises(MissingRecord):
             store.set_pointer("job-missing", "params", B1)
         with pytest.raises(InvalidValue):
             store.set_pointer(JOB, "Bad Name", B1)
@@ -298,14 +244,14 @@ class StoreContract:
         with store.transaction():
             store.save_round(JOB, 1, {"phase": "published"})
             store.set_pointer(JOB, "params", B1)
-            store.append_audit(actor=OPERATOR, action="round.publish", verdict="ok", round=1)
+            store.append_audit(AuditEvent(OPERATOR, "round.publish", "ok", round=1))
         assert store.load_round(JOB, 1) is not None
         assert store.get_pointer(JOB, "params") == B1
         assert store.audit_entries()[-1].action == "round.publish"
 
     def test_exception_rolls_back_everything(self, store: Store) -> None:
         with_job(store)
-        store.append_audit(actor=OPERATOR, action="job.create", verdict="ok", job=JOB)
+        store.append_audit(AuditEvent(OPERATOR, "job.create", "ok", job=JOB))
 
         def publish_then_fail() -> None:
             with store.transaction():
@@ -315,7 +261,7 @@ class StoreContract:
                 store.record_receipt(JOB, 1, "eu-west", M1, B1, 10, 10)
                 store.record_upload_chunk(JOB, 1, "eu-west", M1, 0, C[0], 10)
                 store.set_pointer(JOB, "params", B1)
-                store.append_audit(actor=OPERATOR, action="round.publish", verdict="ok")
+                store.append_audit(AuditEvent(OPERATOR, "round.publish", "ok"))
                 raise RuntimeError("outer optimizer failed")
 
         with pytest.raises(RuntimeError, match="outer optimizer"):
@@ -329,7 +275,7 @@ class StoreContract:
         assert store.uploaded_chunks(JOB, 1, "eu-west", M1) == {}
         assert store.get_pointer(JOB, "params") is None
         assert [e.seq for e in store.audit_entries()] == [1]
-        nxt = store.append_audit(actor=OPERATOR, action="round.retry", verdict="ok")
+        nxt = store.append_audit(AuditEvent(OPERATOR, "round.retry", "ok"))
         assert nxt.seq == 2
         assert store.verify_audit().ok
 
@@ -389,16 +335,18 @@ class StoreContract:
         with_job(store)
         entries = [
             store.append_audit(
-                actor=OPERATOR, action="job.create", verdict=Verdict.OK, job=JOB, details={"n": 1}
+                AuditEvent(OPERATOR, "job.create", AuditVerdict.OK, job=JOB, details={"n": 1})
             ),
             store.append_audit(
-                actor="spiffe://fed/region/eu-west",
-                action="policy.transfer",
-                verdict=Verdict.DENY,
-                job="job-b",
-                round=2,
-                region="eu-west",
-                details={"reason": "personal data may not leave the EU"},
+                AuditEvent(
+                    actor="spiffe://fed/region/eu-west",
+                    action="policy.transfer",
+                    verdict=AuditVerdict.DENY,
+                    job="job-b",
+                    round=2,
+                    region="eu-west",
+                    details={"reason": "personal data may not leave the EU"},
+                )
             ),
         ]
         assert store.audit_entries() == entries
@@ -408,7 +356,7 @@ class StoreContract:
         assert store.audit_head() == (2, entries[1].hash)
         assert store.verify_audit(expect_head=(2, entries[1].hash)).ok
         with pytest.raises(InvalidValue):
-            store.append_audit(actor=OPERATOR, action="x", verdict="perhaps")
+            store.append_audit(AuditEvent(OPERATOR, "x", "perhaps"))
         with pytest.raises(InvalidValue):
             store.audit_entries(limit=0)
         assert len(store.audit_entries()) == 2
@@ -422,7 +370,7 @@ class StoreContract:
         receipt = first.record_receipt(JOB, 4, "eu-west", M1, B1, 100, 7)
         first.record_upload_chunk(JOB, 4, "us-east", M2, 1, C[1], 64)
         first.set_pointer(JOB, "params", B1)
-        entry = first.append_audit(actor=OPERATOR, action="job.create", verdict="ok", job=JOB)
+        entry = first.append_audit(AuditEvent(OPERATOR, "job.create", "ok", job=JOB))
         first.close()
         second = store_factory()
         assert second.get_job(JOB) == job
@@ -443,36 +391,6 @@ class StoreContract:
         with pytest.raises(StoreClosed), store.transaction():
             pass
         assert issubclass(StoreClosed, StoreError)
-
-    @pytest.mark.parametrize("how", ["exit", "kill"])
-    def test_process_dying_mid_transaction_leaves_last_commit(
-        self, store_factory: StoreFactory, how: str
-    ) -> None:
-        parent = with_job(store_factory())
-        parent.save_round(JOB, 1, {"phase": "open"})
-        head = parent.append_audit(actor=OPERATOR, action="round.open", verdict="ok", job=JOB)
-        ctx = multiprocessing.get_context("spawn")
-        ready = ctx.Event()
-        child = ctx.Process(target=_die_mid_transaction, args=(store_factory.spec, ready, how))
-        child.start()
-        if how == "kill":
-            assert ready.wait(60), "child never reached the middle of its transaction"
-            child.kill()
-        child.join(timeout=60)
-        assert child.exitcode == (1 if how == "exit" else -9)
-
-        for store in (parent, store_factory()):
-            assert store.get_job("job-half") is None
-            rnd = store.load_round(JOB, 1)
-            assert rnd is not None
-            assert rnd.state == {"phase": "open"}
-            assert [r.region for r in store.list_receipts(JOB, 1)] == ["eu-west"]
-            assert store.get_pointer(JOB, "params") is None
-            assert store.audit_entries() == [head]
-            assert store.verify_audit(expect_head=(head.seq, head.hash)).ok
-        # Nothing is left locked: the survivor writes at once.
-        parent.record_receipt(JOB, 1, "us-east", M2, B2, 200, 20)
-        assert len(parent.list_receipts(JOB, 1)) == 2
 
 
 class TestStoreContract(StoreContract):
@@ -533,8 +451,8 @@ class TestSqliteSpecifics:
             with_job(a)
             b.record_receipt(JOB, 0, "eu-west", M1, B1, 1, 1)
             assert a.list_receipts(JOB, 0) == b.list_receipts(JOB, 0)
-            a.append_audit(actor=OPERATOR, action="a", verdict="ok")
-            b.append_audit(actor=OPERATOR, action="b", verdict="ok")
+            a.append_audit(AuditEvent(OPERATOR, "a", "ok"))
+            b.append_audit(AuditEvent(OPERATOR, "b", "ok"))
             assert [e.seq for e in a.audit_entries()] == [1, 2]
             assert a.verify_audit().ok
         finally:

@@ -7,10 +7,9 @@ import struct
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 
-from geofed.params import model_state, parameters_vector_hash, state_to_fp32, unwrap_model
+from geofed.params import model_state, parameters_vector_hash, state_to_fp32
 
 
 def _state() -> dict[str, torch.Tensor]:
@@ -111,20 +110,6 @@ def test_module_hash_equals_its_state_dict_hash() -> None:
 def test_non_tensor_entry_is_refused() -> None:
     with pytest.raises(TypeError, match="'x' is list"):
         parameters_vector_hash({"x": [1.0]})  # type: ignore[dict-item]
-
-
-def test_ddp_wrapper_is_removed(tmp_path) -> None:
-    init_method = (tmp_path / "store").as_uri()
-    dist.init_process_group("gloo", init_method=init_method, rank=0, world_size=1)
-    try:
-        torch.manual_seed(0)
-        inner = nn.Linear(3, 2)
-        wrapped = nn.parallel.DistributedDataParallel(inner)
-        assert unwrap_model(wrapped) is inner
-        assert set(model_state(wrapped)) == {"weight", "bias"}
-        assert parameters_vector_hash(wrapped) == parameters_vector_hash(inner)
-    finally:
-        dist.destroy_process_group()
 
 
 def test_state_to_fp32_converts_floats_and_keeps_integers() -> None:

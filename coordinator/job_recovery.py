@@ -1,0 +1,64 @@
+"""What a (re)started round engine finds of its job's rounds; reading it changes nothing.
+
+The job's pointers name its working state θ_version. With it go: the digest of the update
+that produced θ_version (announced with the round), when the newest checkpoint was
+recorded, the arrival timings of the last ``window_rounds`` rounds (for the adaptive
+deadline), the quarantine standing saved with the newest round record, and the record of
+round ``version`` itself if it was opened.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from coordinator.checkpoints import CheckpointEntry, EntryKind
+from coordinator.context import JobContext
+from coordinator.deadline import RoundTiming
+from coordinator.quarantine import Quarantine
+from coordinator.records import RoundRecord
+from coordinator.services import Services
+
+__all__ = ["RecoveredRounds", "last_update_digest", "recover_rounds"]
+
+
+@dataclass(frozen=True)
+class RecoveredRounds:
+    """The rounds behind θ_version (see the module docstring)."""
+
+    update_digest: str | None
+    last_checkpoint_at: float | None
+    history: tuple[RoundTiming, ...]  # oldest first
+    quarantine: Quarantine | None  # None: no round recorded, the standing starts afresh
+    record: RoundRecord | None  # round ``version``, if it was opened
+
+
+def last_update_digest(entries: Sequence[CheckpointEntry], version: int) -> str | None:
+    """The manifest digest of the update that produced θ_version; None for θ_0."""
+    previous = [e for e in entries if e.kind is EntryKind.UPDATE and e.round == version - 1]
+    return previous[0].manifest_digest if previous else None
+
+
+async def recover_rounds(services: Services, ctx: JobContext, version: int) -> RecoveredRounds:
+    """Read the rounds of ``ctx.job`` behind θ_version from its location and the state store."""
+    location = ctx.publishing.location
+    entries = await services.executors.files(location.store.entries, ctx.job)
+    last = max((entry.recorded_at for entry in entries), default=None)
+    history: list[RoundTiming] = []
+    quarantine: Quarantine | None = None
+    current: RoundRecord | None = None
+    start = max(0, version - ctx.spec.deadline.window_rounds)
+    for number in range(start, version + 1):
+        saved = await services.db.load_round(ctx.job, number)
+        if saved is None:
+            continue
+        record = RoundRecord.from_dict(saved.state, services.config.quarantine)
+        timing = record.state.timing()
+        if number < version and timing is not None:
+            history.append(timing)
+        quarantine = record.quarantine
+        if number == version:
+            current = record
+    return RecoveredRounds(
+        last_update_digest(entries, version), last, tuple(history), quarantine, current
+    )

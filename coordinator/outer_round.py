@@ -1,0 +1,271 @@
+"""One outer round, from accepted deltas to a stored update: aggregate, outer step, encode, sign.
+
+The math (:func:`publication_step`) is pure: given θ_r, the weighted mean pseudo-gradient,
+the outer optimizer state and the coordinator's error-feedback residual e, it computes
+
+    target = OuterOptimizer.step(θ_r, mean Δ)
+    u      = (target - θ_r) + e                 the update the coordinator intends
+    û      = decode(encode(u))                   what every region will reconstruct
+    e'     = u - û                               carried into the next round
+    θ_r+1  = θ_r + û                             exactly what regions compute
+
+so the coordinator's θ_{r+1} is bit for bit what each region reconstructs from the
+published update. :func:`publish_round` wraps it with I/O: it decodes the durable
+deltas chunk by chunk in canonical order (regions sorted by name) into a running
+weighted sum, so a restarted coordinator recomputes the identical round, then signs and
+stores the update (and every ``snapshot_every`` rounds a lossless fp32 snapshot) in the
+job's checkpoint location and writes the new working-state blobs. Nothing here commits
+the round: :mod:`coordinator.publication` does, in one state-store transaction. Blocking:
+run in a worker thread.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any, Final
+
+from torch import Tensor
+
+from coordinator.aggregation import aggregate
+from coordinator.artifacts import Location, Signer, StoredArtifact, store_artifact
+from coordinator.checkpoints import EntryKind
+from coordinator.outer_optimizer import OuterOptimizer
+from coordinator.working_state import ParamsStore, WorkingState
+from geofed.blobstore import BlobStore
+from geofed.codec import EncodedStream, Piece, StreamDecoder, decode, encode_stream
+from geofed.codec_params import CodecParams
+from geofed.deltas import apply_update, feedback_residual, update_to_publish
+from geofed.manifest import ArtifactProvenance, build_manifest
+from geofed.params import parameters_vector_hash
+from geofed.types import ArtifactKind
+
+__all__ = [
+    "PUBLICATION_PHASES",
+    "SNAPSHOT_CODEC",
+    "DeltaSource",
+    "JobPublishing",
+    "PublicationStep",
+    "PublishedRound",
+    "delta_pieces",
+    "mean_delta",
+    "publication_step",
+    "publish_initial",
+    "publish_round",
+]
+
+#: Snapshots are lossless.
+SNAPSHOT_CODEC: Final = CodecParams(scheme="fp32", block_size=128, zstd_level=1)
+
+#: The steps of :func:`publication_step`, in order, as its ``phase`` hook names them.
+PUBLICATION_PHASES: Final = ("outer_step", "encode_update", "decode_update", "apply")
+
+
+@dataclass(frozen=True)
+class PublicationStep:
+    """The outcome of one outer step (see the module docstring)."""
+
+    params: dict[str, Tensor]
+    update: dict[str, Tensor]
+    stream: EncodedStream
+    residual: dict[str, Tensor]
+    optimizer_state: dict[str, Any]
+
+
+def _unmeasured(name: str) -> AbstractContextManager[object]:
+    del name
+    return contextlib.nullcontext()
+
+
+def publication_step(
+    params: Mapping[str, Tensor],
+    mean: Mapping[str, Tensor],
+    optimizer_state: Mapping[str, Any],
+    residual: Mapping[str, Tensor] | None,
+    codec: CodecParams,
+    *,
+    phase: Callable[[str], AbstractContextManager[object]] = _unmeasured,
+) -> PublicationStep:
+    """Apply the outer step to θ_r and encode the update; inputs are not modified.
+
+    Each step named in :data:`PUBLICATION_PHASES` runs inside ``phase(name)``, so that a
+    caller can measure the steps of the very computation the daemon runs (the
+    round-overhead benchmark times them and takes their peak memory).
+    """
+    with phase("outer_step"):
+        optimizer = OuterOptimizer.from_state_dict(optimizer_state)
+        target = optimizer.step(params, mean)
+    with phase("encode_update"):
+        intended = update_to_publish(params, target, residual)
+        stream = encode_stream(intended, codec)
+    with phase("decode_update"):
+        decoded = decode(stream.frames())
+    with phase("apply"):
+        new_residual = feedback_residual(intended, decoded)
+        new_params = apply_update(params, decoded)
+    return PublicationStep(
+        params=new_params,
+        update=decoded,
+        stream=stream,
+        residual=new_residual,
+        optimizer_state=optimizer.state_dict(),
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class DeltaSource:
+    """An accepted delta: its region, its weight and its durable stream blob."""
+
+    region: str
+    tokens: int
+    blob_digest: str
+
+
+def delta_pieces(blobs: BlobStore, digest: str, max_decoded_bytes: int) -> Iterator[Piece]:
+    """Decode a stored delta stream piece by piece (the blob is verified at its end)."""
+    decoder = StreamDecoder(max_decoded_bytes=max_decoded_bytes)
+    with blobs.open(digest) as reader:
+        for part in reader:
+            yield from decoder.feed(part)
+    decoder.finish()
+
+
+def mean_delta(
+    blobs: BlobStore,
+    specs: Mapping[str, tuple[int, ...]],
+    sources: Sequence[DeltaSource],
+    max_decoded_bytes: int,
+) -> dict[str, Tensor]:
+    """The token-weighted mean of the deltas, summed in sorted region order."""
+    return aggregate(
+        specs,
+        {
+            source.region: (
+                float(source.tokens),
+                functools.partial(delta_pieces, blobs, source.blob_digest, max_decoded_bytes),
+            )
+            for source in sources
+        },
+    )
+
+
+@dataclass(frozen=True)
+class JobPublishing:
+    """What publishing needs to know about one job."""
+
+    job: str
+    codec: CodecParams
+    snapshot_every: int
+    provenance: tuple[ArtifactProvenance, ...]
+    specs: dict[str, tuple[int, ...]]
+    location: Location
+    signer: Signer
+    params_store: ParamsStore
+    deltas: BlobStore
+
+    @property
+    def max_decoded_bytes(self) -> int:
+        total = 0
+        for shape in self.specs.values():
+            count = 1
+            for size in shape:
+                count *= size
+            total += count
+        return 4 * total
+
+
+@dataclass(frozen=True)
+class PublishedRound:
+    """Round ``round`` computed and stored; committing it is the caller's transaction."""
+
+    round: int
+    state: WorkingState
+    pointers: dict[str, str]
+    update: StoredArtifact
+    snapshot: StoredArtifact | None
+    tokens: int
+    fp32_bytes: int
+
+
+def publish_round(
+    job: JobPublishing, state: WorkingState, sources: Sequence[DeltaSource], now: datetime
+) -> PublishedRound:
+    """Compute and store round ``state.version`` from the accepted ``sources``."""
+    if not sources:
+        raise ValueError(f"job {job.job!r} round {state.version}: no delta to aggregate")
+    mean = mean_delta(job.deltas, job.specs, sources, job.max_decoded_bytes)
+    publication = publication_step(
+        state.params, mean, state.optimizer_state, state.residual, job.codec
+    )
+    del mean
+    round_ = state.version
+    new_hash = parameters_vector_hash(publication.params)
+    tokens = sum(source.tokens for source in sources)
+    manifest = build_manifest(
+        kind=ArtifactKind.GLOBAL_UPDATE,
+        job=job.job,
+        round=round_,
+        producer=job.signer.identity,
+        stream=publication.stream,
+        provenance=job.provenance,
+        created_at=now,
+        base_round=round_,
+        base_hash=state.params_hash,
+        parameters_hash=new_hash,
+        tokens=tokens,
+    )
+    update = store_artifact(
+        job.location,
+        EntryKind.UPDATE,
+        job.job,
+        round_,
+        job.signer.sign(manifest),
+        publication.stream,
+    )
+    snapshot = None
+    if (round_ + 1) % job.snapshot_every == 0:
+        snapshot = store_snapshot(job, round_ + 1, publication.params, new_hash, now)
+    new_state = WorkingState(
+        version=round_ + 1,
+        params=publication.params,
+        params_hash=new_hash,
+        optimizer_state=publication.optimizer_state,
+        residual=publication.residual,
+    )
+    pointers = job.params_store.save(new_state)
+    return PublishedRound(
+        round_, new_state, pointers, update, snapshot, tokens, publication.stream.fp32_bytes
+    )
+
+
+def publish_initial(
+    job: JobPublishing, params: dict[str, Tensor], optimizer: OuterOptimizer, now: datetime
+) -> tuple[WorkingState, dict[str, str], StoredArtifact]:
+    """θ_0: store its snapshot (round 0) and its working state."""
+    state = WorkingState.initial(params, optimizer.state_dict())
+    snapshot = store_snapshot(job, 0, params, state.params_hash, now)
+    return state, job.params_store.save(state), snapshot
+
+
+def store_snapshot(
+    job: JobPublishing, version: int, params: Mapping[str, Tensor], params_hash: str, now: datetime
+) -> StoredArtifact:
+    """A lossless snapshot of θ_version, signed and recorded in the chain."""
+    stream = encode_stream(params, SNAPSHOT_CODEC)
+    manifest = build_manifest(
+        kind=ArtifactKind.GLOBAL_CHECKPOINT,
+        job=job.job,
+        round=version,
+        producer=job.signer.identity,
+        stream=stream,
+        provenance=job.provenance,
+        created_at=now,
+        parameters_hash=params_hash,
+    )
+    return store_artifact(
+        job.location, EntryKind.SNAPSHOT, job.job, version, job.signer.sign(manifest), stream
+    )

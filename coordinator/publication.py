@@ -1,0 +1,313 @@
+"""Publishing a closed round, and trying again when that fails.
+
+The round engine decides when (:mod:`coordinator.round_driver`) and holds the job's state
+and lock; :class:`RoundPublisher` does the work. :meth:`~RoundPublisher.compute`
+aggregates the round's durable deltas in canonical order, takes the outer step, signs and
+stores the update (:func:`coordinator.outer_round.publish_round`, in a worker thread);
+:meth:`~RoundPublisher.commit` marks the round published *and* moves the job's pointers
+to θ_{r+1} in one transaction, so a round is applied exactly once and a crash before it
+makes the restarted engine recompute the same round bit for bit;
+:meth:`~RoundPublisher.finish` drops what the round no longer needs and counts it.
+
+When computing or storing fails (the checkpoint storage is full or unwritable) the round
+stays closed with the same deltas: the next try aggregates the same ones and reuses the
+artifacts a failed try stored. :func:`plan_retry` says when that try is due (an
+exponential back-off, ``publication_retry`` in the coordinator config) or that the tries
+are spent and the job fails. The regions' ``max_round_attempts`` is not spent on the
+coordinator's storage trouble.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from coordinator.audit import AuditEvent, AuditVerdict, format_time
+from coordinator.config import PublicationRetryConfig
+from coordinator.context import JobContext
+from coordinator.outer_round import DeltaSource, PublishedRound, publish_round
+from coordinator.records import RoundRecord
+from coordinator.round_state import RoundState
+from coordinator.services import Services
+from coordinator.spool import Spool
+from coordinator.store import Receipt
+from coordinator.transactions import record_publication
+from coordinator.working_state import POINTERS, WorkingState
+from geofed.blobstore import BlobStore
+
+__all__ = [
+    "ComputedRound",
+    "PublicationFailed",
+    "RetryPlan",
+    "RoundPublisher",
+    "delta_sources",
+    "discard_inputs",
+    "plan_retry",
+    "publication_details",
+]
+
+log = logging.getLogger(__name__)
+
+
+class PublicationFailed(Exception):
+    """Computing or storing a round's update failed; ``cause`` says how. It may be retried."""
+
+    def __init__(self, cause: Exception) -> None:
+        super().__init__(f"{type(cause).__name__}: {cause}")
+        self.cause = cause
+
+
+@dataclass(frozen=True, slots=True)
+class RetryPlan:
+    """What the ``failures``-th failed publication of a round leads to (see :func:`plan_retry`)."""
+
+    round: int
+    reason: str  # the last failure, "ExceptionType: message"
+    failures: int
+    max_attempts: int
+    delay_s: float
+    retry_at: float  # wall clock
+
+    @property
+    def exhausted(self) -> bool:
+        """True when no try is left: the job fails."""
+        return self.failures >= self.max_attempts
+
+    def audit_details(self) -> dict[str, Any]:
+        """The details of the ``round.fail`` audit entry."""
+        return {
+            "reason": self.reason,
+            "publication_failures": self.failures,
+            "max_attempts": self.max_attempts,
+            "retry_in_s": None if self.exhausted else self.delay_s,
+            "retry_at": None if self.exhausted else format_time(self.retry_at),
+        }
+
+    @property
+    def retry_time(self) -> str:
+        """When the next try is due, ISO 8601 to the second."""
+        return datetime.fromtimestamp(self.retry_at, UTC).isoformat(timespec="seconds")
+
+    @property
+    def waiting(self) -> str:
+        """The job's ``error`` while it waits for the next try."""
+        return (
+            f"publication of round {self.round} failed (attempt {self.failures} of "
+            f"{self.max_attempts}): {self.reason}; retrying at {self.retry_time} "
+            f"(in {self.delay_s:g} s)"
+        )
+
+    def given_up(self, location: str, root: Path, state_dir: Path) -> str:
+        """Why the job failed, and what the operator does about it."""
+        return (
+            f"round {self.round} could not be published: all {self.failures} attempt(s) "
+            f"allowed by publication_retry.max_attempts failed; last: {self.reason}. Free "
+            f"space (or fix permissions) in the checkpoint location {location} ({root}) "
+            f"and the state directory ({state_dir}), then submit the job again; its "
+            f"checkpoints up to round {self.round} remain. To ride out longer outages, "
+            f"raise publication_retry in the coordinator config."
+        )
+
+
+def plan_retry(
+    round: int, failures: int, reason: str, retry: PublicationRetryConfig, now: float
+) -> RetryPlan:
+    """The next try of round ``round``'s publication after its ``failures``-th failure."""
+    delay = retry.delay_s(failures)
+    return RetryPlan(round, reason, failures, retry.max_attempts, delay, now + delay)
+
+
+def delta_sources(receipts: Iterable[Receipt], included: Iterable[str]) -> list[DeltaSource]:
+    """The accepted deltas the round aggregates: those of its ``included`` regions."""
+    regions = set(included)
+    return [DeltaSource(r.region, r.tokens, r.blob_digest) for r in receipts if r.region in regions]
+
+
+def publication_details(
+    published: PublishedRound, rs: RoundState, location: str
+) -> dict[str, Any]:
+    """The details of the ``round.publish`` audit entry."""
+    return {
+        "update": published.update.bundle_digest,
+        "update_manifest": published.update.manifest_digest,
+        "snapshot": published.snapshot.bundle_digest if published.snapshot else None,
+        "params_hash": published.state.params_hash,
+        "included": list(rs.included),
+        "stragglers": list(rs.stragglers),
+        "tokens": published.tokens,
+        "location": location,
+    }
+
+
+def discard_inputs(
+    spool_dir: Path, deltas: BlobStore, job: str, round: int, sources: Iterable[DeltaSource]
+) -> None:
+    """A published round's deltas and abandoned uploads are no longer needed (blocking)."""
+    try:
+        Spool(spool_dir).discard_round(job, round)
+        for source in sources:
+            deltas.delete(source.blob_digest)
+    except OSError as exc:
+        log.warning("job %s round %d: cannot discard its spooled deltas: %s", job, round, exc)
+
+
+@dataclass(frozen=True, slots=True)
+class ComputedRound:
+    """A round's update computed and stored, not yet committed."""
+
+    published: PublishedRound
+    sources: list[DeltaSource]
+    elapsed_s: float
+
+
+class RoundPublisher:
+    """The work of publishing one job's closed rounds (see the module docstring)."""
+
+    def __init__(self, services: Services, ctx: JobContext) -> None:
+        self._s = services
+        self._ctx = ctx
+
+    async def compute(self, record: RoundRecord, working: WorkingState) -> ComputedRound:
+        """Aggregate, step, encode, sign and store the round; :class:`PublicationFailed`."""
+        job, rs = self._ctx.job, record.state
+        round_ = rs.config.round
+        receipts = await self._s.db.list_receipts(job, round_)
+        sources = delta_sources(receipts, rs.included)
+        faults, state_dir = self._s.runtime.faults, self._s.config.state_dir
+        await faults.reached("aggregate", state_dir, job, round_)
+        started = time.monotonic()
+        try:
+            published = await self._s.executors.compute(
+                publish_round, self._ctx.publishing, working, sources, datetime.now(UTC)
+            )
+        except Exception as exc:
+            raise PublicationFailed(exc) from exc
+        elapsed = time.monotonic() - started
+        await faults.reached("publish", state_dir, job, round_)
+        return ComputedRound(published, sources, elapsed)
+
+    async def commit(
+        self, record: RoundRecord, published: PublishedRound, *, completed: bool
+    ) -> None:
+        """Record the round published and the job's new pointers in one transaction.
+
+        ``record`` already says the round is published; the engine calls this under its
+        lock, so no delta is judged against a half-published round.
+        """
+        await self._s.db.run(
+            record_publication,
+            self._ctx.job,
+            record.state.config.round,
+            record.to_dict(),
+            published.pointers,
+            completed=completed,
+            actor=self._s.actor,
+            details=publication_details(published, record.state, self._ctx.location_name),
+        )
+
+    async def finish(
+        self, record: RoundRecord, computed: ComputedRound, old_pointers: Mapping[str, str]
+    ) -> None:
+        """After the commit: drop the old working state and the inputs, count, announce."""
+        job, rs, published = self._ctx.job, record.state, computed.published
+        round_ = rs.config.round
+        kept = {name: published.pointers[name] for name in POINTERS}
+        params_store = self._ctx.publishing.params_store
+        await self._s.executors.files(params_store.delete, old_pointers, kept)
+        if record.publication_failures:
+            log.info(
+                "job %s round %d published after %d failed attempt(s)",
+                job,
+                round_,
+                record.publication_failures,
+            )
+        runtime = self._s.runtime
+        await self._s.executors.files(
+            discard_inputs, runtime.spool_dir, runtime.deltas, job, round_, computed.sources
+        )
+        metrics = self._s.metrics
+        metrics.aggregation_duration.labels(job=job).observe(computed.elapsed_s)
+        metrics.rounds_completed.labels(job=job).inc()
+        metrics.round_duration.labels(job=job).observe(
+            max(0.0, (rs.ended_at or self._s.clock()) - rs.config.opened_at)
+        )
+        metrics.current_round.labels(job=job).set(published.state.version)
+        metrics.last_checkpoint.labels(job=job).set(time.time())
+        for region in rs.stragglers:
+            metrics.stragglers.labels(job=job, region=region).inc()
+        log.info(
+            "job %s round %d published from %s in %.2f s: θ_%d hash %s",
+            job,
+            round_,
+            ", ".join(rs.included),
+            computed.elapsed_s,
+            round_ + 1,
+            published.state.params_hash[:16],
+        )
+        await self._s.control.event(
+            "round.published", job=job, round=round_, detail=published.update.bundle_digest
+        )
+
+    async def record_failure(
+        self, record: RoundRecord, failure: PublicationFailed, now: float
+    ) -> RetryPlan:
+        """Count a failed publication in the round's record (under the engine's lock).
+
+        Past the bound of attempts the round fails with it.
+        """
+        record.publication_failures += 1
+        round_ = record.state.config.round
+        plan = plan_retry(
+            round_, record.publication_failures, str(failure), self._s.config.publication_retry, now
+        )
+        if plan.exhausted:
+            record.state.fail(now, f"publication failed: {plan.reason}")
+        await self._s.db.save_round(self._ctx.job, round_, record.to_dict())
+        return plan
+
+    async def report_failure(self, plan: RetryPlan, failure: PublicationFailed) -> None:
+        """Count, audit and log a failed publication."""
+        job = self._ctx.job
+        self._s.metrics.rounds_failed.labels(job=job).inc()
+        await self._s.db.append_audit(
+            AuditEvent(
+                actor=self._s.actor,
+                action="round.fail",
+                verdict=AuditVerdict.ERROR,
+                job=job,
+                round=plan.round,
+                details=plan.audit_details(),
+            )
+        )
+        if plan.exhausted:
+            log.error(
+                "job %s round %d: publication attempt %d of %d failed: %s",
+                job,
+                plan.round,
+                plan.failures,
+                plan.max_attempts,
+                plan.reason,
+                exc_info=failure.cause,
+            )
+            return
+        log.warning(
+            "job %s round %d: publication attempt %d of %d failed: %s; next attempt in %g s, at %s",
+            job,
+            plan.round,
+            plan.failures,
+            plan.max_attempts,
+            plan.reason,
+            plan.delay_s,
+            plan.retry_time,
+            exc_info=failure.cause,
+        )
+
+    def given_up(self, plan: RetryPlan) -> str:
+        """Why the job fails once ``plan`` is exhausted."""
+        root = self._ctx.publishing.location.store.root
+        return plan.given_up(self._ctx.location_name, root, self._s.config.state_dir)

@@ -1,1 +1,0 @@
-"""``geofed demo``: a coordinator and regional agents on loopback, training the example task."""

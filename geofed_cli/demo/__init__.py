@@ -1,0 +1,79 @@
+"""``geofed demo``: run a whole federation on this machine and train the example task.
+
+Exit codes: 0 the job completed and ``summary.json`` was written, 1 the demo failed (the
+message says where; the daemons' logs are in ``WORKDIR/logs``), 2 usage error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+import tempfile
+from pathlib import Path
+
+EXIT_OK = 0
+EXIT_FAILED = 1
+
+
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """Add ``geofed demo`` to the ``geofed`` parser."""
+    parser = subparsers.add_parser(
+        "demo",
+        help="run a coordinator and regional agents on loopback and train the example task",
+        description=(
+            "Start an embedded MQTT broker, an ephemeral federation PKI, a coordinator and "
+            "N regional agents (each with 2 local workers) on this machine; train the "
+            "example byte-level language model; write WORKDIR/summary.json."
+        ),
+    )
+    parser.add_argument("--rounds", type=_positive, default=10, help="outer rounds (default 10)")
+    parser.add_argument("--regions", type=_positive, default=3, help="regions, 1 to 3 (default 3)")
+    parser.add_argument(
+        "--inner-steps", type=_positive, default=30, help="inner steps H per round (default 30)"
+    )
+    parser.add_argument(
+        "--workdir", type=Path, default=None, help="new or empty directory (default: a temp dir)"
+    )
+    parser.add_argument(
+        "--configs", type=Path, default=None, help="example configs dir (default: ./configs)"
+    )
+    parser.add_argument(
+        "--timeout", type=float, default=900.0, help="give up after this many seconds"
+    )
+    parser.set_defaults(handler=_run)
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _run(args: argparse.Namespace) -> int:
+    from geofed_cli.demo.configs import DemoConfigError
+    from geofed_cli.demo.processes import ChildFailed
+    from geofed_cli.demo.runner import DemoFailed, DemoOptions, run_demo
+
+    workdir = args.workdir or Path(tempfile.mkdtemp(prefix="geofed-demo-"))
+    options = DemoOptions(
+        workdir=workdir,
+        rounds=args.rounds,
+        regions=args.regions,
+        inner_steps=args.inner_steps,
+        examples=args.configs,
+        timeout_s=args.timeout,
+    )
+    try:
+        asyncio.run(run_demo(options, echo=lambda line: print(line, flush=True)))
+    except (DemoFailed, DemoConfigError, ChildFailed) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return EXIT_FAILED
+    except KeyboardInterrupt:
+        print("interrupted; the demo's processes were stopped", file=sys.stderr)
+        return EXIT_FAILED
+    return EXIT_OK

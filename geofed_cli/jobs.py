@@ -1,0 +1,345 @@
+"""``geofed job submit|status|pause|resume|cancel`` and ``geofed status``: talk to a coordinator.
+
+Every call is HTTPS with the operator's (or observer's) client certificate, and the
+server must prove it is a coordinator of the federation. Where to connect and as whom
+comes from flags, else from the environment:
+
+==============  =================  ===============================================
+flag            environment        meaning
+==============  =================  ===============================================
+``--url``       ``GEOFED_URL``     ``https://host:port`` of the coordinator
+``--cert``      ``GEOFED_CERT``    client certificate (PEM)
+``--key``       ``GEOFED_KEY``     its private key (PEM)
+``--trust``     ``GEOFED_TRUST``   the federation's trust bundle (YAML)
+``--identity``  ``GEOFED_IDENTITY``  ``http://`` loopback demo only: the SPIFFE URI sent
+                                   as ``X-Geofed-Identity`` instead of a certificate
+==============  =================  ===============================================
+
+A flag always wins over the environment. ``job submit`` sends the file as it is; the
+coordinator validates it and its errors are printed as ``FILE:LINE: key: message``.
+
+Exit codes: 0 success, 1 the coordinator refused or could not be reached, 2 usage error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TextIO
+
+from geofed.api_paths import ApiPaths
+
+EXIT_OK = 0
+EXIT_FAILED = 1
+EXIT_USAGE = 2
+
+_ENV = {
+    "url": "GEOFED_URL",
+    "cert": "GEOFED_CERT",
+    "key": "GEOFED_KEY",
+    "trust": "GEOFED_TRUST",
+    "identity": "GEOFED_IDENTITY",
+}
+
+
+class UsageError(Exception):
+    """Missing or contradictory connection settings."""
+
+
+@dataclass(frozen=True)
+class Reply:
+    status: int
+    body: Any
+
+
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    job = subparsers.add_parser(
+        "job",
+        help="submit and manage jobs on a coordinator",
+        description="Submit and manage jobs (operators). Exit codes: 0 success, 1 refused "
+        "or unreachable, 2 usage error.",
+    )
+    actions = job.add_subparsers(dest="job_command", metavar="ACTION", required=True)
+    submit = actions.add_parser("submit", help="submit a job spec (YAML or JSON)")
+    submit.add_argument("file", metavar="FILE", type=Path, help="job spec")
+    _connection_arguments(submit)
+    submit.set_defaults(handler=_submit)
+    for name, text in (
+        ("status", "show a job"),
+        ("pause", "pause a job at its current round"),
+        ("resume", "resume a paused job"),
+        ("cancel", "cancel a job for good"),
+    ):
+        action = actions.add_parser(name, help=text)
+        action.add_argument("job", metavar="JOB", help="job id")
+        _connection_arguments(action)
+        action.set_defaults(handler=_job_status if name == "status" else _job_action, action=name)
+
+    status = subparsers.add_parser(
+        "status",
+        help="show the federation's regions and jobs",
+        description="Show every region's reported state and every job of a coordinator.",
+    )
+    _connection_arguments(status)
+    status.set_defaults(handler=_overview)
+
+
+def _connection_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("connection (flags win over environment variables)")
+    group.add_argument("--url", help="coordinator URL, https://host:port (GEOFED_URL)")
+    group.add_argument("--cert", type=Path, help="client certificate PEM (GEOFED_CERT)")
+    group.add_argument("--key", type=Path, help="client private key PEM (GEOFED_KEY)")
+    group.add_argument("--trust", type=Path, help="federation trust bundle (GEOFED_TRUST)")
+    group.add_argument(
+        "--identity", help="http:// loopback demo only: SPIFFE URI to claim (GEOFED_IDENTITY)"
+    )
+    group.add_argument(
+        "--timeout", type=float, default=30.0, help="seconds per request (default 30)"
+    )
+    parser.add_argument("--json", action="store_true", help="print the coordinator's JSON")
+
+
+def _setting(args: argparse.Namespace, name: str) -> str | None:
+    value = getattr(args, name)
+    if value is not None:
+        return str(value)
+    return os.environ.get(_ENV[name]) or None
+
+
+# -- handlers ---------------------------------------------------------------------------
+
+
+def _submit(args: argparse.Namespace) -> int:
+    try:
+        text = args.file.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        print(f"error: {args.file}: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    reply = _call(args, "POST", ApiPaths.JOBS, data=text.encode("utf-8"))
+    if isinstance(reply, int):
+        return reply
+    if reply.status != 201:
+        problems = reply.body.get("problems") if isinstance(reply.body, dict) else None
+        if problems:
+            for problem in problems:
+                located = str(problem).replace("request:", f"{args.file}:", 1)
+                print(f"error: {located}", file=sys.stderr)
+            return EXIT_FAILED
+        return _refused(reply)
+    if args.json:
+        _print_json(reply.body)
+    else:
+        body = reply.body
+        print(
+            f"job {body['job']} admitted: {body['state']}, checkpoints in "
+            f"{body['checkpoint_location']} ({body['decisions']} policy decisions)"
+        )
+    return EXIT_OK
+
+
+def _job_status(args: argparse.Namespace) -> int:
+    reply = _call(args, "GET", ApiPaths.job(args.job))
+    if isinstance(reply, int):
+        return reply
+    if reply.status != 200:
+        return _refused(reply)
+    if args.json:
+        _print_json(reply.body)
+    else:
+        _print_job(reply.body, sys.stdout)
+    return EXIT_OK
+
+
+def _job_action(args: argparse.Namespace) -> int:
+    reply = _call(args, "POST", ApiPaths.job_action(args.job, args.action))
+    if isinstance(reply, int):
+        return reply
+    if reply.status != 200:
+        return _refused(reply)
+    if args.json:
+        _print_json(reply.body)
+    else:
+        print(f"job {reply.body['job']}: {reply.body['state']}")
+    return EXIT_OK
+
+
+def _overview(args: argparse.Namespace) -> int:
+    regions = _call(args, "GET", ApiPaths.REGIONS)
+    if isinstance(regions, int):
+        return regions
+    if regions.status != 200:
+        return _refused(regions)
+    jobs = _call(args, "GET", ApiPaths.JOBS)
+    if isinstance(jobs, int):
+        return jobs
+    if jobs.status != 200:
+        return _refused(jobs)
+    if args.json:
+        _print_json({"regions": regions.body["regions"], "jobs": jobs.body["jobs"]})
+        return EXIT_OK
+    rows: list[tuple[str, ...]] = [
+        ("REGION", "JURISDICTION", "STATE", "JOB", "ROUND", "TRAIN_LOSS")
+    ]
+    for region in regions.body["regions"]:
+        loss = region.get("train_loss")
+        rows.append(
+            (
+                region["region"],
+                str(region.get("jurisdiction") or "-"),
+                region.get("state", "unknown"),
+                region.get("job") or "-",
+                _text(region.get("round")),
+                f"{loss:.4f}" if isinstance(loss, int | float) else "-",
+            )
+        )
+    _print_table(rows, sys.stdout)
+    print()
+    rows = [("JOB", "STATE", "ROUND", "VAL_LOSS", "LOCATION")]
+    for job in jobs.body["jobs"]:
+        loss = job.get("global_val_loss")
+        rows.append(
+            (
+                job["job"],
+                job["state"],
+                f"{job.get('round', '-')}/{job.get('rounds', '-')}",
+                f"{loss['value']:.4f}" if isinstance(loss, dict) else "-",
+                job.get("checkpoint_location") or "-",
+            )
+        )
+    _print_table(rows, sys.stdout)
+    return EXIT_OK
+
+
+# -- output -----------------------------------------------------------------------------
+
+
+def _text(value: object) -> str:
+    return "-" if value is None else str(value)
+
+
+def _print_json(body: Any) -> None:
+    json.dump(body, sys.stdout, indent=2, sort_keys=True)
+    print()
+
+
+def _print_table(rows: Sequence[Sequence[str]], out: TextIO) -> None:
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    for row in rows:
+        cells = (cell.ljust(width) for cell, width in zip(row, widths, strict=True))
+        print("  ".join(cells).rstrip(), file=out)
+
+
+def _print_job(body: dict[str, Any], out: TextIO) -> None:
+    loss = body.get("global_val_loss")
+    loss_text = f", val_loss {loss['value']:.4f} (θ_{loss['round']})" if loss else ""
+    head = f"job {body['job']}: {body['state']}, round {body['round']}/{body['rounds']}"
+    print(head + loss_text, file=out)
+    where = body.get("checkpoint_location")
+    print(f"  checkpoints in {where}; parameters {body.get('params_hash')}", file=out)
+    current = body.get("current")
+    if current:
+        print(
+            f"  round {current['round']} {current['phase']} (attempt {current['attempt']}): "
+            f"delivered {', '.join(current['delivered']) or 'none'} of "
+            f"{', '.join(current['participants'])}, quorum {current['min_regions']}, "
+            f"deadline {current['deadline']}",
+            file=out,
+        )
+        if current.get("end_reason"):
+            print(f"  {current['end_reason']}", file=out)
+    for _, reason in sorted(body.get("quarantined", {}).items()):
+        print(f"  {reason}", file=out)
+    if body.get("error"):
+        print(f"  error: {body['error']}", file=out)
+
+
+def _refused(reply: Reply) -> int:
+    body = reply.body if isinstance(reply.body, dict) else {}
+    code = body.get("error", f"http_{reply.status}")
+    message = body.get("message", str(reply.body)[:500])
+    print(f"error: {code} ({reply.status}): {message}", file=sys.stderr)
+    return EXIT_FAILED
+
+
+# -- transport --------------------------------------------------------------------------
+
+
+def _call(
+    args: argparse.Namespace, method: str, path: str, data: bytes | None = None
+) -> Reply | int:
+    """One request; returns the reply, or an exit code after printing what went wrong."""
+    try:
+        return asyncio.run(_request(args, method, path, data))
+    except UsageError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except Exception as exc:  # network, TLS and identity failures: report and exit 1
+        print(f"error: cannot reach the coordinator: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return EXIT_FAILED
+
+
+async def _request(args: argparse.Namespace, method: str, path: str, data: bytes | None) -> Reply:
+    import aiohttp
+    from yarl import URL
+
+    from geofed.loopback import is_loopback
+    from geofed.pki import client_ssl_context, load_trust_bundle
+    from geofed.pki.httpauth import VerifiedConnector
+    from geofed.timeouts import wait_for
+    from geofed.types import Identity, InvalidName, Role
+
+    url = _setting(args, "url")
+    if not url:
+        raise UsageError("no coordinator URL: pass --url or set GEOFED_URL")
+    url = url.rstrip("/")
+    timeout = aiohttp.ClientTimeout(total=args.timeout)
+    headers: dict[str, str] = {}
+    connector: aiohttp.BaseConnector | None = None
+    if url.startswith("http://"):
+        host = URL(url).host or ""
+        if not is_loopback(host):
+            raise UsageError(f"plain http is only for the loopback demo, not {host}; use https://")
+        identity = _setting(args, "identity")
+        if not identity:
+            raise UsageError("an http:// coordinator needs --identity or GEOFED_IDENTITY")
+        try:
+            Identity.parse(identity)
+        except InvalidName as exc:
+            raise UsageError(str(exc)) from None
+        headers["X-Geofed-Identity"] = identity
+    elif url.startswith("https://"):
+        cert, key, trust = (_setting(args, name) for name in ("cert", "key", "trust"))
+        missing = [
+            f"--{n} ({_ENV[n]})"
+            for n, v in (("cert", cert), ("key", key), ("trust", trust))
+            if not v
+        ]
+        if missing or cert is None or key is None or trust is None:
+            raise UsageError(f"https needs a client certificate: missing {', '.join(missing)}")
+        bundle = load_trust_bundle(Path(trust))
+        context = client_ssl_context(bundle, Path(cert), Path(key))
+        connector = VerifiedConnector(bundle, context, expect=Role.COORDINATOR)
+    else:
+        raise UsageError(
+            f"coordinator URL must start with https:// (or http:// for the demo): {url}"
+        )
+    async with aiohttp.ClientSession(
+        connector=connector, timeout=timeout, headers=headers
+    ) as session:
+
+        async def send() -> Reply:
+            async with session.request(method, url + path, data=data) as response:
+                text = await response.text()
+                try:
+                    body: Any = json.loads(text)
+                except ValueError:
+                    body = text
+                return Reply(response.status, body)
+
+        return await wait_for(send(), args.timeout, f"{method} {path}")

@@ -1,0 +1,254 @@
+"""The agent's HTTP client to the coordinator: identity, timeouts, errors, resumable GETs.
+
+:func:`build_session` makes the one ``aiohttp.ClientSession`` an agent uses. With TLS it
+presents the region's certificate and talks only to a server whose certificate names a
+``coordinator`` of the federation (:class:`geofed.pki.httpauth.VerifiedConnector`,
+checked after the handshake, before any byte of a request). With
+``insecure_loopback`` (the demo) it speaks plain HTTP and names itself in an
+``X-Geofed-Identity`` header, and says so loudly.
+
+:class:`CoordinatorClient` wraps the session: every request runs under
+:func:`geofed.timeouts.wait_for`, and every failure becomes one of three errors, so
+callers can decide what to retry: :class:`TransportError` (connection refused, dropped,
+timed out: retry), :class:`HttpError` (the coordinator answered ``{"error", "message"}``:
+its ``code`` decides) and :class:`UntrustedServer` (the server's identity was refused:
+never retry).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import random
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, Final
+
+import aiohttp
+from yarl import URL
+
+from geofed.backoff import Backoff, Retry, Sleep
+from geofed.pki import CertificateRefused, client_ssl_context
+from geofed.pki.httpauth import VerifiedConnector
+from geofed.timeouts import Timeout, Timeouts, wait_for
+from geofed.types import Role
+from regional_agent.config import AgentConfig
+from regional_agent.credentials import Credentials
+
+log = logging.getLogger(__name__)
+
+IDENTITY_HEADER: Final = "X-Geofed-Identity"
+_READ_BLOCK = 1 << 16
+#: Answers that say "not now" (a request timed out, the server or a proxy in front of it
+#: failed or is overloaded); the request may be repeated, within the caller's deadline.
+_TRANSIENT_STATUS = frozenset({408, 500, 502, 503, 504})
+
+
+class CoordinatorError(Exception):
+    """Base class of the errors talking to the coordinator."""
+
+
+class TransportError(CoordinatorError):
+    """The request did not get an answer (refused, dropped, timed out); retrying may help."""
+
+
+class UntrustedServer(CoordinatorError):
+    """The server's certificate is not an accepted coordinator of the federation."""
+
+
+class HttpError(CoordinatorError):
+    """The coordinator answered with an error status; ``code`` is its error code."""
+
+    def __init__(self, status: int, code: str, message: str, what: str) -> None:
+        super().__init__(f"{what}: HTTP {status} {code}: {message}")
+        self.status = status
+        self.code = code
+        self.message = message
+
+
+@dataclass(frozen=True, slots=True)
+class Answer:
+    """A successful response: status, headers and the whole body."""
+
+    status: int
+    headers: Mapping[str, str]
+    body: bytes
+
+    def json(self) -> dict[str, Any]:
+        try:
+            data = json.loads(self.body)
+        except ValueError as exc:
+            raise CoordinatorError(f"coordinator answered non-JSON: {exc}") from None
+        if not isinstance(data, dict):
+            raise CoordinatorError("coordinator answered JSON that is not an object")
+        return data
+
+
+def build_session(config: AgentConfig, credentials: Credentials) -> aiohttp.ClientSession:
+    """The agent's client session (see the module docstring); the caller closes it."""
+    timeouts = config.timeouts
+    timeout = aiohttp.ClientTimeout(
+        total=None,
+        connect=timeouts.connect_s,
+        sock_connect=timeouts.connect_s,
+        sock_read=timeouts.request_s,
+    )
+    if config.insecure_loopback:
+        log.warning(
+            "INSECURE LOOPBACK MODE: talking plain HTTP to %s and claiming identity %s in "
+            "an %s header; for the single-machine demo only",
+            config.coordinator_url,
+            credentials.identity,
+            IDENTITY_HEADER,
+        )
+        return aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(),
+            timeout=timeout,
+            headers={IDENTITY_HEADER: credentials.identity.uri},
+        )
+    context = client_ssl_context(credentials.bundle, credentials.cert_file, credentials.key_file)
+    connector = VerifiedConnector(credentials.bundle, context, expect=Role.COORDINATOR)
+    return aiohttp.ClientSession(connector=connector, timeout=timeout)
+
+
+class CoordinatorClient:
+    """Requests to the coordinator's HTTP API, with timeouts and typed errors."""
+
+    def __init__(
+        self,
+        session: aiohttp.ClientSession,
+        base_url: str,
+        timeouts: Timeouts,
+        *,
+        backoff: Backoff | None = None,
+        sleep: Sleep = asyncio.sleep,
+        rng: random.Random | None = None,
+    ) -> None:
+        self.session = session
+        self.base_url = URL(base_url)
+        self.timeouts = timeouts
+        self.backoff = backoff or Backoff(initial_s=0.2, max_s=10.0)
+        self.sleep = sleep
+        self.rng = rng or random.Random()
+
+    def url(self, path_or_url: str) -> URL:
+        """An absolute URL: ``path_or_url`` itself, or resolved against the base URL."""
+        target = URL(path_or_url)
+        return target if target.is_absolute() else self.base_url.join(target)
+
+    async def request(
+        self,
+        method: str,
+        path_or_url: str,
+        *,
+        data: bytes | None = None,
+        json_body: object = None,
+        timeout_s: float | None = None,
+        what: str | None = None,
+    ) -> Answer:
+        """Send one request and read the whole answer within ``timeout_s`` (request_s)."""
+        url = self.url(path_or_url)
+        label = what or f"{method} {url.path}"
+        limit = self.timeouts.request_s if timeout_s is None else timeout_s
+        try:
+            return await wait_for(self._send(method, url, data, json_body, label), limit, label)
+        except Timeout as exc:
+            raise TransportError(str(exc)) from exc
+
+    async def _send(
+        self, method: str, url: URL, data: bytes | None, json_body: object, what: str
+    ) -> Answer:
+        try:
+            async with self.session.request(method, url, data=data, json=json_body) as response:
+                body = await response.read()
+                headers = dict(response.headers)
+                status = response.status
+        except CertificateRefused as exc:
+            raise UntrustedServer(f"{what}: {url.origin()} refused: {exc}") from exc
+        except (aiohttp.ClientError, OSError) as exc:
+            raise TransportError(f"{what}: {type(exc).__name__}: {exc}") from exc
+        if status >= 400:
+            raise _http_error(status, body, what)
+        return Answer(status, headers, body)
+
+    async def download(
+        self,
+        path_or_url: str,
+        *,
+        what: str | None = None,
+        on_bytes: Callable[[int], None] | None = None,
+    ) -> bytes:
+        """GET a whole file within ``download_s``, resuming with ``Range`` after a drop.
+
+        Transport failures are retried with back-off until the download deadline; an
+        error answer from the coordinator (404, 403, ...) is raised at once.
+        ``on_bytes(n)`` hears every block as it arrives, re-sent ones included (what
+        the WAN carried, for metrics).
+        """
+        url = self.url(path_or_url)
+        label = what or f"download {url.path}"
+        work = self._download(url, label, on_bytes or _ignore)
+        try:
+            return await wait_for(work, self.timeouts.download_s, label)
+        except Timeout as exc:
+            raise TransportError(str(exc)) from exc
+
+    async def _download(self, url: URL, what: str, on_bytes: Callable[[int], None]) -> bytes:
+        received = bytearray()
+        retry = Retry(self.backoff, rng=self.rng, sleep=self.sleep)
+        while True:
+            try:
+                await self._fetch_into(url, received, what, on_bytes)
+                return bytes(received)
+            except TransportError as exc:
+                delay = retry.failed()
+                log.warning("%s interrupted at %d bytes (%s); resuming", what, len(received), exc)
+                await retry.wait(delay)
+
+    async def _fetch_into(
+        self, url: URL, received: bytearray, what: str, on_bytes: Callable[[int], None]
+    ) -> None:
+        headers = {"Range": f"bytes={len(received)}-"} if received else {}
+        try:
+            async with self.session.get(url, headers=headers) as response:
+                if response.status >= 400:
+                    raise _http_error(response.status, await response.read(), what)
+                if response.status != 206:
+                    received.clear()  # a full answer: the server ignored (or had no) Range
+                else:
+                    _check_range(response.headers.get("Content-Range", ""), len(received), what)
+                while block := await wait_for(
+                    response.content.read(_READ_BLOCK), self.timeouts.request_s, f"{what} read"
+                ):
+                    received += block
+                    on_bytes(len(block))
+        except CertificateRefused as exc:
+            raise UntrustedServer(f"{what}: {url.origin()} refused: {exc}") from exc
+        except (aiohttp.ClientError, OSError, Timeout) as exc:
+            raise TransportError(f"{what}: {type(exc).__name__}: {exc}") from exc
+
+
+def _ignore(_count: int) -> None:
+    pass
+
+
+def _check_range(content_range: str, start: int, what: str) -> None:
+    unit, _, spec = content_range.partition(" ")
+    first = spec.partition("-")[0]
+    if unit != "bytes" or not first.isdigit() or int(first) != start:
+        raise TransportError(f"{what}: Content-Range {content_range!r} does not resume at {start}")
+
+
+def _http_error(status: int, body: bytes, what: str) -> CoordinatorError:
+    if status in _TRANSIENT_STATUS:
+        return TransportError(f"{what}: HTTP {status} {body[:200].decode('utf-8', 'replace')}")
+    code, message = f"http_{status}", body[:200].decode("utf-8", errors="replace")
+    try:
+        data = json.loads(body)
+    except ValueError:
+        data = None
+    if isinstance(data, dict):
+        code = str(data.get("error", code))
+        message = str(data.get("message", message))
+    return HttpError(status, code, message, what)

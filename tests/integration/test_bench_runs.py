@@ -1,0 +1,98 @@
+"""The convergence and round-overhead benchmarks run end to end in their smoke modes.
+
+These check that the benchmarks still run and write figures of the right shape and of
+sane magnitude; they assert nothing about speed. The round-overhead benchmark measures
+in child processes, and both record the git revision they ran on.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+from benchmarks import convergence, round_overhead
+
+LN_256 = math.log(256)
+
+
+def _load(path: Path) -> dict[str, Any]:
+    report: dict[str, Any] = json.loads(path.read_text())
+    assert path.with_suffix(".md").read_text().startswith("# ")
+    return report
+
+
+def test_convergence_smoke_reports_every_config(tmp_path: Path) -> None:
+    out = tmp_path / "convergence.json"
+    assert convergence.main(["--smoke", "--out", str(out)]) == 0
+    report = _load(out)
+
+    assert report["benchmark"] == "convergence"
+    assert report["machine"]["torch"]
+    assert set(report["configs"]) == {"sync", "diloco_fp32", "diloco_int8", "diloco_int4", "fedavg"}
+    settings = report["settings"]
+    tokens = {c["tokens"] for c in report["configs"].values()}
+    assert len(tokens) == 1, "every configuration must see the same tokens"
+    for name, config in report["configs"].items():
+        loss = config["final_val_loss"]
+        assert loss["n"] == 1
+        assert abs(config["initial_val_loss"] - LN_256) < 0.3, name
+        assert 0.5 < loss["mean"] < config["initial_val_loss"], name
+        assert config["wall_s"]["mean"] > 0
+        assert len(config["runs"][0]["curve"]) == settings["rounds"] + 1
+    ratios = {s: report["configs"][f"diloco_{s}"]["wan"]["ratio"] for s in ("fp32", "int8", "int4")}
+    assert 0.5 < ratios["fp32"] <= 1.01
+    assert 0.2 < ratios["int8"] < 0.3
+    assert 0.1 < ratios["int4"] < 0.2
+    wan = report["configs"]["diloco_int8"]["wan"]
+    assert wan["ratio"] <= wan["worst_round_region_ratio"] <= wan["worst_stream_ratio"]
+    per_stream = wan["fp32_bytes_per_round_per_region"] / 2
+    assert per_stream == 4 * settings["model_parameters"]
+    assert report["configs"]["sync"]["wan"]["simulated"] is False
+
+    names = [t["name"] for t in report["targets"]]
+    assert any("int8 WAN bytes" in n for n in names)
+    assert any("plain averaging" in n for n in names)
+    assert all(t["met"] in (True, False, None) for t in report["targets"])
+    assert [row["step"] for row in report["curve"]] == [0, 3, 6]
+
+
+def test_convergence_sweep_smoke_covers_h_and_warm_start(tmp_path: Path) -> None:
+    out = tmp_path / "sweep.json"
+    assert convergence.main(["--smoke", "--sweep", "--out", str(out)]) == 0
+    report = _load(out)
+
+    assert report["benchmark"] == "convergence_sweep"
+    combos = {(row["inner_steps"], row["warm_start_steps"]) for row in report["sweep"]}
+    assert combos == {(1, 0), (1, 2), (2, 0), (2, 2)}
+    sync_tokens = report["configs"]["sync"]["tokens"]
+    for row in report["sweep"]:
+        assert report["configs"][row["config"]]["tokens"] == sync_tokens
+        assert math.isfinite(row["vs_sync"]["mean_relative_difference"])
+
+
+def test_round_overhead_smoke_measures_both_methods(tmp_path: Path) -> None:
+    out = tmp_path / "round_overhead.json"
+    assert round_overhead.main(["--smoke", "--out", str(out)]) == 0
+    report = _load(out)
+
+    assert report["benchmark"] == "round_overhead"
+    settings = report["settings"]
+    assert settings["parameters"] >= 1_000_000
+    assert 0 < settings["delta_bytes"] < settings["model_fp32_bytes"] / 3  # int8
+    assert [row["regions"] for row in report["results"]] == [2]
+    row = report["results"][0]
+    for method in round_overhead.METHODS:
+        figures = row[method]
+        assert figures["method"] == method
+        assert figures["round_s_median"] > 0
+        assert set(figures["phase_s_median"]) == set(round_overhead.PHASES)
+        assert sum(figures["phase_s_median"].values()) <= figures["round_s_median"] * 1.01
+        # The round holds at least the mean delta; no sane round needs 50 models' worth.
+        assert 0.5 < figures["peak_growth_x_model"] < 50
+        assert figures["resident_rss_bytes"] > 3 * settings["model_fp32_bytes"]
+        assert 0 < figures["update_bytes"] < settings["model_fp32_bytes"] / 3
+    assert row["time_ratio_naive_over_streaming"] > 0
+    assert len(report["targets"]) == 2
+    assert all(check["met"] in (True, False) for check in report["targets"])

@@ -1,0 +1,195 @@
+"""The package graph runs one way: the face imports the daemons, the daemons the core.
+
+``geofed/`` (the shared core) imports only itself and third-party libraries;
+``policies/`` only itself and geofed's shared types and YAML loader; each daemon itself,
+the core and ``policies/``, never the other daemon; ``geofed_cli/`` (the command and the
+demo) anything. Every import counts, including those inside functions and under
+``if TYPE_CHECKING``: a lazy import is still a dependency. Within a package, no two modules
+import each other at module level.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+# Importing package -> the project modules (and their submodules) it may import. A module
+# outside PROJECT is the standard library or a third-party one and always allowed.
+ALLOWED: dict[str, tuple[str, ...]] = {
+    "geofed": ("geofed",),
+    "policies": ("policies", "geofed.types", "geofed.located_yaml"),
+    "coordinator": ("coordinator", "geofed", "policies"),
+    "regional_agent": ("regional_agent", "geofed", "policies"),
+    "geofed_cli": ("geofed_cli", "geofed", "coordinator", "regional_agent", "policies"),
+}
+PROJECT: tuple[str, ...] = (*ALLOWED, "tests", "benchmarks")
+
+
+@dataclass(frozen=True)
+class Import:
+    """One project-relevant import: where it is and the module it names."""
+
+    line: int
+    target: str
+    module_level: bool
+
+
+def _within(module: str, prefix: str) -> bool:
+    return module == prefix or module.startswith(prefix + ".")
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(REPO).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _sources() -> dict[str, Path]:
+    """Every module of the checked packages, by dotted name."""
+    found: dict[str, Path] = {}
+    for package in ALLOWED:
+        for path in sorted((REPO / package).rglob("*.py")):
+            found[module_name(path)] = path
+    return found
+
+
+SOURCES = _sources()
+
+
+def imports_of(source: str, module: str, *, is_package: bool, known: set[str]) -> list[Import]:
+    """The imports in ``source``, resolved to the deepest module in ``known`` they name.
+
+    ``from pkg import name`` names ``pkg.name`` when that is a module, else ``pkg``; a
+    relative import is resolved against ``module``; ``importlib.import_module("x")`` with
+    a literal name counts as importing ``x``.
+    """
+    tree = ast.parse(source)
+    package = module if is_package else module.rpartition(".")[0]
+    found: dict[Import, None] = {}  # ordered, and one entry for `from x import a, b`
+
+    def visit(node: ast.AST, module_level: bool) -> None:
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                found[Import(node.lineno, alias.name, module_level)] = None
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join([*anchor, *([base] if base else [])])
+            for alias in node.names:
+                submodule = f"{base}.{alias.name}"
+                target = submodule if submodule in known else base
+                found[Import(node.lineno, target, module_level)] = None
+        elif (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute | ast.Name)
+            and (node.func.attr if isinstance(node.func, ast.Attribute) else node.func.id)
+            == "import_module"
+            and node.args
+            and isinstance(node.args[0], ast.Constant)
+            and isinstance(node.args[0].value, str)
+        ):
+            found[Import(node.lineno, node.args[0].value, module_level)] = None
+        # A function's body runs when called, not when its module is imported.
+        inner = module_level and not isinstance(
+            node, ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda
+        )
+        for child in ast.iter_child_nodes(node):
+            visit(child, inner)
+
+    visit(tree, module_level=True)
+    return list(found)
+
+
+def _imports(module: str) -> Iterator[tuple[Path, Import]]:
+    path = SOURCES[module]
+    source = path.read_text(encoding="utf-8")
+    for imp in imports_of(
+        source, module, is_package=path.name == "__init__.py", known=set(SOURCES)
+    ):
+        yield path, imp
+
+
+def forbidden_imports(package: str) -> list[str]:
+    """``file:line: imports X`` for each import from ``package`` the graph does not allow."""
+    allowed = ALLOWED[package]
+    problems = []
+    for module in SOURCES:
+        if not _within(module, package):
+            continue
+        for path, imp in _imports(module):
+            project = any(_within(imp.target, root) for root in PROJECT)
+            if project and not any(_within(imp.target, prefix) for prefix in allowed):
+                problems.append(
+                    f"{path.relative_to(REPO)}:{imp.line}: imports {imp.target} "
+                    f"({package} may import only {', '.join(allowed)} and third-party modules)"
+                )
+    return problems
+
+
+def module_level_cycles() -> list[str]:
+    """Pairs of modules of one package that import each other at module level."""
+    edges: dict[str, dict[str, int]] = {}
+    for module in SOURCES:
+        top = module.split(".")[0]
+        for _, imp in _imports(module):
+            if imp.module_level and imp.target != module and _within(imp.target, top):
+                edges.setdefault(module, {}).setdefault(imp.target, imp.line)
+    cycles = []
+    for a, targets in sorted(edges.items()):
+        for b, line in sorted(targets.items()):
+            if a < b and a in edges.get(b, {}):
+                back = edges[b][a]
+                cycles.append(
+                    f"{SOURCES[a].relative_to(REPO)}:{line}: imports {b}, and "
+                    f"{SOURCES[b].relative_to(REPO)}:{back}: imports {a}"
+                )
+    return cycles
+
+
+@pytest.mark.parametrize("package", sorted(ALLOWED))
+def test_package_imports_only_what_the_graph_allows(package: str) -> None:
+    assert any(_within(module, package) for module in SOURCES), f"no modules found in {package}/"
+    problems = forbidden_imports(package)
+    assert not problems, "forbidden imports:\n" + "\n".join(problems)
+
+
+def test_no_two_modules_of_a_package_import_each_other() -> None:
+    cycles = module_level_cycles()
+    assert not cycles, "module-level import cycles:\n" + "\n".join(cycles)
+
+
+def test_every_kind_of_import_is_seen() -> None:
+    source = """\
+import coordinator.metrics
+from typing import TYPE_CHECKING
+from . import sibling
+from .. import types
+
+if TYPE_CHECKING:
+    from regional_agent.config import AgentConfig
+
+def later():
+    import importlib
+    from regional_agent import daemon
+    importlib.import_module("coordinator.daemon")
+"""
+    known = {"geofed.pki.sibling", "geofed.types", "regional_agent.daemon"}
+    found = imports_of(source, "geofed.pki", is_package=True, known=known)
+    assert [(imp.target, imp.module_level) for imp in found] == [
+        ("coordinator.metrics", True),
+        ("typing", True),
+        ("geofed.pki.sibling", True),
+        ("geofed.types", True),
+        ("regional_agent.config", True),
+        ("importlib", False),
+        ("regional_agent.daemon", False),
+        ("coordinator.daemon", False),
+    ]
