@@ -70,7 +70,6 @@ class PublicationStep:
     """The outcome of one outer step (see the module docstring)."""
 
     params: dict[str, Tensor]
-    update: dict[str, Tensor]
     stream: EncodedStream
     residual: dict[str, Tensor]
     optimizer_state: dict[str, Any]
@@ -96,20 +95,24 @@ def publication_step(
     caller can measure the steps of the very computation the daemon runs (the
     round-overhead benchmark times them and takes their peak memory).
     """
+    # Each intermediate is dropped as soon as the next one exists: the round's peak memory
+    # is what the coordinator must provision, so nothing outlives its use.
     with phase("outer_step"):
         optimizer = OuterOptimizer.from_state_dict(optimizer_state)
         target = optimizer.step(params, mean)
     with phase("encode_update"):
         intended = update_to_publish(params, target, residual)
+        del target
         stream = encode_stream(intended, codec)
     with phase("decode_update"):
         decoded = decode(stream.frames())
     with phase("apply"):
         new_residual = feedback_residual(intended, decoded)
+        del intended
         new_params = apply_update(params, decoded)
+        del decoded
     return PublicationStep(
         params=new_params,
-        update=decoded,
         stream=stream,
         residual=new_residual,
         optimizer_state=optimizer.state_dict(),
