@@ -8,7 +8,7 @@ TORCH_SPEC ?= torch==2.13.0
 # Each demo run gets a fresh work dir (PKI, state, logs, summary.json).
 DEMO_DIR ?= run/demo-$(shell date +%Y%m%d-%H%M%S)
 
-.PHONY: setup system-deps demo test lint typecheck pytest bench clean
+.PHONY: setup system-deps demo test test-gpu lint typecheck pytest bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -34,16 +34,24 @@ pytest: $(STAMP) system-deps
 
 test: lint typecheck pytest
 
+# The GPU tests (tests/gpu/; `pytest tests` leaves them out): never part of `make test` or CI.
+# Run on a CUDA machine with a Python whose torch sees the GPU (a GPU image's own python3,
+# into which geofed is installed as docs/gpu.md says); each test fails without a GPU.
+GPU_PYTHON ?= python3
+test-gpu:
+	$(GPU_PYTHON) -m pytest tests/gpu
+
 # The main job: a coordinator and 3 regional agents on loopback training the example task.
 demo: $(STAMP)
 	$(VENV)/bin/geofed demo --workdir $(DEMO_DIR)
 
-# Figures go to benchmarks/results/ (JSON and markdown); about 8 min on 2 quiet cores.
+# Figures go to benchmarks/results/ (JSON and markdown); about 11 min on 2 quiet cores.
 # The convergence H/warm-start sweep: $(PY) -m benchmarks.convergence --sweep
 bench: $(STAMP)
 	$(PY) -m benchmarks.codec_bench
 	$(PY) -m benchmarks.round_overhead
 	$(PY) -m benchmarks.convergence
+	$(PY) -m benchmarks.training_throughput
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -37,7 +37,7 @@ from coordinator.outer_round import publication_step
 from geofed.codec import EncodedStream, ErrorFeedback, decode, decode_pieces
 from geofed.codec_params import CodecParams, Scheme
 from geofed.deltas import apply_update
-from geofed.params import parameters_vector_hash, state_to_fp32
+from geofed.params import load_federated_state, parameters_vector_hash, state_to_fp32
 from geofed.task import DataShard, Task
 from regional_agent.delta import EncodedDelta, encode_delta
 
@@ -286,7 +286,7 @@ def _run_rounds(
         deltas: dict[str, tuple[int, EncodedDelta]] = {}
         for index, (model, optimizer) in enumerate(zip(models, optimizers, strict=True)):
             tick = time.perf_counter()
-            model.load_state_dict(base)
+            load_federated_state(model, base)
             tokens = train_steps(task, model, optimizer, shards[index], spec.inner_steps)
             result.tokens += tokens
             result.train_s += time.perf_counter() - tick
@@ -301,7 +301,7 @@ def _run_rounds(
         _check_reconstruction(base, update, coordinator.params, round_)
         result.comm_s += time.perf_counter() - tick
         _count_bytes(result, [delta for _, delta in deltas.values()], update)
-        global_model.load_state_dict(coordinator.params)
+        load_federated_state(global_model, coordinator.params)
         _evaluate(task, global_model, result, spec.warmup_steps + (round_ + 1) * spec.inner_steps)
 
 

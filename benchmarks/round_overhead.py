@@ -51,7 +51,7 @@ from geofed.codec import decode, encode_stream
 from geofed.codec_params import SCHEMES, CodecParams, Scheme
 from geofed.examples.charlm.model import CharTransformer
 from geofed.fsutil import atomic_write_bytes
-from geofed.params import parameters_vector_hash
+from geofed.params import federated_state, parameters_vector_hash
 
 RESULTS = Path(__file__).resolve().parent / "results"
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -88,7 +88,7 @@ def charlm_shapes(config: dict[str, int]) -> Shapes:
     """Return the state's tensor shapes without allocating it (on the meta device)."""
     with torch.device("meta"):
         model = CharTransformer(dropout=0.0, **config)
-    return {name: tuple(t.shape) for name, t in model.state_dict().items()}
+    return {name: tuple(t.shape) for name, t in federated_state(model).items()}
 
 
 def _count(shapes: Shapes) -> int:

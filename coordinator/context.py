@@ -10,7 +10,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-import torch
 from torch import Tensor
 
 from coordinator.jobspec import JobSpec
@@ -78,13 +77,14 @@ class JobContext:
 
 
 def initial_parameters(task: Task[Any], seed: int) -> dict[str, Tensor]:
-    """θ_0: the task's model for the job's seed, as float32 CPU tensors."""
+    """θ_0: the federated state of the task's model for the job's seed, float32 on CPU.
+
+    Buffers outside the federated state (complex, integer) are left out: every side's
+    ``build_model`` rebuilds them.
+    """
     params = state_to_fp32(task.build_model(seed=seed))
-    odd = sorted(name for name, t in params.items() if t.dtype != torch.float32)
-    if odd:
-        raise JobContextError(
-            f"the model has non-floating tensors {odd}; only floating-point state can be averaged"
-        )
+    if not params:
+        raise JobContextError("the model has no floating-point parameters to federate")
     return params
 
 

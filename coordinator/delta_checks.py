@@ -23,6 +23,7 @@ from geofed.manifest import (
     UntrustedSigner,
 )
 from geofed.pki import TrustBundle
+from geofed.training_config import TrainingConfig
 from geofed.types import ArtifactKind, Identity, Role
 from policies import Provenance
 
@@ -51,6 +52,7 @@ class DeltaExpectation:
         jurisdiction: str | None,
         max_upload_bytes: int,
         max_chunk_bytes: int,
+        training: TrainingConfig | None = None,
     ) -> None:
         self.job = job
         self.round = round
@@ -63,6 +65,7 @@ class DeltaExpectation:
         self.jurisdiction = jurisdiction
         self.max_upload_bytes = max_upload_bytes
         self.max_chunk_bytes = max_chunk_bytes
+        self.training = training
 
     @property
     def max_chunks(self) -> int:
@@ -108,10 +111,20 @@ def check_delta_manifest(signed: SignedManifest, expect: DeltaExpectation) -> No
             f"{expect.codec.as_dict()}",
             "codec_mismatch",
         )
+    # A manifest without the record comes from an agent that does not write it yet.
+    if None not in (expect.training, manifest.training) and manifest.training != expect.training:
+        raise BadRequest(
+            f"delta was trained with {_record(manifest.training)}; job {expect.job} trains "
+            f"with {_record(expect.training)}"
+        )
     _check_sizes(signed, expect)
     if manifest.tokens is None or manifest.tokens <= 0:
         raise BadRequest("a delta's manifest must declare tokens > 0 (its averaging weight)")
     _check_provenance(signed, expect)
+
+
+def _record(training: TrainingConfig | None) -> object:
+    return None if training is None else training.record()
 
 
 def _check_tensors(found: Sequence[ManifestTensor], wanted: Sequence[ManifestTensor]) -> None:

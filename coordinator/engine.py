@@ -9,8 +9,11 @@ One :class:`JobEngine` per job runs as a task the job manager owns. Each round r
    (:meth:`JobEngine.accept`); each acceptance commits the receipt, the round state and
    an audit entry in one transaction. The engine ticks the round state machine on every
    acceptance and at its deadline: close, extend, or fail below quorum.
-3. **Publish**: :mod:`coordinator.publication` computes, stores and commits the update;
-   θ_{r+1} is evaluated in the background afterwards (:mod:`coordinator.job_evaluation`).
+3. **Publish**: :mod:`coordinator.publication` computes, stores and commits the update.
+   θ_r is evaluated where the job says (:mod:`coordinator.job_evaluation`): by default a
+   region evaluated it before training and its accepted delta carries the metrics; the
+   coordinator evaluates in its own process only what is its to evaluate (the last θ,
+   or every chosen θ under ``where: coordinator``).
 
 What to do next is decided by :func:`coordinator.round_driver.next_step`, a pure
 function of the job's facts; the engine carries its steps out. A round that fails below
@@ -202,6 +205,8 @@ class JobEngine:
             metrics.region_train_loss.labels(job=self.job, region=offer.region).set(
                 offer.train_loss
             )
+        if offer.base_eval is not None:
+            self._evaluation.record(offer.round, offer.base_eval)  # θ_r, evaluated by the region
         self._wake.set()
         return receipt
 
@@ -327,7 +332,7 @@ class JobEngine:
         await self._s.db.run(record_initial, self.job, pointers, self._s.actor, details)
         self.working = state
         self._s.metrics.last_checkpoint.labels(job=self.job).set(time.time())
-        self._evaluation.later(state)  # the initial loss: what training is measured against
+        self._evaluation.later(state)  # θ_0, when the coordinator is the one to evaluate it
 
     async def _storage_allowed(self, round: int) -> bool:
         """May this job's checkpoints go to its location? The job fails if not."""
@@ -539,8 +544,11 @@ class JobEngine:
             task=spec.task.spec,
             task_options=spec.task.options,
             seed=spec.seed,
+            training=spec.training,
+            total_rounds=spec.rounds,
             default_deadline_s=spec.deadline.initial_s,
             now=self._s.clock(),
+            evaluation=spec.evaluation,
         )
         await self._s.control.announce(message)
         self._announced = key

@@ -2,9 +2,12 @@
 
 - ``store``: one thread for every state-store call (SQLite wants one writer; the store's
   calls are short and serialised anyway).
-- ``compute``: a small pool for codec and torch work (decoding, aggregation, encoding,
-  evaluation); torch releases the GIL in its kernels.
+- ``compute``: a small pool for codec and torch work (decoding, aggregation, encoding);
+  torch releases the GIL in its kernels.
 - ``files``: a pool for file I/O (spooling chunks with fsync, serving blob metadata).
+- ``evaluation``: one process of its own (spawned at the first use) for evaluating global
+  parameters when the coordinator evaluates them, so an evaluation never competes with
+  aggregation, uploads or publication for the compute pool or the GIL.
 
 :meth:`Executors.shutdown` waits for work already running, so a SIGTERM lets in-flight
 writes finish; queued work that has not started is dropped (every write is atomic, so
@@ -15,8 +18,10 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import multiprocessing
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Executor, ProcessPoolExecutor, ThreadPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from typing import ParamSpec, TypeVar
 
 __all__ = ["Executors"]
@@ -32,6 +37,7 @@ class Executors:
         self._store = ThreadPoolExecutor(1, thread_name_prefix="geofed-store")
         self._compute = ThreadPoolExecutor(compute_threads, thread_name_prefix="geofed-compute")
         self._files = ThreadPoolExecutor(file_threads, thread_name_prefix="geofed-files")
+        self._evaluation: ProcessPoolExecutor | None = None
 
     async def db(self, fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
         """Run a state-store call in the store thread (callers go through ``AsyncStore``)."""
@@ -45,14 +51,36 @@ class Executors:
         """Run file I/O in the file pool."""
         return await self._run(self._files, fn, *args, **kwargs)
 
+    async def evaluate(self, fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
+        """Run an evaluation in the evaluation process (``fn`` and its arguments pickle).
+
+        A process that died (killed, out of memory) fails the evaluations it had; the
+        next one starts a new process.
+        """
+        if self._evaluation is None:
+            # Spawned, not forked: the coordinator's threads and event loop stay behind.
+            self._evaluation = ProcessPoolExecutor(
+                1, mp_context=multiprocessing.get_context("spawn")
+            )
+        pool = self._evaluation
+        try:
+            return await self._run(pool, fn, *args, **kwargs)
+        except BrokenProcessPool:
+            if self._evaluation is pool:
+                self._evaluation = None
+                pool.shutdown(wait=False, cancel_futures=True)
+            raise
+
     async def _run(
-        self, pool: ThreadPoolExecutor, fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs
+        self, pool: Executor, fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs
     ) -> T:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(pool, functools.partial(fn, *args, **kwargs))
 
     def shutdown(self) -> None:
         """Wait for running work and drop queued work; compute and files first, store last."""
+        if self._evaluation is not None:
+            self._evaluation.shutdown(wait=True, cancel_futures=True)
         self._compute.shutdown(wait=True, cancel_futures=True)
         self._files.shutdown(wait=True, cancel_futures=True)
         self._store.shutdown(wait=True, cancel_futures=True)

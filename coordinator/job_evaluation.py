@@ -1,21 +1,30 @@
-"""Held-out evaluation of a job's global parameters, in the background, with its own task.
+"""The held-out evaluation of a job's global parameters: recorded from regions, or run here.
 
-:func:`evaluate_params` runs the task's ``evaluate()`` on a fresh model holding θ: CPU work
-of bounded cost (the task fixes its validation split), run in a worker thread.
-:class:`JobEvaluation` runs it on θ_0 (what training is measured against) and after each
-published round, as background tasks the round engine never waits for, except for the
-last parameters' (the job's result). It keeps the validation loss of the newest
-parameters evaluated and the history of all, and persists both as pointers of the job
-(:data:`VAL_LOSS_POINTER`, :data:`VAL_HISTORY_POINTER`) so that a restart shows them.
+Where θ_r is evaluated is the job's ``evaluation`` section
+(:mod:`geofed.evaluation_config`). By default a region evaluates θ_r on its accelerator
+before it trains round r, and its delta's manifest carries the metrics (``base_eval``):
+:meth:`JobEvaluation.record` takes them when the delta is accepted. The coordinator
+evaluates the parameters :func:`~geofed.evaluation_config.coordinator_evaluates` gives it
+(every chosen θ under ``where: coordinator``, and always the job's last θ, which is the
+base of no round) with :meth:`JobEvaluation.later`: :func:`evaluate_in_process` runs the
+task's ``evaluate()`` on a fresh model in the coordinator's evaluation process
+(``Executors.evaluate``), never in the compute pool that aggregates, as a background
+task the round engine waits for only at the job's end (the last θ's loss is the job's
+result). Either way :class:`JobEvaluation` keeps the validation loss of the newest
+parameters evaluated and the history of all, persists both as pointers of the job
+(:data:`VAL_LOSS_POINTER`, :data:`VAL_HISTORY_POINTER`) so that a restart shows them, and
+counts each evaluation in ``geofed_evaluations_total{where}``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
+import io
 import json
 import logging
-from collections.abc import Mapping
-from typing import Any, Final
+from collections.abc import Coroutine, Mapping
+from typing import Any, Final, Literal
 
 import torch
 from torch import Tensor
@@ -23,13 +32,16 @@ from torch import Tensor
 from coordinator.context import JobContext
 from coordinator.services import Services
 from coordinator.working_state import WorkingState
-from geofed.task import Task
+from geofed.evaluation_config import coordinator_evaluates
+from geofed.params import load_federated_state
+from geofed.task import Task, load_task
 
 __all__ = [
     "FINAL_EVALUATION_WAIT_S",
     "VAL_HISTORY_POINTER",
     "VAL_LOSS_POINTER",
     "JobEvaluation",
+    "evaluate_in_process",
     "evaluate_params",
     "format_history",
     "format_val_loss",
@@ -49,10 +61,35 @@ FINAL_EVALUATION_WAIT_S: Final = 600.0
 def evaluate_params(task: Task[Any], seed: int, params: Mapping[str, Tensor]) -> dict[str, float]:
     """The task's held-out metrics (``val_loss`` at least, or none) of ``params``."""
     model = task.build_model(seed=seed)
-    model.load_state_dict(dict(params))
+    load_federated_state(model, params)
     model.eval()
     with torch.no_grad():
         return task.evaluate(model)
+
+
+@functools.lru_cache(maxsize=4)
+def _task(spec: str, options_json: str) -> Task[Any]:
+    # Kept across evaluations: loading a task may read its whole corpus.
+    return load_task(spec, json.loads(options_json))
+
+
+def evaluate_in_process(
+    spec: str, options_json: str, seed: int, params_bytes: bytes
+) -> dict[str, float]:
+    """:func:`evaluate_params` in the evaluation process, from picklable arguments.
+
+    ``params_bytes`` is θ as ``torch.save`` bytes, loaded with ``weights_only``: plain
+    tensors never travel through shared memory, so θ in the coordinator stays as it is.
+    """
+    params = torch.load(io.BytesIO(params_bytes), weights_only=True)
+    metrics = evaluate_params(_task(spec, options_json), seed, params)
+    return {str(name): float(value) for name, value in metrics.items()}
+
+
+def _params_bytes(params: Mapping[str, Tensor]) -> bytes:
+    buffer = io.BytesIO()
+    torch.save(dict(params), buffer)
+    return buffer.getvalue()
 
 
 def format_val_loss(version: int, loss: float) -> str:
@@ -111,10 +148,22 @@ class JobEvaluation:
             self.history = parse_history(history)
 
     def later(self, state: WorkingState) -> None:
-        """Evaluate θ_version of ``state`` in the background."""
-        task = asyncio.create_task(
-            self._evaluate(state), name=f"evaluate-{self._ctx.job}-{state.version}"
+        """Evaluate θ_version of ``state`` in the background, if the coordinator should."""
+        spec = self._ctx.spec
+        decision = coordinator_evaluates(spec.evaluation, state.version, spec.rounds)
+        if not decision.evaluate:
+            log.debug("job %s: θ_%d: %s", self._ctx.job, state.version, decision.reason)
+            return
+        self._background(self._evaluate(state), f"evaluate-{self._ctx.job}-{state.version}")
+
+    def record(self, version: int, metrics: Mapping[str, float]) -> None:
+        """Take a region's evaluation of θ_version (persisted in the background)."""
+        self._background(
+            self._keep(version, metrics, "region"), f"record-{self._ctx.job}-{version}"
         )
+
+    def _background(self, coroutine: Coroutine[Any, Any, None], name: str) -> None:
+        task = asyncio.create_task(coroutine, name=name)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
@@ -132,20 +181,33 @@ class JobEvaluation:
             await asyncio.wait(tasks)
 
     async def _evaluate(self, state: WorkingState) -> None:
-        job = self._ctx.job
+        job, spec = self._ctx.job, self._ctx.spec
+        options = json.dumps(spec.task.options, sort_keys=True)
         try:
-            metrics = await self._s.executors.compute(
-                evaluate_params, self._ctx.task, self._ctx.spec.seed, state.params
+            params = await asyncio.to_thread(_params_bytes, state.params)
+            metrics = await self._s.executors.evaluate(
+                evaluate_in_process, spec.task.spec, options, spec.seed, params
             )
         except Exception:
             log.exception("job %s: evaluating θ_%d failed", job, state.version)
             return
+        await self._keep(state.version, metrics, "coordinator")
+
+    async def _keep(
+        self,
+        version: int,
+        metrics: Mapping[str, float],
+        where: Literal["region", "coordinator"],
+    ) -> None:
+        job = self._ctx.job
+        self._s.metrics.evaluations.labels(job=job, where=where).inc()
         loss = metrics.get("val_loss")
         if loss is None:
             return
-        self.history[state.version] = float(loss)
+        # The latest report of a version wins: regions evaluate the same θ on the same split.
+        self.history[version] = float(loss)
         await self._s.db.set_pointer(job, VAL_HISTORY_POINTER, format_history(self.history))
-        val_loss = newest(self.val_loss, state.version, loss)
+        val_loss = newest(self.val_loss, version, loss)
         if val_loss is None:
             return
         self.val_loss = val_loss

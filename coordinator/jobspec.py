@@ -21,6 +21,13 @@ the line and the key. The spec is stored as submitted, in its validated JSON for
     snapshot_every: 5                  # K: full snapshot every K rounds
     deadline: {initial_s: 1800, min_s: 600, max_s: 14400}       # adaptive bounds
     checkpoint_storage: [eu-ckpt, us-ckpt]                      # candidates, in preference
+    training:                          # how regions train (geofed.training_config)
+      parallelism: ddp                 # or fsdp
+      precision: fp32                  # or bf16
+      lr_schedule: {kind: warmup_cosine, warmup_steps: 100, min_lr_ratio: 0.1}
+    evaluation:                        # where θ is evaluated (geofed.evaluation_config)
+      where: region                    # region | region:NAME | regions | coordinator | none
+      every: 1                         # rounds between evaluations
 """
 
 from __future__ import annotations
@@ -42,8 +49,10 @@ from pydantic import (
 from coordinator.deadline import DeadlineConfig
 from coordinator.outer_optimizer import OuterOptimizerConfig
 from geofed.codec_params import CodecParams
+from geofed.evaluation_config import EvaluationConfig
 from geofed.located_yaml import LineMap, LocatedDocument
 from geofed.task import TaskSpecError, parse_task_spec
+from geofed.training_config import TrainingConfig
 from geofed.types import validate_name
 from policies.errors import PolicyLoadError, Problem
 from policies.validation import validate_document
@@ -135,6 +144,15 @@ class JobSpec(_Section):
     checkpoint_storage: tuple[StorageName, ...] = Field(
         min_length=1, description="candidate storage locations, in order of preference"
     )
+    training: TrainingConfig = Field(
+        default_factory=TrainingConfig,
+        description="how every region's worker group trains; recorded in each delta's manifest",
+    )
+    evaluation: EvaluationConfig = Field(
+        default_factory=EvaluationConfig,
+        description="where the global parameters are evaluated: by default a region, on its "
+        "own accelerator, before it trains from them",
+    )
 
     @field_validator("regions")
     @classmethod
@@ -161,9 +179,34 @@ class JobSpec(_Section):
             )
         return self
 
+    @model_validator(mode="after")
+    def _warmup_within_the_job(self) -> JobSpec:
+        schedule = self.training.lr_schedule
+        if schedule.kind == "warmup_cosine" and schedule.warmup_steps > self.total_steps:
+            raise ValueError(
+                f"training.lr_schedule.warmup_steps ({schedule.warmup_steps}) exceeds the job's "
+                f"{self.total_steps} inner steps (rounds x inner_steps)"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _evaluating_region_in_the_job(self) -> JobSpec:
+        named = self.evaluation.region
+        if named is not None and named not in self.regions:
+            raise ValueError(
+                f"evaluation.where names region {named}, which is not one of the job's regions "
+                f"{sorted(self.regions)}"
+            )
+        return self
+
     @property
     def quorum(self) -> int:
         return self.min_regions if self.min_regions is not None else len(self.regions)
+
+    @property
+    def total_steps(self) -> int:
+        """Each region's inner steps over the whole job: what the LR schedule runs over."""
+        return self.rounds * self.inner_steps
 
     @property
     def region_names(self) -> tuple[str, ...]:

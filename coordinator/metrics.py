@@ -101,6 +101,12 @@ GLOBAL_VALIDATION_LOSS = MetricSpec(
     "Validation loss of the latest global parameters.",
     ("job",),
 )
+EVALUATIONS = MetricSpec(
+    "geofed_evaluations_total",
+    "counter",
+    "Evaluations of global parameters recorded, by where they ran (region, coordinator).",
+    ("job", "where"),
+)
 REGION_TRAIN_LOSS = MetricSpec(
     "geofed_region_train_loss",
     "gauge",
@@ -141,6 +147,7 @@ CATALOGUE: Final[tuple[MetricSpec, ...]] = (
     REGION_UP,
     REGION_QUARANTINED,
     GLOBAL_VALIDATION_LOSS,
+    EVALUATIONS,
     REGION_TRAIN_LOSS,
     LAST_CHECKPOINT,
     CERTIFICATE_EXPIRY,
@@ -174,6 +181,7 @@ class CoordinatorMetrics:
         self.region_up = gauge(REGION_UP, registry)
         self.region_quarantined = gauge(REGION_QUARANTINED, registry)
         self.global_validation_loss = gauge(GLOBAL_VALIDATION_LOSS, registry)
+        self.evaluations = counter(EVALUATIONS, registry)
         self.region_train_loss = gauge(REGION_TRAIN_LOSS, registry)
         self.last_checkpoint = gauge(LAST_CHECKPOINT, registry)
         self.certificate_expiry = gauge(CERTIFICATE_EXPIRY, registry)
@@ -191,6 +199,8 @@ class CoordinatorMetrics:
         """Create a job's round counters at zero (see ``__init__``)."""
         self.rounds_completed.labels(job=job)
         self.rounds_failed.labels(job=job)
+        for where in ("region", "coordinator"):
+            self.evaluations.labels(job=job, where=where)
         for region in regions:
             self.stragglers.labels(job=job, region=region)
 

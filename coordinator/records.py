@@ -21,6 +21,8 @@ from coordinator.round_state import RoundState
 from geofed.api_paths import ApiPaths
 from geofed.control import RoundAnnouncement
 from geofed.control.messages import AnnouncedPhase
+from geofed.evaluation_config import EvaluationConfig
+from geofed.training_config import TrainingConfig
 
 __all__ = ["JobState", "RoundRecord", "announcement"]
 
@@ -96,8 +98,11 @@ def announcement(
     task: str,
     task_options: Mapping[str, Any],
     seed: int,
+    training: TrainingConfig,
+    total_rounds: int,
     default_deadline_s: float,
     now: float,
+    evaluation: EvaluationConfig | None = None,
 ) -> RoundAnnouncement:
     """The announcement of round ``version`` in ``state``.
 
@@ -132,4 +137,7 @@ def announcement(
         task_options=dict(task_options),
         seed=seed,
         state=state,
+        training=training,
+        total_rounds=total_rounds,
+        evaluation=evaluation if evaluation is not None else EvaluationConfig(),
     )

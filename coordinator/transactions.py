@@ -119,6 +119,8 @@ class DeltaOffer:
     tokens: int
     train_loss: float | None
     actor: Identity
+    #: The region's held-out metrics of the round's base parameters, from its manifest.
+    base_eval: Mapping[str, float] | None = None
 
 
 def accept_delta(

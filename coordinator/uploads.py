@@ -289,6 +289,7 @@ class UploadService:
             tokens=tokens,
             train_loss=metrics.get("train_loss"),
             actor=actor,
+            base_eval=signed.manifest.base_eval,
         )
         receipt = await engine.accept(offer)
         await self._s.executors.files(self._spool.discard, job, round, region)
@@ -343,6 +344,7 @@ class UploadService:
             jurisdiction=ctx.jurisdictions.get(region),
             max_upload_bytes=limits.max_upload_bytes,
             max_chunk_bytes=limits.max_chunk_bytes,
+            training=ctx.spec.training,
         )
 
     async def _open_upload(

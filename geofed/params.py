@@ -1,10 +1,12 @@
 """Model state as the federation sees it: a name -> tensor mapping, and its hash.
 
-The synchronised state of a model is its ``state_dict()`` (parameters and persistent
-buffers) with any DistributedDataParallel wrapper removed, so a rank-0 worker, an
-agent and the coordinator name the same tensors the same way. Each region reports
-:func:`parameters_vector_hash` of its reconstructed state every round and all of them
-must agree bit for bit.
+The federated state of a model is the floating-point part of its ``state_dict()``
+(parameters and float persistent buffers) with any DistributedDataParallel wrapper
+removed, so a rank-0 worker, an agent and the coordinator name the same tensors the same
+way. Other persistent buffers (complex RoPE tables, integer step counters) are rebuilt
+by the task's ``build_model`` on every side: they are neither exchanged nor averaged.
+Each region reports :func:`parameters_vector_hash` of its reconstructed state every round
+and all of them must agree bit for bit.
 """
 
 from __future__ import annotations
@@ -27,11 +29,82 @@ def unwrap_model(model: nn.Module) -> nn.Module:
     return model
 
 
-def model_state(model_or_state: nn.Module | Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Return the named tensors of a model (unwrapped ``state_dict``) or of a mapping as is."""
+def is_federated(tensor: torch.Tensor) -> bool:
+    """Whether a state entry is federated: floating point (complex and integer are not)."""
+    return tensor.is_floating_point()
+
+
+def federated_state(
+    model_or_state: nn.Module | Mapping[str, torch.Tensor],
+) -> dict[str, torch.Tensor]:
+    """Return the federated entries of a model's unwrapped ``state_dict`` or of a mapping.
+
+    The tensors are the model's own (no copy). A mapping is filtered the same way, so a
+    full state dict gathered from a sharded model reduces to what the federation carries.
+    """
+    state: Mapping[str, torch.Tensor]
     if isinstance(model_or_state, nn.Module):
-        return dict(unwrap_model(model_or_state).state_dict())
+        state = unwrap_model(model_or_state).state_dict()
+    else:
+        state = model_or_state
+    return {name: tensor for name, tensor in state.items() if is_federated(tensor)}
+
+
+def federated_names(model: nn.Module) -> frozenset[str]:
+    """Return the names of a model's federated state."""
+    return frozenset(federated_state(model))
+
+
+def model_state(model_or_state: nn.Module | Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Return a model's federated state, or a mapping's entries as they are.
+
+    A mapping is already a state someone chose (a θ read from disk, a test's vector), so
+    it is taken whole; only a module is reduced to what the federation exchanges.
+    """
+    if isinstance(model_or_state, nn.Module):
+        return federated_state(model_or_state)
     return dict(model_or_state)
+
+
+def count_parameters(model: nn.Module) -> int:
+    """Return the number of scalar parameters of a (possibly DDP-wrapped) model."""
+    return sum(p.numel() for p in unwrap_model(model).parameters())
+
+
+def check_federated_state(model: nn.Module, state: Mapping[str, torch.Tensor]) -> None:
+    """Raise :class:`ValueError` unless ``state`` holds exactly the model's federated tensors.
+
+    Names and shapes are checked (whole shapes, so a sharded model's global ones); a
+    missing, unexpected or misshapen entry is named.
+    """
+    targets = federated_state(model)
+    missing = sorted(set(targets) - set(state))
+    unexpected = sorted(set(state) - set(targets))
+    if missing or unexpected:
+        raise ValueError(
+            f"state does not match the model's federated tensors: "
+            f"missing {missing}, unexpected {unexpected}"
+        )
+    misshapen = [
+        f"{name}: {tuple(state[name].shape)} != {tuple(target.shape)}"
+        for name, target in sorted(targets.items())
+        if tuple(state[name].shape) != tuple(target.shape)
+    ]
+    if misshapen:
+        raise ValueError(f"state has tensors of the wrong shape: {', '.join(misshapen)}")
+
+
+def load_federated_state(model: nn.Module, state: Mapping[str, torch.Tensor]) -> None:
+    """Copy ``state`` into a model's federated tensors, in place.
+
+    Checked first by :func:`check_federated_state`, so nothing is copied from a state
+    that does not fit. Values are cast to the dtype of the model's tensor; buffers
+    outside the federated state keep what ``build_model`` gave them.
+    """
+    check_federated_state(model, state)
+    with torch.no_grad():
+        for name, target in federated_state(model).items():
+            target.copy_(state[name])
 
 
 def _put(digest: hashlib._Hash, field: bytes | memoryview) -> None:
@@ -43,8 +116,9 @@ def _put(digest: hashlib._Hash, field: bytes | memoryview) -> None:
 def parameters_vector_hash(model_or_state: nn.Module | Mapping[str, torch.Tensor]) -> str:
     """Return the hex sha256 of names, dtypes, shapes and raw bytes, in sorted name order.
 
-    Two states hash equal only if every tensor is bit-identical (so ``-0.0`` and ``0.0``
-    differ, as do NaNs with different payloads); layout and device do not matter.
+    A module is hashed by its federated state, a mapping as given. Two states hash equal
+    only if every tensor is bit-identical (so ``-0.0`` and ``0.0`` differ, as do NaNs
+    with different payloads); layout and device do not matter.
     """
     state = model_state(model_or_state)
     digest = hashlib.sha256(_HASH_DOMAIN)
@@ -69,8 +143,9 @@ def state_to_fp32(
 ) -> dict[str, torch.Tensor]:
     """Return a detached CPU copy of the state with floating tensors in float32.
 
-    Integer and boolean tensors (step counters, masks) keep their dtype; the copy shares
-    no memory with the model, so training on does not change it.
+    A module gives its federated state. The entries of a mapping are all copied: integer
+    and boolean tensors keep their dtype. The copy shares no memory with the model, so
+    training on does not change it.
     """
     state = model_state(model_or_state)
     out: dict[str, torch.Tensor] = {}

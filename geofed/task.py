@@ -7,6 +7,13 @@ load the same task with the same options, so everything a task produces must be 
 function of its options and arguments: the initial model of a seed, the batch at a step
 of a shard, the validation loss of a model.
 
+Besides the required methods, a task may override optional hooks that tell the region's
+workers how to train it well on accelerators: :meth:`Task.fsdp_units` (which blocks
+FSDP2 shards separately), :meth:`Task.checkpoint_units` (which blocks recompute their
+activations in backward), :meth:`Task.flops_per_token` (for the utilisation estimate)
+and :meth:`Task.on_step` (the region's global inner step). ``docs/tasks.md`` walks
+through a complete task.
+
 Importing a task runs the named module's code; only operators can submit jobs, and the
 spec is checked for shape here before anything is imported.
 """
@@ -17,7 +24,7 @@ import importlib
 import inspect
 import re
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, Generic, TypeVar, cast
 
@@ -25,6 +32,7 @@ import torch
 from pydantic import BaseModel, ValidationError
 from torch import nn
 
+from geofed.params import count_parameters
 from geofed.types import validate_name
 
 BatchT = TypeVar("BatchT")
@@ -81,6 +89,13 @@ class Task(ABC, Generic[BatchT]):
     A subclass that takes options declares ``Options``, a pydantic model (forbid extra
     fields so typos fail at load), and is constructed as ``cls(options)`` with a
     validated instance; a subclass without ``Options`` is constructed as ``cls()``.
+
+    The federated state is the model's floating-point parameters and persistent buffers
+    (:func:`geofed.params.federated_state`); any other buffer (a complex RoPE table, an
+    integer counter) must be rebuilt by :meth:`build_model` identically everywhere.
+
+    The hooks that take a ``model`` are given the bare module :meth:`build_model`
+    returned, on its device, before the worker wraps it for DDP or FSDP.
     """
 
     Options: ClassVar[type[BaseModel] | None] = None
@@ -121,6 +136,42 @@ class Task(ABC, Generic[BatchT]):
         """
         del model
         return {}
+
+    def fsdp_units(self, model: nn.Module) -> Sequence[nn.Module]:
+        """Return the submodules FSDP2 shards as units of their own, before the root.
+
+        Typically the transformer blocks: each block's parameters are gathered just for
+        its forward and backward. Empty (the default): the root is the only unit.
+        """
+        del model
+        return ()
+
+    def checkpoint_units(self, model: nn.Module) -> Sequence[nn.Module]:
+        """Return the submodules whose activations are recomputed in backward.
+
+        Used when the job enables ``training.activation_checkpointing``; empty by
+        default.
+        """
+        del model
+        return ()
+
+    def flops_per_token(self, model: nn.Module) -> float:
+        """Return the training FLOPs (forward and backward) per token of ``model``.
+
+        Feeds the model-FLOPs-utilisation estimate; the default is the usual
+        ``6 * parameters``, which leaves out attention over the sequence.
+        """
+        return 6.0 * count_parameters(model)
+
+    def on_step(self, step: int) -> None:
+        """Hear of the region's global inner step ``step`` before it is taken.
+
+        Called on every rank before each optimizer step; ``step`` counts from 0 over the
+        whole job (it continues across rounds and worker restarts), the index the
+        learning-rate schedule uses. Override for step-dependent behaviour; the default
+        does nothing.
+        """
+        del step
 
 
 def parse_task_spec(spec: str) -> tuple[str, str]:

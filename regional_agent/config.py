@@ -15,9 +15,10 @@
       trust_bundle: pki/trust.yaml
     insecure_loopback: false          # demo only: plain HTTP to a loopback coordinator
     workers:                          # the local worker group
-      count: 2
+      count: auto                     # auto: one rank per visible GPU on nccl, 2 on gloo
       backend: auto                   # auto | gloo | nccl
       env: {NCCL_SOCKET_IFNAME: eth0} # extra environment for the workers
+      peak_flops: 989.0e+12           # optional: one device's peak FLOPs/s, for the MFU
     state_dir: /var/lib/geofed/eu-west
     timeouts: {request_s: 30, upload_s: 300}
     metrics: {enabled: true, host: 127.0.0.1, port: 9443}   # /metrics and /healthz, mTLS
@@ -59,6 +60,7 @@ from policies.validation import validate_document
 from policies.yaml_loader import load_located
 from regional_agent.credentials import AgentIdentityConfig, CredentialsError, load_credentials
 from regional_agent.launcher import LauncherConfigError, LocalLauncherConfig
+from regional_agent.ranks import AUTO
 
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
@@ -105,7 +107,10 @@ class MetricsConfig(ConfigSection):
 class WorkersConfig(ConfigSection):
     """The local worker group (torch.distributed) the agent launches and supervises."""
 
-    count: StrictInt = Field(default=2, ge=1, description="ranks on this node")
+    count: int | Literal["auto"] = Field(
+        default=AUTO,
+        description="ranks on this node; auto: one per visible GPU on nccl, 2 on gloo",
+    )
     backend: Literal["auto", "gloo", "nccl"] = Field(
         default="auto", description="auto: nccl when CUDA is available, else gloo"
     )
@@ -120,8 +125,24 @@ class WorkersConfig(ConfigSection):
         default=3, ge=0, description="relaunches after the launcher gave up, before failing"
     )
     num_threads: StrictInt = Field(default=1, ge=1, description="torch threads per worker")
+    peak_flops: float | None = Field(
+        default=None,
+        gt=0,
+        allow_inf_nan=False,
+        description=(
+            "peak FLOPs/s of one rank's device, for the MFU estimate; default: the data "
+            "sheet figure of known GPUs, and no MFU on other devices (the CPU)"
+        ),
+    )
     start_timeout_s: float = Field(default=300.0, gt=0, allow_inf_nan=False)
     collective_timeout_s: float = Field(default=600.0, gt=0, allow_inf_nan=False)
+
+    @field_validator("count", mode="before")
+    @classmethod
+    def _count(cls, value: object) -> object:
+        if value == AUTO or (type(value) is int and value >= 1):
+            return value
+        raise ValueError(f"must be an integer >= 1 or {AUTO!r}, got {value!r}")
 
     @field_validator("env")
     @classmethod

@@ -128,7 +128,7 @@ async def serve(
     """
     notifier = notifier or Notifier(None)
     registry = CollectorRegistry() if registry is None else registry
-    metrics = AgentMetrics(registry, config.region)
+    metrics = AgentMetrics(registry, config.region, peak_flops=config.workers.peak_flops)
     metrics.set_certificate_expiry("identity", credentials.certificate.not_valid_after_utc)
     listener: MetricsServer | None = None
 

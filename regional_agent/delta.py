@@ -27,6 +27,7 @@ from geofed.manifest import (
     build_manifest,
     sign_manifest,
 )
+from geofed.training_config import TrainingConfig
 from geofed.types import ArtifactKind, Identity
 from regional_agent.credentials import Credentials
 
@@ -75,6 +76,8 @@ class DeltaOrigin:
     producer: Identity
     jurisdiction: str
     datasets: Sequence[str]
+    training: TrainingConfig | None = None  # the job's training section, as announced
+    base_eval: Mapping[str, float] | None = None  # the region's metrics of θ_base_round
 
 
 def rounding_generator(job: str, round_: int, region: str) -> torch.Generator:
@@ -125,6 +128,8 @@ def delta_manifest(origin: DeltaOrigin, encoded: EncodedDelta, *, now: datetime)
         base_round=origin.base_round,
         base_hash=origin.base_hash,
         tokens=origin.tokens,
+        training=origin.training,
+        base_eval=origin.base_eval,
     )
 
 

@@ -30,12 +30,15 @@ import sys
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 import torch
+from pydantic import ValidationError
 
 from geofed.fsutil import AtomicFile, atomic_write_bytes
+from geofed.training_config import Parallelism, TrainingConfig
 from geofed.types import validate_name
+from regional_agent.training_stats import TrainingStats
 
 FORMAT_VERSION = 1
 _ROUND_FILE_RE = re.compile(r"^round-(\d+)\.instruction\.json$")
@@ -67,12 +70,23 @@ def _require_float(what: str, value: object) -> float:
     return float(value)
 
 
-def _fields(cls_name: str, data: object, names: tuple[str, ...]) -> Mapping[str, Any]:
+def _require_metrics(what: str, value: object) -> Mapping[str, float]:
+    if not isinstance(value, Mapping):
+        raise InvalidHandoffData(f"{what} must be a mapping, got {value!r}")
+    for name, number in value.items():
+        _require_str(f"{what} key", name)
+        _require_float(f"{what}[{name!r}]", number)
+    return value
+
+
+def _fields(
+    cls_name: str, data: object, names: tuple[str, ...], optional: frozenset[str] = frozenset()
+) -> Mapping[str, Any]:
     if not isinstance(data, Mapping):
         raise InvalidHandoffData(f"{cls_name} must be a JSON object, got {type(data).__name__}")
     if data.get("format", FORMAT_VERSION) != FORMAT_VERSION:
         raise InvalidHandoffData(f"{cls_name}: format {data['format']!r} is not {FORMAT_VERSION}")
-    missing = [name for name in names if name not in data]
+    missing = [name for name in names if name not in data and name not in optional]
     unknown = sorted(set(data) - set(names) - {"format"})
     if missing or unknown:
         raise InvalidHandoffData(f"{cls_name}: missing fields {missing}, unknown fields {unknown}")
@@ -85,7 +99,11 @@ class RoundInstruction:
 
     ``base_params`` is the path of a ``torch.save``-d fp32 state dict of the global
     parameters; ``task`` and ``task_options`` name the task as :func:`geofed.task.load_task`
-    takes them.
+    takes them. ``training`` is the job's training section; ``total_steps`` is the job's
+    inner steps in all (rounds x H), which the learning-rate schedule decays over (see
+    :mod:`geofed.lr_schedule`): unknown (None) only under a constant schedule.
+    ``evaluate_base``: evaluate ``base_params`` with the task before training from them
+    (:func:`geofed.evaluation_config.region_evaluates` decided it).
     """
 
     job: str
@@ -98,6 +116,9 @@ class RoundInstruction:
     region: str
     region_index: int
     num_regions: int
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    total_steps: int | None = None
+    evaluate_base: bool = False
 
     def __post_init__(self) -> None:
         try:
@@ -126,23 +147,57 @@ class RoundInstruction:
             json.dumps(dict(self.task_options), allow_nan=False)
         except (TypeError, ValueError) as exc:
             raise InvalidHandoffData(f"task_options must be plain JSON: {exc}") from None
+        if not isinstance(self.training, TrainingConfig):
+            raise InvalidHandoffData(f"training must be a TrainingConfig, got {self.training!r}")
+        if not isinstance(self.evaluate_base, bool):
+            raise InvalidHandoffData(f"evaluate_base must be a bool, got {self.evaluate_base!r}")
+        if self.total_steps is None:
+            if self.training.lr_schedule.kind != "constant":
+                raise InvalidHandoffData(
+                    f"a {self.training.lr_schedule.kind} schedule needs total_steps"
+                )
+        else:
+            _require_int("total_steps", self.total_steps, 1)
 
     def to_json(self) -> bytes:
         """Serialize as the instruction file's content."""
-        body = {"format": FORMAT_VERSION, **asdict(self), "task_options": dict(self.task_options)}
+        body = {
+            "format": FORMAT_VERSION,
+            **asdict(self),
+            "task_options": dict(self.task_options),
+            "training": self.training.record(),
+        }
         return json.dumps(body, sort_keys=True, allow_nan=False).encode()
 
     @classmethod
     def from_json(cls, raw: bytes, source: str = "instruction") -> RoundInstruction:
         """Parse an instruction file's content; :class:`InvalidHandoffData` names ``source``."""
         try:
-            data = _fields(f"{source}", json.loads(raw), _INSTRUCTION_FIELDS)
-            return cls(**{name: data[name] for name in _INSTRUCTION_FIELDS})
+            data = _fields(
+                f"{source}", json.loads(raw), _INSTRUCTION_FIELDS, _INSTRUCTION_OPTIONAL
+            )
+            fields = {name: data[name] for name in _INSTRUCTION_FIELDS if name in data}
+            if "training" in fields:
+                fields["training"] = _training(fields["training"])
+            return cls(**fields)
         except (ValueError, TypeError) as exc:
             raise InvalidHandoffData(f"{source}: {exc}") from None
 
 
+def _training(data: object) -> TrainingConfig:
+    try:
+        return TrainingConfig.model_validate(data)
+    except ValidationError as exc:
+        problems = "; ".join(
+            ".".join(["training", *map(str, error["loc"])]) + f": {error['msg']}"
+            for error in exc.errors(include_url=False)
+        )
+        raise InvalidHandoffData(problems) from None
+
+
 _INSTRUCTION_FIELDS = tuple(RoundInstruction.__dataclass_fields__)
+# Written by every agent that knows them; an instruction without them trains as before.
+_INSTRUCTION_OPTIONAL = frozenset({"training", "total_steps", "evaluate_base"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -150,7 +205,8 @@ class RoundSummary:
     """What a finished round produced, besides the parameters (the done marker's content).
 
     ``tokens`` counts the whole region (all ranks); ``mean_loss`` averages every rank's
-    every step; ``cursor`` is the data step index the next round starts at.
+    every micro-batch; ``steps`` counts optimizer steps, and ``cursor`` is the data step
+    (micro-batch) index the next round starts at.
     """
 
     job: str
@@ -163,12 +219,21 @@ class RoundSummary:
     params_hash: str
     world_size: int
     train_seconds: float
+    #: The task's held-out metrics of the base parameters θ_round, when the round
+    #: evaluated them before training (``RoundInstruction.evaluate_base``).
+    base_eval: Mapping[str, float] | None = None
+    #: What the workers measured while training (step time, throughput, memory...).
+    stats: TrainingStats | None = None
 
     def __post_init__(self) -> None:
         try:
             validate_name("job", self.job)
         except ValueError as exc:
             raise InvalidHandoffData(str(exc)) from None
+        if self.stats is not None and not isinstance(self.stats, TrainingStats):
+            raise InvalidHandoffData(f"stats must be TrainingStats, got {self.stats!r}")
+        if self.base_eval is not None:
+            _require_metrics("base_eval", self.base_eval)
         for name in ("round", "steps", "tokens", "cursor"):
             _require_int(name, getattr(self, name), 0)
         _require_int("world_size", self.world_size, 1)
@@ -183,13 +248,19 @@ class RoundSummary:
     @classmethod
     def from_json(cls, raw: bytes, source: str = "done marker") -> RoundSummary:
         try:
-            data = _fields(source, json.loads(raw), _SUMMARY_FIELDS)
-            return cls(**{name: data[name] for name in _SUMMARY_FIELDS})
+            data = _fields(source, json.loads(raw), _SUMMARY_FIELDS, _SUMMARY_OPTIONAL)
+            fields = {name: data[name] for name in _SUMMARY_FIELDS if name in data}
+            if fields.get("stats") is not None:
+                fields["stats"] = TrainingStats.from_mapping(fields["stats"])
+            return cls(**fields)
         except (ValueError, TypeError) as exc:
             raise InvalidHandoffData(f"{source}: {exc}") from None
 
 
 _SUMMARY_FIELDS = tuple(RoundSummary.__dataclass_fields__)
+# Written by workers that evaluated the round's base parameters (base_eval), and by
+# workers that measure their training (stats).
+_SUMMARY_OPTIONAL = frozenset({"base_eval", "stats"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -204,8 +275,11 @@ class RoundResult:
 class RegionalCheckpoint:
     """The region's inner training state at the end of ``last_round`` of ``job``.
 
-    ``optimizer_state`` is rank 0's inner optimizer ``state_dict()`` (identical on every
-    rank under DDP); ``cursor`` is the data step index the next round starts at.
+    ``optimizer_state`` is the whole inner optimizer state, as ``parallelism`` keys it:
+    under ``ddp`` the optimizer's ``state_dict()`` (identical on every rank), under
+    ``fsdp`` the shards gathered by parameter name (see
+    :mod:`regional_agent.parallelism`); checkpoints written before FSDP existed are
+    ``ddp``. ``cursor`` is the data step (micro-batch) index the next round starts at.
     """
 
     job: str
@@ -213,6 +287,16 @@ class RegionalCheckpoint:
     cursor: int
     world_size: int
     optimizer_state: dict[str, Any] = field(repr=False)
+    parallelism: Parallelism = "ddp"
+
+    def __post_init__(self) -> None:
+        if self.parallelism not in get_args(Parallelism):
+            raise InvalidHandoffData(
+                f"parallelism must be one of {get_args(Parallelism)}, got {self.parallelism!r}"
+            )
+
+
+_CHECKPOINT_FIELDS = tuple(RegionalCheckpoint.__dataclass_fields__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -478,14 +562,18 @@ class HandoffDir:
 
     def write_checkpoint(self, checkpoint: RegionalCheckpoint) -> None:
         self.root.mkdir(parents=True, exist_ok=True)
-        body = {"format": FORMAT_VERSION, **asdict(checkpoint)}
+        # Field by field, not asdict(): that would deep-copy every optimizer tensor.
+        body: dict[str, Any] = {"format": FORMAT_VERSION}
+        body.update((name, getattr(checkpoint, name)) for name in _CHECKPOINT_FIELDS)
         with AtomicFile(self.checkpoint_path) as f:
             torch.save(body, f)
 
     def read_checkpoint(self) -> RegionalCheckpoint | None:
         path = self.checkpoint_path
         try:
-            body = torch.load(path, map_location="cpu", weights_only=True)
+            # Mapped, not read: a rank that does not load the optimizer state (FSDP ranks
+            # other than 0) never pages it in.
+            body = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
         except FileNotFoundError:
             return None
         except Exception as exc:
@@ -499,6 +587,7 @@ class HandoffDir:
                 cursor=_require_int("cursor", body["cursor"], 0),
                 world_size=_require_int("world_size", body["world_size"], 1),
                 optimizer_state=body["optimizer_state"],
+                parallelism=body.get("parallelism", "ddp"),
             )
         except (KeyError, ValueError) as exc:
             raise InvalidHandoffData(f"{path}: {exc}") from None

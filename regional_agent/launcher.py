@@ -13,8 +13,11 @@ starts every worker in a session of its own, so stopping is done per process tre
 by one process-group signal.
 
 Backend: ``nccl`` when CUDA is available, else ``gloo``. Each CUDA rank uses
-``cuda:<local_rank>``, and NCCL refuses two ranks on one GPU: a single-GPU machine runs
-world size 1.
+``cuda:<local_rank>``, and NCCL refuses two ranks on one GPU: the rank count, ``auto`` by
+default, is decided by :func:`regional_agent.ranks.choose_ranks` (one rank per GPU the
+workers see on nccl, 2 on gloo) and logged with its reason. The command line carries
+only options the installed ``torch.distributed.run`` accepts
+(:mod:`regional_agent.launcher_flags`).
 """
 
 from __future__ import annotations
@@ -34,10 +37,19 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 import torch
 
 from regional_agent.handoff import HandoffDir
+from regional_agent.launcher_flags import (
+    Flag,
+    FlagSpelling,
+    MissingLauncherFlag,
+    installed_options,
+    spell_flags,
+)
+from regional_agent.ranks import AUTO, RankChoice, RankCountError, choose_ranks, visible_gpu_count
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +69,20 @@ _RESERVED_ENV = frozenset(
     }
 )
 _KILL_WAIT_S = 10.0
+# The elastic launcher's options, by hyphenated name; spelled per the installed torch.
+_FLAGS = (
+    Flag("nnodes"),
+    Flag("nproc-per-node"),
+    Flag("rdzv-backend"),
+    Flag("rdzv-endpoint"),
+    Flag("rdzv-id"),
+    Flag("max-restarts"),
+    Flag("monitor-interval", required=False),
+    Flag("shutdown-timeout", required=False),
+    Flag("module"),
+)
+# Optional flags already reported missing: one warning per process, not one per launch.
+_REPORTED_DROPS: set[str] = set()
 
 
 class LauncherError(Exception):
@@ -184,8 +210,9 @@ class Launcher(ABC):
 class LocalLauncherConfig:
     """Settings of :class:`LocalElasticLauncher` (one node)."""
 
-    nproc_per_node: int = 2
-    """Ranks to run; at most the number of GPUs on the nccl backend."""
+    nproc_per_node: int | Literal["auto"] = AUTO
+    """Ranks to run: ``auto`` (one per visible GPU on nccl, 2 on gloo) or a count, at most
+    the number of visible GPUs on nccl."""
     max_restarts: int = 3
     """In-place restarts of the whole group after a worker dies, before giving up."""
     backend: str | None = None
@@ -202,12 +229,18 @@ class LocalLauncherConfig:
     """torch.distributed timeout; bounds how long a rank waits for a hung peer."""
     monitor_interval_s: float = 0.1
     shutdown_timeout_s: int = 20
-    """How long the elastic launcher lets workers exit after SIGTERM before SIGKILL."""
+    """How long the elastic launcher lets workers exit after SIGTERM before SIGKILL (left
+    to torch's default where the installed torch has no ``--shutdown-timeout``)."""
     python: str = sys.executable
     cwd: Path | None = None
 
     def __post_init__(self) -> None:
-        for name in ("nproc_per_node", "num_threads", "omp_num_threads", "shutdown_timeout_s"):
+        count = self.nproc_per_node
+        if count != AUTO and (isinstance(count, bool) or not isinstance(count, int) or count < 1):
+            raise LauncherConfigError(
+                f"nproc_per_node must be an integer >= 1 or {AUTO!r}, got {count!r}"
+            )
+        for name in ("num_threads", "omp_num_threads", "shutdown_timeout_s"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise LauncherConfigError(f"{name} must be an integer >= 1, got {value!r}")
@@ -236,12 +269,9 @@ class LocalElasticLauncher(Launcher):
         self._config = config
         self._environ = None if environ is None else dict(environ)
         backend = resolve_backend(config.backend)
-        if backend == "nccl" and config.nproc_per_node > torch.cuda.device_count():
-            raise LauncherConfigError(
-                f"nproc_per_node {config.nproc_per_node} exceeds the "
-                f"{torch.cuda.device_count()} visible GPUs: NCCL refuses two ranks on one "
-                "GPU (a single-GPU machine runs world size 1)"
-            )
+        self.ranks = _choose_ranks(config, backend, self._environ)
+        log.info("worker group: %d %s ranks (%s)", self.ranks.count, backend, self.ranks.reason)
+        self._flags = _spell_flags()
         self.settings = WorkerSettings(
             workdir=self._handoff.root,
             backend=backend,
@@ -264,7 +294,7 @@ class LocalElasticLauncher(Launcher):
 
     @property
     def world_size(self) -> int:
-        return self._config.nproc_per_node
+        return self.ranks.count
 
     @property
     def restart_count(self) -> int:
@@ -273,19 +303,28 @@ class LocalElasticLauncher(Launcher):
     def command(self, port: int, launch_id: str) -> list[str]:
         """The elastic launcher's command line for a rendezvous on ``port``."""
         cfg = self._config
+        values = {
+            "nnodes": "1",
+            "nproc-per-node": str(self.ranks.count),
+            "rdzv-backend": "c10d",
+            "rdzv-endpoint": f"127.0.0.1:{port}",
+            "rdzv-id": launch_id,
+            "max-restarts": str(cfg.max_restarts),
+            "monitor-interval": repr(cfg.monitor_interval_s),
+            "shutdown-timeout": str(cfg.shutdown_timeout_s),
+        }
+        options = [
+            f"{self._flags.spelled[name]}={value}"
+            for name, value in values.items()
+            if name in self._flags.spelled
+        ]
         return [
             cfg.python,
             "-m",
             "torch.distributed.run",
-            "--nnodes=1",
-            f"--nproc-per-node={cfg.nproc_per_node}",
-            "--rdzv-backend=c10d",
-            f"--rdzv-endpoint=127.0.0.1:{port}",
-            f"--rdzv-id={launch_id}",
-            f"--max-restarts={cfg.max_restarts}",
-            f"--monitor-interval={cfg.monitor_interval_s!r}",
-            f"--shutdown-timeout={cfg.shutdown_timeout_s}",
-            "-m",
+            *options,
+            # A store-true flag: the script that follows is a module name.
+            self._flags.spelled["module"],
             "regional_agent.worker",
             *self.settings.to_argv(),
         ]
@@ -398,6 +437,37 @@ class LocalElasticLauncher(Launcher):
             log.warning("killing worker group left running by a previous supervisor: %s", victims)
             _wait_gone(_kill_trees(victims))
         self._pid_file.unlink(missing_ok=True)
+
+
+def _choose_ranks(
+    config: LocalLauncherConfig, backend: str, environ: Mapping[str, str] | None
+) -> RankChoice:
+    own = os.environ
+    workers_env = {**(own if environ is None else environ), **config.env}
+    gpus = 0
+    if backend == "nccl":
+        gpus = visible_gpu_count(workers_env, own, torch.cuda.device_count())
+    try:
+        return choose_ranks(config.nproc_per_node, backend, gpus)
+    except RankCountError as exc:
+        raise LauncherConfigError(str(exc)) from None
+
+
+def _spell_flags() -> FlagSpelling:
+    try:
+        spelling = spell_flags(_FLAGS, installed_options())
+    except MissingLauncherFlag as exc:
+        raise LauncherConfigError(str(exc)) from None
+    for name in spelling.dropped:
+        if name not in _REPORTED_DROPS:
+            _REPORTED_DROPS.add(name)
+            log.warning(
+                "the installed torch.distributed.run (torch %s) has no --%s option; "
+                "launching without it (torch's default applies)",
+                torch.__version__,
+                name,
+            )
+    return spelling
 
 
 def _free_port() -> int:

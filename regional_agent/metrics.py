@@ -15,6 +15,14 @@ is ``geofed_agent_fp32_equivalent_bytes_total{direction="upload"} /
 geofed_agent_delta_bytes_total`` (both counted when the coordinator accepts a delta);
 ``geofed_agent_upload_bytes_total`` adds what retries re-sent (the WAN's cost).
 
+Inside the region, each trained round sets what its workers measured
+(:class:`~regional_agent.training_stats.TrainingStats`): step time, tokens/s, time
+waiting for data and in the gradient all-reduce, learning rate, gradient norm, peak
+accelerator memory, and the model FLOPs utilisation (:mod:`regional_agent.flops`). A
+figure that is unknown is not exported (no sample) rather than zero:
+:data:`ACCELERATOR_ONLY` names those a CPU region never has, and the MFU needs a known
+device or the operator's ``workers.peak_flops``; the all-reduce time exists under DDP.
+
 The registry is always passed in (never the process-global one).
 """
 
@@ -28,15 +36,19 @@ from contextlib import contextmanager
 from datetime import datetime
 from typing import Final
 
-from prometheus_client import CollectorRegistry
+from prometheus_client import CollectorRegistry, Gauge
 from prometheus_client.core import CounterMetricFamily
 from prometheus_client.registry import Collector
 
 from geofed import codec_params
 from geofed.metric_spec import MetricSpec, counter, gauge, histogram
+from geofed.training_config import Precision
 from geofed.types import ArtifactKind, InvalidName, validate_name
+from regional_agent.flops import flops_utilisation, peak_flops
+from regional_agent.training_stats import TrainingStats
 
 __all__ = [
+    "ACCELERATOR_ONLY",
     "CATALOGUE",
     "CERTIFICATES",
     "DIRECTIONS",
@@ -167,6 +179,70 @@ CERTIFICATE_EXPIRY = MetricSpec(
     ("region", "certificate"),
 )
 
+TRAIN_STEP_SECONDS = MetricSpec(
+    "geofed_agent_train_step_seconds",
+    "gauge",
+    "Mean wall time of one optimizer step in this region's latest trained round.",
+    ("job", "region"),
+)
+TRAIN_TOKENS_PER_SECOND = MetricSpec(
+    "geofed_agent_train_tokens_per_second",
+    "gauge",
+    "Tokens the region's worker group trained per second in its latest round.",
+    ("job", "region"),
+)
+MFU = MetricSpec(
+    "geofed_agent_mfu_ratio",
+    "gauge",
+    "Model FLOPs utilisation of the latest round: achieved over peak FLOPs of the devices.",
+    ("job", "region"),
+)
+PEAK_ACCELERATOR_MEMORY = MetricSpec(
+    "geofed_agent_peak_accelerator_memory_bytes",
+    "gauge",
+    "Peak accelerator memory allocated by the largest rank in the latest round.",
+    ("job", "region"),
+)
+DATA_WAIT_SECONDS = MetricSpec(
+    "geofed_agent_data_wait_seconds",
+    "gauge",
+    "Seconds the slowest rank waited for training batches in the latest round.",
+    ("job", "region"),
+)
+ALLREDUCE_SECONDS = MetricSpec(
+    "geofed_agent_allreduce_seconds",
+    "gauge",
+    "Seconds with a gradient all-reduce in flight on the slowest rank in the latest round.",
+    ("job", "region"),
+)
+LEARNING_RATE = MetricSpec(
+    "geofed_agent_learning_rate",
+    "gauge",
+    "Learning rate of the last inner step of the latest round.",
+    ("job", "region"),
+)
+GRAD_NORM = MetricSpec(
+    "geofed_agent_grad_norm",
+    "gauge",
+    "Global gradient L2 norm at the last inner step of the latest round, before clipping.",
+    ("job", "region"),
+)
+
+#: Per-job training gauges, set by :meth:`AgentMetrics.round_measured`.
+TRAINING: Final[tuple[MetricSpec, ...]] = (
+    TRAIN_STEP_SECONDS,
+    TRAIN_TOKENS_PER_SECOND,
+    MFU,
+    PEAK_ACCELERATOR_MEMORY,
+    DATA_WAIT_SECONDS,
+    ALLREDUCE_SECONDS,
+    LEARNING_RATE,
+    GRAD_NORM,
+)
+
+#: Names only an accelerator's worker group exports samples of (declared everywhere).
+ACCELERATOR_ONLY: Final = frozenset({PEAK_ACCELERATOR_MEMORY.name})
+
 CATALOGUE: Final[tuple[MetricSpec, ...]] = (
     WORKER_RESTARTS,
     ROUNDS_TRAINED,
@@ -185,6 +261,7 @@ CATALOGUE: Final[tuple[MetricSpec, ...]] = (
     MQTT_CONNECTED,
     POLICY_DENIALS,
     CERTIFICATE_EXPIRY,
+    *TRAINING,
 )
 
 
@@ -264,11 +341,18 @@ class AgentMetrics:
 
     The methods record one event each and check their arguments first: a bad argument
     raises :class:`MetricsError` and records nothing. ``clock`` is a monotonic clock in
-    seconds (injected by tests).
+    seconds (injected by tests). ``peak_flops`` is the operator's peak FLOPs/s of one
+    of this node's devices (``workers.peak_flops``), for the MFU where the device is not
+    in :data:`regional_agent.flops.PEAK_FLOPS`.
     """
 
     def __init__(
-        self, registry: CollectorRegistry, region: str, *, clock: Clock = time.monotonic
+        self,
+        registry: CollectorRegistry,
+        region: str,
+        *,
+        clock: Clock = time.monotonic,
+        peak_flops: float | None = None,
     ) -> None:
         try:
             self.region = validate_name("region", region)
@@ -290,6 +374,17 @@ class AgentMetrics:
         self.mqtt_connected = gauge(MQTT_CONNECTED, registry)
         self.policy_denials = counter(POLICY_DENIALS, registry)
         self.certificate_expiry = gauge(CERTIFICATE_EXPIRY, registry)
+        self.train_step_seconds = gauge(TRAIN_STEP_SECONDS, registry)
+        self.train_tokens_per_second = gauge(TRAIN_TOKENS_PER_SECOND, registry)
+        self.mfu = gauge(MFU, registry)
+        self.peak_accelerator_memory = gauge(PEAK_ACCELERATOR_MEMORY, registry)
+        self.data_wait_seconds = gauge(DATA_WAIT_SECONDS, registry)
+        self.allreduce_seconds = gauge(ALLREDUCE_SECONDS, registry)
+        self.learning_rate = gauge(LEARNING_RATE, registry)
+        self.grad_norm = gauge(GRAD_NORM, registry)
+        if peak_flops is not None and not (math.isfinite(peak_flops) and peak_flops > 0):
+            raise MetricsError(f"peak_flops must be a finite number > 0, got {peak_flops}")
+        self._peak_flops = peak_flops
         self._stopwatches = _Stopwatches(self.region, clock)
         registry.register(self._stopwatches)
         self._restarts_seen = 0
@@ -336,6 +431,42 @@ class AgentMetrics:
         if loss is not None:
             self.train_loss.labels(job=job, region=self.region).set(loss)
 
+    def round_measured(
+        self, job: str, stats: TrainingStats, devices: int, precision: Precision
+    ) -> None:
+        """What the worker group measured training ``job``'s latest round on ``devices``.
+
+        Figures it could not measure, and the MFU of a device of unknown peak, are
+        removed rather than left at an older round's value.
+        """
+        _check_job(job)
+        if devices < 1:
+            raise MetricsError(f"devices must be >= 1, got {devices}")
+        peak = peak_flops(stats.accelerator, precision, self._peak_flops)
+        mfu = (
+            None
+            if peak is None
+            else flops_utilisation(stats.tokens_per_second, stats.flops_per_token, peak, devices)
+        )
+        values: tuple[tuple[Gauge, float | None], ...] = (
+            (self.train_step_seconds, stats.step_seconds),
+            (self.train_tokens_per_second, stats.tokens_per_second),
+            (self.mfu, mfu),
+            (
+                self.peak_accelerator_memory,
+                None if stats.peak_memory_bytes is None else float(stats.peak_memory_bytes),
+            ),
+            (self.data_wait_seconds, stats.data_wait_seconds),
+            (self.allreduce_seconds, stats.comm_seconds),
+            (self.learning_rate, stats.learning_rate),
+            (self.grad_norm, stats.grad_norm),
+        )
+        for collector, value in values:
+            if value is None:
+                collector.remove(job, self.region)
+            else:
+                collector.labels(job=job, region=self.region).set(value)
+
     def round_ended(self, job: str, outcome: str) -> None:
         """A round ended for this region: accepted, straggler, refused or failed."""
         _check_job(job)
@@ -364,8 +495,22 @@ class AgentMetrics:
         _check_job(job)
         for collector in (self.rounds_trained, self.round, self.train_loss, self.resyncs):
             collector.remove(job, self.region)
+        for collector in self._training_gauges():
+            collector.remove(job, self.region)
         for outcome in OUTCOMES:
             self.round_outcomes.remove(job, self.region, outcome)
+
+    def _training_gauges(self) -> tuple[Gauge, ...]:
+        return (
+            self.train_step_seconds,
+            self.train_tokens_per_second,
+            self.mfu,
+            self.peak_accelerator_memory,
+            self.data_wait_seconds,
+            self.allreduce_seconds,
+            self.learning_rate,
+            self.grad_norm,
+        )
 
     # -- transfers -------------------------------------------------------------------
 

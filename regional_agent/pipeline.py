@@ -21,7 +21,8 @@ past: the pipeline confirms it with the coordinator, discards the job's regional
 takes part in the announced round from a full resync.
 
 Metrics (:class:`~regional_agent.metrics.AgentMetrics`): the time the worker group
-trains, each round trained (once per round, however often it is read back), and the
+trains, each round trained (once per round, however often it is read back) with what
+the workers measured training it (step time, throughput, MFU...), and the
 size of every delta the coordinator accepts; the residency gate counts the region's own
 policy refusals.
 """
@@ -38,6 +39,7 @@ from typing import Any, Literal, TypeVar
 
 from geofed.codec import CodecError
 from geofed.control import RoundAnnouncement
+from geofed.evaluation_config import region_evaluates
 from geofed.manifest import Manifest
 from geofed.timeouts import Timeout
 from policies import PolicySet
@@ -234,6 +236,13 @@ class RoundPipeline:
                 params_hash=base_hash,
             )
         self._count_trained(announcement.job, announcement.round, summary.mean_loss)
+        if summary.stats is not None:
+            self._metrics.round_measured(
+                announcement.job,
+                summary.stats,
+                summary.world_size,
+                announcement.training.precision,
+            )
         self._status.update(
             "uploading", **where, train_loss=summary.mean_loss, detail="encoding the delta"
         )
@@ -247,6 +256,8 @@ class RoundPipeline:
             producer=self._region.credentials.identity,
             jurisdiction=self._region.jurisdiction,
             datasets=self._region.datasets,
+            training=announcement.training,
+            base_eval=summary.base_eval,
         )
         meta = DeltaMeta(train_loss=summary.mean_loss, tokens=summary.tokens, params_hash=base_hash)
 
@@ -282,6 +293,14 @@ class RoundPipeline:
             region=self._region.name,
             region_index=participants.index(self._region.name),
             num_regions=len(participants),
+            training=announcement.training,
+            total_steps=announcement.total_steps,
+            evaluate_base=region_evaluates(
+                announcement.evaluation,
+                self._region.name,
+                announcement.round,
+                announcement.participants,
+            ).evaluate,
         )
 
     async def _deliver(

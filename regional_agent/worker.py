@@ -1,16 +1,23 @@
-"""One rank of a region's worker group: trains the rounds the agent hands over in files.
+"""One rank of a region's worker group: the process, and the round protocol it serves.
 
 Run by a launcher as ``python -m regional_agent.worker --workdir DIR --backend B ...``
 under torch's elastic launcher, which sets ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``,
 ``MASTER_ADDR``/``MASTER_PORT`` and ``TORCHELASTIC_RESTART_COUNT``.
 
 Rank 0 polls the hand-off directory for the newest pending instruction and broadcasts
-it; every rank loads the round's base parameters and trains ``inner_steps`` steps with
-DDP from the region's data cursor; rank 0 then writes the result, the regional
-checkpoint and, last, the done marker (see :mod:`regional_agent.handoff`). The inner
-optimizer state persists across rounds; the parameters restart from the base each
-round. A restarted group resumes from the regional checkpoint and redoes the current
-round, so a crash costs at most that round's work and changes nothing in its result.
+it. Each round: every rank builds or keeps the job's state, rank 0 maps the base θ and
+checks it, and the ranks agree that all is well before any collective
+(:mod:`regional_agent.job_state`); then the model is wrapped for the job's parallelism
+once (:mod:`regional_agent.parallelism`), rank 0's θ is broadcast into it, the ranks
+evaluate it when instructed (:mod:`regional_agent.base_evaluation`, reported in the
+summary's ``base_eval``), and every rank trains ``inner_steps`` optimizer steps from the
+region's data cursor (:mod:`regional_agent.inner_loop`). Rank 0 receives the full fp32
+parameters and the whole optimizer state and writes the result, the regional checkpoint
+and, last, the done marker (see :mod:`regional_agent.handoff`). The inner optimizer
+state persists across rounds; the parameters restart from the base each round. A
+restarted group resumes from the regional checkpoint and redoes the current round, so a
+crash costs at most that round's work and changes nothing in its result: the learning
+rate is a function of the round and step, and the data of the cursor.
 
 Every idle poll and every training step starts with a tiny all-reduce (gloo, on the
 CPU) of each rank's stop wish (stop file, SIGTERM/SIGINT/SIGHUP, launcher gone), so
@@ -30,18 +37,15 @@ import signal
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 from datetime import timedelta
 from types import FrameType
-from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import nn
-from torch.nn.parallel import DistributedDataParallel
 
-from geofed.params import parameters_vector_hash, state_to_fp32
-from geofed.task import DataShard, Task, load_task
+from geofed.params import parameters_vector_hash
+from geofed.task import DataShard
+from regional_agent.base_evaluation import evaluate_base
 from regional_agent.handoff import (
     HandoffDir,
     RankStatus,
@@ -50,7 +54,10 @@ from regional_agent.handoff import (
     RoundProgress,
     RoundSummary,
 )
+from regional_agent.inner_loop import RankTotals, RoundPlan, region_stats, train_round
+from regional_agent.job_state import BaseParams, JobState, read_base
 from regional_agent.launcher import LAUNCH_ID_ENV, WorkerSettings
+from regional_agent.parallelism import ParallelModel
 
 log = logging.getLogger("regional_agent.worker")
 
@@ -78,19 +85,6 @@ class StopSignals:
         return None
 
 
-@dataclass
-class _JobState:
-    """The region's inner training state for one job, identical on every rank."""
-
-    job: str
-    task: Task[Any]
-    model: nn.Module
-    optimizer: torch.optim.Optimizer
-    cursor: int
-    last_round: int | None
-    ddp: nn.Module | None = None
-
-
 def round_seed(seed: int, round_: int, rank: int) -> int:
     """The torch seed of ``rank`` in round ``round_``: dropout etc. replay after a restart."""
     digest = hashlib.sha256(f"geofed-round/{seed}/{round_}/{rank}".encode()).digest()
@@ -113,7 +107,7 @@ class RoundRunner:
         self._stop_reason = stop_reason
         self._rank = dist.get_rank()
         self._world_size = dist.get_world_size()
-        self._state: _JobState | None = None
+        self._state: JobState | None = None
         # Control messages (stop votes, instructions, errors) travel over gloo on the CPU,
         # so checking for a stop every step never synchronises a GPU stream.
         self._control = dist.new_group(backend="gloo") if device.type == "cuda" else None
@@ -157,13 +151,19 @@ class RoundRunner:
         dist.broadcast_object_list(box, src=0, group=self._control)
         return box[0]
 
+    def _problems(self, error: str | None) -> list[str]:
+        """Every rank's error of the step just done (a collective)."""
+        errors: list[str | None] = [None] * self._world_size
+        dist.all_gather_object(errors, error, group=self._control)
+        return [e for e in errors if e is not None]
+
     # -- one round -----------------------------------------------------------------------
 
     def _serve(self, instruction: RoundInstruction) -> None:
         job, round_ = instruction.job, instruction.round
         error: str | None = None
         replay = False
-        base_hash = ""
+        base: BaseParams | None = None
         # Rank 0 alone reads the hand-off directory; the verdict is shared so that every
         # rank drops its state together. Asked only when the state would replay the round.
         (dropped,) = self._agree(self._rank == 0 and self._regional_state_dropped(instruction))
@@ -174,28 +174,69 @@ class RoundRunner:
                 round_,
             )
             self._state = None
+        # First what each rank does alone, so that a failure is agreed on before any rank
+        # enters a collective its peers would never join.
         try:
             state = self._state_for(instruction)
             replay = state.last_round is not None and round_ <= state.last_round
-            if not replay:
-                base_hash = self._load_base(state, instruction.base_params)
+            if not replay and self._rank == 0:
+                base = read_base(state.model, instruction.base_params)
         except Exception as exc:
             log.exception("cannot prepare job %s round %d", job, round_)
             error = f"rank {self._rank}: {type(exc).__name__}: {exc}"
-        errors: list[str | None] = [None] * self._world_size
-        dist.all_gather_object(errors, error, group=self._control)
-        problems = [e for e in errors if e is not None]
-        if problems:
-            # Rebuild from the regional checkpoint next time: the state may be half made.
-            self._state = None
-            if self._rank == 0:
-                self._handoff.write_error(job, round_, "; ".join(problems))
+        if self._refused(instruction, self._problems(error)):
             return
         if replay:
             if self._rank == 0:
                 self._republish(state, instruction)
             return
-        self._train(state, instruction, base_hash)
+        # Then the collectives; every rank runs the same code on the same inputs, so a
+        # deterministic failure (a task's optimizer, a checkpoint that does not fit) is
+        # met by all of them at the same point.
+        error = None
+        try:
+            parallel, optimizer = state.ready(self._device)
+            parallel.load_full_state(None if base is None else base.state)
+        except Exception as exc:
+            log.exception("cannot load job %s round %d", job, round_)
+            error = f"rank {self._rank}: {type(exc).__name__}: {exc}"
+        if self._refused(instruction, self._problems(error)):
+            return
+        base_hash = "" if base is None else base.hash
+        del base  # rank 0's mapped θ: the model holds it now
+        base_eval = self._evaluate_base(state, parallel, instruction)
+        self._train(state, parallel, optimizer, instruction, base_hash, base_eval)
+
+    def _evaluate_base(
+        self, state: JobState, parallel: ParallelModel, instruction: RoundInstruction
+    ) -> dict[str, float] | None:
+        """θ_r's held-out metrics, when instructed; every rank takes part, rank 0's count."""
+        if not instruction.evaluate_base:
+            return None
+        started = time.monotonic()
+        try:
+            metrics = evaluate_base(state.task, parallel, state.training, self._device)
+        except Exception:
+            # The round still trains; only the evaluation of θ_r is lost.
+            log.exception("job %s: evaluating θ_%d failed", instruction.job, instruction.round)
+            return None
+        log.info(
+            "job %s: θ_%d evaluated in %.2f s: %s",
+            instruction.job,
+            instruction.round,
+            time.monotonic() - started,
+            metrics,
+        )
+        return metrics
+
+    def _refused(self, instruction: RoundInstruction, problems: list[str]) -> bool:
+        if not problems:
+            return False
+        # Rebuild from the regional checkpoint next time: the state may be half made.
+        self._state = None
+        if self._rank == 0:
+            self._handoff.write_error(instruction.job, instruction.round, "; ".join(problems))
+        return True
 
     def _regional_state_dropped(self, instruction: RoundInstruction) -> bool:
         """Whether the agent discarded the regional state this rank still holds.
@@ -212,39 +253,16 @@ class RoundRunner:
             return False
         return not self._handoff.checkpoint_path.exists()
 
-    def _state_for(self, instruction: RoundInstruction) -> _JobState:
-        if self._state is not None and self._state.job == instruction.job:
+    def _state_for(self, instruction: RoundInstruction) -> JobState:
+        """The job's state, kept from the last round or built (without collectives)."""
+        if self._state is not None and self._state.serves(instruction):
             return self._state
         self._state = None
-        task = load_task(instruction.task, instruction.task_options)
-        model = task.build_model(seed=instruction.seed).to(self._device)
-        optimizer = task.build_optimizer(model.parameters())
-        cursor, last_round = 0, None
         checkpoint = self._handoff.read_checkpoint()
-        if checkpoint is not None and checkpoint.job == instruction.job:
-            optimizer.load_state_dict(checkpoint.optimizer_state)
-            cursor, last_round = checkpoint.cursor, checkpoint.last_round
-            log.info(
-                "job %s: resumed from the regional checkpoint of round %d (data step %d)",
-                instruction.job,
-                last_round,
-                cursor,
-            )
-        else:
-            log.info("job %s: fresh regional state", instruction.job)
-        self._state = _JobState(instruction.job, task, model, optimizer, cursor, last_round)
+        self._state = JobState.build(instruction, self._device, checkpoint)
         return self._state
 
-    def _load_base(self, state: _JobState, path: str) -> str:
-        base = torch.load(path, map_location="cpu", weights_only=True)
-        if not isinstance(base, Mapping) or not all(
-            isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in base.items()
-        ):
-            raise ValueError(f"{path} is not a state dict of named tensors")
-        state.model.load_state_dict(base, strict=True)
-        return parameters_vector_hash(base) if self._rank == 0 else ""
-
-    def _republish(self, state: _JobState, instruction: RoundInstruction) -> None:
+    def _republish(self, state: JobState, instruction: RoundInstruction) -> None:
         """Answer an instruction the regional state is already past."""
         job, round_ = instruction.job, instruction.round
         if state.last_round == round_ and self._handoff.has_result_file(job, round_):
@@ -259,11 +277,15 @@ class RoundRunner:
             f"of job {job} and its result is gone",
         )
 
-    def _train(self, state: _JobState, instruction: RoundInstruction, base_hash: str) -> None:
-        if state.ddp is None:
-            device_ids = [self._device.index] if self._device.type == "cuda" else None
-            state.ddp = DistributedDataParallel(state.model, device_ids=device_ids)
-        ddp = state.ddp
+    def _train(
+        self,
+        state: JobState,
+        parallel: ParallelModel,
+        optimizer: torch.optim.Optimizer,
+        instruction: RoundInstruction,
+        base_hash: str,
+        base_eval: dict[str, float] | None = None,
+    ) -> None:
         shard = DataShard(
             region=instruction.region,
             region_index=instruction.region_index,
@@ -274,12 +296,19 @@ class RoundRunner:
         )
         batches = state.task.batches(shard, start_step=state.cursor)
         torch.manual_seed(round_seed(instruction.seed, instruction.round, self._rank))
-        ddp.train()
+        steps = instruction.inner_steps
+        plan = RoundPlan(
+            round=instruction.round,
+            inner_steps=steps,
+            # Only a constant schedule comes without the job's total, and ignores it.
+            total_steps=instruction.total_steps or (instruction.round + 1) * steps,
+            training=state.training,
+        )
         started = time.monotonic()
         progress_at = 0.0
-        loss_sum = torch.zeros((), dtype=torch.float64, device=self._device)
-        tokens = 0
-        for step in range(instruction.inner_steps):
+
+        def should_stop(step: int) -> bool:
+            nonlocal progress_at
             if (
                 self._rank == 0
                 and time.monotonic() - progress_at >= self._settings.progress_interval_s
@@ -288,23 +317,19 @@ class RoundRunner:
                 self._handoff.write_progress(
                     RoundProgress(instruction.job, instruction.round, step, instruction.inner_steps)
                 )
-            if self._agree(self._wants_stop())[0]:
-                log.info(
-                    "job %s round %d: aborted at step %d", instruction.job, instruction.round, step
-                )
-                self._state = None  # part-way through a round; never reused
-                return
-            batch = next(batches)
-            state.optimizer.zero_grad(set_to_none=True)
-            loss = state.task.loss(ddp, batch)
-            torch.autograd.backward(loss)
-            state.optimizer.step()
-            loss_sum += loss.detach()
-            tokens += state.task.tokens(batch)
-        totals = torch.tensor([float(tokens), loss_sum.item()], dtype=torch.float64)
-        dist.all_reduce(totals, group=self._control)
-        region_tokens, region_loss = int(totals[0].item()), float(totals[1].item())
-        mean_loss = region_loss / (instruction.inner_steps * self._world_size)
+            return self._agree(self._wants_stop())[0]
+
+        totals = train_round(
+            parallel, optimizer, state.task, batches, plan, should_stop, self._device
+        )
+        if totals is None:
+            log.info("job %s round %d: aborted", instruction.job, instruction.round)
+            self._state = None  # part-way through a round; never reused
+            return
+        region = torch.tensor([float(totals.tokens), totals.loss_sum], dtype=torch.float64)
+        dist.all_reduce(region, group=self._control)
+        region_tokens, region_loss = int(region[0].item()), float(region[1].item())
+        mean_loss = region_loss / (totals.micro_batches * self._world_size)
         if not math.isfinite(mean_loss):
             # Keep the regional state of the previous round rather than a diverged one.
             self._state = None
@@ -313,53 +338,64 @@ class RoundRunner:
                     instruction.job, instruction.round, f"training diverged: mean loss {mean_loss}"
                 )
             return
-        cursor = state.cursor + instruction.inner_steps
-        if self._rank == 0:
-            self._publish(state, instruction, base_hash, cursor, region_tokens, mean_loss, started)
-        state.cursor, state.last_round = cursor, instruction.round
-
-    def _publish(
-        self,
-        state: _JobState,
-        instruction: RoundInstruction,
-        base_hash: str,
-        cursor: int,
-        tokens: int,
-        mean_loss: float,
-        started: float,
-    ) -> None:
-        params = state_to_fp32(state.model)
-        summary = RoundSummary(
-            job=instruction.job,
-            round=instruction.round,
-            steps=instruction.inner_steps,
-            tokens=tokens,
-            mean_loss=mean_loss,
-            cursor=cursor,
-            base_params_hash=base_hash,
-            params_hash=parameters_vector_hash(params),
-            world_size=self._world_size,
-            train_seconds=time.monotonic() - started,
+        stats = region_stats(
+            totals,
+            region_tokens,
+            instruction.inner_steps,
+            state.task.flops_per_token(state.model),
+            self._device,
+            self._control,
         )
-        # Order matters: result, then checkpoint, then the marker that publishes both.
-        self._handoff.write_result(summary, params)
-        self._handoff.write_checkpoint(
-            RegionalCheckpoint(
+        cursor = state.cursor + totals.micro_batches
+        # Collectives under FSDP: every rank takes part, rank 0 receives the whole.
+        params = parallel.full_state()
+        optimizer_state = parallel.optimizer_state(optimizer)
+        if params is not None and optimizer_state is not None:  # rank 0
+            summary = RoundSummary(
+                job=instruction.job,
+                round=instruction.round,
+                steps=instruction.inner_steps,
+                tokens=region_tokens,
+                mean_loss=mean_loss,
+                cursor=cursor,
+                base_params_hash=base_hash,
+                params_hash=parameters_vector_hash(params),
+                world_size=self._world_size,
+                train_seconds=time.monotonic() - started,
+                base_eval=base_eval,
+                stats=stats,
+            )
+            checkpoint = RegionalCheckpoint(
                 job=instruction.job,
                 last_round=instruction.round,
                 cursor=cursor,
                 world_size=self._world_size,
-                optimizer_state=state.optimizer.state_dict(),
+                optimizer_state=optimizer_state,
+                parallelism=state.training.parallelism,
             )
-        )
+            self._publish(summary, params, checkpoint, totals)
+        state.cursor, state.last_round = cursor, instruction.round
+
+    def _publish(
+        self,
+        summary: RoundSummary,
+        params: Mapping[str, torch.Tensor],
+        checkpoint: RegionalCheckpoint,
+        totals: RankTotals,
+    ) -> None:
+        # Order matters: result, then checkpoint, then the marker that publishes both.
+        self._handoff.write_result(summary, params)
+        self._handoff.write_checkpoint(checkpoint)
         self._handoff.write_done(summary)
         log.info(
-            "job %s round %d: %d steps, %d tokens, mean loss %.4f",
-            instruction.job,
-            instruction.round,
-            instruction.inner_steps,
-            tokens,
-            mean_loss,
+            "job %s round %d: %d steps, %d tokens, mean loss %.4f, lr %.3g, grad norm %.3g",
+            summary.job,
+            summary.round,
+            summary.steps,
+            summary.tokens,
+            summary.mean_loss,
+            totals.last_lr,
+            totals.last_grad_norm,
         )
 
 
@@ -458,6 +494,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Exception:
         log.exception("worker failed")
         return 1
+    # Every rank reaches the teardown before any leaves: FSDP's groups abort the
+    # process when torn down under a peer that is still using them.
+    dist.barrier()
     dist.destroy_process_group()
     log.info("worker stopped cleanly")
     return 0

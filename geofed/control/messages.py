@@ -34,6 +34,8 @@ from pydantic import (
 
 from geofed.codec_params import CodecParams
 from geofed.control.errors import MessageError
+from geofed.evaluation_config import EvaluationConfig
+from geofed.training_config import TrainingConfig
 from geofed.types import validate_name
 
 #: Payloads above this are refused before parsing; control messages are small.
@@ -81,7 +83,12 @@ class RoundAnnouncement(_Message):
 
     Regions start from the parameters of ``base_round`` whose hash is ``base_hash``,
     reached by applying the update at ``update_url`` (manifest digest
-    ``update_digest``); neither exists for round 0.
+    ``update_digest``); neither exists for round 0. ``training`` says how regions train
+    and ``total_rounds`` how many rounds the job has, so a learning-rate schedule can run
+    over the whole job; announcements that lack them train with the defaults, and a
+    schedule that decays needs ``total_rounds``. ``evaluation`` says which regions
+    evaluate the base parameters before training
+    (:func:`geofed.evaluation_config.region_evaluates`); without it, the default.
     """
 
     type: Literal["round_announcement"] = "round_announcement"
@@ -101,6 +108,14 @@ class RoundAnnouncement(_Message):
     task_options: dict[str, JsonValue] = Field(default_factory=dict)
     seed: int = Field(ge=0, lt=2**63)
     state: AnnouncedPhase
+    training: TrainingConfig = Field(default_factory=TrainingConfig)
+    total_rounds: int | None = Field(default=None, ge=1, lt=2**63)
+    evaluation: EvaluationConfig = Field(default_factory=EvaluationConfig)
+
+    @property
+    def total_steps(self) -> int | None:
+        """The job's inner steps in all (rounds x H), if the job's length was announced."""
+        return None if self.total_rounds is None else self.total_rounds * self.inner_steps
 
     @model_validator(mode="after")
     def _consistent(self) -> Self:
@@ -118,6 +133,8 @@ class RoundAnnouncement(_Message):
             raise ValueError(
                 f"min_regions {self.min_regions} exceeds {len(self.participants)} participants"
             )
+        if self.total_rounds is None and self.training.lr_schedule.kind != "constant":
+            raise ValueError(f"a {self.training.lr_schedule.kind} schedule needs total_rounds")
         return self
 
 

@@ -1,1 +1,2 @@
-"""Example tasks bundled with geofed; ``geofed demo`` trains :mod:`geofed.examples.charlm`."""
+"""Example tasks bundled with geofed: :mod:`geofed.examples.charlm` (which ``geofed demo``
+trains) and :mod:`geofed.examples.llama`, on the same byte corpus."""

@@ -7,13 +7,14 @@ manifest's chunk records, sizes and tensor list are derived the same way everywh
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from datetime import datetime
 from typing import Protocol
 
 from geofed.codec_params import CodecParams
 from geofed.manifest.chunks import Bytes, chunk_records
 from geofed.manifest.model import ArtifactProvenance, Manifest, ManifestTensor
+from geofed.training_config import TrainingConfig
 from geofed.types import ArtifactKind, Identity
 
 __all__ = ["EncodedArtifact", "EncodedTensor", "build_manifest"]
@@ -59,6 +60,8 @@ def build_manifest(
     base_hash: str | None = None,
     tokens: int | None = None,
     parameters_hash: str | None = None,
+    training: TrainingConfig | None = None,
+    base_eval: Mapping[str, float] | None = None,
 ) -> Manifest:
     """The manifest of ``stream``: its codec, its tensors, one chunk record per frame."""
     chunks = chunk_records(stream.frames())
@@ -80,4 +83,6 @@ def build_manifest(
         base_hash=base_hash,
         tokens=tokens,
         parameters_hash=parameters_hash,
+        training=training,
+        base_eval=None if base_eval is None else dict(base_eval),
     )

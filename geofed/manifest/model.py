@@ -8,7 +8,9 @@ The codec and the manifest meet only in data: the codec parameters are the share
 package does not import the codec.
 
 The canonical form (:meth:`Manifest.canonical_bytes`) is JSON with sorted keys, no
-whitespace, UTF-8; it is what gets signed and what :meth:`Manifest.digest` hashes.
+whitespace, UTF-8; it is what gets signed and what :meth:`Manifest.digest` hashes. Fields
+added to format 1 after manifests were first signed (``training``, ``base_eval``) are
+left out of it while unset, so a manifest signed before they existed still verifies.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from pydantic import (
 )
 
 from geofed.codec_params import CodecParams
+from geofed.training_config import TrainingConfig
 from geofed.types import ArtifactKind, Identity, validate_name
 
 FORMAT_VERSION: Final = 1
@@ -48,6 +51,10 @@ Sha256Hex = Annotated[StrictStr, Field(pattern=r"^[0-9a-f]{64}$")]
 Count = Annotated[StrictInt, Field(ge=0)]
 # Printable ASCII without spaces: tensor names like "layers.0.attn.q_proj.weight".
 Label = Annotated[StrictStr, Field(pattern=r"^[!-~]{1,512}$")]
+MetricName = Annotated[StrictStr, Field(pattern=r"^[A-Za-z_][A-Za-z0-9_.]{0,63}$")]
+FiniteNumber = Annotated[float, Strict(), Field(allow_inf_nan=False)]
+#: Fields added to format 1 later: omitted from the wire and canonical forms while None.
+_LATER_OPTIONAL: Final = frozenset({"training", "base_eval"})
 
 
 class _Record(BaseModel):
@@ -107,6 +114,13 @@ class Manifest(_Record):
     parameters_hash: Sha256Hex | None = Field(
         default=None, description="hash of the parameters after applying an update"
     )
+    training: TrainingConfig | None = Field(
+        default=None, description="the job's training section that trained a delta"
+    )
+    base_eval: Annotated[dict[MetricName, FiniteNumber], Field(max_length=32)] | None = Field(
+        default=None,
+        description="a delta's region's held-out metrics of its base parameters θ_base_round",
+    )
 
     @field_validator("kind")
     @classmethod
@@ -154,9 +168,15 @@ class Manifest(_Record):
     def producer_identity(self) -> Identity:
         return Identity.parse(self.producer)
 
+    def to_json_dict(self) -> dict[str, object]:
+        """The JSON form (later optional fields only when set)."""
+        unset = {name for name in _LATER_OPTIONAL if getattr(self, name) is None}
+        data: dict[str, object] = self.model_dump(mode="json", exclude=unset)
+        return data
+
     def canonical_bytes(self) -> bytes:
         """Deterministic JSON (sorted keys, no whitespace, UTF-8): the signed bytes."""
-        return canonical_json(self.model_dump(mode="json"))
+        return canonical_json(self.to_json_dict())
 
     def digest(self) -> str:
         """SHA-256 hex of the canonical form: the manifest's content address."""

@@ -66,7 +66,7 @@ class SignedManifest:
         """The wire form."""
         return canonical_json(
             {
-                "manifest": self.manifest.model_dump(mode="json"),
+                "manifest": self.manifest.to_json_dict(),
                 "signature": base64.b64encode(self.signature).decode("ascii"),
                 "certificate": self.certificate.public_bytes(Encoding.PEM).decode("ascii"),
             }

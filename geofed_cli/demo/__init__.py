@@ -23,8 +23,10 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         help="run a coordinator and regional agents on loopback and train the example task",
         description=(
             "Start an embedded MQTT broker, an ephemeral federation PKI, a coordinator and "
-            "N regional agents (each with 2 local workers) on this machine; train the "
-            "example byte-level language model; write WORKDIR/summary.json."
+            "N regional agents on this machine (each with its own local workers: 2 gloo "
+            "ranks on a CPU box, one NCCL rank per GPU of its share on a GPU box; the GPUs "
+            "are split between regions, or shared when fewer); train the example byte-level "
+            "language model; write WORKDIR/summary.json."
         ),
     )
     parser.add_argument("--rounds", type=_positive, default=10, help="outer rounds (default 10)")

@@ -3,7 +3,8 @@
 The demo runs the very files an operator would start from (``configs/coordinator.yaml``,
 ``configs/agent-<region>.yaml``, ``configs/job-charlm.yaml``, ``configs/policies/``), with
 only what a single-machine run must change: ports, paths into the work dir, the regions
-taking part, and the job's length. The daemons then validate them as usual.
+taking part, each region's share of the machine (:mod:`geofed_cli.demo.placement`), and
+the job's length. The daemons then validate them as usual.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ import yaml
 
 from geofed.fsutil import atomic_write_bytes
 from geofed_cli.demo.federation import DemoFederation
+from geofed_cli.demo.placement import Placement
+from regional_agent.ranks import AUTO, VISIBLE_DEVICES_ENV
 
 #: The regions the example policies describe, in the order ``--regions N`` takes them.
 DEMO_REGIONS: tuple[str, ...] = ("eu-west", "us-east", "ap-south")
@@ -78,12 +81,14 @@ def write_demo_configs(
     inner_steps: int,
     mqtt_tls: bool = False,
     task_options: dict[str, Any] | None = None,
+    placement: Placement | None = None,
     customize: Callable[[str, dict[str, Any]], None] | None = None,
 ) -> DemoConfigs:
     """Write the coordinator, agent and job configs of one demo run into ``work/config``.
 
     ``mqtt_tls`` points the daemons at a TLS broker (Mosquitto with client certificates)
-    instead of the embedded plain-text one; ``task_options`` overrides the example task's.
+    instead of the embedded plain-text one; ``task_options`` overrides the example task's;
+    ``placement`` gives each agent its backend and its GPUs (else the example's workers).
     ``customize(name, data)`` may edit each document before it is written (``coordinator``,
     ``agent-<region>``, ``job``): tests use it to route an agent through a WAN emulator.
     """
@@ -131,6 +136,8 @@ def write_demo_configs(
         # Several agents share this machine: each takes a free port for /metrics.
         if isinstance(agent.get("metrics"), dict):
             agent["metrics"]["port"] = 0
+        if placement is not None:
+            _place_workers(agent, placement, region)
         datasets[region] = list(agent["datasets"])
         agents[region] = write(out / f"agent-{region}.yaml", f"agent-{region}", agent)
 
@@ -143,3 +150,15 @@ def write_demo_configs(
         job["task"]["options"] = {**job["task"].get("options", {}), **task_options}
     job_path = write(out / "job.yaml", "job", job)
     return DemoConfigs(coordinator_path, agents, job_path, str(job["job"]))
+
+
+def _place_workers(agent: dict[str, Any], placement: Placement, region: str) -> None:
+    share = placement.of(region)
+    workers = agent.setdefault("workers", {})
+    workers["backend"] = share.backend
+    # The agent's launcher decides the same count from the devices it is given.
+    workers["count"] = AUTO
+    if share.devices:
+        env = dict(workers.get("env") or {})
+        env[VISIBLE_DEVICES_ENV] = ",".join(share.devices)
+        workers["env"] = env

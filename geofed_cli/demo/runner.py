@@ -29,6 +29,7 @@ from geofed.pki import client_ssl_context, load_trust_bundle
 from geofed_cli.demo.configs import DEMO_REGIONS, find_examples, write_demo_configs
 from geofed_cli.demo.federation import create_demo_federation
 from geofed_cli.demo.metrics_text import wan_bytes
+from geofed_cli.demo.placement import place, visible_devices
 from geofed_cli.demo.processes import ChildSet
 
 log = logging.getLogger(__name__)
@@ -123,6 +124,7 @@ async def run_demo(options: DemoOptions, *, echo: Callable[[str], None] = print)
     async with EmbeddedBroker(port=0) as broker:
         echo(f"  MQTT      embedded broker on 127.0.0.1:{broker.port} (plain text, loopback only)")
         http_port = _free_port()
+        placement = place(await asyncio.to_thread(visible_devices), regions)
         configs = await asyncio.to_thread(
             write_demo_configs,
             examples=examples,
@@ -133,6 +135,7 @@ async def run_demo(options: DemoOptions, *, echo: Callable[[str], None] = print)
             mqtt_port=broker.port,
             rounds=options.rounds,
             inner_steps=options.inner_steps,
+            placement=placement,
         )
         ssl_context = client_ssl_context(
             load_trust_bundle(federation.trust_bundle),
@@ -156,7 +159,8 @@ async def run_demo(options: DemoOptions, *, echo: Callable[[str], None] = print)
                 await children.start(
                     f"agent-{region}", ["agent", "--config", str(configs.agents[region])]
                 )
-            echo(f"  agents    {len(regions)} regional agents, 2 local workers each (gloo)")
+            echo(f"  placement {placement.describe()}")
+            echo(f"  agents    {placement.agents_line()}")
             await _submit(http, base, configs.job)
             echo(f"  job       {configs.job_id!r} admitted by every region's policy")
             echo("")

@@ -32,6 +32,7 @@ from geofed.control import (
     encode,
 )
 from geofed.control.broker import EmbeddedBroker
+from geofed.training_config import LrSchedule, TrainingConfig
 from tests.support.coordinator import (
     DATASETS,
     FEDERATION,
@@ -48,6 +49,16 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 REPO = Path(__file__).resolve().parents[2]
 REGIONS = ("eu-west", "us-east")
 JOB = "tiny"
+# Carried to the regions by every announcement; each delta's manifest must record it,
+# or the coordinator refuses the delta.
+TRAINING = TrainingConfig(
+    grad_clip_norm=1.0,
+    lr_schedule=LrSchedule(kind="warmup_cosine", warmup_steps=2, min_lr_ratio=0.5),
+)
+TRAINING_YAML = (
+    "training: {grad_clip_norm: 1.0, "
+    "lr_schedule: {kind: warmup_cosine, warmup_steps: 2, min_lr_ratio: 0.5}}\n"
+)
 TIMEOUTS = (
     "{connect_s: 1, heartbeat_s: 0.5, request_s: 2, upload_s: 5, download_s: 5, "
     "round_deadline_s: 30}"
@@ -200,7 +211,8 @@ async def test_two_agents_train_a_job_through_an_agent_crash(tmp_path: Path) -> 
 
                 await watcher.until(ready, 90, "both agents to start their worker groups")
                 operator = running.session(setup.operator)
-                async with operator.post("/v1/jobs", data=job_yaml(JOB, rounds=3)) as answer:
+                spec = job_yaml(JOB, rounds=3, extra=TRAINING_YAML)
+                async with operator.post("/v1/jobs", data=spec) as answer:
                     assert answer.status == 201, await answer.text()
 
                 # us-east dies (SIGKILL: no goodbye, its worker group orphaned) right
@@ -249,6 +261,8 @@ async def test_two_agents_train_a_job_through_an_agent_crash(tmp_path: Path) -> 
         a.round: a.base_hash for a in watcher.announcements if a.job == JOB and a.state == "open"
     }
     assert sorted(announced) == [0, 1, 2]
+    opened = [a for a in watcher.announcements if a.job == JOB and a.state == "open"]
+    assert {(a.training, a.total_rounds) for a in opened} == {(TRAINING, 3)}
     for round_ in announced:
         seen = {
             region: {

@@ -28,7 +28,9 @@ async def test_a_round_runs_from_submission_to_a_verifiable_update(tmp_path: Pat
         async with coordinator(setup) as running:
             operator = running.session(setup.operator)
             task = "tests.support.coordinator:EvaluatedTinyTask"
-            status, body = await request(operator, "POST", "/v1/jobs", data=job_yaml(task=task))
+            # Evaluated by the coordinator, in its evaluation process: θ_0 and θ_1 here.
+            spec = job_yaml(task=task, extra="evaluation: {where: coordinator}\n")
+            status, body = await request(operator, "POST", "/v1/jobs", data=spec)
             assert status == 201, body
             assert body["checkpoint_location"] == "eu-ckpt"  # eu-west keeps models in the EU
 
@@ -73,11 +75,12 @@ async def test_a_round_runs_from_submission_to_a_verifiable_update(tmp_path: Pat
             accepted = 'geofed_deltas_accepted_total{job="tiny",region="eu-west"}'
             assert await metric_value(running, observer, accepted) == 1.0
 
-            # θ_1 is evaluated in the background with the task's held-out loss.
-            async with asyncio.timeout(10):
+            # θ_1 is evaluated in the background with the task's held-out loss. The first
+            # evaluation starts the evaluation process: allow for its start-up.
+            async with asyncio.timeout(120):
                 while True:
                     status, job = await request(observer, "GET", "/v1/jobs/tiny")
-                    if job["global_val_loss"] is not None:
+                    if job["global_val_loss"] is not None and job["global_val_loss"]["round"]:
                         break
                     await asyncio.sleep(0.05)
             assert job["global_val_loss"]["round"] == 1
@@ -86,6 +89,10 @@ async def test_a_round_runs_from_submission_to_a_verifiable_update(tmp_path: Pat
             )
             assert loss == job["global_val_loss"]["value"]
             assert loss > 0
+            assert [e["round"] for e in job["val_loss_history"]] == [0, 1]
+            evaluations = 'geofed_evaluations_total{job="tiny",where="%s"}'
+            assert await metric_value(running, observer, evaluations % "coordinator") == 2.0
+            assert await metric_value(running, observer, evaluations % "region") == 0.0
 
             status, audit = await request(observer, "GET", "/v1/audit?limit=1000&verify=1")
             assert status == 200
@@ -95,3 +102,39 @@ async def test_a_round_runs_from_submission_to_a_verifiable_update(tmp_path: Pat
             actions = [entry.action for entry in entries]
             assert actions.count("round.publish") == 1
             assert {"job.admit", "delta.accept", "policy.model_delta"} <= set(actions)
+
+
+async def test_a_regions_evaluation_of_its_base_is_the_jobs_loss(tmp_path: Path) -> None:
+    # The default: a region evaluates θ_r before training and its delta carries the
+    # metrics; the coordinator evaluates only the last θ, which is the base of no round.
+    async with EmbeddedBroker() as broker, Announcements(broker.port) as announcements:
+        setup = write_setup(tmp_path, broker.port)
+        async with coordinator(setup) as running:
+            operator = running.session(setup.operator)
+            spec = job_yaml(task="tests.support.coordinator:EvaluatedTinyTask", rounds=1)
+            status, body = await request(operator, "POST", "/v1/jobs", data=spec)
+            assert status == 201, body
+            first = await announcements.until(round=0, state="open")
+            assert first.evaluation.where == "region"
+
+            eu, us = running.region("eu-west"), running.region("us-east")
+            evaluated = {"val_loss": 7.25, "val_bits_per_byte": 10.46}
+            manifest, stream = eu.delta("tiny", 0, first.base_hash, seed=1, base_eval=evaluated)
+            assert (await eu.single_shot("tiny", 0, manifest, stream))[0] == 200
+            manifest, stream = us.delta("tiny", 0, first.base_hash, seed=2)
+            assert (await us.single_shot("tiny", 0, manifest, stream))[0] == 200
+
+            observer = running.session(setup.observer)
+            async with asyncio.timeout(120):
+                while True:
+                    status, job = await request(observer, "GET", "/v1/jobs/tiny")
+                    if len(job["val_loss_history"]) == 2:
+                        break
+                    await asyncio.sleep(0.05)
+            history = {e["round"]: e["value"] for e in job["val_loss_history"]}
+            assert history[0] == 7.25  # the region's, as it reported it
+            assert history[1] > 0  # the job's result, evaluated by the coordinator
+            assert job["global_val_loss"] == {"round": 1, "value": history[1]}
+            evaluations = 'geofed_evaluations_total{job="tiny",where="%s"}'
+            assert await metric_value(running, observer, evaluations % "region") == 1.0
+            assert await metric_value(running, observer, evaluations % "coordinator") == 1.0

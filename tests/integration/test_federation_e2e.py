@@ -2,10 +2,11 @@
 regional agents as processes (two gloo workers each), five rounds of the example task.
 
 What it proves, end to end: a job that breaks a region's policy is refused with the rule
-named; the global validation loss falls; every region trains each round from exactly the
-parameters the coordinator announced (same hash); the bytes the coordinator received are
-the bytes of the deltas it accepted; the audit chain verifies; ``/metrics`` counts the
-rounds; an upload under another region's identity is refused and changes nothing.
+named; the global validation loss falls, evaluated by a region before it trains from each
+θ and by the coordinator only for the last; every region trains each round from exactly
+the parameters the coordinator announced (same hash); the bytes the coordinator received
+are the bytes of the deltas it accepted; the audit chain verifies; ``/metrics`` counts
+the rounds; an upload under another region's identity is refused and changes nothing.
 """
 
 from __future__ import annotations
@@ -72,6 +73,11 @@ async def _run_and_check(fed: FederationRun, observer: ControlObserver) -> None:
     # The coordinator counted the rounds, and received exactly the accepted deltas' bytes.
     metrics = await fed.metrics_text()
     assert sample(metrics, "geofed_rounds_completed_total", job=fed.job) == ROUNDS
+    # θ_0..θ_{ROUNDS-1} were evaluated by a region on its workers before it trained from
+    # them; the coordinator evaluated only the last parameters, in its evaluation process.
+    evaluations = "geofed_evaluations_total"
+    assert sample(metrics, evaluations, job=fed.job, where="region") == ROUNDS
+    assert sample(metrics, evaluations, job=fed.job, where="coordinator") == 1
     entries = await audit_entries(fed)
     accepted = [e for e in entries if e.action == "delta.accept" and e.job == fed.job]
     assert len(accepted) == ROUNDS * len(fed.regions)

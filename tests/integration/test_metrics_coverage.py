@@ -10,6 +10,12 @@ alert or an empty panel; the failure names the alert or panel.
 
 A series that appears only at its first increment is a failure too: ``increase()`` over
 a counter born at 1 is 0, so the alert on it would miss the first event.
+
+The regions train on the CPU. Their MFU is exported because the agents are given a peak
+(``workers.peak_flops``), as an operator of CPU regions would; the names the catalogue
+marks accelerator-only (``regional_agent.metrics.ACCELERATOR_ONLY``: peak GPU memory)
+have no sample on a CPU, and must still be declared by the agent (HELP and TYPE). The
+same scrape shows what the workers measured training the round.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import pytest
@@ -45,6 +52,7 @@ COORDINATOR_NAMES = frozenset(spec.name for spec in coordinator_metrics.CATALOGU
 AGENT_NAMES = frozenset(spec.name for spec in agent_metrics.CATALOGUE)
 #: Synthesised by Prometheus for every target, never exported by a daemon.
 SCRAPE_SERIES = frozenset({"up"})
+PEAK_FLOPS = 1e11
 _VARIABLE = re.compile(r"label_values\((?P<metric>\w+), (?P<label>\w+)\)")
 
 
@@ -74,6 +82,12 @@ def uses() -> Iterator[Use]:
         yield Use(f"variable ${variable['name']}", match["metric"], match["label"])
 
 
+def declare_peak_flops(name: str, data: dict[str, Any]) -> None:
+    """Give each agent a peak per rank, so that its MFU is known on the CPU."""
+    if name.startswith("agent-"):
+        data.setdefault("workers", {})["peak_flops"] = PEAK_FLOPS
+
+
 def exporter(name: str) -> str | None:
     """Which daemon exports ``name`` (a histogram's series map to the histogram)."""
     base = catalogued(name)
@@ -85,16 +99,32 @@ def exporter(name: str) -> str | None:
 
 
 def series(text: str) -> dict[str, list[dict[str, str]]]:
-    """Sample name (``_total``, ``_bucket``... as exposed) -> the label sets of its samples."""
+    """Sample name (``_total``, ``_bucket``... as exposed) -> the label sets of its samples.
+
+    A family declared without samples maps its name to no label sets.
+    """
     found: dict[str, list[dict[str, str]]] = {}
     for family in text_string_to_metric_families(text):
+        found.setdefault(family.name, [])
         for sample in family.samples:
             found.setdefault(sample.name, []).append(sample.labels)
     return found
 
 
+def values(text: str, name: str) -> dict[str, float]:
+    """Job -> value of the samples of ``name``."""
+    return {
+        sample.labels["job"]: sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == name
+    }
+
+
 def missing(use: Use, exposition: dict[str, list[dict[str, str]]], source: str) -> str | None:
     samples = exposition.get(use.name)
+    if use.name in agent_metrics.ACCELERATOR_ONLY and samples is not None:
+        return None  # declared; samples only on a GPU
     if not samples:
         return f"{use.where}: {use.name} is not in {source}"
     if use.label is not None and not any(use.label in labels for labels in samples):
@@ -139,7 +169,12 @@ def test_rules_and_dashboard_select_metrics_of_both_daemons() -> None:
 
 async def test_every_selected_metric_is_exported_by_its_daemon(tmp_path: Path) -> None:
     async with running_federation(
-        tmp_path, regions=REGIONS, rounds=ROUNDS, inner_steps=3, broker="mosquitto"
+        tmp_path,
+        regions=REGIONS,
+        rounds=ROUNDS,
+        inner_steps=3,
+        broker="mosquitto",
+        customize=declare_peak_flops,
     ) as fed:
         status, body = await fed.submit()
         assert status == 201, body
@@ -156,6 +191,7 @@ async def test_every_selected_metric_is_exported_by_its_daemon(tmp_path: Path) -
         # The demo's region certificates name no host: check the agent's identity instead.
         agent_context = client_ssl_context(bundle, fed.observer.cert, fed.observer.key)
         agent_context.check_hostname = False
+        trained: dict[str, str] = {}
         for region in REGIONS:
             url = await agent_metrics_url(fed, region)
             identity = Identity(federation=FEDERATION, role=Role.REGION, name=region)
@@ -163,6 +199,7 @@ async def test_every_selected_metric_is_exported_by_its_daemon(tmp_path: Path) -
             async with aiohttp.ClientSession(connector=connector, timeout=TIMEOUT) as session:
                 text = await scrape(session, url)
             expositions.setdefault("agent", {})[f"the {region} agent's {url}"] = series(text)
+            trained[region] = text
         job = await fed.status()
         assert job["state"] == "running", "the job ended before the scrape: per-job series gone"
 
@@ -182,3 +219,20 @@ async def test_every_selected_metric_is_exported_by_its_daemon(tmp_path: Path) -
                 problems.append(problem)
     assert checked > 0
     assert problems == [], "dead alerts or empty panels:\n" + "\n".join(problems)
+
+    # What the workers measured training the round, as each agent exports it.
+    for region, text in trained.items():
+        (job_id,) = values(text, "geofed_agent_train_tokens_per_second")
+        for name in (
+            "geofed_agent_train_tokens_per_second",
+            "geofed_agent_train_step_seconds",
+            "geofed_agent_learning_rate",
+            "geofed_agent_grad_norm",
+            "geofed_agent_allreduce_seconds",
+            "geofed_agent_mfu_ratio",
+        ):
+            assert values(text, name)[job_id] > 0, (region, name)
+        assert values(text, "geofed_agent_data_wait_seconds")[job_id] >= 0, region
+        assert values(text, "geofed_agent_peak_accelerator_memory_bytes") == {}, region
+        # Tiny model, CPU ranks: far below the peak given, but the ratio it says.
+        assert values(text, "geofed_agent_mfu_ratio")[job_id] < 1, region

@@ -26,12 +26,11 @@ import torch
 from geofed.backoff import Backoff
 from geofed.params import parameters_vector_hash
 from geofed.task import DataShard
-from regional_agent.handoff import HandoffDir, RankStatus, RoundInstruction, RoundResult
+from regional_agent.handoff import HandoffDir, RankStatus, RoundResult
 from regional_agent.launcher import (
     Launcher,
     LauncherConfigError,
     LocalElasticLauncher,
-    LocalLauncherConfig,
     WorkerSettings,
     descendants,
 )
@@ -42,57 +41,22 @@ from regional_agent.worker_group import (
     WorkerGroupFailed,
     WorkerGroupNotRunning,
 )
-from tests.support.tiny_task import SPEC, TinyTask
+from tests.support.tiny_task import TinyTask
+from tests.support.worker_group import (
+    STEPS,
+    WORLD,
+    instruction,
+    launcher_config,
+    save_state,
+    wait_for_progress,
+)
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-WORLD = 2
-STEPS = 20
 CHARLM = "geofed.examples.charlm:CharLMTask"
 CHARLM_OPTIONS = {"d_model": 32, "n_layers": 1, "n_heads": 2, "seq_len": 16, "batch_size": 4}
 
 pytestmark = pytest.mark.integration
 # The group (and its supervisor task) lives on one event loop for the whole module.
 on_module_loop = pytest.mark.asyncio(loop_scope="module")
-
-
-def launcher_config(**overrides: object) -> LocalLauncherConfig:
-    settings: dict[str, object] = {
-        "nproc_per_node": WORLD,
-        "max_restarts": 2,
-        "backend": "gloo",
-        "env": {"PYTHONPATH": str(REPO_ROOT)},
-        "poll_interval_s": 0.02,
-        "progress_interval_s": 0.05,
-        "collective_timeout_s": 60.0,
-        "shutdown_timeout_s": 10,
-        "cwd": REPO_ROOT,
-    }
-    settings.update(overrides)
-    return LocalLauncherConfig(**settings)  # type: ignore[arg-type]
-
-
-def instruction(
-    workdir: Path, job: str, round_: int, base: Path, **overrides: object
-) -> RoundInstruction:
-    fields: dict[str, object] = {
-        "job": job,
-        "round": round_,
-        "base_params": str(base),
-        "inner_steps": STEPS,
-        "task": SPEC,
-        "task_options": {},
-        "seed": 7,
-        "region": "eu-west",
-        "region_index": 0,
-        "num_regions": 2,
-    }
-    fields.update(overrides)
-    return RoundInstruction(**fields)  # type: ignore[arg-type]
-
-
-def save_state(path: Path, state: dict[str, torch.Tensor]) -> Path:
-    torch.save(state, path)
-    return path
 
 
 def alive(pid: int) -> bool:
@@ -162,9 +126,9 @@ async def test_rounds_train_on_one_long_lived_group(started: Started) -> None:
     base = save_state(started.workdir / "alpha-base.pt", theta0)
     pid = started.launcher.pid
 
-    first = await started.group.run_round(instruction(started.workdir, "alpha", 0, base), 60)
+    first = await started.group.run_round(instruction("alpha", 0, base), 60)
     began = time.monotonic()
-    second = await started.group.run_round(instruction(started.workdir, "alpha", 1, base), 60)
+    second = await started.group.run_round(instruction("alpha", 1, base), 60)
     second_s = time.monotonic() - began
 
     assert started.launcher.pid == pid
@@ -198,9 +162,7 @@ async def test_example_task_round(started: Started) -> None:
     task = load_task(CHARLM, CHARLM_OPTIONS)
     theta0 = task.build_model().state_dict()
     base = save_state(started.workdir / "charlm-base.pt", theta0)
-    inst = instruction(
-        started.workdir, "charlm", 0, base, task=CHARLM, task_options=CHARLM_OPTIONS, inner_steps=5
-    )
+    inst = instruction("charlm", 0, base, task=CHARLM, task_options=CHARLM_OPTIONS, inner_steps=5)
     result = await started.group.run_round(inst, 90)
     assert result.summary.tokens == WORLD * 5 * 4 * 16
     assert 3.0 < result.summary.mean_loss < 6.5  # near ln(256) = 5.55 after 5 steps
@@ -215,7 +177,7 @@ async def run_job(group: WorkerGroup, workdir: Path, job: str, rounds: int, **op
         save_state(base, TinyTask().build_model(seed=11).state_dict())
     results: list[RoundResult] = []
     for round_ in range(rounds):
-        inst = instruction(workdir, job, round_, base, task_options=dict(options))
+        inst = instruction(job, round_, base, task_options=dict(options))
         results.append(await group.run_round(inst, 60))
         base = workdir / f"chain-base-{round_ + 1}.pt"
         if not base.exists():
@@ -232,7 +194,7 @@ async def test_killed_worker_group_redoes_the_round_identically(started: Started
     assert group.restart_count == 0
 
     third = instruction(
-        workdir, "crashed", 2, workdir / "chain-base-2.pt", task_options={"step_delay_s": 0.02}
+        "crashed", 2, workdir / "chain-base-2.pt", task_options={"step_delay_s": 0.02}
     )
     round_task = asyncio.create_task(group.run_round(third, 120))
     handoff = HandoffDir(workdir)
@@ -263,7 +225,7 @@ async def test_a_new_supervisor_answers_a_completed_round_from_disk(started: Sta
 
     fresh = WorkerGroup(workdir, LocalElasticLauncher(workdir, launcher_config()))
     third = instruction(
-        workdir, "crashed", 2, workdir / "chain-base-2.pt", task_options={"step_delay_s": 0.02}
+        "crashed", 2, workdir / "chain-base-2.pt", task_options={"step_delay_s": 0.02}
     )
     began = time.monotonic()
     result = await fresh.run_round(third, 5)
@@ -273,7 +235,7 @@ async def test_a_new_supervisor_answers_a_completed_round_from_disk(started: Sta
     assert done_marker.stat().st_mtime_ns == marker_mtime
     assert {p: p.stat().st_size for p in log_sizes} == log_sizes
     with pytest.raises(WorkerGroupNotRunning):
-        await fresh.run_round(instruction(workdir, "crashed", 3, workdir / "chain-base-2.pt"), 5)
+        await fresh.run_round(instruction("crashed", 3, workdir / "chain-base-2.pt"), 5)
 
 
 @on_module_loop
@@ -281,7 +243,7 @@ async def test_sigterm_stops_workers_cleanly_and_the_group_is_relaunched(started
     group, launcher, workdir = started.group, started.launcher, started.workdir
     handoff = HandoffDir(workdir)
     fourth = instruction(
-        workdir, "crashed", 3, workdir / "chain-base-3.pt", task_options={"step_delay_s": 0.02}
+        "crashed", 3, workdir / "chain-base-3.pt", task_options={"step_delay_s": 0.02}
     )
     round_task = asyncio.create_task(group.run_round(fourth, 120))
     await wait_for_progress(handoff, "crashed", 3, steps=5)
@@ -317,7 +279,7 @@ async def test_rounds_the_region_is_past_are_republished_or_refused(started: Sta
     group, workdir = started.group, started.workdir
     handoff = HandoffDir(workdir)
     fourth = instruction(
-        workdir, "crashed", 3, workdir / "chain-base-3.pt", task_options={"step_delay_s": 0.02}
+        "crashed", 3, workdir / "chain-base-3.pt", task_options={"step_delay_s": 0.02}
     )
     # As if rank 0 died after the checkpoint but before the done marker.
     handoff.done_path("crashed", 3).unlink()
@@ -329,7 +291,7 @@ async def test_rounds_the_region_is_past_are_republished_or_refused(started: Sta
     assert handoff.checkpoint_path.stat().st_mtime_ns == checkpoint_mtime
 
     assert handoff.prune_rounds("crashed", before_round=2) == 2
-    second = instruction(workdir, "crashed", 1, workdir / "chain-base-1.pt")
+    second = instruction("crashed", 1, workdir / "chain-base-1.pt")
     with pytest.raises(RoundFailed, match="not after the last completed round 3"):
         await group.run_round(second, 30)
 
@@ -338,9 +300,7 @@ async def test_rounds_the_region_is_past_are_republished_or_refused(started: Sta
 async def test_stop_mid_round_exits_cleanly_and_leaves_no_process(started: Started) -> None:
     group, launcher, workdir = started.group, started.launcher, started.workdir
     base = save_state(workdir / "slow-base.pt", TinyTask().build_model().state_dict())
-    slow = instruction(
-        workdir, "slow", 0, base, inner_steps=100_000, task_options={"step_delay_s": 0.01}
-    )
+    slow = instruction("slow", 0, base, inner_steps=100_000, task_options={"step_delay_s": 0.01})
     round_task = asyncio.create_task(group.run_round(slow, 120))
     handoff = HandoffDir(workdir)
     await wait_for_progress(handoff, "slow", 0, steps=3)
@@ -358,15 +318,6 @@ async def test_stop_mid_round_exits_cleanly_and_leaves_no_process(started: Start
     assert handoff.read_done("slow", 0) is None
     for rank in range(WORLD):
         assert "worker stopped cleanly" in handoff.rank_log_path(rank).read_text()
-
-
-async def wait_for_progress(handoff: HandoffDir, job: str, round_: int, steps: int) -> None:
-    for _ in range(1000):
-        progress = handoff.read_progress(job, round_)
-        if progress is not None and progress.steps_done >= steps:
-            return
-        await asyncio.sleep(0.01)
-    pytest.fail(f"round {round_} of job {job!r} never got going")
 
 
 # -- configuration and supervision logic, without processes ------------------------------
@@ -511,7 +462,7 @@ async def test_crash_loop_backs_off_then_fails_with_the_log_tail(tmp_path: Path)
     await group.start()
     base = save_state(tmp_path / "base.pt", TinyTask().build_model().state_dict())
     with pytest.raises(WorkerGroupFailed, match="boom in launch 4") as failure:
-        await group.run_round(instruction(tmp_path, "job", 0, base), 10)
+        await group.run_round(instruction("job", 0, base), 10)
     assert "3 consecutive relaunches" in str(failure.value)
     assert delays == [1.0, 2.0, 3.0]
     assert group.restart_count == group.relaunch_count == 3
@@ -523,7 +474,7 @@ async def test_round_failed_carries_the_workers_reason(tmp_path: Path) -> None:
     launcher = CrashingLauncherFake(tmp_path, lives_s=3600)
     group = WorkerGroup(tmp_path, launcher, WorkerGroupConfig(poll_interval_s=0.01))
     await group.start()
-    inst = instruction(tmp_path, "job", 0, tmp_path / "missing.pt")
+    inst = instruction("job", 0, tmp_path / "missing.pt")
 
     async def workers_refuse() -> None:
         handoff = HandoffDir(tmp_path)

@@ -11,6 +11,8 @@ from typing import Any
 
 from geofed.codec_params import CodecParams
 from geofed.control import RoundAnnouncement
+from geofed.evaluation_config import EvaluationConfig
+from geofed.training_config import LrSchedule, TrainingConfig
 
 HASH = "ab" * 32
 T0 = datetime(2030, 1, 2, 3, 4, 5, tzinfo=UTC)
@@ -35,6 +37,16 @@ def announcement(**overrides: Any) -> RoundAnnouncement:
         "task_options": {"vocab": 64, "layers": [1, 2], "name": None},
         "seed": 42,
         "state": "open",
+        "training": TrainingConfig(
+            parallelism="fsdp",
+            precision="bf16",
+            grad_clip_norm=1.0,
+            grad_accumulation=2,
+            activation_checkpointing=True,
+            lr_schedule=LrSchedule(kind="warmup_cosine", warmup_steps=100, min_lr_ratio=0.1),
+        ),
+        "total_rounds": 20,
+        "evaluation": EvaluationConfig(where="regions", every=2),
     }
     fields.update(overrides)
     return RoundAnnouncement(**fields)

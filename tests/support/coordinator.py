@@ -288,8 +288,10 @@ class FakeRegion:
         codec: CodecParams | None = None,
         chunk_elements: int = 64,
         tensors: dict[str, torch.Tensor] | None = None,
+        base_eval: dict[str, float] | None = None,
     ) -> tuple[bytes, EncodedStream]:
-        """A signed manifest and the encoded stream of a small random delta."""
+        """A signed manifest and the encoded stream of a small random delta (``base_eval``:
+        the region's metrics of the base parameters, as a region that evaluated sends)."""
         codec = codec or CodecParams(scheme="int8", block_size=32)
         if tensors is None:
             gen = torch.Generator().manual_seed(seed)
@@ -315,6 +317,7 @@ class FakeRegion:
             base_round=round,
             base_hash=base_hash,
             tokens=tokens,
+            base_eval=base_eval,
         )
         credential = self.principal.credential
         signed = sign_manifest(manifest, credential.private_key, credential.certificate)

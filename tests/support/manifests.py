@@ -7,6 +7,7 @@ from typing import Any
 
 from geofed.codec_params import CodecParams
 from geofed.manifest import ArtifactProvenance, Manifest, ManifestTensor, chunk_records
+from geofed.training_config import LrSchedule, TrainingConfig
 from geofed.types import ArtifactKind
 from tests.support.pki import Principal
 
@@ -38,6 +39,12 @@ def make_manifest(signer: Principal, **changes: Any) -> Manifest:
         "base_hash": "ab" * 32,
         "tokens": 4096,
         "parameters_hash": None,
+        "training": TrainingConfig(
+            precision="bf16",
+            grad_clip_norm=1.0,
+            lr_schedule=LrSchedule(kind="warmup_cosine", warmup_steps=10, min_lr_ratio=0.1),
+        ),
+        "base_eval": {"val_loss": 2.5, "val_bits_per_byte": 3.6067},
     }
     fields.update(changes)
     return Manifest(**fields)

@@ -75,7 +75,7 @@ def test_a_valid_config_loads_with_defaults_and_resolved_paths(
 ) -> None:
     config = load_config(write(tmp_path, federation))
     assert config.state_dir == tmp_path / "state"
-    assert config.workers.count == 2
+    assert config.workers.count == "auto"
     assert config.workers.backend == "auto"
     assert config.mqtt.tls is True
     assert config.timeouts.request_s == 30
@@ -128,6 +128,10 @@ def test_relative_paths_resolve_against_the_config_file(
             "agent.yaml:11: workers: env may not set OMP_NUM_THREADS",
         ),
         (
+            {"extra": "workers: {count: many}\n"},
+            "agent.yaml:11: workers.count: must be an integer >= 1 or 'auto', got 'many'",
+        ),
+        (
             {"extra": "workers: {backend: mpi}\n"},
             "agent.yaml:11: workers.backend: Input should be 'auto', 'gloo' or 'nccl'",
         ),
@@ -144,6 +148,25 @@ def test_schema_errors_name_file_line_and_key(
 ) -> None:
     found = problems(write(tmp_path, federation, **fields))
     assert any(expected in problem for problem in found), found
+
+
+@pytest.mark.parametrize(("count", "expected"), [("auto", "auto"), ("3", 3)])
+def test_workers_count_reaches_the_launcher(
+    tmp_path: Path, federation: Federation, count: str, expected: object
+) -> None:
+    config = load_config(write(tmp_path, federation, extra=f"workers: {{count: {count}}}\n"))
+    assert config.workers.count == expected
+    assert config.workers.launcher_config().nproc_per_node == expected
+
+
+def test_workers_peak_flops_is_optional_and_positive(
+    tmp_path: Path, federation: Federation
+) -> None:
+    assert load_config(write(tmp_path, federation)).workers.peak_flops is None
+    config = load_config(write(tmp_path, federation, extra="workers: {peak_flops: 1.5e14}\n"))
+    assert config.workers.peak_flops == 1.5e14
+    found = problems(write(tmp_path, federation, extra="workers: {peak_flops: 0}\n"))
+    assert any("agent.yaml:11: workers.peak_flops" in p for p in found), found
 
 
 def test_every_schema_problem_is_reported_at_once(tmp_path: Path, federation: Federation) -> None:

@@ -12,7 +12,30 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from geofed.types import ArtifactKind
-from regional_agent.metrics import CATALOGUE, AgentMetrics, MetricsError
+from regional_agent.metrics import ACCELERATOR_ONLY, CATALOGUE, AgentMetrics, MetricsError
+from regional_agent.training_stats import TrainingStats
+
+#: A round measured on one H100 (bf16 peak 989e12 FLOPs/s per device).
+GPU_ROUND = TrainingStats(
+    step_seconds=0.25,
+    tokens_per_second=100_000.0,
+    data_wait_seconds=0.5,
+    learning_rate=3e-4,
+    grad_norm=1.5,
+    flops_per_token=6 * 125e6,
+    comm_seconds=2.0,
+    peak_memory_bytes=40 * 2**30,
+    accelerator="NVIDIA H100 80GB HBM3",
+)
+#: The same on the CPU under FSDP: no memory peak, no all-reduce time, no known peak.
+CPU_ROUND = TrainingStats(
+    step_seconds=0.5,
+    tokens_per_second=2_000.0,
+    data_wait_seconds=0.1,
+    learning_rate=1e-3,
+    grad_norm=0.75,
+    flops_per_token=6e6,
+)
 
 
 class FakeClock:
@@ -77,7 +100,16 @@ def test_catalogue_has_what_operators_and_the_rules_need():
         "geofed_agent_certificate_expiry_timestamp_seconds",
         "geofed_agent_train_seconds_total",
         "geofed_agent_wall_seconds_total",
+        "geofed_agent_train_step_seconds",
+        "geofed_agent_train_tokens_per_second",
+        "geofed_agent_mfu_ratio",
+        "geofed_agent_peak_accelerator_memory_bytes",
+        "geofed_agent_data_wait_seconds",
+        "geofed_agent_allreduce_seconds",
+        "geofed_agent_learning_rate",
+        "geofed_agent_grad_norm",
     } <= names
+    assert names >= ACCELERATOR_ONLY
 
 
 def _populate(metrics: AgentMetrics) -> None:
@@ -93,6 +125,7 @@ def _populate(metrics: AgentMetrics) -> None:
     metrics.policy_denied(ArtifactKind.MODEL_DELTA)
     metrics.set_mqtt_connected(True)
     metrics.set_certificate_expiry("identity", datetime(2030, 1, 1, tzinfo=UTC))
+    metrics.round_measured("charlm", GPU_ROUND, devices=1, precision="bf16")
 
 
 def test_every_catalogued_metric_is_exposed_as_declared_and_nothing_else(registry, metrics):
@@ -257,6 +290,61 @@ def test_forget_job_drops_its_series_only(registry, metrics):
     assert 'job="charlm"' not in text
     assert sample(registry, "geofed_agent_round", job="other") == 1
     metrics.forget_job("never-seen")  # nothing to drop is fine
+
+
+# -- training inside the region -----------------------------------------------------------
+
+
+def test_round_measured_exports_what_the_workers_measured(registry, metrics):
+    metrics.round_measured("charlm", GPU_ROUND, devices=1, precision="bf16")
+
+    def gauge(name: str) -> float | None:
+        return sample(registry, name, job="charlm")
+
+    assert gauge("geofed_agent_train_step_seconds") == 0.25
+    assert gauge("geofed_agent_train_tokens_per_second") == 100_000.0
+    assert gauge("geofed_agent_data_wait_seconds") == 0.5
+    assert gauge("geofed_agent_allreduce_seconds") == 2.0
+    assert gauge("geofed_agent_learning_rate") == 3e-4
+    assert gauge("geofed_agent_grad_norm") == 1.5
+    assert gauge("geofed_agent_peak_accelerator_memory_bytes") == 40 * 2**30
+    # 1e5 tokens/s x 7.5e8 FLOPs per token over one H100's 989e12 bf16 FLOPs/s.
+    assert math.isclose(gauge("geofed_agent_mfu_ratio") or 0, 7.5e13 / 989e12)
+
+
+def test_mfu_counts_every_device_and_follows_the_precision(registry, metrics):
+    metrics.round_measured("charlm", GPU_ROUND, devices=4, precision="fp32")
+    mfu = sample(registry, "geofed_agent_mfu_ratio", job="charlm")
+    assert mfu is not None
+    assert math.isclose(mfu, 7.5e13 / (4 * 67e12))
+
+
+def test_unknown_figures_are_not_exported_and_an_older_rounds_are_dropped(registry, metrics):
+    metrics.round_measured("charlm", GPU_ROUND, devices=1, precision="bf16")
+    metrics.round_measured("charlm", CPU_ROUND, devices=2, precision="fp32")
+    assert sample(registry, "geofed_agent_train_step_seconds", job="charlm") == 0.5
+    for name in (
+        "geofed_agent_mfu_ratio",
+        "geofed_agent_peak_accelerator_memory_bytes",
+        "geofed_agent_allreduce_seconds",
+    ):
+        assert sample(registry, name, job="charlm") is None, name
+
+
+def test_the_operators_peak_flops_gives_an_mfu_on_any_device(registry, clock):
+    metrics = AgentMetrics(registry, "eu-west", clock=clock, peak_flops=1e11)
+    metrics.round_measured("charlm", CPU_ROUND, devices=2, precision="fp32")
+    mfu = sample(registry, "geofed_agent_mfu_ratio", job="charlm")
+    assert mfu is not None
+    assert math.isclose(mfu, 2_000.0 * 6e6 / (2 * 1e11))
+    with pytest.raises(MetricsError, match="peak_flops"):
+        AgentMetrics(CollectorRegistry(), "eu-west", peak_flops=0.0)
+
+
+def test_forget_job_drops_the_training_gauges(registry, metrics):
+    metrics.round_measured("charlm", GPU_ROUND, devices=1, precision="bf16")
+    metrics.forget_job("charlm")
+    assert 'job="charlm"' not in generate_latest(registry).decode()
 
 
 # -- transfers ----------------------------------------------------------------------------

@@ -11,6 +11,7 @@ import torch
 from geofed.codec import ErrorFeedback, decode
 from geofed.codec_params import CodecParams
 from geofed.params import parameters_vector_hash, state_to_fp32
+from geofed.training_config import LrSchedule, TrainingConfig
 from geofed.types import ArtifactKind
 from regional_agent.credentials import Credentials
 from regional_agent.delta import (
@@ -24,6 +25,9 @@ from tests.support.pki import Principal, make_federation
 from tests.support.tiny_task import TinyTask
 
 JOB = "tiny"
+TRAINING = TrainingConfig(
+    precision="bf16", lr_schedule=LrSchedule(kind="warmup_cosine", warmup_steps=4)
+)
 Params = dict[str, torch.Tensor]
 
 
@@ -62,6 +66,7 @@ def spool_round(
         producer=credentials.identity,
         jurisdiction="EU",
         datasets=("eu-parliament-proceedings",),
+        training=TRAINING,
     )
     signed = sign_delta(delta_manifest(origin, encoded, now=datetime.now(UTC)), credentials)
     meta = DeltaMeta(train_loss=1.25, tokens=32, params_hash=origin.base_hash)
@@ -111,6 +116,8 @@ def test_a_spooled_delta_reads_back_frame_by_frame(
     manifest = spooled.manifest.manifest
     assert manifest.kind is ArtifactKind.MODEL_DELTA
     assert (manifest.job, manifest.round, manifest.tokens) == (JOB, 3, 32)
+    assert manifest.training == TRAINING  # what trained it, under the region's signature
+    assert spooled.manifest.verify(region[1].bundle, now=datetime.now(UTC)) == region[1].identity
     frames = [spooled.read_frame(i) for i in range(spooled.frame_count)]
     assert [len(f) for f in frames] == [record.size for record in manifest.chunks]
     decoded = decode(frames)

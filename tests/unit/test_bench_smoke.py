@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import convergence, round_overhead
+from benchmarks import convergence, round_overhead, training_throughput
 from benchmarks._federation_sim import CurvePoint, RunResult, RunSpec
 
 LN_256 = math.log(256)
@@ -61,5 +61,25 @@ def test_round_overhead_refuses_bad_region_counts(tmp_path: Path) -> None:
     out = tmp_path / "round_overhead.json"
     with pytest.raises(SystemExit) as exc:
         round_overhead.main(["--regions", "2,0", "--out", str(out)])
+    assert exc.value.code == 2
+    assert not out.exists()
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--parallelism", "ddp,zero3"],
+        ["--precision", "fp16"],
+        ["--peak-flops", "bf16=fast"],
+        ["--peak-flops", "fp8=1e12"],
+        ["--world-sizes", "2,0"],
+        ["--repeats", "0"],
+        ["--n-layers", "0"],
+    ],
+)
+def test_training_throughput_refuses_bad_arguments(tmp_path: Path, argv: list[str]) -> None:
+    out = tmp_path / "training_throughput.json"
+    with pytest.raises(SystemExit) as exc:
+        training_throughput.main([*argv, "--out", str(out)])
     assert exc.value.code == 2
     assert not out.exists()

@@ -11,9 +11,8 @@ import pytest
 import torch
 
 from geofed.examples.charlm import CharLMOptions, CharLMTask, TokenBatch
-from geofed.examples.charlm.model import count_parameters
 from geofed.examples.charlm.sampling import SamplingError
-from geofed.params import parameters_vector_hash
+from geofed.params import count_parameters, parameters_vector_hash
 from geofed.task import DataShard, TaskOptionsError, load_task
 from tests.support.fake_stdlib import FAKE_UNITS, make_fake_stdlib
 

@@ -25,6 +25,8 @@ from geofed.control import (
     encode,
 )
 from geofed.control.messages import MAX_PAYLOAD_BYTES
+from geofed.evaluation_config import EvaluationConfig
+from geofed.training_config import LrSchedule, TrainingConfig
 from tests.support.control_messages import HASH, announcement
 
 
@@ -98,6 +100,10 @@ def test_timestamps_are_normalised_to_utc_and_naive_ones_refused() -> None:
         ({"codec": {"scheme": "int2"}}, "'fp32', 'int8' or 'int4'"),
         ({"deadline_s": float("nan")}, "finite"),
         ({"unknown": 1}, "Extra inputs are not permitted"),
+        ({"total_rounds": 0}, "greater than or equal to 1"),
+        ({"total_rounds": None}, "a warmup_cosine schedule needs total_rounds"),
+        ({"training": {"parallelism": "zero3"}}, "'ddp' or 'fsdp'"),
+        ({"training": {"precison": "bf16"}}, "Extra inputs are not permitted"),
     ],
 )
 def test_announcement_refuses_inconsistent_or_loose_input(
@@ -147,12 +153,48 @@ def test_decode_requires_the_envelope(field: str) -> None:
         (lambda d: d.update(message_id="not-a-uuid"), "message_id"),
         (lambda d: d.update(participants="eu-west"), "participants"),
         (lambda d: d["codec"].update(level=3), "codec.level: Extra inputs"),
+        (lambda d: d["training"].update(grad_accumulation="2"), "training.grad_accumulation"),
+        (lambda d: d["training"]["lr_schedule"].update(cycles=2), "lr_schedule.cycles: Extra"),
     ],
 )
 def test_decode_is_strict(mutate: Any, reason: str) -> None:
     data = wire(announcement())
     mutate(data)
     with pytest.raises(MessageError, match=reason):
+        decode(as_payload(data), RoundAnnouncement)
+
+
+def test_the_announcement_carries_the_training_section_and_the_jobs_length() -> None:
+    message = decode(encode(announcement()), RoundAnnouncement)
+    assert message.training.parallelism == "fsdp"
+    assert message.training.lr_schedule == LrSchedule(
+        kind="warmup_cosine", warmup_steps=100, min_lr_ratio=0.1
+    )
+    assert (message.total_rounds, message.total_steps) == (20, 20 * 500)
+    assert wire(message)["training"] == message.training.record()
+
+
+def test_an_announcement_without_training_trains_with_the_defaults() -> None:
+    # Retained announcements of coordinators that did not send these fields still parse.
+    data = wire(announcement())
+    del data["training"], data["total_rounds"]
+    message = decode(as_payload(data), RoundAnnouncement)
+    assert message.training == TrainingConfig()
+    assert (message.total_rounds, message.total_steps) == (None, None)
+    constant = announcement(training=TrainingConfig(), total_rounds=None)
+    assert decode(encode(constant), RoundAnnouncement) == constant
+
+
+def test_the_announcement_carries_where_the_parameters_are_evaluated() -> None:
+    message = decode(encode(announcement()), RoundAnnouncement)
+    assert message.evaluation == EvaluationConfig(where="regions", every=2)
+    assert wire(message)["evaluation"] == {"where": "regions", "every": 2}
+    # Retained announcements of coordinators that did not send it mean the default.
+    data = wire(announcement())
+    del data["evaluation"]
+    assert decode(as_payload(data), RoundAnnouncement).evaluation == EvaluationConfig()
+    data["evaluation"] = {"where": "everywhere"}
+    with pytest.raises(MessageError, match="evaluation"):
         decode(as_payload(data), RoundAnnouncement)
 
 

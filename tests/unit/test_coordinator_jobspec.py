@@ -8,6 +8,8 @@ from pathlib import Path
 import pytest
 
 from coordinator.jobspec import JobSpecError, parse_job_spec, parse_stored_spec
+from geofed.evaluation_config import EvaluationConfig
+from geofed.training_config import LrSchedule, TrainingConfig
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -40,6 +42,7 @@ def test_the_example_job_parses() -> None:
     assert (spec.outer_optimizer.lr, spec.outer_optimizer.momentum) == (0.7, 0.9)
     assert spec.codec.rounding_to_nearest().scheme == "int8"
     assert spec.checkpoint_storage == ("eu-ckpt", "us-ckpt")
+    assert spec.training == TrainingConfig()
 
 
 def test_defaults() -> None:
@@ -50,6 +53,60 @@ def test_defaults() -> None:
     assert spec.snapshot_every == 10
     assert spec.max_round_attempts == 3
     assert spec.task.options == {"hidden": 8}
+    assert spec.training == TrainingConfig()
+    assert (spec.training.parallelism, spec.training.precision) == ("ddp", "fp32")
+    assert spec.training.grad_clip_norm is None
+    assert spec.training.grad_accumulation == 1
+    assert spec.training.activation_checkpointing is False
+    assert spec.training.lr_schedule == LrSchedule(kind="constant")
+    assert spec.total_steps == 6
+    assert spec.evaluation == EvaluationConfig(where="region", every=1)
+
+
+def test_an_evaluation_section_is_read_and_kept_with_the_job() -> None:
+    spec = parse_job_spec(SPEC + "evaluation: {where: 'region:us-east', every: 2}\n", "job.yaml")
+    assert spec.evaluation == EvaluationConfig(where="region:us-east", every=2)
+    stored = json.loads(json.dumps(spec.to_json()))
+    assert stored["evaluation"] == {"where": "region:us-east", "every": 2}
+    assert parse_stored_spec(stored) == spec
+    del stored["evaluation"]  # stored before the section existed
+    assert parse_stored_spec(stored).evaluation == EvaluationConfig()
+
+
+TRAINING = """\
+training:
+  parallelism: fsdp
+  precision: bf16
+  grad_clip_norm: 1
+  grad_accumulation: 4
+  activation_checkpointing: true
+  lr_schedule: {kind: warmup_cosine, warmup_steps: 2, min_lr_ratio: 0.1}
+"""
+
+
+def test_a_training_section_is_read_and_kept_with_the_job() -> None:
+    spec = parse_job_spec(SPEC + TRAINING, "job.yaml")
+    assert spec.training == TrainingConfig(
+        parallelism="fsdp",
+        precision="bf16",
+        grad_clip_norm=1,
+        grad_accumulation=4,
+        activation_checkpointing=True,
+        lr_schedule=LrSchedule(kind="warmup_cosine", warmup_steps=2, min_lr_ratio=0.1),
+    )
+    stored = json.loads(json.dumps(spec.to_json()))
+    assert stored["training"]["lr_schedule"] == {
+        "kind": "warmup_cosine",
+        "warmup_steps": 2,
+        "min_lr_ratio": 0.1,
+    }
+    assert parse_stored_spec(stored) == spec
+
+
+def test_a_job_stored_without_a_training_section_trains_with_the_defaults() -> None:
+    stored = parse_job_spec(SPEC, "job.yaml").to_json()
+    del stored["training"]
+    assert parse_stored_spec(stored).training == TrainingConfig()
 
 
 def test_json_bodies_are_accepted_even_with_tabs() -> None:
@@ -94,7 +151,71 @@ def test_average_means_plain_averaging() -> None:
             "job.yaml:10: checkpoint_storage: checkpoint_storage repeats a name",
         ),
         (SPEC + "round: 3\n", "job.yaml:11: round: unknown key; allowed keys: job, task"),
+        (
+            SPEC + "training: {parallelism: ddp, precison: bf16}\n",
+            "job.yaml:11: training.precison: unknown key; allowed keys: parallelism, precision,",
+        ),
+        (
+            SPEC + TRAINING.replace("warmup_steps: 2,", "warmup_steps: 2, cycles: 3,"),
+            "job.yaml:17: training.lr_schedule.cycles: unknown key; allowed keys: kind, warmup",
+        ),
+        (
+            SPEC + "training: {parallelism: zero3}\n",
+            "job.yaml:11: training.parallelism: Input should be 'ddp' or 'fsdp'",
+        ),
+        (
+            SPEC + "training: {precision: fp16}\n",
+            "job.yaml:11: training.precision: Input should be 'fp32' or 'bf16'",
+        ),
+        (
+            SPEC + "training: {grad_clip_norm: 0}\n",
+            "job.yaml:11: training.grad_clip_norm: Input should be greater than 0",
+        ),
+        (
+            SPEC + "training: {grad_accumulation: 0}\n",
+            "job.yaml:11: training.grad_accumulation: Input should be greater than or equal to 1",
+        ),
+        (
+            SPEC + "training: {grad_accumulation: '2'}\n",
+            "job.yaml:11: training.grad_accumulation: Input should be a valid integer",
+        ),
+        (
+            SPEC + "training: {activation_checkpointing: 'yes'}\n",
+            "job.yaml:11: training.activation_checkpointing: Input should be a valid boolean",
+        ),
+        (
+            SPEC + "training: {lr_schedule: {kind: linear}}\n",
+            "job.yaml:11: training.lr_schedule.kind: Input should be 'constant' or 'warmup_",
+        ),
+        (
+            SPEC + TRAINING.replace("min_lr_ratio: 0.1", "min_lr_ratio: 1.5"),
+            "job.yaml:17: training.lr_schedule.min_lr_ratio: Input should be less",
+        ),
+        (
+            SPEC + "training: {lr_schedule: {kind: constant, warmup_steps: 5}}\n",
+            "job.yaml:11: training.lr_schedule: a constant schedule takes no warmup_steps",
+        ),
+        (
+            SPEC + TRAINING.replace("warmup_steps: 2", "warmup_steps: 7"),
+            "job.yaml:1: (document): training.lr_schedule.warmup_steps (7) exceeds the job's 6",
+        ),
         (SPEC.replace("job: tiny", "job: Tiny_Job"), "job.yaml:1: job: invalid job 'Tiny_Job'"),
+        (
+            SPEC + "evaluation: {where: gpu}\n",
+            "job.yaml:11: evaluation.where: 'gpu' is not one of region, region:NAME",
+        ),
+        (
+            SPEC + "evaluation:\n  where: regions\n  evry: 2\n",
+            "job.yaml:13: evaluation.evry: unknown key; allowed keys: where, every",
+        ),
+        (
+            SPEC + "evaluation: {every: 0}\n",
+            "job.yaml:11: evaluation.every: Input should be greater than or equal to 1",
+        ),
+        (
+            SPEC + "evaluation: {where: 'region:ap-south'}\n",
+            "job.yaml:1: (document): evaluation.where names region ap-south, which is not one",
+        ),
     ],
 )
 def test_errors_name_line_and_key(text: str, expected: str) -> None:

@@ -9,6 +9,8 @@ from coordinator.records import RoundRecord, announcement
 from coordinator.round_state import RoundConfig, RoundPhase, RoundState
 from geofed.codec_params import CodecParams
 from geofed.control import RoundAnnouncement, decode, encode
+from geofed.evaluation_config import EvaluationConfig
+from geofed.training_config import LrSchedule, TrainingConfig
 
 HASH = "ab" * 32
 
@@ -50,6 +52,8 @@ def _announce(**overrides: object) -> RoundAnnouncement:
         "task": "tests.support.tiny_task:TinyTask",
         "task_options": {"hidden": 8},
         "seed": 7,
+        "training": TrainingConfig(),
+        "total_rounds": 20,
         "default_deadline_s": 300.0,
         "now": 2000.0,
     }
@@ -72,3 +76,21 @@ def test_without_an_open_round_the_jobs_regions_stand_in() -> None:
     assert (message.round, message.state, message.update_url) == (0, "paused", None)
     assert (message.participants, message.min_regions) == (("eu-west", "us-east"), 2)
     assert message.deadline.timestamp() == 2000.0
+
+
+def test_the_announcement_carries_the_jobs_training_section_and_length() -> None:
+    training = TrainingConfig(
+        parallelism="fsdp",
+        precision="bf16",
+        lr_schedule=LrSchedule(kind="warmup_cosine", warmup_steps=10),
+    )
+    message = decode(encode(_announce(training=training)), RoundAnnouncement)
+    assert message.training == training
+    assert (message.total_rounds, message.total_steps) == (20, 1000)
+
+
+def test_the_announcement_carries_the_jobs_evaluation_section() -> None:
+    assert _announce().evaluation == EvaluationConfig()
+    evaluation = EvaluationConfig(where="region:us-east", every=3)
+    message = decode(encode(_announce(evaluation=evaluation)), RoundAnnouncement)
+    assert message.evaluation == evaluation

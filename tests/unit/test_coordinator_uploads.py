@@ -33,6 +33,7 @@ from geofed.manifest import (
     chunk_records,
     sign_manifest,
 )
+from geofed.training_config import TrainingConfig
 from geofed.types import ArtifactKind
 from tests.support.pki import Federation, make_federation
 
@@ -153,6 +154,11 @@ def test_a_valid_delta_passes_every_check(eu_west: Any, fed: Federation) -> None
             (400, "bad_request", "policy says EU"),
         ),
         ({"job": "job-2"}, {}, (400, "bad_request", "job job-2")),
+        (
+            {"training": TrainingConfig(precision="bf16")},
+            {"training": TrainingConfig()},
+            (400, "bad_request", "'precision': 'bf16'"),
+        ),
     ],
 )
 def test_each_mismatch_is_refused_with_its_code(
@@ -162,6 +168,13 @@ def test_each_mismatch_is_refused_with_its_code(
     status, code, message = _code(signed, _expect(**expect))
     assert (status, code) == wanted[:2]
     assert wanted[2] in message
+
+
+def test_the_training_record_matches_the_jobs_or_is_absent(eu_west: Any) -> None:
+    bf16 = TrainingConfig(precision="bf16")
+    stream = _encode(_tensors())
+    check_delta_manifest(_signed(eu_west, stream, training=bf16), _expect(training=bf16))
+    check_delta_manifest(_signed(eu_west, stream), _expect(training=bf16))
 
 
 def test_another_regions_delta_is_a_producer_mismatch(fed: Federation) -> None:

@@ -267,6 +267,14 @@ def test_dashboard_shows_what_operators_watch(dashboard):
         "geofed_agent_worker_restarts_total",
         "geofed_agent_train_seconds_total",  # compute utilisation
         "geofed_agent_wall_seconds_total",
+        "geofed_agent_train_tokens_per_second",  # training inside the regions
+        "geofed_agent_mfu_ratio",
+        "geofed_agent_train_step_seconds",
+        "geofed_agent_data_wait_seconds",
+        "geofed_agent_allreduce_seconds",
+        "geofed_agent_peak_accelerator_memory_bytes",
+        "geofed_agent_learning_rate",
+        "geofed_agent_grad_norm",
     }
     assert watched - shown == set()
 

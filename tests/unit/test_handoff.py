@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from geofed.training_config import LrSchedule, TrainingConfig
 from regional_agent.handoff import (
     HandoffDir,
     HandoffError,
@@ -52,8 +53,51 @@ def temp_files(root: Path) -> list[Path]:
     return [p for p in root.rglob("*") if p.name.endswith(".tmp")]
 
 
+TRAINED = replace(
+    INSTRUCTION,
+    training=TrainingConfig(
+        parallelism="fsdp",
+        precision="bf16",
+        grad_clip_norm=0.5,
+        grad_accumulation=2,
+        lr_schedule=LrSchedule(kind="warmup_cosine", warmup_steps=20, min_lr_ratio=0.1),
+    ),
+    total_steps=1000,
+)
+
+
 def test_instruction_round_trips_through_json() -> None:
     assert RoundInstruction.from_json(INSTRUCTION.to_json()) == INSTRUCTION
+    assert RoundInstruction.from_json(TRAINED.to_json()) == TRAINED
+    assert json.loads(TRAINED.to_json())["training"] == TRAINED.training.record()
+
+
+def test_an_instruction_may_ask_to_evaluate_the_base_first() -> None:
+    asked = replace(TRAINED, evaluate_base=True)
+    assert RoundInstruction.from_json(asked.to_json()) == asked
+    data = json.loads(asked.to_json())
+    del data["evaluate_base"]  # written by an agent that never asks
+    assert RoundInstruction.from_json(json.dumps(data).encode()).evaluate_base is False
+    with pytest.raises(InvalidHandoffData, match="evaluate_base must be a bool"):
+        replace(TRAINED, evaluate_base=1)  # type: ignore[arg-type]
+
+
+def test_a_summary_carries_the_base_evaluation_when_there_is_one() -> None:
+    evaluated = replace(SUMMARY, base_eval={"val_loss": 2.5, "val_bits_per_byte": 3.6})
+    assert RoundSummary.from_json(evaluated.to_json()) == evaluated
+    data = json.loads(SUMMARY.to_json())
+    del data["base_eval"]  # a done marker of a worker that never evaluated
+    assert RoundSummary.from_json(json.dumps(data).encode()) == SUMMARY
+    for bad in ({"val_loss": float("nan")}, {"val_loss": "2"}, [2.5]):
+        with pytest.raises(InvalidHandoffData, match="base_eval"):
+            replace(SUMMARY, base_eval=bad)  # type: ignore[arg-type]
+
+
+def test_an_instruction_without_training_trains_with_the_defaults() -> None:
+    data = json.loads(TRAINED.to_json())
+    del data["training"], data["total_steps"]
+    instruction = RoundInstruction.from_json(json.dumps(data).encode())
+    assert (instruction.training, instruction.total_steps) == (TrainingConfig(), None)
 
 
 @pytest.mark.parametrize(
@@ -69,6 +113,12 @@ def test_instruction_round_trips_through_json() -> None:
         ({"base_params": "base.pt"}, "base_params must be an absolute path"),
         ({"task_options": {"x": float("nan")}}, "task_options must be plain JSON"),
         ({"task_options": {"x": object()}}, "task_options must be plain JSON"),
+        ({"training": {"precision": "bf16"}}, "training must be a TrainingConfig"),
+        ({"total_steps": 0}, "total_steps must be an integer >= 1"),
+        (
+            {"training": TrainingConfig(lr_schedule=LrSchedule(kind="warmup_cosine"))},
+            "a warmup_cosine schedule needs total_steps",
+        ),
     ],
 )
 def test_instruction_rejects_bad_fields(change: dict[str, object], message: str) -> None:
@@ -87,6 +137,10 @@ def test_instruction_rejects_bad_fields(change: dict[str, object], message: str)
             r"unknown fields \['extra'\]",
         ),
         (json.dumps({**json.loads(INSTRUCTION.to_json()), "format": 2}).encode(), "format 2"),
+        (
+            json.dumps({**json.loads(INSTRUCTION.to_json()), "training": {"fsdp": True}}).encode(),
+            "training.fsdp",
+        ),
     ],
 )
 def test_instruction_file_errors_name_the_problem(raw: bytes, message: str) -> None:

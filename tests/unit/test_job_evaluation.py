@@ -1,16 +1,29 @@
-"""What the job keeps of its evaluations: the pointers' format and the newest loss."""
+"""What the job keeps of its evaluations: the pointers' format, the newest loss, and which
+parameters the coordinator evaluates itself (in its evaluation process, never the pool)."""
 
 from __future__ import annotations
 
-import pytest
+import dataclasses
+from types import SimpleNamespace
+from typing import Any, cast
 
+import pytest
+from prometheus_client import CollectorRegistry
+
+from coordinator.context import initial_parameters
 from coordinator.job_evaluation import (
+    JobEvaluation,
+    evaluate_params,
     format_history,
     format_val_loss,
     newest,
     parse_history,
     parse_val_loss,
 )
+from coordinator.jobspec import parse_job_spec
+from coordinator.metrics import CoordinatorMetrics
+from coordinator.working_state import WorkingState
+from geofed.task import load_task
 
 
 @pytest.mark.parametrize(("version", "loss"), [(0, 5.25), (12, 0.1 + 0.2), (3, 1e-300)])
@@ -40,3 +53,115 @@ def test_the_newest_parameters_loss_is_shown() -> None:
 
 def test_an_older_evaluation_finishing_late_changes_nothing() -> None:
     assert newest((5, 2.0), 4, 2.5) is None
+
+
+# -- where the loss comes from ---------------------------------------------------------
+
+EVALUATED = "tests.support.coordinator:EvaluatedTinyTask"
+JOB_SPEC = f"""\
+job: tiny
+task: {{spec: "{EVALUATED}", options: {{hidden: 8}}}}
+regions: {{eu-west: [eu-data], us-east: [us-data]}}
+rounds: 2
+inner_steps: 1
+checkpoint_storage: [eu-ckpt]
+"""
+
+
+class _Pointers:
+    def __init__(self) -> None:
+        self.values: dict[str, str] = {}
+
+    async def set_pointer(self, job: str, name: str, value: str) -> None:
+        self.values[name] = value
+
+
+class _InlineEvaluation:
+    """Runs what would go to the evaluation process here; the compute pool is absent, so
+    any evaluation sent there fails the test."""
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    async def evaluate(self, fn: Any, *args: Any) -> Any:
+        self.calls.append(fn.__name__)
+        return fn(*args)
+
+
+def _evaluation(evaluation: str = "") -> tuple[JobEvaluation, Any]:
+    spec = parse_job_spec(JOB_SPEC + evaluation, "job.yaml")
+    services = SimpleNamespace(
+        db=_Pointers(),
+        executors=_InlineEvaluation(),
+        metrics=CoordinatorMetrics(CollectorRegistry()),
+    )
+    ctx = SimpleNamespace(job="tiny", spec=spec)
+    return JobEvaluation(cast(Any, services), cast(Any, ctx)), services
+
+
+def _state(version: int) -> WorkingState:
+    task = load_task(EVALUATED, {"hidden": 8})
+    return dataclasses.replace(
+        WorkingState.initial(initial_parameters(task, 0), {}), version=version
+    )
+
+
+def _count(services: Any, where: str) -> float:
+    value = services.metrics.registry.get_sample_value(
+        "geofed_evaluations_total", {"job": "tiny", "where": where}
+    )
+    return 0.0 if value is None else float(value)
+
+
+async def test_a_regions_evaluation_is_recorded_as_the_coordinators_was() -> None:
+    evaluation, services = _evaluation()
+    evaluation.record(0, {"val_loss": 4.5, "val_bits_per_byte": 6.5})
+    evaluation.record(1, {"val_loss": 3.0})
+    await evaluation.finish()
+    assert evaluation.history == {0: 4.5, 1: 3.0}
+    assert evaluation.val_loss == (1, 3.0)
+    assert parse_history(services.db.values["val_loss_history"]) == {0: 4.5, 1: 3.0}
+    assert parse_val_loss(services.db.values["val_loss"]) == (1, 3.0)
+    gauge = services.metrics.registry.get_sample_value(
+        "geofed_global_validation_loss", {"job": "tiny"}
+    )
+    assert gauge == 3.0
+    assert _count(services, "region") == 2
+    # An older version reported late joins the history but not the job's loss.
+    evaluation.record(0, {"val_loss": 4.4})
+    await evaluation.finish()
+    assert evaluation.history[0] == 4.4
+    assert evaluation.val_loss == (1, 3.0)
+
+
+async def test_by_default_the_coordinator_evaluates_only_the_last_parameters() -> None:
+    evaluation, services = _evaluation()
+    for version in (0, 1):
+        evaluation.later(_state(version))
+    await evaluation.finish()
+    assert services.executors.calls == []
+    evaluation.later(_state(2))
+    await evaluation.finish()
+    assert services.executors.calls == ["evaluate_in_process"]
+    assert set(evaluation.history) == {2}
+    assert _count(services, "coordinator") == 1
+
+
+async def test_where_coordinator_evaluates_the_chosen_parameters_in_its_process() -> None:
+    evaluation, services = _evaluation("evaluation: {where: coordinator, every: 2}\n")
+    for version in (0, 1, 2):
+        evaluation.later(_state(version))
+    await evaluation.finish()
+    assert services.executors.calls == ["evaluate_in_process"] * 2
+    assert set(evaluation.history) == {0, 2}
+    task = load_task(EVALUATED, {"hidden": 8})
+    expected = evaluate_params(task, 0, initial_parameters(task, 0))["val_loss"]
+    assert evaluation.history[0] == expected
+
+
+async def test_nobody_evaluates_under_where_none() -> None:
+    evaluation, services = _evaluation("evaluation: {where: none}\n")
+    evaluation.later(_state(2))
+    await evaluation.finish()
+    assert services.executors.calls == []
+    assert evaluation.history == {}

@@ -124,6 +124,8 @@ TAMPERS: dict[str, Callable[[dict[str, Any]], None]] = {
     "base_hash": _set(("base_hash",), "cd" * 32),
     "tokens": _set(("tokens",), 1 << 20),
     "parameters_hash": _set(("parameters_hash",), "ef" * 32),
+    "training": _set(("training", "lr_schedule", "warmup_steps"), 11),
+    "base_eval": _set(("base_eval", "val_loss"), 2.25),
 }
 
 
@@ -138,6 +140,63 @@ def test_tampering_with_any_field_is_detected(fed, producer, field):
     tampered = SignedManifest.from_bytes(json.dumps(document).encode())
     with pytest.raises(BadSignature):
         tampered.verify(fed.bundle(), now=NOW)
+
+
+def test_the_manifest_records_the_training_section(fed, producer):
+    document = json.loads(signed(producer).to_bytes())
+    assert document["manifest"]["training"] == {
+        "parallelism": "ddp",
+        "precision": "bf16",
+        "grad_clip_norm": 1.0,
+        "grad_accumulation": 1,
+        "activation_checkpointing": False,
+        "lr_schedule": {"kind": "warmup_cosine", "warmup_steps": 10, "min_lr_ratio": 0.1},
+    }
+    del document["manifest"]["training"]
+    stripped = SignedManifest.from_bytes(json.dumps(document).encode())
+    with pytest.raises(BadSignature):
+        stripped.verify(fed.bundle(), now=NOW)
+
+
+def test_a_manifest_without_training_keeps_the_form_it_was_signed_in(fed, producer):
+    # Manifests signed before the field existed carry no "training" key and verify still.
+    manifest = make_manifest(producer, training=None)
+    canonical = json.loads(manifest.canonical_bytes())
+    assert "training" not in canonical
+    assert canonical == {
+        key: value for key, value in manifest.model_dump(mode="json").items() if key != "training"
+    }
+    wire = signed(producer, manifest).to_bytes()
+    assert b"training" not in wire
+    parsed = SignedManifest.from_bytes(wire)
+    assert parsed.manifest.training is None
+    assert parsed.verify(fed.bundle(), now=NOW) == producer.identity
+    document = json.loads(wire)
+    document["manifest"]["training"] = None  # an explicit null means the same
+    again = SignedManifest.from_bytes(json.dumps(document).encode())
+    assert again.verify(fed.bundle(), now=NOW) == producer.identity
+
+
+def test_the_manifest_carries_the_base_evaluation_signed(fed, producer):
+    document = json.loads(signed(producer).to_bytes())
+    assert document["manifest"]["base_eval"] == {"val_loss": 2.5, "val_bits_per_byte": 3.6067}
+    del document["manifest"]["base_eval"]
+    stripped = SignedManifest.from_bytes(json.dumps(document).encode())
+    with pytest.raises(BadSignature):
+        stripped.verify(fed.bundle(), now=NOW)
+    # Signed before the field existed, or by a region that did not evaluate: no key at all.
+    wire = signed(producer, make_manifest(producer, base_eval=None)).to_bytes()
+    assert b"base_eval" not in wire
+    assert SignedManifest.from_bytes(wire).verify(fed.bundle(), now=NOW) == producer.identity
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [{"val_loss": float("nan")}, {"val_loss": "2.5"}, {"bad name": 1.0}, {"val_loss": True}],
+)
+def test_a_base_evaluation_holds_finite_named_numbers(producer, bad):
+    with pytest.raises(ValueError, match="base_eval"):
+        make_manifest(producer, base_eval=bad)
 
 
 def test_unknown_format_version_is_malformed(producer):

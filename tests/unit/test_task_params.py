@@ -9,7 +9,16 @@ import pytest
 import torch
 from torch import nn
 
-from geofed.params import model_state, parameters_vector_hash, state_to_fp32
+from geofed.params import (
+    check_federated_state,
+    count_parameters,
+    federated_names,
+    federated_state,
+    load_federated_state,
+    model_state,
+    parameters_vector_hash,
+    state_to_fp32,
+)
 
 
 def _state() -> dict[str, torch.Tensor]:
@@ -100,11 +109,13 @@ def test_unusual_tensors_hash(tensor: torch.Tensor) -> None:
     assert digest == parameters_vector_hash({"t": tensor.clone()})
 
 
-def test_module_hash_equals_its_state_dict_hash() -> None:
+def test_module_hash_equals_its_federated_state_dict_hash() -> None:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4))
-    assert parameters_vector_hash(model) == parameters_vector_hash(model.state_dict())
+    floats = {k: v for k, v in model.state_dict().items() if k != "1.num_batches_tracked"}
+    assert parameters_vector_hash(model) == parameters_vector_hash(floats)
     assert "1.running_mean" in model_state(model)
+    assert "1.num_batches_tracked" not in model_state(model)
 
 
 def test_non_tensor_entry_is_refused() -> None:
@@ -136,3 +147,103 @@ def test_state_to_fp32_is_a_detached_copy() -> None:
     assert parameters_vector_hash(snapshot) == before
     assert not snapshot["weight"].requires_grad
     assert snapshot["weight"].data_ptr() != model.weight.data_ptr()
+
+
+class _Rotary(nn.Module):
+    """A float weight and buffer beside a complex64 table and an int64 counter."""
+
+    scale: torch.Tensor
+    freqs_cis: torch.Tensor
+    seen: torch.Tensor
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+        self.register_buffer("scale", torch.full((4,), 0.5))
+        angles = torch.arange(6, dtype=torch.float32).reshape(3, 2)
+        self.register_buffer("freqs_cis", torch.polar(torch.ones_like(angles), angles))
+        self.register_buffer("seen", torch.tensor(0, dtype=torch.int64))
+        self.register_buffer("scratch", torch.zeros(2), persistent=False)
+
+
+def _rotary(seed: int = 0) -> _Rotary:
+    torch.manual_seed(seed)
+    return _Rotary()
+
+
+def test_federated_state_is_the_floating_persistent_state() -> None:
+    model = _rotary()
+    assert model.freqs_cis.dtype == torch.complex64
+    assert set(model.state_dict()) == {"proj.weight", "proj.bias", "scale", "freqs_cis", "seen"}
+    expected = {"proj.weight", "proj.bias", "scale"}
+    assert set(federated_state(model)) == expected
+    assert federated_names(model) == expected
+    assert set(federated_state(model.state_dict())) == expected
+    assert set(state_to_fp32(model)) == expected
+    assert federated_state(model)["proj.weight"].data_ptr() == model.proj.weight.data_ptr()
+
+
+def test_federated_state_hash_ignores_rebuilt_buffers() -> None:
+    model = _rotary()
+    digest = parameters_vector_hash(model)
+    assert digest == parameters_vector_hash(state_to_fp32(model))
+    assert digest == parameters_vector_hash(_rotary())
+    model.seen.add_(1)
+    with torch.no_grad():
+        model.freqs_cis.mul_(2)
+    assert parameters_vector_hash(model) == digest
+    with torch.no_grad():
+        model.scale.add_(1.0)
+    assert parameters_vector_hash(model) != digest
+
+
+def test_load_federated_state_copies_exactly_the_federated_tensors() -> None:
+    source, target = _rotary(1), _rotary(2)
+    target.seen.add_(5)
+    table = target.freqs_cis.clone()
+    check_federated_state(target, state_to_fp32(source))
+    load_federated_state(target, state_to_fp32(source))
+    assert parameters_vector_hash(target) == parameters_vector_hash(source)
+    assert torch.equal(target.freqs_cis, table)
+    assert int(target.seen) == 5
+
+
+def test_load_federated_state_casts_to_the_model_dtype() -> None:
+    source, target = _rotary(1), _rotary(2)
+    target.proj.to(torch.bfloat16)
+    load_federated_state(target, state_to_fp32(source))
+    assert target.proj.weight.dtype == torch.bfloat16
+    assert target.freqs_cis.dtype == torch.complex64
+    assert torch.equal(target.proj.weight, source.proj.weight.to(torch.bfloat16))
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (lambda s: s.pop("scale"), r"missing \['scale'\], unexpected \[\]"),
+        (lambda s: s.update(extra=torch.zeros(1)), r"missing \[\], unexpected \['extra'\]"),
+        (lambda s: s.update(scale=torch.zeros(5)), r"scale: \(5,\) != \(4,\)"),
+    ],
+)
+def test_load_federated_state_is_strict_before_copying(change: object, message: str) -> None:
+    source, target = _rotary(1), _rotary(2)
+    state = state_to_fp32(source)
+    assert callable(change)
+    change(state)
+    before = parameters_vector_hash(target)
+    with pytest.raises(ValueError, match=message):
+        check_federated_state(target, state)
+    with pytest.raises(ValueError, match=message):
+        load_federated_state(target, state)
+    assert parameters_vector_hash(target) == before
+
+
+def test_load_federated_state_refuses_a_rebuilt_buffer() -> None:
+    source, target = _rotary(1), _rotary(2)
+    state = dict(source.state_dict())
+    with pytest.raises(ValueError, match=r"unexpected \['freqs_cis', 'seen'\]"):
+        load_federated_state(target, state)
+
+
+def test_count_parameters_looks_through_nothing_but_parameters() -> None:
+    assert count_parameters(_rotary()) == 4 * 4 + 4

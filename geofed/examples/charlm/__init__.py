@@ -3,6 +3,7 @@
 Job configs name it ``geofed.examples.charlm:CharLMTask``.
 """
 
-from geofed.examples.charlm.task import CharLMOptions, CharLMTask, TokenBatch
+from geofed.examples.charlm.data import TokenBatch
+from geofed.examples.charlm.task import CharLMOptions, CharLMTask
 
 __all__ = ["CharLMOptions", "CharLMTask", "TokenBatch"]

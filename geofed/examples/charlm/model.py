@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F  # noqa: N812 -- the conventional torch alias
 from torch import nn
 
-VOCAB_SIZE = 256
+from geofed.examples.charlm.data import VOCAB_SIZE
 
 
 class Block(nn.Module):
@@ -83,8 +83,3 @@ class CharTransformer(nn.Module):
             x = block(x)
         logits: torch.Tensor = self.head(self.ln_f(x))
         return logits
-
-
-def count_parameters(model: nn.Module) -> int:
-    """Return the number of scalar parameters in ``model``."""
-    return sum(p.numel() for p in model.parameters())

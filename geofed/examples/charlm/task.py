@@ -2,21 +2,17 @@
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Self
 
 import torch
-import torch.nn.functional as F  # noqa: N812 -- the conventional torch alias
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from torch import nn
 
-from geofed.examples.charlm.corpus import Corpus, load_corpus
-from geofed.examples.charlm.model import VOCAB_SIZE, CharTransformer
-from geofed.examples.charlm.sampling import WindowSampler
-from geofed.params import unwrap_model
+from geofed.examples.charlm.corpus import Corpus
+from geofed.examples.charlm.data import ByteBatches, TokenBatch, next_byte_loss
+from geofed.examples.charlm.model import CharTransformer
 from geofed.task import DataShard, Task
 
 
@@ -53,14 +49,6 @@ class CharLMOptions(BaseModel):
         return self
 
 
-@dataclass(frozen=True, slots=True)
-class TokenBatch:
-    """Input bytes and next-byte targets, both ``(batch, seq_len)`` int64."""
-
-    inputs: torch.Tensor
-    targets: torch.Tensor
-
-
 class CharLMTask(Task[TokenBatch]):
     """Next-byte prediction on Python source; each region trains on its own packages.
 
@@ -73,13 +61,18 @@ class CharLMTask(Task[TokenBatch]):
 
     def __init__(self, options: CharLMOptions | None = None) -> None:
         self.options = options if options is not None else CharLMOptions()
-        self._groups: dict[tuple[int, int], torch.Tensor] = {}
-        self._validation: torch.Tensor | None = None
+        opts = self.options
+        self._data = ByteBatches(
+            corpus_dir=opts.corpus_dir,
+            seq_len=opts.seq_len,
+            batch_size=opts.batch_size,
+            val_batches=opts.val_batches,
+        )
 
     @property
     def corpus(self) -> Corpus:
         """The corpus this task reads (loaded once per process)."""
-        return load_corpus(self.options.corpus_dir)
+        return self._data.corpus
 
     def build_model(self, seed: int | None = None) -> nn.Module:
         opts = self.options
@@ -100,47 +93,11 @@ class CharLMTask(Task[TokenBatch]):
             params, lr=opts.lr, betas=(opts.beta1, opts.beta2), weight_decay=opts.weight_decay
         )
 
-    def _group(self, shard: DataShard) -> torch.Tensor:
-        key = (shard.region_index, shard.num_regions)
-        if key not in self._groups:
-            data = self.corpus.group_data(shard.region_index, shard.num_regions)
-            self._groups[key] = _as_tensor(data)
-        return self._groups[key]
-
-    def _validation_data(self) -> torch.Tensor:
-        if self._validation is None:
-            self._validation = _as_tensor(self.corpus.validation)
-        return self._validation
-
     def batches(self, shard: DataShard, start_step: int = 0) -> Iterator[TokenBatch]:
-        if start_step < 0:
-            raise ValueError(f"start_step must be >= 0, got {start_step}")
-        data = self._group(shard)
-        window = self.options.seq_len + 1
-        sampler = WindowSampler(
-            stream_len=data.numel(),
-            window=window,
-            rank=shard.rank,
-            world_size=shard.world_size,
-            key=(shard.seed, shard.region_index, shard.num_regions, shard.world_size),
-        )
-        return self._iterate(data, sampler, start_step)
-
-    def _iterate(
-        self, data: torch.Tensor, sampler: WindowSampler, start_step: int
-    ) -> Iterator[TokenBatch]:
-        batch_size = self.options.batch_size
-        offsets = torch.arange(sampler.window, dtype=torch.int64)
-        step = start_step
-        while True:
-            starts = sampler.starts(step * batch_size, batch_size)
-            yield _to_batch(data[starts[:, None] + offsets])
-            step += 1
+        return self._data.batches(shard, start_step)
 
     def loss(self, model: nn.Module, batch: TokenBatch) -> torch.Tensor:
-        device = next(model.parameters()).device
-        logits = model(batch.inputs.to(device))
-        return F.cross_entropy(logits.reshape(-1, VOCAB_SIZE), batch.targets.to(device).reshape(-1))
+        return next_byte_loss(model, batch)
 
     def tokens(self, batch: TokenBatch) -> int:
         return batch.targets.numel()
@@ -150,35 +107,4 @@ class CharLMTask(Task[TokenBatch]):
 
         A DDP wrapper is looked through, so one rank can evaluate without the others.
         """
-        model = unwrap_model(model)
-        opts = self.options
-        data = self._validation_data()
-        window = opts.seq_len + 1
-        count = opts.val_batches * opts.batch_size
-        if data.numel() < window:
-            raise ValueError(f"validation split ({data.numel()} bytes) is shorter than one window")
-        starts = torch.linspace(0, data.numel() - window, count, dtype=torch.float64).long()
-        offsets = torch.arange(window, dtype=torch.int64)
-        was_training = model.training
-        model.eval()
-        total = 0.0
-        try:
-            with torch.no_grad():
-                for first in range(0, count, opts.batch_size):
-                    chunk = starts[first : first + opts.batch_size]
-                    batch = _to_batch(data[chunk[:, None] + offsets])
-                    total += float(self.loss(model, batch)) * batch.targets.numel()
-        finally:
-            model.train(was_training)
-        val_loss = total / (count * opts.seq_len)
-        return {"val_loss": val_loss, "val_bits_per_byte": val_loss / math.log(2)}
-
-
-def _as_tensor(data: bytes) -> torch.Tensor:
-    # bytearray: torch.frombuffer warns on (and must not alias) an immutable buffer.
-    return torch.frombuffer(bytearray(data), dtype=torch.uint8)
-
-
-def _to_batch(windows: torch.Tensor) -> TokenBatch:
-    ids = windows.to(torch.int64)
-    return TokenBatch(inputs=ids[:, :-1].contiguous(), targets=ids[:, 1:].contiguous())
+        return self._data.evaluate(model, self.loss)

@@ -1,0 +1,125 @@
+"""``LlamaTask``: a Llama-style decoder on the byte corpus ``CharLMTask`` trains on."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Sequence
+from pathlib import Path
+from typing import Self
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from torch import nn
+
+from geofed.examples.charlm.data import VOCAB_SIZE, ByteBatches, TokenBatch, next_byte_loss
+from geofed.examples.llama.model import Llama, LlamaConfig
+from geofed.examples.llama.presets import PRESETS, PresetName
+from geofed.params import unwrap_model
+from geofed.task import DataShard, Task
+
+
+class LlamaOptions(BaseModel):
+    """Options of :class:`LlamaTask`: a preset, sizes that override it, and training knobs."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    preset: PresetName = Field(default="tiny", description="named size: tiny, 125m, 350m, 1b")
+    dim: int | None = Field(default=None, ge=8, description="residual width; default: preset's")
+    n_layers: int | None = Field(default=None, ge=1, description="blocks; default: preset's")
+    n_heads: int | None = Field(default=None, ge=1, description="query heads; must divide dim")
+    n_kv_heads: int | None = Field(
+        default=None, ge=1, description="key/value heads; must divide n_heads"
+    )
+    ffn_dim: int | None = Field(default=None, ge=1, description="SwiGLU hidden width")
+    tie_embeddings: bool = Field(default=False, description="output head reuses the embedding")
+    rope_theta: float = Field(default=10000.0, gt=0.0, description="rotary base period")
+    seq_len: int = Field(default=128, ge=2, description="bytes of context per training sample")
+    batch_size: int = Field(default=8, ge=1, description="samples per step per worker")
+    lr: float = Field(default=1e-3, gt=0.0, description="inner AdamW learning rate")
+    weight_decay: float = Field(default=0.1, ge=0.0, description="inner AdamW weight decay")
+    beta1: float = Field(default=0.9, ge=0.0, lt=1.0)
+    beta2: float = Field(default=0.95, ge=0.0, lt=1.0)
+    seed: int = Field(default=0, ge=0, description="model initialisation seed")
+    val_batches: int = Field(default=8, ge=1, description="batches of batch_size per evaluation")
+    corpus_dir: Path | None = Field(
+        default=None, description="tree of .py files to train on; default: the standard library"
+    )
+
+    @model_validator(mode="after")
+    def _sizes_fit(self) -> Self:
+        self.architecture()  # its ValueError names the sizes that do not fit
+        return self
+
+    def architecture(self) -> LlamaConfig:
+        """The model these options describe: the preset with the sizes given here."""
+        preset = PRESETS[self.preset]
+        return LlamaConfig(
+            vocab_size=VOCAB_SIZE,
+            dim=preset.dim if self.dim is None else self.dim,
+            n_layers=preset.n_layers if self.n_layers is None else self.n_layers,
+            n_heads=preset.n_heads if self.n_heads is None else self.n_heads,
+            n_kv_heads=preset.n_kv_heads if self.n_kv_heads is None else self.n_kv_heads,
+            ffn_dim=preset.ffn_dim if self.ffn_dim is None else self.ffn_dim,
+            max_seq_len=self.seq_len,
+            tie_embeddings=self.tie_embeddings,
+            rope_theta=self.rope_theta,
+        )
+
+
+class LlamaTask(Task[TokenBatch]):
+    """Next-byte prediction with a Llama-style decoder, data split by region as charlm's.
+
+    Each transformer block is an FSDP unit and an activation-checkpointing unit.
+    """
+
+    Options = LlamaOptions
+
+    def __init__(self, options: LlamaOptions | None = None) -> None:
+        self.options = options if options is not None else LlamaOptions()
+        opts = self.options
+        self.config = opts.architecture()
+        self._data = ByteBatches(
+            corpus_dir=opts.corpus_dir,
+            seq_len=opts.seq_len,
+            batch_size=opts.batch_size,
+            val_batches=opts.val_batches,
+        )
+
+    def build_model(self, seed: int | None = None) -> nn.Module:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(self.options.seed if seed is None else seed)
+            return Llama(self.config)
+
+    def build_optimizer(self, params: Iterable[torch.Tensor]) -> torch.optim.Optimizer:
+        opts = self.options
+        return torch.optim.AdamW(
+            params, lr=opts.lr, betas=(opts.beta1, opts.beta2), weight_decay=opts.weight_decay
+        )
+
+    def batches(self, shard: DataShard, start_step: int = 0) -> Iterator[TokenBatch]:
+        return self._data.batches(shard, start_step)
+
+    def loss(self, model: nn.Module, batch: TokenBatch) -> torch.Tensor:
+        return next_byte_loss(model, batch)
+
+    def tokens(self, batch: TokenBatch) -> int:
+        return batch.targets.numel()
+
+    def evaluate(self, model: nn.Module) -> dict[str, float]:
+        """Mean next-byte loss over ``val_batches`` fixed validation windows (as charlm's)."""
+        return self._data.evaluate(model, self.loss)
+
+    def fsdp_units(self, model: nn.Module) -> Sequence[nn.Module]:
+        return tuple(_llama(model).layers)
+
+    def checkpoint_units(self, model: nn.Module) -> Sequence[nn.Module]:
+        return tuple(_llama(model).layers)
+
+    def flops_per_token(self, model: nn.Module) -> float:
+        return _llama(model).config.flops_per_token(self.options.seq_len)
+
+
+def _llama(model: nn.Module) -> Llama:
+    inner = unwrap_model(model)
+    if not isinstance(inner, Llama):
+        raise TypeError(f"expected the Llama this task builds, got {type(inner).__name__}")
+    return inner

@@ -1,0 +1,138 @@
+"""A region's inner training state for one job on one rank: built, resumed, made ready.
+
+:meth:`JobState.build` does what a rank can do alone: import the task, build the model
+on the device, make its checkpointed modules recompute, and take the data cursor and
+inner optimizer state from the regional checkpoint. :meth:`JobState.ready` then does
+the collectives, once per state: wrap the model for the job's parallelism, build the
+optimizer and load the checkpoint's optimizer state into it. The split lets the ranks
+agree that every one of them got through the first part before any enters a collective
+its peers would never join. :func:`read_base` is rank 0's share of a round's start.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from geofed.lr_schedule import apply_lr
+from geofed.params import check_federated_state, parameters_vector_hash
+from geofed.task import Task, load_task
+from geofed.training_config import TrainingConfig
+from regional_agent.activation_checkpointing import checkpoint_activations, checkpointed_modules
+from regional_agent.handoff import RegionalCheckpoint, RoundInstruction
+from regional_agent.parallelism import ParallelModel, wrap
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class JobState:
+    """The inner training state of one job, identical on every rank.
+
+    ``resume_optimizer`` is the regional checkpoint's optimizer state until
+    :meth:`ready` has loaded it; ``parallel`` and ``optimizer`` exist from then on.
+    """
+
+    job: str
+    training: TrainingConfig
+    task: Task[Any]
+    model: nn.Module
+    fsdp_units: tuple[nn.Module, ...]
+    cursor: int
+    last_round: int | None
+    resume_optimizer: dict[str, Any] | None
+    parallel: ParallelModel | None = None
+    optimizer: torch.optim.Optimizer | None = None
+
+    @classmethod
+    def build(
+        cls,
+        instruction: RoundInstruction,
+        device: torch.device,
+        checkpoint: RegionalCheckpoint | None,
+    ) -> JobState:
+        """A fresh state for ``instruction``'s job, resumed from ``checkpoint`` if it is the
+        job's (no collectives)."""
+        job, training = instruction.job, instruction.training
+        task = load_task(instruction.task, instruction.task_options)
+        model = task.build_model(seed=instruction.seed).to(device)
+        if training.activation_checkpointing:
+            checkpoint_activations(checkpointed_modules(task, model))
+        units = tuple(task.fsdp_units(model)) if training.parallelism == "fsdp" else ()
+        if checkpoint is None or checkpoint.job != job:
+            log.info("job %s: fresh regional state", job)
+            return cls(job, training, task, model, units, 0, None, None)
+        if checkpoint.parallelism != training.parallelism:
+            raise ValueError(
+                f"the regional checkpoint of job {job} holds {checkpoint.parallelism} "
+                f"optimizer state; the job trains with {training.parallelism}"
+            )
+        log.info(
+            "job %s: resumed from the regional checkpoint of round %d (data step %d)",
+            job,
+            checkpoint.last_round,
+            checkpoint.cursor,
+        )
+        return cls(
+            job,
+            training,
+            task,
+            model,
+            units,
+            checkpoint.cursor,
+            checkpoint.last_round,
+            checkpoint.optimizer_state,
+        )
+
+    def serves(self, instruction: RoundInstruction) -> bool:
+        """Whether this state trains ``instruction`` (same job, same training section)."""
+        return (self.job, self.training) == (instruction.job, instruction.training)
+
+    def ready(self, device: torch.device) -> tuple[ParallelModel, torch.optim.Optimizer]:
+        """The wrapped model and its optimizer, made on the first call (collectives)."""
+        if self.parallel is not None and self.optimizer is not None:
+            return self.parallel, self.optimizer
+        training = self.training
+        parallel = wrap(
+            self.model, training.parallelism, training.precision, device, self.fsdp_units
+        )
+        optimizer = self.task.build_optimizer(parallel.model.parameters())
+        # Every rank records the task's base rates now: under FSDP a state loaded from
+        # rank 0 fills only the param-group keys each rank already has.
+        apply_lr(optimizer, 1.0)
+        if self.resume_optimizer is not None:
+            parallel.load_optimizer_state(optimizer, self.resume_optimizer)
+            self.resume_optimizer = None
+        self.parallel, self.optimizer = parallel, optimizer
+        log.info(
+            "job %s: %s, %s compute, on %s",
+            self.job,
+            training.parallelism,
+            training.precision,
+            device,
+        )
+        return parallel, optimizer
+
+
+@dataclass(frozen=True, slots=True)
+class BaseParams:
+    """A round's base θ as rank 0 read it (mapped from its file), and its hash."""
+
+    state: Mapping[str, torch.Tensor]
+    hash: str
+
+
+def read_base(model: nn.Module, path: str) -> BaseParams:
+    """Map the base θ at ``path``, check that it fits ``model``, and hash it (rank 0)."""
+    base = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    if not isinstance(base, Mapping) or not all(
+        isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in base.items()
+    ):
+        raise ValueError(f"{path} is not a state dict of named tensors")
+    check_federated_state(model, base)
+    return BaseParams(base, parameters_vector_hash(base))

@@ -1,0 +1,186 @@
+"""Data parallelism inside a region: a model wrapped for DDP or FSDP2, and its full state.
+
+:func:`wrap` turns a job's bare model into a :class:`ParallelModel` on every rank:
+
+- ``ddp``: replicated parameters and optimizer state, gradients all-reduced
+  (``DistributedDataParallel``);
+- ``fsdp``: FSDP2 (``fully_shard``) on each unit the task declares
+  (:meth:`~geofed.task.Task.fsdp_units`), then the root: parameters, gradients and the
+  optimizer state are sharded across the ranks.
+
+The federation sees neither wrapper. What comes in (the round's base θ) and what goes
+out (the trained parameters, the inner optimizer state of the regional checkpoint) is
+the *full* state, held by rank 0 alone: rank 0 reads θ and broadcasts it tensor by
+tensor (:meth:`ParallelModel.load_full_state`), so N ranks never hold N copies in host
+memory; the trained fp32 parameters are gathered to rank 0 the same way
+(:meth:`ParallelModel.full_state`). The inner optimizer state is saved whole by rank 0
+(:meth:`ParallelModel.optimizer_state`); under FSDP it is gathered by parameter name, so
+a restarted group of another size loads it too, and loaded back by broadcast from rank 0.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.tensor import DTensor
+from torch.nn.parallel import DistributedDataParallel
+
+from geofed.params import federated_state, state_to_fp32
+from geofed.training_config import Parallelism, Precision
+from regional_agent.comm_timer import CommTimer
+from regional_agent.precision import mixed_precision_policy
+
+# Rank 0 holds the full state; the others pass an empty one and receive theirs.
+_FROM_RANK0 = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=False)
+_TO_RANK0 = StateDictOptions(full_state_dict=True, cpu_offload=True)
+
+
+@dataclass(frozen=True, slots=True)
+class ParallelModel:
+    """One job's model on one rank, wrapped for the region's data parallelism.
+
+    ``model`` is the bare module ``build_model`` returned (sharded in place under FSDP);
+    ``module`` is what the forward runs through (the DDP wrapper, or the FSDP root).
+    ``comm`` times the gradient all-reduce under DDP; None under FSDP, which cannot be
+    timed the same way (see :mod:`regional_agent.comm_timer`).
+    """
+
+    kind: Parallelism
+    model: nn.Module
+    module: nn.Module
+    comm: CommTimer | None = None
+
+    def gradient_sync(self, enabled: bool) -> AbstractContextManager[object]:
+        """The context of one micro-batch's forward and backward; without sync, the
+        gradients accumulate locally until the step's last micro-batch."""
+        if enabled:
+            return contextlib.nullcontext()
+        if isinstance(self.module, DistributedDataParallel):
+            return self.module.no_sync()
+        if isinstance(self.module, FSDPModule):
+            return _fsdp_without_sync(self.module)
+        return contextlib.nullcontext()
+
+    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
+        """Clip the gradient's global L2 norm; return the norm before clipping.
+
+        Under FSDP the gradients are DTensor shards and the norm is reduced over the
+        ranks; the value is the same on every rank.
+        """
+        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+        if isinstance(norm, DTensor):
+            norm = norm.full_tensor()
+        return norm
+
+    def grad_norm(self) -> torch.Tensor:
+        """The gradient's global L2 norm, leaving the gradients as they are.
+
+        A collective under FSDP, like :meth:`clip_grad_norm`.
+        """
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        norm = torch.nn.utils.get_total_norm(grads)
+        if isinstance(norm, DTensor):
+            norm = norm.full_tensor()
+        return norm
+
+    def load_full_state(self, state: Mapping[str, torch.Tensor] | None) -> None:
+        """Load rank 0's full federated ``state`` into every rank (a collective).
+
+        Only rank 0 passes ``state``, checked first with
+        :func:`geofed.params.check_federated_state`; it is broadcast one tensor at a time
+        and each rank keeps its own part. Tensors outside the federated state (complex
+        RoPE tables, integer buffers) keep what ``build_model`` gave them.
+        """
+        given: dict[str, Any] = {}
+        if state is not None and dist.get_rank() == 0:
+            given.update(state)
+        set_model_state_dict(self.model, given, options=_FROM_RANK0)
+
+    def full_state(self) -> dict[str, torch.Tensor] | None:
+        """The trained federated state as fp32 CPU tensors on rank 0; None elsewhere.
+
+        A collective under FSDP (each parameter gathered in turn); rank 0 copies its
+        replica under DDP.
+        """
+        if self.kind == "fsdp":
+            full = get_model_state_dict(self.model, options=_TO_RANK0)
+            if dist.get_rank() != 0:
+                return None
+            tensors = {name: v for name, v in full.items() if isinstance(v, torch.Tensor)}
+            return state_to_fp32(federated_state(tensors))
+        return state_to_fp32(self.model) if dist.get_rank() == 0 else None
+
+    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any] | None:
+        """The whole inner optimizer state on rank 0 (for the regional checkpoint).
+
+        DDP: the optimizer's own ``state_dict()`` (every rank holds the same). FSDP: the
+        shards gathered into one state keyed by parameter name (a collective).
+        """
+        if self.kind == "fsdp":
+            full = get_optimizer_state_dict(self.model, optimizer, options=_TO_RANK0)
+            return dict(full) if dist.get_rank() == 0 else None
+        return optimizer.state_dict() if dist.get_rank() == 0 else None
+
+    def load_optimizer_state(
+        self, optimizer: torch.optim.Optimizer, state: Mapping[str, Any]
+    ) -> None:
+        """Load a state :meth:`optimizer_state` saved into a freshly built optimizer.
+
+        DDP: every rank loads the state it read. FSDP: rank 0's state is broadcast
+        and each rank keeps its shard (a collective; the other ranks' copies are unused).
+        """
+        if self.kind == "fsdp":
+            given = dict(state) if dist.get_rank() == 0 else {}
+            set_optimizer_state_dict(
+                self.model,
+                optimizer,
+                given,
+                options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True),
+            )
+            return
+        optimizer.load_state_dict(dict(state))
+
+
+def wrap(
+    model: nn.Module,
+    parallelism: Parallelism,
+    precision: Precision,
+    device: torch.device,
+    fsdp_units: Sequence[nn.Module] = (),
+) -> ParallelModel:
+    """Wrap ``model`` (already on ``device``) for the region's parallelism (a collective)."""
+    if parallelism == "fsdp":
+        policy = mixed_precision_policy(precision)
+        for unit in fsdp_units:
+            fully_shard(unit, mp_policy=policy)
+        fully_shard(model, mp_policy=policy)  # the same module, now an FSDPModule too
+        return ParallelModel("fsdp", model, model)
+    device_ids = [device.index] if device.type == "cuda" else None
+    ddp = DistributedDataParallel(model, device_ids=device_ids)
+    comm = CommTimer(device)
+    comm.attach(ddp)
+    return ParallelModel("ddp", model, ddp, comm)
+
+
+@contextlib.contextmanager
+def _fsdp_without_sync(module: FSDPModule) -> Iterator[None]:
+    module.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        module.set_requires_gradient_sync(True)

@@ -1,0 +1,77 @@
+"""DDP's gradient all-reduce, timed by a communication hook, with 2 gloo ranks.
+
+The hook must change nothing the ranks compute: the same model, data and steps with and
+without it give bit-identical parameters, and the time it reports is positive and
+within the wall time of the steps.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.multiprocessing.spawn import spawn
+from torch.nn.parallel import DistributedDataParallel
+
+from regional_agent.comm_timer import CommTimer
+from tests.support.mosquitto import free_port
+
+pytestmark = pytest.mark.integration
+
+WORLD = 2
+STEPS = 4
+
+
+def _train(rank: int, timer: CommTimer | None) -> tuple[dict[str, torch.Tensor], float]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.Tanh(), nn.Linear(64, 8))
+    # Small buckets: several all-reduces per backward, in flight together.
+    ddp = DistributedDataParallel(model, bucket_cap_mb=0.005)
+    if timer is not None:
+        timer.attach(ddp)
+        timer.start()
+    optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    data = torch.Generator().manual_seed(rank)
+    started = time.perf_counter()
+    for _ in range(STEPS):
+        optimizer.zero_grad()
+        x = torch.randn(16, 32, generator=data)
+        ddp(x).square().mean().backward()
+        optimizer.step()
+    wall = time.perf_counter() - started
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}, wall
+
+
+def _rank(rank: int, port: int, out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    try:
+        plain, _ = _train(rank, None)
+        timer = CommTimer(torch.device("cpu"))
+        timed, wall = _train(rank, timer)
+        torch.save(
+            {"plain": plain, "timed": timed, "seconds": timer.seconds(), "wall": wall},
+            Path(out) / f"rank-{rank}.pt",
+        )
+    finally:
+        dist.destroy_process_group()
+
+
+def test_the_timed_all_reduce_changes_nothing_and_measures_time(tmp_path: Path) -> None:
+    spawn(_rank, args=(free_port(), str(tmp_path)), nprocs=WORLD, join=True)
+
+    results = [torch.load(tmp_path / f"rank-{r}.pt", weights_only=True) for r in range(WORLD)]
+    for result in results:
+        assert result["plain"].keys() == result["timed"].keys()
+        for name, tensor in result["plain"].items():
+            assert torch.equal(result["timed"][name], tensor), name
+        assert 0 < result["seconds"] <= result["wall"]
+    # The ranks stayed in step with each other, too.
+    for name, tensor in results[0]["timed"].items():
+        assert torch.equal(results[1]["timed"][name], tensor), name

@@ -1,0 +1,123 @@
+"""A model with a complex64 persistent buffer trains through the real worker group.
+
+The llama ``tiny`` preset registers its rotary table ``freqs_cis`` (complex64) as a
+persistent buffer: θ_0 leaves it out, the ranks rebuild it, train two rounds from the
+federated state alone, and publish float32 parameters without it; under FSDP2 in bf16
+with its blocks checkpointed too.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+import pytest_asyncio
+import torch
+
+from coordinator.context import initial_parameters
+from geofed.params import parameters_vector_hash
+from geofed.task import load_task
+from geofed.training_config import TrainingConfig
+from regional_agent.handoff import RoundInstruction
+from regional_agent.launcher import LocalElasticLauncher, LocalLauncherConfig
+from regional_agent.worker_group import WorkerGroup, WorkerGroupConfig
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+LLAMA = "geofed.examples.llama:LlamaTask"
+OPTIONS = {"preset": "tiny", "n_layers": 2, "seq_len": 16, "batch_size": 2, "val_batches": 1}
+STEPS = 3
+
+pytestmark = pytest.mark.integration
+on_module_loop = pytest.mark.asyncio(loop_scope="module")
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def group(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[WorkerGroup]:
+    workdir = tmp_path_factory.mktemp("llama-region")
+    config = LocalLauncherConfig(
+        nproc_per_node=2,
+        max_restarts=0,
+        backend="gloo",
+        env={"PYTHONPATH": str(REPO_ROOT)},
+        poll_interval_s=0.02,
+        progress_interval_s=0.05,
+        collective_timeout_s=60.0,
+        shutdown_timeout_s=10,
+        cwd=REPO_ROOT,
+    )
+    workers = WorkerGroup(
+        workdir, LocalElasticLauncher(workdir, config), WorkerGroupConfig(start_timeout_s=120.0)
+    )
+    await workers.start()
+    yield workers
+    await workers.stop()
+
+
+def _instruction(
+    round_: int, base: Path, job: str = "llama", training: TrainingConfig | None = None
+) -> RoundInstruction:
+    return RoundInstruction(
+        job=job,
+        round=round_,
+        base_params=str(base),
+        inner_steps=STEPS,
+        task=LLAMA,
+        task_options=OPTIONS,
+        seed=5,
+        region="eu-west",
+        region_index=0,
+        num_regions=2,
+        training=training if training is not None else TrainingConfig(),
+    )
+
+
+@on_module_loop
+async def test_a_complex_buffer_model_trains_rounds(group: WorkerGroup, tmp_path: Path) -> None:
+    task = load_task(LLAMA, OPTIONS)
+    assert task.build_model(seed=5).state_dict()["freqs_cis"].dtype == torch.complex64
+    theta0 = initial_parameters(task, seed=5)
+    assert "freqs_cis" not in theta0
+    base = tmp_path / "theta0.pt"
+    torch.save(theta0, base)
+
+    began = time.monotonic()
+    first = await group.run_round(_instruction(0, base), 60)
+    second = await group.run_round(_instruction(1, base), 60)
+    assert time.monotonic() - began < 30
+
+    for index, result in enumerate((first, second)):
+        assert set(result.params) == set(theta0)
+        assert {t.dtype for t in result.params.values()} == {torch.float32}
+        assert all(torch.isfinite(t).all() for t in result.params.values())
+        assert result.summary.base_params_hash == parameters_vector_hash(theta0)
+        assert result.summary.params_hash == parameters_vector_hash(result.params)
+        assert result.summary.cursor == STEPS * (index + 1)
+        assert any(not torch.equal(result.params[k], theta0[k]) for k in theta0)
+    assert first.summary.params_hash != second.summary.params_hash
+    checkpoint = group.handoff.read_checkpoint()
+    assert checkpoint is not None
+    assert (checkpoint.job, checkpoint.last_round) == ("llama", 1)
+
+
+@on_module_loop
+async def test_a_complex_buffer_model_trains_sharded_in_bf16(
+    group: WorkerGroup, tmp_path: Path
+) -> None:
+    task = load_task(LLAMA, OPTIONS)
+    theta0 = initial_parameters(task, seed=5)
+    base = tmp_path / "theta0.pt"
+    torch.save(theta0, base)
+    training = TrainingConfig.model_validate(
+        {"parallelism": "fsdp", "precision": "bf16", "activation_checkpointing": True}
+    )
+
+    result = await group.run_round(_instruction(0, base, "llama-fsdp", training), 60)
+
+    assert set(result.params) == set(theta0)
+    assert {t.dtype for t in result.params.values()} == {torch.float32}
+    assert all(torch.isfinite(t).all() for t in result.params.values())
+    assert result.summary.base_params_hash == parameters_vector_hash(theta0)
+    assert result.summary.params_hash == parameters_vector_hash(result.params)
+    assert any(not torch.equal(result.params[k], theta0[k]) for k in theta0)

@@ -1,0 +1,71 @@
+"""Driving a real worker group in tests: launcher settings, instructions, base files.
+
+Shared by the integration tests that start ``torch.distributed.run`` groups of gloo
+ranks over a hand-off directory.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+import torch
+
+from regional_agent.handoff import HandoffDir, RoundInstruction
+from regional_agent.launcher import LocalLauncherConfig
+from tests.support.tiny_task import SPEC
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+WORLD = 2
+STEPS = 20
+
+
+def launcher_config(**overrides: object) -> LocalLauncherConfig:
+    """A 2-rank gloo group that polls fast and runs from the repository."""
+    settings: dict[str, object] = {
+        "nproc_per_node": WORLD,
+        "max_restarts": 2,
+        "backend": "gloo",
+        "env": {"PYTHONPATH": str(REPO_ROOT)},
+        "poll_interval_s": 0.02,
+        "progress_interval_s": 0.05,
+        "collective_timeout_s": 60.0,
+        "shutdown_timeout_s": 10,
+        "cwd": REPO_ROOT,
+    }
+    settings.update(overrides)
+    return LocalLauncherConfig(**settings)  # type: ignore[arg-type]
+
+
+def instruction(job: str, round_: int, base: Path, **overrides: object) -> RoundInstruction:
+    """Round ``round_`` of ``job`` on the tiny task from ``base``, as region 0 of 2."""
+    fields: dict[str, object] = {
+        "job": job,
+        "round": round_,
+        "base_params": str(base),
+        "inner_steps": STEPS,
+        "task": SPEC,
+        "task_options": {},
+        "seed": 7,
+        "region": "eu-west",
+        "region_index": 0,
+        "num_regions": 2,
+    }
+    fields.update(overrides)
+    return RoundInstruction(**fields)  # type: ignore[arg-type]
+
+
+def save_state(path: Path, state: dict[str, torch.Tensor]) -> Path:
+    torch.save(state, path)
+    return path
+
+
+async def wait_for_progress(handoff: HandoffDir, job: str, round_: int, steps: int) -> None:
+    """Wait until rank 0 reports ``steps`` steps of the round done."""
+    for _ in range(1000):
+        progress = handoff.read_progress(job, round_)
+        if progress is not None and progress.steps_done >= steps:
+            return
+        await asyncio.sleep(0.01)
+    pytest.fail(f"round {round_} of job {job!r} never got going")

@@ -1,0 +1,82 @@
+"""The launcher's command line parses with the installed torch's own parser; a flag that
+torch lacks is dropped (optional) or refused (required)."""
+
+from __future__ import annotations
+
+import logging
+import sys
+from pathlib import Path
+
+import pytest
+from torch.distributed.run import get_args_parser
+
+from regional_agent import launcher as launcher_module
+from regional_agent.launcher import LauncherConfigError, LocalElasticLauncher, LocalLauncherConfig
+from regional_agent.launcher_flags import (
+    Flag,
+    FlagSpelling,
+    MissingLauncherFlag,
+    installed_options,
+    spell_flags,
+)
+
+CONFIG = LocalLauncherConfig(
+    nproc_per_node=3, max_restarts=2, backend="gloo", monitor_interval_s=0.25, shutdown_timeout_s=7
+)
+
+
+def test_the_command_parses_with_the_installed_torch_parser(tmp_path: Path) -> None:
+    launcher = LocalElasticLauncher(tmp_path, CONFIG, environ={})
+    command = launcher.command(port=29123, launch_id="abc")
+    assert command[:3] == [sys.executable, "-m", "torch.distributed.run"]
+    args = get_args_parser().parse_args(command[3:])
+    assert (args.nnodes, args.nproc_per_node) == ("1", "3")
+    assert (args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id) == (
+        "c10d",
+        "127.0.0.1:29123",
+        "abc",
+    )
+    assert (args.max_restarts, args.monitor_interval) == (2, 0.25)
+    assert args.module is True
+    assert args.training_script == "regional_agent.worker"
+    assert args.training_script_args == launcher.settings.to_argv()
+    if "--shutdown-timeout" in installed_options():
+        assert args.shutdown_timeout == 7
+
+
+def test_an_optional_flag_torch_lacks_is_dropped_and_reported_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # The installed torch stands in for one without --shutdown-timeout (torch 2.11).
+    older = installed_options() - {"--shutdown-timeout", "--shutdown_timeout"}
+    monkeypatch.setattr(launcher_module, "installed_options", lambda: older)
+    monkeypatch.setattr(launcher_module, "_REPORTED_DROPS", set())
+    with caplog.at_level(logging.WARNING, logger="regional_agent.launcher"):
+        first = LocalElasticLauncher(tmp_path, CONFIG, environ={})
+        LocalElasticLauncher(tmp_path, CONFIG, environ={})
+    command = first.command(port=29123, launch_id="abc")
+    assert not [part for part in command if "shutdown" in part]
+    assert get_args_parser().parse_args(command[3:]).training_script == "regional_agent.worker"
+    warnings = [r.getMessage() for r in caplog.records if "shutdown-timeout" in r.getMessage()]
+    assert len(warnings) == 1
+    assert "has no --shutdown-timeout option; launching without it" in warnings[0]
+
+
+def test_a_required_flag_torch_lacks_is_an_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    without = installed_options() - {"--rdzv-endpoint", "--rdzv_endpoint"}
+    monkeypatch.setattr(launcher_module, "installed_options", lambda: without)
+    with pytest.raises(LauncherConfigError, match="has no --rdzv-endpoint option"):
+        LocalElasticLauncher(tmp_path, CONFIG, environ={})
+
+
+def test_spell_flags_prefers_hyphens_and_falls_back_to_underscores() -> None:
+    flags = [Flag("nproc-per-node"), Flag("max-restarts"), Flag("shutdown-timeout", required=False)]
+    accepted = {"--nproc-per-node", "--nproc_per_node", "--max_restarts"}
+    assert spell_flags(flags, accepted) == FlagSpelling(
+        {"nproc-per-node": "--nproc-per-node", "max-restarts": "--max_restarts"},
+        ("shutdown-timeout",),
+    )
+    with pytest.raises(MissingLauncherFlag, match="no --max-restarts option"):
+        spell_flags(flags, {"--nproc-per-node"})
