@@ -47,6 +47,7 @@ demo: $(STAMP)
 
 # Figures go to benchmarks/results/ (JSON and markdown); about 11 min on 2 quiet cores.
 # The convergence H/warm-start sweep: $(PY) -m benchmarks.convergence --sweep
+# Aggregation rules under one hostile region: $(PY) -m benchmarks.convergence --robust
 bench: $(STAMP)
 	$(PY) -m benchmarks.codec_bench
 	$(PY) -m benchmarks.round_overhead

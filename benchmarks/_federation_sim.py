@@ -4,8 +4,8 @@ The round math is the daemons' own, called, not restated: each region trains
 ``inner_steps`` steps from θ_r with the task's inner optimizer (whose state persists
 across rounds, as in a region's worker group), then forms and encodes Δ = θ_r - θ_local
 with its error feedback as the regional agent does (:func:`regional_agent.delta.encode_delta`);
-the coordinator decodes the deltas chunk by chunk into a token-weighted sum in canonical
-order (:func:`coordinator.aggregation.aggregate`, as
+the coordinator decodes the deltas chunk by chunk and combines them by the job's
+aggregation rule in canonical order (:func:`coordinator.robust_aggregation.combine`, as
 :func:`coordinator.outer_round.mean_delta` does over its spool), then takes the outer step,
 encodes θ' - θ_r plus its own residual and sets θ_{r+1} = θ_r + decode(update)
 (:func:`coordinator.outer_round.publication_step`), which a region's reconstruction must
@@ -16,6 +16,10 @@ workers at local batch b is simulated as one model that accumulates the gradient
 its W rank shards' batches, each scaled by 1/W: the gradient DDP's all-reduce would
 produce, i.e. one model at batch W·b. The synchronous baseline is the same with all
 regions' rank shards in every step: data-parallel training across every region.
+
+An ``attack`` makes the last region hostile: it trains honestly, then sends its delta
+multiplied by :data:`ATTACK_FACTORS` (through the agent's own encoding), claiming its
+honest tokens.
 """
 
 from __future__ import annotations
@@ -31,9 +35,10 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from coordinator.aggregation import aggregate
+from coordinator.aggregation_config import AggregationConfig
 from coordinator.outer_optimizer import OuterOptimizer, OuterOptimizerConfig
 from coordinator.outer_round import publication_step
+from coordinator.robust_aggregation import combine
 from geofed.codec import EncodedStream, ErrorFeedback, decode, decode_pieces
 from geofed.codec_params import CodecParams, Scheme
 from geofed.deltas import apply_update
@@ -42,6 +47,10 @@ from geofed.task import DataShard, Task
 from regional_agent.delta import EncodedDelta, encode_delta
 
 Method = Literal["sync", "diloco"]
+Attack = Literal["none", "scaled", "sign_flipped"]
+
+#: What a hostile region multiplies its honest delta by.
+ATTACK_FACTORS: dict[Attack, float] = {"none": 1.0, "scaled": 10.0, "sign_flipped": -2.0}
 
 
 class SimulationError(RuntimeError):
@@ -68,6 +77,8 @@ class RunSpec:
     scheme: Scheme = "fp32"
     outer: OuterOptimizerConfig = field(default_factory=OuterOptimizerConfig)
     warmup_steps: int = 0
+    aggregation: AggregationConfig = field(default_factory=AggregationConfig)
+    attack: Attack = "none"
 
     def __post_init__(self) -> None:
         for what in ("regions", "workers", "rounds", "inner_steps"):
@@ -176,13 +187,18 @@ class SimCoordinator:
     """
 
     def __init__(
-        self, params: Mapping[str, torch.Tensor], outer: OuterOptimizerConfig, codec: CodecParams
+        self,
+        params: Mapping[str, torch.Tensor],
+        outer: OuterOptimizerConfig,
+        codec: CodecParams,
+        aggregation: AggregationConfig | None = None,
     ) -> None:
         self.params = dict(params)
         self._optimizer_state = OuterOptimizer(outer).state_dict()
         self._codec = codec
         self._residual: dict[str, torch.Tensor] | None = None
         self._specs = {name: tuple(t.shape) for name, t in self.params.items()}
+        self._aggregation = aggregation or AggregationConfig()
 
     def close_round(self, deltas: Mapping[str, tuple[int, EncodedDelta]]) -> EncodedStream:
         """Fold the encoded deltas (region -> tokens, delta) in, step, return the update."""
@@ -190,7 +206,7 @@ class SimCoordinator:
             region: (float(tokens), functools.partial(decode_pieces, delta.frames))
             for region, (tokens, delta) in deltas.items()
         }
-        mean = aggregate(self._specs, sources)
+        mean = combine(self._specs, sources, self._aggregation).delta
         publication = publication_step(
             self.params, mean, self._optimizer_state, self._residual, self._codec
         )
@@ -267,7 +283,10 @@ def _run_rounds(
     result: RunResult,
 ) -> None:
     codec = CodecParams(scheme=spec.scheme)
-    coordinator = SimCoordinator(state_to_fp32(global_model), spec.outer, codec)
+    coordinator = SimCoordinator(
+        state_to_fp32(global_model), spec.outer, codec, spec.aggregation
+    )
+    hostile = spec.regions - 1 if spec.attack != "none" else None
     warm_state = warm_optimizer.state_dict() if spec.warmup_steps else None
     models: list[nn.Module] = []
     optimizers: list[torch.optim.Optimizer] = []
@@ -291,7 +310,12 @@ def _run_rounds(
             result.tokens += tokens
             result.train_s += time.perf_counter() - tick
             tick = time.perf_counter()
-            encoded = encode_delta(base, state_to_fp32(model), feedback[index], codec)
+            local = state_to_fp32(model)
+            if index == hostile:
+                factor = ATTACK_FACTORS[spec.attack]
+                # Δ = θ_r - local, so this local makes the agent's encoding send factor x Δ.
+                local = {name: base[name] + factor * (local[name] - base[name]) for name in base}
+            encoded = encode_delta(base, local, feedback[index], codec)
             # Every delta is delivered here, so the region takes its new residual at once.
             feedback[index] = encoded.feedback
             deltas[region_name(index)] = (tokens, encoded)

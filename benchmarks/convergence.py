@@ -9,11 +9,15 @@ configuration, with the spread over seeds, and checks them against DESIGN's targ
     python -m benchmarks.convergence [--regions 3] [--rounds 12] [--inner-steps 25]
         [--seeds 2] [--workers 1] [--threads 1] [--smoke] [--out PATH] [--note TEXT]
     python -m benchmarks.convergence --sweep [--sweep-h 10,25,50,100] [--warm-start-steps N]
+    python -m benchmarks.convergence --robust [--regions 5] [--rounds 6] [--inner-steps 10]
 
 ``--sweep`` measures instead how the DiLoCo/synchronous gap moves with H and with a
 synchronous warm start (the DiLoCo paper's protocol) at the same total tokens, and
-writes ``convergence_sweep.json``. Figures go to ``--out`` (JSON) and the same path
-with ``.md`` (a markdown table); both are printed too.
+writes ``convergence_sweep.json``. ``--robust`` measures the job's aggregation rules
+(``coordinator.aggregation_config``): what each costs in loss with honest regions and what
+it saves when one region sends its delta scaled or sign-flipped, and writes
+``robust_aggregation.json``. Figures go to ``--out`` (JSON) and the same path with ``.md``
+(a markdown table); both are printed too.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from typing import Any
 import torch
 
 from benchmarks._federation_sim import (
+    ATTACK_FACTORS,
     RunResult,
     RunSpec,
     SimulationError,
@@ -38,6 +43,7 @@ from benchmarks._federation_sim import (
     warm_up,
 )
 from benchmarks._machine import describe_machine, machine_line, targets_table
+from coordinator.aggregation_config import AggregationConfig
 from coordinator.outer_optimizer import OuterOptimizerConfig
 from geofed.examples.charlm import CharLMOptions, CharLMTask
 from geofed.fsutil import atomic_write_bytes
@@ -63,6 +69,22 @@ MAIN_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
 }
 
 
+#: rule -> (label, AggregationConfig); each runs with honest regions and with each attack.
+ROBUST_RULES: dict[str, tuple[str, AggregationConfig]] = {
+    "mean": ("token-weighted mean", AggregationConfig()),
+    "mean_clip": (
+        "mean, norm clipped at 3x the median",
+        AggregationConfig(norm_check="clip", max_norm_ratio=3.0),
+    ),
+    "trimmed_mean": (
+        "trimmed mean (20% each end)",
+        AggregationConfig(rule="trimmed_mean", trim_fraction=0.2),
+    ),
+    "median": ("coordinate-wise median", AggregationConfig(rule="median")),
+}
+ATTACKS = tuple(ATTACK_FACTORS)
+
+
 @dataclass(frozen=True, slots=True)
 class Settings:
     regions: int
@@ -73,6 +95,7 @@ class Settings:
     threads: int
     smoke: bool
     sweep: bool
+    robust: bool
     sweep_h: tuple[int, ...]
     warm_start_steps: int
     out: Path
@@ -102,16 +125,23 @@ def parse_args(argv: Sequence[str] | None) -> Settings:
     parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
     parser.add_argument("--smoke", action="store_true", help="a run of a few seconds")
     parser.add_argument("--sweep", action="store_true", help="H and warm-start sweep instead")
+    parser.add_argument(
+        "--robust", action="store_true", help="aggregation rules under attack instead"
+    )
     parser.add_argument("--sweep-h", type=_int_list, help="H values (default 10,25,50,100)")
     parser.add_argument("--warm-start-steps", type=int, help="default: a third of all steps")
     parser.add_argument("--out", type=Path, help="JSON path; the markdown goes next to it")
     parser.add_argument("--note", default="", help="free text stored with the figures")
     args = parser.parse_args(argv)
     smoke = args.smoke
-    rounds = args.rounds or (2 if smoke else 12)
-    inner_steps = args.inner_steps or (3 if smoke else 25)
+    if args.sweep and args.robust:
+        parser.error("--sweep and --robust are separate runs")
+    rounds = args.rounds or (2 if smoke else 6 if args.robust else 12)
+    inner_steps = args.inner_steps or (3 if smoke else 10 if args.robust else 25)
     total = rounds * inner_steps
-    stem = "convergence_sweep" if args.sweep else "convergence"
+    stem = "convergence"
+    if args.sweep or args.robust:
+        stem = "convergence_sweep" if args.sweep else "robust_aggregation"
     out = args.out or RESULTS / (f"{stem}.smoke.json" if smoke else f"{stem}.json")
     for name in ("regions", "rounds", "inner_steps", "seeds", "workers", "threads"):
         value = getattr(args, name)
@@ -129,14 +159,15 @@ def parse_args(argv: Sequence[str] | None) -> Settings:
                     "after the warm start, so that every run sees the same tokens"
                 )
     return Settings(
-        regions=args.regions or (2 if smoke else 3),
+        regions=args.regions or (5 if args.robust else 2 if smoke else 3),
         workers=args.workers,
         rounds=rounds,
         inner_steps=inner_steps,
-        seeds=args.seeds or (1 if smoke else 2),
+        seeds=args.seeds or (1 if smoke or args.robust else 2),
         threads=args.threads,
         smoke=smoke,
         sweep=args.sweep,
+        robust=args.robust,
         sweep_h=sweep_h,
         warm_start_steps=warm,
         out=out,
@@ -180,6 +211,39 @@ def run_main(task: CharLMTask, settings: Settings) -> dict[str, list[RunResult]]
             )
             results[name].append(_run(task, spec))
     return results
+
+
+def run_robust(task: CharLMTask, settings: Settings) -> dict[str, list[RunResult]]:
+    """DiLoCo fp32 under each aggregation rule, with honest regions and under each attack."""
+    base = replace(
+        _spec(settings, "robust", settings.inner_steps, settings.rounds),
+        method="diloco",
+        scheme="fp32",
+    )
+    warm_up(task, base)
+    results: dict[str, list[RunResult]] = {}
+    for seed in range(settings.seeds):
+        for rule, (_, config) in ROBUST_RULES.items():
+            for attack in ATTACKS:
+                name = f"{rule}/{attack}"
+                spec = replace(base, name=name, seed=seed, aggregation=config, attack=attack)
+                results.setdefault(name, []).append(_run(task, spec))
+    return results
+
+
+def robust_rows(runs: dict[str, list[RunResult]]) -> list[dict[str, Any]]:
+    """Per rule: final loss under each attack, and its difference to the honest mean's."""
+    rows: list[dict[str, Any]] = []
+    for rule, (label, config) in ROBUST_RULES.items():
+        row: dict[str, Any] = {"rule": rule, "label": label, "config": config.model_dump()}
+        for attack in ATTACKS:
+            name = f"{rule}/{attack}"
+            row[attack] = {
+                "final_val_loss": loss_stats(r.final_val_loss for r in runs[name]),
+                "vs_honest_mean": compare(runs, name, "mean/none"),
+            }
+        rows.append(row)
+    return rows
 
 
 def run_sweep(task: CharLMTask, settings: Settings) -> dict[str, list[RunResult]]:
@@ -483,6 +547,28 @@ def render_main(report: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def render_robust(report: dict[str, Any]) -> str:
+    lines = _header(report, "Robust aggregation: cost with honest regions, savings under attack")
+    factors = ", ".join(f"{a}: x{ATTACK_FACTORS[a]:g}" for a in ATTACKS if a != "none")
+    lines += [
+        f"DiLoCo fp32 with the outer optimizer's defaults. Under attack the last of the "
+        f"{report['settings']['regions']} regions trains honestly and sends its delta "
+        f"multiplied ({factors}), claiming its honest tokens. Each cell: final validation "
+        "loss, and its relative difference to the mean with honest regions (same seed).",
+        "",
+        "| rule | honest | scaled | sign-flipped |",
+        "|---|---|---|---|",
+    ]
+    for row in report["robust"]:
+        cells = []
+        for attack in ATTACKS:
+            cell = row[attack]
+            relative = cell["vs_honest_mean"]["mean_relative_difference"]
+            cells.append(f"{cell['final_val_loss']['mean']:.4f} ({relative:+.2%})")
+        lines.append(f"| {row['label']} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def render_sweep(report: dict[str, Any]) -> str:
     lines = _header(report, "DiLoCo vs synchronous training: inner steps H and warm start")
     sync = report["configs"]["sync"]
@@ -511,7 +597,11 @@ def build_report(
     params = sum(p.numel() for p in model.parameters())
     labels = {name: label for name, (label, _) in MAIN_CONFIGS.items()}
     report: dict[str, Any] = {
-        "benchmark": "convergence_sweep" if settings.sweep else "convergence",
+        "benchmark": "convergence_sweep"
+        if settings.sweep
+        else "robust_aggregation"
+        if settings.robust
+        else "convergence",
         "machine": describe_machine(),
         "note": settings.note,
         "settings": {
@@ -536,6 +626,10 @@ def build_report(
             for name, results in runs.items()
         },
     }
+    if settings.robust:
+        report["settings"]["attack_factors"] = dict(ATTACK_FACTORS)
+        report["robust"] = robust_rows(runs)
+        return report
     for name, summary in report["configs"].items():
         if name != "sync":
             summary["vs_sync"] = compare(runs, name, "sync")
@@ -563,13 +657,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"machine: {machine_line(describe_machine())}", file=sys.stderr)
     started = time.perf_counter()
     try:
-        runs = run_sweep(task, settings) if settings.sweep else run_main(task, settings)
+        if settings.sweep:
+            runs = run_sweep(task, settings)
+        elif settings.robust:
+            runs = run_robust(task, settings)
+        else:
+            runs = run_main(task, settings)
     except SimulationError as exc:
         print(f"convergence: {exc}", file=sys.stderr)
         return 1
     report = build_report(settings, task, runs)
     report["total_wall_s"] = time.perf_counter() - started
-    markdown = render_sweep(report) if settings.sweep else render_main(report)
+    if settings.sweep:
+        markdown = render_sweep(report)
+    elif settings.robust:
+        markdown = render_robust(report)
+    else:
+        markdown = render_main(report)
     write_report(report, settings.out, markdown)
     print(markdown)
     print(f"wrote {settings.out} and {settings.out.with_suffix('.md')}", file=sys.stderr)

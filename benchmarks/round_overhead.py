@@ -125,7 +125,7 @@ def streaming_mean(
 ) -> dict[str, torch.Tensor]:
     """The daemon's aggregation: chunk by chunk into the weighted sum, in canonical order."""
     # The bound the coordinator puts on a delta's decoded size: the model's fp32 size.
-    return mean_delta(blobs, shapes, sources, 4 * _count(shapes))
+    return mean_delta(blobs, shapes, sources, 4 * _count(shapes)).delta
 
 
 def naive_mean(

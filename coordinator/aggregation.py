@@ -39,6 +39,8 @@ __all__ = [
     "WeightedSum",
     "aggregate",
     "apply_update",
+    "check_coverage",
+    "check_piece",
     "feedback_residual",
     "pseudo_gradient",
     "update_to_publish",
@@ -140,35 +142,13 @@ class WeightedSum:
             self._scratch = {n: torch.empty_like(t) for n, t in self._sum.items()}
         scratch = self._scratch
         spans: dict[str, list[tuple[int, int]]] = {name: [] for name in self._shapes}
+        sizes = {name: tensor.numel() for name, tensor in scratch.items()}
         for piece in pieces:
-            name, offset, count, values = piece.name, piece.offset, piece.count, piece.values
-            where = f"region {region!r}, tensor {name!r}"
-            if name not in self._shapes:
-                raise AggregationError(f"region {region!r}: unknown tensor {name!r}")
-            size = scratch[name].numel()
-            if not (_is_int(offset) and _is_int(count)):
-                raise AggregationError(
-                    f"{where}: offset and count must be integers, got {offset!r} and {count!r}"
-                )
-            if offset < 0 or count <= 0 or offset + count > size:
-                raise AggregationError(
-                    f"{where}: slice [{offset}, {offset + count}) is outside its {size} elements"
-                )
-            if not isinstance(values, Tensor) or values.dtype != torch.float32:
-                kind = values.dtype if isinstance(values, Tensor) else type(values).__name__
-                raise AggregationError(f"{where}: values must be a float32 tensor, not {kind}")
-            if values.dim() != 1 or values.numel() != count:
-                raise AggregationError(
-                    f"{where}: values have shape {tuple(values.shape)}, expected ({count},)"
-                )
-            if not _all_finite(values):
-                raise AggregationError(
-                    f"{where}: slice [{offset}, {offset + count}) contains NaN or Inf"
-                )
+            name, offset, count, values = check_piece(region, piece, sizes)
             scratch[name][offset : offset + count].copy_(values)
             spans[name].append((offset, count))
         for name, covered in spans.items():
-            _check_coverage(region, name, scratch[name].numel(), covered)
+            check_coverage(region, name, scratch[name].numel(), covered)
         # mul then add, each correctly rounded: no fused multiply-add whose use would
         # depend on the CPU the coordinator restarts on.
         factor = float(weight)
@@ -185,7 +165,37 @@ class WeightedSum:
         return {n: self._sum[n].div(total).reshape(s) for n, s in self._shapes.items()}
 
 
-def _check_coverage(region: str, name: str, size: int, spans: list[tuple[int, int]]) -> None:
+def check_piece(
+    region: str, piece: PieceLike, sizes: Mapping[str, int]
+) -> tuple[str, int, int, Tensor]:
+    """A region's piece, checked against the tensors' element counts ``sizes``."""
+    name, offset, count, values = piece.name, piece.offset, piece.count, piece.values
+    where = f"region {region!r}, tensor {name!r}"
+    if name not in sizes:
+        raise AggregationError(f"region {region!r}: unknown tensor {name!r}")
+    size = sizes[name]
+    if not (_is_int(offset) and _is_int(count)):
+        raise AggregationError(
+            f"{where}: offset and count must be integers, got {offset!r} and {count!r}"
+        )
+    if offset < 0 or count <= 0 or offset + count > size:
+        raise AggregationError(
+            f"{where}: slice [{offset}, {offset + count}) is outside its {size} elements"
+        )
+    if not isinstance(values, Tensor) or values.dtype != torch.float32:
+        kind = values.dtype if isinstance(values, Tensor) else type(values).__name__
+        raise AggregationError(f"{where}: values must be a float32 tensor, not {kind}")
+    if values.dim() != 1 or values.numel() != count:
+        raise AggregationError(
+            f"{where}: values have shape {tuple(values.shape)}, expected ({count},)"
+        )
+    if not _all_finite(values):
+        raise AggregationError(f"{where}: slice [{offset}, {offset + count}) contains NaN or Inf")
+    return name, offset, count, values
+
+
+def check_coverage(region: str, name: str, size: int, spans: list[tuple[int, int]]) -> None:
+    """Raise unless ``spans`` (offset, count) cover ``size`` elements exactly once."""
     where = f"region {region!r}, tensor {name!r}"
     position = 0
     for offset, count in sorted(spans):

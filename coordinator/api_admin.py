@@ -13,8 +13,9 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from coordinator.auth import READERS, caller, require_role
 from coordinator.bodies import read_limited
-from coordinator.errors import ApiError, BadRequest, TooLarge
+from coordinator.errors import ApiError, BadRequest
 from coordinator.keys import JOBS, REGISTRY, RUNTIME, SERVICES
+from coordinator.store import MAX_STORED_INT
 from geofed.api_paths import ApiPaths
 from geofed.timeouts import Timeout, wait_for
 from geofed.types import InvalidName, Role, validate_name
@@ -71,11 +72,9 @@ async def submit_job(request: web.Request) -> web.Response:
     actor = require_role(request, Role.OPERATOR)
     config = request.app[RUNTIME].config
     limit = config.limits.max_job_spec_bytes
-    if request.content_length is not None and request.content_length > limit:
-        raise TooLarge(f"job spec of {request.content_length} bytes exceeds {limit}")
     try:
         data = await wait_for(
-            read_limited(request.content, limit, "job spec"),
+            read_limited(request.content, limit, "job spec", request.content_length),
             config.timeouts.request_s,
             "reading the job spec",
         )
@@ -175,7 +174,8 @@ async def audit(request: web.Request) -> web.Response:
     return web.json_response(body)
 
 
-def int_query(text: str, name: str, low: int, high: int | None = None) -> int:
+def int_query(text: str, name: str, low: int, high: int | None = MAX_STORED_INT) -> int:
+    """An integer from a query or path, ``low..high`` (``high`` None: unbounded), else 400."""
     try:
         value = int(text)
     except ValueError:

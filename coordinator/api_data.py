@@ -48,14 +48,18 @@ def _names(request: web.Request) -> tuple[str, int, str]:
         region = validate_name("region", info["region"])
     except InvalidName as exc:
         raise BadRequest(str(exc)) from None
-    return job, int_query(info["round"], "round", 0), region
+    # Unbounded here: a round no job has is refused by the round check, counted and
+    # audited like any other refused upload.
+    return job, int_query(info["round"], "round", 0, high=None), region
 
 
 @routes.put(ApiPaths.DELTA_MANIFEST)
 async def put_manifest(request: web.Request) -> web.Response:
     job, round_, region = _names(request)
     uploads = request.app[UPLOADS]
-    result = await uploads.put_manifest(job, round_, region, caller(request), request.content)
+    result = await uploads.put_manifest(
+        job, round_, region, caller(request), request.content, request.content_length
+    )
     return web.json_response(result)
 
 
@@ -75,7 +79,9 @@ async def put_chunk(request: web.Request) -> web.Response:
 async def commit(request: web.Request) -> web.Response:
     job, round_, region = _names(request)
     uploads = request.app[UPLOADS]
-    result = await uploads.commit(job, round_, region, caller(request), request.content)
+    result = await uploads.commit(
+        job, round_, region, caller(request), request.content, request.content_length
+    )
     return web.json_response(result)
 
 

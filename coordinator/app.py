@@ -9,12 +9,15 @@ they are running, and the state database closes.
 
 Middlewares, outermost first: JSON errors; then either TLS identity (client
 certificate verified against the trust bundle, identity header refused) or, in insecure
-loopback mode, the identity header.
+loopback mode, the identity header. Serve it with
+:class:`~coordinator.http_server.CoordinatorRunner`, which answers what aiohttp's HTTP
+parser refuses in the same JSON form.
 """
 
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
@@ -29,6 +32,7 @@ from coordinator.auth import header_identity_middleware, refuse_identity_header_
 from coordinator.control import ControlPlane
 from coordinator.errors import ApiError
 from coordinator.executors import Executors
+from coordinator.http_server import error_code
 from coordinator.jobs import JobManager
 from coordinator.keys import JOBS, REGISTRY, RUNTIME, SERVICES, UPLOADS
 from coordinator.metrics import CoordinatorMetrics
@@ -47,15 +51,6 @@ INSECURE_BANNER = (
     "their X-Geofed-Identity header claims. For the single-machine demo only."
 )
 
-_STATUS_CODES = {
-    400: "bad_request",
-    403: "forbidden",
-    404: "not_found",
-    405: "bad_request",
-    413: "too_large",
-}
-
-
 @web.middleware
 async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
     """Every error as ``{"error": CODE, "message": TEXT}``."""
@@ -66,8 +61,9 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
-        code = _STATUS_CODES.get(exc.status, "bad_request" if exc.status < 500 else "internal")
-        return web.json_response({"error": code, "message": exc.reason}, status=exc.status)
+        return web.json_response(
+            {"error": error_code(exc.status), "message": exc.reason}, status=exc.status
+        )
     except asyncio.CancelledError:
         raise
     except Exception:
@@ -98,6 +94,9 @@ def create_app(
     app = web.Application(
         middlewares=[error_middleware, *identity],
         client_max_size=max(limits.max_manifest_bytes, limits.max_job_spec_bytes) + 4096,
+        # A connection without a complete request (unfinished headers included) for
+        # request_s is closed, so no client holds one open for long.
+        handler_args={"keepalive_timeout": config.timeouts.request_s},
     )
     app[RUNTIME] = runtime
     app[REGISTRY] = registry
@@ -128,8 +127,14 @@ def _lifecycle(
         app[UPLOADS] = UploadService(services, jobs)
         try:
             await jobs.start()
+            # What start-up built lives as long as the process: frozen, the collector's
+            # full passes skip it, so a burst of allocation (a hostile body being parsed in
+            # a thread) never stalls the loop for a pass over torch's and the app's objects.
+            gc.collect()
+            gc.freeze()
             yield
         finally:
+            gc.unfreeze()
             await jobs.stop()
             await control.close()
             if not mqtt.done():

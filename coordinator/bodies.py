@@ -1,7 +1,8 @@
 """Request bodies read within limits: whole bodies, exact sizes, and the commit's metrics.
 
 A body longer than its limit is refused (413) before it is read whole, so a client cannot
-make the coordinator buffer more than the limit.
+make the coordinator buffer more than the limit; one whose ``Content-Length`` declares
+more is refused before any of it is read.
 """
 
 from __future__ import annotations
@@ -44,8 +45,16 @@ def commit_metrics(body: bytes) -> dict[str, float]:
     return out
 
 
-async def read_limited(body: StreamReader, limit: int, what: str) -> bytes:
-    """The whole body, refusing more than ``limit`` bytes (413) before reading them all."""
+async def read_limited(
+    body: StreamReader, limit: int, what: str, declared: int | None = None
+) -> bytes:
+    """The whole body, refusing more than ``limit`` bytes (413) before reading them all.
+
+    ``declared`` is the request's ``Content-Length``: a body declared longer than the limit
+    is refused at once, without waiting for bytes the client may never send.
+    """
+    if declared is not None and declared > limit:
+        raise TooLarge(f"{what} of {declared} bytes exceeds the limit of {limit} bytes")
     parts: list[bytes] = []
     total = 0
     while part := await body.read(_READ):

@@ -22,6 +22,7 @@ than request_s (60)``). Relative paths are relative to the file's own directory.
                round_deadline_s: 1800}
     limits: {max_upload_bytes: 2147483648, max_manifest_bytes: 16777216}
     publication_retry: {initial_s: 5, max_s: 300, max_attempts: 10}
+    task_modules: [acme_tasks.*]      # task modules jobs may name, besides geofed.examples.*
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ from geofed.backoff import Backoff
 from geofed.config_sections import ConfigSection, IdentityConfig, MqttConfig
 from geofed.loopback import is_loopback
 from geofed.manifest import MAX_SIGNED_MANIFEST_BYTES
+from geofed.task import DEFAULT_TASK_MODULES, validate_module_pattern
 from geofed.timeouts import Timeouts
 from geofed.types import validate_name
 from policies.destinations import validate_jurisdiction
@@ -225,6 +227,12 @@ class CoordinatorConfig(ConfigSection):
     limits: LimitsConfig = Field(default_factory=LimitsConfig)
     quarantine: QuarantineConfig = Field(default_factory=QuarantineConfig)
     publication_retry: PublicationRetryConfig = Field(default_factory=PublicationRetryConfig)
+    task_modules: tuple[Annotated[str, AfterValidator(validate_module_pattern)], ...] = Field(
+        default=(),
+        description="modules a job's task.spec may name besides geofed.examples.*: "
+        "'package.module' or 'package.*'; a job naming any other module is refused before "
+        "anything is imported",
+    )
 
     @field_validator("insecure_loopback")
     @classmethod
@@ -252,6 +260,11 @@ class CoordinatorConfig(ConfigSection):
         if repeated:
             raise ValueError(f"storage names must be unique; repeated: {', '.join(repeated)}")
         return value
+
+    @property
+    def allowed_task_modules(self) -> tuple[str, ...]:
+        """Every task module pattern jobs may name: the examples and ``task_modules``."""
+        return (*DEFAULT_TASK_MODULES, *self.task_modules)
 
     @property
     def tls_enabled(self) -> bool:

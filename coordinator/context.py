@@ -123,6 +123,7 @@ def build_context(spec: JobSpec, runtime: Runtime, location: str) -> JobContext:
         signer=runtime.signer,
         params_store=runtime.params,
         deltas=runtime.deltas,
+        aggregation=spec.aggregation,
     )
     return JobContext(
         spec=spec,

@@ -2,8 +2,9 @@
 
 It publishes each job's round announcement (retained, re-published after every
 reconnect so a broker that lost it gets it back), events and region commands, and
-follows every region's retained status to know which regions are up. A publish that
-cannot be acknowledged in time is logged, never raised into the round engine: the
+follows every region's retained status to know which regions are up (a Last Will wins
+over the statuses it outlived: :func:`coordinator.region_status.take_status`). A publish
+that cannot be acknowledged in time is logged, never raised into the round engine: the
 announcement is re-sent when the link comes back. Agents learn of rounds only from these
 announcements; over HTTPS they download parameters and upload deltas, and an upload into
 a round that has moved on is answered ``round_closed`` (or ``wrong_round``). While the
@@ -17,11 +18,11 @@ from __future__ import annotations
 import logging
 import math
 import ssl
-from dataclasses import dataclass
 from typing import Literal
 
 from coordinator.config import CoordinatorConfig
 from coordinator.metrics import CoordinatorMetrics
+from coordinator.region_status import RegionView, take_status
 from geofed.control import (
     Command,
     ControlClient,
@@ -42,17 +43,6 @@ __all__ = ["ControlPlane", "RegionView"]
 log = logging.getLogger(__name__)
 
 CommandAction = Literal["pause", "resume", "cancel", "resync", "drain"]
-
-
-@dataclass(frozen=True, slots=True)
-class RegionView:
-    """The latest status a region's agent published."""
-
-    status: RegionStatus
-
-    @property
-    def up(self) -> bool:
-        return self.status.state != "offline"
 
 
 class ControlPlane:
@@ -154,9 +144,10 @@ class ControlPlane:
             return
         if not self._dedup.first_time(status.message_id):
             return
-        current = self.regions.get(region)
-        if current is not None and current.status.sent_at > status.sent_at:
-            return  # an older status delivered late
-        self.regions[region] = RegionView(status)
+        view, reason = take_status(self.regions.get(region), status)
+        if view is None:
+            log.info("ignored a status of %s sent at %s: %s", region, status.sent_at, reason)
+            return
+        self.regions[region] = view
         self._metrics.region_up.labels(region=region).set(1 if status.state != "offline" else 0)
         self._metrics.regions_up.set(sum(1 for view in self.regions.values() if view.up))

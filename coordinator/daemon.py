@@ -26,6 +26,7 @@ from prometheus_client import CollectorRegistry
 
 from coordinator.app import create_app
 from coordinator.config import ConfigError, load_config
+from coordinator.http_server import CoordinatorRunner
 from coordinator.runtime import Runtime, load_runtime
 from coordinator.store import StoreError
 from geofed.exit_codes import ExitCode
@@ -48,7 +49,7 @@ async def serve(
     notifier = notifier or Notifier(None)
     config = runtime.config
     app = create_app(runtime, registry=registry or CollectorRegistry())
-    runner = web.AppRunner(app, handle_signals=False, access_log=None)
+    runner = CoordinatorRunner(app, access_log=None)
     await runner.setup()
     try:
         site = web.TCPSite(

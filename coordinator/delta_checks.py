@@ -53,6 +53,7 @@ class DeltaExpectation:
         max_upload_bytes: int,
         max_chunk_bytes: int,
         training: TrainingConfig | None = None,
+        max_tokens: int | None = None,
     ) -> None:
         self.job = job
         self.round = round
@@ -66,6 +67,7 @@ class DeltaExpectation:
         self.max_upload_bytes = max_upload_bytes
         self.max_chunk_bytes = max_chunk_bytes
         self.training = training
+        self.max_tokens = max_tokens
 
     @property
     def max_chunks(self) -> int:
@@ -120,6 +122,12 @@ def check_delta_manifest(signed: SignedManifest, expect: DeltaExpectation) -> No
     _check_sizes(signed, expect)
     if manifest.tokens is None or manifest.tokens <= 0:
         raise BadRequest("a delta's manifest must declare tokens > 0 (its averaging weight)")
+    if expect.max_tokens is not None and manifest.tokens > expect.max_tokens:
+        raise BadRequest(
+            f"delta claims {manifest.tokens} tokens; a region may claim at most "
+            f"{expect.max_tokens} for a round of job {expect.job}",
+            "tokens_out_of_bounds",
+        )
     _check_provenance(signed, expect)
 
 

@@ -32,6 +32,7 @@ CODES: Final = frozenset(
         "non_finite",
         "shape_mismatch",
         "codec_mismatch",
+        "tokens_out_of_bounds",
         "forbidden",
         "bad_signature",
         "producer_mismatch",

@@ -5,6 +5,9 @@
 - ``compute``: a small pool for codec and torch work (decoding, aggregation, encoding);
   torch releases the GIL in its kernels.
 - ``files``: a pool for file I/O (spooling chunks with fsync, serving blob metadata).
+- ``parse``: one thread for parsing and validating request bodies (job specs), so a
+  hostile body never runs on the event loop, bodies are parsed one at a time, and they
+  never take the compute pool from aggregation.
 - ``evaluation``: one process of its own (spawned at the first use) for evaluating global
   parameters when the coordinator evaluates them, so an evaluation never competes with
   aggregation, uploads or publication for the compute pool or the GIL.
@@ -37,6 +40,7 @@ class Executors:
         self._store = ThreadPoolExecutor(1, thread_name_prefix="geofed-store")
         self._compute = ThreadPoolExecutor(compute_threads, thread_name_prefix="geofed-compute")
         self._files = ThreadPoolExecutor(file_threads, thread_name_prefix="geofed-files")
+        self._parse = ThreadPoolExecutor(1, thread_name_prefix="geofed-parse")
         self._evaluation: ProcessPoolExecutor | None = None
 
     async def db(self, fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
@@ -50,6 +54,10 @@ class Executors:
     async def files(self, fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
         """Run file I/O in the file pool."""
         return await self._run(self._files, fn, *args, **kwargs)
+
+    async def parse(self, fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
+        """Parse and validate a request body in the parse thread."""
+        return await self._run(self._parse, fn, *args, **kwargs)
 
     async def evaluate(self, fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
         """Run an evaluation in the evaluation process (``fn`` and its arguments pickle).
@@ -78,9 +86,10 @@ class Executors:
         return await loop.run_in_executor(pool, functools.partial(fn, *args, **kwargs))
 
     def shutdown(self) -> None:
-        """Wait for running work and drop queued work; compute and files first, store last."""
+        """Wait for running work and drop queued work: parse, compute, files, then the store."""
         if self._evaluation is not None:
             self._evaluation.shutdown(wait=True, cancel_futures=True)
+        self._parse.shutdown(wait=True, cancel_futures=True)
         self._compute.shutdown(wait=True, cancel_futures=True)
         self._files.shutdown(wait=True, cancel_futures=True)
         self._store.shutdown(wait=True, cancel_futures=True)

@@ -205,14 +205,15 @@ class JobEvaluation:
         if loss is None:
             return
         # The latest report of a version wins: regions evaluate the same θ on the same split.
+        # What the API shows changes at once and together; persisting follows.
         self.history[version] = float(loss)
-        await self._s.db.set_pointer(job, VAL_HISTORY_POINTER, format_history(self.history))
         val_loss = newest(self.val_loss, version, loss)
-        if val_loss is None:
-            return
-        self.val_loss = val_loss
-        self._gauge(val_loss[1])
-        await self._s.db.set_pointer(job, VAL_LOSS_POINTER, format_val_loss(*val_loss))
+        if val_loss is not None:
+            self.val_loss = val_loss
+            self._gauge(val_loss[1])
+        await self._s.db.set_pointer(job, VAL_HISTORY_POINTER, format_history(self.history))
+        if val_loss is not None:
+            await self._s.db.set_pointer(job, VAL_LOSS_POINTER, format_val_loss(*val_loss))
 
     def _gauge(self, loss: float) -> None:
         self._s.metrics.global_validation_loss.labels(job=self._ctx.job).set(loss)

@@ -1,8 +1,9 @@
 """Jobs: submission with residency admission, pause, resume, cancel, and their engines.
 
-Submission parses the spec (file:line:key errors), checks it against this coordinator
-(storage locations it knows, deadlines against its timeouts), asks the policy engine
-whether every region's policy admits the job as placed (a refusal names the rule), loads
+Submission parses the spec off the event loop (file:line:key errors), checks it against
+this coordinator (task modules it allows, before anything is imported; storage locations
+it knows; deadlines against its timeouts), asks the policy engine whether every region's
+policy admits the job as placed (a refusal names the rule), loads
 the task, records the job with the checkpoint location admission allows (the first
 allowed candidate, in the spec's order), audits the admission, and starts the job's
 :class:`~coordinator.engine.JobEngine`. The manager owns every engine task and cancels
@@ -27,6 +28,7 @@ from coordinator.records import JobState
 from coordinator.services import Services
 from coordinator.store import AlreadyExists, ConflictError
 from coordinator.transactions import LOCATION_POINTER, record_admitted_job, record_job_change
+from geofed.task import task_module_refusal
 from geofed.types import Identity, InvalidName, validate_name
 from policies import Admission, JobPlacement, PlacementError, StorageLocation, admit_job
 
@@ -61,6 +63,7 @@ class JobManager:
         for record in records:
             try:
                 spec = parse_stored_spec(record.spec)
+                _check_task_module(spec, self._s)
                 location = await self._s.db.get_pointer(record.job_id, LOCATION_POINTER)
                 ctx = await self._s.executors.compute(
                     build_context, spec, self._s.runtime, _configured(location, self._s)
@@ -126,7 +129,8 @@ class JobManager:
     async def submit(self, text: str, actor: Identity) -> dict[str, Any]:
         """Admit and start a job; raise the ApiError that explains a refusal."""
         try:
-            spec = parse_job_spec(text, "request")
+            # Bounded, but a hostile body is slow to parse: never on the event loop.
+            spec = await self._s.executors.parse(parse_job_spec, text, "request")
         except JobSpecError as exc:
             raise BadRequest(
                 f"invalid job spec: {exc}", extra={"problems": list(exc.problems)}
@@ -180,6 +184,10 @@ class JobManager:
         }
 
     def _check_local(self, spec: JobSpec) -> None:
+        try:
+            _check_task_module(spec, self._s)
+        except JobContextError as exc:
+            raise BadRequest(f"task.spec: {exc}") from None
         unknown = [
             name for name in spec.checkpoint_storage if name not in self._s.runtime.locations
         ]
@@ -251,6 +259,13 @@ class JobManager:
         for region in engine.ctx.spec.region_names:
             await self._s.control.command(region, command, job, f"{action} by {actor}")
         return {"job": job, "state": target.value}
+
+
+def _check_task_module(spec: JobSpec, services: Services) -> None:
+    """Refuse a task module the config does not allow, before anything imports it."""
+    refusal = task_module_refusal(spec.task.spec, services.config.allowed_task_modules)
+    if refusal is not None:
+        raise JobContextError(refusal)
 
 
 def _configured(location: str | None, services: Services) -> str:

@@ -28,6 +28,10 @@ the line and the key. The spec is stored as submitted, in its validated JSON for
     evaluation:                        # where θ is evaluated (geofed.evaluation_config)
       where: region                    # region | region:NAME | regions | coordinator | none
       every: 1                         # rounds between evaluations
+    aggregation:                       # how deltas combine (coordinator.aggregation_config)
+      rule: mean                       # mean | trimmed_mean | median
+      norm_check: off                  # off | clip | refuse, against max_norm_ratio x median
+      max_tokens_per_round: 1000000    # default: inner_steps x 2^24
 """
 
 from __future__ import annotations
@@ -46,11 +50,12 @@ from pydantic import (
     model_validator,
 )
 
+from coordinator.aggregation_config import AggregationConfig
 from coordinator.deadline import DeadlineConfig
 from coordinator.outer_optimizer import OuterOptimizerConfig
 from geofed.codec_params import CodecParams
 from geofed.evaluation_config import EvaluationConfig
-from geofed.located_yaml import LineMap, LocatedDocument
+from geofed.located_yaml import MAX_DEPTH, LineMap, LocatedDocument
 from geofed.task import TaskSpecError, parse_task_spec
 from geofed.training_config import TrainingConfig
 from geofed.types import validate_name
@@ -58,7 +63,11 @@ from policies.errors import PolicyLoadError, Problem
 from policies.validation import validate_document
 from policies.yaml_loader import load_located
 
-__all__ = ["JobSpec", "JobSpecError", "TaskSpec", "parse_job_spec"]
+__all__ = ["MAX_SPEC_NODES", "JobSpec", "JobSpecError", "TaskSpec", "parse_job_spec"]
+
+#: A job spec is tens of nodes, its task options at most hundreds; the bound keeps a
+#: hostile body's parse short.
+MAX_SPEC_NODES = 10_000
 
 
 class JobSpecError(ValueError):
@@ -153,6 +162,10 @@ class JobSpec(_Section):
         description="where the global parameters are evaluated: by default a region, on its "
         "own accelerator, before it trains from them",
     )
+    aggregation: AggregationConfig = Field(
+        default_factory=AggregationConfig,
+        description="how a round's deltas are combined, and what one region may weigh in it",
+    )
 
     @field_validator("regions")
     @classmethod
@@ -220,7 +233,7 @@ class JobSpec(_Section):
 def parse_job_spec(text: str, file: str) -> JobSpec:
     """Parse a YAML or JSON job spec; raise :class:`JobSpecError` naming file, line and key."""
     try:
-        document = load_located(text, file)
+        document = load_located(text, file, max_nodes=MAX_SPEC_NODES)
     except PolicyLoadError as yaml_error:
         document = _as_json(text, file, yaml_error)
     try:
@@ -246,4 +259,25 @@ def _as_json(text: str, file: str, yaml_error: PolicyLoadError) -> LocatedDocume
     except json.JSONDecodeError as exc:
         problem = Problem(file, exc.lineno, "(syntax)", exc.msg)
         raise JobSpecError([str(problem)]) from None
+    except RecursionError:
+        data = None  # nested far too deep: refused below like any deep document
+    if data is None or _depth(data) > MAX_DEPTH:
+        problem = Problem(file, 1, "(syntax)", f"nested deeper than {MAX_DEPTH} levels")
+        raise JobSpecError([str(problem)]) from None
     return LocatedDocument(data, LineMap({}))
+
+
+def _depth(data: object) -> int:
+    """How deeply ``data`` nests lists and objects, found without recursion."""
+    deepest = 0
+    pending: list[tuple[object, int]] = [(data, 1)]
+    while pending:
+        item, depth = pending.pop()
+        deepest = max(deepest, depth)
+        if depth > MAX_DEPTH:
+            break
+        if isinstance(item, dict):
+            pending.extend((value, depth + 1) for value in item.values())
+        elif isinstance(item, list):
+            pending.extend((value, depth + 1) for value in item)
+    return deepest

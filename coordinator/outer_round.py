@@ -1,6 +1,7 @@
 """One outer round, from accepted deltas to a stored update: aggregate, outer step, encode, sign.
 
-The math (:func:`publication_step`) is pure: given θ_r, the weighted mean pseudo-gradient,
+The math (:func:`publication_step`) is pure: given θ_r, the round's pseudo-gradient (the
+job's aggregation rule over the deltas; by default their token-weighted mean),
 the outer optimizer state and the coordinator's error-feedback residual e, it computes
 
     target = OuterOptimizer.step(θ_r, mean Δ)
@@ -11,8 +12,9 @@ the outer optimizer state and the coordinator's error-feedback residual e, it co
 
 so the coordinator's θ_{r+1} is bit for bit what each region reconstructs from the
 published update. :func:`publish_round` wraps it with I/O: it decodes the durable
-deltas chunk by chunk in canonical order (regions sorted by name) into a running
-weighted sum, so a restarted coordinator recomputes the identical round, then signs and
+deltas chunk by chunk in canonical order (regions sorted by name) and combines them
+(:func:`coordinator.robust_aggregation.combine`), so a restarted coordinator recomputes
+the identical round, then signs and
 stores the update (and every ``snapshot_every`` rounds a lossless fp32 snapshot) in the
 job's checkpoint location and writes the new working-state blobs. Nothing here commits
 the round: :mod:`coordinator.publication` does, in one state-store transaction. Blocking:
@@ -25,16 +27,17 @@ import contextlib
 import functools
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, Final
 
 from torch import Tensor
 
-from coordinator.aggregation import aggregate
+from coordinator.aggregation_config import AggregationConfig
 from coordinator.artifacts import Location, Signer, StoredArtifact, store_artifact
 from coordinator.checkpoints import EntryKind
 from coordinator.outer_optimizer import OuterOptimizer
+from coordinator.robust_aggregation import Combined, NormVerdict, combine
 from coordinator.working_state import ParamsStore, WorkingState
 from geofed.blobstore import BlobStore
 from geofed.codec import EncodedStream, Piece, StreamDecoder, decode, encode_stream
@@ -142,9 +145,11 @@ def mean_delta(
     specs: Mapping[str, tuple[int, ...]],
     sources: Sequence[DeltaSource],
     max_decoded_bytes: int,
-) -> dict[str, Tensor]:
-    """The token-weighted mean of the deltas, summed in sorted region order."""
-    return aggregate(
+    config: AggregationConfig | None = None,
+) -> Combined:
+    """The round's delta under the job's aggregation ``config`` (default: the
+    token-weighted mean, summed in sorted region order) and the norm check's verdicts."""
+    return combine(
         specs,
         {
             source.region: (
@@ -153,6 +158,7 @@ def mean_delta(
             )
             for source in sources
         },
+        config or AggregationConfig(),
     )
 
 
@@ -169,6 +175,7 @@ class JobPublishing:
     signer: Signer
     params_store: ParamsStore
     deltas: BlobStore
+    aggregation: AggregationConfig = field(default_factory=AggregationConfig)
 
     @property
     def max_decoded_bytes(self) -> int:
@@ -192,6 +199,7 @@ class PublishedRound:
     snapshot: StoredArtifact | None
     tokens: int
     fp32_bytes: int
+    norm_checks: tuple[NormVerdict, ...] = ()
 
 
 def publish_round(
@@ -200,11 +208,12 @@ def publish_round(
     """Compute and store round ``state.version`` from the accepted ``sources``."""
     if not sources:
         raise ValueError(f"job {job.job!r} round {state.version}: no delta to aggregate")
-    mean = mean_delta(job.deltas, job.specs, sources, job.max_decoded_bytes)
+    combined = mean_delta(job.deltas, job.specs, sources, job.max_decoded_bytes, job.aggregation)
     publication = publication_step(
-        state.params, mean, state.optimizer_state, state.residual, job.codec
+        state.params, combined.delta, state.optimizer_state, state.residual, job.codec
     )
-    del mean
+    flagged = combined.flagged
+    del combined
     round_ = state.version
     new_hash = parameters_vector_hash(publication.params)
     tokens = sum(source.tokens for source in sources)
@@ -241,7 +250,14 @@ def publish_round(
     )
     pointers = job.params_store.save(new_state)
     return PublishedRound(
-        round_, new_state, pointers, update, snapshot, tokens, publication.stream.fp32_bytes
+        round_,
+        new_state,
+        pointers,
+        update,
+        snapshot,
+        tokens,
+        publication.stream.fp32_bytes,
+        flagged,
     )
 
 

@@ -131,8 +131,9 @@ def delta_sources(receipts: Iterable[Receipt], included: Iterable[str]) -> list[
 def publication_details(
     published: PublishedRound, rs: RoundState, location: str
 ) -> dict[str, Any]:
-    """The details of the ``round.publish`` audit entry."""
-    return {
+    """The details of the ``round.publish`` audit entry (``norm_checks``: the deltas the
+    norm check clipped or left out, each with its reason)."""
+    details: dict[str, Any] = {
         "update": published.update.bundle_digest,
         "update_manifest": published.update.manifest_digest,
         "snapshot": published.snapshot.bundle_digest if published.snapshot else None,
@@ -142,6 +143,9 @@ def publication_details(
         "tokens": published.tokens,
         "location": location,
     }
+    if published.norm_checks:
+        details["norm_checks"] = [verdict.record() for verdict in published.norm_checks]
+    return details
 
 
 def discard_inputs(
@@ -249,6 +253,15 @@ class RoundPublisher:
             round_ + 1,
             published.state.params_hash[:16],
         )
+        for verdict in published.norm_checks:
+            log.warning(
+                "job %s round %d: delta of %s %s: %s",
+                job,
+                round_,
+                verdict.region,
+                verdict.action,
+                verdict.reason,
+            )
         await self._s.control.event(
             "round.published", job=job, round=round_, detail=published.update.bundle_digest
         )

@@ -37,60 +37,13 @@ from geofed.pki import (
     verify_certificate,
 )
 from geofed.pki.authority import IssuedCredential
+from geofed.pki.bundle_source import ReloadingBundle
 from geofed.types import Role
 from policies import PolicyLoadError, PolicySet, load_policies
 
-__all__ = ["BundleSource", "Runtime", "load_runtime"]
+__all__ = ["Runtime", "load_runtime"]
 
 log = logging.getLogger(__name__)
-
-
-class BundleSource:
-    """The trust bundle, re-read whenever its file changes.
-
-    Revocations added to the file (``geofed ca revoke``) then apply to the next request
-    and the next manifest, without a restart. A file that no longer loads is logged and
-    the last good bundle stays in force. TLS contexts keep the CA list they were built
-    with: a new authority needs a restart.
-    """
-
-    def __init__(self, path: Path, bundle: TrustBundle) -> None:
-        self._path = path
-        self._bundle = bundle
-        self._stamp = self._stat()
-
-    def _stat(self) -> tuple[int, int] | None:
-        try:
-            status = self._path.stat()
-        except OSError:
-            return None
-        return (status.st_mtime_ns, status.st_size)
-
-    def __call__(self) -> TrustBundle:
-        stamp = self._stat()
-        if stamp is not None and stamp != self._stamp:
-            self._stamp = stamp
-            try:
-                bundle = load_trust_bundle(self._path)
-            except PKIError as exc:
-                log.error(  # noqa: TRY400 - the error names the file, line and key
-                    "trust bundle %s no longer loads; keeping the previous one: %s", self._path, exc
-                )
-            else:
-                if bundle.federation == self._bundle.federation:
-                    self._bundle = bundle
-                    log.info(
-                        "trust bundle %s reloaded (%d revoked serials)",
-                        self._path,
-                        len(bundle.revoked_serials),
-                    )
-                else:
-                    log.error(
-                        "trust bundle %s now names federation %r; ignored",
-                        self._path,
-                        bundle.federation,
-                    )
-        return self._bundle
 
 
 @dataclass(frozen=True)
@@ -107,7 +60,7 @@ class Runtime:
     params: ParamsStore
     spool_dir: Path
     tls_certificate: x509.Certificate | None
-    trust: BundleSource
+    trust: ReloadingBundle
     faults: FaultPoints = field(default_factory=FaultPoints)
 
     def server_ssl(self) -> ssl.SSLContext | None:
@@ -174,7 +127,7 @@ def load_runtime(config: CoordinatorConfig) -> Runtime:
         ParamsStore(deltas),
         spool,
         tls_certificate,
-        BundleSource(config.trust_bundle, bundle),
+        ReloadingBundle(config.trust_bundle, bundle),
         faults,
     )
 

@@ -25,6 +25,9 @@ from coordinator.audit import AuditEntry, AuditEvent, VerifyResult
 from geofed.blobstore import validate_digest
 from geofed.types import validate_name
 
+#: The largest integer the state database stores (SQLite's INTEGER is 64-bit, signed).
+MAX_STORED_INT = 2**63 - 1
+
 _STATE_RE = re.compile(r"^[a-z][a-z0-9_]{0,31}$")
 _POINTER_RE = re.compile(r"^[a-z0-9][a-z0-9_.-]{0,127}$")
 MAX_POINTER_VALUE = 4096

@@ -33,7 +33,7 @@ from coordinator.jobs import JobManager
 from coordinator.residency import delta_upload
 from coordinator.services import Services
 from coordinator.spool import Spool
-from coordinator.store import Receipt
+from coordinator.store import MAX_STORED_INT, Receipt
 from coordinator.transactions import DeltaOffer, open_upload, upload_pointer
 from geofed.artifact_bundle import HEADER_SIZE, BundleError, manifest_length
 from geofed.manifest import ManifestError, SignedManifest
@@ -74,11 +74,17 @@ class UploadService:
     # -- the public steps (each counts and audits its refusals) ---------------------
 
     async def put_manifest(
-        self, job: str, round: int, region: str, actor: Identity, body: StreamReader
+        self,
+        job: str,
+        round: int,
+        region: str,
+        actor: Identity,
+        body: StreamReader,
+        declared: int | None = None,
     ) -> dict[str, Any]:
         async def step() -> dict[str, Any]:
             limit = self._s.config.limits.max_manifest_bytes
-            data = await read_limited(body, limit, "manifest")
+            data = await read_limited(body, limit, "manifest", declared)
             return await self._manifest(job, round, region, actor, data)
 
         return await self._counted(job, round, region, actor, "manifest", step())
@@ -90,10 +96,17 @@ class UploadService:
         return await self._counted(job, round, region, actor, "chunk", step)
 
     async def commit(
-        self, job: str, round: int, region: str, actor: Identity, body: StreamReader
+        self,
+        job: str,
+        round: int,
+        region: str,
+        actor: Identity,
+        body: StreamReader,
+        declared: int | None = None,
     ) -> dict[str, Any]:
         async def step() -> dict[str, Any]:
-            metrics = commit_metrics(await read_limited(body, 64 * 1024, "commit body"))
+            body_bytes = await read_limited(body, 64 * 1024, "commit body", declared)
+            metrics = commit_metrics(body_bytes)
             return await self._commit(job, round, region, actor, metrics)
 
         return await self._counted(job, round, region, actor, "commit", step())
@@ -149,6 +162,10 @@ class UploadService:
     ) -> None:
         self._s.metrics.deltas_rejected.labels(code=exc.code).inc()
         log.info("refused %s %s of job %s round %d: %s", region, step, job, round, exc.message)
+        details = {"step": step, "code": exc.code, "message": exc.message[:1000]}
+        if round > MAX_STORED_INT:
+            # The path's round cannot be stored as one; the entry keeps its text.
+            details["round"] = str(round)[:64]
         try:
             await self._s.db.append_audit(
                 AuditEvent(
@@ -156,9 +173,9 @@ class UploadService:
                     action="delta.reject",
                     verdict=AuditVerdict.DENY,
                     job=job,
-                    round=round,
+                    round=round if round <= MAX_STORED_INT else None,
                     region=region,
-                    details={"step": step, "code": exc.code, "message": exc.message[:1000]},
+                    details=details,
                 )
             )
         except Exception:
@@ -345,6 +362,7 @@ class UploadService:
             max_upload_bytes=limits.max_upload_bytes,
             max_chunk_bytes=limits.max_chunk_bytes,
             training=ctx.spec.training,
+            max_tokens=ctx.spec.aggregation.token_bound(ctx.spec.inner_steps),
         )
 
     async def _open_upload(

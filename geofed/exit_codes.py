@@ -13,8 +13,9 @@ code  name         meaning
                    database, the worker group past its relaunch cap, a crash; restarting
                    may help
 2     ``CONFIG``   configuration error: the config file, the files it names (trust
-                   bundle, credential, policies) or a malformed ``$NOTIFY_SOCKET`` /
-                   ``$WATCHDOG_USEC``; printed as ``file:line: key: message`` lines
+                   bundle, credential, policies; one nested too deep or too large
+                   included) or a malformed ``$NOTIFY_SOCKET`` / ``$WATCHDOG_USEC``;
+                   printed as ``file:line: key: message`` lines
 ====  ===========  =====================================================================
 """
 

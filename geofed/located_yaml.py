@@ -8,6 +8,12 @@ keys, merge keys, tags on collections and recursive aliases are problems, all of
 reported at once, and the size of a document is bounded. Booleans are YAML 1.2's: ``NO``
 (Norway) and ``on`` stay strings.
 
+Hostile text is refused while it is parsed, never after: the composer counts nodes
+(``max_nodes``) and nesting (:data:`MAX_DEPTH`) as it creates them, so neither a huge
+document nor 100,000 nested brackets costs more than the budget or exhausts the stack.
+libyaml scans and parses when PyYAML has it (several times faster); the composer, with
+its budget and lines, is the same either way.
+
 Every node is constructed once: an alias shares the object of its anchor, so a
 document of nested aliases costs time linear in its text; an aliased path has no line
 of its own and takes its nearest ancestor's. Consumers that walk the data the aliases
@@ -19,12 +25,17 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import yaml
+from yaml.composer import Composer, ComposerError
+from yaml.constructor import SafeConstructor
 from yaml.nodes import MappingNode, Node, ScalarNode, SequenceNode
+from yaml.resolver import Resolver
 
 __all__ = [
     "DOCUMENT_KEY",
+    "MAX_DEPTH",
     "MAX_DOCUMENT_BYTES",
     "MAX_NODES",
     "SYNTAX_KEY",
@@ -43,6 +54,8 @@ KeyPath = tuple[str | int, ...]
 # alias bombs early.
 MAX_DOCUMENT_BYTES = 1 << 20
 MAX_NODES = 100_000
+#: Deeper nesting than any configuration needs; refused before it can exhaust the stack.
+MAX_DEPTH = 64
 
 #: The key a problem names when it concerns the whole document, or its YAML syntax.
 DOCUMENT_KEY = "(document)"
@@ -53,8 +66,43 @@ _MERGE_TAG = "tag:yaml.org,2002:merge"
 _PLAIN_COLLECTION_TAGS = ("tag:yaml.org,2002:map", "tag:yaml.org,2002:seq")
 
 
-class _Loader(yaml.SafeLoader):
-    """SafeLoader with YAML 1.2 booleans: ``NO`` (Norway) and ``on`` stay strings."""
+class _Budget:
+    """Bounds on composing one document, checked as each node is created."""
+
+    max_depth: int = MAX_DEPTH
+    max_nodes: int | None = MAX_NODES
+    _depth = 0
+    _nodes = 0
+
+    # The composer's own recursion is the one that could overflow: refusing a node
+    # deeper than ``max_depth`` bounds it, and every later step recurses no deeper.
+    def compose_node(self, parent: Node | None, index: int) -> Node | None:
+        composer: Any = self  # a Composer: this class is mixed in before one
+        if self._depth >= self.max_depth:
+            raise ComposerError(
+                None,
+                None,
+                f"nested deeper than {self.max_depth} levels",
+                composer.peek_event().start_mark,
+            )
+        self._nodes += 1
+        if self.max_nodes is not None and self._nodes > self.max_nodes:
+            raise ComposerError(
+                None,
+                None,
+                f"document has more than {self.max_nodes} nodes",
+                composer.peek_event().start_mark,
+            )
+        self._depth += 1
+        try:
+            node: Node | None = Composer.compose_node(composer, parent, index)
+        finally:
+            self._depth -= 1
+        return node
+
+
+class _Loader(_Budget, yaml.SafeLoader):
+    """SafeLoader with YAML 1.2 booleans (``NO``, Norway, and ``on`` stay strings), bounded."""
 
 
 _Loader.yaml_implicit_resolvers = {
@@ -64,6 +112,33 @@ _Loader.yaml_implicit_resolvers = {
 _Loader.add_implicit_resolver(
     _BOOL_TAG, re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF")
 )
+
+def _libyaml_parser() -> Any:
+    try:
+        from yaml._yaml import CParser
+    except ImportError:  # PyYAML built without libyaml: the pure-Python parser does it all
+        return None
+    return CParser
+
+
+_CParser: Any = _libyaml_parser()
+_FastLoader: Any = None
+if _CParser is not None:
+
+    class _CLoader(_Budget, Composer, _CParser, SafeConstructor, Resolver):  # type: ignore[misc]
+        """libyaml's scanner and parser (events with their lines) under the same composer."""
+
+        def __init__(self, stream: str) -> None:
+            _CParser.__init__(self, stream)
+            Composer.__init__(self)
+            SafeConstructor.__init__(self)
+            Resolver.__init__(self)
+
+        def dispose(self) -> None:
+            """Nothing to release beyond what the parser frees itself."""
+
+    _CLoader.yaml_implicit_resolvers = _Loader.yaml_implicit_resolvers
+    _FastLoader = _CLoader
 
 
 def format_key_path(path: KeyPath) -> str:
@@ -136,7 +211,10 @@ def parse_located(
         raise LocatedYamlError(
             [YamlProblem(1, DOCUMENT_KEY, f"file is larger than {max_bytes} bytes")]
         )
-    loader = _Loader(text)
+    # libyaml accepts tabs where PyYAML's own parser refuses them; a text with tabs takes
+    # the pure-Python path so every document parses the same with or without libyaml.
+    loader = (_FastLoader if _FastLoader is not None and "\t" not in text else _Loader)(text)
+    loader.max_nodes = max_nodes
     try:
         node = loader.get_single_node()
         if node is None:

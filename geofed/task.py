@@ -14,8 +14,9 @@ activations in backward), :meth:`Task.flops_per_token` (for the utilisation esti
 and :meth:`Task.on_step` (the region's global inner step). ``docs/tasks.md`` walks
 through a complete task.
 
-Importing a task runs the named module's code; only operators can submit jobs, and the
-spec is checked for shape here before anything is imported.
+Importing a task runs the named module's code; only operators can submit jobs, the
+spec is checked for shape here, and a coordinator imports only modules its allow-list
+names (:func:`task_module_refusal`) before anything is imported.
 """
 
 from __future__ import annotations
@@ -39,6 +40,10 @@ BatchT = TypeVar("BatchT")
 
 _IDENT = r"[A-Za-z_][A-Za-z0-9_]*"
 _SPEC_RE = re.compile(rf"^({_IDENT}(?:\.{_IDENT})*):({_IDENT}(?:\.{_IDENT})*)$")
+_MODULE_PATTERN_RE = re.compile(rf"^{_IDENT}(?:\.{_IDENT})*(?:\.\*)?$")
+
+#: Task modules every coordinator may import; its config's ``task_modules`` adds more.
+DEFAULT_TASK_MODULES: tuple[str, ...] = ("geofed.examples.*",)
 
 
 class TaskError(Exception):
@@ -182,6 +187,36 @@ def parse_task_spec(spec: str) -> tuple[str, str]:
     if match is None:
         raise TaskSpecError(f"malformed task spec {spec!r}: expected 'package.module:ClassName'")
     return match.group(1), match.group(2)
+
+
+def validate_module_pattern(pattern: str) -> str:
+    """``package.module`` (that module) or ``package.*`` (the package and all below it)."""
+    if not isinstance(pattern, str) or _MODULE_PATTERN_RE.fullmatch(pattern) is None:
+        raise ValueError(
+            f"task module pattern {pattern!r} must be 'package.module' or 'package.*'"
+        )
+    return pattern
+
+
+def task_module_refusal(spec: str, allowed: Iterable[str]) -> str | None:
+    """Why the module of ``spec`` may not be imported, or None when ``allowed`` names it.
+
+    Decided on the text alone, so a refused spec imports nothing. ``allowed`` holds
+    :func:`validate_module_pattern` patterns.
+    """
+    module, _ = parse_task_spec(spec)
+    patterns = tuple(allowed)
+    for pattern in patterns:
+        if pattern.endswith(".*"):
+            package = pattern[:-2]
+            if module == package or module.startswith(package + "."):
+                return None
+        elif module == pattern:
+            return None
+    return (
+        f"task module {module!r} is not in this coordinator's task_modules "
+        f"({', '.join(patterns) or 'none'})"
+    )
 
 
 def load_task_class(spec: str) -> type[Task[Any]]:

@@ -67,7 +67,8 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "cafile",
         help="write the trust bundle's CA certificates as the broker's cafile",
         description="Write every CA certificate of the trust bundle, concatenated, for "
-        "Mosquitto's cafile. The broker cannot enforce the bundle's grants or revocations.",
+        "Mosquitto's cafile. The broker cannot enforce the bundle's grants; it learns of "
+        "revocations from each CA's CRL (geofed ca crl) in its crlfile.",
     )
     cafile.add_argument("--bundle", required=True, type=Path, help="trust bundle YAML file")
     cafile.add_argument(

@@ -6,16 +6,22 @@ The parsing is :mod:`geofed.located_yaml`'s; this module names the file in each 
 
 from __future__ import annotations
 
-from geofed.located_yaml import DOCUMENT_KEY, LocatedDocument, LocatedYamlError, parse_located
+from geofed.located_yaml import (
+    DOCUMENT_KEY,
+    MAX_NODES,
+    LocatedDocument,
+    LocatedYamlError,
+    parse_located,
+)
 from policies.errors import PolicyLoadError, Problem
 
 __all__ = ["load_located"]
 
 
-def load_located(text: str, file: str) -> LocatedDocument:
+def load_located(text: str, file: str, *, max_nodes: int = MAX_NODES) -> LocatedDocument:
     """Parse one YAML document; raise :class:`PolicyLoadError` naming file, line and key."""
     try:
-        document = parse_located(text)
+        document = parse_located(text, max_nodes=max_nodes)
     except LocatedYamlError as exc:
         raise PolicyLoadError(
             [Problem(file, problem.line, problem.key, problem.message) for problem in exc.problems]

@@ -138,7 +138,9 @@ class Agent:
             config.mqtt.port,
             client_id=mqtt_username(credentials.identity),
             tls=tls,
-            will=offline_status(status_topic, config.region, "connection lost"),
+            # Built again for each connection: a Will is the newest word of its connection
+            # only, and a second one must not look like a repeat of the first.
+            will=lambda: offline_status(status_topic, config.region, "connection lost"),
             keepalive_s=max(1, round(timeouts.heartbeat_s)),
             timeout_s=timeouts.request_s,
             rng=self._rng,
@@ -220,7 +222,7 @@ class Agent:
                 self._state,
                 self._workers,
                 Synchronizer(
-                    client, self._credentials.bundle, clock=self._clock, metrics=self._metrics
+                    client, self._credentials.trust, clock=self._clock, metrics=self._metrics
                 ),
                 Uploader(client, config.region, rng=self._rng, metrics=self._metrics),
                 self._status,

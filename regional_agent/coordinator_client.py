@@ -108,7 +108,7 @@ def build_session(config: AgentConfig, credentials: Credentials) -> aiohttp.Clie
             headers={IDENTITY_HEADER: credentials.identity.uri},
         )
     context = client_ssl_context(credentials.bundle, credentials.cert_file, credentials.key_file)
-    connector = VerifiedConnector(credentials.bundle, context, expect=Role.COORDINATOR)
+    connector = VerifiedConnector(credentials.trust, context, expect=Role.COORDINATOR)
     return aiohttp.ClientSession(connector=connector, timeout=timeout)
 
 

@@ -1,7 +1,8 @@
 """The region's credential: its signing key and certificate, and the federation's trust bundle.
 
 Read once at start-up from the files the agent's configuration names (its ``identity``
-section, :class:`AgentIdentityConfig`).
+section, :class:`AgentIdentityConfig`); the trust bundle is re-read when its file changes
+(:attr:`Credentials.trust`), so revocations apply without a restart.
 The certificate must name this region of this federation
 (``spiffe://<federation>/region/<region>``); its key signs every delta manifest and
 authenticates the agent over TLS; the trust bundle verifies the coordinator's server
@@ -10,6 +11,7 @@ certificate and the signatures of the updates and checkpoints it publishes.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,6 +30,7 @@ from geofed.pki import (
     load_trust_bundle,
     read_certificate,
 )
+from geofed.pki.bundle_source import BundleSource, ReloadingBundle
 from geofed.types import Identity
 
 
@@ -51,6 +54,13 @@ class Credentials:
     bundle: TrustBundle
     cert_file: Path
     key_file: Path
+    #: The bundle as its file says now; None: ``bundle`` as read at start-up.
+    reloading: Callable[[], TrustBundle] | None = None
+
+    @property
+    def trust(self) -> BundleSource:
+        """What checks peers and artifacts: the reloading bundle, else the start-up one."""
+        return self.reloading if self.reloading is not None else self.bundle
 
 
 def load_credentials(files: AgentIdentityConfig, expected: Identity) -> Credentials:
@@ -86,4 +96,5 @@ def load_credentials(files: AgentIdentityConfig, expected: Identity) -> Credenti
         bundle=bundle,
         cert_file=files.cert,
         key_file=files.key,
+        reloading=ReloadingBundle(files.trust_bundle, bundle),
     )

@@ -202,5 +202,5 @@ def metrics_server(
 ) -> MetricsServer:
     """The agent's listener as ``config`` places it, with the region's certificate."""
     context = server_ssl_context(credentials.bundle, credentials.cert_file, credentials.key_file)
-    app = create_metrics_app(registry, credentials.bundle, refresh=refresh, health=health)
+    app = create_metrics_app(registry, credentials.trust, refresh=refresh, health=health)
     return MetricsServer(app, config.host, config.port, context)

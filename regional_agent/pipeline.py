@@ -56,7 +56,7 @@ from regional_agent.delta import (
 from regional_agent.handoff import RoundInstruction
 from regional_agent.metrics import AgentMetrics
 from regional_agent.residency import ExportGate
-from regional_agent.schedule import Progress, judge_rollback
+from regional_agent.schedule import Progress, judge_lost_delta, judge_rollback
 from regional_agent.state import AgentState, DeltaMeta, JobDirectory, SpooledDelta, StateError
 from regional_agent.status import StatusReporter
 from regional_agent.sync import ResyncFailed, Synced, Synchronizer
@@ -352,30 +352,45 @@ class RoundPipeline:
 
         Only when the announcement contradicts the recorded progress is the coordinator
         asked which θ it holds; :func:`~regional_agent.schedule.judge_rollback` decides.
+        When it opens a round the region delivered, the coordinator is asked whether it
+        still holds that delta; :func:`~regional_agent.schedule.judge_lost_delta` decides.
         After the discard the round runs as for a region that joins afresh: a full resync
         from the coordinator's latest checkpoint, a new error-feedback residual, and a
         worker group that starts its inner state anew.
         """
         progress = Progress(*await _blocking(job.progress))
-        if not progress.contradicted_by(announcement):
+        region = self._region.name
+        contradicted = progress.contradicted_by(announcement)
+        if not contradicted and not progress.delivered(announcement, region):
             return
         try:
             coordinator = await self._sync.coordinator_version(announcement.job)
+            delivered = (
+                None
+                if contradicted
+                else await self._sync.delivered(announcement.job, announcement.round)
+            )
         except HttpError as exc:
             if exc.status >= 500:
                 raise RetryLater(str(exc)) from exc
             log.warning("job %s: cannot ask the coordinator which θ it holds: %s", job.job, exc)
             return
-        rollback = judge_rollback(announcement, progress, coordinator)
-        if rollback is None:
-            log.info(
-                "job %s round %d: a stale announcement (the coordinator holds %s); "
-                "keeping the local state",
-                job.job,
-                announcement.round,
-                f"θ_{coordinator.round}" if coordinator is not None else "no θ",
-            )
-            return
+        if not contradicted:
+            # Opened again after this region delivered it: as usual, unless the delta is lost.
+            rollback = judge_lost_delta(announcement, progress, region, coordinator, delivered)
+            if rollback is None:
+                return
+        else:
+            rollback = judge_rollback(announcement, progress, coordinator)
+            if rollback is None:
+                log.info(
+                    "job %s round %d: a stale announcement (the coordinator holds %s); "
+                    "keeping the local state",
+                    job.job,
+                    announcement.round,
+                    f"θ_{coordinator.round}" if coordinator is not None else "no θ",
+                )
+                return
         log.warning(
             "job %s: coordinator rolled back from round %d to %d; "
             "discarding local job state and resyncing",

@@ -8,11 +8,13 @@ reason it was taken, for the logs.
 
 :func:`judge_rollback` tells a coordinator restored from an older backup from a stale
 announcement, from what the region's durable state records (:class:`Progress`) and what
-the coordinator says it holds now.
+the coordinator says it holds now; :func:`judge_lost_delta` tells one that lost the delta
+the region delivered from a round merely announced again.
 """
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass
 from datetime import datetime
 
@@ -223,6 +225,14 @@ class Progress:
             and self.uploaded_round >= announcement.round
         )
 
+    def delivered(self, announcement: RoundAnnouncement, region: str) -> bool:
+        """Whether the region delivered the very round ``announcement`` opens to it."""
+        return (
+            announcement.state == "open"
+            and region in announcement.participants
+            and self.uploaded_round == announcement.round
+        )
+
 
 @dataclass(frozen=True, slots=True)
 class Rollback:
@@ -252,3 +262,30 @@ def judge_rollback(
     reached = progress.reached
     assert reached is not None  # a contradiction needs progress
     return Rollback(announcement.job, reached, announcement.base_round)
+
+
+def judge_lost_delta(
+    announcement: RoundAnnouncement,
+    progress: Progress,
+    region: str,
+    coordinator: ParamsVersion | None,
+    delivered: Collection[str] | None,
+) -> Rollback | None:
+    """Whether the coordinator was restored from a backup older than the region's delta.
+
+    A restored coordinator that holds every delta of its round publishes the same θ
+    again (aggregation is deterministic) and opens the next round, which the region may
+    have delivered already: nothing in the announcement contradicts the region's
+    progress, but the coordinator (``coordinator``: the θ version it holds now;
+    ``delivered``: the regions whose delta of its current round it holds, None when that
+    is another round) no longer has the delta. The region goes back to the announced
+    base and delivers the round again. An announcement the coordinator has moved past,
+    or a round it still holds the region's delta of, is no such case.
+    """
+    if not progress.delivered(announcement, region) or delivered is None:
+        return None
+    if coordinator != ParamsVersion(announcement.base_round, announcement.base_hash):
+        return None
+    if region in delivered:
+        return None
+    return Rollback(announcement.job, announcement.round, announcement.base_round)

@@ -38,6 +38,7 @@ from geofed.deltas import DeltaError, apply_update
 from geofed.manifest import Manifest, ManifestError, SignedManifest, verify_chunks
 from geofed.params import parameters_vector_hash
 from geofed.pki import TrustBundle
+from geofed.pki.bundle_source import BundleSource, current
 from geofed.types import ArtifactKind, Role
 from regional_agent.coordinator_client import CoordinatorClient, CoordinatorError, HttpError
 from regional_agent.metrics import AgentMetrics, MetricsError
@@ -183,7 +184,7 @@ class Synchronizer:
     def __init__(
         self,
         client: CoordinatorClient,
-        bundle: TrustBundle,
+        bundle: BundleSource,
         *,
         clock: Clock = _utc_now,
         metrics: AgentMetrics | None = None,
@@ -232,7 +233,7 @@ class Synchronizer:
         def verify_and_apply() -> tuple[Params, ParamsVersion, str]:
             update = verify_artifact(
                 data,
-                self._bundle,
+                current(self._bundle),
                 kind=ArtifactKind.GLOBAL_UPDATE,
                 job=announcement.job,
                 round_=version.round,
@@ -258,6 +259,18 @@ class Synchronizer:
         if not isinstance(round_, int) or isinstance(round_, bool) or not isinstance(hash_, str):
             raise CoordinatorError(f"job {job}: malformed status (round {round_!r})")
         return ParamsVersion(round_, hash_)
+
+    async def delivered(self, job: str, round_: int) -> frozenset[str] | None:
+        """The regions whose delta of ``round_`` the coordinator holds, if ``round_`` is its
+        current round (None when it is another, or none)."""
+        answer = (await self._client.request("GET", ApiPaths.job(job))).json()
+        current = answer.get("current")
+        if not isinstance(current, dict) or current.get("round") != round_:
+            return None
+        regions = current.get("delivered")
+        if not isinstance(regions, list) or not all(isinstance(r, str) for r in regions):
+            raise CoordinatorError(f"job {job}: malformed status (delivered {regions!r})")
+        return frozenset(regions)
 
     async def resync(self, job: str, target: ParamsVersion) -> tuple[Params, ParamsVersion]:
         """θ of ``target`` from the latest checkpoint: its snapshot, then its updates."""
@@ -316,7 +329,7 @@ class Synchronizer:
     ) -> tuple[Params, ParamsVersion, str]:
         snapshot = verify_artifact(
             data,
-            self._bundle,
+            current(self._bundle),
             kind=ArtifactKind.GLOBAL_CHECKPOINT,
             job=job,
             round_=part.round,
@@ -330,7 +343,7 @@ class Synchronizer:
     ) -> tuple[Params, ParamsVersion, str]:
         update = verify_artifact(
             data,
-            self._bundle,
+            current(self._bundle),
             kind=ArtifactKind.GLOBAL_UPDATE,
             job=job,
             round_=part.round,

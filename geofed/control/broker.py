@@ -8,6 +8,11 @@ amqtt 0.12 does not enforce keep-alive: a client that dies publishes its Last Wi
 soon as its socket closes, but a hung client (stopped, not dead) keeps its session and
 never goes ``offline`` here. Mosquitto drops it after 1.5 x keep-alive.
 
+Nor does amqtt 0.12 close every connection it accepts: one that ends before its CONNECT
+is read (a client killed while connecting, a port probe) is left open, and so is any
+connection still being served when the broker shuts down. So each accepted connection
+is closed here when its handling ends, and whatever is still open on :meth:`stop`.
+
 In a running loop::
 
     async with EmbeddedBroker(port=0) as broker:
@@ -22,10 +27,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import logging
 import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from types import TracebackType
 from typing import Any, Self
 
@@ -59,6 +65,8 @@ class EmbeddedBroker:
         self.port = port
         self._timeout_s = timeout_s
         self._broker: Any = None
+        # Each accepted connection's handling task, with the connection's writer.
+        self._connections: dict[asyncio.Task[None], asyncio.StreamWriter] = {}
 
     @property
     def url(self) -> str:
@@ -89,6 +97,8 @@ class EmbeddedBroker:
         }
         try:
             broker = Broker(config)
+            # Its listener, created by start(), hands each accepted connection to this.
+            broker.stream_connected = functools.partial(self._serve, broker.stream_connected)
             await asyncio.wait_for(broker.start(), self._timeout_s)
         except (AMQTTError, OSError, TimeoutError) as exc:
             raise BrokerError(f"embedded broker could not listen on {self.url}: {exc}") from exc
@@ -111,6 +121,25 @@ class EmbeddedBroker:
                 return self.port
             raise BrokerError("cannot read the port amqtt bound to; pass an explicit port") from exc
 
+    async def _serve(
+        self,
+        serve: Callable[..., Awaitable[None]],
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        listener_name: str,
+    ) -> None:
+        """amqtt's handling of one connection, which is closed when that ends however."""
+        task = asyncio.current_task()
+        assert task is not None
+        self._connections[task] = writer
+        try:
+            await serve(reader, writer, listener_name=listener_name)
+        finally:
+            del self._connections[task]
+            writer.close()
+            with contextlib.suppress(OSError):
+                await writer.wait_closed()
+
     async def stop(self) -> None:
         """Disconnect every client and close the listener (idempotent)."""
         broker, self._broker = self._broker, None
@@ -122,7 +151,20 @@ class EmbeddedBroker:
             raise BrokerError(
                 f"embedded broker on {self.url} did not stop in {self._timeout_s} s"
             ) from None
+        finally:
+            await self._close_connections()
         log.info("embedded MQTT broker on %s stopped", self.url)
+
+    async def _close_connections(self) -> None:
+        # Connections amqtt still serves after its shutdown: closed while the loop runs,
+        # not left for the garbage collector (possibly after the loop is gone). Their
+        # handling then reads the end of the stream and returns; cancelling it instead
+        # would make asyncio 3.11 log an error from the server's done-callback.
+        tasks = list(self._connections)
+        for writer in self._connections.values():
+            writer.close()
+        if tasks:
+            await asyncio.wait(tasks, timeout=self._timeout_s)
 
     async def __aenter__(self) -> Self:
         await self.start()

@@ -91,10 +91,12 @@ class ControlClient:
 
     ``tls`` is a client context (built from the federation trust bundle, carrying the
     daemon's certificate); None means plain TCP, for the loopback demo only. ``will``
-    is registered with the broker on every connection. ``timeout_s`` bounds each
-    connect, subscribe, publish and disconnect wait; ``handler_timeout_s`` bounds each
-    handler call. ``sleep``, ``rng`` and ``clock`` drive the back-off and are injected
-    so tests run without waiting.
+    is registered with the broker on every connection; given as a callable, it is
+    called for each connection, so every Will the broker may publish is a message of its
+    own (a receiver that drops repeats by message id still sees the second one).
+    ``timeout_s`` bounds each connect, subscribe, publish and disconnect wait;
+    ``handler_timeout_s`` bounds each handler call. ``sleep``, ``rng`` and ``clock``
+    drive the back-off and are injected so tests run without waiting.
     """
 
     def __init__(
@@ -104,7 +106,7 @@ class ControlClient:
         *,
         client_id: str,
         tls: ssl.SSLContext | None = None,
-        will: Publication | None = None,
+        will: Publication | Callable[[], Publication] | None = None,
         keepalive_s: int = 30,
         timeout_s: float = 10.0,
         handler_timeout_s: float = 30.0,
@@ -250,9 +252,8 @@ class ControlClient:
     def _make_client(self) -> aiomqtt.Client:
         will = None
         if self._will is not None:
-            will = aiomqtt.Will(
-                self._will.topic, self._will.payload, qos=_QOS, retain=self._will.retain
-            )
+            last = self._will() if callable(self._will) else self._will
+            will = aiomqtt.Will(last.topic, last.payload, qos=_QOS, retain=last.retain)
         return aiomqtt.Client(
             self.host,
             self.port,

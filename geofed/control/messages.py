@@ -142,8 +142,11 @@ class RegionStatus(_Message):
     """What a region's agent is doing (retained on ``regions/<region>/status``).
 
     The Last Will carries ``state="offline"``; its ``sent_at`` is when the will was
-    registered, not when the broker published it. A diverged loss is reported as
-    ``state="error"`` with a ``detail``, since JSON has no NaN.
+    registered (each connection registers a fresh one), not when the broker published
+    it, so it is older than the statuses it outlived: receivers take an ``offline``
+    status whatever its ``sent_at``, and only a later live status replaces it. A
+    diverged loss is reported as ``state="error"`` with a ``detail``, since JSON has no
+    NaN.
     """
 
     type: Literal["region_status"] = "region_status"

@@ -4,7 +4,10 @@ Each member organization runs a CA (:func:`create_ca`, ``geofed ca init``) and i
 certificate per principal (:func:`issue`, ``geofed ca issue``) naming
 ``spiffe://<federation>/<role>/<name>``. A :class:`TrustBundle` says which CAs the
 federation trusts and for which identities; :func:`verify_certificate` is the one decision
-every check goes through (TLS peers and manifest signers alike).
+every check goes through (TLS peers and manifest signers alike). Daemons hold the bundle
+through :class:`~geofed.pki.bundle_source.ReloadingBundle`, so revocations apply without a
+restart; the MQTT broker, which cannot read the bundle, gets each CA's CRL
+(:mod:`geofed.pki.crl`, ``geofed ca crl``).
 """
 
 from geofed.pki.authority import (

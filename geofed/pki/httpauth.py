@@ -30,9 +30,9 @@ from aiohttp.connector import Connection
 from aiohttp.tracing import Trace
 from aiohttp.typedefs import Handler, Middleware
 
+from geofed.pki.bundle_source import BundleSource, current
 from geofed.pki.errors import CertificateRefused, NoPeerCertificate, UnexpectedPeer
 from geofed.pki.tls import Clock, peer_identity, utc_now
-from geofed.pki.trust import TrustBundle
 from geofed.types import Identity, Role
 
 logger = logging.getLogger(__name__)
@@ -40,12 +40,7 @@ logger = logging.getLogger(__name__)
 PEER_IDENTITY: Final = web.RequestKey("geofed_peer_identity", Identity)
 """Where :func:`identity_middleware` puts the verified identity of the request's peer."""
 
-BundleSource = TrustBundle | Callable[[], TrustBundle]
 RefusalHook = Callable[[web.Request, CertificateRefused], Awaitable[None]]
-
-
-def _current(source: BundleSource) -> TrustBundle:
-    return source if isinstance(source, TrustBundle) else source()
 
 
 def identity_middleware(
@@ -61,7 +56,7 @@ def identity_middleware(
         transport = request.transport
         ssl_object = transport.get_extra_info("ssl_object") if transport is not None else None
         try:
-            identity = peer_identity(ssl_object, _current(bundle), now=clock())
+            identity = peer_identity(ssl_object, current(bundle), now=clock())
         except CertificateRefused as err:
             logger.warning(
                 "refused %s %s from %s: %s",
@@ -130,7 +125,7 @@ class VerifiedConnector(aiohttp.TCPConnector):
         if not req.is_ssl() or transport is None:
             raise NoPeerCertificate(f"{req.url.origin()} is not a TLS server")
         identity = peer_identity(
-            transport.get_extra_info("ssl_object"), _current(self._bundle), now=self._clock()
+            transport.get_extra_info("ssl_object"), current(self._bundle), now=self._clock()
         )
         if not expectation_met(identity, self._expect):
             raise UnexpectedPeer(f"{req.url.origin()} is {identity}, expected {self._expect}")

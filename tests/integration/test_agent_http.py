@@ -7,6 +7,7 @@ the federation's real TLS contexts.
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import pytest
 import pytest_asyncio
@@ -23,7 +24,7 @@ from regional_agent.coordinator_client import (
     UntrustedServer,
     build_session,
 )
-from regional_agent.credentials import Credentials
+from regional_agent.credentials import AgentIdentityConfig, Credentials, load_credentials
 from tests.support.pki import Federation, Principal, make_federation
 
 TIMEOUTS = Timeouts(connect_s=1, heartbeat_s=0.5, request_s=2, upload_s=5, download_s=5)
@@ -204,6 +205,31 @@ async def test_mtls_refuses_a_server_that_is_not_a_coordinator(
     finally:
         await runner.cleanup()
     assert fake.identities == []
+
+
+async def test_mtls_refuses_a_coordinator_revoked_after_the_agent_started(
+    tmp_path: Path,
+) -> None:
+    # A federation of its own: the revocation must not reach the other tests.
+    own = make_federation(tmp_path / "pki", "acme")
+    principal = own.region("eu-west")
+    files = AgentIdentityConfig(
+        cert=principal.cert_file, key=principal.key_file, trust_bundle=own.bundle_file
+    )
+    region = load_credentials(files, principal.identity)
+    coordinator = own.coordinator()
+    _, runner, url = await serve_tls(coordinator, own)
+    try:
+        async with build_session(config(url, insecure=False), region) as session:
+            client = CoordinatorClient(session, url, TIMEOUTS)
+            assert (await client.request("GET", "/whoami")).json() == {"ok": True}
+        own.revoke(coordinator)  # geofed ca revoke: the bundle file changes, nothing restarts
+        async with build_session(config(url, insecure=False), region) as session:
+            client = CoordinatorClient(session, url, TIMEOUTS)
+            with pytest.raises(UntrustedServer, match="revoked"):
+                await client.request("GET", "/whoami")
+    finally:
+        await runner.cleanup()
 
 
 async def test_relative_and_absolute_urls(region: Credentials) -> None:

@@ -22,7 +22,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from geofed.pki.httpauth import VerifiedConnector
 from geofed.types import Role
 from regional_agent.config import AgentConfigError, MetricsConfig, load_config
-from regional_agent.credentials import Credentials
+from regional_agent.credentials import AgentIdentityConfig, Credentials, load_credentials
 from regional_agent.metrics import CATALOGUE, AgentMetrics
 from regional_agent.metrics_server import (
     MetricsServer,
@@ -320,3 +320,34 @@ def test_bad_listener_settings_name_file_line_and_key(
         load_config(agent_config(tmp_path, fed, agent, metrics))
     found = [str(problem) for problem in info.value.problems]
     assert any(expected in problem for problem in found), found
+
+
+async def test_a_revocation_applies_to_the_next_scrape_without_a_restart(tmp_path: Path) -> None:
+    # A federation of its own: the revocation must not reach the other tests.
+    own = make_federation(tmp_path / "pki", "acme")
+    agent = own.issue(Role.REGION, REGION, dns_names=LOOPBACK_DNS, ip_addresses=LOOPBACK_IPS)
+    files = AgentIdentityConfig(
+        cert=agent.cert_file, key=agent.key_file, trust_bundle=own.bundle_file
+    )
+    credentials = load_credentials(files, agent.identity)
+    watcher, kept = own.observer("grafana"), own.observer("prometheus")
+    async with metrics_server(MetricsConfig(port=0), credentials, CollectorRegistry()) as server:
+        async with (
+            session_as(own, watcher, agent) as client,
+            client.get(url(server, "/metrics")) as answer,
+        ):
+            assert answer.status == 200
+
+        own.revoke(watcher)  # geofed ca revoke: the bundle file changes, nothing restarts
+
+        async with (
+            session_as(own, watcher, agent) as client,
+            client.get(url(server, "/metrics")) as answer,
+        ):
+            assert answer.status == 403
+            assert (await answer.json())["error"] == "revoked"
+        async with (
+            session_as(own, kept, agent) as client,
+            client.get(url(server, "/metrics")) as answer,
+        ):
+            assert answer.status == 200

@@ -62,6 +62,22 @@ def test_convergence_smoke_reports_every_config(tmp_path: Path) -> None:
     assert [row["step"] for row in report["curve"]] == [0, 3, 6]
 
 
+def test_convergence_robust_smoke_reports_every_rule_under_every_attack(tmp_path: Path) -> None:
+    out = tmp_path / "robust_aggregation.json"
+    assert convergence.main(["--robust", "--smoke", "--regions", "3", "--out", str(out)]) == 0
+    report = _load(out)
+
+    assert report["benchmark"] == "robust_aggregation"
+    assert [row["rule"] for row in report["robust"]] == list(convergence.ROBUST_RULES)
+    for row in report["robust"]:
+        for attack in convergence.ATTACKS:
+            loss = row[attack]["final_val_loss"]
+            assert loss["n"] == 1
+            assert 0.5 < loss["mean"] < LN_256 + 1.0, (row["rule"], attack)
+    honest = report["robust"][0]["none"]["vs_honest_mean"]
+    assert honest["mean_difference"] == 0.0
+
+
 def test_convergence_sweep_smoke_covers_h_and_warm_start(tmp_path: Path) -> None:
     out = tmp_path / "sweep.json"
     assert convergence.main(["--smoke", "--sweep", "--out", str(out)]) == 0

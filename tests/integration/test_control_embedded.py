@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import random
 import signal
 import subprocess
@@ -257,6 +258,27 @@ async def test_publish_times_out_without_a_broker() -> None:
     finally:
         await client.close(timeout_s=5)
         await asyncio.wait_for(task, 5)
+
+
+async def test_the_broker_closes_connections_that_never_sent_connect() -> None:
+    broker = EmbeddedBroker(port=0)
+    await broker.start()
+    try:
+        # One that goes away before its CONNECT (a client killed while connecting) ...
+        _, gone = await asyncio.open_connection("127.0.0.1", broker.port)
+        gone.close()
+        await gone.wait_closed()
+        # ... and one still silent when the broker stops.
+        reader, writer = await asyncio.open_connection("127.0.0.1", broker.port)
+    finally:
+        await broker.stop()
+    try:
+        assert await asyncio.wait_for(reader.read(), 5) == b""  # closed by the broker
+    finally:
+        writer.close()
+        await writer.wait_closed()
+    # A server-side socket left open would warn now, failing this test, not a later one.
+    gc.collect()
 
 
 def test_standalone_broker_process_serves_and_stops_on_sigterm() -> None:

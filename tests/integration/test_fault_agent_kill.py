@@ -24,9 +24,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import os
 import re
-import signal
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -35,7 +33,6 @@ from typing import Any
 
 import pytest
 
-from regional_agent.launcher import descendants
 from tests.support.federation import FederationRun
 from tests.support.observe import (
     WAIT_S,
@@ -44,6 +41,7 @@ from tests.support.observe import (
     check_same_parameters,
     observed_federation,
     poll,
+    reap_orphans,
     sample,
     wait_job,
 )
@@ -100,26 +98,6 @@ def configure(
             data["deadline"] = {"initial_s": deadline_s, "min_s": deadline_s, "max_s": deadline_s}
 
     return customize
-
-
-def reap_orphans(fed: FederationRun, region: str) -> None:
-    """Kill the worker group a killed agent left behind, unless an agent runs again.
-
-    Its launcher leads a session of its own, so it outlives the agent's process group; a
-    restarted agent reaps it, and this does it for a test that fails before then.
-    """
-    if any(c.name == f"agent-{region}" and c.returncode is None for c in fed.children.children):
-        return
-    root = fed.work / "agents" / region / "workers"
-    try:
-        pid = int((root / "launcher.pid").read_text().split()[0])
-        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
-    except (OSError, ValueError, IndexError):
-        return
-    if "torch.distributed.run" in cmdline and str(root) in cmdline:
-        for victim in descendants([pid]):
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(victim, signal.SIGKILL)
 
 
 @dataclass(frozen=True)

@@ -1,8 +1,8 @@
 """Hostile delta uploads against a running coordinator (real TLS, SQLite, Mosquitto).
 
-One table holds every hostile case: flipped bytes, a tampered manifest, a replayed delta,
-another region's or a revoked certificate, wrong shapes, NaN/Inf, oversize bodies,
-decompression bombs and garbage. Each must get its 4xx and error code, one
+One table holds every hostile case: flipped bytes, a tampered manifest, an inflated token
+claim, a replayed delta, another region's or a revoked certificate, wrong shapes, NaN/Inf,
+oversize bodies, decompression bombs and garbage. Each must get its 4xx and error code, one
 ``delta.reject`` audit entry and one ``geofed_deltas_rejected_total`` increment with that
 code, and leave the job's parameters, checkpoint and delivered list as they were. An
 honest upload of the same round succeeds afterwards.
@@ -269,6 +269,11 @@ async def tampered_manifest(s: Scene) -> Answer:
     return await s.bundle(tampered, list(stream.frames()))
 
 
+async def inflated_token_claim(s: Scene) -> Answer:
+    manifest, stream = s.fresh()
+    return await s.bundle(resign(s.eu.principal, manifest, tokens=10**15), list(stream.frames()))
+
+
 async def replay_at_next_round(s: Scene) -> Answer:
     manifest, stream = s.replay
     return await s.bundle(manifest, list(stream.frames()))
@@ -436,6 +441,9 @@ TABLE = [
         "flipped byte in a chunk (single shot)", flipped_chunk_single_shot, 400, "corrupt_chunk"
     ),
     Hostile("tampered manifest", tampered_manifest, 403, "bad_signature"),
+    Hostile(
+        "validly signed claim of 10**15 tokens", inflated_token_claim, 400, "tokens_out_of_bounds"
+    ),
     Hostile("delta of round r replayed in round r+1", replay_at_next_round, 409, "wrong_round"),
     Hostile(
         "delta of round r replayed in round r",

@@ -67,6 +67,25 @@ def alive(pid: int) -> bool:
     return stat.rsplit(")", 1)[-1].split()[0] != "Z"
 
 
+def stand_in(*argv: str, timeout_s: float = 10.0) -> subprocess.Popen[bytes]:
+    """Start ``argv`` and wait until /proc shows its command line.
+
+    Popen returns while the exec may still be setting the new program up, and until then
+    /proc/<pid>/cmdline reads as empty (for milliseconds, longer on a loaded machine). A
+    group left running by a previous supervisor has long been past that point.
+    """
+    proc = subprocess.Popen(argv)
+    expected = "\0".join(argv).encode()
+    deadline = time.monotonic() + timeout_s
+    while expected not in Path(f"/proc/{proc.pid}/cmdline").read_bytes():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            proc.wait()
+            raise AssertionError(f"{argv} did not start")
+        time.sleep(0.01)
+    return proc
+
+
 class Started:
     """The module's running group, what its start-up cost, and its relaunch back-offs."""
 
@@ -370,13 +389,11 @@ def test_start_kills_a_group_left_running_by_a_previous_supervisor(tmp_path: Pat
     workdir = tmp_path.resolve()
     sleeper = "import time; time.sleep(120)"
     # Stand-ins for the processes of an earlier launch: only their command lines matter.
-    stale_launcher = subprocess.Popen(
-        [sys.executable, "-c", sleeper, "torch.distributed.run", str(workdir)]
+    stale_launcher = stand_in(sys.executable, "-c", sleeper, "torch.distributed.run", str(workdir))
+    stale_worker = stand_in(
+        sys.executable, "-c", sleeper, "regional_agent.worker", "--workdir", str(workdir)
     )
-    stale_worker = subprocess.Popen(
-        [sys.executable, "-c", sleeper, "regional_agent.worker", "--workdir", str(workdir)]
-    )
-    bystander = subprocess.Popen([sys.executable, "-c", sleeper, "regional_agent.worker"])
+    bystander = stand_in(sys.executable, "-c", sleeper, "regional_agent.worker")
     try:
         handoff = HandoffDir(workdir)
         (workdir / "launcher.pid").write_text(f"{stale_launcher.pid} old-launch\n")

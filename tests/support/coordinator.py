@@ -25,6 +25,7 @@ from prometheus_client import CollectorRegistry
 
 from coordinator.app import create_app
 from coordinator.config import CoordinatorConfig, load_config
+from coordinator.http_server import CoordinatorRunner
 from coordinator.runtime import load_runtime
 from geofed.artifact_bundle import pack_bundle, split_bundle
 from geofed.codec import EncodedStream, decode, encode_stream
@@ -152,6 +153,7 @@ storage:
   - {{name: us-ckpt, jurisdiction: US, path: ckpt/us}}
 timeouts: {timeouts}
 limits: {{max_upload_bytes: 1048576, max_manifest_bytes: 65536, max_chunk_bytes: 65536}}
+task_modules: [tests.support.*]
 """
     path = root / "coordinator.yaml"
     path.write_text(text)
@@ -214,7 +216,7 @@ async def coordinator(setup: Setup) -> AsyncIterator[Running]:
     runtime = load_runtime(setup.config())
     registry = CollectorRegistry()
     app = create_app(runtime, registry=registry)
-    runner = web.AppRunner(app, handle_signals=False)
+    runner = CoordinatorRunner(app)
     await runner.setup()
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.bind(("127.0.0.1", 0))

@@ -33,7 +33,7 @@ from geofed_cli.demo.configs import DemoConfigs, write_demo_configs
 from geofed_cli.demo.federation import Credential, DemoFederation, create_demo_federation
 from geofed_cli.demo.processes import Child, ChildSet
 from tests.support.mosquitto import run_mosquitto
-from tests.support.mosquitto_production import production_config
+from tests.support.mosquitto_production import production_config, write_crls
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLES = REPO / "configs"
@@ -256,6 +256,7 @@ async def running_federation(
             state = work / "mosquitto" / "state"
             state.mkdir(parents=True, exist_ok=True)
             cafile = federation.ca_dir / "ca.pem"
+            crlfile = write_crls([load_ca(federation.ca_dir)], (), work / "mosquitto" / "crl.pem")
 
             def config(port: int) -> str:
                 return production_config(
@@ -264,6 +265,7 @@ async def running_federation(
                     certfile=server.cert,
                     keyfile=server.key,
                     acl_file=acl,
+                    crlfile=crlfile,
                     state=state,
                 )
 

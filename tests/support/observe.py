@@ -2,7 +2,8 @@
 
 Prometheus samples, the coordinator's audit log page by page, an agent's ``/metrics``,
 an MQTT observer recording every region status and round announcement, polling with the
-federation's processes checked on the way, and what a region holds on disk.
+federation's processes checked on the way, what a region holds on disk, and reaping the
+worker group a killed agent left behind.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import re
 import signal
 import ssl
@@ -30,6 +32,7 @@ from geofed.control.messages import RegionStatus, RoundAnnouncement, decode_any
 from geofed.pki import client_ssl_context, load_trust_bundle
 from geofed.pki.httpauth import VerifiedConnector
 from geofed.types import Identity, Role
+from regional_agent.launcher import descendants
 from tests.support.federation import FEDERATION, FederationRun, running_federation
 
 #: How long a fault test waits for one step of its scenario.
@@ -222,6 +225,26 @@ async def stop_agents(fed: FederationRun) -> None:
     """Stop every agent cleanly and at once (the harness stops them one after another)."""
     await asyncio.gather(*(fed.kill(f"agent-{r}", signal.SIGTERM) for r in fed.regions))
     fed.children.children = [c for c in fed.children.children if c.returncode is None]
+
+
+def reap_orphans(fed: FederationRun, region: str) -> None:
+    """Kill the worker group a killed agent left behind, unless an agent runs again.
+
+    Its launcher leads a session of its own, so it outlives the agent's process group; a
+    restarted agent reaps it, and this does it for a test that fails before then.
+    """
+    if any(c.name == f"agent-{region}" and c.returncode is None for c in fed.children.children):
+        return
+    root = fed.work / "agents" / region / "workers"
+    try:
+        pid = int((root / "launcher.pid").read_text().split()[0])
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except (OSError, ValueError, IndexError):
+        return
+    if "torch.distributed.run" in cmdline and str(root) in cmdline:
+        for victim in descendants([pid]):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(victim, signal.SIGKILL)
 
 
 def held_params(fed: FederationRun, region: str) -> dict[str, Any]:

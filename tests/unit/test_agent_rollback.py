@@ -4,7 +4,15 @@ from __future__ import annotations
 
 from datetime import timedelta
 
-from regional_agent.schedule import Progress, Rollback, Running, Schedule, Stop, judge_rollback
+from regional_agent.schedule import (
+    Progress,
+    Rollback,
+    Running,
+    Schedule,
+    Stop,
+    judge_lost_delta,
+    judge_rollback,
+)
 from regional_agent.state import ParamsVersion
 from tests.support.agent_schedule import REGION, T0, announce
 
@@ -57,6 +65,33 @@ def test_the_same_round_delivered_from_another_history_is_a_rollback() -> None:
     assert judge_rollback(other, AT_3, theta(3, tag=1)) == Rollback("llm", 3, 3)
     # Not delivered yet: the hash mismatch is an ordinary resync, no discard.
     assert not Progress(theta(3), 2).contradicted_by(other)
+
+
+def test_a_coordinator_restored_before_the_regions_delta_asks_for_it_again() -> None:
+    # Restored to round 2 with every delta of it: it publishes θ_3 again, the same θ
+    # (deterministic aggregation), and opens round 3, which this region delivered.
+    delivered_3 = Progress(theta(3), uploaded_round=3)
+    again = announce(round_=3)
+    assert not delivered_3.contradicted_by(again)
+    assert delivered_3.delivered(again, REGION)
+    assert judge_lost_delta(again, delivered_3, REGION, theta(3), {"us-east"}) == Rollback(
+        "llm", 3, 3
+    )
+
+
+def test_a_round_announced_again_with_the_regions_delta_held_is_no_rollback() -> None:
+    delivered_3 = Progress(theta(3), uploaded_round=3)
+    again = announce(round_=3)
+    assert judge_lost_delta(again, delivered_3, REGION, theta(3), {REGION}) is None
+    # The coordinator moved on (or is at another round): the next announcement decides.
+    assert judge_lost_delta(again, delivered_3, REGION, theta(4), set()) is None
+    assert judge_lost_delta(again, delivered_3, REGION, theta(3), None) is None
+    # Not delivered, not open, or not a participant: nothing was lost.
+    assert judge_lost_delta(again, Progress(theta(3), 2), REGION, theta(3), set()) is None
+    closed = announce(round_=3, state="closed")
+    assert judge_lost_delta(closed, delivered_3, REGION, theta(3), set()) is None
+    others = announce(round_=3, participants=("us-east",))
+    assert judge_lost_delta(others, delivered_3, REGION, theta(3), set()) is None
 
 
 def test_the_schedule_takes_an_earlier_round_sent_later_and_runs_it_again() -> None:

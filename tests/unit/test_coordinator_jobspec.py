@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from coordinator.aggregation_config import AggregationConfig
 from coordinator.jobspec import JobSpecError, parse_job_spec, parse_stored_spec
 from geofed.evaluation_config import EvaluationConfig
 from geofed.training_config import LrSchedule, TrainingConfig
@@ -61,6 +62,32 @@ def test_defaults() -> None:
     assert spec.training.lr_schedule == LrSchedule(kind="constant")
     assert spec.total_steps == 6
     assert spec.evaluation == EvaluationConfig(where="region", every=1)
+
+
+def test_an_aggregation_section_is_read_and_kept_with_the_job() -> None:
+    text = SPEC + "aggregation: {rule: median, norm_check: clip, max_tokens_per_round: 5000}\n"
+    spec = parse_job_spec(text, "job.yaml")
+    assert spec.aggregation == AggregationConfig(
+        rule="median", norm_check="clip", max_tokens_per_round=5000
+    )
+    stored = json.loads(json.dumps(spec.to_json()))
+    assert parse_stored_spec(stored) == spec
+    del stored["aggregation"]  # stored before the section existed
+    assert parse_stored_spec(stored).aggregation == AggregationConfig()
+    assert parse_stored_spec(stored).aggregation.token_bound(spec.inner_steps) == 2 * (1 << 24)
+
+
+def test_norm_check_off_survives_a_yaml_1_1_round_trip() -> None:
+    # PyYAML's safe_load reads a bare `off` as false; a spec re-serialised by such a tool
+    # still means off, while other booleans stay refused.
+    text = SPEC + "aggregation:\n  norm_check: off\n"
+    assert parse_job_spec(text, "job.yaml").aggregation.norm_check == "off"
+    spec = json.loads(json.dumps(parse_job_spec(text, "job.yaml").to_json()))
+    spec["aggregation"]["norm_check"] = False
+    assert parse_job_spec(json.dumps(spec), "job.json").aggregation.norm_check == "off"
+    spec["aggregation"]["norm_check"] = True
+    with pytest.raises(JobSpecError, match="norm_check"):
+        parse_job_spec(json.dumps(spec), "job.json")
 
 
 def test_an_evaluation_section_is_read_and_kept_with_the_job() -> None:
@@ -211,6 +238,18 @@ def test_average_means_plain_averaging() -> None:
         (
             SPEC + "evaluation: {every: 0}\n",
             "job.yaml:11: evaluation.every: Input should be greater than or equal to 1",
+        ),
+        (
+            SPEC + "aggregation: {rule: mode}\n",
+            "job.yaml:11: aggregation.rule: Input should be 'mean', 'trimmed_mean' or 'median'",
+        ),
+        (
+            SPEC + "aggregation:\n  norm_check: refuse\n  max_norm_ratio: 1\n",
+            "job.yaml:13: aggregation.max_norm_ratio: Input should be greater than 1",
+        ),
+        (
+            SPEC + "aggregation: {max_tokens_per_round: 0}\n",
+            "job.yaml:11: aggregation.max_tokens_per_round: Input should be greater than or equal",
         ),
         (
             SPEC + "evaluation: {where: 'region:ap-south'}\n",

@@ -90,7 +90,7 @@ def test_mean_delta_is_the_token_weighted_mean_in_sorted_order(tmp_path: Path) -
     blobs = FsBlobStore(tmp_path / "blobs")
     theta = _params(0)
     sources, decoded = _store_deltas(blobs, theta)
-    mean = mean_delta(blobs, _shapes(theta), sources, 4 * 200)
+    mean = mean_delta(blobs, _shapes(theta), sources, 4 * 200).delta
     for name in theta:
         # eu-west first (sorted), each scaled then summed, then divided: the same ops.
         expected = (

@@ -135,6 +135,7 @@ def test_a_valid_delta_passes_every_check(eu_west: Any, fed: Federation) -> None
         ({}, {"codec": CodecParams(scheme="int4", block_size=32)}, (400, "codec_mismatch", "int4")),
         ({}, {"max_upload_bytes": 100}, (413, "too_large", "limit is 100")),
         ({"tokens": None}, {}, (400, "bad_request", "tokens")),
+        ({"tokens": 10**15}, {"max_tokens": 1000}, (400, "tokens_out_of_bounds", "at most 1000")),
         (
             {
                 "provenance": (

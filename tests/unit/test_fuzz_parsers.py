@@ -1,7 +1,8 @@
 """Fuzzing the parsers that read untrusted bytes: each raises its own error or succeeds.
 
 Bundle framing, codec streams (with and without the manifest's digests), stream headers,
-commit bodies, MQTT topics and audit entries fetched from a coordinator. Signed manifests
+commit bodies, MQTT topics, audit entries fetched from a coordinator, and job specs and
+policy files nested or grown past their bounds. Signed manifests
 and control-plane messages have their own fuzz tests (``test_manifest_fuzz``,
 ``test_control_messages``).
 """
@@ -11,6 +12,8 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import re
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -21,6 +24,7 @@ from hypothesis import strategies as st
 from coordinator.audit import AuditEntry, InvalidAuditEntry
 from coordinator.bodies import commit_metrics
 from coordinator.errors import ApiError
+from coordinator.jobspec import JobSpecError, parse_job_spec
 from geofed.artifact_bundle import (
     HEADER_SIZE,
     BundleError,
@@ -32,6 +36,9 @@ from geofed.codec import DecodeError, StreamDecoder, decode, encode_stream
 from geofed.codec.wire import PREFIX, TAG_SIZE, parse_header_body
 from geofed.codec_params import CodecParams
 from geofed.control import TopicError, TopicKind, Topics
+from geofed.located_yaml import MAX_DEPTH
+from policies.errors import PolicyLoadError
+from policies.loading import parse_policy
 from tests.support import fuzz
 
 FUZZ = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -255,3 +262,78 @@ def test_fuzz_audit_entries(key: str, value: Any) -> None:
     except InvalidAuditEntry:
         return
     assert entry.to_dict()["hash"] == data["hash"]
+
+
+# -- job specs and policy files: nesting and size -----------------------------------------
+
+_OPEN_CLOSE = st.sampled_from([("[", "]"), ("{a: ", "}"), ('{"a": ', "}")])
+_SPEC_HEAD = "job: j\ntask: {spec: geofed.examples.charlm:CharLMTask}\nrounds: "
+_POLICY_HEAD = "region: eu-west\njurisdiction: EU\nexports: "
+
+
+def _nested(depth: int, brackets: tuple[str, str], block: bool) -> str:
+    if block:
+        return "\n" + "".join("  " * (level + 1) + "- \n" for level in range(depth))
+    opening, closing = brackets
+    return opening * depth + "1" + closing * depth + "\n"
+
+
+def _problems(parse: Callable[[], object]) -> list[str]:
+    """What a job-spec or policy parse refused, as ``file:line: key: message`` lines."""
+    try:
+        parse()
+    except JobSpecError as exc:
+        return list(exc.problems)
+    except PolicyLoadError as exc:
+        return [str(problem) for problem in exc.problems]
+    return []
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    depth=st.integers(min_value=1, max_value=200_000),
+    brackets=_OPEN_CLOSE,
+    block=st.booleans(),
+    json_body=st.booleans(),
+)
+def test_fuzz_job_spec_and_policy_nesting_is_refused_with_a_line(
+    depth: int, brackets: tuple[str, str], block: bool, json_body: bool
+) -> None:
+    block = block and depth < 500  # an indented level costs two bytes a line
+    body = _nested(depth, brackets, block)
+    spec = '{"job": "j", "rounds": ' + body + "}" if json_body else _SPEC_HEAD + body
+    problems = _problems(lambda: parse_job_spec(spec, "job.yaml"))
+    assert all(re.match(r"job\.yaml:\d+: ", problem) for problem in problems)
+    if depth > MAX_DEPTH:
+        assert any(
+            word in problems[0] for word in ("nest", "Expecting", "larger than")
+        ), problems
+    problems = _problems(lambda: parse_policy(_POLICY_HEAD + body, "eu-west.yaml"))
+    assert all(re.match(r"eu-west\.yaml:\d+: ", problem) for problem in problems)
+    if depth > MAX_DEPTH:
+        assert problems
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    items=st.integers(min_value=0, max_value=60_000),
+    flow=st.booleans(),
+    alias=st.booleans(),
+)
+def test_fuzz_job_spec_and_policy_size_is_bounded(items: int, flow: bool, alias: bool) -> None:
+    if alias:  # each level doubles what the aliases expand to
+        body = "&a0 [x]\n" + "".join(
+            f"l{i}: &a{i + 1} [*a{i}, *a{i}]\n" for i in range(min(items, 40))
+        )
+        extra = "bomb: " + body
+    elif flow:
+        extra = "flat: [" + ", ".join("1" for _ in range(items)) + "]\n"
+    else:
+        extra = "flat:\n" + "".join(f"  k{i}: {i}\n" for i in range(items))
+    spec = _problems(lambda: parse_job_spec(_SPEC_HEAD + "1\n" + extra, "job.yaml"))
+    policy = _problems(lambda: parse_policy(_POLICY_HEAD + "{}\n" + extra, "eu-west.yaml"))
+    # Unknown keys at the least; never anything but a located refusal.
+    assert spec
+    assert policy
+    assert all(re.match(r"job\.yaml:\d+: ", problem) for problem in spec)
+    assert all(re.match(r"eu-west\.yaml:\d+: ", problem) for problem in policy)

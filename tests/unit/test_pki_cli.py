@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import ipaddress
 import stat
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
@@ -176,3 +176,46 @@ def test_revoke_with_a_missing_certificate_is_refused(ca_dir, tmp_path, capsys):
 
 def _now() -> datetime:
     return datetime.now(UTC)
+
+
+def _crl(path: Path) -> x509.CertificateRevocationList:
+    return x509.load_pem_x509_crl(path.read_bytes())
+
+
+def test_crl_before_any_revocation_is_empty_and_signed_by_the_ca(ca_dir, tmp_path, capsys):
+    crl_file = tmp_path / "crl.pem"
+    argv = ["ca", "crl", "--ca", str(ca_dir), "--bundle", str(ca_dir / "trust.yaml")]
+    assert main([*argv, "--out", str(crl_file), "--days", "30"]) == 0
+    assert "0 revoked serial(s)" in capsys.readouterr().out
+    crl = _crl(crl_file)
+    ca_cert = x509.load_pem_x509_certificate((ca_dir / "ca.pem").read_bytes())
+    assert crl.issuer == ca_cert.subject
+    assert crl.is_signature_valid(ca_cert.public_key())  # type: ignore[arg-type]
+    assert len(crl) == 0
+    assert crl.next_update_utc is not None
+    assert timedelta(days=29) < crl.next_update_utc - _now() <= timedelta(days=30)
+    assert _mode(crl_file) == 0o644
+
+
+def test_revoke_with_a_crl_writes_every_revoked_serial(ca_dir, tmp_path):
+    bundle_file, crl_file = ca_dir / "trust.yaml", tmp_path / "crl.pem"
+    serials = []
+    for name in ("old-a", "old-b"):
+        out = tmp_path / name
+        argv = ["ca", "issue", "--ca", str(ca_dir), "--role", "region", "--name", name]
+        assert main([*argv, "--out", str(out)]) == 0
+        revoke = ["ca", "revoke", "--bundle", str(bundle_file), "--cert", str(out / "cert.pem")]
+        assert main([*revoke, "--ca", str(ca_dir), "--crl", str(crl_file)]) == 0
+        serials.append(load_credential(out).certificate.serial_number)
+    crl = _crl(crl_file)
+    assert {entry.serial_number for entry in crl} == set(serials)
+    assert crl.get_revoked_certificate_by_serial_number(serials[0]) is not None
+
+
+def test_revoke_with_a_crl_but_no_ca_is_a_usage_error(ca_dir, tmp_path, capsys):
+    bundle_file = ca_dir / "trust.yaml"
+    before = bundle_file.read_text()
+    argv = ["ca", "revoke", "--bundle", str(bundle_file), "--cert", str(ca_dir / "ca.pem")]
+    assert main([*argv, "--crl", str(tmp_path / "crl.pem")]) == 2
+    assert "--ca and --crl go together" in capsys.readouterr().err
+    assert bundle_file.read_text() == before

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
 
+from geofed.exit_codes import ExitCode
 from geofed_cli import main
 
 POLICY_DIR = str(Path(__file__).resolve().parents[2] / "configs" / "policies")
@@ -202,3 +204,44 @@ def test_admit_placement_errors_name_file_and_line(
         "unknown-store; give its jurisdiction",
         f"{job}:3: regions.eu-west: region eu-west is assigned no datasets",
     ]
+
+
+#: A policy nested far too deep, and the line its error names.
+_DEEP = {
+    "flow": ("region: deep\njurisdiction: EU\nexports: " + "[" * 100_000 + "]" * 100_000, 3),
+    "block": (
+        "region: deep\njurisdiction: EU\nexports:\n"
+        + "".join("  " * (level + 1) + "- \n" for level in range(200)),
+        67,  # the first item past the 64 levels
+    ),
+}
+
+
+@pytest.mark.parametrize("shape", sorted(_DEEP))
+def test_deeply_nested_policies_are_refused_with_a_line_and_the_documented_code(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], shape: str
+) -> None:
+    policies = tmp_path / "policies"
+    shutil.copytree(POLICY_DIR, policies)
+    deep = policies / "deep.yaml"
+    text, line = _DEEP[shape]
+    deep.write_text(text, encoding="utf-8")
+    code, out, err = _run(capsys, "check", str(policies))
+    assert code == 1  # check: 1 on any error
+    assert out[0].startswith(f"{deep}:{line}: (syntax): ")
+    assert "Traceback" not in err
+    code, out, err = _run(
+        capsys, "explain", "--policies", str(policies), "--kind", "metrics",
+        "--source", "region:eu-west", "--destination", "coordinator",
+    )  # fmt: skip
+    assert (code, out) == (2, [])  # explain: 2 on an error, never 1 (deny)
+    assert f"{deep}:{line}: (syntax): " in err
+    assert "Traceback" not in err
+    # The coordinator refuses to start with a configuration error (exit 2, not restarted).
+    config = tmp_path / "coordinator.yaml"
+    example = (Path(POLICY_DIR).parent / "coordinator.yaml").read_text(encoding="utf-8")
+    config.write_text(example.replace("policies_dir: policies", f"policies_dir: {policies}"))
+    assert main(["coordinator", "--config", str(config)]) == ExitCode.CONFIG
+    err = capsys.readouterr().err
+    assert f"policies_dir: {deep}:{line}: (syntax): " in err
+    assert "Traceback" not in err

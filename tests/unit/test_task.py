@@ -12,6 +12,7 @@ from pydantic import BaseModel, ConfigDict
 from torch import nn
 
 from geofed.task import (
+    DEFAULT_TASK_MODULES,
     DataShard,
     Task,
     TaskOptionsError,
@@ -19,6 +20,8 @@ from geofed.task import (
     load_task,
     load_task_class,
     parse_task_spec,
+    task_module_refusal,
+    validate_module_pattern,
 )
 from geofed.types import InvalidName
 
@@ -232,3 +235,40 @@ def test_base_defaults() -> None:
     assert task.evaluate(model) == {}
     shard = DataShard("r", 0, 1, 0, 1, 0)
     assert list(itertools.islice(task.batches(shard, 5), 3)) == [5, 6, 7]
+
+
+@pytest.mark.parametrize(
+    ("spec", "allowed"),
+    [
+        ("geofed.examples.charlm:CharLMTask", DEFAULT_TASK_MODULES),
+        ("geofed.examples:Anything", DEFAULT_TASK_MODULES),
+        ("acme.tasks:T", ("acme.tasks",)),
+        ("acme.tasks.deep:T", ("acme.*",)),
+    ],
+)
+def test_task_modules_the_allow_list_names_are_allowed(spec: str, allowed: tuple[str, ...]) -> None:
+    assert task_module_refusal(spec, allowed) is None
+
+
+@pytest.mark.parametrize(
+    ("spec", "allowed"),
+    [
+        ("this:Task", DEFAULT_TASK_MODULES),
+        ("geofed.task:Task", DEFAULT_TASK_MODULES),
+        ("geofed.examples_evil:T", DEFAULT_TASK_MODULES),
+        ("acme.tasks.deep:T", ("acme.tasks",)),
+        ("acme:T", ()),
+    ],
+)
+def test_other_task_modules_are_refused_naming_the_module(
+    spec: str, allowed: tuple[str, ...]
+) -> None:
+    reason = task_module_refusal(spec, allowed)
+    assert reason is not None
+    assert repr(spec.split(":")[0]) in reason
+
+
+@pytest.mark.parametrize("pattern", ["", "acme.", "acme.*.x", "*", "acme.t*", "a b"])
+def test_malformed_task_module_patterns_are_refused(pattern: str) -> None:
+    with pytest.raises(ValueError, match="task module pattern"):
+        validate_module_pattern(pattern)

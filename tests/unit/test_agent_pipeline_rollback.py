@@ -1,0 +1,124 @@
+"""The round pipeline asks the coordinator before it counts a delivered round as done."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any, cast
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from policies import PolicySet, load_policies
+from regional_agent.credentials import Credentials
+from regional_agent.metrics import AgentMetrics
+from regional_agent.pipeline import RegionFacts, RoundPipeline
+from regional_agent.state import AgentState, ParamsVersion
+from regional_agent.sync import ResyncFailed
+from tests.support.agent_schedule import REGION, announce
+from tests.support.pki import make_federation
+from tests.support.tiny_task import TinyTask
+
+REPO = Path(__file__).resolve().parents[2]
+JOB = "llm"
+ROUND = 3
+
+
+@pytest.fixture(scope="module")
+def policies() -> PolicySet:
+    return load_policies([REPO / "configs" / "policies"])
+
+
+@pytest.fixture(scope="module")
+def credentials(tmp_path_factory: pytest.TempPathFactory) -> Credentials:
+    fed = make_federation(tmp_path_factory.mktemp("pki"))
+    principal = fed.region(REGION)
+    return Credentials(
+        identity=principal.identity,
+        certificate=principal.credential.certificate,
+        private_key=principal.credential.private_key,
+        bundle=fed.bundle(),
+        cert_file=principal.cert_file,
+        key_file=principal.key_file,
+    )
+
+
+class Coordinator:
+    """Stands in for the synchronizer (what the coordinator says) and the worker group."""
+
+    def __init__(self, delivered: set[str]) -> None:
+        self.delivered_regions = delivered
+        self.calls: list[str] = []
+        self.handoff = self
+
+    async def coordinator_version(self, job: str) -> ParamsVersion:
+        self.calls.append("version")
+        return ParamsVersion(ROUND, f"{ROUND:064x}")  # the announced base
+
+    async def delivered(self, job: str, round_: int) -> frozenset[str]:
+        self.calls.append("delivered")
+        return frozenset(self.delivered_regions)
+
+    async def sync(self, *args: Any) -> Any:
+        self.calls.append("sync")
+        raise ResyncFailed("stopped here: the round is being run again")
+
+    def pending_instruction(self) -> None:
+        return None
+
+    def forget_job(self, job: str) -> None:
+        self.calls.append("forget")
+
+
+class Status:
+    def update(self, state: str, **fields: Any) -> None:
+        pass
+
+
+def delivered_round(root: Path) -> None:
+    """This region holds θ_ROUND and delivered round ROUND (the coordinator accepted it)."""
+    job = AgentState(root).job(JOB)
+    params = TinyTask().build_model(seed=1).state_dict()
+    job.save_params(ParamsVersion(ROUND, f"{ROUND:064x}"), params)
+    job.promote(ROUND)
+
+
+def pipeline(
+    root: Path, credentials: Credentials, policies: PolicySet, fake: Coordinator
+) -> RoundPipeline:
+    return RoundPipeline(
+        RegionFacts(credentials, policies, ("eu-parliament-proceedings",)),
+        AgentState(root),
+        cast(Any, fake),
+        cast(Any, fake),
+        cast(Any, fake),
+        cast(Any, Status()),
+        metrics=AgentMetrics(CollectorRegistry(), REGION),
+        train_timeout_s=5.0,
+        clock=lambda: datetime.now(UTC),
+    )
+
+
+async def test_a_round_announced_again_whose_delta_the_coordinator_holds_is_done(
+    tmp_path: Path, credentials: Credentials, policies: PolicySet
+) -> None:
+    delivered_round(tmp_path)
+    fake = Coordinator(delivered={REGION})
+    end = await pipeline(tmp_path, credentials, policies, fake).run(announce(JOB, ROUND))
+    assert end.outcome == "accepted", end
+    assert fake.calls == ["version", "delivered"]
+    assert AgentState(tmp_path).job(JOB).uploaded_round() == ROUND
+
+
+async def test_a_delta_the_restored_coordinator_lost_is_delivered_again(
+    tmp_path: Path, credentials: Credentials, policies: PolicySet, caplog: pytest.LogCaptureFixture
+) -> None:
+    delivered_round(tmp_path)
+    fake = Coordinator(delivered={"us-east"})
+    end = await pipeline(tmp_path, credentials, policies, fake).run(announce(JOB, ROUND))
+    # The job's state is discarded, and the round runs again from a resync.
+    assert fake.calls == ["version", "delivered", "forget", "sync"]
+    assert end.outcome == "failed", end
+    assert "stopped here" in end.detail, end
+    assert AgentState(tmp_path).job(JOB).progress() == (None, None)
+    assert f"coordinator rolled back from round {ROUND} to {ROUND}" in caplog.text

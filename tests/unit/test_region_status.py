@@ -1,0 +1,79 @@
+"""Which region status the coordinator holds: a Last Will wins over what it outlived."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+
+from coordinator.region_status import RegionView, take_status
+from geofed.control import RegionStatus
+from geofed.control.messages import RegionState
+
+START = datetime(2026, 1, 1, tzinfo=UTC)
+
+
+def status(state: RegionState, at_s: float) -> RegionStatus:
+    return RegionStatus(
+        region="eu-west",
+        state=state,
+        agent_version="geofed-agent/test",
+        sent_at=START + timedelta(seconds=at_s),
+    )
+
+
+def held_after(*statuses: RegionStatus) -> RegionView | None:
+    view: RegionView | None = None
+    for each in statuses:
+        taken, _ = take_status(view, each)
+        view = taken if taken is not None else view
+    return view
+
+
+def test_the_first_status_is_taken() -> None:
+    view, reason = take_status(None, status("online", 0))
+    assert view is not None
+    assert view.up
+    assert reason == "the first status of the region"
+
+
+def test_a_will_registered_at_connect_wins_over_the_statuses_it_outlived() -> None:
+    # The Will of a connection made at 0 s, published by the broker after a kill at 60 s.
+    view = held_after(status("online", 1), status("training", 30), status("training", 59))
+    will = status("offline", 0)
+    taken, reason = take_status(view, will)
+    assert taken is not None
+    assert not taken.up
+    assert taken.status == will
+    assert reason == "offline: the connection it came from is gone"
+    # What it outlived still bounds what a late delivery may replace it with.
+    assert taken.newest_sent_at == START + timedelta(seconds=59)
+
+
+def test_a_restarted_agent_replaces_the_will() -> None:
+    view = held_after(status("training", 59), status("offline", 0))
+    taken, _ = take_status(view, status("online", 70))
+    assert taken is not None
+    assert taken.up
+
+
+def test_a_live_status_delivered_late_does_not_replace_the_will() -> None:
+    view = held_after(status("training", 59), status("offline", 0))
+    kept, reason = take_status(view, status("training", 30))
+    assert kept is None
+    assert reason == "older than a status already taken: delivered late"
+    assert view is not None
+    assert not view.up
+
+
+def test_a_late_live_status_is_ignored_and_an_equal_time_is_taken() -> None:
+    view = held_after(status("training", 10))
+    assert take_status(view, status("online", 5))[0] is None
+    taken, _ = take_status(view, status("uploading", 10))
+    assert taken is not None
+    assert taken.status.state == "uploading"
+
+
+def test_a_goodbye_is_taken_like_a_will() -> None:
+    view = held_after(status("training", 10), status("offline", 11))
+    assert view is not None
+    assert not view.up
+    assert view.newest_sent_at == START + timedelta(seconds=11)
