@@ -23,7 +23,6 @@ it saves when one region sends its delta scaled or sign-flipped, and writes
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from collections.abc import Iterable, Sequence
@@ -43,10 +42,10 @@ from benchmarks._federation_sim import (
     warm_up,
 )
 from benchmarks._machine import describe_machine, machine_line, targets_table
+from benchmarks._report import publish
 from coordinator.aggregation_config import AggregationConfig
 from coordinator.outer_optimizer import OuterOptimizerConfig
 from geofed.examples.charlm import CharLMOptions, CharLMTask
-from geofed.fsutil import atomic_write_bytes
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -643,12 +642,6 @@ def build_report(
     return report
 
 
-def write_report(report: dict[str, Any], out: Path, markdown: str) -> None:
-    out.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_bytes(out, (json.dumps(report, indent=2, sort_keys=False) + "\n").encode())
-    atomic_write_bytes(out.with_suffix(".md"), markdown.encode())
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     settings = parse_args(argv)
     torch.set_num_threads(settings.threads)
@@ -674,9 +667,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         markdown = render_robust(report)
     else:
         markdown = render_main(report)
-    write_report(report, settings.out, markdown)
-    print(markdown)
-    print(f"wrote {settings.out} and {settings.out.with_suffix('.md')}", file=sys.stderr)
+    publish(report, settings.out, markdown)
     return 0
 
 

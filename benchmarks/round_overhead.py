@@ -44,13 +44,13 @@ import torch
 
 from benchmarks._machine import describe_machine, machine_line, targets_table
 from benchmarks._memory import current_rss_bytes, peak_rss_bytes, reset_peak_rss
+from benchmarks._report import publish
 from coordinator.outer_optimizer import OuterOptimizer, OuterOptimizerConfig
 from coordinator.outer_round import PUBLICATION_PHASES, DeltaSource, mean_delta, publication_step
 from geofed.blobstore import BlobStore, FsBlobStore
 from geofed.codec import decode, encode_stream
 from geofed.codec_params import SCHEMES, CodecParams, Scheme
 from geofed.examples.charlm.model import CharTransformer
-from geofed.fsutil import atomic_write_bytes
 from geofed.params import federated_state, parameters_vector_hash
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -502,12 +502,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"round_overhead: {exc}", file=sys.stderr)
         return 1
     report["total_wall_s"] = time.perf_counter() - started
-    markdown = render(report)
-    settings.out.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_bytes(settings.out, (json.dumps(report, indent=2) + "\n").encode())
-    atomic_write_bytes(settings.out.with_suffix(".md"), markdown.encode())
-    print(markdown)
-    print(f"wrote {settings.out} and {settings.out.with_suffix('.md')}", file=sys.stderr)
+    publish(report, settings.out, render(report))
     return 0
 
 

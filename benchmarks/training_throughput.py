@@ -59,6 +59,7 @@ import torch
 import torch.distributed as dist
 
 from benchmarks._machine import describe_machine, machine_line, targets_table
+from benchmarks._report import publish
 from geofed.examples.llama import PRESETS, LlamaOptions
 from geofed.fsutil import atomic_write_bytes
 from geofed.task import DataShard, Task
@@ -582,12 +583,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"training_throughput: {exc}", file=sys.stderr)
         return 1
     report["total_wall_s"] = time.perf_counter() - started
-    markdown = render(report)
-    settings.out.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_bytes(settings.out, (json.dumps(report, indent=2) + "\n").encode())
-    atomic_write_bytes(settings.out.with_suffix(".md"), markdown.encode())
-    print(markdown)
-    print(f"wrote {settings.out} and {settings.out.with_suffix('.md')}", file=sys.stderr)
+    publish(report, settings.out, render(report))
     return 0
 
 

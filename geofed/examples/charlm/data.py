@@ -9,9 +9,10 @@ differ only in their model.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F  # noqa: N812 -- the conventional torch alias
@@ -20,7 +21,7 @@ from torch import nn
 from geofed.examples.charlm.corpus import Corpus, load_corpus
 from geofed.examples.charlm.sampling import WindowSampler
 from geofed.params import unwrap_model
-from geofed.task import DataShard
+from geofed.task import DataShard, Task
 
 VOCAB_SIZE = 256
 
@@ -139,3 +140,66 @@ def _as_tensor(data: bytes) -> torch.Tensor:
 def _to_batch(windows: torch.Tensor) -> TokenBatch:
     ids = windows.to(torch.int64)
     return TokenBatch(inputs=ids[:, :-1].contiguous(), targets=ids[:, 1:].contiguous())
+
+
+class ByteCorpusOptions(Protocol):
+    """The options every task on the byte corpus has (read-only here)."""
+
+    @property
+    def corpus_dir(self) -> Path | None: ...
+    @property
+    def seq_len(self) -> int: ...
+    @property
+    def batch_size(self) -> int: ...
+    @property
+    def val_batches(self) -> int: ...
+    @property
+    def lr(self) -> float: ...
+    @property
+    def beta1(self) -> float: ...
+    @property
+    def beta2(self) -> float: ...
+    @property
+    def weight_decay(self) -> float: ...
+
+
+class ByteCorpusTask(Task[TokenBatch]):
+    """A next-byte task on the corpus: its batches, AdamW, the loss and the evaluation.
+
+    A subclass builds its model (:meth:`~geofed.task.Task.build_model`) and may declare
+    the optional hooks; the rest is the same for every byte-level example.
+    """
+
+    def __init__(self, options: ByteCorpusOptions) -> None:
+        self._data = ByteBatches(
+            corpus_dir=options.corpus_dir,
+            seq_len=options.seq_len,
+            batch_size=options.batch_size,
+            val_batches=options.val_batches,
+        )
+        self._adamw = (options.lr, (options.beta1, options.beta2), options.weight_decay)
+
+    @property
+    def corpus(self) -> Corpus:
+        """The corpus this task reads (loaded once per process)."""
+        return self._data.corpus
+
+    def build_optimizer(self, params: Iterable[torch.Tensor]) -> torch.optim.Optimizer:
+        lr, betas, weight_decay = self._adamw
+        return torch.optim.AdamW(params, lr=lr, betas=betas, weight_decay=weight_decay)
+
+    def batches(self, shard: DataShard, start_step: int = 0) -> Iterator[TokenBatch]:
+        return self._data.batches(shard, start_step)
+
+    def loss(self, model: nn.Module, batch: TokenBatch) -> torch.Tensor:
+        return next_byte_loss(model, batch)
+
+    def tokens(self, batch: TokenBatch) -> int:
+        return batch.targets.numel()
+
+    def evaluate(self, model: nn.Module) -> dict[str, float]:
+        """Mean next-byte loss over ``val_batches`` fixed, evenly spaced validation windows.
+
+        A DDP wrapper is looked through, so one rank can evaluate without the others.
+        """
+        return self._data.evaluate(model, self.loss)

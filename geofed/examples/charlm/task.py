@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Self
 
@@ -10,10 +9,8 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from torch import nn
 
-from geofed.examples.charlm.corpus import Corpus
-from geofed.examples.charlm.data import ByteBatches, TokenBatch, next_byte_loss
+from geofed.examples.charlm.data import ByteCorpusTask
 from geofed.examples.charlm.model import CharTransformer
-from geofed.task import DataShard, Task
 
 
 class CharLMOptions(BaseModel):
@@ -49,7 +46,7 @@ class CharLMOptions(BaseModel):
         return self
 
 
-class CharLMTask(Task[TokenBatch]):
+class CharLMTask(ByteCorpusTask):
     """Next-byte prediction on Python source; each region trains on its own packages.
 
     Region ``i`` of ``n`` trains on group ``i`` of the corpus split into ``n`` groups of
@@ -61,18 +58,7 @@ class CharLMTask(Task[TokenBatch]):
 
     def __init__(self, options: CharLMOptions | None = None) -> None:
         self.options = options if options is not None else CharLMOptions()
-        opts = self.options
-        self._data = ByteBatches(
-            corpus_dir=opts.corpus_dir,
-            seq_len=opts.seq_len,
-            batch_size=opts.batch_size,
-            val_batches=opts.val_batches,
-        )
-
-    @property
-    def corpus(self) -> Corpus:
-        """The corpus this task reads (loaded once per process)."""
-        return self._data.corpus
+        super().__init__(self.options)
 
     def build_model(self, seed: int | None = None) -> nn.Module:
         opts = self.options
@@ -86,25 +72,3 @@ class CharLMTask(Task[TokenBatch]):
                 max_len=opts.seq_len,
                 dropout=opts.dropout,
             )
-
-    def build_optimizer(self, params: Iterable[torch.Tensor]) -> torch.optim.Optimizer:
-        opts = self.options
-        return torch.optim.AdamW(
-            params, lr=opts.lr, betas=(opts.beta1, opts.beta2), weight_decay=opts.weight_decay
-        )
-
-    def batches(self, shard: DataShard, start_step: int = 0) -> Iterator[TokenBatch]:
-        return self._data.batches(shard, start_step)
-
-    def loss(self, model: nn.Module, batch: TokenBatch) -> torch.Tensor:
-        return next_byte_loss(model, batch)
-
-    def tokens(self, batch: TokenBatch) -> int:
-        return batch.targets.numel()
-
-    def evaluate(self, model: nn.Module) -> dict[str, float]:
-        """Mean next-byte loss over ``val_batches`` fixed, evenly spaced validation windows.
-
-        A DDP wrapper is looked through, so one rank can evaluate without the others.
-        """
-        return self._data.evaluate(model, self.loss)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Self
 
@@ -10,11 +10,10 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from torch import nn
 
-from geofed.examples.charlm.data import VOCAB_SIZE, ByteBatches, TokenBatch, next_byte_loss
+from geofed.examples.charlm.data import VOCAB_SIZE, ByteCorpusTask
 from geofed.examples.llama.model import Llama, LlamaConfig
 from geofed.examples.llama.presets import PRESETS, PresetName
 from geofed.params import unwrap_model
-from geofed.task import DataShard, Task
 
 
 class LlamaOptions(BaseModel):
@@ -65,7 +64,7 @@ class LlamaOptions(BaseModel):
         )
 
 
-class LlamaTask(Task[TokenBatch]):
+class LlamaTask(ByteCorpusTask):
     """Next-byte prediction with a Llama-style decoder, data split by region as charlm's.
 
     Each transformer block is an FSDP unit and an activation-checkpointing unit.
@@ -75,38 +74,13 @@ class LlamaTask(Task[TokenBatch]):
 
     def __init__(self, options: LlamaOptions | None = None) -> None:
         self.options = options if options is not None else LlamaOptions()
-        opts = self.options
-        self.config = opts.architecture()
-        self._data = ByteBatches(
-            corpus_dir=opts.corpus_dir,
-            seq_len=opts.seq_len,
-            batch_size=opts.batch_size,
-            val_batches=opts.val_batches,
-        )
+        self.config = self.options.architecture()
+        super().__init__(self.options)
 
     def build_model(self, seed: int | None = None) -> nn.Module:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(self.options.seed if seed is None else seed)
             return Llama(self.config)
-
-    def build_optimizer(self, params: Iterable[torch.Tensor]) -> torch.optim.Optimizer:
-        opts = self.options
-        return torch.optim.AdamW(
-            params, lr=opts.lr, betas=(opts.beta1, opts.beta2), weight_decay=opts.weight_decay
-        )
-
-    def batches(self, shard: DataShard, start_step: int = 0) -> Iterator[TokenBatch]:
-        return self._data.batches(shard, start_step)
-
-    def loss(self, model: nn.Module, batch: TokenBatch) -> torch.Tensor:
-        return next_byte_loss(model, batch)
-
-    def tokens(self, batch: TokenBatch) -> int:
-        return batch.targets.numel()
-
-    def evaluate(self, model: nn.Module) -> dict[str, float]:
-        """Mean next-byte loss over ``val_batches`` fixed validation windows (as charlm's)."""
-        return self._data.evaluate(model, self.loss)
 
     def fsdp_units(self, model: nn.Module) -> Sequence[nn.Module]:
         return tuple(_llama(model).layers)
