@@ -133,11 +133,15 @@ class EmbeddedBroker:
         assert task is not None
         self._connections[task] = writer
         try:
-            await serve(reader, writer, listener_name=listener_name)
+            # Cancelled when the broker or the loop goes away. The handling then ends
+            # normally rather than cancelled: asyncio's server callback reports a cancelled
+            # handler as an error, and nothing awaits this task's outcome.
+            with contextlib.suppress(asyncio.CancelledError):
+                await serve(reader, writer, listener_name=listener_name)
         finally:
             del self._connections[task]
             writer.close()
-            with contextlib.suppress(OSError):
+            with contextlib.suppress(OSError, asyncio.CancelledError):
                 await writer.wait_closed()
 
     async def stop(self) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import logging
 import random
 import signal
 import subprocess
@@ -279,6 +280,43 @@ async def test_the_broker_closes_connections_that_never_sent_connect() -> None:
         await writer.wait_closed()
     # A server-side socket left open would warn now, failing this test, not a later one.
     gc.collect()
+
+
+async def test_a_connection_cancelled_at_shutdown_ends_without_an_error(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # amqtt cancels the handling of connected clients when it shuts down. asyncio's
+    # server reports a handler task that ended cancelled as "Exception in callback" with a
+    # traceback (seen at the end of every demo); the broker's handler ends quietly.
+    broker = EmbeddedBroker(port=0)
+    serving = asyncio.Event()
+
+    async def amqtt_serves(*_: object, **__: object) -> None:
+        serving.set()
+        await asyncio.Event().wait()  # until cancelled, as amqtt's shutdown does
+
+    async def on_connect(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await broker._serve(amqtt_serves, reader, writer, "default")
+
+    server = await asyncio.start_server(on_connect, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        await asyncio.wait_for(serving.wait(), 5)
+        (handler,) = broker._connections
+        with caplog.at_level(logging.ERROR, logger="asyncio"):
+            handler.cancel()
+            await asyncio.wait([handler], timeout=5)
+            await asyncio.sleep(0.05)  # the server's done-callback runs after the task
+        assert handler.done()
+        assert not handler.cancelled()
+        assert [r.getMessage() for r in caplog.records if r.name == "asyncio"] == []
+        assert await asyncio.wait_for(reader.read(), 5) == b""  # and the socket is closed
+    finally:
+        writer.close()
+        await writer.wait_closed()
+        server.close()
+        await server.wait_closed()
 
 
 def test_standalone_broker_process_serves_and_stops_on_sigterm() -> None:
