@@ -34,7 +34,7 @@ import subprocess
 import sys
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -263,15 +263,24 @@ class LocalElasticLauncher(Launcher):
         config: LocalLauncherConfig,
         *,
         environ: Mapping[str, str] | None = None,
+        gpu_count: Callable[[], int] = torch.cuda.device_count,
+        launcher_options: frozenset[str] | None = None,
     ) -> None:
-        """``environ`` is the workers' base environment (default: this process's at start)."""
+        """``environ`` is the workers' base environment (default: this process's at start).
+
+        ``gpu_count`` and ``launcher_options`` are the machine's edges: the GPUs this
+        process sees, and the options of the installed ``torch.distributed.run`` (read
+        from its parser when None).
+        """
         self._handoff = HandoffDir(Path(workdir).resolve())
         self._config = config
         self._environ = None if environ is None else dict(environ)
         backend = resolve_backend(config.backend)
-        self.ranks = _choose_ranks(config, backend, self._environ)
+        self.ranks = _choose_ranks(config, backend, self._environ, gpu_count)
         log.info("worker group: %d %s ranks (%s)", self.ranks.count, backend, self.ranks.reason)
-        self._flags = _spell_flags()
+        self._flags = _spell_flags(
+            installed_options() if launcher_options is None else launcher_options
+        )
         self.settings = WorkerSettings(
             workdir=self._handoff.root,
             backend=backend,
@@ -440,22 +449,25 @@ class LocalElasticLauncher(Launcher):
 
 
 def _choose_ranks(
-    config: LocalLauncherConfig, backend: str, environ: Mapping[str, str] | None
+    config: LocalLauncherConfig,
+    backend: str,
+    environ: Mapping[str, str] | None,
+    gpu_count: Callable[[], int],
 ) -> RankChoice:
     own = os.environ
     workers_env = {**(own if environ is None else environ), **config.env}
     gpus = 0
     if backend == "nccl":
-        gpus = visible_gpu_count(workers_env, own, torch.cuda.device_count())
+        gpus = visible_gpu_count(workers_env, own, gpu_count())
     try:
         return choose_ranks(config.nproc_per_node, backend, gpus)
     except RankCountError as exc:
         raise LauncherConfigError(str(exc)) from None
 
 
-def _spell_flags() -> FlagSpelling:
+def _spell_flags(options: frozenset[str]) -> FlagSpelling:
     try:
-        spelling = spell_flags(_FLAGS, installed_options())
+        spelling = spell_flags(_FLAGS, options)
     except MissingLauncherFlag as exc:
         raise LauncherConfigError(str(exc)) from None
     for name in spelling.dropped:

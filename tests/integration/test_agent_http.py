@@ -25,6 +25,7 @@ from regional_agent.coordinator_client import (
     build_session,
 )
 from regional_agent.credentials import AgentIdentityConfig, Credentials, load_credentials
+from tests.support.agent_credentials import agent_credentials
 from tests.support.pki import Federation, Principal, make_federation
 
 TIMEOUTS = Timeouts(connect_s=1, heartbeat_s=0.5, request_s=2, upload_s=5, download_s=5)
@@ -39,14 +40,7 @@ def federation(tmp_path_factory: pytest.TempPathFactory) -> Federation:
 @pytest.fixture(scope="module")
 def region(federation: Federation) -> Credentials:
     principal = federation.region("eu-west")
-    return Credentials(
-        identity=principal.identity,
-        certificate=principal.credential.certificate,
-        private_key=principal.credential.private_key,
-        bundle=federation.bundle(),
-        cert_file=principal.cert_file,
-        key_file=principal.key_file,
-    )
+    return agent_credentials(federation, principal)
 
 
 def config(url: str, *, insecure: bool) -> AgentConfig:

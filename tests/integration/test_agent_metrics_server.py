@@ -30,6 +30,7 @@ from regional_agent.metrics_server import (
     create_metrics_app,
     metrics_server,
 )
+from tests.support.agent_credentials import agent_credentials
 from tests.support.pki import LOOPBACK_DNS, LOOPBACK_IPS, Federation, Principal, make_federation
 
 REGION = "eu-west"
@@ -49,14 +50,7 @@ def agent(fed: Federation) -> Principal:
 
 
 def credentials_of(fed: Federation, principal: Principal) -> Credentials:
-    return Credentials(
-        identity=principal.identity,
-        certificate=principal.credential.certificate,
-        private_key=principal.credential.private_key,
-        bundle=fed.bundle(),
-        cert_file=principal.cert_file,
-        key_file=principal.key_file,
-    )
+    return agent_credentials(fed, principal)
 
 
 class Probe:

@@ -28,10 +28,10 @@ from geofed.manifest import SignedManifest
 from geofed.params import parameters_vector_hash, state_to_fp32
 from geofed.timeouts import Timeout, Timeouts
 from regional_agent.coordinator_client import CoordinatorClient
-from regional_agent.credentials import Credentials
 from regional_agent.delta import DeltaOrigin, delta_manifest, encode_delta, sign_delta
 from regional_agent.state import DeltaMeta, JobDirectory, SpooledDelta
 from regional_agent.uploader import BaseMismatch, RoundClosed, Uploader, UploadRefused
+from tests.support.agent_credentials import agent_credentials
 from tests.support.mosquitto import free_port
 from tests.support.pki import make_federation
 from tests.support.tiny_task import TinyTask
@@ -138,14 +138,7 @@ def spooled_delta(tmp_path: Path) -> SpooledDelta:
     """A real encoded, signed and spooled delta of the tiny task, in several frames."""
     fed = make_federation(tmp_path / "pki")
     region = fed.region(REGION)
-    credentials = Credentials(
-        identity=region.identity,
-        certificate=region.credential.certificate,
-        private_key=region.credential.private_key,
-        bundle=fed.bundle(),
-        cert_file=region.cert_file,
-        key_file=region.key_file,
-    )
+    credentials = agent_credentials(fed, region)
     task = TinyTask()
     base = state_to_fp32(task.build_model(seed=1))
     local = {n: t + 0.01 * torch.randn(t.shape) for n, t in base.items()}

@@ -20,6 +20,7 @@ from regional_agent.pipeline import RegionFacts, RoundPipeline
 from regional_agent.residency import export_decision
 from regional_agent.state import AgentState, DeltaMeta
 from regional_agent.sync import ResyncFailed
+from tests.support.agent_credentials import agent_credentials
 from tests.support.agent_schedule import REGION, announce
 from tests.support.pki import make_federation
 from tests.support.tiny_task import TinyTask
@@ -39,14 +40,7 @@ def policies() -> PolicySet:
 def credentials(tmp_path_factory: pytest.TempPathFactory) -> Credentials:
     fed = make_federation(tmp_path_factory.mktemp("pki"))
     principal = fed.region(REGION)
-    return Credentials(
-        identity=principal.identity,
-        certificate=principal.credential.certificate,
-        private_key=principal.credential.private_key,
-        bundle=fed.bundle(),
-        cert_file=principal.cert_file,
-        key_file=principal.key_file,
-    )
+    return agent_credentials(fed, principal)
 
 
 class Recorder:

@@ -21,6 +21,7 @@ from regional_agent.delta import (
     sign_delta,
 )
 from regional_agent.state import AgentState, DeltaMeta, JobDirectory, ParamsVersion, StateError
+from tests.support.agent_credentials import agent_credentials
 from tests.support.pki import Principal, make_federation
 from tests.support.tiny_task import TinyTask
 
@@ -35,14 +36,7 @@ Params = dict[str, torch.Tensor]
 def region(tmp_path_factory: pytest.TempPathFactory) -> tuple[Principal, Credentials]:
     fed = make_federation(tmp_path_factory.mktemp("pki"))
     principal = fed.region("eu-west")
-    credentials = Credentials(
-        identity=principal.identity,
-        certificate=principal.credential.certificate,
-        private_key=principal.credential.private_key,
-        bundle=fed.bundle(),
-        cert_file=principal.cert_file,
-        key_file=principal.key_file,
-    )
+    credentials = agent_credentials(fed, principal)
     return principal, credentials
 
 

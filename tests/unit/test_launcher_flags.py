@@ -10,7 +10,6 @@ from pathlib import Path
 import pytest
 from torch.distributed.run import get_args_parser
 
-from regional_agent import launcher as launcher_module
 from regional_agent.launcher import LauncherConfigError, LocalElasticLauncher, LocalLauncherConfig
 from regional_agent.launcher_flags import (
     Flag,
@@ -45,15 +44,14 @@ def test_the_command_parses_with_the_installed_torch_parser(tmp_path: Path) -> N
 
 
 def test_an_optional_flag_torch_lacks_is_dropped_and_reported_once(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    # The installed torch stands in for one without --shutdown-timeout (torch 2.11).
+    # The installed torch's options less one stand in for torch 2.11's (no
+    # --shutdown-timeout); no other test drops a flag, so none was reported before.
     older = installed_options() - {"--shutdown-timeout", "--shutdown_timeout"}
-    monkeypatch.setattr(launcher_module, "installed_options", lambda: older)
-    monkeypatch.setattr(launcher_module, "_REPORTED_DROPS", set())
     with caplog.at_level(logging.WARNING, logger="regional_agent.launcher"):
-        first = LocalElasticLauncher(tmp_path, CONFIG, environ={})
-        LocalElasticLauncher(tmp_path, CONFIG, environ={})
+        first = LocalElasticLauncher(tmp_path, CONFIG, environ={}, launcher_options=older)
+        LocalElasticLauncher(tmp_path, CONFIG, environ={}, launcher_options=older)
     command = first.command(port=29123, launch_id="abc")
     assert not [part for part in command if "shutdown" in part]
     assert get_args_parser().parse_args(command[3:]).training_script == "regional_agent.worker"
@@ -62,13 +60,10 @@ def test_an_optional_flag_torch_lacks_is_dropped_and_reported_once(
     assert "has no --shutdown-timeout option; launching without it" in warnings[0]
 
 
-def test_a_required_flag_torch_lacks_is_an_error(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_a_required_flag_torch_lacks_is_an_error(tmp_path: Path) -> None:
     without = installed_options() - {"--rdzv-endpoint", "--rdzv_endpoint"}
-    monkeypatch.setattr(launcher_module, "installed_options", lambda: without)
     with pytest.raises(LauncherConfigError, match="has no --rdzv-endpoint option"):
-        LocalElasticLauncher(tmp_path, CONFIG, environ={})
+        LocalElasticLauncher(tmp_path, CONFIG, environ={}, launcher_options=without)
 
 
 def test_spell_flags_prefers_hyphens_and_falls_back_to_underscores() -> None:

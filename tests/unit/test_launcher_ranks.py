@@ -5,7 +5,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import torch
 
 from regional_agent.launcher import LauncherConfigError, LocalElasticLauncher, LocalLauncherConfig
 from regional_agent.ranks import (
@@ -88,16 +87,16 @@ def test_auto_runs_two_gloo_ranks(tmp_path: Path) -> None:
 def test_auto_on_nccl_counts_the_gpus_of_the_workers_share(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # The machine's GPUs are the edge: this one reports four.
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    # The machine's GPUs are the edge: a fake machine that reports four.
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
-    whole = LocalElasticLauncher(tmp_path, LocalLauncherConfig(backend="nccl"), environ={})
+    whole = LocalElasticLauncher(
+        tmp_path, LocalLauncherConfig(backend="nccl"), environ={}, gpu_count=_four_gpus
+    )
     assert whole.world_size == 4
     share = LocalLauncherConfig(backend="nccl", env={"CUDA_VISIBLE_DEVICES": "2,3"})
-    assert LocalElasticLauncher(tmp_path, share, environ={}).world_size == 2
-    assert "--nproc-per-node=2" in LocalElasticLauncher(tmp_path, share, environ={}).command(
-        port=29500, launch_id="abc"
-    )
+    on_share = LocalElasticLauncher(tmp_path, share, environ={}, gpu_count=_four_gpus)
+    assert on_share.world_size == 2
+    assert "--nproc-per-node=2" in on_share.command(port=29500, launch_id="abc")
 
 
 @pytest.mark.parametrize(
@@ -109,7 +108,18 @@ def test_a_bad_count_is_refused(tmp_path: Path, count: object, message: str) -> 
         LocalLauncherConfig(nproc_per_node=count)  # type: ignore[arg-type]
 
 
-def test_nccl_without_a_gpu_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+def _four_gpus() -> int:
+    """Fake GPU count of a four-GPU machine (the hardware is the outer edge)."""
+    return 4
+
+
+def _no_gpu() -> int:
+    """Fake GPU count of a machine without a GPU."""
+    return 0
+
+
+def test_nccl_without_a_gpu_is_refused(tmp_path: Path) -> None:
     with pytest.raises(LauncherConfigError, match="backend nccl needs a GPU"):
-        LocalElasticLauncher(tmp_path, LocalLauncherConfig(backend="nccl"), environ={})
+        LocalElasticLauncher(
+            tmp_path, LocalLauncherConfig(backend="nccl"), environ={}, gpu_count=_no_gpu
+        )
