@@ -14,12 +14,12 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet '$(TORCH_SPEC)'
-	$(PY) -m pip install --quiet -e '.[dev]'
+	$(PY) -m pip install --quiet -e '.[dev,postgres]'
 	touch $(STAMP)
 
 setup: $(STAMP)
 
-# mosquitto and promtool, which the integration tests run for real.
+# mosquitto, promtool and a PostgreSQL server, which the integration tests run for real.
 system-deps:
 	scripts/install-system-deps.sh
 
@@ -45,14 +45,18 @@ test-gpu:
 demo: $(STAMP)
 	$(VENV)/bin/geofed demo --workdir $(DEMO_DIR)
 
-# Figures go to benchmarks/results/ (JSON and markdown); about 11 min on 2 quiet cores.
+# Figures go to benchmarks/results/ (JSON and markdown); about 20 min on 2 quiet cores.
 # The convergence H/warm-start sweep: $(PY) -m benchmarks.convergence --sweep
 # Aggregation rules under one hostile region: $(PY) -m benchmarks.convergence --robust
-bench: $(STAMP)
+# The outer optimizer's lr/momentum/warm-up sweep: $(PY) -m benchmarks.convergence --outer-sweep
+bench: $(STAMP) system-deps
 	$(PY) -m benchmarks.codec_bench
 	$(PY) -m benchmarks.round_overhead
 	$(PY) -m benchmarks.convergence
 	$(PY) -m benchmarks.training_throughput
+	$(PY) -m benchmarks.transfer
+	$(PY) -m benchmarks.utilization
+	$(PY) -m benchmarks.scheduling
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

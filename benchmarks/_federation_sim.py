@@ -17,6 +17,13 @@ its W rank shards' batches, each scaled by 1/W: the gradient DDP's all-reduce wo
 produce, i.e. one model at batch W·b. The synchronous baseline is the same with all
 regions' rank shards in every step: data-parallel training across every region.
 
+With ``overlap="delayed"`` a region does not wait for θ_{r+1}: having sent Δ_r it trains
+round r+1 on from its own parameters y_r = θ_r + p_r, keeping the snapshot S = y_r, and
+when θ_{r+1} arrives (after ``arrival_fraction`` of the round's inner steps; 1.0, the
+default, is at the end of the inner phase: communication that takes a whole phase) it
+applies y ← y + (θ_{r+1} - S), so that Δ_{r+1} is formed against θ_{r+1} as usual. The
+inner optimizer's state and the data order carry on throughout.
+
 An ``attack`` makes the last region hostile: it trains honestly, then sends its delta
 multiplied by :data:`ATTACK_FACTORS` (through the agent's own encoding), claiming its
 honest tokens.
@@ -48,6 +55,7 @@ from regional_agent.delta import EncodedDelta, encode_delta
 
 Method = Literal["sync", "diloco"]
 Attack = Literal["none", "scaled", "sign_flipped"]
+Overlap = Literal["none", "delayed"]
 
 #: What a hostile region multiplies its honest delta by.
 ATTACK_FACTORS: dict[Attack, float] = {"none": 1.0, "scaled": 10.0, "sign_flipped": -2.0}
@@ -79,6 +87,8 @@ class RunSpec:
     warmup_steps: int = 0
     aggregation: AggregationConfig = field(default_factory=AggregationConfig)
     attack: Attack = "none"
+    overlap: Overlap = "none"
+    arrival_fraction: float = 1.0
 
     def __post_init__(self) -> None:
         for what in ("regions", "workers", "rounds", "inner_steps"):
@@ -86,6 +96,15 @@ class RunSpec:
                 raise SimulationError(f"{what} must be >= 1, got {getattr(self, what)}")
         if self.warmup_steps < 0 or self.seed < 0:
             raise SimulationError("warmup_steps and seed must be >= 0")
+        if not 0.0 <= self.arrival_fraction <= 1.0:
+            raise SimulationError(
+                f"arrival_fraction must be in [0, 1], got {self.arrival_fraction}"
+            )
+
+    @property
+    def arrival_step(self) -> int:
+        """Inner steps of a round trained before θ_r arrives, under ``overlap="delayed"``."""
+        return round(self.arrival_fraction * self.inner_steps)
 
     @property
     def total_steps(self) -> int:
@@ -283,9 +302,7 @@ def _run_rounds(
     result: RunResult,
 ) -> None:
     codec = CodecParams(scheme=spec.scheme)
-    coordinator = SimCoordinator(
-        state_to_fp32(global_model), spec.outer, codec, spec.aggregation
-    )
+    coordinator = SimCoordinator(state_to_fp32(global_model), spec.outer, codec, spec.aggregation)
     hostile = spec.regions - 1 if spec.attack != "none" else None
     warm_state = warm_optimizer.state_dict() if spec.warmup_steps else None
     models: list[nn.Module] = []
@@ -300,17 +317,30 @@ def _run_rounds(
         models.append(model)
         optimizers.append(optimizer)
     feedback = [ErrorFeedback() for _ in range(spec.regions)]
+    # Under overlap="delayed", each region's parameters when it sent its last delta.
+    snapshots: list[dict[str, torch.Tensor] | None] = [None] * spec.regions
     for round_ in range(spec.rounds):
         base = coordinator.params
         deltas: dict[str, tuple[int, EncodedDelta]] = {}
         for index, (model, optimizer) in enumerate(zip(models, optimizers, strict=True)):
             tick = time.perf_counter()
-            load_federated_state(model, base)
-            tokens = train_steps(task, model, optimizer, shards[index], spec.inner_steps)
+            snapshot = snapshots[index]
+            if snapshot is None:
+                load_federated_state(model, base)
+                tokens = train_steps(task, model, optimizer, shards[index], spec.inner_steps)
+            else:
+                early = spec.arrival_step
+                tokens = train_steps(task, model, optimizer, shards[index], early)
+                _apply_late_update(model, base, snapshot)
+                tokens += train_steps(
+                    task, model, optimizer, shards[index], spec.inner_steps - early
+                )
             result.tokens += tokens
             result.train_s += time.perf_counter() - tick
             tick = time.perf_counter()
             local = state_to_fp32(model)
+            if spec.overlap == "delayed":
+                snapshots[index] = local
             if index == hostile:
                 factor = ATTACK_FACTORS[spec.attack]
                 # Δ = θ_r - local, so this local makes the agent's encoding send factor x Δ.
@@ -327,6 +357,16 @@ def _run_rounds(
         _count_bytes(result, [delta for _, delta in deltas.values()], update)
         load_federated_state(global_model, coordinator.params)
         _evaluate(task, global_model, result, spec.warmup_steps + (round_ + 1) * spec.inner_steps)
+
+
+def _apply_late_update(
+    model: nn.Module, params: Mapping[str, torch.Tensor], snapshot: Mapping[str, torch.Tensor]
+) -> None:
+    """y ← y + (θ - S): move a region that trained on from S by the outer step it missed."""
+    current = state_to_fp32(model)
+    load_federated_state(
+        model, {name: current[name] + (params[name] - snapshot[name]) for name in current}
+    )
 
 
 def _count_bytes(result: RunResult, deltas: list[EncodedDelta], update: EncodedStream) -> None:

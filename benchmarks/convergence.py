@@ -10,13 +10,20 @@ configuration, with the spread over seeds, and checks them against DESIGN's targ
         [--seeds 2] [--workers 1] [--threads 1] [--smoke] [--out PATH] [--note TEXT]
     python -m benchmarks.convergence --sweep [--sweep-h 10,25,50,100] [--warm-start-steps N]
     python -m benchmarks.convergence --robust [--regions 5] [--rounds 6] [--inner-steps 10]
+    python -m benchmarks.convergence --outer-sweep [--sweep-lr 0.3,0.5,0.7,1.0]
+        [--sweep-momentum 0,0.5,0.8,0.9] [--sweep-warmup 0,4] [--choice-seed 0]
+        [--confirm-seeds 1,2]
 
 ``--sweep`` measures instead how the DiLoCo/synchronous gap moves with H and with a
 synchronous warm start (the DiLoCo paper's protocol) at the same total tokens, and
 writes ``convergence_sweep.json``. ``--robust`` measures the job's aggregation rules
 (``coordinator.aggregation_config``): what each costs in loss with honest regions and what
 it saves when one region sends its delta scaled or sign-flipped, and writes
-``robust_aggregation.json``. Figures go to ``--out`` (JSON) and the same path with ``.md``
+``robust_aggregation.json``. ``--outer-sweep`` sweeps the outer optimizer's lr, momentum
+and momentum warm-up on one seed, picks the lowest final loss, and confirms it against
+plain averaging on other seeds, and writes ``outer_sweep.json``. The main table also has
+rows for ``overlap: delayed`` (the one-step delayed outer update; see
+:mod:`benchmarks._federation_sim`). Figures go to ``--out`` (JSON) and the same path with ``.md``
 (a markdown table); both are printed too.
 """
 
@@ -65,7 +72,29 @@ MAIN_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
         "plain averaging (FedAvg: outer lr 1.0, momentum 0), fp32",
         {"method": "diloco", "scheme": "fp32", "outer": OuterOptimizerConfig(kind="average")},
     ),
+    "delayed_end": (
+        "DiLoCo fp32, overlap delayed (θ arrives at the end of the next inner phase)",
+        {"method": "diloco", "scheme": "fp32", "overlap": "delayed", "arrival_fraction": 1.0},
+    ),
+    "delayed_half": (
+        "DiLoCo fp32, overlap delayed (θ arrives half-way through the next inner phase)",
+        {"method": "diloco", "scheme": "fp32", "overlap": "delayed", "arrival_fraction": 0.5},
+    ),
 }
+
+#: The overlap rows' reference: the same outer optimizer and codec without overlap.
+OVERLAP_CONFIGS = ("delayed_end", "delayed_half")
+OVERLAP_NOTE = (
+    "Overlap: `none` is the DiLoCo fp32 row (a region waits for θ_(r+1) before its next "
+    "inner phase). `delayed`: a region trains on from its own parameters and applies "
+    "θ_(r+1) - (its parameters when it sent Δ_r) when θ_(r+1) arrives, at the end of the "
+    "inner phase (communication that takes a whole phase: the worst case the mode accepts "
+    "without waiting) or half-way. `streaming` is not implemented, so it has no row."
+)
+
+#: The outer configurations a sweep confirms its choice against, on the other seeds.
+PLAIN_AVERAGING = OuterOptimizerConfig(kind="average")
+DILOCO_PAPER = OuterOptimizerConfig(lr=0.7, momentum=0.9, momentum_warmup_rounds=0)
 
 
 #: rule -> (label, AggregationConfig); each runs with honest regions and with each attack.
@@ -95,6 +124,12 @@ class Settings:
     smoke: bool
     sweep: bool
     robust: bool
+    outer_sweep: bool
+    sweep_lr: tuple[float, ...]
+    sweep_momentum: tuple[float, ...]
+    sweep_warmup: tuple[int, ...]
+    choice_seed: int
+    confirm_seeds: tuple[int, ...]
     sweep_h: tuple[int, ...]
     warm_start_steps: int
     out: Path
@@ -102,16 +137,54 @@ class Settings:
     task_options: dict[str, Any]
 
 
-def _int_list(text: str) -> tuple[int, ...]:
+def _int_list(text: str, minimum: int = 1) -> tuple[int, ...]:
+    """Comma-separated integers >= ``minimum``."""
     try:
         values = tuple(int(part) for part in text.split(","))
     except ValueError:
         raise argparse.ArgumentTypeError(
             f"{text!r} is not a comma-separated list of integers"
         ) from None
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: every value must be >= 1")
+    if not values or min(values) < minimum:
+        raise argparse.ArgumentTypeError(f"{text!r}: every value must be >= {minimum}")
     return values
+
+
+def _float_list(text: str) -> tuple[float, ...]:
+    try:
+        values = tuple(float(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a comma-separated list of numbers"
+        ) from None
+    if not values:
+        raise argparse.ArgumentTypeError(f"{text!r}: no values")
+    return values
+
+
+def _count_list(text: str) -> tuple[int, ...]:
+    """Comma-separated integers >= 0."""
+    return _int_list(text, minimum=0)
+
+
+def sweep_outer_configs(settings: Settings) -> dict[str, OuterOptimizerConfig]:
+    """name -> config for every lr x momentum x warm-up of the sweep (warm-up needs momentum)."""
+    configs: dict[str, OuterOptimizerConfig] = {}
+    for warmup in settings.sweep_warmup:
+        for lr in settings.sweep_lr:
+            for momentum in settings.sweep_momentum:
+                if warmup and not momentum:
+                    continue
+                if lr == 1.0 and momentum == 0.0:
+                    config = PLAIN_AVERAGING
+                else:
+                    config = OuterOptimizerConfig(
+                        lr=lr, momentum=momentum, momentum_warmup_rounds=warmup
+                    )
+                configs[f"lr{lr:g}_m{momentum:g}_w{warmup}"] = config
+    # The reference every row is compared with, whether or not the grid holds it.
+    configs.setdefault("lr1_m0_w0", PLAIN_AVERAGING)
+    return configs
 
 
 def parse_args(argv: Sequence[str] | None) -> Settings:
@@ -128,19 +201,39 @@ def parse_args(argv: Sequence[str] | None) -> Settings:
         "--robust", action="store_true", help="aggregation rules under attack instead"
     )
     parser.add_argument("--sweep-h", type=_int_list, help="H values (default 10,25,50,100)")
+    parser.add_argument(
+        "--outer-sweep", action="store_true", help="outer lr / momentum / warm-up sweep instead"
+    )
+    parser.add_argument("--sweep-lr", type=_float_list, help="outer lrs (default 0.3,0.5,0.7,1.0)")
+    parser.add_argument(
+        "--sweep-momentum", type=_float_list, help="outer momenta (default 0,0.5,0.8,0.9)"
+    )
+    parser.add_argument(
+        "--sweep-warmup", type=_count_list, help="momentum warm-up rounds (default 0,4)"
+    )
+    parser.add_argument("--choice-seed", type=int, default=0, help="seed the choice is made on")
+    parser.add_argument(
+        "--confirm-seeds", type=_count_list, help="seeds that confirm the choice (default 1,2)"
+    )
     parser.add_argument("--warm-start-steps", type=int, help="default: a third of all steps")
     parser.add_argument("--out", type=Path, help="JSON path; the markdown goes next to it")
     parser.add_argument("--note", default="", help="free text stored with the figures")
     args = parser.parse_args(argv)
     smoke = args.smoke
-    if args.sweep and args.robust:
-        parser.error("--sweep and --robust are separate runs")
+    if sum((args.sweep, args.robust, args.outer_sweep)) > 1:
+        parser.error("--sweep, --robust and --outer-sweep are separate runs")
     rounds = args.rounds or (2 if smoke else 6 if args.robust else 12)
     inner_steps = args.inner_steps or (3 if smoke else 10 if args.robust else 25)
     total = rounds * inner_steps
     stem = "convergence"
-    if args.sweep or args.robust:
-        stem = "convergence_sweep" if args.sweep else "robust_aggregation"
+    if args.sweep or args.robust or args.outer_sweep:
+        stem = (
+            "convergence_sweep"
+            if args.sweep
+            else "robust_aggregation"
+            if args.robust
+            else "outer_sweep"
+        )
     out = args.out or RESULTS / (f"{stem}.smoke.json" if smoke else f"{stem}.json")
     for name in ("regions", "rounds", "inner_steps", "seeds", "workers", "threads"):
         value = getattr(args, name)
@@ -150,6 +243,20 @@ def parse_args(argv: Sequence[str] | None) -> Settings:
     if not 0 <= warm < total:
         parser.error(f"--warm-start-steps must be in [0, {total}), got {warm}")
     sweep_h = args.sweep_h or ((1, 2) if smoke else (10, 25, 50, 100))
+    confirm_seeds = args.confirm_seeds or ((1,) if smoke else (1, 2))
+    if args.choice_seed < 0 or args.choice_seed in confirm_seeds:
+        parser.error(
+            f"--choice-seed {args.choice_seed} must be >= 0 and not one of the confirming "
+            f"seeds {list(confirm_seeds)}"
+        )
+    sweep_lr = args.sweep_lr or ((0.7, 1.0) if smoke else (0.3, 0.5, 0.7, 1.0))
+    sweep_momentum = args.sweep_momentum or ((0.0, 0.9) if smoke else (0.0, 0.5, 0.8, 0.9))
+    for lr in sweep_lr:
+        if not 0.0 < lr < float("inf"):
+            parser.error(f"--sweep-lr values must be > 0, got {lr:g}")
+    for momentum in sweep_momentum:
+        if not 0.0 <= momentum < 1.0:
+            parser.error(f"--sweep-momentum values must be in [0, 1), got {momentum:g}")
     if args.sweep:
         for h in sweep_h:
             if total % h or (total - warm) % h:
@@ -167,6 +274,12 @@ def parse_args(argv: Sequence[str] | None) -> Settings:
         smoke=smoke,
         sweep=args.sweep,
         robust=args.robust,
+        outer_sweep=args.outer_sweep,
+        sweep_lr=sweep_lr,
+        sweep_momentum=sweep_momentum,
+        sweep_warmup=args.sweep_warmup or ((0, 1) if smoke else (0, 4)),
+        choice_seed=args.choice_seed,
+        confirm_seeds=confirm_seeds,
         sweep_h=sweep_h,
         warm_start_steps=warm,
         out=out,
@@ -328,6 +441,8 @@ def config_summary(label: str, results: list[RunResult], model_bytes: int) -> di
         per_round_region = spec.rounds * spec.regions
         summary["scheme"] = spec.scheme
         summary["outer"] = spec.outer.model_dump()
+        summary["overlap"] = spec.overlap
+        summary["arrival_fraction"] = spec.arrival_fraction if spec.overlap != "none" else None
         summary["wan"] = {
             "simulated": True,
             "bytes_up": up,
@@ -410,6 +525,22 @@ def targets(configs: dict[str, Any], runs: dict[str, list[RunResult]]) -> list[d
                 "comparison": comparison,
             }
         )
+    for name in OVERLAP_CONFIGS:
+        if name not in runs:
+            continue
+        comparison = compare(runs, name, "diloco_fp32")
+        fraction = runs[name][0].spec.arrival_fraction
+        checks.append(
+            {
+                "name": f"overlap delayed (θ arrives after {fraction:.0%} of the next inner "
+                "phase) final loss within 1% of overlap none",
+                "measured": f"{comparison['mean_relative_difference']:+.2%} "
+                f"({_spread_text(comparison)})",
+                "value": comparison["mean_relative_difference"],
+                "met": comparison["mean_relative_difference"] <= 0.01,
+                "comparison": comparison,
+            }
+        )
     comparison = compare(runs, "diloco_fp32", "fedavg")
     checks.append(
         {
@@ -454,6 +585,71 @@ def curve_table(runs: dict[str, list[RunResult]]) -> list[dict[str, Any]]:
             row[name] = _mean(points[step][1])
         rows.append(row)
     return rows
+
+
+def run_outer_sweep(task: CharLMTask, settings: Settings) -> dict[str, list[RunResult]]:
+    """Every outer configuration on the choice seed, then the best (lowest final loss),
+    plain averaging and the DiLoCo paper's setting on each confirming seed.
+
+    Runs are keyed ``name`` (choice seed) and ``confirm/name`` (confirming seeds).
+    """
+    base = replace(
+        _spec(settings, "outer", settings.inner_steps, settings.rounds),
+        method="diloco",
+        scheme="fp32",
+        seed=settings.choice_seed,
+    )
+    warm_up(task, base)
+    results: dict[str, list[RunResult]] = {}
+    configs = sweep_outer_configs(settings)
+    for name, config in configs.items():
+        results[name] = [_run(task, replace(base, name=name, outer=config))]
+    best = min(configs, key=lambda name: results[name][0].final_val_loss)
+    confirm = {"chosen": configs[best], "plain_averaging": PLAIN_AVERAGING}
+    confirm["diloco_paper"] = DILOCO_PAPER
+    for seed in settings.confirm_seeds:
+        for name, config in confirm.items():
+            spec = replace(base, name=f"confirm/{name}", outer=config, seed=seed)
+            results.setdefault(f"confirm/{name}", []).append(_run(task, spec))
+    return results
+
+
+def outer_sweep_figures(settings: Settings, runs: dict[str, list[RunResult]]) -> dict[str, Any]:
+    """The sweep's rows (vs plain averaging on the choice seed), the choice and its check."""
+    configs = sweep_outer_configs(settings)
+    reference = runs["lr1_m0_w0"][0]
+    rows: list[dict[str, Any]] = []
+    for name, config in configs.items():
+        loss = runs[name][0].final_val_loss
+        rows.append(
+            {
+                "config": name,
+                "outer": config.model_dump(),
+                "final_val_loss": loss,
+                "vs_plain_averaging": (loss - reference.final_val_loss) / reference.final_val_loss,
+            }
+        )
+    best = min(rows, key=lambda row: float(row["final_val_loss"]))
+    confirmation: dict[str, dict[str, Any]] = {
+        name: {
+            "outer": runs[f"confirm/{name}"][0].spec.outer.model_dump(),
+            "final_val_loss": loss_stats(r.final_val_loss for r in runs[f"confirm/{name}"]),
+            "per_seed": [r.final_val_loss for r in runs[f"confirm/{name}"]],
+            "vs_plain_averaging": compare(runs, f"confirm/{name}", "confirm/plain_averaging"),
+        }
+        for name in ("chosen", "plain_averaging", "diloco_paper")
+    }
+    chosen = confirmation["chosen"]["vs_plain_averaging"]
+    return {
+        "choice_seed": settings.choice_seed,
+        "confirm_seeds": list(settings.confirm_seeds),
+        "rows": rows,
+        "chosen": best,
+        "confirmation": confirmation,
+        "chosen_at_least_as_good_as_plain_averaging": all(
+            d <= 0.0 for d in chosen["per_seed_relative_difference"]
+        ),
+    }
 
 
 def sweep_rows(runs: dict[str, list[RunResult]]) -> list[dict[str, Any]]:
@@ -508,6 +704,9 @@ def render_main(report: dict[str, Any]) -> str:
     lines = _header(report, "Convergence at equal tokens")
     configs = report["configs"]
     lines += [
+        "DiLoCo rows use the outer optimizer's defaults: "
+        f"{_outer_cell(report['settings']['outer_optimizer'])} (see outer_sweep.md).",
+        "",
         "| config | final val loss (mean ± std) | vs sync | WAN bytes up+down "
         "| fp32 equivalent | ratio | wall s (train / comm / eval) |",
         "|---|---|---|---|---|---|---|",
@@ -568,6 +767,65 @@ def render_robust(report: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _outer_cell(outer: dict[str, Any]) -> str:
+    if outer["kind"] == "average":
+        return "plain averaging (lr 1, momentum 0)"
+    text = f"lr {outer['lr']:g}, momentum {outer['momentum']:g}"
+    if outer["momentum_warmup_rounds"]:
+        text += f", warm-up {outer['momentum_warmup_rounds']} rounds"
+    return text
+
+
+def render_outer_sweep(report: dict[str, Any]) -> str:
+    lines = _header(report, "Outer optimizer: lr, momentum and momentum warm-up")
+    sweep = report["outer_sweep"]
+    lines += [
+        f"DiLoCo fp32 (Nesterov outer SGD). The sweep runs on seed {sweep['choice_seed']}; "
+        "the lowest final loss is chosen, then it, plain averaging and the DiLoCo paper's "
+        f"setting (lr 0.7, momentum 0.9) run on seeds {sweep['confirm_seeds']}, which took "
+        "no part in the choice. A momentum warm-up of k rounds ramps μ linearly from 0 at "
+        "the first outer step to its value at step k+1.",
+        "",
+        f"## Sweep (seed {sweep['choice_seed']})",
+        "",
+        "| outer optimizer | final val loss | vs plain averaging |",
+        "|---|---|---|",
+    ]
+    for row in sorted(sweep["rows"], key=lambda r: r["final_val_loss"]):
+        lines.append(
+            f"| {_outer_cell(row['outer'])} | {row['final_val_loss']:.4f} | "
+            f"{row['vs_plain_averaging']:+.2%} |"
+        )
+    lines += [
+        "",
+        f"Chosen: {_outer_cell(sweep['chosen']['outer'])}.",
+        "",
+        f"## Confirmation (seeds {sweep['confirm_seeds']})",
+        "",
+        "| outer optimizer | final val loss (mean ± std) | per seed | vs plain averaging "
+        "(mean; per seed) |",
+        "|---|---|---|---|",
+    ]
+    for name, row in sweep["confirmation"].items():
+        vs = row["vs_plain_averaging"]
+        per_seed = ", ".join(f"{x:.4f}" for x in row["per_seed"])
+        rel = ", ".join(f"{x:+.2%}" for x in vs["per_seed_relative_difference"])
+        label = _outer_cell(row["outer"])
+        if name != "plain_averaging":
+            label = f"{name.replace('_', ' ')}: {label}"
+        lines.append(
+            f"| {label} | "
+            f"{_loss_cell(row['final_val_loss'])} | {per_seed} | "
+            f"{vs['mean_relative_difference']:+.2%}; {rel} |"
+        )
+    verdict = "yes" if sweep["chosen_at_least_as_good_as_plain_averaging"] else "NO"
+    lines += [
+        "",
+        f"Chosen at least as good as plain averaging on every confirming seed: {verdict}.",
+    ]
+    return "\n".join(lines) + "\n"
+
+
 def render_sweep(report: dict[str, Any]) -> str:
     lines = _header(report, "DiLoCo vs synchronous training: inner steps H and warm start")
     sync = report["configs"]["sync"]
@@ -600,6 +858,8 @@ def build_report(
         if settings.sweep
         else "robust_aggregation"
         if settings.robust
+        else "outer_sweep"
+        if settings.outer_sweep
         else "convergence",
         "machine": describe_machine(),
         "note": settings.note,
@@ -612,14 +872,17 @@ def build_report(
             "rounds": settings.rounds,
             "inner_steps": settings.inner_steps,
             "total_steps": settings.rounds * settings.inner_steps,
-            "seeds": list(range(settings.seeds)),
+            "seeds": [settings.choice_seed, *settings.confirm_seeds]
+            if settings.outer_sweep
+            else list(range(settings.seeds)),
             "torch_threads": settings.threads,
             "smoke": settings.smoke,
             "outer_optimizer": OuterOptimizerConfig().model_dump(),
             "codec": "geofed.codec defaults (block 128, bf16 scales, zstd level 1), "
             "error feedback on both sides",
         },
-        "notes": [SIMULATION_NOTE],
+        "notes": [SIMULATION_NOTE]
+        + ([] if settings.robust or settings.sweep or settings.outer_sweep else [OVERLAP_NOTE]),
         "configs": {
             name: config_summary(labels.get(name, name), results, 4 * params)
             for name, results in runs.items()
@@ -628,6 +891,9 @@ def build_report(
     if settings.robust:
         report["settings"]["attack_factors"] = dict(ATTACK_FACTORS)
         report["robust"] = robust_rows(runs)
+        return report
+    if settings.outer_sweep:
+        report["outer_sweep"] = outer_sweep_figures(settings, runs)
         return report
     for name, summary in report["configs"].items():
         if name != "sync":
@@ -654,6 +920,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             runs = run_sweep(task, settings)
         elif settings.robust:
             runs = run_robust(task, settings)
+        elif settings.outer_sweep:
+            runs = run_outer_sweep(task, settings)
         else:
             runs = run_main(task, settings)
     except SimulationError as exc:
@@ -665,6 +933,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         markdown = render_sweep(report)
     elif settings.robust:
         markdown = render_robust(report)
+    elif settings.outer_sweep:
+        markdown = render_outer_sweep(report)
     else:
         markdown = render_main(report)
     publish(report, settings.out, markdown)

@@ -14,15 +14,19 @@ Determinism: floating-point addition is not associative, so the result depends o
 order regions are added, and on nothing else (each element is written exactly once per
 region, so the order of pieces within a region does not matter; the arithmetic uses only
 correctly rounded multiplies, adds and divides, so neither threads nor the CPU's SIMD
-width change a bit). The canonical order is sorted region names, which :func:`aggregate`
-applies. A daemon that folds deltas in as they arrive must record that order durably
-and pass it as ``order`` when it re-aggregates from its spool after a restart.
+width change a bit). :func:`aggregate` adds in sorted region names unless given an
+``order``. The coordinator folds deltas in as they are accepted
+(:mod:`coordinator.round_accumulator`, from values :class:`DeltaStager` checked while the
+upload was verified, :meth:`WeightedSum.add_staged`) and records that arrival order
+durably with the round, which it passes as ``order`` when it re-aggregates from its
+spool instead (after a restart): the same bits either way.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -35,9 +39,12 @@ from geofed.types import InvalidName, validate_name
 
 __all__ = [
     "AggregationError",
+    "DeltaStager",
     "PieceLike",
+    "StagedDelta",
     "WeightedSum",
     "aggregate",
+    "all_finite",
     "apply_update",
     "check_coverage",
     "check_piece",
@@ -47,7 +54,8 @@ __all__ = [
 ]
 
 
-def _all_finite(tensor: Tensor) -> bool:
+def all_finite(tensor: Tensor) -> bool:
+    """Whether every element is finite, in one reduction pass."""
     # One reduction pass; NaN propagates through min/max, and +-Inf shows at an end.
     # (torch.isfinite(t).all() materialises a bool tensor and is ~30x slower.)
     if tensor.numel() == 0:
@@ -110,6 +118,11 @@ class WeightedSum:
         return tuple(self._weights)
 
     @property
+    def weights(self) -> Mapping[str, float]:
+        """Each added region's weight."""
+        return dict(self._weights)
+
+    @property
     def total_weight(self) -> float:
         return sum(self._weights.values())
 
@@ -128,6 +141,30 @@ class WeightedSum:
         sum only once the region is known to be complete, so any error (bad piece,
         gap, overlap, or an exception from the iterator itself) leaves the sum as it was.
         """
+        factor = self._check_addition(region, weight)
+        if self._scratch is None:
+            self._scratch = {n: torch.empty_like(t) for n, t in self._sum.items()}
+        stager = DeltaStager(region, self._shapes, buffers=self._scratch)
+        for piece in pieces:
+            stager.add(piece)
+        self._fold(region, factor, stager.finish())
+
+    def add_staged(self, region: str, weight: float, staged: StagedDelta) -> None:
+        """Add ``weight x`` a delta decoded and checked earlier (:class:`DeltaStager`).
+
+        The same arithmetic as :meth:`add_region`, so a region added either way moves
+        the sum by the same bits. ``staged`` is consumed: its buffers are scaled in place.
+        """
+        factor = self._check_addition(region, weight)
+        if staged.region != region:
+            raise AggregationError(f"staged delta of {staged.region!r} offered as {region!r}")
+        if {n: t.numel() for n, t in staged.values.items()} != {
+            n: t.numel() for n, t in self._sum.items()
+        }:
+            raise AggregationError(f"region {region!r}: staged tensors differ from the sum's")
+        self._fold(region, factor, staged)
+
+    def _check_addition(self, region: str, weight: float) -> float:
         try:
             validate_name("region", region)
         except InvalidName as exc:
@@ -138,23 +175,23 @@ class WeightedSum:
             raise AggregationError(f"region {region!r}: weight must be > 0, got {weight!r}")
         if weight == float("inf"):
             raise AggregationError(f"region {region!r}: weight must be finite, got {weight!r}")
-        if self._scratch is None:
-            self._scratch = {n: torch.empty_like(t) for n, t in self._sum.items()}
-        scratch = self._scratch
-        spans: dict[str, list[tuple[int, int]]] = {name: [] for name in self._shapes}
-        sizes = {name: tensor.numel() for name, tensor in scratch.items()}
-        for piece in pieces:
-            name, offset, count, values = check_piece(region, piece, sizes)
-            scratch[name][offset : offset + count].copy_(values)
-            spans[name].append((offset, count))
-        for name, covered in spans.items():
-            check_coverage(region, name, scratch[name].numel(), covered)
+        return float(weight)
+
+    def _fold(self, region: str, factor: float, staged: StagedDelta) -> None:
         # mul then add, each correctly rounded: no fused multiply-add whose use would
         # depend on the CPU the coordinator restarts on.
-        factor = float(weight)
         for name, total in self._sum.items():
-            total.add_(scratch[name].mul_(factor))
+            total.add_(staged.values[name].mul_(factor))
         self._weights[region] = factor
+
+    def take_mean(self) -> dict[str, Tensor]:
+        """:meth:`mean`, releasing the running sum as each tensor's mean is made.
+
+        The sum is unusable afterwards; the peak stays at 2x model size.
+        """
+        result = self.mean()
+        self._sum = {}
+        return result
 
     def mean(self) -> dict[str, Tensor]:
         """Return ``sum / total weight`` as new tensors in their declared shapes."""
@@ -165,10 +202,65 @@ class WeightedSum:
         return {n: self._sum[n].div(total).reshape(s) for n, s in self._shapes.items()}
 
 
+@dataclass(frozen=True, slots=True)
+class StagedDelta:
+    """One region's whole delta, decoded and checked, as flat fp32 tensors by name."""
+
+    region: str
+    values: dict[str, Tensor]
+
+
+class DeltaStager:
+    """Copies one region's decoded pieces into dense buffers, checking each one.
+
+    :meth:`finish` checks that every element was covered exactly once and returns the
+    :class:`StagedDelta`; until then nothing outside the stager has seen a value.
+    """
+
+    def __init__(
+        self,
+        region: str,
+        shapes: Mapping[str, tuple[int, ...]],
+        *,
+        buffers: dict[str, Tensor] | None = None,
+        check_finite: bool = True,
+    ) -> None:
+        """``check_finite=False``: the caller has checked every piece's values already."""
+        try:
+            validate_name("region", region)
+        except InvalidName as exc:
+            raise AggregationError(str(exc)) from None
+        self._region = region
+        if buffers is None:
+            buffers = {
+                name: torch.empty(_numel(shape), dtype=torch.float32)
+                for name, shape in shapes.items()
+            }
+        self._buffers = buffers
+        self._sizes = {name: tensor.numel() for name, tensor in buffers.items()}
+        self._spans: dict[str, list[tuple[int, int]]] = {name: [] for name in buffers}
+        self._check_finite = check_finite
+
+    def add(self, piece: PieceLike) -> None:
+        """Copy one checked piece into place (:func:`check_piece`)."""
+        name, offset, count, values = check_piece(
+            self._region, piece, self._sizes, check_finite=self._check_finite
+        )
+        self._buffers[name][offset : offset + count].copy_(values)
+        self._spans[name].append((offset, count))
+
+    def finish(self) -> StagedDelta:
+        """The staged delta; :class:`AggregationError` on a gap or an overlap."""
+        for name, covered in self._spans.items():
+            check_coverage(self._region, name, self._sizes[name], covered)
+        return StagedDelta(self._region, self._buffers)
+
+
 def check_piece(
-    region: str, piece: PieceLike, sizes: Mapping[str, int]
+    region: str, piece: PieceLike, sizes: Mapping[str, int], *, check_finite: bool = True
 ) -> tuple[str, int, int, Tensor]:
-    """A region's piece, checked against the tensors' element counts ``sizes``."""
+    """A region's piece, checked against the tensors' element counts ``sizes`` (and its
+    values for NaN and Inf unless ``check_finite`` is False)."""
     name, offset, count, values = piece.name, piece.offset, piece.count, piece.values
     where = f"region {region!r}, tensor {name!r}"
     if name not in sizes:
@@ -189,7 +281,7 @@ def check_piece(
         raise AggregationError(
             f"{where}: values have shape {tuple(values.shape)}, expected ({count},)"
         )
-    if not _all_finite(values):
+    if check_finite and not all_finite(values):
         raise AggregationError(f"{where}: slice [{offset}, {offset + count}) contains NaN or Inf")
     return name, offset, count, values
 

@@ -34,6 +34,7 @@ def _off_from_yaml11(value: object) -> object:
     # that went through one arrives with false where the operator wrote off.
     return "off" if value is False else value
 
+
 #: Tokens one region may claim per inner step unless the job sets its own bound: 2^24,
 #: above the global batch of any published pre-training run, so only a lie exceeds it.
 MAX_TOKENS_PER_STEP: Final = 1 << 24
@@ -44,8 +45,7 @@ class AggregationConfig(ConfigSection):
 
     rule: AggregationRule = Field(
         default="mean",
-        description="'mean': token-weighted; 'trimmed_mean', 'median': coordinate-wise, "
-        "unweighted",
+        description="'mean': token-weighted; 'trimmed_mean', 'median': coordinate-wise, unweighted",
     )
     trim_fraction: StrictFloat = Field(
         default=0.1,

@@ -1,7 +1,10 @@
 """Admin HTTP handlers: health, metrics, jobs, regions, audit.
 
 Thin: parse the request, check the caller's role, call the job manager or the store,
-answer JSON. Operators manage jobs; operators and observers read.
+answer JSON. Operators manage jobs; operators and observers read, ``/metrics`` included
+(Prometheus scrapes as an observer). A region reads only the jobs it takes part in; to a
+region every other job answers exactly as one that does not exist
+(:func:`visible_engine`), so neither a metric nor a status code tells it which jobs exist.
 """
 
 from __future__ import annotations
@@ -11,16 +14,17 @@ from typing import Any
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from coordinator.auth import READERS, caller, require_role
+from coordinator.auth import READERS, caller, require_role, unknown_job
 from coordinator.bodies import read_limited
+from coordinator.engine import JobEngine
 from coordinator.errors import ApiError, BadRequest
 from coordinator.keys import JOBS, REGISTRY, RUNTIME, SERVICES
 from coordinator.store import MAX_STORED_INT
 from geofed.api_paths import ApiPaths
 from geofed.timeouts import Timeout, wait_for
-from geofed.types import InvalidName, Role, validate_name
+from geofed.types import Identity, InvalidName, Role, validate_name
 
-__all__ = ["int_query", "routes"]
+__all__ = ["int_query", "routes", "visible_engine"]
 
 routes = web.RouteTableDef()
 
@@ -50,7 +54,8 @@ async def readyz(request: web.Request) -> web.Response:
 
 @routes.get(ApiPaths.METRICS)
 async def metrics(request: web.Request) -> web.Response:
-    caller(request)
+    # Job- and region-labelled series of every job: readers only, never a region.
+    require_role(request, *READERS)
     body = generate_latest(request.app[REGISTRY])
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
@@ -88,14 +93,32 @@ async def submit_job(request: web.Request) -> web.Response:
     return web.json_response(result, status=201)
 
 
+def visible_engine(request: web.Request, identity: Identity) -> JobEngine:
+    """The engine of the path's job, if ``identity`` may see the job.
+
+    Readers see every job (404 unknown, 503 unavailable). Anyone else sees only the jobs
+    its region takes part in; every other job (unknown, unavailable, or of other regions)
+    answers the same 404 ``not_found`` as a job that does not exist.
+    """
+    jobs = request.app[JOBS]
+    job = request.match_info["job"]
+    if identity.role in READERS:
+        return jobs.engine(job)
+    try:
+        engine = jobs.engine(job)
+    except ApiError as exc:
+        if exc.code == "bad_request":
+            raise  # a malformed name: says nothing about which jobs exist
+        raise unknown_job(job) from None
+    if identity.role is not Role.REGION or identity.name not in engine.ctx.spec.regions:
+        raise unknown_job(job)
+    return engine
+
+
 @routes.get(ApiPaths.JOB)
 async def job_status(request: web.Request) -> web.Response:
     identity = caller(request)
-    engine = request.app[JOBS].engine(request.match_info["job"])
-    if identity.role not in READERS and not (
-        identity.role is Role.REGION and identity.name in engine.ctx.spec.regions
-    ):
-        require_role(request, *READERS)
+    engine = visible_engine(request, identity)
     body = engine.status()
     if identity.role in READERS:
         body["spec"] = engine.ctx.spec.to_json()

@@ -1,6 +1,7 @@
 """Data-plane HTTP handlers: delta uploads (three steps and single shot) and downloads.
 
-Downloads go only to regions of the job, and each is a residency decision: every
+Downloads go only to regions of the job (to any other region the job answers as unknown,
+``404 not_found``), and each is a residency decision: every
 artifact a region fetches (an update, or a checkpoint snapshot to resync from) carries
 the global model to that region, so it is decided as a ``global_update`` to it, counted
 and audited. Files are served with HTTP ``Range`` support so a download resumes.
@@ -15,13 +16,13 @@ from typing import Any
 from aiohttp import web
 from aiohttp.abc import AbstractStreamWriter
 
-from coordinator.api_admin import int_query
+from coordinator.api_admin import int_query, visible_engine
 from coordinator.artifacts import chain_at, find_entry
 from coordinator.auth import caller
 from coordinator.checkpoints import CheckpointEntry, EntryKind
 from coordinator.engine import JobEngine
 from coordinator.errors import ApiError, BadRequest, Forbidden, NotFound
-from coordinator.keys import JOBS, SERVICES, UPLOADS
+from coordinator.keys import SERVICES, UPLOADS
 from coordinator.residency import region_download
 from geofed.api_paths import ApiPaths
 from geofed.blobstore import InvalidDigest, validate_digest
@@ -179,8 +180,9 @@ async def get_artifact(request: web.Request) -> web.StreamResponse:
 
 def _download_access(request: web.Request) -> tuple[JobEngine, Identity]:
     identity = caller(request)
-    engine = request.app[JOBS].engine(request.match_info["job"])
-    if identity.role is not Role.REGION or identity.name not in engine.ctx.spec.regions:
+    # A region not in the job gets the 404 of a job that does not exist.
+    engine = visible_engine(request, identity)
+    if identity.role is not Role.REGION:
         raise Forbidden(
             f"{identity} may not download artifacts of job {engine.job}; its regions may"
         )

@@ -38,7 +38,7 @@ from coordinator.keys import JOBS, REGISTRY, RUNTIME, SERVICES, UPLOADS
 from coordinator.metrics import CoordinatorMetrics
 from coordinator.runtime import Runtime
 from coordinator.services import Services
-from coordinator.sqlite_store import SqliteStore
+from coordinator.store_backends import open_state_store
 from coordinator.uploads import UploadService
 from geofed.pki.httpauth import identity_middleware
 
@@ -50,6 +50,7 @@ INSECURE_BANNER = (
     "INSECURE LOOPBACK MODE: plain HTTP without client certificates; callers are whoever "
     "their X-Geofed-Identity header claims. For the single-machine demo only."
 )
+
 
 @web.middleware
 async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
@@ -116,7 +117,9 @@ def _lifecycle(
         metrics = CoordinatorMetrics(app[REGISTRY])
         for name, timestamp in runtime.certificate_expiry().items():
             metrics.certificate_expiry.labels(certificate=name).set(timestamp)
-        db = await AsyncStore.open(lambda: SqliteStore.in_state_dir(config.state_dir), executors)
+        db = await AsyncStore.open(
+            lambda: open_state_store(config.state_store, config.state_dir), executors
+        )
         control = ControlPlane(config, runtime.mqtt_ssl(), metrics, frozenset(runtime.policies))
         await control.start()
         mqtt = asyncio.create_task(control.client.run(), name="mqtt")

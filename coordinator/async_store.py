@@ -60,9 +60,7 @@ class AsyncStore:
     async def set_job_state(
         self, job_id: str, state: str, *, expected: str | None = None
     ) -> JobRecord:
-        return await self._executors.db(
-            self._store.set_job_state, job_id, state, expected=expected
-        )
+        return await self._executors.db(self._store.set_job_state, job_id, state, expected=expected)
 
     # Rounds.
 

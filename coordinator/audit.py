@@ -235,7 +235,8 @@ SCHEMA_STATEMENTS: tuple[str, ...] = (
 )
 """DDL of the audit table; the state store's schema migrations include it."""
 
-_COLUMNS = "seq, time, actor, action, verdict, job, round, region, details, prev_hash, hash"
+#: The audit table's columns, in the order :func:`entry_row` gives them.
+AUDIT_COLUMNS = "seq, time, actor, action, verdict, job, round, region, details, prev_hash, hash"
 
 
 class AuditLog:
@@ -287,31 +288,16 @@ class AuditLog:
 
     def append(self, event: AuditEvent) -> AuditEntry:
         """Append one entry and return it (in the open transaction, if there is one)."""
-        fields = _validated(event)
+        fields = validated_fields(event)
         with self._lock, self._transaction():
             row = self._conn.execute(
                 "SELECT seq, hash FROM audit_log ORDER BY seq DESC LIMIT 1"
             ).fetchone()
             seq, prev_hash = (row[0] + 1, row[1]) if row else (1, GENESIS_HASH)
-            draft = AuditEntry(
-                seq=seq, time=format_time(self._clock()), prev_hash=prev_hash, hash="", **fields
-            )
-            entry = _with_hash(draft)
+            entry = chained_entry(fields, seq, prev_hash, self._clock())
             self._conn.execute(
-                f"INSERT INTO audit_log ({_COLUMNS}) VALUES (?,?,?,?,?,?,?,?,?,?,?)",  # noqa: S608
-                (
-                    entry.seq,
-                    entry.time,
-                    entry.actor,
-                    entry.action,
-                    entry.verdict,
-                    entry.job,
-                    entry.round,
-                    entry.region,
-                    canonical_json(entry.details).decode("utf-8"),
-                    entry.prev_hash,
-                    entry.hash,
-                ),
+                f"INSERT INTO audit_log ({AUDIT_COLUMNS}) VALUES (?,?,?,?,?,?,?,?,?,?,?)",  # noqa: S608
+                entry_row(entry),
             )
         return entry
 
@@ -323,7 +309,7 @@ class AuditLog:
             raise ValueError(f"limit must be 1..{MAX_PAGE}, got {limit}")
         if after_seq < 0:
             raise ValueError(f"after_seq must be >= 0, got {after_seq}")
-        query = f"SELECT {_COLUMNS} FROM audit_log WHERE seq > ?"  # noqa: S608
+        query = f"SELECT {AUDIT_COLUMNS} FROM audit_log WHERE seq > ?"  # noqa: S608
         params: list[Any] = [after_seq]
         if job is not None:
             query += " AND job = ?"
@@ -332,7 +318,7 @@ class AuditLog:
         params.append(limit)
         with self._lock:
             rows = self._conn.execute(query, params).fetchall()
-        return [_from_row(row) for row in rows]
+        return [entry_from_row(row) for row in rows]
 
     def head(self) -> tuple[int, str]:
         """(seq, hash) of the newest entry; (0, genesis hash) when empty."""
@@ -345,9 +331,9 @@ class AuditLog:
     def verify(self, *, expect_head: tuple[int, str] | None = None) -> VerifyResult:
         """Check the whole stored chain from seq 1; see :func:`verify_chain`."""
         with self._lock:
-            cursor = self._conn.execute(f"SELECT {_COLUMNS} FROM audit_log ORDER BY seq")  # noqa: S608
+            cursor = self._conn.execute(f"SELECT {AUDIT_COLUMNS} FROM audit_log ORDER BY seq")  # noqa: S608
             return verify_chain(
-                _rows_as_entries(cursor),
+                rows_as_entries(cursor),
                 prev_hash=GENESIS_HASH,
                 start_seq=1,
                 expect_head=expect_head,
@@ -375,7 +361,8 @@ class _Tx:
         self._conn.execute("ROLLBACK" if exc_type is not None else "COMMIT")
 
 
-def _validated(event: AuditEvent) -> dict[str, Any]:
+def validated_fields(event: AuditEvent) -> dict[str, Any]:
+    """An event's fields as an entry stores them; :class:`InvalidAuditEntry` otherwise."""
     actor, action, verdict = event.actor, event.action, event.verdict
     round_, details = event.round, event.details
     actor_s = actor.uri if isinstance(actor, Identity) else actor
@@ -419,11 +406,34 @@ def _validated(event: AuditEvent) -> dict[str, Any]:
     }
 
 
-def _with_hash(draft: AuditEntry) -> AuditEntry:
+def chained_entry(fields: Mapping[str, Any], seq: int, prev_hash: str, now: float) -> AuditEntry:
+    """The entry number ``seq`` after the entry hashed ``prev_hash``, with its own hash.
+
+    ``fields`` come from :func:`validated_fields`; every store appends entries made here.
+    """
+    draft = AuditEntry(seq=seq, time=format_time(now), prev_hash=prev_hash, hash="", **fields)
     return AuditEntry(**{**draft.hashed_fields(), "hash": draft.compute_hash()})
 
 
-def _from_row(row: tuple[Any, ...]) -> AuditEntry:
+def entry_row(entry: AuditEntry) -> tuple[Any, ...]:
+    """An entry as the audit table's row (:data:`AUDIT_COLUMNS`)."""
+    return (
+        entry.seq,
+        entry.time,
+        entry.actor,
+        entry.action,
+        entry.verdict,
+        entry.job,
+        entry.round,
+        entry.region,
+        canonical_json(entry.details).decode("utf-8"),
+        entry.prev_hash,
+        entry.hash,
+    )
+
+
+def entry_from_row(row: tuple[Any, ...]) -> AuditEntry:
+    """An audit table row (:data:`AUDIT_COLUMNS`) as its entry."""
     seq, time_s, actor, action, verdict, job, round_, region, details, prev_hash, hash_ = row
     return AuditEntry(
         seq=seq,
@@ -440,11 +450,11 @@ def _from_row(row: tuple[Any, ...]) -> AuditEntry:
     )
 
 
-def _rows_as_entries(rows: Iterable[tuple[Any, ...]]) -> Iterator[AuditEntry]:
+def rows_as_entries(rows: Iterable[tuple[Any, ...]]) -> Iterator[AuditEntry]:
     """Rows as entries; a row whose details no longer parse yields an unhashable stand-in."""
     for row in rows:
         try:
-            yield _from_row(row)
+            yield entry_from_row(row)
         except ValueError:
             yield AuditEntry(
                 seq=row[0],

@@ -10,7 +10,8 @@ anything. The daemon says so loudly when it starts.
 
 Roles: operators manage jobs; regions upload their own deltas and download what their
 jobs publish; observers read status, regions, audit and metrics; the coordinator role
-is granted nothing.
+is granted nothing. A job a caller may not see is answered as :func:`unknown_job`, the
+answer of a job that does not exist, so its existence does not leak.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from typing import Final
 from aiohttp import web
 from aiohttp.typedefs import Handler, Middleware
 
-from coordinator.errors import Forbidden
+from coordinator.errors import Forbidden, NotFound
 from geofed.pki.httpauth import PEER_IDENTITY
 from geofed.types import Identity, InvalidName, Role
 
@@ -32,6 +33,7 @@ __all__ = [
     "refuse_identity_header_middleware",
     "require_region",
     "require_role",
+    "unknown_job",
 ]
 
 log = logging.getLogger(__name__)
@@ -63,6 +65,11 @@ def require_region(request: web.Request, region: str) -> Identity:
     if identity.role is not Role.REGION or identity.name != region:
         raise Forbidden(f"{identity} may not act for region {region}; only region/{region} may")
     return identity
+
+
+def unknown_job(job: str) -> NotFound:
+    """The 404 of a job that does not exist; also what a caller gets for a job it may not see."""
+    return NotFound(f"no job {job}")
 
 
 def header_identity_middleware(federation: str) -> Middleware:

@@ -23,7 +23,7 @@ from __future__ import annotations
 import json
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
@@ -215,22 +215,40 @@ class CheckpointStore:
         if keep_snapshots < 1:
             raise ValueError(f"keep_snapshots must be >= 1, got {keep_snapshots}")
         with self._lock:
-            entries = self._load(job)
-            snapshots = [e for e in entries if e.kind is EntryKind.SNAPSHOT]
+            snapshots = [e for e in self._load(job) if e.kind is EntryKind.SNAPSHOT]
             if len(snapshots) <= keep_snapshots:
                 return PruneResult((), ())
             cutoff = snapshots[-keep_snapshots].round
-            kept = [e for e in entries if e.round >= cutoff]
-            removed = tuple(e for e in entries if e.round < cutoff)
-            self._store(job, kept)
-            still_used = {d for e in kept for d in e.digests()}
-            for other in self.jobs():
-                if other != job:
-                    still_used.update(d for e in self._load(other) for d in e.digests())
-            deleted = []
-            for digest in dict.fromkeys(d for e in removed for d in e.digests()):
-                if digest not in still_used and self.blobs.delete(digest):
-                    deleted.append(digest)
+            return self._remove(job, [e for e in self._load(job) if e.round < cutoff])
+
+    def remove(self, job: str, entries: Sequence[CheckpointEntry]) -> PruneResult:
+        """Drop ``entries`` from the job's chain (:mod:`coordinator.retention` chooses them).
+
+        The index is rewritten first, then blobs that no remaining entry of any job in
+        this location references are deleted; a crash in between leaves only orphans.
+        Entries the chain does not hold are ignored.
+        """
+        validate_name("job", job)
+        with self._lock:
+            return self._remove(job, entries)
+
+    def _remove(self, job: str, entries: Sequence[CheckpointEntry]) -> PruneResult:
+        # The caller holds self._lock.
+        current = self._load(job)
+        dropped = set(entries)
+        kept = [e for e in current if e not in dropped]
+        removed = tuple(e for e in current if e in dropped)
+        if not removed:
+            return PruneResult((), ())
+        self._store(job, kept)
+        still_used = {d for e in kept for d in e.digests()}
+        for other in self.jobs():
+            if other != job:
+                still_used.update(d for e in self._load(other) for d in e.digests())
+        deleted = []
+        for digest in dict.fromkeys(d for e in removed for d in e.digests()):
+            if digest not in still_used and self.blobs.delete(digest):
+                deleted.append(digest)
         return PruneResult(removed, tuple(deleted))
 
     def _record(

@@ -15,6 +15,7 @@ than request_s (60)``). Relative paths are relative to the file's own directory.
     # insecure_loopback: true         # plain HTTP on 127.0.0.1, demo only (no tls section)
     mqtt: {host: broker.acme.example, port: 8883, tls: true}
     state_dir: /var/lib/geofed/coordinator
+    # state_store: {kind: postgresql, dsn: "host=db.acme.example dbname=geofed user=geofed"}
     policies_dir: /etc/geofed/policies
     storage:
       - {name: eu-ckpt, jurisdiction: EU, path: /srv/checkpoints/eu}
@@ -23,13 +24,14 @@ than request_s (60)``). Relative paths are relative to the file's own directory.
     limits: {max_upload_bytes: 2147483648, max_manifest_bytes: 16777216}
     publication_retry: {initial_s: 5, max_s: 300, max_attempts: 10}
     task_modules: [acme_tasks.*]      # task modules jobs may name, besides geofed.examples.*
+    log_level: INFO                   # optional; a reload (SIGHUP) applies a change
 """
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Annotated, Any, Self
+from typing import Annotated, Any, Literal, Self
 
 from pydantic import (
     AfterValidator,
@@ -44,6 +46,7 @@ from geofed.backoff import Backoff
 from geofed.config_sections import ConfigSection, IdentityConfig, MqttConfig
 from geofed.loopback import is_loopback
 from geofed.manifest import MAX_SIGNED_MANIFEST_BYTES
+from geofed.reload import LogLevel
 from geofed.task import DEFAULT_TASK_MODULES, validate_module_pattern
 from geofed.timeouts import Timeouts
 from geofed.types import validate_name
@@ -130,6 +133,48 @@ class StorageConfig(ConfigSection):
     region: Annotated[str, AfterValidator(_region)] | None = Field(
         default=None, description="owning region, if any (declared locations take it from there)"
     )
+
+
+class StateStoreConfig(ConfigSection):
+    """Where the coordinator keeps jobs, rounds, receipts, pointers and the audit log."""
+
+    kind: Literal["sqlite", "postgresql"] = Field(
+        default="sqlite",
+        description="'sqlite': <state_dir>/coordinator.db (one machine); 'postgresql': a "
+        "server named by dsn, so that the state outlives the coordinator's machine",
+    )
+    dsn: str | None = Field(
+        default=None,
+        max_length=4096,
+        description="postgresql: a libpq connection string, e.g. 'host=db.acme.example "
+        "dbname=geofed user=geofed sslmode=verify-full'; without a password (use a "
+        "~/.pgpass file, PGPASSFILE or a client certificate)",
+    )
+
+    @model_validator(mode="after")
+    def _dsn_fits_kind(self) -> Self:
+        if self.kind == "sqlite":
+            if self.dsn is not None:
+                raise ValueError("dsn is for kind: postgresql; sqlite lives in state_dir")
+            return self
+        if not self.dsn:
+            raise ValueError("kind: postgresql needs a dsn (a libpq connection string)")
+        try:
+            from psycopg.conninfo import conninfo_to_dict
+        except ImportError:
+            raise ValueError(
+                "kind: postgresql needs psycopg 3: pip install 'geofed[postgres]'"
+            ) from None
+        try:
+            parts = conninfo_to_dict(self.dsn)
+        except Exception as exc:  # psycopg.ProgrammingError: the string does not parse
+            raise ValueError(f"dsn is not a libpq connection string: {exc}") from None
+        if parts.get("password"):
+            raise ValueError(
+                "dsn holds a password: keep it out of the config file (~/.pgpass, "
+                "PGPASSFILE or a client certificate)"
+            )
+        return self
 
 
 class LimitsConfig(ConfigSection):
@@ -219,6 +264,10 @@ class CoordinatorConfig(ConfigSection):
     )
     mqtt: CoordinatorMqttConfig = Field(default_factory=CoordinatorMqttConfig)
     state_dir: Path = Field(description="SQLite database, spooled deltas and working blobs")
+    state_store: StateStoreConfig = Field(
+        default_factory=StateStoreConfig,
+        description="the state store: SQLite in state_dir (default) or PostgreSQL",
+    )
     policies_dir: Path = Field(description="directory of region policy files")
     storage: tuple[StorageConfig, ...] = Field(
         min_length=1, description="locations global checkpoints may be written to"
@@ -232,6 +281,11 @@ class CoordinatorConfig(ConfigSection):
         description="modules a job's task.spec may name besides geofed.examples.*: "
         "'package.module' or 'package.*'; a job naming any other module is refused before "
         "anything is imported",
+    )
+    log_level: LogLevel | None = Field(
+        default=None,
+        description="DEBUG, INFO, WARNING or ERROR; default: the command line's --log-level; "
+        "a reload (SIGHUP) applies a change",
     )
 
     @field_validator("insecure_loopback")

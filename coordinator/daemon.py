@@ -1,5 +1,9 @@
 """``geofed coordinator --config FILE``: load, serve until SIGTERM, stop cleanly.
 
+SIGHUP reloads what a running coordinator can change (:mod:`coordinator.reload`): the
+region policies, the trust bundle's revocations and ``log_level``; it logs what was
+reloaded, what needs a restart, and refuses (changing nothing) a file that does not load.
+
 Exit codes are :class:`geofed.exit_codes.ExitCode`, the table both daemons share:
 ``OK`` (0) after SIGTERM or SIGINT once in-flight writes are done, ``RUNTIME`` (1) when
 the port cannot be bound, the state database is unusable or the daemon crashed,
@@ -27,14 +31,18 @@ from prometheus_client import CollectorRegistry
 from coordinator.app import create_app
 from coordinator.config import ConfigError, load_config
 from coordinator.http_server import CoordinatorRunner
+from coordinator.reload import apply_reload, prepare_reload
 from coordinator.runtime import Runtime, load_runtime
 from coordinator.store import StoreError
 from geofed.exit_codes import ExitCode
+from geofed.reload import apply_log_level
+from geofed.reloader import Reloader
 from geofed.sdnotify import Notifier, NotifyEnvironmentError, run_watchdog, watchdog_interval
 
 __all__ = ["main", "serve"]
 
 log = logging.getLogger(__name__)
+
 
 async def serve(
     runtime: Runtime,
@@ -88,12 +96,35 @@ def _bound_port(runner: web.AppRunner, configured: int) -> int:
     return configured
 
 
-async def _run(runtime: Runtime, notifier: Notifier, watchdog_s: float | None) -> None:
+async def _run(
+    runtime: Runtime,
+    config_path: Path,
+    notifier: Notifier,
+    watchdog_s: float | None,
+    default_level: int,
+) -> None:
+    """Serve until SIGTERM/SIGINT; ``default_level``: the log level without ``log_level``."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    await serve(runtime, stop, notifier=notifier, watchdog_s=watchdog_s)
+    reloader = Reloader(
+        lambda: prepare_reload(runtime, config_path),
+        lambda prepared: apply_reload(runtime, prepared, default_level),
+        notifier,
+        "configuration",
+    )
+    loop.add_signal_handler(signal.SIGHUP, reloader.request)
+
+    def on_ready(port: int) -> None:
+        del port
+        reloader.serving = True
+
+    try:
+        await serve(runtime, stop, notifier=notifier, watchdog_s=watchdog_s, on_ready=on_ready)
+    finally:
+        loop.remove_signal_handler(signal.SIGHUP)
+        await reloader.close()
 
 
 def main(config_path: str | Path) -> int:
@@ -102,6 +133,9 @@ def main(config_path: str | Path) -> int:
         notifier = Notifier.from_env(os.environ)
         watchdog_s = watchdog_interval(os.environ)
         config = load_config(config_path)
+        # The command line's level: what a file without log_level goes back to.
+        default_level = logging.getLogger().level
+        apply_log_level(config.log_level, default_level)
         runtime = load_runtime(config)
     except NotifyEnvironmentError as exc:
         print(f"error: systemd environment: {exc}", file=sys.stderr)
@@ -112,7 +146,7 @@ def main(config_path: str | Path) -> int:
         return ExitCode.CONFIG
     try:
         with notifier:
-            asyncio.run(_run(runtime, notifier, watchdog_s))
+            asyncio.run(_run(runtime, Path(config_path), notifier, watchdog_s, default_level))
     except (OSError, StoreError) as exc:
         log.error("coordinator failed: %s", exc)  # noqa: TRY400 - the message says it all
         return ExitCode.RUNTIME

@@ -4,7 +4,10 @@ Commit verification decodes the whole stream exactly once: every frame against t
 manifest, the header's tensors and codec against the manifest and the job, every decoded
 value for finiteness, the decoded size against the model's. The stream is copied into the
 content-addressed blob store in the same pass, and nothing is stored if any check fails.
-CPU and disk work: run these in a worker thread.
+When asked, the same pass also stages the decoded values for the round's running sum
+(:class:`coordinator.aggregation.DeltaStager`), so a delta accepted into a round that
+folds deltas as they arrive is never decoded again. CPU and disk work: run these in a
+worker thread.
 """
 
 from __future__ import annotations
@@ -13,8 +16,7 @@ import math
 from collections.abc import Iterator
 from datetime import UTC, datetime
 
-import torch
-
+from coordinator.aggregation import AggregationError, DeltaStager, StagedDelta, all_finite
 from coordinator.delta_checks import DeltaExpectation, check_delta_manifest, verify_signature
 from coordinator.errors import BadRequest
 from geofed.blobstore import FsBlobStore
@@ -49,12 +51,16 @@ def verify_and_store(
     signed: SignedManifest,
     tensors: tuple[ManifestTensor, ...],
     blobs: FsBlobStore,
-) -> tuple[str, int]:
-    """Decode the stream once while copying it into ``blobs``; return (digest, size).
+    *,
+    stage_as: str | None = None,
+) -> tuple[str, int, StagedDelta | None]:
+    """Decode the stream once while copying it into ``blobs``; return (digest, size, staged).
 
     Checks every frame against the manifest, the header's tensors and codec against the
     manifest and the job, every decoded value for finiteness, and the decoded size
     against the model's. Raises the protocol's 400 errors; nothing is stored on error.
+    With ``stage_as`` (the region), the decoded values are also returned, staged
+    (one model's worth of fp32); otherwise ``staged`` is None.
     """
     manifest = signed.manifest
     digests = [record.sha256 for record in manifest.chunks]
@@ -65,24 +71,35 @@ def verify_and_store(
         max_decoded_bytes=4 * numel,
     )
     size = 0
+    stager = None
+    staged: list[StagedDelta] = []
+    if stage_as is not None:
+        # Every piece's values are checked for finiteness below, before it is staged.
+        stager = DeltaStager(
+            stage_as, {spec.name: tuple(spec.shape) for spec in tensors}, check_finite=False
+        )
 
     def checked() -> Iterator[bytes]:
         nonlocal size
         header_checked = False
         for frame in frames:
             for piece in decoder.feed(frame):
-                if not bool(torch.isfinite(piece.values).all()):
+                if not all_finite(piece.values):
                     raise BadRequest(
                         f"tensor {piece.name!r} elements [{piece.offset}:"
                         f"{piece.offset + piece.count}] hold NaN or Inf",
                         "non_finite",
                     )
+                if stager is not None:
+                    stager.add(piece)
             if not header_checked:
                 _check_header(decoder, signed, tensors)
                 header_checked = True
             size += len(frame)
             yield frame
         decoder.finish()
+        if stager is not None:
+            staged.append(stager.finish())  # before the blob is kept: all or nothing
 
     try:
         digest = blobs.put_stream(checked())
@@ -96,7 +113,10 @@ def verify_and_store(
         raise BadRequest(f"the stream does not decode: {exc}", code) from None
     except DecodeError as exc:
         raise BadRequest(f"the stream does not decode: {exc}", "decode_failed") from None
-    return digest, size
+    except AggregationError as exc:
+        # The header matched the job's tensors, so only the pieces' coverage can be off.
+        raise BadRequest(f"the stream does not cover the model: {exc}", "decode_failed") from None
+    return digest, size, staged[0] if staged else None
 
 
 def _check_header(

@@ -35,6 +35,7 @@ from datetime import UTC, datetime
 from typing import Any, assert_never
 
 from coordinator.acceptance import accepted_again, refusal
+from coordinator.aggregation import StagedDelta
 from coordinator.audit import AuditEvent, AuditVerdict
 from coordinator.context import JobContext, initial_parameters
 from coordinator.deadline import RoundTiming, next_deadline
@@ -47,6 +48,8 @@ from coordinator.publication import PublicationFailed, RoundPublisher
 from coordinator.quarantine import Outcome, Quarantine
 from coordinator.records import JobState, RoundRecord, announcement
 from coordinator.residency import checkpoint_storage
+from coordinator.robust_aggregation import folds_on_arrival
+from coordinator.round_accumulator import RoundAccumulator, RoundKey
 from coordinator.round_driver import Step, next_step
 from coordinator.round_state import (
     Action,
@@ -91,6 +94,8 @@ class JobEngine:
         self._announced: tuple[int, str, float] | None = None
         #: When the next try of a failed publication is due (wall clock); None otherwise.
         self._publication_retry_at: float | None = None
+        #: The open round's accepted deltas, summed as they arrived (in memory only).
+        self._accumulator: RoundAccumulator | None = None
 
     # -- what the API reads -------------------------------------------------------
 
@@ -171,8 +176,17 @@ class JobEngine:
         self._state = state
         self._wake.set()
 
-    async def accept(self, offer: DeltaOffer) -> Receipt:
-        """Count a delta in its round; commit receipt, round and audit entry together."""
+    @property
+    def folds_on_arrival(self) -> bool:
+        """Whether accepted deltas are summed as they arrive (the upload stages them)."""
+        return folds_on_arrival(self.ctx.spec.aggregation)
+
+    async def accept(self, offer: DeltaOffer, staged: StagedDelta | None = None) -> Receipt:
+        """Count a delta in its round; commit receipt, round and audit entry together.
+
+        ``staged``, the delta's values decoded by its verification, is then folded into
+        the round's running sum (:mod:`coordinator.round_accumulator`).
+        """
         async with self._lock:
             self.check_open(offer.region, offer.round)
             record = self.record
@@ -198,6 +212,8 @@ class JobEngine:
             except BaseException:
                 record.state = before  # the round never saw this delta
                 raise
+            if staged is not None and self.folds_on_arrival:
+                await self._fold(offer, staged, (offer.round, record.state.config.opened_at))
         metrics = self._s.metrics
         metrics.deltas_accepted.labels(job=self.job, region=offer.region).inc()
         metrics.fp32_equivalent_bytes.labels(direction="received").inc(self.ctx.fp32_bytes)
@@ -209,6 +225,32 @@ class JobEngine:
             self._evaluation.record(offer.round, offer.base_eval)  # θ_r, evaluated by the region
         self._wake.set()
         return receipt
+
+    async def _fold(self, offer: DeltaOffer, staged: StagedDelta, key: RoundKey) -> None:
+        """Fold an accepted delta into its round's sum, under the lock (arrival order).
+
+        The acceptance is committed already: a failed fold only costs the round its
+        shortcut (the publisher decodes the durable deltas instead).
+        """
+        accumulator = self._accumulator
+        if accumulator is None or accumulator.key != key:
+            accumulator = self._accumulator = RoundAccumulator(key, self.ctx.publishing.specs)
+        try:
+            await self._s.executors.compute(
+                accumulator.fold, offer.region, float(offer.tokens), staged
+            )
+        except asyncio.CancelledError:
+            accumulator.abandon(f"folding {offer.region}'s delta was cancelled")
+            raise
+        except Exception:
+            log.warning(
+                "job %s round %d: the delta of %s was accepted but not folded; the round "
+                "will decode its deltas again at publication",
+                self.job,
+                offer.round,
+                offer.region,
+                exc_info=True,
+            )
 
     # -- the driver ---------------------------------------------------------------
 
@@ -443,8 +485,11 @@ class JobEngine:
         await self._announce("closed")
         if not await self._storage_allowed(rs.config.round):
             return
+        accumulator, self._accumulator = self._accumulator, None
+        if accumulator is not None and accumulator.key != (rs.config.round, rs.config.opened_at):
+            accumulator = None
         try:
-            computed = await self._publisher.compute(record, working)
+            computed = await self._publisher.compute(record, working, accumulator)
         except PublicationFailed as failure:
             await self._publication_failed(record, failure)
             return
@@ -488,17 +533,13 @@ class JobEngine:
 
     # -- ending rounds and jobs -------------------------------------------------------
 
-    async def _stop_round(
-        self, reason: str, announced: AnnouncedPhase, *also: RoundPhase
-    ) -> None:
+    async def _stop_round(self, reason: str, announced: AnnouncedPhase, *also: RoundPhase) -> None:
         """Abandon the collecting round (and one in ``also``), then announce the job's state."""
         async with self._lock:
             record = self.record
             if record is not None and record.state.phase in (RoundPhase.COLLECTING, *also):
                 record.state.abandon(self._s.clock(), reason)
-                await self._s.db.save_round(
-                    self.job, record.state.config.round, record.to_dict()
-                )
+                await self._s.db.save_round(self.job, record.state.config.round, record.to_dict())
         await self._announce(announced)
 
     async def _complete(self) -> None:
@@ -549,6 +590,7 @@ class JobEngine:
             default_deadline_s=spec.deadline.initial_s,
             now=self._s.clock(),
             evaluation=spec.evaluation,
+            overlap=spec.overlap,
         )
         await self._s.control.announce(message)
         self._announced = key

@@ -17,8 +17,9 @@ the line and the key. The spec is stored as submitted, in its validated JSON for
     inner_steps: 50                    # H: local steps per round
     seed: 0                            # θ_0 and every region's data order
     codec: {scheme: int8, block_size: 128, zstd_level: 1}        # geofed.codec_params
-    outer_optimizer: {kind: nesterov, lr: 0.7, momentum: 0.9}   # or {kind: average}
+    outer_optimizer: {kind: nesterov, lr: 0.3, momentum: 0.8, momentum_warmup_rounds: 4}
     snapshot_every: 5                  # K: full snapshot every K rounds
+    retention: {keep_snapshots: 3, keep_every: 10}   # default: keep the whole chain
     deadline: {initial_s: 1800, min_s: 600, max_s: 14400}       # adaptive bounds
     checkpoint_storage: [eu-ckpt, us-ckpt]                      # candidates, in preference
     training:                          # how regions train (geofed.training_config)
@@ -32,6 +33,7 @@ the line and the key. The spec is stored as submitted, in its validated JSON for
       rule: mean                       # mean | trimmed_mean | median
       norm_check: off                  # off | clip | refuse, against max_norm_ratio x median
       max_tokens_per_round: 1000000    # default: inner_steps x 2^24
+    overlap: none                      # none | delayed: start round r+1 before θ_{r+1} comes
 """
 
 from __future__ import annotations
@@ -53,7 +55,9 @@ from pydantic import (
 from coordinator.aggregation_config import AggregationConfig
 from coordinator.deadline import DeadlineConfig
 from coordinator.outer_optimizer import OuterOptimizerConfig
+from coordinator.retention import RetentionConfig
 from geofed.codec_params import CodecParams
+from geofed.control.messages import OVERLAP_MODES, Overlap
 from geofed.evaluation_config import EvaluationConfig
 from geofed.located_yaml import MAX_DEPTH, LineMap, LocatedDocument
 from geofed.task import TaskSpecError, parse_task_spec
@@ -146,6 +150,11 @@ class JobSpec(_Section):
     )
     outer_optimizer: OuterOptimizerConfig = Field(default_factory=OuterOptimizerConfig)
     snapshot_every: int = Field(default=10, ge=1, description="K: a full snapshot every K rounds")
+    retention: RetentionConfig | None = Field(
+        default=None,
+        description="how much of the checkpoint chain to keep (coordinator.retention); "
+        "default: all of it",
+    )
     deadline: DeadlineConfig = Field(default_factory=DeadlineConfig)
     max_round_attempts: int = Field(
         default=3, ge=1, description="tries of a round that fails below quorum before the job fails"
@@ -166,6 +175,24 @@ class JobSpec(_Section):
         default_factory=AggregationConfig,
         description="how a round's deltas are combined, and what one region may weigh in it",
     )
+    overlap: Overlap = Field(
+        default="none",
+        description="none: regions wait for θ_r before round r; delayed: a region starts "
+        "round r+1 from its own parameters once it sent round r's delta, and folds θ_{r+1} "
+        "in when it comes (the one-step delayed outer update)",
+    )
+
+    @field_validator("overlap", mode="before")
+    @classmethod
+    def _known_overlap(cls, value: object) -> object:
+        if value == "streaming":
+            raise ValueError(
+                "overlap 'streaming' (fragments synced at staggered times) is not available "
+                "yet; use none or delayed"
+            )
+        if value not in OVERLAP_MODES:
+            raise ValueError(f"overlap must be one of none, delayed; got {value!r}")
+        return value
 
     @field_validator("regions")
     @classmethod

@@ -11,10 +11,12 @@ the outer optimizer state and the coordinator's error-feedback residual e, it co
     θ_r+1  = θ_r + û                             exactly what regions compute
 
 so the coordinator's θ_{r+1} is bit for bit what each region reconstructs from the
-published update. :func:`publish_round` wraps it with I/O: it decodes the durable
-deltas chunk by chunk in canonical order (regions sorted by name) and combines them
-(:func:`coordinator.robust_aggregation.combine`), so a restarted coordinator recomputes
-the identical round, then signs and
+published update. :func:`publish_round` wraps it with I/O: it takes the round's sum
+folded as deltas arrived when the engine holds it (the job's rule is a plain mean;
+:mod:`coordinator.round_accumulator`), or else decodes the durable deltas chunk by chunk
+in the round's recorded arrival order and combines them
+(:func:`coordinator.robust_aggregation.combine`); both give the same bits, so a
+restarted coordinator recomputes the identical round. It then signs and
 stores the update (and every ``snapshot_every`` rounds a lossless fp32 snapshot) in the
 job's checkpoint location and writes the new working-state blobs. Nothing here commits
 the round: :mod:`coordinator.publication` does, in one state-store transaction. Blocking:
@@ -26,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from concurrent.futures import Executor, ThreadPoolExecutor
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -33,11 +36,12 @@ from typing import Any, Final
 
 from torch import Tensor
 
+from coordinator.aggregation import WeightedSum
 from coordinator.aggregation_config import AggregationConfig
 from coordinator.artifacts import Location, Signer, StoredArtifact, store_artifact
 from coordinator.checkpoints import EntryKind
 from coordinator.outer_optimizer import OuterOptimizer
-from coordinator.robust_aggregation import Combined, NormVerdict, combine
+from coordinator.robust_aggregation import Combined, NormVerdict, combine, folded
 from coordinator.working_state import ParamsStore, WorkingState
 from geofed.blobstore import BlobStore
 from geofed.codec import EncodedStream, Piece, StreamDecoder, decode, encode_stream
@@ -59,6 +63,7 @@ __all__ = [
     "publication_step",
     "publish_initial",
     "publish_round",
+    "store_round",
 ]
 
 #: Snapshots are lossless.
@@ -146,9 +151,11 @@ def mean_delta(
     sources: Sequence[DeltaSource],
     max_decoded_bytes: int,
     config: AggregationConfig | None = None,
+    order: Sequence[str] | None = None,
 ) -> Combined:
     """The round's delta under the job's aggregation ``config`` (default: the
-    token-weighted mean, summed in sorted region order) and the norm check's verdicts."""
+    token-weighted mean, summed in ``order``, by default sorted region order) and the
+    norm check's verdicts."""
     return combine(
         specs,
         {
@@ -159,6 +166,7 @@ def mean_delta(
             for source in sources
         },
         config or AggregationConfig(),
+        order,
     )
 
 
@@ -200,23 +208,88 @@ class PublishedRound:
     tokens: int
     fp32_bytes: int
     norm_checks: tuple[NormVerdict, ...] = ()
+    #: The order the mean summed the regions in, and whether their deltas were
+    #: "folded on arrival" or "decoded at publication".
+    order: tuple[str, ...] = ()
+    summation: str = ""
 
 
 def publish_round(
-    job: JobPublishing, state: WorkingState, sources: Sequence[DeltaSource], now: datetime
+    job: JobPublishing,
+    state: WorkingState,
+    sources: Sequence[DeltaSource],
+    now: datetime,
+    *,
+    order: Sequence[str] | None = None,
+    folded_sum: WeightedSum | None = None,
 ) -> PublishedRound:
-    """Compute and store round ``state.version`` from the accepted ``sources``."""
+    """Compute and store round ``state.version`` from the accepted ``sources``.
+
+    ``order`` is the order the mean sums regions in (the round's arrival order; default
+    sorted names). ``folded_sum`` is those very regions already summed in that order as
+    they arrived (:mod:`coordinator.round_accumulator`): the deltas are then not decoded
+    again, and the result is the same bits. It is consumed.
+    """
     if not sources:
         raise ValueError(f"job {job.job!r} round {state.version}: no delta to aggregate")
-    combined = mean_delta(job.deltas, job.specs, sources, job.max_decoded_bytes, job.aggregation)
+    if folded_sum is not None:
+        regions = [source.region for source in sources]
+        if sorted(folded_sum.regions) != sorted(regions):
+            raise ValueError(
+                f"job {job.job!r} round {state.version}: the folded sum holds "
+                f"{sorted(folded_sum.regions)}, the round {sorted(regions)}"
+            )
+        combined = folded(folded_sum.take_mean(), regions, job.aggregation)
+    else:
+        combined = mean_delta(
+            job.deltas, job.specs, sources, job.max_decoded_bytes, job.aggregation, order
+        )
     publication = publication_step(
         state.params, combined.delta, state.optimizer_state, state.residual, job.codec
     )
     flagged = combined.flagged
     del combined
     round_ = state.version
-    new_hash = parameters_vector_hash(publication.params)
     tokens = sum(source.tokens for source in sources)
+    with ThreadPoolExecutor(max_workers=3, thread_name_prefix="geofed-publish") as pool:
+        new_state, pointers, update, snapshot = store_round(
+            job, state, publication, tokens, now, pool
+        )
+    return PublishedRound(
+        round_,
+        new_state,
+        pointers,
+        update,
+        snapshot,
+        tokens,
+        publication.stream.fp32_bytes,
+        flagged,
+        tuple(order) if order is not None else tuple(sorted(s.region for s in sources)),
+        "folded on arrival" if folded_sum is not None else "decoded at publication",
+    )
+
+
+def store_round(
+    job: JobPublishing,
+    state: WorkingState,
+    publication: PublicationStep,
+    tokens: int,
+    now: datetime,
+    pool: Executor | None,
+) -> tuple[WorkingState, dict[str, str], StoredArtifact, StoredArtifact | None]:
+    """Store what round ``state.version`` published: θ_{r+1}'s working state, the signed
+    update (and a snapshot when one is due); return the new state, its pointer values and
+    the artifacts.
+
+    The writes are independent, a model's size each: with ``pool`` (3 threads) the
+    working state's three blobs are written side by side with θ_{r+1}'s hash and the
+    chain's update and snapshot.
+    """
+    round_ = state.version
+    saving = job.params_store.begin_save(
+        round_ + 1, publication.params, publication.optimizer_state, publication.residual, pool
+    )
+    new_hash = parameters_vector_hash(publication.params)
     manifest = build_manifest(
         kind=ArtifactKind.GLOBAL_UPDATE,
         job=job.job,
@@ -241,6 +314,7 @@ def publish_round(
     snapshot = None
     if (round_ + 1) % job.snapshot_every == 0:
         snapshot = store_snapshot(job, round_ + 1, publication.params, new_hash, now)
+    pointers = saving.pointers(new_hash)
     new_state = WorkingState(
         version=round_ + 1,
         params=publication.params,
@@ -248,17 +322,7 @@ def publish_round(
         optimizer_state=publication.optimizer_state,
         residual=publication.residual,
     )
-    pointers = job.params_store.save(new_state)
-    return PublishedRound(
-        round_,
-        new_state,
-        pointers,
-        update,
-        snapshot,
-        tokens,
-        publication.stream.fp32_bytes,
-        flagged,
-    )
+    return new_state, pointers, update, snapshot
 
 
 def publish_initial(

@@ -2,11 +2,12 @@
 
 The round engine decides when (:mod:`coordinator.round_driver`) and holds the job's state
 and lock; :class:`RoundPublisher` does the work. :meth:`~RoundPublisher.compute`
-aggregates the round's durable deltas in canonical order, takes the outer step, signs and
+aggregates the round's deltas in arrival order, takes the outer step, signs and
 stores the update (:func:`coordinator.outer_round.publish_round`, in a worker thread);
 :meth:`~RoundPublisher.commit` marks the round published *and* moves the job's pointers
 to θ_{r+1} in one transaction, so a round is applied exactly once and a crash before it
-makes the restarted engine recompute the same round bit for bit;
+makes the restarted engine recompute the same round bit for bit (the deltas are summed
+in the round's recorded arrival order, folded as they arrived or decoded again);
 :meth:`~RoundPublisher.finish` drops what the round no longer needs and counts it.
 
 When computing or storing fails (the checkpoint storage is full or unwritable) the round
@@ -32,6 +33,8 @@ from coordinator.config import PublicationRetryConfig
 from coordinator.context import JobContext
 from coordinator.outer_round import DeltaSource, PublishedRound, publish_round
 from coordinator.records import RoundRecord
+from coordinator.retention import plan_retention
+from coordinator.round_accumulator import RoundAccumulator
 from coordinator.round_state import RoundState
 from coordinator.services import Services
 from coordinator.spool import Spool
@@ -128,11 +131,11 @@ def delta_sources(receipts: Iterable[Receipt], included: Iterable[str]) -> list[
     return [DeltaSource(r.region, r.tokens, r.blob_digest) for r in receipts if r.region in regions]
 
 
-def publication_details(
-    published: PublishedRound, rs: RoundState, location: str
-) -> dict[str, Any]:
+def publication_details(published: PublishedRound, rs: RoundState, location: str) -> dict[str, Any]:
     """The details of the ``round.publish`` audit entry (``norm_checks``: the deltas the
-    norm check clipped or left out, each with its reason)."""
+    norm check clipped or left out, each with its reason; ``order``: the order the mean
+    summed the regions in; ``summation``: whether the deltas were folded on arrival or
+    decoded at publication)."""
     details: dict[str, Any] = {
         "update": published.update.bundle_digest,
         "update_manifest": published.update.manifest_digest,
@@ -142,6 +145,8 @@ def publication_details(
         "stragglers": list(rs.stragglers),
         "tokens": published.tokens,
         "location": location,
+        "order": list(published.order),
+        "summation": published.summation,
     }
     if published.norm_checks:
         details["norm_checks"] = [verdict.record() for verdict in published.norm_checks]
@@ -176,18 +181,40 @@ class RoundPublisher:
         self._s = services
         self._ctx = ctx
 
-    async def compute(self, record: RoundRecord, working: WorkingState) -> ComputedRound:
-        """Aggregate, step, encode, sign and store the round; :class:`PublicationFailed`."""
+    async def compute(
+        self,
+        record: RoundRecord,
+        working: WorkingState,
+        accumulator: RoundAccumulator | None = None,
+    ) -> ComputedRound:
+        """Aggregate, step, encode, sign and store the round; :class:`PublicationFailed`.
+
+        The deltas are summed in the round's arrival order: taken from ``accumulator``
+        when it holds exactly them, decoded from their durable streams otherwise.
+        """
         job, rs = self._ctx.job, record.state
         round_ = rs.config.round
         receipts = await self._s.db.list_receipts(job, round_)
         sources = delta_sources(receipts, rs.included)
+        order = [region for region in rs.delivered if region in rs.included]
+        folded_sum = None
+        if accumulator is not None:
+            weights = {source.region: float(source.tokens) for source in sources}
+            folded_sum, why = accumulator.take(order, weights)
+            if folded_sum is None:
+                log.info("job %s round %d: decoding the deltas again: %s", job, round_, why)
         faults, state_dir = self._s.runtime.faults, self._s.config.state_dir
         await faults.reached("aggregate", state_dir, job, round_)
         started = time.monotonic()
         try:
             published = await self._s.executors.compute(
-                publish_round, self._ctx.publishing, working, sources, datetime.now(UTC)
+                publish_round,
+                self._ctx.publishing,
+                working,
+                sources,
+                datetime.now(UTC),
+                order=order,
+                folded_sum=folded_sum,
             )
         except Exception as exc:
             raise PublicationFailed(exc) from exc
@@ -234,6 +261,8 @@ class RoundPublisher:
         await self._s.executors.files(
             discard_inputs, runtime.spool_dir, runtime.deltas, job, round_, computed.sources
         )
+        if published.snapshot is not None:
+            await self._retain(round_)
         metrics = self._s.metrics
         metrics.aggregation_duration.labels(job=job).observe(computed.elapsed_s)
         metrics.rounds_completed.labels(job=job).inc()
@@ -264,6 +293,40 @@ class RoundPublisher:
             )
         await self._s.control.event(
             "round.published", job=job, round=round_, detail=published.update.bundle_digest
+        )
+
+    async def _retain(self, round_: int) -> None:
+        """After a snapshot: drop what the job's ``retention`` no longer keeps; audit it."""
+        config = self._ctx.spec.retention
+        if config is None:
+            return
+        store = self._ctx.publishing.location.store
+        job = self._ctx.job
+        try:
+            entries = await self._s.executors.files(store.entries, job)
+            plan = plan_retention(entries, config, self._ctx.spec.snapshot_every)
+            if not plan.remove:
+                return
+            result = await self._s.executors.files(store.remove, job, plan.remove)
+        except OSError as exc:
+            # Pruning only frees space: the next snapshot tries again.
+            log.warning("job %s: cannot prune its checkpoint chain: %s", job, exc)
+            return
+        log.info("job %s: checkpoint chain pruned: %s", job, plan.reason)
+        await self._s.db.append_audit(
+            AuditEvent(
+                actor=self._s.actor,
+                action="checkpoint.prune",
+                verdict=AuditVerdict.OK,
+                job=job,
+                round=round_,
+                details={
+                    "reason": plan.reason,
+                    "removed": [[e.kind.value, e.round] for e in result.removed],
+                    "deleted_blobs": len(result.deleted_blobs),
+                    "location": self._ctx.location_name,
+                },
+            )
         )
 
     async def record_failure(

@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from enum import StrEnum
-from typing import Any
+from typing import Any, Literal
 
 from coordinator.quarantine import Quarantine, QuarantineConfig
 from coordinator.round_state import RoundState
@@ -103,6 +103,7 @@ def announcement(
     default_deadline_s: float,
     now: float,
     evaluation: EvaluationConfig | None = None,
+    overlap: Literal["none", "delayed"] = "none",
 ) -> RoundAnnouncement:
     """The announcement of round ``version`` in ``state``.
 
@@ -140,4 +141,6 @@ def announcement(
         training=training,
         total_rounds=total_rounds,
         evaluation=evaluation if evaluation is not None else EvaluationConfig(),
+        overlap=overlap,
+        regions=regions,
     )

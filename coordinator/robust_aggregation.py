@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -46,6 +46,8 @@ __all__ = [
     "ScaledPiece",
     "combine",
     "coordinate_statistic",
+    "folded",
+    "folds_on_arrival",
     "judge_norms",
     "lockstep",
     "region_norm",
@@ -244,8 +246,13 @@ def combine(
     specs: Mapping[str, tuple[int, ...]],
     sources: Mapping[str, tuple[float, PieceSource]],
     config: AggregationConfig,
+    order: Sequence[str] | None = None,
 ) -> Combined:
-    """The round's delta under ``config`` from ``sources`` (region -> (tokens, pieces))."""
+    """The round's delta under ``config`` from ``sources`` (region -> (tokens, pieces)).
+
+    ``order`` is the order ``mean`` sums the regions in (default: sorted names); the
+    coordinate-wise rules do not depend on it.
+    """
     if not sources:
         raise AggregationError("no region to aggregate")
     if config.norm_check == "off":
@@ -253,8 +260,7 @@ def combine(
     else:
         sizes = {name: math.prod(shape) for name, shape in specs.items()}
         norms = {
-            region: region_norm(region, source(), sizes)
-            for region, (_, source) in sources.items()
+            region: region_norm(region, source(), sizes) for region, (_, source) in sources.items()
         }
         verdicts = judge_norms(norms, config.norm_check, config.max_norm_ratio)
     scales = {v.region: v.scale for v in verdicts if v.action != "refused"}
@@ -265,6 +271,7 @@ def combine(
                 region: (sources[region][0], _bind(sources[region][1], scale))
                 for region, scale in scales.items()
             },
+            None if order is None else [region for region in order if region in scales],
         )
     else:
         rule, trim = config.rule, config.trim_fraction
@@ -274,6 +281,30 @@ def combine(
             lambda stack: coordinate_statistic(stack, rule, trim),
         )
     return Combined(delta, tuple(verdicts))
+
+
+def folded(delta: dict[str, Tensor], regions: Iterable[str], config: AggregationConfig) -> Combined:
+    """A mean already folded as deltas arrived, as :func:`combine` would report it.
+
+    Only a job whose rule is ``mean`` without a norm check folds deltas on arrival
+    (:func:`folds_on_arrival`): every region is then kept, unscaled.
+    """
+    if not folds_on_arrival(config):
+        raise AggregationError(
+            f"rule {config.rule!r} with norm_check {config.norm_check!r} "
+            "cannot be folded as deltas arrive"
+        )
+    verdicts = judge_norms(dict.fromkeys(regions, 0.0), "off", config.max_norm_ratio)
+    return Combined(delta, tuple(verdicts))
+
+
+def folds_on_arrival(config: AggregationConfig) -> bool:
+    """Whether a round's deltas can be summed as they are accepted, each decoded once.
+
+    The norm check compares every delta with the round's median, known only at quorum,
+    and the coordinate-wise rules need all regions' values at once.
+    """
+    return config.rule == "mean" and config.norm_check == "off"
 
 
 def _bind(source: PieceSource, scale: float) -> PieceSource:

@@ -397,8 +397,7 @@ def judge_delta(
     if current.phase is not RoundPhase.COLLECTING:
         return DeltaVerdict(
             DeltaVerdictCode.LATE,
-            f"round {n}{of_job} is {current.phase} ({current.end_reason}); "
-            "it takes no more deltas",
+            f"round {n}{of_job} is {current.phase} ({current.end_reason}); it takes no more deltas",
         )
     return DeltaVerdict(
         DeltaVerdictCode.ACCEPTED,

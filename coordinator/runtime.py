@@ -41,9 +41,16 @@ from geofed.pki.bundle_source import ReloadingBundle
 from geofed.types import Role
 from policies import PolicyLoadError, PolicySet, load_policies
 
-__all__ = ["Runtime", "load_runtime"]
+__all__ = ["PolicyCell", "Runtime", "load_runtime", "policies_with_locations"]
 
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class PolicyCell:
+    """The region policies in force: a reload (SIGHUP) replaces them as a whole."""
+
+    value: PolicySet
 
 
 @dataclass(frozen=True)
@@ -54,7 +61,7 @@ class Runtime:
     bundle: TrustBundle
     credential: IssuedCredential
     signer: Signer
-    policies: PolicySet
+    policy_cell: PolicyCell
     locations: dict[str, Location]
     deltas: FsBlobStore
     params: ParamsStore
@@ -62,6 +69,11 @@ class Runtime:
     tls_certificate: x509.Certificate | None
     trust: ReloadingBundle
     faults: FaultPoints = field(default_factory=FaultPoints)
+
+    @property
+    def policies(self) -> PolicySet:
+        """The region policies in force now (read them per decision, never keep them)."""
+        return self.policy_cell.value
 
     def server_ssl(self) -> ssl.SSLContext | None:
         """The HTTPS context, or None in insecure loopback mode."""
@@ -87,10 +99,7 @@ def load_runtime(config: CoordinatorConfig) -> Runtime:
     problems: list[str] = []
     bundle = _bundle(config, problems)
     credential = _credential(config, bundle, problems)
-    policies = _policies(config, problems)
-    locations: dict[str, Location] = {}
-    if policies is not None:
-        locations = _locations(config, policies, problems)
+    policies, locations = policies_with_locations(config, problems)
     if problems or bundle is None or credential is None or policies is None:
         raise ConfigError(problems or ["configuration is unusable"])
     tls_certificate = None
@@ -121,7 +130,7 @@ def load_runtime(config: CoordinatorConfig) -> Runtime:
         bundle,
         credential,
         signer,
-        policies,
+        PolicyCell(policies),
         locations,
         deltas,
         ParamsStore(deltas),
@@ -130,6 +139,17 @@ def load_runtime(config: CoordinatorConfig) -> Runtime:
         ReloadingBundle(config.trust_bundle, bundle),
         faults,
     )
+
+
+def policies_with_locations(
+    config: CoordinatorConfig, problems: list[str]
+) -> tuple[PolicySet | None, dict[str, Location]]:
+    """The policies of ``policies_dir`` and the storage locations checked against them."""
+    policies = _policies(config, problems)
+    locations: dict[str, Location] = {}
+    if policies is not None:
+        locations = _locations(config, policies, problems)
+    return policies, locations
 
 
 def _bundle(config: CoordinatorConfig, problems: list[str]) -> TrustBundle | None:

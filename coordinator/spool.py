@@ -3,24 +3,37 @@
 One directory per open upload, ``<root>/<job>/<round>/<region>/<manifest digest>/``,
 holding the signed manifest and each received frame (``chunk-<index>``), every file
 written temp + fsync + rename and every new directory fsynced into its parent, so a
-chunk acknowledged to a region survives a crash. Once the delta is accepted its stream
+chunk acknowledged to a region survives a crash. Frames are written in two steps so that
+concurrent ones share the directory fsync: :meth:`Spool.stage_chunk` writes and fsyncs a
+temp file (in parallel, one per request), :meth:`Spool.publish_chunks` renames a batch
+into place and fsyncs each directory once. Once the delta is accepted its stream
 lives in the blob store and the region's spool directory is removed. Blocking: call from
 a worker thread. Path parts are validated names and digests, never raw client text.
 """
 
 from __future__ import annotations
 
+import os
 import shutil
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 from geofed.blobstore import validate_digest
-from geofed.fsutil import atomic_write_bytes, fsync_dir
+from geofed.fsutil import atomic_write_bytes, create_temp, fsync_dir
 from geofed.types import validate_name
 
-__all__ = ["Spool"]
+__all__ = ["Spool", "StagedChunk"]
 
 _MANIFEST = "manifest"
+
+
+@dataclass(frozen=True, slots=True)
+class StagedChunk:
+    """A frame written and fsync'd under a temp name, not yet in place."""
+
+    temp: Path
+    final: Path
 
 
 class Spool:
@@ -49,11 +62,46 @@ class Spool:
         except FileNotFoundError:
             return None
 
-    def save_chunk(
+    def stage_chunk(
         self, job: str, round: int, region: str, digest: str, index: int, data: bytes
-    ) -> None:
+    ) -> StagedChunk:
+        """Write ``data`` to a temp file beside its frame's place and fsync it."""
         directory = self._make(self.upload_dir(job, round, region, digest))
-        atomic_write_bytes(directory / f"chunk-{index}", data, private=True)
+        fd, temp = create_temp(directory, f"chunk-{index}", private=True)
+        try:
+            with os.fdopen(fd, "wb") as file:
+                file.write(data)
+                file.flush()
+                os.fsync(file.fileno())
+        except BaseException:
+            temp.unlink(missing_ok=True)
+            raise
+        return StagedChunk(temp, directory / f"chunk-{index}")
+
+    @staticmethod
+    def publish_chunks(staged: Sequence[StagedChunk]) -> list[OSError | None]:
+        """Rename staged frames into place, then fsync each directory once.
+
+        One outcome per frame: None once it is durable in place, else the error (its
+        upload directory vanished, the disk failed).
+        """
+        outcomes: list[OSError | None] = []
+        directories: dict[Path, list[int]] = {}
+        for position, chunk in enumerate(staged):
+            try:
+                chunk.temp.replace(chunk.final)
+            except OSError as exc:
+                outcomes.append(exc)
+                continue
+            outcomes.append(None)
+            directories.setdefault(chunk.final.parent, []).append(position)
+        for directory, members in directories.items():
+            try:
+                fsync_dir(directory)
+            except OSError as exc:
+                for position in members:
+                    outcomes[position] = exc
+        return outcomes
 
     def frames(self, job: str, round: int, region: str, digest: str, count: int) -> Iterator[bytes]:
         """The spooled frames 0..count-1 in order, one file at a time."""

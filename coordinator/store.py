@@ -5,8 +5,10 @@ deltas, resumable-upload progress, per-job pointers (outer-optimizer state, para
 blobs) and the audit log. Every write is durable when the call returns, and
 :meth:`Store.transaction` groups several writes so they commit together or not at all.
 
-The embedded implementation is SQLite (:mod:`coordinator.sqlite_store`); PostgreSQL can
-implement the same :class:`Store` protocol later and run the same test suite.
+Two implementations keep the same contract (``tests/support/store_contract.py``): SQLite,
+embedded (:mod:`coordinator.sqlite_store`, the default), and PostgreSQL
+(:mod:`coordinator.postgres_store`); the coordinator config's ``state_store`` picks one
+(:func:`coordinator.store_backends.open_state_store`).
 The API blocks by design: the daemon calls it through
 :class:`~coordinator.async_store.AsyncStore`, on one dedicated worker thread, never on
 the event loop.

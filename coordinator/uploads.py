@@ -4,10 +4,11 @@ Three-step form (``docs/protocol.md``): the region PUTs its signed manifest, the
 frame, then POSTs commit; the single-shot form sends the artifact bundle in one body and
 runs the very same steps. Each step re-checks that the caller is the region, the round
 is open and the region takes part. A frame is acknowledged only once it is on disk
-(fsync'd spool, SQLite progress row); commit decodes the whole stream once (bounded,
-finite, shapes and codec as declared) while copying it into the blob store, then offers
-it to the round, which commits the receipt. Every refusal is counted by code and
-audited; bad input changes nothing.
+(fsync'd spool, SQLite progress row); frames that arrive together share the directory
+fsync and the SQLite commit (:mod:`coordinator.chunk_commit`). Commit decodes the whole
+stream once (bounded, finite, shapes and codec as declared) while copying it into the
+blob store, then offers it to the round, which commits the receipt. Every refusal is
+counted by code and audited; bad input changes nothing.
 """
 
 from __future__ import annotations
@@ -24,7 +25,9 @@ from aiohttp import StreamReader
 
 from coordinator.acceptance import accepted_again
 from coordinator.audit import AuditEvent, AuditVerdict
+from coordinator.auth import unknown_job
 from coordinator.bodies import commit_metrics, read_exactly, read_frame, read_limited
+from coordinator.chunk_commit import ChunkCommitter, ChunkWrite
 from coordinator.delta_checks import DeltaExpectation
 from coordinator.delta_stream import checked_manifest, verify_and_store
 from coordinator.engine import JobEngine
@@ -32,7 +35,7 @@ from coordinator.errors import ApiError, BadRequest, Conflict, Forbidden, NotFou
 from coordinator.jobs import JobManager
 from coordinator.residency import delta_upload
 from coordinator.services import Services
-from coordinator.spool import Spool
+from coordinator.spool import Spool, StagedChunk
 from coordinator.store import MAX_STORED_INT, Receipt
 from coordinator.transactions import DeltaOffer, open_upload, upload_pointer
 from geofed.artifact_bundle import HEADER_SIZE, BundleError, manifest_length
@@ -69,6 +72,7 @@ class UploadService:
         self._s = services
         self._jobs = jobs
         self._spool = Spool(services.runtime.spool_dir)
+        self.chunks = ChunkCommitter(services.db, services.executors)
         self._manifests: OrderedDict[str, SignedManifest] = OrderedDict()
 
     # -- the public steps (each counts and audits its refusals) ---------------------
@@ -188,7 +192,15 @@ class UploadService:
             raise Forbidden(
                 f"{actor} may not upload the delta of region {region}; only region/{region} may"
             )
-        engine = self._jobs.engine(job)
+        try:
+            engine = self._jobs.engine(job)
+        except ApiError as exc:
+            if exc.code == "bad_request":
+                raise
+            raise unknown_job(job) from None  # an unavailable job answers as unknown too
+        if region not in engine.ctx.spec.regions:
+            # As a job that does not exist: a region learns nothing of other regions' jobs.
+            raise unknown_job(job)
         engine.check_open(region, round)
         return engine
 
@@ -252,7 +264,7 @@ class UploadService:
         record = signed.manifest.chunks[index]
         job = engine.job
 
-        def check_and_spool() -> str:
+        def check_and_stage() -> tuple[str, StagedChunk]:
             actual = hashlib.sha256(data).hexdigest()
             if len(data) != record.size or not hmac.compare_digest(actual, record.sha256):
                 raise BadRequest(
@@ -260,11 +272,14 @@ class UploadService:
                     f"records {record.size} bytes with sha256 {record.sha256}",
                     "corrupt_chunk",
                 )
-            self._spool.save_chunk(job, round, region, digest, index, data)
-            return actual
+            return actual, self._spool.stage_chunk(job, round, region, digest, index, data)
 
-        actual = await self._s.executors.files(check_and_spool)
-        await self._s.db.record_upload_chunk(job, round, region, digest, index, actual, len(data))
+        actual, staged = await self._s.executors.files(check_and_stage)
+        # Answered only once the commit covering this frame (and any arriving with it)
+        # has made it durable: in place, directory fsync'd, row committed.
+        await self.chunks.commit(
+            ChunkWrite(job, round, region, digest, index, actual, len(data), staged)
+        )
         self._s.metrics.received_bytes.labels(kind=ArtifactKind.MODEL_DELTA.value).inc(len(data))
         return {"index": index}
 
@@ -293,8 +308,13 @@ class UploadService:
                 {"missing": missing[:1000]},
             )
         frames = self._spool.frames(job, round, region, digest, len(signed.manifest.chunks))
-        stream_digest, size = await self._s.executors.compute(
-            verify_and_store, frames, signed, engine.ctx.tensor_specs(), self._s.runtime.deltas
+        stream_digest, size, staged = await self._s.executors.compute(
+            verify_and_store,
+            frames,
+            signed,
+            engine.ctx.tensor_specs(),
+            self._s.runtime.deltas,
+            stage_as=region if engine.folds_on_arrival else None,
         )
         tokens = signed.manifest.tokens or 0
         offer = DeltaOffer(
@@ -308,7 +328,8 @@ class UploadService:
             actor=actor,
             base_eval=signed.manifest.base_eval,
         )
-        receipt = await engine.accept(offer)
+        receipt = await engine.accept(offer, staged)
+        del staged  # folded, or not needed: one model of fp32 per commit in flight
         await self._s.executors.files(self._spool.discard, job, round, region)
         self._manifests.pop(digest, None)
         return {"state": "accepted", "receipt": receipt_json(receipt)}

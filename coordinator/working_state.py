@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import io
 from collections.abc import Mapping
+from concurrent.futures import Executor, Future
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -54,6 +55,31 @@ class WorkingState:
         return cls(0, params, parameters_vector_hash(params), optimizer_state, None)
 
 
+@dataclass(frozen=True)
+class PendingSave:
+    """A working state's blobs being stored (:meth:`ParamsStore.begin_save`)."""
+
+    version: int
+    blobs: Mapping[str, Future[str]]
+
+    def pointers(self, params_hash: str) -> dict[str, str]:
+        """Wait for every blob; the pointer values that name them (first error raised)."""
+        digests = {name: future.result() for name, future in self.blobs.items()}
+        return {
+            VERSION: str(self.version),
+            PARAMS: digests[PARAMS],
+            PARAMS_HASH: params_hash,
+            OUTER_STATE: digests[OUTER_STATE],
+            EF_RESIDUAL: digests.get(EF_RESIDUAL, ""),
+        }
+
+
+def _done(value: str) -> Future[str]:
+    future: Future[str] = Future()
+    future.set_result(value)
+    return future
+
+
 class ParamsStore:
     """Saves and loads :class:`WorkingState` as blobs plus pointer values."""
 
@@ -62,14 +88,30 @@ class ParamsStore:
 
     def save(self, state: WorkingState) -> dict[str, str]:
         """Store the blobs of ``state``; return the pointer values that name them."""
-        residual = "" if state.residual is None else self._put(state.residual)
-        return {
-            VERSION: str(state.version),
-            PARAMS: self._put(state.params),
-            PARAMS_HASH: state.params_hash,
-            OUTER_STATE: self._put(dict(state.optimizer_state)),
-            EF_RESIDUAL: residual,
-        }
+        pending = self.begin_save(
+            state.version, state.params, state.optimizer_state, state.residual, None
+        )
+        return pending.pointers(state.params_hash)
+
+    def begin_save(
+        self,
+        version: int,
+        params: Mapping[str, Tensor],
+        optimizer_state: Mapping[str, Any],
+        residual: Mapping[str, Tensor] | None,
+        pool: Executor | None,
+    ) -> PendingSave:
+        """Start storing a state's blobs (θ, outer optimizer state, residual: one model's
+        size each), side by side in ``pool`` when given; θ's hash is not needed yet."""
+        values: dict[str, object] = {PARAMS: dict(params), OUTER_STATE: dict(optimizer_state)}
+        if residual is not None:
+            values[EF_RESIDUAL] = dict(residual)
+        if pool is None:
+            done = {name: self._put(value) for name, value in values.items()}
+            return PendingSave(version, {name: _done(digest) for name, digest in done.items()})
+        return PendingSave(
+            version, {name: pool.submit(self._put, value) for name, value in values.items()}
+        )
 
     def load(self, pointers: Mapping[str, str]) -> WorkingState:
         """Rebuild the state the pointers name; check θ against its recorded hash."""
@@ -106,9 +148,8 @@ class ParamsStore:
         return removed
 
     def _put(self, value: object) -> str:
-        buffer = io.BytesIO()
-        torch.save(value, buffer)
-        return self._blobs.put(buffer.getbuffer())
+        # Serialized straight into the store: no in-memory copy of a model-sized blob.
+        return self._blobs.put_written(lambda file: torch.save(value, file))
 
     def _get(self, digest: str) -> object:
         try:

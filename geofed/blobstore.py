@@ -15,14 +15,15 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import io
 import logging
 import os
 import re
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from types import TracebackType
-from typing import BinaryIO, Protocol, Self, runtime_checkable
+from typing import Any, BinaryIO, Protocol, Self, cast, runtime_checkable
 
 from geofed.fsutil import StrPath, atomic_write_bytes, create_temp, fsync_dir, replace_durably
 
@@ -143,6 +144,11 @@ class BlobStore(Protocol):
         """Store the concatenated ``chunks`` (idempotent) and return their digest."""
         ...
 
+    def put_written(self, write: Callable[[BinaryIO], object]) -> str:
+        """Store what ``write`` writes to the file it is handed (idempotent); return its
+        digest. The content is hashed as it is written, never held in memory whole."""
+        ...
+
     def get(self, digest: str) -> bytes:
         """The verified content of a blob."""
         ...
@@ -162,6 +168,27 @@ class BlobStore(Protocol):
     def iter_digests(self) -> Iterator[str]:
         """Every stored digest, in no particular order."""
         ...
+
+
+class _HashingWriter(io.RawIOBase):
+    """A write-only file that hashes what passes through it to ``file``."""
+
+    def __init__(self, file: BinaryIO, hasher: Any) -> None:
+        super().__init__()
+        self._file = file
+        self._hasher = hasher
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data: Bytes) -> int:  # type: ignore[override]
+        written = self._file.write(data)
+        # What the file took is what is hashed (a short write is retried by the caller).
+        self._hasher.update(memoryview(data)[:written])
+        return written
+
+    def flush(self) -> None:
+        self._file.flush()
 
 
 class FsBlobStore:
@@ -203,15 +230,23 @@ class FsBlobStore:
         return digest
 
     def put_stream(self, chunks: Iterable[bytes], *, expected_digest: str | None = None) -> str:
+        def write(f: BinaryIO) -> None:
+            for chunk in chunks:
+                f.write(chunk)
+
+        return self._put_hashed(write, expected_digest)
+
+    def put_written(self, write: Callable[[BinaryIO], object]) -> str:
+        return self._put_hashed(write, None)
+
+    def _put_hashed(self, write: Callable[[BinaryIO], object], expected_digest: str | None) -> str:
         if expected_digest is not None:
             validate_digest(expected_digest)
         fd, tmp = create_temp(self._root / _INCOMING, "blob", private=self._private)
         try:
             hasher = hashlib.sha256()
             with os.fdopen(fd, "wb") as f:
-                for chunk in chunks:
-                    f.write(chunk)
-                    hasher.update(chunk)
+                write(cast(BinaryIO, _HashingWriter(f, hasher)))
                 f.flush()
                 os.fsync(f.fileno())
             digest = hasher.hexdigest()

@@ -69,7 +69,9 @@ class CodecParams:
     Attributes:
         scheme: ``fp32`` (lossless reference), ``int8`` or ``int4`` (blockwise absmax).
         block_size: elements sharing one scale; even, so int4 pairs never straddle blocks.
-        zstd_level: zstd level of every chunk (negative levels are zstd's fast modes).
+        zstd_level: zstd level of the chunks the encoder compresses (negative levels are
+            zstd's fast modes); by default it compresses only those where zstd pays
+            (:mod:`geofed.codec.compression`), and each chunk frame says which it is.
         stochastic_rounding: round up with probability equal to the fraction instead of
             to nearest (unbiased, at most one step of error); int8/int4 only.
     """
@@ -138,9 +140,7 @@ def _pydantic_schema() -> CoreSchema:
                 )
             ),
             "zstd_level": field(
-                core_schema.int_schema(
-                    ge=MIN_RECORDED_ZSTD_LEVEL, le=MAX_ZSTD_LEVEL, strict=True
-                )
+                core_schema.int_schema(ge=MIN_RECORDED_ZSTD_LEVEL, le=MAX_ZSTD_LEVEL, strict=True)
             ),
             "stochastic_rounding": field(core_schema.bool_schema(strict=True)),
         },

@@ -113,6 +113,7 @@ _Loader.add_implicit_resolver(
     _BOOL_TAG, re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF")
 )
 
+
 def _libyaml_parser() -> Any:
     try:
         from yaml._yaml import CParser

@@ -47,9 +47,7 @@ def gauge(spec: MetricSpec, registry: CollectorRegistry) -> Gauge:
     return Gauge(spec.name, spec.help, spec.labels, registry=registry)
 
 
-def histogram(
-    spec: MetricSpec, registry: CollectorRegistry, buckets: Sequence[float]
-) -> Histogram:
+def histogram(spec: MetricSpec, registry: CollectorRegistry, buckets: Sequence[float]) -> Histogram:
     """The histogram of ``spec`` with upper bounds ``buckets``, registered in ``registry``."""
     _expect(spec, "histogram")
     return Histogram(spec.name, spec.help, spec.labels, registry=registry, buckets=buckets)

@@ -192,9 +192,7 @@ def parse_task_spec(spec: str) -> tuple[str, str]:
 def validate_module_pattern(pattern: str) -> str:
     """``package.module`` (that module) or ``package.*`` (the package and all below it)."""
     if not isinstance(pattern, str) or _MODULE_PATTERN_RE.fullmatch(pattern) is None:
-        raise ValueError(
-            f"task module pattern {pattern!r} must be 'package.module' or 'package.*'"
-        )
+        raise ValueError(f"task module pattern {pattern!r} must be 'package.module' or 'package.*'")
     return pattern
 
 

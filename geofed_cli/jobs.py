@@ -25,15 +25,17 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import io
 import json
 import os
 import sys
-from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
 from geofed.api_paths import ApiPaths
+from geofed_cli.status_view import plain_text, rich_view, status_rows
 
 EXIT_OK = 0
 EXIT_FAILED = 1
@@ -84,10 +86,33 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     status = subparsers.add_parser(
         "status",
         help="show the federation's regions and jobs",
-        description="Show every region's reported state and every job of a coordinator.",
+        description="Show every region's reported state and every job of a coordinator; "
+        "--watch keeps it on screen, refreshed.",
     )
     _connection_arguments(status)
+    watching = status.add_argument_group("watching")
+    watching.add_argument(
+        "--watch",
+        action="store_true",
+        help="refresh until Ctrl-C: a live view on a terminal, a snapshot per refresh otherwise",
+    )
+    watching.add_argument(
+        "--interval", type=float, default=2.0, help="seconds between refreshes (default 2)"
+    )
+    watching.add_argument(
+        "--count", type=_positive_int, default=None, help="stop after this many refreshes"
+    )
     status.set_defaults(handler=_overview)
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
 
 
 def _connection_arguments(parser: argparse.ArgumentParser) -> None:
@@ -170,6 +195,21 @@ def _job_action(args: argparse.Namespace) -> int:
 
 
 def _overview(args: argparse.Namespace) -> int:
+    if args.watch:
+        return _watch(args)
+    snapshot = _read_overview(args)
+    if isinstance(snapshot, int):
+        return snapshot
+    regions, jobs = snapshot
+    if args.json:
+        _print_json({"regions": regions, "jobs": jobs})
+        return EXIT_OK
+    sys.stdout.write(plain_text(status_rows(regions, jobs)))
+    return EXIT_OK
+
+
+def _read_overview(args: argparse.Namespace) -> tuple[list[Any], list[Any]] | int:
+    """The coordinator's regions and jobs, or an exit code after printing why not."""
     regions = _call(args, "GET", ApiPaths.REGIONS)
     if isinstance(regions, int):
         return regions
@@ -180,59 +220,70 @@ def _overview(args: argparse.Namespace) -> int:
         return jobs
     if jobs.status != 200:
         return _refused(jobs)
-    if args.json:
-        _print_json({"regions": regions.body["regions"], "jobs": jobs.body["jobs"]})
-        return EXIT_OK
-    rows: list[tuple[str, ...]] = [
-        ("REGION", "JURISDICTION", "STATE", "JOB", "ROUND", "TRAIN_LOSS")
-    ]
-    for region in regions.body["regions"]:
-        loss = region.get("train_loss")
-        rows.append(
-            (
-                region["region"],
-                str(region.get("jurisdiction") or "-"),
-                region.get("state", "unknown"),
-                region.get("job") or "-",
-                _text(region.get("round")),
-                f"{loss:.4f}" if isinstance(loss, int | float) else "-",
-            )
-        )
-    _print_table(rows, sys.stdout)
-    print()
-    rows = [("JOB", "STATE", "ROUND", "VAL_LOSS", "LOCATION")]
-    for job in jobs.body["jobs"]:
-        loss = job.get("global_val_loss")
-        rows.append(
-            (
-                job["job"],
-                job["state"],
-                f"{job.get('round', '-')}/{job.get('rounds', '-')}",
-                f"{loss['value']:.4f}" if isinstance(loss, dict) else "-",
-                job.get("checkpoint_location") or "-",
-            )
-        )
-    _print_table(rows, sys.stdout)
+    return list(regions.body["regions"]), list(jobs.body["jobs"])
+
+
+def _watch(args: argparse.Namespace) -> int:
+    """Refresh the overview every ``--interval`` seconds until Ctrl-C (or ``--count``).
+
+    On a terminal it is a live view; otherwise one plain snapshot per refresh, each under
+    a line with its time. A refresh that fails is shown and the next one tried: the view
+    outlives a coordinator restart. A usage error ends it at once (exit 2).
+    """
+    import time
+    from datetime import UTC, datetime
+
+    from rich.console import Console
+    from rich.live import Live
+
+    if args.interval <= 0:
+        print("error: --interval must be > 0", file=sys.stderr)
+        return EXIT_USAGE
+    live_view = sys.stdout.isatty() and not args.json
+    console = Console()
+    rows = status_rows([], [])
+    refreshes = 0
+    with contextlib.ExitStack() as stack:
+        live = stack.enter_context(Live(console=console, auto_refresh=False)) if live_view else None
+        try:
+            while args.count is None or refreshes < args.count:
+                error = None
+                errors = io.StringIO()
+                with contextlib.redirect_stderr(errors):
+                    snapshot = _read_overview(args)
+                now = datetime.now(UTC)
+                if snapshot == EXIT_USAGE:
+                    sys.stderr.write(errors.getvalue())
+                    return EXIT_USAGE
+                if isinstance(snapshot, int):
+                    error = errors.getvalue().strip() or "the coordinator refused"
+                else:
+                    rows = status_rows(*snapshot)
+                if live is not None:
+                    live.update(rich_view(rows, updated=now, error=error), refresh=True)
+                else:
+                    print(f"--- {now.isoformat(timespec='seconds')} ---")
+                    if error is not None:
+                        print(f"last refresh failed: {error}")
+                    if args.json and not isinstance(snapshot, int):
+                        _print_json({"regions": snapshot[0], "jobs": snapshot[1]})
+                    else:
+                        sys.stdout.write(plain_text(rows))
+                    sys.stdout.flush()
+                refreshes += 1
+                if args.count is None or refreshes < args.count:
+                    time.sleep(args.interval)
+        except KeyboardInterrupt:
+            pass
     return EXIT_OK
 
 
 # -- output -----------------------------------------------------------------------------
 
 
-def _text(value: object) -> str:
-    return "-" if value is None else str(value)
-
-
 def _print_json(body: Any) -> None:
     json.dump(body, sys.stdout, indent=2, sort_keys=True)
     print()
-
-
-def _print_table(rows: Sequence[Sequence[str]], out: TextIO) -> None:
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    for row in rows:
-        cells = (cell.ljust(width) for cell, width in zip(row, widths, strict=True))
-        print("  ".join(cells).rstrip(), file=out)
 
 
 def _print_job(body: dict[str, Any], out: TextIO) -> None:

@@ -29,7 +29,9 @@ subscription).
 Metrics: the agent feeds its :class:`~regional_agent.metrics.AgentMetrics` with how each
 round ended, whether a job it takes part in is under way (the wall time of compute
 utilisation), and drops a job's series once the coordinator announces it done or
-cancelled; the pipeline, the synchronizer and the uploader record the rest.
+cancelled; the pipeline, the synchronizer and the uploader record the rest. Each round's
+timeline (:mod:`regional_agent.round_timeline`) is kept in the state directory; the next
+announcement of a job ends the previous round's ``wait``.
 :meth:`Agent.refresh_metrics` reads the live values (MQTT connection, worker-group
 restarts) before each scrape.
 """
@@ -67,6 +69,7 @@ from regional_agent.credentials import Credentials
 from regional_agent.launcher import Launcher, LocalElasticLauncher
 from regional_agent.metrics import AgentMetrics
 from regional_agent.pipeline import RegionFacts, RetryLater, RoundEnd, RoundPipeline
+from regional_agent.round_timeline import Timeline
 from regional_agent.schedule import Running, Schedule, Stop
 from regional_agent.state import AgentState
 from regional_agent.status import StatusReporter, offline_status
@@ -166,6 +169,12 @@ class Agent:
             restarts=lambda: self._workers.restart_count,
         )
         self._state = AgentState(config.state_dir)
+        self._timeline = Timeline(
+            config.state_dir,
+            on_round=lambda done: self._metrics.round_phases(
+                done.job, {name: done.seconds(name) for name in done.phases}
+            ),
+        )
         self._dedup = Deduplicator()
         self._schedule = Schedule(config.region)
         self._running: _RoundTask | None = None
@@ -209,6 +218,12 @@ class Agent:
         """Ask :meth:`run` to stop the agent cleanly (the SIGTERM path)."""
         self._stop.set()
 
+    def use_policies(self, policies: PolicySet, datasets: tuple[str, ...]) -> None:
+        """Decide residency under reloaded ``policies`` from the next check on (SIGHUP)."""
+        self._region = RegionFacts(self._credentials, policies, datasets)
+        if self._pipeline is not None:
+            self._pipeline.use_region(self._region)
+
     # -- lifecycle --------------------------------------------------------------------
 
     async def run(self) -> None:
@@ -222,13 +237,24 @@ class Agent:
                 self._state,
                 self._workers,
                 Synchronizer(
-                    client, self._credentials.trust, clock=self._clock, metrics=self._metrics
+                    client,
+                    self._credentials.trust,
+                    clock=self._clock,
+                    metrics=self._metrics,
+                    download_window=config.transfer.download_window,
                 ),
-                Uploader(client, config.region, rng=self._rng, metrics=self._metrics),
+                Uploader(
+                    client,
+                    config.region,
+                    rng=self._rng,
+                    metrics=self._metrics,
+                    window=config.transfer.upload_window,
+                ),
                 self._status,
                 metrics=self._metrics,
                 train_timeout_s=config.timeouts.round_deadline_s,
                 clock=self._clock,
+                timeline=self._timeline,
             )
             await self._control.subscribe(self._topics.all_job_rounds(), self._on_announcement)
             await self._control.subscribe(
@@ -287,6 +313,7 @@ class Agent:
             log.info("worker group stopped (status %s)", status)
         except Exception:
             log.exception("stopping the worker group failed")
+        await self._timeline.flush()
         status_task = background[1]
         status_task.cancel()
         await asyncio.wait([status_task])
@@ -403,7 +430,12 @@ class Agent:
         if not self._dedup.first_time(announcement.message_id):
             return
         self._stop_running(self._schedule.offer(announcement, self._running_view()))
+        if self._pipeline is not None:  # overlap: delayed; a round started ahead may end here
+            await self._pipeline.announced(announcement)
         job = announcement.job
+        # The next round's announcement ends the previous rounds' wait on the timeline.
+        if announcement.state in ("open", "done", "cancelled"):
+            self._timeline.announced(job, announcement.round, final=announcement.state != "open")
         if announcement.state in ("done", "cancelled"):
             self._ended_jobs.add(job)
         self._metrics_follow_schedule()

@@ -28,7 +28,9 @@ from torch._C._distributed_c10d import GradBucket  # dist.GradBucket, as mypy se
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.nn.parallel import DistributedDataParallel
 
-__all__ = ["CommTimer", "covered_seconds"]
+from regional_agent.utilization import union_seconds
+
+__all__ = ["CommTimer"]
 
 
 class CommTimer:
@@ -63,7 +65,7 @@ class CommTimer:
                 (origin.elapsed_time(a) / 1000.0, origin.elapsed_time(b) / 1000.0)
                 for a, b in intervals
             ]
-        return covered_seconds(intervals)
+        return union_seconds(intervals)
 
     def hook(
         self, state: dist.ProcessGroup, bucket: GradBucket
@@ -86,19 +88,3 @@ class CommTimer:
             event.record()
             return event
         return time.perf_counter()
-
-
-def covered_seconds(intervals: list[tuple[float, float]]) -> float:
-    """The length of the union of ``(start, end)`` intervals."""
-    total = 0.0
-    current: tuple[float, float] | None = None
-    for start, end in sorted(intervals):
-        if current is None or start > current[1]:
-            if current is not None:
-                total += current[1] - current[0]
-            current = (start, end)
-        else:
-            current = (current[0], max(current[1], end))
-    if current is not None:
-        total += current[1] - current[0]
-    return total

@@ -22,6 +22,8 @@
     state_dir: /var/lib/geofed/eu-west
     timeouts: {request_s: 30, upload_s: 300}
     metrics: {enabled: true, host: 127.0.0.1, port: 9443}   # /metrics and /healthz, mTLS
+    transfer: {upload_window: 8, download_window: 4}         # requests in flight at once
+    log_level: INFO                   # optional; a reload (SIGHUP) applies a change
 
 Relative paths are relative to the config file's directory. Unknown and duplicate keys
 are errors, and every error names the file, the line and the key
@@ -53,6 +55,7 @@ from yarl import URL
 from geofed.config_sections import ConfigSection, MqttConfig
 from geofed.located_yaml import KeyPath, LineMap, format_key_path
 from geofed.loopback import is_loopback
+from geofed.reload import LogLevel
 from geofed.timeouts import Timeouts
 from geofed.types import Identity, Role, validate_name
 from policies import PolicyLoadError, PolicySet, Problem, load_policies
@@ -61,6 +64,7 @@ from policies.yaml_loader import load_located
 from regional_agent.credentials import AgentIdentityConfig, CredentialsError, load_credentials
 from regional_agent.launcher import LauncherConfigError, LocalLauncherConfig
 from regional_agent.ranks import AUTO
+from regional_agent.transfer_config import TransferConfig
 
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
@@ -190,6 +194,12 @@ class AgentConfig(ConfigSection):
     state_dir: Path
     timeouts: Timeouts = Field(default_factory=Timeouts)
     metrics: MetricsConfig = Field(default_factory=MetricsConfig)
+    transfer: TransferConfig = Field(default_factory=TransferConfig)
+    log_level: LogLevel | None = Field(
+        default=None,
+        description="DEBUG, INFO, WARNING or ERROR; default: the command line's --log-level; "
+        "a reload (SIGHUP) applies a change",
+    )
 
     @field_validator("federation")
     @classmethod

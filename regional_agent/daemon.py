@@ -1,5 +1,12 @@
 """The agent daemon's entry point: load the configuration, run the agent, stop on SIGTERM.
 
+SIGHUP reloads what a running agent can change (:mod:`regional_agent.reload`): the
+region's policy and datasets, the trust bundle's revocations and ``log_level``; it logs
+what was reloaded, what needs a restart, and refuses (changing nothing) a file that does
+not load. No exit leaves the worker group behind: a stop stops it, and the elastic
+launcher gets SIGTERM from the kernel when the agent dies, even by SIGKILL
+(:class:`~regional_agent.launcher.LocalElasticLauncher`).
+
 Exit codes are :class:`geofed.exit_codes.ExitCode`, the table both daemons share:
 ``OK`` (0) when stopped cleanly (SIGTERM or SIGINT, or a ``drain`` command finished),
 ``RUNTIME`` (1) when the worker group failed past its relaunch cap, the broker refused a
@@ -51,6 +58,8 @@ from prometheus_client import CollectorRegistry
 
 from geofed.control import RegionStatus
 from geofed.exit_codes import ExitCode
+from geofed.reload import apply_log_level
+from geofed.reloader import Reloader
 from geofed.sdnotify import (
     Notifier,
     NotifyEnvironmentError,
@@ -69,6 +78,7 @@ from regional_agent.config import (
 from regional_agent.credentials import Credentials, CredentialsError, load_credentials
 from regional_agent.metrics import AgentMetrics
 from regional_agent.metrics_server import MetricsServer, MetricsServerError, metrics_server
+from regional_agent.reload import PreparedReload, apply_reload, prepare_reload
 from regional_agent.status import describe
 
 log = logging.getLogger(__name__)
@@ -87,6 +97,9 @@ def main(config_path: Path | str) -> int:
         return ExitCode.CONFIG
     try:
         config = load_config(config_path)
+        # The command line's level: what a file without log_level goes back to.
+        default_level = logging.getLogger().level
+        apply_log_level(config.log_level, default_level)
         credentials = load_credentials(config.identity, config.identity_uri)
         policies = load_region_policies(config)
     except AgentConfigError as exc:
@@ -99,7 +112,14 @@ def main(config_path: Path | str) -> int:
     try:
         with notifier:
             asyncio.run(
-                serve(config, credentials, policies, notifier=notifier, watchdog_s=watchdog_s)
+                serve(
+                    config,
+                    credentials,
+                    policies,
+                    notifier=notifier,
+                    watchdog_s=watchdog_s,
+                    reload_from=(Path(config_path), default_level),
+                )
             )
     except (AgentFailed, MetricsServerError) as exc:
         log.error("agent failed: %s", exc)  # noqa: TRY400 - the reason is the message
@@ -120,11 +140,14 @@ async def serve(
     watchdog_s: float | None = None,
     registry: CollectorRegistry | None = None,
     environ: Mapping[str, str] | None = None,
+    reload_from: tuple[Path, int] | None = None,
 ) -> None:
     """Run an agent in this event loop until SIGTERM/SIGINT, a drain, or a failure.
 
     ``watchdog_s`` is :func:`geofed.sdnotify.watchdog_interval`'s answer; ``environ``
-    the environment the worker group's is derived from (default: this process's).
+    the environment the worker group's is derived from (default: this process's);
+    ``reload_from``: the config file SIGHUP reloads, and the log level without its
+    ``log_level`` (None: SIGHUP is ignored, as by a daemon without a file).
     """
     notifier = notifier or Notifier(None)
     registry = CollectorRegistry() if registry is None else registry
@@ -132,9 +155,13 @@ async def serve(
     metrics.set_certificate_expiry("identity", credentials.certificate.not_valid_after_utc)
     listener: MetricsServer | None = None
 
+    reloader: Reloader[PreparedReload] | None = None
+
     def on_ready() -> None:
         where = f"metrics on {listener.url}" if listener is not None else "metrics disabled"
         notifier.ready(f"online: ready; {where}")
+        if reloader is not None:
+            reloader.serving = True
 
     agent = Agent(
         config,
@@ -167,6 +194,17 @@ async def serve(
     signals = (signal.SIGTERM, signal.SIGINT)
     for signum in signals:
         loop.add_signal_handler(signum, on_signal, signum)
+    if reload_from is None:
+        loop.add_signal_handler(signal.SIGHUP, log.warning, "SIGHUP ignored: no config file")
+    else:
+        path, default_level = reload_from
+        reloader = Reloader(
+            lambda: prepare_reload(config, credentials, path),
+            lambda prepared: apply_reload(agent, credentials, prepared, default_level),
+            notifier,
+            "configuration",
+        )
+        loop.add_signal_handler(signal.SIGHUP, reloader.request)
     watchdog: asyncio.Task[None] | None = None
     try:
         async with contextlib.AsyncExitStack() as stack:
@@ -196,5 +234,7 @@ async def serve(
         if watchdog is not None:
             watchdog.cancel()
             await asyncio.wait([watchdog])
-        for signum in signals:
+        for signum in (*signals, signal.SIGHUP):
             loop.remove_signal_handler(signum)
+        if reloader is not None:
+            await reloader.close()

@@ -8,6 +8,8 @@ moment and pick up where the other left off::
     jobs/<job>/round-<r>.done.json          rank 0, written last: the result exists
     jobs/<job>/round-<r>.error.json         rank 0: the instruction cannot be served
     jobs/<job>/round-<r>.progress.json      rank 0: steps done so far (advisory)
+    jobs/<job>/round-<r>.base.json          agent -> workers: θ_r of a delayed round is ready
+    jobs/<job>/round-<r>.cancel             agent -> workers: drop the delayed round r
     regional-checkpoint.pt                  rank 0: inner optimizer state + data cursor
     ranks/rank-<n>.json                     each rank: pid, launch id, restart count
     logs/rank-<n>.log, logs/launcher.log    worker and launcher output
@@ -104,6 +106,12 @@ class RoundInstruction:
     :mod:`geofed.lr_schedule`): unknown (None) only under a constant schedule.
     ``evaluate_base``: evaluate ``base_params`` with the task before training from them
     (:func:`geofed.evaluation_config.region_evaluates` decided it).
+
+    ``overlap`` is the job's overlap mode. ``base_pending`` marks a delayed round
+    (:mod:`regional_agent.overlap`): the workers start from the parameters they hold at
+    the end of round ``round - 1``; θ_round is not there yet, and ``base_params`` is where
+    the agent will put it, announcing it with the round's base-ready marker
+    (:meth:`HandoffDir.write_base_ready`).
     """
 
     job: str
@@ -119,6 +127,8 @@ class RoundInstruction:
     training: TrainingConfig = field(default_factory=TrainingConfig)
     total_steps: int | None = None
     evaluate_base: bool = False
+    overlap: str = "none"
+    base_pending: bool = False
 
     def __post_init__(self) -> None:
         try:
@@ -151,6 +161,12 @@ class RoundInstruction:
             raise InvalidHandoffData(f"training must be a TrainingConfig, got {self.training!r}")
         if not isinstance(self.evaluate_base, bool):
             raise InvalidHandoffData(f"evaluate_base must be a bool, got {self.evaluate_base!r}")
+        if self.overlap not in ("none", "delayed"):
+            raise InvalidHandoffData(f"overlap must be none or delayed, got {self.overlap!r}")
+        if not isinstance(self.base_pending, bool):
+            raise InvalidHandoffData(f"base_pending must be a bool, got {self.base_pending!r}")
+        if self.base_pending and self.overlap != "delayed":
+            raise InvalidHandoffData("base_pending is for rounds of an overlap: delayed job")
         if self.total_steps is None:
             if self.training.lr_schedule.kind != "constant":
                 raise InvalidHandoffData(
@@ -173,9 +189,7 @@ class RoundInstruction:
     def from_json(cls, raw: bytes, source: str = "instruction") -> RoundInstruction:
         """Parse an instruction file's content; :class:`InvalidHandoffData` names ``source``."""
         try:
-            data = _fields(
-                f"{source}", json.loads(raw), _INSTRUCTION_FIELDS, _INSTRUCTION_OPTIONAL
-            )
+            data = _fields(f"{source}", json.loads(raw), _INSTRUCTION_FIELDS, _INSTRUCTION_OPTIONAL)
             fields = {name: data[name] for name in _INSTRUCTION_FIELDS if name in data}
             if "training" in fields:
                 fields["training"] = _training(fields["training"])
@@ -197,7 +211,9 @@ def _training(data: object) -> TrainingConfig:
 
 _INSTRUCTION_FIELDS = tuple(RoundInstruction.__dataclass_fields__)
 # Written by every agent that knows them; an instruction without them trains as before.
-_INSTRUCTION_OPTIONAL = frozenset({"training", "total_steps", "evaluate_base"})
+_INSTRUCTION_OPTIONAL = frozenset(
+    {"training", "total_steps", "evaluate_base", "overlap", "base_pending"}
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -224,6 +240,15 @@ class RoundSummary:
     base_eval: Mapping[str, float] | None = None
     #: What the workers measured while training (step time, throughput, memory...).
     stats: TrainingStats | None = None
+    #: When rank 0's inner loop started and finished (unix seconds): the round's
+    #: training interval on the wall clock, for compute utilization.
+    train_started_at: float | None = None
+    train_finished_at: float | None = None
+    #: A delayed round (``overlap: delayed``): how long the workers waited for θ_round
+    #: after their last step, and the step before which it was folded in (``steps``
+    #: when it came only after the last one).
+    base_wait_seconds: float | None = None
+    base_folded_at_step: int | None = None
 
     def __post_init__(self) -> None:
         try:
@@ -241,6 +266,13 @@ class RoundSummary:
         _require_float("train_seconds", self.train_seconds)
         _require_str("base_params_hash", self.base_params_hash)
         _require_str("params_hash", self.params_hash)
+        for name in ("train_started_at", "train_finished_at"):
+            if getattr(self, name) is not None:
+                _require_float(name, getattr(self, name))
+        if self.base_wait_seconds is not None:
+            _require_float("base_wait_seconds", self.base_wait_seconds)
+        if self.base_folded_at_step is not None:
+            _require_int("base_folded_at_step", self.base_folded_at_step, 0)
 
     def to_json(self) -> bytes:
         return json.dumps({"format": FORMAT_VERSION, **asdict(self)}, sort_keys=True).encode()
@@ -259,8 +291,53 @@ class RoundSummary:
 
 _SUMMARY_FIELDS = tuple(RoundSummary.__dataclass_fields__)
 # Written by workers that evaluated the round's base parameters (base_eval), and by
-# workers that measure their training (stats).
-_SUMMARY_OPTIONAL = frozenset({"base_eval", "stats"})
+# workers that measure their training (stats) and its wall-clock interval.
+_SUMMARY_OPTIONAL = frozenset(
+    {
+        "base_eval",
+        "stats",
+        "train_started_at",
+        "train_finished_at",
+        "base_wait_seconds",
+        "base_folded_at_step",
+    }
+)
+
+
+@dataclass(frozen=True, slots=True)
+class BaseReady:
+    """θ of a delayed round is ready: the file, its hash, and whether to evaluate it."""
+
+    job: str
+    round: int
+    base_params: str
+    base_hash: str
+    evaluate_base: bool = False
+
+    def __post_init__(self) -> None:
+        try:
+            validate_name("job", self.job)
+        except ValueError as exc:
+            raise InvalidHandoffData(str(exc)) from None
+        _require_int("round", self.round, 0)
+        _require_str("base_params", self.base_params)
+        _require_str("base_hash", self.base_hash)
+        if not isinstance(self.evaluate_base, bool):
+            raise InvalidHandoffData(f"evaluate_base must be a bool, got {self.evaluate_base!r}")
+
+    def to_json(self) -> bytes:
+        return json.dumps({"format": FORMAT_VERSION, **asdict(self)}, sort_keys=True).encode()
+
+    @classmethod
+    def from_json(cls, raw: bytes, source: str = "base-ready marker") -> BaseReady:
+        try:
+            data = _fields(source, json.loads(raw), _BASE_READY_FIELDS)
+            return cls(**{name: data[name] for name in _BASE_READY_FIELDS})
+        except (ValueError, TypeError) as exc:
+            raise InvalidHandoffData(f"{source}: {exc}") from None
+
+
+_BASE_READY_FIELDS = tuple(BaseReady.__dataclass_fields__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -354,6 +431,12 @@ class HandoffDir:
     def progress_path(self, job: str, round_: int) -> Path:
         return self._round_path(job, round_, "progress.json")
 
+    def base_ready_path(self, job: str, round_: int) -> Path:
+        return self._round_path(job, round_, "base.json")
+
+    def cancel_path(self, job: str, round_: int) -> Path:
+        return self._round_path(job, round_, "cancel")
+
     @property
     def checkpoint_path(self) -> Path:
         return self.root / "regional-checkpoint.pt"
@@ -425,6 +508,34 @@ class HandoffDir:
         if self.done_path(job, round_).exists() or self.error_path(job, round_).exists():
             return None
         return job, round_
+
+    # -- delayed rounds ------------------------------------------------------------------
+
+    def write_base_ready(self, ready: BaseReady) -> None:
+        """Tell the workers of a delayed round that θ is at ``ready.base_params`` (durable)."""
+        path = self.base_ready_path(ready.job, ready.round)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_bytes(path, ready.to_json())
+
+    def read_base_ready(self, job: str, round_: int) -> BaseReady | None:
+        path = self.base_ready_path(job, round_)
+        try:
+            raw = path.read_bytes()
+        except FileNotFoundError:
+            return None
+        return BaseReady.from_json(raw, str(path))
+
+    def request_cancel(self, job: str, round_: int) -> None:
+        """Ask the workers to drop the delayed round ``round_`` (see the worker)."""
+        path = self.cancel_path(job, round_)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_bytes(path, b"cancel\n")
+
+    def cancel_requested(self, job: str, round_: int) -> bool:
+        return self.cancel_path(job, round_).exists()
+
+    def clear_cancel(self, job: str, round_: int) -> None:
+        self.cancel_path(job, round_).unlink(missing_ok=True)
 
     # -- outcomes ------------------------------------------------------------------------
 
@@ -536,7 +647,14 @@ class HandoffDir:
         }
         pruned = 0
         for round_ in sorted(r for r in rounds if r < before_round):
-            for suffix in ("done.json", "result.pt", "error.json", "progress.json"):
+            for suffix in (
+                "done.json",
+                "result.pt",
+                "error.json",
+                "progress.json",
+                "base.json",
+                "cancel",
+            ):
                 self._round_path(job, round_, suffix).unlink(missing_ok=True)
             self.instruction_path(job, round_).unlink(missing_ok=True)
             pruned += 1

@@ -48,6 +48,9 @@ class JobState:
     resume_optimizer: dict[str, Any] | None
     parallel: ParallelModel | None = None
     optimizer: torch.optim.Optimizer | None = None
+    #: The round whose trained parameters the model holds (None until one is trained
+    #: here): a delayed round goes on from them (:mod:`regional_agent.delayed_round`).
+    local_round: int | None = None
 
     @classmethod
     def build(

@@ -12,6 +12,14 @@ rendezvous store and avoids paying its own interpreter and torch import again. I
 starts every worker in a session of its own, so stopping is done per process tree, not
 by one process-group signal.
 
+No worker outlives the agent. On Linux the elastic launcher is started with a parent-death
+signal (``PR_SET_PDEATHSIG``, SIGTERM): when the agent exits by any path, SIGKILL
+included, the kernel sends it SIGTERM and it stops its workers (SIGKILL after its
+shutdown timeout); a worker whose launcher is gone stops by itself
+(:class:`regional_agent.worker.StopSignals`). The signal follows the agent's thread that
+started the launcher: the event loop's thread pool, whose threads live as long as the
+loop. A launcher left by an agent on another system is reaped by the next agent's start.
+
 Backend: ``nccl`` when CUDA is available, else ``gloo``. Each CUDA rank uses
 ``cuda:<local_rank>``, and NCCL refuses two ranks on one GPU: the rank count, ``auto`` by
 default, is decided by :func:`regional_agent.ranks.choose_ranks` (one rank per GPU the
@@ -24,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import ctypes
 import logging
 import math
 import os
@@ -69,6 +78,7 @@ _RESERVED_ENV = frozenset(
     }
 )
 _KILL_WAIT_S = 10.0
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 # The elastic launcher's options, by hyphenated name; spelled per the installed torch.
 _FLAGS = (
     Flag("nnodes"),
@@ -370,6 +380,7 @@ class LocalElasticLauncher(Launcher):
                     env=self.environment(launch_id),
                     cwd=self._config.cwd,
                     start_new_session=True,
+                    preexec_fn=_die_with_parent(os.getpid()),
                 )
             except OSError as exc:
                 raise LauncherError(f"cannot start the elastic launcher: {exc}") from exc
@@ -480,6 +491,27 @@ def _spell_flags(options: frozenset[str]) -> FlagSpelling:
                 name,
             )
     return spelling
+
+
+def _die_with_parent(parent: int) -> Callable[[], None] | None:
+    """A ``preexec_fn`` asking the kernel for SIGTERM when ``parent`` dies (Linux only).
+
+    ``prctl`` is looked up here, before the fork: the child only calls it.
+    """
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+
+    def in_child() -> None:
+        prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+        # The parent may have died between fork and prctl: then nobody would signal.
+        if os.getppid() != parent:
+            os._exit(1)
+
+    return in_child
 
 
 def _free_port() -> int:

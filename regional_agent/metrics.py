@@ -14,6 +14,8 @@ in the middle of a long round sees the time spent so far. The codec's compressio
 is ``geofed_agent_fp32_equivalent_bytes_total{direction="upload"} /
 geofed_agent_delta_bytes_total`` (both counted when the coordinator accepts a delta);
 ``geofed_agent_upload_bytes_total`` adds what retries re-sent (the WAN's cost).
+``geofed_agent_round_phase_seconds{phase}`` shows where each finished round's time went
+(:mod:`regional_agent.round_timeline`: sync, train, encode, upload, wait).
 
 Inside the region, each trained round sets what its workers measured
 (:class:`~regional_agent.training_stats.TrainingStats`): step time, tokens/s, time
@@ -31,7 +33,7 @@ from __future__ import annotations
 import math
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from datetime import datetime
 from typing import Final
@@ -54,6 +56,8 @@ __all__ = [
     "DIRECTIONS",
     "DOWNLOAD_KINDS",
     "OUTCOMES",
+    "PHASE_BUCKETS_S",
+    "ROUND_PHASES",
     "SCHEMES",
     "TRANSFER_BUCKETS_S",
     "AgentMetrics",
@@ -66,6 +70,12 @@ TRANSFER_BUCKETS_S: Final = (
     1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1200.0, 1800.0, 3600.0, 7200.0,
 )  # fmt: skip
 
+#: Phases of a round: from a tenth of a second (encoding a small delta) to two hours.
+PHASE_BUCKETS_S: Final = (
+    0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0, 3600.0, 7200.0,
+)  # fmt: skip
+#: The phases of :mod:`regional_agent.round_timeline`.
+ROUND_PHASES: Final = frozenset({"sync", "train", "encode", "upload", "wait"})
 DIRECTIONS: Final = frozenset({"upload", "download"})
 SCHEMES: Final = frozenset(codec_params.SCHEMES)
 OUTCOMES: Final = frozenset({"accepted", "straggler", "refused", "failed"})
@@ -135,6 +145,12 @@ UPLOAD_DURATION = MetricSpec(
     "histogram",
     "Time to upload one delta, retries included.",
     ("region",),
+)
+ROUND_PHASE_SECONDS = MetricSpec(
+    "geofed_agent_round_phase_seconds",
+    "histogram",
+    "Seconds of each phase of a finished round: sync, train, encode, upload, wait.",
+    ("job", "region", "phase"),
 )
 DELTA_BYTES = MetricSpec(
     "geofed_agent_delta_bytes_total",
@@ -254,6 +270,7 @@ CATALOGUE: Final[tuple[MetricSpec, ...]] = (
     UPLOAD_BYTES,
     UPLOAD_RETRIES,
     UPLOAD_DURATION,
+    ROUND_PHASE_SECONDS,
     DELTA_BYTES,
     DOWNLOAD_BYTES,
     FP32_EQUIVALENT_BYTES,
@@ -367,6 +384,7 @@ class AgentMetrics:
         self.upload_bytes = counter(UPLOAD_BYTES, registry)
         self.upload_retries = counter(UPLOAD_RETRIES, registry)
         self.upload_duration = histogram(UPLOAD_DURATION, registry, TRANSFER_BUCKETS_S)
+        self.round_phase_seconds = histogram(ROUND_PHASE_SECONDS, registry, PHASE_BUCKETS_S)
         self.delta_bytes = counter(DELTA_BYTES, registry)
         self.download_bytes = counter(DOWNLOAD_BYTES, registry)
         self.fp32_equivalent_bytes = counter(FP32_EQUIVALENT_BYTES, registry)
@@ -473,6 +491,16 @@ class AgentMetrics:
         _check_member("outcome", outcome, OUTCOMES)
         self.round_outcomes.labels(job=job, region=self.region, outcome=outcome).inc()
 
+    def round_phases(self, job: str, seconds: Mapping[str, float]) -> None:
+        """A finished round's timeline: the seconds of each phase it went through."""
+        _check_job(job)
+        for phase, value in seconds.items():
+            _check_member("phase", phase, ROUND_PHASES)
+            if not (math.isfinite(value) and value >= 0):
+                raise MetricsError(f"{phase} seconds must be a finite number >= 0, got {value}")
+        for phase, value in seconds.items():
+            self.round_phase_seconds.labels(job=job, region=self.region, phase=phase).observe(value)
+
     def resynced(self, job: str) -> None:
         """θ was rebuilt from the latest global checkpoint."""
         _check_job(job)
@@ -499,6 +527,8 @@ class AgentMetrics:
             collector.remove(job, self.region)
         for outcome in OUTCOMES:
             self.round_outcomes.remove(job, self.region, outcome)
+        for phase in ROUND_PHASES:
+            self.round_phase_seconds.remove(job, self.region, phase)
 
     def _training_gauges(self) -> tuple[Gauge, ...]:
         return (

@@ -30,6 +30,7 @@ policy refusals.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
 from collections.abc import Callable, Sequence
@@ -53,9 +54,11 @@ from regional_agent.delta import (
     rounding_generator,
     sign_delta,
 )
-from regional_agent.handoff import RoundInstruction
+from regional_agent.handoff import RoundInstruction, RoundResult
 from regional_agent.metrics import AgentMetrics
+from regional_agent.overlap_pipeline import DelayedRounds
 from regional_agent.residency import ExportGate
+from regional_agent.round_timeline import Phase, Timeline
 from regional_agent.schedule import Progress, judge_lost_delta, judge_rollback
 from regional_agent.state import AgentState, DeltaMeta, JobDirectory, SpooledDelta, StateError
 from regional_agent.status import StatusReporter
@@ -139,8 +142,10 @@ class RoundPipeline:
         metrics: AgentMetrics,
         train_timeout_s: float,
         clock: Clock,
+        timeline: Timeline | None = None,
     ) -> None:
         self._region = region
+        self._timeline = timeline
         self._state = state
         self._workers = workers
         self._sync = synchronizer
@@ -152,6 +157,12 @@ class RoundPipeline:
         # job -> the last round counted as trained (a round read back is not counted again)
         self._trained: dict[str, int] = {}
         self._residency = ExportGate(region.policies, region.name, region.datasets, metrics)
+        self._delayed = DelayedRounds(workers, region.name, train_timeout_s)
+
+    def use_region(self, region: RegionFacts) -> None:
+        """Check residency with ``region``'s reloaded policies from the next question on."""
+        self._region = region
+        self._residency = ExportGate(region.policies, region.name, region.datasets, self._metrics)
 
     async def run(self, announcement: RoundAnnouncement, *, resync: bool = False) -> RoundEnd:
         """Take part in the announced round; ``resync`` discards the θ held first."""
@@ -160,6 +171,7 @@ class RoundPipeline:
             if resync:
                 await _blocking(job.forget_params)
             await _blocking(job.recover)
+            await self._settle_speculation(job, announcement, resync)
             await self._follow_rollback(job, announcement)
             uploaded = await _blocking(job.uploaded_round)
             if uploaded is not None and uploaded >= announcement.round:
@@ -202,7 +214,8 @@ class RoundPipeline:
         )
         held = await _blocking(job.load_params)
         try:
-            synced = await self._sync.sync(announcement, held)
+            with self._phase(announcement, "sync"):
+                synced = await self._sync.sync(announcement, held)
         except ResyncFailed as exc:
             return RoundEnd("failed", str(exc))
         except HttpError as exc:
@@ -224,17 +237,29 @@ class RoundPipeline:
         )
         instruction = self._instruction(announcement, job, synced)
         try:
-            with self._metrics.training():
-                result = await self._workers.run_round(instruction, self._train_timeout_s)
+            with self._metrics.training(), self._phase(announcement, "train"):
+                result = await self._delayed_result(
+                    announcement, instruction, base_hash
+                ) or await self._workers.run_round(instruction, self._train_timeout_s)
         except RoundFailed as exc:
             return RoundEnd("failed", str(exc), params_hash=base_hash)
         summary = result.summary
+        if self._timeline is not None:
+            self._timeline.worker_trained(
+                announcement.job,
+                announcement.round,
+                summary.train_started_at,
+                summary.train_finished_at,
+            )
         if summary.base_params_hash != base_hash:
             return RoundEnd(
                 "failed",
                 f"the workers trained from θ {summary.base_params_hash}, not {base_hash}",
                 params_hash=base_hash,
             )
+        await self._delayed.speculate(
+            announcement, instruction, job.params_path(announcement.round + 1)
+        )
         self._count_trained(announcement.job, announcement.round, summary.mean_loss)
         if summary.stats is not None:
             self._metrics.round_measured(
@@ -274,14 +299,15 @@ class RoundPipeline:
                 announcement.round, signed.to_bytes(), encoded.frames, encoded.feedback, meta
             )
 
-        delta = await _blocking(encode_sign_spool)
+        with self._phase(announcement, "encode"):
+            delta = await _blocking(encode_sign_spool)
         await _blocking(self._workers.handoff.prune_rounds, announcement.job, announcement.round)
         return delta
 
     def _instruction(
         self, announcement: RoundAnnouncement, job: JobDirectory, synced: Synced
     ) -> RoundInstruction:
-        participants = sorted(announcement.participants)
+        region_index, num_regions = announcement.data_shard(self._region.name)
         return RoundInstruction(
             job=announcement.job,
             round=announcement.round,
@@ -291,10 +317,11 @@ class RoundPipeline:
             task_options=dict(announcement.task_options),
             seed=announcement.seed,
             region=self._region.name,
-            region_index=participants.index(self._region.name),
-            num_regions=len(participants),
+            region_index=region_index,
+            num_regions=num_regions,
             training=announcement.training,
             total_steps=announcement.total_steps,
+            overlap=announcement.overlap,
             evaluate_base=region_evaluates(
                 announcement.evaluation,
                 self._region.name,
@@ -325,9 +352,10 @@ class RoundPipeline:
             detail="uploading the delta",
         )
         try:
-            report = await self._uploader.upload(
-                announcement.job, delta, {"train_loss": meta.train_loss}
-            )
+            with self._phase(announcement, "upload"):
+                report = await self._uploader.upload(
+                    announcement.job, delta, {"train_loss": meta.train_loss}
+                )
         except RoundClosed as exc:
             # Kept: a round closed by a pause, or below quorum, may be re-opened as is;
             # a later round drops the spool once the coordinator confirms it is closed.
@@ -341,6 +369,8 @@ class RoundPipeline:
             await _blocking(job.discard_spool, announcement.round)
             return end("refused", str(exc))
         self._count_accepted(delta.manifest.manifest)
+        if self._timeline is not None:
+            self._timeline.accepted(announcement.job, announcement.round)
         await _blocking(job.promote, announcement.round)
         sent = f"{report.chunks_sent} chunks, {report.bytes_sent} bytes sent"
         return end(
@@ -398,10 +428,34 @@ class RoundPipeline:
             rollback.from_round,
             rollback.to_round,
         )
+        await self._delayed.cancel_pending("the coordinator rolled back")
         await self._workers_idle()
         await _blocking(job.discard)
         await _blocking(self._workers.handoff.forget_job, job.job)
         self._trained.pop(job.job, None)  # the rounds after the restored one run again
+
+    # -- overlap: delayed (regional_agent.overlap_pipeline) -------------------------------
+
+    async def announced(self, announcement: RoundAnnouncement) -> None:
+        """An announcement arrived: drop the speculative round it ends, if any."""
+        try:
+            await self._delayed.announced(announcement)
+        except (OSError, ValueError) as exc:
+            log.warning("job %s: cannot check its speculative round: %s", announcement.job, exc)
+
+    async def _settle_speculation(
+        self, job: JobDirectory, announcement: RoundAnnouncement, resync: bool
+    ) -> None:
+        spooled = announcement.round in await _blocking(job.spooled_rounds)
+        await self._delayed.settle(announcement, resync=resync, spooled=spooled)
+
+    async def _delayed_result(
+        self, announcement: RoundAnnouncement, instruction: RoundInstruction, base_hash: str
+    ) -> RoundResult | None:
+        """The result of the round trained ahead of θ, when one stands for this round."""
+        if announcement.overlap != "delayed":
+            return None
+        return await self._delayed.train(instruction, base_hash)
 
     async def _workers_idle(self) -> None:
         """Wait until the worker group has no instruction in hand (bounded by the train
@@ -441,6 +495,14 @@ class RoundPipeline:
             await _blocking(job.promote, round_)
 
     # -- metrics ----------------------------------------------------------------------
+
+    def _phase(
+        self, announcement: RoundAnnouncement, phase: Phase
+    ) -> contextlib.AbstractContextManager[None]:
+        """Time ``phase`` of the announced round on the round timeline, if one is kept."""
+        if self._timeline is None:
+            return contextlib.nullcontext()
+        return self._timeline.phase(announcement.job, announcement.round, phase)
 
     def _count_trained(self, job: str, round_: int, loss: float) -> None:
         if self._trained.get(job, -1) >= round_:

@@ -10,7 +10,10 @@ parameters it reconstructs must hash to the manifest's ``parameters_hash``.
 :class:`Synchronizer` decides how to get there (protocol: "Round lifecycle", step 2):
 nothing to do when the held θ already has the announced hash; the update when the held
 θ is the version just before; a full resync otherwise, and whenever an update is
-refused. Verification and the tensor arithmetic run in a worker thread.
+refused. Verification and the tensor arithmetic run in a worker thread. A resync fetches
+up to ``download_window`` artifacts of the chain at once (agent config
+``transfer.download_window``) and still verifies and applies them in order; each
+artifact is one streamed GET that resumes with ``Range`` after a drop.
 
 With :class:`~regional_agent.metrics.AgentMetrics` it counts the bytes downloaded (as
 they arrive, failed downloads included), the float32 size of every verified update or
@@ -22,7 +25,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any, Literal
@@ -42,6 +45,7 @@ from geofed.pki.bundle_source import BundleSource, current
 from geofed.types import ArtifactKind, Role
 from regional_agent.coordinator_client import CoordinatorClient, CoordinatorError, HttpError
 from regional_agent.metrics import AgentMetrics, MetricsError
+from regional_agent.prefetch import Prefetch
 from regional_agent.state import ParamsVersion
 
 log = logging.getLogger(__name__)
@@ -188,7 +192,11 @@ class Synchronizer:
         *,
         clock: Clock = _utc_now,
         metrics: AgentMetrics | None = None,
+        download_window: int = 1,
     ) -> None:
+        if download_window < 1:
+            raise ValueError(f"download window must be >= 1, got {download_window}")
+        self._download_window = download_window
         self._client = client
         self._bundle = bundle
         self._clock = clock
@@ -277,26 +285,29 @@ class Synchronizer:
         answer = await self._client.request("GET", ApiPaths.latest_checkpoint(job))
         snapshot, updates = _chain(answer.json(), job, target.round)
         applied: list[tuple[str, int]] = []  # counted once the chain reaches θ_r
+        # Up to download_window artifacts of the chain travel at once; each is still
+        # verified and applied in the chain's order, as it would be one at a time.
+        fetches = [
+            self._fetch(
+                snapshot.url, f"snapshot {job}/{snapshot.round}", ArtifactKind.GLOBAL_CHECKPOINT
+            )
+        ] + [
+            self._fetch(part.url, f"update {job}/{part.round}", ArtifactKind.GLOBAL_UPDATE)
+            for part in updates
+        ]
         try:
-            data = await self._client.download(
-                snapshot.url,
-                what=f"snapshot {job}/{snapshot.round}",
-                on_bytes=self._counter(ArtifactKind.GLOBAL_CHECKPOINT),
-            )
-            params, version, scheme = await asyncio.to_thread(
-                self._verify_snapshot, data, job, snapshot
-            )
-            applied.append((scheme, _fp32_bytes(params)))
-            for part in updates:
-                data = await self._client.download(
-                    part.url,
-                    what=f"update {job}/{part.round}",
-                    on_bytes=self._counter(ArtifactKind.GLOBAL_UPDATE),
-                )
+            async with Prefetch(fetches, self._download_window) as downloads:
+                data = await downloads.next()
                 params, version, scheme = await asyncio.to_thread(
-                    self._verify_and_apply, data, job, part, params, version
+                    self._verify_snapshot, data, job, snapshot
                 )
                 applied.append((scheme, _fp32_bytes(params)))
+                for part in updates:
+                    data = await downloads.next()
+                    params, version, scheme = await asyncio.to_thread(
+                        self._verify_and_apply, data, job, part, params, version
+                    )
+                    applied.append((scheme, _fp32_bytes(params)))
         except ArtifactRejected as exc:
             raise ResyncFailed(f"resync of {job} to θ_{target.round}: {exc}") from exc
         if version != target:
@@ -309,6 +320,12 @@ class Synchronizer:
         if self._metrics is not None:
             self._metrics.resynced(job)
         return params, version
+
+    def _fetch(self, url: str, what: str, kind: ArtifactKind) -> Callable[[], Awaitable[bytes]]:
+        def fetch() -> Awaitable[bytes]:
+            return self._client.download(url, what=what, on_bytes=self._counter(kind))
+
+        return fetch
 
     def _counter(self, kind: ArtifactKind) -> Callable[[int], None] | None:
         metrics = self._metrics

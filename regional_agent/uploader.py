@@ -1,9 +1,13 @@
 """Resumable, idempotent upload of a spooled delta (protocol: "Upload a delta").
 
 One upload is: ``PUT .../manifest`` (the coordinator answers which chunks it already
-holds), ``PUT .../chunks/{i}`` for each missing frame, ``POST .../commit``. When the
-connection drops or times out, the uploader backs off and starts again from the
-manifest, so it re-sends only what the coordinator did not acknowledge; a delta the
+holds), ``PUT .../chunks/{i}`` for each missing frame, ``POST .../commit``. Up to
+``window`` chunk PUTs are in flight at once (agent config ``transfer.upload_window``),
+each on a keep-alive connection of the one client session, answered in any order; the
+coordinator answers each only once it is durable. When a chunk's connection drops or
+times out, no further chunk starts, the ones in flight finish (each answer counts), and
+the uploader backs off and starts again from the manifest, so it re-sends only what the
+coordinator did not acknowledge; a delta the
 coordinator already accepted is answered ``accepted`` at once. Everything is keyed by
 (job, round, region), so retrying after an agent restart is harmless too.
 
@@ -23,6 +27,7 @@ import asyncio
 import logging
 import random
 import time
+from asyncio import FIRST_COMPLETED
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -88,7 +93,11 @@ class Uploader:
         rng: random.Random | None = None,
         metrics: AgentMetrics | None = None,
         clock: Callable[[], float] = time.monotonic,
+        window: int = 1,
     ) -> None:
+        if window < 1:
+            raise ValueError(f"upload window must be >= 1, got {window}")
+        self._window = window
         self._client = client
         self._region = region
         self._backoff = backoff or Backoff(initial_s=0.2, max_s=10.0)
@@ -164,21 +173,9 @@ class Uploader:
             report.already_accepted = True
             return True
         received = _received(state, delta.frame_count)
-        for index in range(delta.frame_count):
-            if index in received:
-                continue
-            frame = await asyncio.to_thread(delta.read_frame, index)
-            chunk = ApiPaths.delta_chunk(job, delta.round, self._region, index)
-            try:
-                await self._client.request("PUT", chunk, data=frame, what=f"PUT {chunk}")
-            except HttpError as exc:
-                if exc.code != "not_found":
-                    raise
-                # The open upload is gone (replaced or expired): offer the manifest again.
-                log.warning("%s: %s; offering the manifest again", base, exc.message)
-                return False
-            report.chunks_sent += 1
-            report.bytes_sent += len(frame)
+        missing = [i for i in range(delta.frame_count) if i not in received]
+        if not await self._send_chunks(job, delta, missing, report):
+            return False
         try:
             commit = await self._client.request(
                 "POST",
@@ -196,6 +193,63 @@ class Uploader:
             raise UploadRefused("bad_answer", f"commit of {base} answered {body!r}")
         report.receipt = body.get("receipt") or body
         return True
+
+    async def _send_chunks(
+        self, job: str, delta: SpooledDelta, missing: list[int], report: UploadReport
+    ) -> bool:
+        """PUT the ``missing`` frames, ``window`` at a time; False if the open upload vanished.
+
+        A transport failure stops new chunks but lets those in flight finish (the
+        coordinator may acknowledge them), then raises; a refusal cancels the rest.
+        """
+        base = self.delta_path(job, delta.round)
+        queue = iter(missing)
+        in_flight: set[asyncio.Task[int]] = set()
+        failure: BaseException | None = None
+        vanished = False
+        try:
+            while True:
+                while failure is None and not vanished and len(in_flight) < self._window:
+                    index = next(queue, None)
+                    if index is None:
+                        break
+                    in_flight.add(asyncio.create_task(self._send_chunk(job, delta, index)))
+                if not in_flight:
+                    break
+                done, in_flight = await asyncio.wait(in_flight, return_when=FIRST_COMPLETED)
+                for task in done:
+                    error = task.exception()
+                    if error is None:
+                        report.chunks_sent += 1
+                        report.bytes_sent += task.result()
+                    elif isinstance(error, HttpError) and error.code == "not_found":
+                        if not vanished:
+                            # The open upload is gone (replaced or expired): offer the
+                            # manifest again.
+                            log.warning("%s: %s; offering the manifest again", base, error)
+                        vanished = True
+                    elif failure is None:
+                        failure = error
+                if isinstance(failure, HttpError):
+                    break  # a refusal: what is still in flight cannot change it
+        finally:
+            for task in in_flight:
+                task.cancel()
+            if in_flight:
+                await asyncio.wait(in_flight)
+                for task in in_flight:
+                    if not task.cancelled():
+                        task.exception()  # read: the upload already failed for another reason
+        if failure is not None:
+            raise failure
+        return not vanished
+
+    async def _send_chunk(self, job: str, delta: SpooledDelta, index: int) -> int:
+        """PUT frame ``index``; its size once the coordinator acknowledged it."""
+        frame = await asyncio.to_thread(delta.read_frame, index)
+        chunk = ApiPaths.delta_chunk(job, delta.round, self._region, index)
+        await self._client.request("PUT", chunk, data=frame, what=f"PUT {chunk}")
+        return len(frame)
 
 
 def _received(state: Mapping[str, Any], count: int) -> set[int]:

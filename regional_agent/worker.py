@@ -19,6 +19,11 @@ restarted group resumes from the regional checkpoint and redoes the current roun
 crash costs at most that round's work and changes nothing in its result: the learning
 rate is a function of the round and step, and the data of the cursor.
 
+A delayed round (``overlap: delayed``, the instruction's ``base_pending``) goes on from
+the parameters the group holds at the end of the round before and folds θ in when the
+agent has it (:mod:`regional_agent.delayed_round`); a group that does not hold them (just
+restarted, or another job in between) waits for θ and trains the round serially.
+
 Every idle poll and every training step starts with a tiny all-reduce (gloo, on the
 CPU) of each rank's stop wish (stop file, SIGTERM/SIGINT/SIGHUP, launcher gone), so
 all ranks stop at the same step and none is left waiting in a collective.
@@ -37,6 +42,7 @@ import signal
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
 from datetime import timedelta
 from types import FrameType
 
@@ -46,7 +52,9 @@ import torch.distributed as dist
 from geofed.params import parameters_vector_hash
 from geofed.task import DataShard
 from regional_agent.base_evaluation import evaluate_base
+from regional_agent.delayed_round import DelayedFold, evaluator
 from regional_agent.handoff import (
+    BaseReady,
     HandoffDir,
     RankStatus,
     RegionalCheckpoint,
@@ -179,7 +187,7 @@ class RoundRunner:
         try:
             state = self._state_for(instruction)
             replay = state.last_round is not None and round_ <= state.last_round
-            if not replay and self._rank == 0:
+            if not replay and self._rank == 0 and not instruction.base_pending:
                 base = read_base(state.model, instruction.base_params)
         except Exception as exc:
             log.exception("cannot prepare job %s round %d", job, round_)
@@ -190,6 +198,32 @@ class RoundRunner:
             if self._rank == 0:
                 self._republish(state, instruction)
             return
+        fold: DelayedFold | None = None
+        if instruction.base_pending:
+            # Every rank holds the same state, so every rank takes the same branch.
+            if self._holds_previous_round(state, instruction):
+                parallel, optimizer = state.ready(self._device)  # made: no collective
+                try:
+                    fold = DelayedFold(
+                        self._handoff,
+                        instruction,
+                        parallel,
+                        self._agree,
+                        evaluator(state.task, parallel, state.training, self._device, "θ"),
+                        self._control,
+                    )
+                except Exception as exc:  # the snapshot did not fit, say
+                    log.exception("cannot start job %s round %d ahead of θ", job, round_)
+                    error = f"rank {self._rank}: {type(exc).__name__}: {exc}"
+                if self._refused(instruction, self._problems(error)) or fold is None:
+                    return
+                self._train(state, parallel, optimizer, instruction, "", None, fold)
+                return
+            # A restarted group, or another job in between: a serial round once θ is there.
+            started = self._await_base(state, instruction)
+            if started is None:
+                return
+            base, instruction = started
         # Then the collectives; every rank runs the same code on the same inputs, so a
         # deterministic failure (a task's optimizer, a checkpoint that does not fit) is
         # met by all of them at the same point.
@@ -206,6 +240,73 @@ class RoundRunner:
         del base  # rank 0's mapped θ: the model holds it now
         base_eval = self._evaluate_base(state, parallel, instruction)
         self._train(state, parallel, optimizer, instruction, base_hash, base_eval)
+
+    def _holds_previous_round(self, state: JobState, instruction: RoundInstruction) -> bool:
+        """Whether this state's model holds the parameters it trained in the round before."""
+        return state.parallel is not None and state.local_round == instruction.round - 1
+
+    def _await_base(
+        self, state: JobState, instruction: RoundInstruction
+    ) -> tuple[BaseParams | None, RoundInstruction] | None:
+        """Wait for θ of a delayed round the group cannot continue (a collective loop).
+
+        Returns rank 0's θ (None on the other ranks) and the instruction to train
+        serially from it; None when a stop or the agent's cancel came first, or θ could
+        not be read (then the round's error marker says why).
+        """
+        job, round_ = instruction.job, instruction.round
+        while True:
+            ready: BaseReady | None = None
+            cancelled = superseded = False
+            if self._rank == 0:
+                superseded = self._superseded(instruction)
+                cancelled = self._handoff.cancel_requested(job, round_)
+                try:
+                    ready = None if cancelled else self._handoff.read_base_ready(job, round_)
+                except Exception as exc:
+                    self._handoff.write_error(job, round_, f"unreadable base-ready marker: {exc}")
+                    cancelled = True
+            stop, has, cancel, replaced = self._agree(
+                self._wants_stop(), ready is not None, cancelled, superseded
+            )
+            if replaced:
+                log.info("job %s round %d: the delayed round was replaced", job, round_)
+                return None  # the serve loop takes the new instruction
+            if cancel:
+                if self._rank == 0 and self._handoff.read_error(job, round_) is None:
+                    self._handoff.write_error(job, round_, "the delayed round was cancelled")
+                return None
+            if stop:
+                return None
+            if has:
+                break
+            time.sleep(self._settings.poll_interval_s)
+        box: list[BaseReady | None] = [ready]
+        dist.broadcast_object_list(box, src=0, group=self._control)
+        marker = box[0]
+        assert marker is not None
+        error: str | None = None
+        base: BaseParams | None = None
+        if self._rank == 0:
+            try:
+                base = read_base(state.model, marker.base_params)
+            except Exception as exc:
+                error = f"rank 0: cannot read θ_{round_}: {type(exc).__name__}: {exc}"
+            else:
+                if base.hash != marker.base_hash:
+                    error = f"θ at {marker.base_params} hashes {base.hash}, not {marker.base_hash}"
+        if self._refused(instruction, self._problems(error)):
+            return None
+        log.info("job %s round %d: θ came; training from it", job, round_)
+        return base, replace(instruction, evaluate_base=marker.evaluate_base)
+
+    def _superseded(self, instruction: RoundInstruction) -> bool:
+        """Whether the agent rewrote (or dropped) this delayed round's instruction."""
+        try:
+            current = self._handoff.read_instruction(instruction.job, instruction.round)
+        except (OSError, ValueError):
+            return True
+        return current != instruction
 
     def _evaluate_base(
         self, state: JobState, parallel: ParallelModel, instruction: RoundInstruction
@@ -285,7 +386,9 @@ class RoundRunner:
         instruction: RoundInstruction,
         base_hash: str,
         base_eval: dict[str, float] | None = None,
+        fold: DelayedFold | None = None,
     ) -> None:
+        """Train the round; a delayed round (``fold``) folds θ in on the way."""
         shard = DataShard(
             region=instruction.region,
             region_index=instruction.region_index,
@@ -305,6 +408,7 @@ class RoundRunner:
             training=state.training,
         )
         started = time.monotonic()
+        started_at = time.time()  # the wall clock: other processes' timelines compare to it
         progress_at = 0.0
 
         def should_stop(step: int) -> bool:
@@ -317,15 +421,28 @@ class RoundRunner:
                 self._handoff.write_progress(
                     RoundProgress(instruction.job, instruction.round, step, instruction.inner_steps)
                 )
+            if fold is not None:
+                return fold.between_steps(step, self._wants_stop())
             return self._agree(self._wants_stop())[0]
 
         totals = train_round(
             parallel, optimizer, state.task, batches, plan, should_stop, self._device
         )
+        finished_at = time.time()
+        if (
+            totals is not None
+            and fold is not None
+            and not fold.finish(steps, self._wants_stop, self._settings.poll_interval_s)
+        ):
+            totals = None
         if totals is None:
             log.info("job %s round %d: aborted", instruction.job, instruction.round)
             self._state = None  # part-way through a round; never reused
+            if fold is not None and fold.failure is not None and self._rank == 0:
+                self._handoff.write_error(instruction.job, instruction.round, fold.failure)
             return
+        if fold is not None:
+            base_hash, base_eval = fold.base_hash, fold.base_eval
         region = torch.tensor([float(totals.tokens), totals.loss_sum], dtype=torch.float64)
         dist.all_reduce(region, group=self._control)
         region_tokens, region_loss = int(region[0].item()), float(region[1].item())
@@ -364,6 +481,10 @@ class RoundRunner:
                 train_seconds=time.monotonic() - started,
                 base_eval=base_eval,
                 stats=stats,
+                train_started_at=started_at,
+                train_finished_at=finished_at,
+                base_wait_seconds=None if fold is None else fold.wait_seconds,
+                base_folded_at_step=None if fold is None else fold.folded_at_step,
             )
             checkpoint = RegionalCheckpoint(
                 job=instruction.job,
@@ -375,6 +496,7 @@ class RoundRunner:
             )
             self._publish(summary, params, checkpoint, totals)
         state.cursor, state.last_round = cursor, instruction.round
+        state.local_round = instruction.round
 
     def _publish(
         self,

@@ -148,7 +148,17 @@ class WorkerGroup:
         done = await asyncio.to_thread(self.handoff.read_completed, job, round_)
         if done is not None:
             return done
-        return await wait_for(self._run(instruction), timeout_s, f"round {round_} of job {job}")
+        return await wait_for(
+            self._run(instruction, job, round_), timeout_s, f"round {round_} of job {job}"
+        )
+
+    async def collect_round(self, job: str, round_: int, timeout_s: float) -> RoundResult:
+        """Wait for the outcome of a round whose instruction is already written (a
+        delayed round: see :mod:`regional_agent.overlap_pipeline`); raises as
+        :meth:`run_round` does."""
+        return await wait_for(
+            self._run(None, job, round_), timeout_s, f"round {round_} of job {job}"
+        )
 
     async def stop(self) -> int | None:
         """Stop the group: stop request, then SIGKILL of every process after the deadline.
@@ -218,11 +228,13 @@ class WorkerGroup:
                 return status
             await asyncio.sleep(self._config.poll_interval_s)
 
-    async def _run(self, instruction: RoundInstruction) -> RoundResult:
-        job, round_ = instruction.job, instruction.round
+    async def _run(
+        self, instruction: RoundInstruction | None, job: str, round_: int
+    ) -> RoundResult:
         async with self._round_lock:
             self._check_running()
-            await asyncio.to_thread(self._submit, instruction)
+            if instruction is not None:
+                await asyncio.to_thread(self._submit, instruction)
             while True:
                 outcome = await asyncio.to_thread(self._outcome, job, round_)
                 if isinstance(outcome, RoundResult):
@@ -233,8 +245,10 @@ class WorkerGroup:
                 await asyncio.sleep(self._config.poll_interval_s)
 
     def _submit(self, instruction: RoundInstruction) -> None:
-        self.handoff.clear_error(instruction.job, instruction.round)
+        # The new instruction first: until the old error is gone the round reads as
+        # answered, so the workers never serve the old content in between.
         self.handoff.write_instruction(instruction)
+        self.handoff.clear_error(instruction.job, instruction.round)
 
     def _outcome(self, job: str, round_: int) -> RoundResult | str | None:
         result = self.handoff.read_completed(job, round_)

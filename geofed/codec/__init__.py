@@ -2,13 +2,20 @@
 
 Schemes: ``fp32`` (lossless), ``int8`` and ``int4`` (blockwise absmax; see
 :mod:`geofed.codec.quantize` for the math). Encoding is deterministic for given inputs
-(and generator state, with stochastic rounding); decoding is bit-identical everywhere.
+(and generator state, with stochastic rounding; and the same ``compression`` and
+``zstd_threads`` choice, see :func:`encode_stream`); decoding is bit-identical everywhere.
 The parameters are :class:`geofed.codec_params.CodecParams`, the model job specs, round
 announcements and manifests share; the chunk size is the encoder's own choice
 (``chunk_elements``, recorded in the stream header).
 
-Wire format, version 1
+Wire format, version 2
 ======================
+
+Version 2 differs from version 1 only in the chunk fields: version 1 had three reserved
+zero bytes after ``scheme``; version 2 uses the first of them for ``compression`` and
+keeps two reserved. Decoders read both versions; every frame of a stream carries the
+version of its header, and a frame of another version is refused. Encoders write version
+2.
 
 All integers are unsigned little-endian. A stream is a sequence of frames::
 
@@ -20,7 +27,7 @@ Every frame is ``prefix | body | tag``:
 field       bytes  meaning
 ==========  =====  ============================================================
 magic       4      ``b"GFDC"``
-version     1      1
+version     1      2 (1 is read too)
 kind        1      1 header, 2 chunk, 3 trailer
 flags       2      0 (reserved)
 body_len    8      bytes of body
@@ -39,10 +46,23 @@ Header body: ASCII JSON, keys sorted, no whitespace::
 
 ``dtype`` is ``float32``, ``float16`` or ``bfloat16``; at most 64 MiB.
 
-Chunk body: 72 bytes of fields, then one zstd frame (content size declared)::
+Chunk body: 72 bytes of fields, then the payload as ``compression`` says::
 
-    index u64 | tensor u32 | scheme u8 (0 fp32, 1 int8, 2 int4) | 3 zero bytes |
+    index u64 | tensor u32 | scheme u8 (0 fp32, 1 int8, 2 int4) |
+    compression u8 (0 zstd, 1 none) | reserved u16 (0) |
     offset u64 | count u64 | decoded_size u64 | header digest (32 bytes)
+
+- ``compression`` 0: one zstd frame that declares its content size, which must be
+  ``decoded_size``; decompression stops there (a frame claiming, hiding or producing more
+  is refused unexpanded), and the frame may weigh at most zstd's compress bound of the
+  largest payload the stream's chunks can hold.
+- ``compression`` 1: the payload itself, exactly ``decoded_size`` bytes.
+
+A version 1 chunk must have 0 there (it is always zstd). Other codes, a non-zero reserved
+field, or a payload of another size are refused (:class:`CorruptChunk`) before anything
+is allocated for them. Which chunks are compressed is the encoder's choice (by default
+those where zstd pays: :mod:`geofed.codec.compression`); the header's ``zstd_level`` is the
+level of those that are.
 
 Chunks follow the tensors in header order; each tensor (flattened, row-major) is cut
 into ``chunk_elements``-sized slices, the last one shorter; empty tensors have none. The

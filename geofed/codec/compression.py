@@ -1,23 +1,102 @@
-"""zstd for chunk payloads: frames that declare their size, and bounded decompression."""
+"""zstd for chunk payloads: when it pays, frames that declare their size, bounded decompression.
+
+Dense int8 codes are close to incompressible (zstd gains about 1.03-1.06x on them, at
+about the cost of quantizing them twice over), while heavy-tailed or sparse codes, int4
+codes and float32 gain 1.1-2x or more. The encoder's ``auto`` policy therefore decides per
+chunk: a float32 or int4 payload is compressed unless zstd would not shrink it at all
+(int4 is the scheme chosen for the fewest bytes); an int8 payload is compressed only if
+zstd shrinks a sample of it (:data:`SAMPLE_WINDOWS` windows of :data:`SAMPLE_WINDOW` bytes
+spread over it; the whole payload when it is no larger) and then the whole payload by at
+least :data:`MIN_ZSTD_GAIN`, and otherwise stored as it is.
+The sample costs about 3% of compressing a 1M-element int8 chunk. The decision is a pure
+function of the payload and the level, so encoding stays deterministic.
+"""
 
 from __future__ import annotations
+
+from typing import Final, Literal, get_args
 
 import torch
 import zstandard
 
-from geofed.codec.errors import CorruptChunk, DecodedSizeExceeded
-from geofed.codec.wire import Bytes
+from geofed.codec.errors import CorruptChunk, DecodedSizeExceeded, EncodeError
+from geofed.codec.wire import Bytes, Compression
+from geofed.codec_params import Scheme
+
+CompressionPolicy = Literal["auto", "zstd", "none"]
+COMPRESSION_POLICIES: Final[tuple[str, ...]] = get_args(CompressionPolicy)
+#: zstd must shrink an int8 payload by this factor (saving 1 - 1/1.1, 9%) to be used.
+MIN_ZSTD_GAIN: Final = 1.1
+#: The gain each scheme's payload must show for ``auto`` to keep zstd.
+_REQUIRED_GAIN: Final[dict[str, float]] = {"fp32": 1.0, "int4": 1.0, "int8": MIN_ZSTD_GAIN}
+SAMPLE_WINDOW: Final = 8 << 10
+SAMPLE_WINDOWS: Final = 4
 
 
-def new_compressor(level: int) -> zstandard.ZstdCompressor:
-    """A compressor whose frames declare their content size (not thread-safe)."""
-    return zstandard.ZstdCompressor(level=level, write_content_size=True, write_checksum=False)
+def check_policy(policy: object) -> CompressionPolicy:
+    if policy not in COMPRESSION_POLICIES:
+        raise EncodeError(f"compression {policy!r} is not one of {', '.join(COMPRESSION_POLICIES)}")
+    return policy  # type: ignore[return-value]
+
+
+def check_zstd_threads(threads: object) -> int:
+    if not isinstance(threads, int) or isinstance(threads, bool) or not 0 <= threads <= 256:
+        raise EncodeError(f"zstd_threads {threads!r} must be an int from 0 to 256")
+    return threads
+
+
+def new_compressor(level: int, threads: int = 0) -> zstandard.ZstdCompressor:
+    """A compressor whose frames declare their content size (not thread-safe).
+
+    ``threads`` >= 1 selects zstd's multi-threaded mode, whose output does not depend on
+    the number of threads (but differs from the single-threaded mode's, ``threads=0``).
+    """
+    return zstandard.ZstdCompressor(
+        level=level, write_content_size=True, write_checksum=False, threads=threads
+    )
+
+
+def compress_payload(
+    compressor: zstandard.ZstdCompressor,
+    payload: memoryview,
+    scheme: Scheme,
+    policy: CompressionPolicy,
+) -> tuple[Compression, Bytes]:
+    """Return how ``payload`` (a byte view) goes on the wire: its compression and bytes."""
+    size = payload.nbytes
+    if policy == "none" or not size:
+        return Compression.NONE, payload
+    if policy == "zstd":
+        return Compression.ZSTD, compressor.compress(payload)
+    wanted = _REQUIRED_GAIN[scheme]
+    small = size <= SAMPLE_WINDOW * SAMPLE_WINDOWS
+    if wanted > 1.0 and not small and not _pays(compressor, _sample(payload)):
+        return Compression.NONE, payload
+    compressed = compressor.compress(payload)
+    if size < wanted * len(compressed):
+        return Compression.NONE, payload
+    return Compression.ZSTD, compressed
+
+
+def _sample(payload: memoryview) -> bytes:
+    """:data:`SAMPLE_WINDOWS` windows centred at (i + 1/2) / n of the payload.
+
+    The centres keep the sample clear of the block scales at the payload's start.
+    """
+    stride = payload.nbytes // SAMPLE_WINDOWS
+    starts = [i * stride + (stride - SAMPLE_WINDOW) // 2 for i in range(SAMPLE_WINDOWS)]
+    return b"".join(payload[start : start + SAMPLE_WINDOW] for start in starts)
+
+
+def _pays(compressor: zstandard.ZstdCompressor, sample: bytes) -> bool:
+    """Whether zstd gains :data:`MIN_ZSTD_GAIN` on ``sample``."""
+    return len(sample) >= MIN_ZSTD_GAIN * len(compressor.compress(sample))
 
 
 def decompress_exact(
     decompressor: zstandard.ZstdDecompressor, frame: Bytes, size: int, label: str
-) -> torch.Tensor:
-    """Decompress one zstd frame of exactly ``size`` bytes into a writable uint8 tensor.
+) -> bytes:
+    """Decompress one zstd frame of exactly ``size`` bytes.
 
     The frame's declared content size is checked before anything is allocated, and the
     output is capped at ``size``: a frame that claims, hides or produces more is refused
@@ -39,5 +118,22 @@ def decompress_exact(
         raise CorruptChunk(f"{label}: zstd: {exc}") from exc
     if len(raw) != size:
         raise CorruptChunk(f"{label}: zstd frame holds {len(raw)} bytes, not {size}")
-    # A writable copy: torch warns on tensors over read-only memory.
-    return torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+    return raw
+
+
+class PayloadBuffer:
+    """A reusable writable byte buffer that payloads are copied into for decoding."""
+
+    def __init__(self) -> None:
+        self._bytes = bytearray()
+        self._tensor = torch.empty(0, dtype=torch.uint8)
+
+    def fill(self, data: Bytes) -> torch.Tensor:
+        """Copy ``data`` in; return a uint8 tensor over it, valid until the next fill."""
+        view = memoryview(data).cast("B")
+        size = view.nbytes
+        if len(self._bytes) < size:
+            self._bytes = bytearray(size)
+            self._tensor = torch.frombuffer(self._bytes, dtype=torch.uint8)
+        memoryview(self._bytes)[:size] = view
+        return self._tensor[:size]

@@ -12,7 +12,7 @@ from typing import TypeVar
 import torch
 import zstandard
 
-from geofed.codec.compression import decompress_exact
+from geofed.codec.compression import PayloadBuffer, decompress_exact
 from geofed.codec.errors import (
     CorruptChunk,
     CorruptStream,
@@ -35,6 +35,8 @@ from geofed.codec.wire import (
     SCHEME_CODES,
     TRAILER_FIELDS,
     Bytes,
+    ChunkFields,
+    Compression,
     FrameKind,
     frame_size,
     parse_chunk_fields,
@@ -63,13 +65,14 @@ class Piece:
 class _Header:
     """What the stream header established."""
 
+    version: int  # the wire-format version of the header; every frame must share it
     codec: CodecParams
     chunk_elements: int
     specs: list[TensorLayout]
     block_codec: BlockCodec
     digest: bytes
     chunk_total: int
-    chunk_limit: int  # the largest zstd frame a chunk of this stream may carry
+    chunk_limit: int  # the largest payload (stored or zstd) a chunk of this stream may carry
 
 
 class _State(Enum):
@@ -122,6 +125,7 @@ class StreamDecoder:
         self._next: ChunkSlot | None = None
         self._stream_hash = hashlib.sha256()
         self._decompressor = zstandard.ZstdDecompressor()
+        self._payload = PayloadBuffer()
         self._draining = False
         self._finished = False
         self._failure: BaseException | None = None
@@ -215,7 +219,13 @@ class StreamDecoder:
     def _frame_size(self, data: Bytes) -> int:
         """Check a frame prefix against the stream state; return the frame's full size."""
         where = f"frame at stream byte {self._position}"
-        kind, body_len = parse_prefix(data, where)
+        prefix = parse_prefix(data, where)
+        kind, body_len = prefix.kind, prefix.body_len
+        if self._header is not None and prefix.version != self._header.version:
+            raise CorruptStream(
+                f"{where}: wire-format version {prefix.version} in a version "
+                f"{self._header.version} stream"
+            )
         if self._state is _State.HEADER:
             if kind is not FrameKind.HEADER:
                 raise CorruptStream(f"{where}: stream starts with a {kind.name} frame, not HEADER")
@@ -241,11 +251,12 @@ class StreamDecoder:
     def _process(self, frame: memoryview) -> Piece | None:
         where = f"frame at stream byte {self._position}"
         digest = verify_tag(frame, where)
-        kind, _ = parse_prefix(frame, where)
+        prefix = parse_prefix(frame, where)
+        kind = prefix.kind
         body = frame[PREFIX.size : -len(digest)]
         piece = None
         if kind is FrameKind.HEADER:
-            self._read_header(body, digest)
+            self._read_header(body, digest, prefix.version)
         elif kind is FrameKind.CHUNK:
             piece = self._read_chunk(body, digest)
         else:
@@ -255,7 +266,7 @@ class StreamDecoder:
 
     # -- frames ---------------------------------------------------------------------
 
-    def _read_header(self, body: memoryview, digest: bytes) -> None:
+    def _read_header(self, body: memoryview, digest: bytes, version: int) -> None:
         if self._expected_header is not None and digest.hex() != self._expected_header:
             raise DigestMismatch(
                 f"stream header sha256 {digest.hex()} is not the manifest's {self._expected_header}"
@@ -273,6 +284,7 @@ class StreamDecoder:
                 f"{self._max_decoded} this decoder accepts"
             )
         self._header = _Header(
+            version=version,
             codec=codec,
             chunk_elements=chunk_elements,
             specs=specs,
@@ -317,11 +329,30 @@ class StreamDecoder:
             error = DecodedSizeExceeded if fields.decoded_size > size else CorruptChunk
             raise error(f"{label}: declares {fields.decoded_size} decoded bytes, not {size}")
         out = self._output_buffer(spec.name, slot)
-        payload = decompress_exact(self._decompressor, body[CHUNK_FIELDS.size :], size, label)
+        if out is None:
+            # The payload buffer is reused: values must not be a view of it.
+            out = torch.empty(slot.count, dtype=torch.float32)
+        payload = self._payload.fill(self._payload_bytes(fields, body, size, label))
         values = header.block_codec.decode(payload, slot.count, label=label, out=out)
         self._stream_hash.update(digest)
         self._next = next(self._slots, None)
         return Piece(spec.name, slot.offset, slot.count, values)
+
+    def _payload_bytes(self, fields: ChunkFields, body: memoryview, size: int, label: str) -> Bytes:
+        """The chunk's decoded payload, exactly ``size`` bytes, as its compression stores it."""
+        data = body[CHUNK_FIELDS.size :]
+        version = self._known_header().version
+        known = (Compression.ZSTD,) if version == 1 else tuple(Compression)
+        if fields.compression not in known or fields.reserved:
+            raise CorruptChunk(
+                f"{label}: compression code {fields.compression} and reserved field "
+                f"{fields.reserved} are not valid in a version {version} stream"
+            )
+        if fields.compression == Compression.NONE:
+            if len(data) != size:
+                raise CorruptChunk(f"{label}: stored payload of {len(data)} bytes, not {size}")
+            return data
+        return decompress_exact(self._decompressor, data, size, label)
 
     def _output_buffer(self, name: str, slot: ChunkSlot) -> torch.Tensor | None:
         if self._buffer_for is None:

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
+from geofed.codec.compression import CompressionPolicy, check_policy, check_zstd_threads
 from geofed.codec.errors import CodecError, EncodeError
 from geofed.codec.layout import DEFAULT_CHUNK_ELEMENTS, ChunkSlot, check_chunk_elements, chunk_slots
 from geofed.codec.pipeline import ChunkSealer, Pipeline
@@ -90,11 +91,19 @@ def encode_stream(
     chunk_elements: int = DEFAULT_CHUNK_ELEMENTS,
     generator: torch.Generator | None = None,
     workers: int = 1,
+    compression: CompressionPolicy = "auto",
+    zstd_threads: int = 0,
 ) -> EncodedStream:
     """Encode ``tensors`` (in mapping order) as a stream with ``codec``.
 
     Each chunk carries ``chunk_elements`` values of one tensor (a multiple of the block
     size; the last chunk of a tensor may be shorter).
+
+    ``compression`` picks which chunks zstd compresses (at ``codec.zstd_level``): ``auto``
+    those where it pays (see :mod:`geofed.codec.compression`), ``zstd`` every chunk,
+    ``none`` none; each chunk frame records its choice. ``zstd_threads`` >= 1 runs zstd
+    in its multi-threaded mode with that many threads (the bytes do not depend on the
+    number, but differ from those of the default single-threaded mode, 0).
 
     Quantization runs on each tensor's own device; only payloads reach the host.
     ``generator`` drives stochastic rounding and must live on the tensors' device; its
@@ -106,12 +115,16 @@ def encode_stream(
     if not isinstance(codec, CodecParams):
         raise EncodeError(f"codec must be a CodecParams, not {type(codec).__name__}")
     check_chunk_elements(chunk_elements, codec.block_size)
+    check_policy(compression)
+    check_zstd_threads(zstd_threads)
     if not isinstance(workers, int) or not 1 <= workers <= (os.cpu_count() or 1) * 4:
         raise EncodeError(f"workers {workers!r} must be an int from 1 to 4 x the CPU count")
     specs, flats = _describe(tensors)
     rng_state = generator.get_state() if generator is not None else None
     try:
-        return _encode(specs, flats, codec, chunk_elements, generator, workers)
+        return _encode(
+            specs, flats, codec, chunk_elements, generator, workers, compression, zstd_threads
+        )
     except BaseException:
         if generator is not None and rng_state is not None:
             generator.set_state(rng_state)
@@ -126,6 +139,7 @@ def encode(
     zstd_level: int = 1,
     stochastic_rounding: bool = False,
     generator: torch.Generator | None = None,
+    compression: CompressionPolicy = "auto",
 ) -> bytes:
     """Encode ``tensors`` into one contiguous stream (header, chunks, trailer)."""
     codec = CodecParams(
@@ -134,7 +148,7 @@ def encode(
         zstd_level=zstd_level,
         stochastic_rounding=stochastic_rounding,
     )
-    return encode_stream(tensors, codec, generator=generator).to_bytes()
+    return encode_stream(tensors, codec, generator=generator, compression=compression).to_bytes()
 
 
 def _describe(
@@ -176,12 +190,14 @@ def _encode(
     chunk_elements: int,
     generator: torch.Generator | None,
     workers: int,
+    compression: CompressionPolicy,
+    zstd_threads: int,
 ) -> EncodedStream:
     header = seal(FrameKind.HEADER, [header_body(params, chunk_elements, specs)])
     codec = BlockCodec(
         params.scheme, params.block_size, stochastic_rounding=params.stochastic_rounding
     )
-    sealer = ChunkSealer(params, header.digest)
+    sealer = ChunkSealer(params, header.digest, policy=compression, zstd_threads=zstd_threads)
     stream_hash = hashlib.sha256(header.digest)
     chunks: list[Chunk] = []
 

@@ -1,4 +1,4 @@
-"""Compressing and framing chunks, inline or on worker threads, results kept in order."""
+"""Compressing (where it pays) and framing chunks, inline or on threads, kept in order."""
 
 from __future__ import annotations
 
@@ -9,25 +9,40 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-from geofed.codec.compression import new_compressor
+from geofed.codec.compression import CompressionPolicy, compress_payload, new_compressor
 from geofed.codec.layout import ChunkSlot
 from geofed.codec.wire import SCHEME_CODES, ChunkFields, FrameKind, Sealed, chunk_fields, seal
 from geofed.codec_params import CodecParams
 
 
 class ChunkSealer:
-    """Compresses payloads and frames them; one zstd context per thread."""
+    """Compresses payloads (where the policy says so) and frames them.
 
-    def __init__(self, codec: CodecParams, header_digest: bytes) -> None:
+    One zstd context per thread.
+    """
+
+    def __init__(
+        self,
+        codec: CodecParams,
+        header_digest: bytes,
+        *,
+        policy: CompressionPolicy = "auto",
+        zstd_threads: int = 0,
+    ) -> None:
         self._codec = codec
         self._header_digest = header_digest
+        self._policy: CompressionPolicy = policy
+        self._zstd_threads = zstd_threads
         self._local = threading.local()
 
     def seal(self, slot: ChunkSlot, payload: torch.Tensor) -> Sealed:
         compressor = getattr(self._local, "compressor", None)
         if compressor is None:
-            compressor = new_compressor(self._codec.zstd_level)
+            compressor = new_compressor(self._codec.zstd_level, self._zstd_threads)
             self._local.compressor = compressor
+        compression, body = compress_payload(
+            compressor, payload.numpy().data, self._codec.scheme, self._policy
+        )
         fields = ChunkFields(
             index=slot.index,
             tensor=slot.tensor,
@@ -36,9 +51,9 @@ class ChunkSealer:
             count=slot.count,
             decoded_size=payload.numel(),
             header_digest=self._header_digest,
+            compression=compression,
         )
-        compressed = compressor.compress(payload.numpy().data)
-        return seal(FrameKind.CHUNK, [chunk_fields(fields), compressed])
+        return seal(FrameKind.CHUNK, [chunk_fields(fields), body])
 
 
 class Pipeline:

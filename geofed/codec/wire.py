@@ -20,9 +20,13 @@ from geofed.codec.tensors import TensorLayout
 from geofed.codec_params import SCHEMES, CodecParams
 
 MAGIC: Final = b"GFDC"
-VERSION: Final = 1
+#: The version this encoder writes; decoders also read every version in SUPPORTED_VERSIONS.
+VERSION: Final = 2
+SUPPORTED_VERSIONS: Final = frozenset({1, 2})
 PREFIX: Final = struct.Struct("<4sBBHQ")
-CHUNK_FIELDS: Final = struct.Struct("<QIB3xQQQ32s")
+# Version 1 wrote three zero bytes after the scheme; version 2 gives the first of them to
+# the compression code (0 = zstd, so a version 1 chunk reads as a zstd chunk).
+CHUNK_FIELDS: Final = struct.Struct("<QIBBHQQQ32s")
 TRAILER_FIELDS: Final = struct.Struct("<QQQ32s")
 TAG_SIZE: Final = 32
 MAX_HEADER_BODY: Final = 64 << 20
@@ -39,6 +43,22 @@ class FrameKind(IntEnum):
     HEADER = 1
     CHUNK = 2
     TRAILER = 3
+
+
+class Compression(IntEnum):
+    """How a chunk's payload is stored in its frame (version 2; version 1 knows only ZSTD)."""
+
+    ZSTD = 0
+    NONE = 1
+
+
+@dataclass(frozen=True, slots=True)
+class Prefix:
+    """The fixed fields that open every frame."""
+
+    version: int
+    kind: FrameKind
+    body_len: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,6 +80,8 @@ class ChunkFields:
     count: int
     decoded_size: int
     header_digest: bytes
+    compression: int = Compression.ZSTD
+    reserved: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,9 +92,9 @@ class TrailerFields:
     stream_digest: bytes
 
 
-def seal(kind: FrameKind, parts: Sequence[Bytes]) -> Sealed:
+def seal(kind: FrameKind, parts: Sequence[Bytes], *, version: int = VERSION) -> Sealed:
     """Frame ``parts`` as one body: prefix, body, sha256 tag of prefix and body."""
-    prefix = PREFIX.pack(MAGIC, VERSION, kind, 0, sum(len(part) for part in parts))
+    prefix = PREFIX.pack(MAGIC, version, kind, 0, sum(len(part) for part in parts))
     hasher = hashlib.sha256(prefix)
     for part in parts:
         hasher.update(part)
@@ -86,18 +108,21 @@ def frame_size(body_len: int) -> int:
     return PREFIX.size + body_len + TAG_SIZE
 
 
-def parse_prefix(data: Bytes, where: str) -> tuple[FrameKind, int]:
-    """Return the kind and body length of the frame starting ``data``."""
+def parse_prefix(data: Bytes, where: str) -> Prefix:
+    """Return the version, kind and body length of the frame starting ``data``."""
     magic, version, kind, flags, body_len = PREFIX.unpack_from(data)
     if magic != MAGIC:
         raise UnsupportedVersion(f"{where}: magic {bytes(magic)!r} is not {MAGIC!r}")
-    if version != VERSION:
-        raise UnsupportedVersion(f"{where}: wire-format version {version} (this is {VERSION})")
+    if version not in SUPPORTED_VERSIONS:
+        supported = ", ".join(str(v) for v in sorted(SUPPORTED_VERSIONS))
+        raise UnsupportedVersion(
+            f"{where}: wire-format version {version} (this decoder reads {supported})"
+        )
     if kind not in FrameKind.__members__.values():
         raise CorruptStream(f"{where}: unknown frame kind {kind}")
     if flags:
         raise CorruptStream(f"{where}: reserved flags are {flags:#x}, not 0")
-    return FrameKind(kind), body_len
+    return Prefix(version, FrameKind(kind), body_len)
 
 
 def verify_tag(frame: memoryview, where: str) -> bytes:
@@ -119,9 +144,7 @@ def header_body(codec: CodecParams, chunk_elements: int, specs: Sequence[TensorL
     return json.dumps(document, sort_keys=True, separators=(",", ":")).encode("ascii")
 
 
-def parse_header_body(
-    body: Bytes, where: str
-) -> tuple[CodecParams, int, list[TensorLayout]]:
+def parse_header_body(body: Bytes, where: str) -> tuple[CodecParams, int, list[TensorLayout]]:
     """Parse and validate a stream header body: codec parameters, chunk size, tensors.
 
     Raises :class:`CorruptStream` if the header is invalid.
@@ -162,6 +185,8 @@ def chunk_fields(fields: ChunkFields) -> bytes:
         fields.index,
         fields.tensor,
         fields.scheme_code,
+        fields.compression,
+        fields.reserved,
         fields.offset,
         fields.count,
         fields.decoded_size,
@@ -170,7 +195,10 @@ def chunk_fields(fields: ChunkFields) -> bytes:
 
 
 def parse_chunk_fields(body: Bytes) -> ChunkFields:
-    return ChunkFields(*CHUNK_FIELDS.unpack_from(body))
+    index, tensor, scheme, compression, reserved, offset, count, size, digest = (
+        CHUNK_FIELDS.unpack_from(body)
+    )
+    return ChunkFields(index, tensor, scheme, offset, count, size, digest, compression, reserved)
 
 
 def trailer_body(fields: TrailerFields) -> bytes:

@@ -61,6 +61,10 @@ Sha256Hex = Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{64}$")]
 Text = Annotated[str, StringConstraints(max_length=4096)]
 RoundNumber = Annotated[int, Field(ge=0, lt=2**63)]
 
+Overlap = Literal["none", "delayed"]
+#: The overlap modes a job may ask for (``streaming`` is not implemented).
+OVERLAP_MODES: tuple[str, ...] = ("none", "delayed")
+
 AnnouncedPhase = Literal["open", "closed", "done", "cancelled", "paused"]
 """``open``: regions train; ``closed``: no more deltas, aggregating; ``done``: the job
 finished; ``cancelled``: the job was cancelled; ``paused``: regions hold until resumed."""
@@ -89,6 +93,9 @@ class RoundAnnouncement(_Message):
     schedule that decays needs ``total_rounds``. ``evaluation`` says which regions
     evaluate the base parameters before training
     (:func:`geofed.evaluation_config.region_evaluates`); without it, the default.
+    ``overlap`` is the job's overlap mode: under ``delayed`` a region starts the next
+    round from its own parameters as soon as it has trained this one, and folds the
+    next θ in when it comes (the protocol between regions and coordinator is the same).
     """
 
     type: Literal["round_announcement"] = "round_announcement"
@@ -111,6 +118,22 @@ class RoundAnnouncement(_Message):
     training: TrainingConfig = Field(default_factory=TrainingConfig)
     total_rounds: int | None = Field(default=None, ge=1, lt=2**63)
     evaluation: EvaluationConfig = Field(default_factory=EvaluationConfig)
+    overlap: Overlap = "none"
+    #: The job's regions, as its spec lists them: a region's data shard is its place among
+    #: them (:meth:`data_shard`), whoever takes part in a round. Empty from coordinators
+    #: that predate it; the participants then stand in.
+    regions: Annotated[tuple[RegionName, ...], BeforeValidator(_as_tuple)] = ()
+
+    def data_shard(self, region: str) -> tuple[int, int]:
+        """``region``'s data shard: its index among the job's regions, and their count.
+
+        Fixed by the job's assignment, so a region left out of a round (quarantined, a
+        straggler) changes no other region's data.
+        """
+        regions = sorted(self.regions or self.participants)
+        if region not in regions:
+            raise ValueError(f"region {region!r} is not one of the job's regions {regions}")
+        return regions.index(region), len(regions)
 
     @property
     def total_steps(self) -> int | None:
@@ -129,6 +152,11 @@ class RoundAnnouncement(_Message):
             raise ValueError("participants must name at least one region")
         if len(set(self.participants)) != len(self.participants):
             raise ValueError("participants lists a region twice")
+        if len(set(self.regions)) != len(self.regions):
+            raise ValueError("regions lists a region twice")
+        if self.regions and not set(self.participants) <= set(self.regions):
+            strangers = sorted(set(self.participants) - set(self.regions))
+            raise ValueError(f"participants {strangers} are not among the job's regions")
         if self.min_regions > len(self.participants):
             raise ValueError(
                 f"min_regions {self.min_regions} exceeds {len(self.participants)} participants"

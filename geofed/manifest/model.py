@@ -147,9 +147,7 @@ class Manifest(_Record):
 
     @field_validator("tensors")
     @classmethod
-    def _unique_tensors(
-        cls, value: tuple[ManifestTensor, ...]
-    ) -> tuple[ManifestTensor, ...]:
+    def _unique_tensors(cls, value: tuple[ManifestTensor, ...]) -> tuple[ManifestTensor, ...]:
         seen: set[str] = set()
         for spec in value:
             if spec.name in seen:

@@ -49,6 +49,15 @@ class ReloadingBundle:
             return None
         return (status.st_mtime_ns, status.st_size)
 
+    @property
+    def path(self) -> Path:
+        return self._path
+
+    def replace(self, bundle: TrustBundle) -> None:
+        """Hold ``bundle``, just read from the file (a reload), until the file changes again."""
+        self._bundle = bundle
+        self._stamp = self._stat()
+
     def __call__(self) -> TrustBundle:
         stamp = self._stat()
         if stamp is not None and stamp != self._stamp:

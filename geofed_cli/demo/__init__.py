@@ -8,9 +8,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import sys
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from geofed.wanspec import WanLink
 
 EXIT_OK = 0
 EXIT_FAILED = 1
@@ -43,6 +48,35 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     parser.add_argument(
         "--timeout", type=float, default=900.0, help="give up after this many seconds"
     )
+    parser.add_argument(
+        "--wan",
+        type=_wan,
+        default=None,
+        metavar="BANDWIDTH,RTT",
+        help="route each region's HTTPS traffic to the coordinator through an emulated WAN "
+        "link, e.g. 5mbit,100ms (bandwidth each way in bit/kbit/mbit/gbit per second, "
+        "round-trip time in us/ms/s); default: plain loopback",
+    )
+    parser.add_argument(
+        "--overlap",
+        choices=("none", "delayed"),
+        default=None,
+        help="the job's overlap mode (default: the job spec's own default)",
+    )
+    parser.add_argument(
+        "--task-options",
+        type=_json_object,
+        default=None,
+        metavar="JSON",
+        help="overrides of the example task's options, e.g. '{\"d_model\": 64}'",
+    )
+    parser.add_argument(
+        "--chaos",
+        action="store_true",
+        help="while the job runs, kill -9 an agent, a worker and the coordinator, restart the "
+        "broker and cut a region off for a while; report what was lost (must be nothing "
+        "acknowledged) and whether every region's parameters agree (exit 1 otherwise)",
+    )
     parser.set_defaults(handler=_run)
 
 
@@ -53,6 +87,25 @@ def _positive(text: str) -> int:
         raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _wan(text: str) -> WanLink:
+    from geofed.wanspec import WanSpecError, parse_link
+
+    try:
+        return parse_link(text)
+    except WanSpecError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
+def _json_object(text: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise argparse.ArgumentTypeError(f"not valid JSON ({err}): {text!r}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
     return value
 
 
@@ -69,6 +122,10 @@ def _run(args: argparse.Namespace) -> int:
         inner_steps=args.inner_steps,
         examples=args.configs,
         timeout_s=args.timeout,
+        wan=args.wan,
+        overlap=args.overlap,
+        task_options=args.task_options,
+        chaos=args.chaos,
     )
     try:
         asyncio.run(run_demo(options, echo=lambda line: print(line, flush=True)))

@@ -3,6 +3,13 @@
 Each daemon runs as ``python -m geofed_cli ...`` in a new session so that stopping it also
 stops whatever it started (a regional agent's worker group). Stopping sends SIGTERM to the
 whole process group and SIGKILL after a deadline, so the demo never leaves orphans behind.
+
+Supervised (``ChildSet(..., supervise=RestartPolicy())``), a child that exits is restarted
+as the shipped systemd units would (:mod:`geofed_cli.demo.supervisor`): its process group
+is swept, it waits out the back-off and starts again with the same arguments and log file;
+each step is reported through ``on_event``. Only a child that will not be restarted (a
+clean or configuration exit, or past the start limit) makes :meth:`ChildSet.check_alive`
+raise. Unsupervised, any exit does.
 """
 
 from __future__ import annotations
@@ -13,10 +20,13 @@ import logging
 import os
 import signal
 import sys
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import Self
+
+from geofed_cli.demo.supervisor import RestartPolicy
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +69,11 @@ class Child:
             )
         log.debug("started %s (pid %d): %s", self.name, self._proc.pid, " ".join(self.args))
 
+    async def wait(self) -> int:
+        """Until the current process exits; its return code."""
+        assert self._proc is not None, "not started"
+        return await self._proc.wait()
+
     def log_tail(self, lines: int = 20) -> str:
         try:
             text = self.log_file.read_text(errors="replace")
@@ -100,25 +115,87 @@ def _signal_group(pgid: int, sig: signal.Signals) -> None:
 class ChildSet:
     """The demo's children; leaving the context stops them all (last started, first stopped)."""
 
-    def __init__(self, log_dir: Path, *, stop_deadline_s: float = 20.0) -> None:
+    def __init__(
+        self,
+        log_dir: Path,
+        *,
+        stop_deadline_s: float = 20.0,
+        supervise: RestartPolicy | None = None,
+        on_event: Callable[[str], None] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        """``supervise``: restart children that exit (see the module docstring);
+        ``on_event(line)`` hears of each exit and restart."""
         self.log_dir = log_dir
         self.stop_deadline_s = stop_deadline_s
         self.children: list[Child] = []
         self.env = dict(os.environ)
         # Each process is single-threaded: 2 cores are shared by about ten of them.
         self.env.setdefault("OMP_NUM_THREADS", "1")
+        self._policy = supervise
+        self._on_event = on_event or (lambda line: log.warning("%s", line))
+        self._clock = clock
+        self._watchers: list[asyncio.Task[None]] = []
+        #: Child name -> when it was restarted (``clock`` readings).
+        self.restarted: dict[str, list[float]] = {}
+        #: Child name -> why supervision gave it up.
+        self._given_up: dict[str, str] = {}
+        self._stopping = False
 
     async def start(self, name: str, args: Sequence[str]) -> Child:
         child = Child(name, args, self.log_dir / f"{name}.log", self.env)
         self.children.append(child)
         await child.start()
+        if self._policy is not None:
+            self._watchers.append(asyncio.create_task(self._supervise(child, self._policy)))
         return child
 
+    def restarts(self) -> dict[str, int]:
+        """Child name -> how many times it was restarted (supervised only)."""
+        return {name: len(times) for name, times in self.restarted.items() if times}
+
     def check_alive(self) -> None:
+        if self._policy is None:
+            for child in self.children:
+                child.check_alive()
+            return
         for child in self.children:
-            child.check_alive()
+            reason = self._given_up.get(child.name)
+            if reason is not None:
+                raise ChildFailed(
+                    f"{child.name} {reason}; last lines of {child.log_file}:\n{child.log_tail()}"
+                )
+
+    async def _supervise(self, child: Child, policy: RestartPolicy) -> None:
+        times = self.restarted.setdefault(child.name, [])
+        while True:
+            code = await child.wait()
+            if self._stopping:
+                return
+            decision = policy.decide(code, times, self._clock())
+            self._on_event(f"{child.name} {decision.reason}")
+            if not decision.restart:
+                self._given_up[child.name] = decision.reason
+                return
+            # Whatever the dead process left in its session (a worker group) goes first.
+            await child.stop(0.0)
+            await asyncio.sleep(decision.delay_s)
+            starting = asyncio.ensure_future(child.start())
+            try:
+                await asyncio.shield(starting)
+            except asyncio.CancelledError:
+                await starting  # started all the same, so that stop_all() stops it
+                raise
+            times.append(self._clock())
+            self._on_event(f"{child.name} restarted (pid {child.pid})")
 
     async def stop_all(self) -> dict[str, int | None]:
+        # Supervision first: a child stopped from here on is not restarted.
+        self._stopping = True
+        for watcher in self._watchers:
+            watcher.cancel()
+        if self._watchers:
+            await asyncio.wait(self._watchers)
         codes: dict[str, int | None] = {}
         for child in reversed(self.children):
             codes[child.name] = await child.stop(self.stop_deadline_s)

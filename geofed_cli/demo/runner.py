@@ -11,6 +11,7 @@ of the coordinator, over mTLS.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import socket
@@ -23,14 +24,19 @@ from typing import Any
 import aiohttp
 
 from geofed.api_paths import ApiPaths
-from geofed.control.broker import EmbeddedBroker, quiet_broker_logging
+from geofed.control.broker import quiet_broker_logging
 from geofed.fsutil import atomic_write_bytes
 from geofed.pki import client_ssl_context, load_trust_bundle
+from geofed.wanspec import WanLink
+from geofed_cli.demo.chaos import BrokerHolder, ChaosMonkey, judge_chaos, plan_chaos
 from geofed_cli.demo.configs import DEMO_REGIONS, find_examples, write_demo_configs
 from geofed_cli.demo.federation import create_demo_federation
 from geofed_cli.demo.metrics_text import wan_bytes
 from geofed_cli.demo.placement import place, visible_devices
 from geofed_cli.demo.processes import ChildSet
+from geofed_cli.demo.supervisor import RestartPolicy
+from geofed_cli.demo.utilization import format_utilization, utilization_by_region
+from geofed_cli.demo.wan import route_configs, wan_links
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +60,14 @@ class DemoOptions:
     examples: Path | None = None
     timeout_s: float = 900.0
     startup_timeout_s: float = 180.0
+    #: Each region's emulated link to the coordinator; None: plain loopback.
+    wan: WanLink | None = None
+    #: The job's ``overlap`` mode; None: the job spec's default.
+    overlap: str | None = None
+    #: Overrides of the example task's options.
+    task_options: dict[str, Any] | None = None
+    #: Inject real faults while the job runs (:mod:`geofed_cli.demo.chaos`).
+    chaos: bool = False
 
 
 @dataclass
@@ -66,6 +80,8 @@ class DemoRound:
     wan_bytes_up: int
     wan_bytes_down: int
     fp32_bytes_equivalent: int
+    #: Region -> compute utilization over the rounds its agent had recorded by then.
+    compute_utilization: dict[str, float | None] = field(default_factory=dict)
 
 
 @dataclass
@@ -83,6 +99,12 @@ class DemoSummary:
     job_state: str
     wall_seconds: float
     rounds: list[DemoRound] = field(default_factory=list)
+    #: Region -> union of its workers' training intervals / their wall-clock span.
+    compute_utilization: dict[str, float | None] = field(default_factory=dict)
+    #: Daemon -> how many times the demo restarted it (as its systemd unit would).
+    restarts: dict[str, int] = field(default_factory=dict)
+    #: ``--chaos``: what was injected, what was lost, whether the regions agree.
+    chaos: dict[str, Any] | None = None
 
     @property
     def compression_ratio(self) -> float | None:
@@ -121,9 +143,18 @@ async def run_demo(options: DemoOptions, *, echo: Callable[[str], None] = print)
     echo(f"  PKI       federation {FEDERATION!r}: a CA and {len(regions) + 2} certificates")
 
     quiet_broker_logging()
-    async with EmbeddedBroker(port=0) as broker:
+    http_port = _free_port()
+    broker = BrokerHolder()
+    await broker.start()
+    async with (
+        contextlib.AsyncExitStack() as stack,
+        wan_links(options.wan, regions, http_port, always=options.chaos) as links,
+    ):
+        stack.push_async_callback(broker.stop)
+        wan_ports = {region: link.port for region, link in links.items()}
         echo(f"  MQTT      embedded broker on 127.0.0.1:{broker.port} (plain text, loopback only)")
-        http_port = _free_port()
+        if options.wan is not None:
+            echo(f"  WAN       each region to the coordinator: {options.wan.describe()} (emulated)")
         placement = place(await asyncio.to_thread(visible_devices), regions)
         configs = await asyncio.to_thread(
             write_demo_configs,
@@ -136,6 +167,8 @@ async def run_demo(options: DemoOptions, *, echo: Callable[[str], None] = print)
             rounds=options.rounds,
             inner_steps=options.inner_steps,
             placement=placement,
+            task_options=options.task_options,
+            customize=route_configs(wan_ports, overlap=options.overlap),
         )
         ssl_context = client_ssl_context(
             load_trust_bundle(federation.trust_bundle),
@@ -145,7 +178,11 @@ async def run_demo(options: DemoOptions, *, echo: Callable[[str], None] = print)
         base = f"https://localhost:{http_port}"
         timeout = aiohttp.ClientTimeout(total=30)
         async with (
-            ChildSet(work / "logs") as children,
+            ChildSet(
+                work / "logs",
+                supervise=RestartPolicy(),
+                on_event=lambda line: echo(f"  ! {line}"),
+            ) as children,
             aiohttp.ClientSession(
                 connector=aiohttp.TCPConnector(ssl=ssl_context), timeout=timeout
             ) as http,
@@ -163,17 +200,77 @@ async def run_demo(options: DemoOptions, *, echo: Callable[[str], None] = print)
             echo(f"  agents    {placement.agents_line()}")
             await _submit(http, base, configs.job)
             echo(f"  job       {configs.job_id!r} admitted by every region's policy")
+            monkey = None
+            if options.chaos:
+                plan = plan_chaos(options.rounds, regions)
+                faults = ", ".join(f"{f.kind} {f.target} after round {f.after_round}" for f in plan)
+                echo(f"  chaos     {faults}")
+                monkey = ChaosMonkey(plan, children, broker, links, echo, started=started)
+                chaos_task = asyncio.create_task(
+                    monkey.run(lambda: _published_rounds(http, base, configs.job_id))
+                )
+                stack.push_async_callback(_cancel, chaos_task)
             echo("")
             summary = await _follow(
                 http, base, configs.job_id, regions, children, options, started, echo
             )
+            summary.restarts = children.restarts()
+            if monkey is not None:
+                await _cancel(chaos_task)
+                report = judge_chaos(
+                    configs.job_id,
+                    regions,
+                    await _audit(http, base),
+                    (await _get_json(http, base + ApiPaths.REGIONS))["regions"],
+                    monkey.injected,
+                )
+                summary.chaos = report.to_json()
             echo("")
             echo("stopping the federation ...")
+    # After the agents stopped: each wrote its last rounds' timeline on the way out.
+    summary.compute_utilization = await asyncio.to_thread(
+        utilization_by_region, work / "agents", regions, configs.job_id
+    )
     await asyncio.to_thread(_write_summary, work / "summary.json", summary)
     _print_summary(summary, work, echo)
     if summary.job_state != "completed":
         raise DemoFailed(f"job ended {summary.job_state!r}; logs are in {work / 'logs'}")
+    if summary.chaos is not None and (summary.chaos["lost"] or not summary.chaos["regions_agree"]):
+        raise DemoFailed(
+            f"the chaos run lost work or left regions apart; see {work / 'summary.json'}"
+        )
     return summary
+
+
+async def _published_rounds(http: aiohttp.ClientSession, base: str, job: str) -> int | None:
+    """How many rounds the job has published; None while the coordinator cannot say."""
+    try:
+        status = await _get_json(http, base + ApiPaths.job(job))
+    except (aiohttp.ClientError, TimeoutError):
+        return None
+    round_ = status.get("round")
+    return round_ if isinstance(round_, int) else None
+
+
+async def _audit(http: aiohttp.ClientSession, base: str) -> list[dict[str, Any]]:
+    """Every audit entry, page by page."""
+    entries: list[dict[str, Any]] = []
+    after = 0
+    while True:
+        page = await _get_json(http, f"{base}{ApiPaths.AUDIT}?limit=1000&after={after}")
+        batch = page["entries"]
+        entries.extend(batch)
+        if len(batch) < 1000:
+            return entries
+        after = int(batch[-1]["seq"])
+
+
+async def _cancel(task: asyncio.Task[None]) -> None:
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    if not task.cancelled() and task.exception() is not None:
+        log.warning("the chaos run failed: %s", task.exception())
 
 
 async def _wait_ready(
@@ -232,7 +329,7 @@ async def _follow(
     state = "running"
     echo(
         f"{'round':>5}  {'global val loss':>15}  {'WAN up':>9}  {'WAN down':>9}  "
-        f"{'vs fp32':>7}  {'elapsed':>7}"
+        f"{'vs fp32':>7}  {'elapsed':>7}  compute utilization ({' '.join(regions)})"
     )
     while True:
         if time.monotonic() > deadline:
@@ -260,11 +357,14 @@ async def _follow(
                 )
                 continue
             ratio = f"{fp32 / (up + down):.1f}x" if up + down else "-"
+            util = await asyncio.to_thread(
+                utilization_by_region, options.workdir.resolve() / "agents", regions, job
+            )
             echo(
                 f"{number:>5}  {value:>15.4f}  {_mb(up):>9}  {_mb(down):>9}  "
-                f"{ratio:>7}  {elapsed:>6.0f}s"
+                f"{ratio:>7}  {elapsed:>6.0f}s  {format_utilization(util)}"
             )
-            records.append(DemoRound(number, value, elapsed, up, down, fp32))
+            records.append(DemoRound(number, value, elapsed, up, down, fp32, util))
         if state in _TERMINAL:
             if state != "completed" or seen_val_round >= options.rounds:
                 break
@@ -312,4 +412,23 @@ def _print_summary(summary: DemoSummary, work: Path, echo: Callable[[str], None]
         f"fp32 would be {_mb(summary.fp32_bytes_equivalent)}"
         + (f" ({ratio:.1f}x less sent)" if ratio else "")
     )
+    if summary.compute_utilization:
+        echo(f"  compute utilization: {_utilization_line(summary.compute_utilization)}")
+    if summary.restarts:
+        restarts = ", ".join(f"{name} {count}x" for name, count in summary.restarts.items())
+        echo(f"  restarted: {restarts}")
+    if summary.chaos is not None:
+        injected = summary.chaos["injected"]
+        echo(f"  chaos: {len(injected)} fault(s) injected")
+        for fault in injected:
+            what = f"{fault['kind']} {fault['target']} at round {fault['round']}"
+            echo(f"    {what}: {fault['detail']}")
+        lost = summary.chaos["lost"]
+        echo(f"  lost: {'nothing acknowledged' if not lost else '; '.join(lost)}")
+        for region, verdict in summary.chaos["regions"].items():
+            echo(f"    {region}: {verdict}")
     echo(f"  summary: {work / 'summary.json'}   logs: {work / 'logs'}")
+
+
+def _utilization_line(values: dict[str, float | None]) -> str:
+    return ", ".join(f"{r} {'-' if v is None else f'{v:.0%}'}" for r, v in values.items())

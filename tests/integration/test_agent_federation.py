@@ -215,10 +215,11 @@ async def test_two_agents_train_a_job_through_an_agent_crash(tmp_path: Path) -> 
                 async with operator.post("/v1/jobs", data=spec) as answer:
                     assert answer.status == 201, await answer.text()
 
-                # us-east dies (SIGKILL: no goodbye, its worker group orphaned) right
-                # after delivering round 0, and comes back: the broker publishes its Last
-                # Will, the new agent reaps the old worker group, resumes from its state
-                # directory and joins round 1 before the deadline.
+                # us-east dies (SIGKILL: no goodbye) right after delivering round 0, and
+                # comes back: the broker publishes its Last Will, the old worker group stops
+                # (its launcher gets the parent-death signal; the new agent reaps whatever
+                # is left), the new agent resumes from its state directory and joins
+                # round 1 before the deadline.
                 await watcher.until(lambda: delivered(watcher, "us-east", 0), 60, "round 0")
                 group.procs["us-east"].kill()
                 assert await group.procs["us-east"].wait() == -signal.SIGKILL
@@ -256,7 +257,8 @@ async def test_two_agents_train_a_job_through_an_agent_crash(tmp_path: Path) -> 
         finally:
             await watcher.stop()
 
-    assert "killing worker group left running by a previous supervisor" in restarted_log
+    # A group of its own: the old one stopped by itself or was reaped at this start.
+    assert restarted_log.count("started worker group launch") >= 2
     announced = {
         a.round: a.base_hash for a in watcher.announcements if a.job == JOB and a.state == "open"
     }

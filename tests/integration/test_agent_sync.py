@@ -7,6 +7,7 @@ signed here the way the protocol describes them.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
@@ -166,6 +167,10 @@ class FakeCoordinatorFiles:
     files: dict[str, bytes] = field(default_factory=dict)
     latest: dict[str, Any] | None = None
     hits: dict[str, int] = field(default_factory=dict)
+    delay_s: float = 0.0
+    """How long each file takes to answer, so that concurrent downloads overlap."""
+    in_flight: int = 0
+    most_in_flight: int = 0
 
     def app(self) -> web.Application:
         app = web.Application()
@@ -181,6 +186,12 @@ class FakeCoordinatorFiles:
 
     async def _file(self, request: web.Request) -> web.Response:
         self.hits[request.path] = self.hits.get(request.path, 0) + 1
+        self.in_flight += 1
+        self.most_in_flight = max(self.most_in_flight, self.in_flight)
+        try:
+            await asyncio.sleep(self.delay_s)
+        finally:
+            self.in_flight -= 1
         data = self.files.get(request.path)
         if data is None:
             return web.json_response({"error": "not_found", "message": request.path}, status=404)
@@ -373,3 +384,26 @@ def test_verify_artifact_refuses_an_untrusted_federation(tmp_path: Path, chain: 
             round_=0,
             now=NOW,
         )
+
+
+@pytest.mark.parametrize("window", [1, 3])
+async def test_a_resync_fetches_the_chain_window_at_a_time_and_applies_it_in_order(
+    chain: Chain,
+    served: tuple[FakeCoordinatorFiles, str],
+    federation: Federation,
+    window: int,
+) -> None:
+    fake, url = served
+    fake.delay_s = 0.05
+    timeouts = Timeouts(connect_s=2, heartbeat_s=1, request_s=5, upload_s=10, download_s=10)
+    async with aiohttp.ClientSession() as session:
+        client = CoordinatorClient(session, url, timeouts)
+        synced = await Synchronizer(client, federation.bundle(), download_window=window).sync(
+            announce(chain, 2), None
+        )
+    assert synced.method == "resync"
+    assert synced.version == ParamsVersion(2, chain.hashes[2])
+    assert_same(synced.params, chain.thetas[2])
+    # The snapshot and both updates: one at a time, or all three at once.
+    assert fake.most_in_flight == window
+    assert [fake.hits[p] for p in ("/artifacts/snapshot-0", "/artifacts/update-0")] == [1, 1]

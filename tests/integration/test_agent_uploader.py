@@ -53,12 +53,19 @@ class FakeChunkCoordinator:
     lose_once: int | None = None
     forget_upload_at: int | None = None
     refuse_manifest: tuple[int, str] | None = None
+    refuse_chunk: int | None = None
     manifest: SignedManifest | None = None
     stored: dict[int, bytes] = field(default_factory=dict)
     chunk_puts: dict[int, int] = field(default_factory=dict)
     manifest_puts: int = 0
     commits: int = 0
     accepted: bool = False
+    chunk_delay_s: float = 0.0
+    """How long each chunk PUT takes to answer, so that concurrent ones overlap."""
+    in_flight: int = 0
+    max_in_flight: int = 0
+    sent_after_ack: list[int] = field(default_factory=list)
+    """Chunks PUT again after this coordinator had acknowledged them."""
 
     def app(self) -> web.Application:
         app = web.Application()
@@ -79,8 +86,20 @@ class FakeChunkCoordinator:
         return web.json_response({"state": "open", "received": sorted(self.stored)})
 
     async def _chunk(self, request: web.Request) -> web.Response:
+        self.in_flight += 1
+        self.max_in_flight = max(self.max_in_flight, self.in_flight)
+        try:
+            if self.chunk_delay_s:
+                await asyncio.sleep(self.chunk_delay_s)
+            return await self._store_chunk(request)
+        finally:
+            self.in_flight -= 1
+
+    async def _store_chunk(self, request: web.Request) -> web.Response:
         index = int(request.match_info["index"])
         self.chunk_puts[index] = self.chunk_puts.get(index, 0) + 1
+        if index in self.stored:
+            self.sent_after_ack.append(index)
         body = await request.read()
         if self.drop_after_stored is not None and len(self.stored) >= self.drop_after_stored:
             self.outage_requests -= 1
@@ -98,7 +117,7 @@ class FakeChunkCoordinator:
                 {"error": "not_found", "message": "no open upload"}, status=404
             )
         record = self.manifest.manifest.chunks[index]
-        if hashlib.sha256(body).hexdigest() != record.sha256:
+        if hashlib.sha256(body).hexdigest() != record.sha256 or index == self.refuse_chunk:
             return web.json_response({"error": "corrupt_chunk", "message": "sha"}, status=400)
         self.stored[index] = body
         return web.json_response({"index": index})
@@ -184,9 +203,11 @@ async def session() -> AsyncIterator[aiohttp.ClientSession]:
         yield client_session
 
 
-def uploader(session: aiohttp.ClientSession, url: str, sleep: RecordingSleep) -> Uploader:
+def uploader(
+    session: aiohttp.ClientSession, url: str, sleep: RecordingSleep, window: int = 1
+) -> Uploader:
     client = CoordinatorClient(session, url, TIMEOUTS)
-    return Uploader(client, REGION, sleep=sleep)
+    return Uploader(client, REGION, sleep=sleep, window=window)
 
 
 @pytest.mark.parametrize("drop_after", [0, 2, 5])
@@ -224,7 +245,8 @@ async def test_a_restarted_upload_sends_only_what_the_coordinator_lacks(
     # its upload deadline (as if it had died there).
     coordinator.drop_after_stored = 3
     coordinator.outage_requests = 10**6
-    short = Timeouts(connect_s=0.5, heartbeat_s=0.1, request_s=0.5, upload_s=1.0, download_s=1)
+    # Generous enough that 3 chunks are stored before the deadline on a loaded machine.
+    short = Timeouts(connect_s=1, heartbeat_s=0.1, request_s=1.5, upload_s=4.0, download_s=2)
     with pytest.raises(Timeout, match="upload of the delta"):
         await Uploader(CoordinatorClient(session, url, short), REGION, sleep=PacedSleep()).upload(
             JOB, delta, {}
@@ -312,3 +334,58 @@ async def test_an_unreachable_coordinator_is_retried_until_the_upload_deadline(
         await Uploader(client, REGION, sleep=sleep).upload(JOB, delta, {})
     assert len(sleep.delays) >= 2
     assert sleep.delays[1] > sleep.delays[0] / 2  # exponential back-off, jittered
+
+
+@pytest.mark.parametrize("window", [1, 4])
+async def test_the_window_bounds_the_chunks_in_flight(
+    fake: tuple[FakeChunkCoordinator, str],
+    session: aiohttp.ClientSession,
+    delta: SpooledDelta,
+    window: int,
+) -> None:
+    coordinator, url = fake
+    coordinator.chunk_delay_s = 0.05
+    report = await uploader(session, url, RecordingSleep(), window).upload(JOB, delta, {})
+    assert coordinator.accepted
+    assert coordinator.max_in_flight == window
+    assert coordinator.chunk_puts == dict.fromkeys(range(delta.frame_count), 1)
+    assert report.chunks_sent == delta.frame_count
+    assert [coordinator.stored[i] for i in range(delta.frame_count)] == [
+        delta.read_frame(i) for i in range(delta.frame_count)
+    ]
+
+
+@pytest.mark.parametrize("drop_after", [0, 3])
+async def test_a_windowed_upload_resumes_without_resending_acknowledged_chunks(
+    fake: tuple[FakeChunkCoordinator, str],
+    session: aiohttp.ClientSession,
+    delta: SpooledDelta,
+    drop_after: int,
+) -> None:
+    coordinator, url = fake
+    coordinator.chunk_delay_s = 0.01
+    coordinator.drop_after_stored = drop_after
+    coordinator.outage_requests = 6  # several chunks in flight are cut off together
+    sleep = RecordingSleep()
+    report = await uploader(session, url, sleep, window=4).upload(JOB, delta, {})
+    assert coordinator.accepted
+    assert coordinator.sent_after_ack == []
+    assert report.attempts >= 2
+    assert report.chunks_sent == delta.frame_count
+    assert [coordinator.stored[i] for i in range(delta.frame_count)] == [
+        delta.read_frame(i) for i in range(delta.frame_count)
+    ]
+
+
+async def test_a_refused_chunk_ends_a_windowed_upload(
+    fake: tuple[FakeChunkCoordinator, str], session: aiohttp.ClientSession, delta: SpooledDelta
+) -> None:
+    coordinator, url = fake
+    coordinator.chunk_delay_s = 0.01
+    coordinator.refuse_chunk = 2
+    sleep = RecordingSleep()
+    with pytest.raises(UploadRefused, match="corrupt_chunk"):
+        await uploader(session, url, sleep, window=4).upload(JOB, delta, {})
+    assert sleep.delays == []
+    assert coordinator.commits == 0
+    assert coordinator.manifest_puts == 1

@@ -34,7 +34,18 @@ def test_convergence_smoke_reports_every_config(tmp_path: Path) -> None:
 
     assert report["benchmark"] == "convergence"
     assert report["machine"]["torch"]
-    assert set(report["configs"]) == {"sync", "diloco_fp32", "diloco_int8", "diloco_int4", "fedavg"}
+    assert set(report["configs"]) == {
+        "sync",
+        "diloco_fp32",
+        "diloco_int8",
+        "diloco_int4",
+        "fedavg",
+        "delayed_end",
+        "delayed_half",
+    }
+    assert report["configs"]["delayed_end"]["overlap"] == "delayed"
+    assert report["configs"]["delayed_half"]["arrival_fraction"] == 0.5
+    assert report["configs"]["diloco_fp32"]["overlap"] == "none"
     settings = report["settings"]
     tokens = {c["tokens"] for c in report["configs"].values()}
     assert len(tokens) == 1, "every configuration must see the same tokens"
@@ -58,8 +69,28 @@ def test_convergence_smoke_reports_every_config(tmp_path: Path) -> None:
     names = [t["name"] for t in report["targets"]]
     assert any("int8 WAN bytes" in n for n in names)
     assert any("plain averaging" in n for n in names)
+    assert sum("within 1% of overlap none" in n for n in names) == 2
     assert all(t["met"] in (True, False, None) for t in report["targets"])
     assert [row["step"] for row in report["curve"]] == [0, 3, 6]
+
+
+def test_outer_sweep_smoke_chooses_and_confirms_on_other_seeds(tmp_path: Path) -> None:
+    out = tmp_path / "outer_sweep.json"
+    assert convergence.main(["--outer-sweep", "--smoke", "--out", str(out)]) == 0
+    report = _load(out)
+
+    assert report["benchmark"] == "outer_sweep"
+    sweep = report["outer_sweep"]
+    assert sweep["choice_seed"] == 0
+    assert sweep["confirm_seeds"] == [1]
+    best = min(row["final_val_loss"] for row in sweep["rows"])
+    assert sweep["chosen"]["final_val_loss"] == best
+    confirmation = sweep["confirmation"]
+    assert confirmation["chosen"]["outer"] == sweep["chosen"]["outer"]
+    assert confirmation["plain_averaging"]["outer"]["kind"] == "average"
+    for row in confirmation.values():
+        assert row["final_val_loss"]["n"] == 1
+    assert {r["seed"] for c in report["configs"].values() for r in c["runs"]} == {0, 1}
 
 
 def test_convergence_robust_smoke_reports_every_rule_under_every_attack(tmp_path: Path) -> None:
@@ -92,7 +123,7 @@ def test_convergence_sweep_smoke_covers_h_and_warm_start(tmp_path: Path) -> None
         assert math.isfinite(row["vs_sync"]["mean_relative_difference"])
 
 
-def test_round_overhead_smoke_measures_both_methods(tmp_path: Path) -> None:
+def test_round_overhead_smoke_measures_every_method(tmp_path: Path) -> None:
     out = tmp_path / "round_overhead.json"
     assert round_overhead.main(["--smoke", "--out", str(out)]) == 0
     report = _load(out)
@@ -114,6 +145,7 @@ def test_round_overhead_smoke_measures_both_methods(tmp_path: Path) -> None:
         assert figures["resident_rss_bytes"] > 3 * settings["model_fp32_bytes"]
         assert 0 < figures["update_bytes"] < settings["model_fp32_bytes"] / 3
     assert row["time_ratio_naive_over_streaming"] > 0
+    assert row["time_ratio_streaming_over_folded"] > 0
     assert len(report["targets"]) == 2
     assert all(check["met"] in (True, False) for check in report["targets"])
 

@@ -98,6 +98,14 @@ async def test_operators_manage_jobs_from_the_command_line(
             out = capsys.readouterr().out
             assert "eu-west   EU            training  tiny  0      2.5000" in out
             assert "tiny  paused  0/3" in out
+            # --watch, piped: one plain snapshot per refresh, each under its time.
+            watch = ("status", "--watch", "--interval", "0.05", "--count", "2")
+            assert await _geofed(*watch, *observer) == 0
+            out = capsys.readouterr().out
+            assert out.count("--- 20") == 2
+            assert out.count("tiny  paused  0/3") == 2
+            assert await _geofed("status", "--watch", "--interval", "0", *observer) == 2
+            assert "--interval must be > 0" in capsys.readouterr().err
             assert await _geofed("job", "resume", "tiny", *observer) == 1
             assert "error: forbidden (403)" in capsys.readouterr().err
             assert await _geofed("job", "status", "tiny", "--json", *observer) == 0

@@ -102,6 +102,11 @@ async def test_a_round_runs_from_submission_to_a_verifiable_update(tmp_path: Pat
             actions = [entry.action for entry in entries]
             assert actions.count("round.publish") == 1
             assert {"job.admit", "delta.accept", "policy.model_delta"} <= set(actions)
+            # Each delta was decoded once, by its upload's verification, and summed as it
+            # was accepted; the round records that order (eu-west's commit came first).
+            (publish,) = [entry for entry in entries if entry.action == "round.publish"]
+            assert publish.details["order"] == ["eu-west", "us-east"]
+            assert publish.details["summation"] == "folded on arrival"
 
 
 async def test_a_regions_evaluation_of_its_base_is_the_jobs_loss(tmp_path: Path) -> None:

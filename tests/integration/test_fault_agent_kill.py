@@ -106,7 +106,19 @@ class Kill:
 
     at: float
     sizes: list[int]
-    held: int
+    held_frames: frozenset[int]
+
+    @property
+    def held(self) -> int:
+        return len(self.held_frames)
+
+    @property
+    def held_bytes(self) -> int:
+        return sum(self.sizes[i] for i in self.held_frames)
+
+    @property
+    def missing_bytes(self) -> int:
+        return sum(self.sizes) - self.held_bytes
 
 
 async def kill_mid_upload(
@@ -138,10 +150,10 @@ async def kill_mid_upload(
     while (now := spooled_frames(fed, SLOW, round_)) != held:
         held = now
         await asyncio.sleep(2.0)
-    # Frames go out in order; the kill came before the last one.
-    assert held == set(range(len(held))), held
+    # Several frames travel at once (transfer.upload_window), so the held ones need not
+    # be the first ones; the kill came before the last one.
     assert 0 < len(held) < len(sizes), (held, len(sizes))
-    return Kill(killed_at, sizes, len(held))
+    return Kill(killed_at, sizes, frozenset(held))
 
 
 @contextlib.asynccontextmanager
@@ -196,7 +208,7 @@ async def test_agent_killed_mid_upload_resumes_without_resending_acknowledged_fr
     # The restarted agent sent exactly the frames the coordinator did not hold.
     match = re.match(r"delta accepted \((\d+) chunks, (\d+) bytes sent", report.detail)
     assert match, report.detail
-    frames, missing_bytes = len(kill.sizes) - kill.held, sum(kill.sizes[kill.held :])
+    frames, missing_bytes = len(kill.sizes) - kill.held, kill.missing_bytes
     assert (int(match[1]), int(match[2])) == (frames, missing_bytes), report.detail
     log = (tmp_path / "logs" / f"agent-{SLOW}.log").read_text()
     assert f"round {KILLED_ROUND}: resuming the spooled delta" in log
@@ -215,7 +227,7 @@ async def test_agent_killed_mid_upload_resumes_without_resending_acknowledged_fr
 
     print(
         f"\nresume: delta of {sum(kill.sizes)} bytes in {len(kill.sizes)} frames; the "
-        f"coordinator held {kill.held} frames ({sum(kill.sizes[: kill.held])} bytes) at the "
+        f"coordinator held {kill.held} frames ({kill.held_bytes} bytes) at the "
         f"kill; after the restart the agent sent {frames} frames ({missing_bytes} bytes), "
         f"0 acknowledged bytes again; {upstream_resumed} bytes upstream on the wire (TLS, "
         f"HTTP and the manifest included); kill to accepted delta "
@@ -275,7 +287,7 @@ async def test_agent_down_past_the_deadline_rejoins_from_the_latest_parameters(
     # The frames of the lost delta were received once and never counted as accepted.
     accepted_bytes = sum(int(e.details["size"]) for e in accepts)
     received = sample(metrics, "geofed_received_bytes_total", kind="model_delta")
-    assert received == accepted_bytes + sum(kill.sizes[: kill.held])
+    assert received == accepted_bytes + kill.held_bytes
     # The restarted agent dropped the stale delta instead of resuming it.
     assert not agent_spool(fed, SLOW, KILLED_ROUND).exists()
     log = (tmp_path / "logs" / f"agent-{SLOW}.log").read_text()

@@ -11,7 +11,9 @@ stored but the publishing transaction has not committed, and restarted for good.
 What it proves: every round's published update stream and parameter hash, and the final
 checkpoint chain, are bit for bit the reference's; round 1 is applied exactly once (one
 ``round.publish`` audit entry per round, two accepted deltas per round, the job's round
-counter at 3); nothing uncommitted is served while the publication waits for its commit.
+counter at 3); nothing uncommitted is served while the publication waits for its commit;
+the reference folded every round's deltas as they were accepted, the restarted daemon
+decoded round 1's again in the recorded arrival order, with the same bits.
 And a fault point the coordinator does not know stops it with a configuration error.
 """
 
@@ -319,6 +321,14 @@ async def test_killed_while_aggregating_and_publishing_the_round_is_bit_identica
     assert accepted == [(r, name) for r in range(ROUNDS) for name in REGIONS], accepted
     hashes = [e.details["params_hash"] for e in entries if e.action == "round.publish"]
     assert hashes == [reference.updates[r][1] for r in range(ROUNDS)]
+    # The uninterrupted rounds summed their deltas as they were accepted; the restarted
+    # coordinator decoded the killed round's deltas again, in the recorded arrival
+    # order, and published the same bits as the reference, which had folded them.
+    summation = {e.round: e.details["summation"] for e in entries if e.action == "round.publish"}
+    assert summation == {
+        r: "decoded at publication" if r == KILLED_ROUND else "folded on arrival"
+        for r in range(ROUNDS)
+    }, summation
     print(
         f"\ncoordinator killed at aggregate and at publish of round {KILLED_ROUND}: "
         f"θ_{KILLED_ROUND + 1} published {recovery_s:.1f} s after the first restart (two "

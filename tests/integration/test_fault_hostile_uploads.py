@@ -15,7 +15,7 @@ import json
 import math
 import struct
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -32,9 +32,12 @@ from geofed.codec.wire import (
     CHUNK_FIELDS,
     PREFIX,
     TAG_SIZE,
+    Compression,
     FrameKind,
     TrailerFields,
+    chunk_fields,
     header_body,
+    parse_chunk_fields,
     parse_header_body,
     parse_trailer_body,
     seal,
@@ -155,7 +158,10 @@ def with_chunk_payload(stream: EncodedStream, index: int, zstd_frame: bytes) -> 
     for chunk in stream.chunks:
         frame = chunk.data
         if chunk.index == index:
-            fields = frame[PREFIX.size : PREFIX.size + CHUNK_FIELDS.size]
+            # The hostile payload is a zstd frame, whatever the original chunk stored.
+            fields = chunk_fields(
+                replace(parse_chunk_fields(frame[PREFIX.size :]), compression=Compression.ZSTD)
+            )
             frame = seal(FrameKind.CHUNK, [fields, zstd_frame]).data
         chunks.append(frame)
     return rechained(stream.header, chunks, stream)
@@ -167,7 +173,9 @@ def with_scale(stream: EncodedStream, value: float) -> list[bytes]:
     The encoder refuses non-finite deltas, so a region that sends one forged it.
     """
     frame = stream.chunks[0].data
-    payload = bytearray(zstandard.ZstdDecompressor().decompress(zstd_of(frame)))
+    stored = parse_chunk_fields(frame[PREFIX.size :]).compression == Compression.NONE
+    body = zstd_of(frame)
+    payload = bytearray(body if stored else zstandard.ZstdDecompressor().decompress(body))
     payload[0:2] = struct.pack("<f", value)[2:4]  # bfloat16: the high half of a float32
     compressor = zstandard.ZstdCompressor(level=3, write_content_size=True)
     return with_chunk_payload(stream, 0, compressor.compress(bytes(payload)))

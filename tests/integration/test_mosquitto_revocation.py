@@ -44,9 +44,7 @@ async def broker(federation: Federation, tmp_path: Path) -> AsyncIterator[Mosqui
     server = federation.issue(
         "observer", "mqtt-broker", dns_names=LOOPBACK_DNS, ip_addresses=LOOPBACK_IPS
     )
-    async with production_broker(
-        federation, {"broker": server}, acl, tmp_path / "mqtt"
-    ) as running:
+    async with production_broker(federation, {"broker": server}, acl, tmp_path / "mqtt") as running:
         yield running
 
 

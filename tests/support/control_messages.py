@@ -47,6 +47,7 @@ def announcement(**overrides: Any) -> RoundAnnouncement:
         ),
         "total_rounds": 20,
         "evaluation": EvaluationConfig(where="regions", every=2),
+        "regions": ("ap-south", "eu-west", "us-east"),
     }
     fields.update(overrides)
     return RoundAnnouncement(**fields)

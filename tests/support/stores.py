@@ -2,8 +2,10 @@
 
 :data:`IMPLEMENTATIONS` lists every :class:`~coordinator.store.Store` the contract runs
 against (``tests/unit/test_store.py``, and ``tests/integration/test_killed_writers.py``
-for a process that dies mid-transaction). A PostgreSQL store adds an entry here: a
-picklable spec that opens a store on the same backing database each time it is called.
+for a process that dies mid-transaction). Each entry is a
+picklable spec that opens a store on the same backing database each time it is called;
+PostgreSQL's creates a fresh database on the test server (:data:`POSTGRES_ENV`), dropped
+when the factory closes.
 """
 
 from __future__ import annotations
@@ -15,7 +17,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import psycopg
+
 from coordinator.audit import AuditEvent
+from coordinator.postgres_store import PostgresStore
 from coordinator.sqlite_store import SqliteStore
 from coordinator.store import Store
 from geofed.blobstore import sha256_hex
@@ -39,8 +44,52 @@ class SqliteSpec:
         return SqliteStore(self.path)
 
 
+#: The admin connection string of the PostgreSQL server the tests use: each test gets a
+#: fresh database on it. Default: the machine's server, trust authentication.
+POSTGRES_ENV = "GEOFED_TEST_POSTGRES"
+DEFAULT_POSTGRES = "postgresql://postgres@127.0.0.1:5432/postgres"
+
+
+@dataclass(frozen=True)
+class PostgresSpec:
+    """Opens a PostgreSQL store on one database; picklable, like :class:`SqliteSpec`."""
+
+    dsn: str
+    admin_dsn: str
+    database: str
+
+    def __call__(self) -> Store:
+        return PostgresStore(self.dsn)
+
+    @classmethod
+    def fresh(cls, tmp: Path) -> PostgresSpec:
+        """A new, empty database on the test server, named after the test's ``tmp``."""
+        admin = os.environ.get(POSTGRES_ENV, DEFAULT_POSTGRES)
+        database = "geofed_test_" + sha256_hex(str(tmp).encode())[:16]
+        with _admin(admin) as conn:
+            conn.execute(f'DROP DATABASE IF EXISTS "{database}" WITH (FORCE)'.encode())
+            conn.execute(f'CREATE DATABASE "{database}"'.encode())
+        return cls(psycopg.conninfo.make_conninfo(admin, dbname=database), admin, database)
+
+    def drop(self) -> None:
+        with _admin(self.admin_dsn) as conn:
+            conn.execute(f'DROP DATABASE IF EXISTS "{self.database}" WITH (FORCE)'.encode())
+
+
+def _admin(dsn: str) -> psycopg.Connection[tuple[Any, ...]]:
+    try:
+        return psycopg.connect(dsn, autocommit=True, connect_timeout=10)
+    except psycopg.OperationalError as exc:
+        raise RuntimeError(
+            f"the PostgreSQL tests need a server: {exc}. This machine's runs on 127.0.0.1:5432 "
+            "with trust authentication (Debian: apt-get install postgresql; service postgresql "
+            f"start); to use another, set {POSTGRES_ENV} to an admin connection string"
+        ) from None
+
+
 IMPLEMENTATIONS: dict[str, Callable[[Path], Callable[[], Store]]] = {
     "sqlite": lambda tmp: SqliteSpec(tmp / "state" / "coordinator.db"),
+    "postgresql": PostgresSpec.fresh,
 }
 
 
@@ -65,6 +114,8 @@ class StoreFactory:
     def close_all(self) -> None:
         for store in self._opened:
             store.close()
+        if isinstance(self.spec, PostgresSpec):
+            self.spec.drop()
 
 
 def with_job(store: Store, job_id: str = JOB) -> Store:

@@ -299,3 +299,15 @@ def test_the_example_configs_load_in_the_demo_layout(demo_layout: Path, region: 
     datasets = training_datasets(config, region_policies(config))
     assert len(datasets) == 1
     assert config.state_dir.resolve() == (demo_layout / "run" / "agents" / region).resolve()
+
+
+def test_transfer_windows_default_and_are_bounded(tmp_path: Path, federation: Federation) -> None:
+    config = load_config(write(tmp_path, federation))
+    assert (config.transfer.upload_window, config.transfer.download_window) == (8, 4)
+    config = load_config(write(tmp_path, federation, extra="transfer: {upload_window: 1}\n"))
+    assert config.transfer.upload_window == 1
+    for bad in ("transfer: {upload_window: 0}\n", "transfer: {download_window: 33}\n"):
+        found = problems(write(tmp_path, federation, extra=bad))
+        assert any("agent.yaml:11: transfer." in p for p in found), found
+    found = problems(write(tmp_path, federation, extra="transfer: {window: 4}\n"))
+    assert any("agent.yaml:11: transfer.window" in p for p in found), found

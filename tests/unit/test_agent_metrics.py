@@ -126,6 +126,7 @@ def _populate(metrics: AgentMetrics) -> None:
     metrics.set_mqtt_connected(True)
     metrics.set_certificate_expiry("identity", datetime(2030, 1, 1, tzinfo=UTC))
     metrics.round_measured("charlm", GPU_ROUND, devices=1, precision="bf16")
+    metrics.round_phases("charlm", {"sync": 1.5, "wait": 30.0})
 
 
 def test_every_catalogued_metric_is_exposed_as_declared_and_nothing_else(registry, metrics):

@@ -15,6 +15,7 @@ from geofed.params import parameters_vector_hash, state_to_fp32
 from policies import PolicySet, load_policies
 from regional_agent.credentials import Credentials
 from regional_agent.delta import DeltaOrigin, delta_manifest, encode_delta, sign_delta
+from regional_agent.handoff import HandoffDir
 from regional_agent.metrics import AgentMetrics
 from regional_agent.pipeline import RegionFacts, RoundPipeline
 from regional_agent.residency import export_decision
@@ -48,6 +49,7 @@ class Recorder:
 
     def __init__(self) -> None:
         self.calls: list[str] = []
+        self.handoff: HandoffDir | None = None  # the worker group's, set by pipeline()
 
     async def run_round(self, *args: Any) -> Any:
         self.calls.append("train")
@@ -75,6 +77,7 @@ def pipeline(
     recorder: Recorder,
 ) -> tuple[RoundPipeline, AgentMetrics]:
     metrics = AgentMetrics(CollectorRegistry(), REGION)
+    recorder.handoff = HandoffDir(root / "workers")
     built = RoundPipeline(
         RegionFacts(credentials, policies, datasets),
         AgentState(root),

@@ -7,12 +7,13 @@ Their end-to-end smoke runs (child processes, the git revision) are in
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 from benchmarks import convergence, round_overhead, training_throughput
-from benchmarks._federation_sim import CurvePoint, RunResult, RunSpec
+from benchmarks._federation_sim import CurvePoint, RunResult, RunSpec, SimulationError
 
 LN_256 = math.log(256)
 
@@ -83,3 +84,61 @@ def test_training_throughput_refuses_bad_arguments(tmp_path: Path, argv: list[st
         training_throughput.main([*argv, "--out", str(out)])
     assert exc.value.code == 2
     assert not out.exists()
+
+
+def _overlap_runs() -> dict[float | None, RunResult]:
+    from benchmarks._federation_sim import simulate
+    from geofed.examples.charlm import CharLMOptions, CharLMTask
+
+    task = CharLMTask(
+        CharLMOptions(val_batches=1, d_model=16, n_heads=2, n_layers=1, seq_len=16, batch_size=4)
+    )
+    base = RunSpec("x", "diloco", regions=2, workers=1, rounds=2, inner_steps=2, seed=0)
+    runs: dict[float | None, RunResult] = {None: simulate(task, base)}
+    for fraction in (0.0, 0.5, 1.0):
+        spec = replace(base, overlap="delayed", arrival_fraction=fraction)
+        runs[fraction] = simulate(task, spec)
+    return runs
+
+
+def test_delayed_overlap_trains_the_same_tokens_and_differs_only_by_the_delay() -> None:
+    runs = _overlap_runs()
+    none = runs[None]
+    for fraction in (0.0, 0.5, 1.0):
+        run = runs[fraction]
+        assert run.tokens == none.tokens
+        assert [p.step for p in run.curve] == [p.step for p in none.curve]
+        # Round 0 starts from θ_0 in both modes: nothing is delayed yet.
+        assert run.curve[1].val_loss == none.curve[1].val_loss
+    # θ arriving before the first step is the waiting schedule, up to fp32 rounding of
+    # y + (θ - S).
+    for a, b in zip(runs[0.0].curve, none.curve, strict=True):
+        assert a.val_loss == pytest.approx(b.val_loss, abs=1e-3)
+    # Training on stale parameters for part or all of a phase changes the result.
+    assert runs[1.0].final_val_loss != pytest.approx(none.final_val_loss, abs=1e-4)
+    assert runs[0.5].final_val_loss != runs[1.0].final_val_loss
+
+
+@pytest.mark.parametrize("fraction", [-0.1, 1.5])
+def test_run_spec_refuses_an_arrival_outside_the_phase(fraction: float) -> None:
+    with pytest.raises(SimulationError, match="arrival_fraction must be in"):
+        RunSpec("x", "diloco", 2, 1, 1, 1, 0, overlap="delayed", arrival_fraction=fraction)
+
+
+def test_outer_sweep_refuses_a_choice_seed_among_the_confirming_ones(tmp_path: Path) -> None:
+    out = tmp_path / "outer.json"
+    with pytest.raises(SystemExit) as exc:
+        convergence.main(["--smoke", "--outer-sweep", "--confirm-seeds", "0,1", "--out", str(out)])
+    assert exc.value.code == 2
+    assert not out.exists()
+
+
+def test_outer_sweep_grid_always_holds_plain_averaging() -> None:
+    settings = convergence.parse_args(
+        ["--outer-sweep", "--sweep-lr", "0.5", "--sweep-momentum", "0,0.9", "--sweep-warmup", "0,2"]
+    )
+    configs = convergence.sweep_outer_configs(settings)
+    assert configs["lr1_m0_w0"].kind == "average"
+    assert configs["lr0.5_m0.9_w2"].momentum_warmup_rounds == 2
+    # A warm-up needs momentum to ramp, so momentum 0 runs once.
+    assert set(configs) == {"lr0.5_m0_w0", "lr0.5_m0.9_w0", "lr0.5_m0.9_w2", "lr1_m0_w0"}

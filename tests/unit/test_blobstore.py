@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import hashlib
+import io
 import os
 import stat
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
+from typing import BinaryIO
 
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -97,6 +100,27 @@ def test_put_stream_failing_midway_leaves_nothing(store: FsBlobStore) -> None:
 
     with pytest.raises(ConnectionResetError):
         store.put_stream(chunks())
+    assert list(store.iter_digests()) == []
+    assert temp_files(store.root) == []
+
+
+def test_put_written_stores_what_a_serializer_writes(store: FsBlobStore) -> None:
+    value = {"w": torch.arange(1000, dtype=torch.float32), "step": torch.tensor(3)}
+    digest = store.put_written(lambda file: torch.save(value, file))
+    buffer = io.BytesIO()
+    torch.save(value, buffer)
+    assert digest == sha256_hex(buffer.getvalue())  # the same bytes, never held whole
+    assert store.get(digest) == buffer.getvalue()
+    assert store.put_written(lambda file: torch.save(value, file)) == digest  # idempotent
+
+
+def test_put_written_failing_midway_leaves_nothing(store: FsBlobStore) -> None:
+    def write(file: BinaryIO) -> None:
+        file.write(b"half a model")
+        raise OSError(28, "No space left on device")
+
+    with pytest.raises(OSError, match="No space"):
+        store.put_written(write)
     assert list(store.iter_digests()) == []
     assert temp_files(store.root) == []
 

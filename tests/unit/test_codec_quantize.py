@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from geofed.codec import CorruptChunk, EncodeError, NonFiniteValue
+from geofed.codec import CorruptChunk, EncodeError, NonFiniteValue, quantize
 from geofed.codec.layout import payload_size
 from geofed.codec.quantize import MAX_SCALE, MIN_SCALE, QMAX, BlockCodec
 from geofed.codec_params import Scheme
@@ -171,3 +171,35 @@ def test_decode_into_a_given_buffer() -> None:
     out = torch.full((300,), -1.0)
     assert codec.decode(payload, 300, label="x", out=out) is out
     assert (out - torch.arange(300)).abs().max().item() < 1.2
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+@pytest.mark.parametrize("block", [2, 16, 128])
+@pytest.mark.parametrize("magnitude", [1.0, 1e-30, 1e30])
+def test_small_slices_take_the_numpy_path_to_the_same_bytes_and_values(
+    scheme: Scheme, block: int, magnitude: float, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    generator = torch.Generator().manual_seed(block)
+    for count in [1, 3, block - 1, block, block + 1, 3 * block + 7, 1000, quantize.SMALL_ELEMENTS]:
+        values = torch.randn(count, generator=generator) ** 3 * magnitude
+        values[count // 2] = -0.0
+        small = BlockCodec(scheme, block).encode(values, label="x", reuse_buffer=False)
+        decoded = BlockCodec(scheme, block).decode(small, count, label="x")
+        with monkeypatch.context() as patch:
+            patch.setattr(quantize, "SMALL_ELEMENTS", 0)
+            large = BlockCodec(scheme, block).encode(values, label="x", reuse_buffer=False)
+            reference = BlockCodec(scheme, block).decode(small, count, label="x")
+        assert torch.equal(small, large), count
+        assert torch.equal(decoded.view(torch.int32), reference.view(torch.int32)), count
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), 3e38])
+def test_small_slices_refuse_bad_values_and_scales_like_large_ones(bad: float) -> None:
+    values = torch.randn(300)
+    values[7] = bad
+    with pytest.raises(EncodeError, match="element 7"):
+        BlockCodec("int4", 128).encode(values, label="x")
+    payload = BlockCodec("int8", 128).encode(torch.randn(300), label="x", reuse_buffer=False)
+    payload[2:4] = torch.tensor([bad], dtype=torch.bfloat16).view(torch.uint8)
+    with pytest.raises(CorruptChunk, match=r"x: block scales must lie in \[2\*\*-120, 2\*\*120\]"):
+        BlockCodec("int8", 128).decode(payload, 300, label="x")

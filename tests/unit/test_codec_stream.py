@@ -36,6 +36,7 @@ from geofed.codec.wire import (
     CHUNK_FIELDS,
     PREFIX,
     SCHEME_CODES,
+    VERSION,
     ChunkFields,
     FrameKind,
     chunk_fields,
@@ -167,8 +168,11 @@ def test_a_flipped_payload_byte_is_reported_as_a_bad_tag() -> None:
 def test_unknown_magic_and_version_are_refused() -> None:
     with pytest.raises(UnsupportedVersion, match="magic b'XFDC' is not b'GFDC'"):
         decode_all(b"X" + DATA[1:])
-    with pytest.raises(UnsupportedVersion, match="wire-format version 2 \\(this is 1\\)"):
-        decode_all(DATA[:4] + b"\x02" + DATA[5:])
+    for version in (0, 3, 255):
+        with pytest.raises(
+            UnsupportedVersion, match=f"wire-format version {version} \\(this decoder reads 1, 2\\)"
+        ):
+            decode_all(DATA[:4] + bytes([version]) + DATA[5:])
 
 
 def frames_in_order(stream: EncodedStream, order: list[int]) -> bytes:
@@ -328,7 +332,7 @@ def test_a_zstd_frame_whose_content_exceeds_its_declared_size_is_refused() -> No
 
 
 def test_a_chunk_frame_larger_than_any_chunk_can_be_is_refused_before_buffering() -> None:
-    prefix = PREFIX.pack(b"GFDC", 1, FrameKind.CHUNK, 0, 1 << 50)
+    prefix = PREFIX.pack(b"GFDC", VERSION, FrameKind.CHUNK, 0, 1 << 50)
     decoder = StreamDecoder()
     list(decoder.feed(STREAM.header))
     with pytest.raises(CorruptChunk, match="chunk body of 1125899906842624 bytes"):
@@ -336,7 +340,7 @@ def test_a_chunk_frame_larger_than_any_chunk_can_be_is_refused_before_buffering(
 
 
 def test_a_header_too_large_is_refused_before_buffering() -> None:
-    prefix = PREFIX.pack(b"GFDC", 1, FrameKind.HEADER, 0, 1 << 40)
+    prefix = PREFIX.pack(b"GFDC", VERSION, FrameKind.HEADER, 0, 1 << 40)
     with pytest.raises(CorruptStream, match="header body of 1099511627776 bytes exceeds"):
         list(StreamDecoder().feed(prefix))
 
@@ -442,5 +446,16 @@ def test_buffer_for_must_return_a_fitting_tensor() -> None:
 def test_chunk_fields_layout_is_72_bytes_little_endian() -> None:
     assert CHUNK_FIELDS.size == 72
     raw = STREAM.chunks[1].data[PREFIX.size : PREFIX.size + CHUNK_FIELDS.size]
-    index, tensor, scheme, offset, count = struct.unpack_from("<QIB3xQQ", raw)
-    assert (index, tensor, scheme, offset, count) == (1, 0, 1, 128, 128)
+    index, tensor, scheme, compression, reserved, offset, count = struct.unpack_from(
+        "<QIBBHQQ", raw
+    )
+    # Dense int8 codes are stored as they are (compression 1): zstd would gain little.
+    assert (index, tensor, scheme, compression, reserved, offset, count) == (
+        1,
+        0,
+        1,
+        1,
+        0,
+        128,
+        128,
+    )

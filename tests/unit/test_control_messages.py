@@ -104,6 +104,8 @@ def test_timestamps_are_normalised_to_utc_and_naive_ones_refused() -> None:
         ({"total_rounds": None}, "a warmup_cosine schedule needs total_rounds"),
         ({"training": {"parallelism": "zero3"}}, "'ddp' or 'fsdp'"),
         ({"training": {"precison": "bf16"}}, "Extra inputs are not permitted"),
+        ({"regions": ("eu-west", "eu-west", "us-east")}, "regions lists a region twice"),
+        ({"regions": ("eu-west",)}, r"participants \['us-east'\] are not among"),
     ],
 )
 def test_announcement_refuses_inconsistent_or_loose_input(
@@ -196,6 +198,25 @@ def test_the_announcement_carries_where_the_parameters_are_evaluated() -> None:
     data["evaluation"] = {"where": "everywhere"}
     with pytest.raises(MessageError, match="evaluation"):
         decode(as_payload(data), RoundAnnouncement)
+
+
+def test_a_regions_data_shard_is_its_place_among_the_jobs_regions() -> None:
+    full = announcement(participants=("ap-south", "eu-west", "us-east"))
+    # ap-south quarantined: the others keep their shards.
+    without = announcement(participants=("eu-west", "us-east"))
+    for region in ("eu-west", "us-east"):
+        assert without.data_shard(region) == full.data_shard(region)
+    assert [full.data_shard(r) for r in ("ap-south", "eu-west", "us-east")] == [
+        (0, 3),
+        (1, 3),
+        (2, 3),
+    ]
+    with pytest.raises(ValueError, match="not one of the job's regions"):
+        full.data_shard("sa-east")
+    # Retained announcements of coordinators that did not send the list: participants.
+    data = wire(without)
+    del data["regions"]
+    assert decode(as_payload(data), RoundAnnouncement).data_shard("us-east") == (1, 2)
 
 
 def test_decode_names_the_type_when_it_is_the_wrong_message() -> None:

@@ -40,7 +40,8 @@ def test_the_example_job_parses() -> None:
     assert spec.job == "charlm-demo"
     assert spec.quorum == 2
     assert spec.region_names == ("eu-west", "us-east")
-    assert (spec.outer_optimizer.lr, spec.outer_optimizer.momentum) == (0.7, 0.9)
+    outer = spec.outer_optimizer
+    assert (outer.lr, outer.momentum, outer.momentum_warmup_rounds) == (0.3, 0.8, 4)
     assert spec.codec.rounding_to_nearest().scheme == "int8"
     assert spec.checkpoint_storage == ("eu-ckpt", "us-ckpt")
     assert spec.training == TrainingConfig()

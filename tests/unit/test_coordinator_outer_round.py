@@ -104,7 +104,7 @@ def test_mean_delta_is_the_token_weighted_mean_in_sorted_order(tmp_path: Path) -
 def test_update_reconstructs_the_coordinators_parameters_bit_for_bit() -> None:
     theta = _params(0)
     mean = pseudo_gradient(theta, _local(theta, 5))
-    optimizer = OuterOptimizer(OuterOptimizerConfig())
+    optimizer = OuterOptimizer(OuterOptimizerConfig(lr=0.7, momentum=0.9, momentum_warmup_rounds=0))
     first = publication_step(theta, mean, optimizer.state_dict(), None, INT8)
     received = decode(first.stream.to_bytes())  # what a region downloads
     assert all(torch.equal(first.params[n], apply_update(theta, received)[n]) for n in theta)

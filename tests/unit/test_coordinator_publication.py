@@ -101,7 +101,9 @@ def test_the_publication_audit_details() -> None:
     params = {"w": torch.zeros(2)}
     state = WorkingState(5, params, "cd" * 32, {}, None)
     update = StoredArtifact(EntryKind.UPDATE, 4, "11" * 32, "22" * 32, 100)
-    published = PublishedRound(4, state, {}, update, None, 50, 8)
+    published = PublishedRound(
+        4, state, {}, update, None, 50, 8, (), ("us-east", "eu-west"), "folded on arrival"
+    )
     assert publication_details(published, rs, "eu-store") == {
         "update": "11" * 32,
         "update_manifest": "22" * 32,
@@ -111,6 +113,8 @@ def test_the_publication_audit_details() -> None:
         "stragglers": ["ap-south"],
         "tokens": 50,
         "location": "eu-store",
+        "order": ["us-east", "eu-west"],
+        "summation": "folded on arrival",
     }
 
 

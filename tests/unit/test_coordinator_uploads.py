@@ -15,7 +15,7 @@ from coordinator.delta_checks import DeltaExpectation, check_delta_manifest, ver
 from coordinator.delta_stream import verify_and_store
 from coordinator.errors import ApiError
 from geofed.blobstore import FsBlobStore
-from geofed.codec import EncodedStream, encode_stream
+from geofed.codec import EncodedStream, decode, encode_stream
 from geofed.codec.wire import (
     ChunkFields,
     FrameKind,
@@ -200,9 +200,26 @@ def test_signature_refusals_map_to_protocol_codes(eu_west: Any, fed: Federation)
 def test_verified_stream_is_stored_whole(eu_west: Any, tmp_path: Path) -> None:
     stream = _encode(_tensors())
     blobs = FsBlobStore(tmp_path)
-    digest, size = verify_and_store(iter(stream.frames()), _signed(eu_west, stream), SPECS, blobs)
+    digest, size, staged = verify_and_store(
+        iter(stream.frames()), _signed(eu_west, stream), SPECS, blobs
+    )
     assert blobs.get(digest) == stream.to_bytes()
     assert size == stream.total_bytes
+    assert staged is None  # nobody asked for the values
+
+
+def test_verification_stages_the_decoded_values_once(eu_west: Any, tmp_path: Path) -> None:
+    stream = _encode(_tensors())
+    blobs = FsBlobStore(tmp_path)
+    _, _, staged = verify_and_store(
+        iter(stream.frames()), _signed(eu_west, stream), SPECS, blobs, stage_as="eu-west"
+    )
+    assert staged is not None
+    assert staged.region == "eu-west"
+    decoded = decode(stream.frames())
+    assert set(staged.values) == set(decoded)
+    for name, tensor in decoded.items():
+        assert torch.equal(staged.values[name], tensor.reshape(-1))
 
 
 def test_frames_out_of_order_store_nothing(eu_west: Any, tmp_path: Path) -> None:

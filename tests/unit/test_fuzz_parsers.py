@@ -305,9 +305,7 @@ def test_fuzz_job_spec_and_policy_nesting_is_refused_with_a_line(
     problems = _problems(lambda: parse_job_spec(spec, "job.yaml"))
     assert all(re.match(r"job\.yaml:\d+: ", problem) for problem in problems)
     if depth > MAX_DEPTH:
-        assert any(
-            word in problems[0] for word in ("nest", "Expecting", "larger than")
-        ), problems
+        assert any(word in problems[0] for word in ("nest", "Expecting", "larger than")), problems
     problems = _problems(lambda: parse_policy(_POLICY_HEAD + body, "eu-west.yaml"))
     assert all(re.match(r"eu-west\.yaml:\d+: ", problem) for problem in problems)
     if depth > MAX_DEPTH:

@@ -10,6 +10,9 @@ from pydantic import ValidationError
 
 from coordinator.outer_optimizer import OuterOptimizer, OuterOptimizerConfig, OuterOptimizerError
 
+# The DiLoCo paper's setting, without the default momentum warm-up: torch's SGD exactly.
+DILOCO = OuterOptimizerConfig(lr=0.7, momentum=0.9, momentum_warmup_rounds=0)
+
 # Shapes chosen to exercise torch's vectorized loop, its scalar tail and 0-d tensors.
 SHAPES = {"w": (17, 5), "b": (3,), "big": (1031,), "scalar": ()}
 
@@ -35,7 +38,7 @@ def reference_nesterov(params, grads_per_step, lr, momentum):
 def test_nesterov_matches_direct_reference_over_several_steps() -> None:
     params = make(0)
     steps = [make(10 + i, scale=0.1) for i in range(6)]
-    opt = OuterOptimizer(OuterOptimizerConfig())
+    opt = OuterOptimizer(DILOCO)
     current = params
     for grads in steps:
         current = opt.step(current, grads)
@@ -68,7 +71,7 @@ def test_nesterov_is_bit_identical_to_torch_sgd() -> None:
     # multiply-add that add(alpha=) becomes in the vectorized kernels).
     params = make(1)
     steps = [make(20 + i, scale=0.05) for i in range(8)]
-    opt = OuterOptimizer()
+    opt = OuterOptimizer(DILOCO)
     current = params
     for grads in steps:
         current = opt.step(current, grads)
@@ -88,7 +91,7 @@ def test_nesterov_is_bit_identical_to_torch_sgd() -> None:
 def test_any_nesterov_config_matches_torch_sgd(lr, momentum, seed, n_steps) -> None:
     params = make(seed)
     steps = [make(seed + 1 + i, scale=0.1) for i in range(n_steps)]
-    opt = OuterOptimizer(OuterOptimizerConfig(lr=lr, momentum=momentum))
+    opt = OuterOptimizer(OuterOptimizerConfig(lr=lr, momentum=momentum, momentum_warmup_rounds=0))
     current = params
     for grads in steps:
         current = opt.step(current, grads)
@@ -201,7 +204,10 @@ def test_names_must_match_the_momentum_state() -> None:
 @pytest.mark.parametrize(
     ("kwargs", "needle"),
     [
-        ({"kind": "average", "lr": 0.7}, "kind 'average' means lr 1.0 and momentum 0; got lr 0.7"),
+        (
+            {"kind": "average", "lr": 0.7},
+            "kind 'average' means lr 1.0, momentum 0 and no momentum warm-up; got lr 0.7",
+        ),
         ({"momentum": 1.0}, "less than 1"),
         ({"lr": 0.0}, "greater than 0"),
         ({"lr": float("nan")}, "finite number"),
@@ -214,9 +220,15 @@ def test_config_validation(kwargs, needle) -> None:
         OuterOptimizerConfig(**kwargs)
 
 
-def test_config_defaults_are_diloco() -> None:
+def test_config_defaults_are_the_swept_choice() -> None:
+    # benchmarks/results/outer_sweep.md: chosen on the example task, beats plain averaging.
     cfg = OuterOptimizerConfig()
-    assert (cfg.kind, cfg.lr, cfg.momentum) == ("nesterov", 0.7, 0.9)
+    assert (cfg.kind, cfg.lr, cfg.momentum, cfg.momentum_warmup_rounds) == (
+        "nesterov",
+        0.3,
+        0.8,
+        4,
+    )
 
 
 def test_load_refuses_state_saved_under_another_config() -> None:
@@ -224,7 +236,7 @@ def test_load_refuses_state_saved_under_another_config() -> None:
     opt.step({"a": torch.zeros(2)}, {"a": torch.ones(2)})
     state = opt.state_dict()
     other = OuterOptimizer(OuterOptimizerConfig(lr=0.5))
-    with pytest.raises(OuterOptimizerError, match=r"state was saved with .*'lr': 0.7"):
+    with pytest.raises(OuterOptimizerError, match=r"state was saved with .*'lr': 0.3"):
         other.load_state_dict(state)
     assert other.steps == 0
 
@@ -253,3 +265,102 @@ def test_load_refuses_damaged_state(mutate, needle) -> None:
         fresh.load_state_dict(state)
     assert fresh.steps == 0
     assert fresh.state_dict()["momentum_buffers"] == {}
+
+
+def test_momentum_warmup_ramps_linearly_then_holds() -> None:
+    cfg = OuterOptimizerConfig(lr=0.5, momentum=0.8, momentum_warmup_rounds=4)
+    assert [cfg.momentum_at(step) for step in range(7)] == pytest.approx(
+        [0.0, 0.2, 0.4, 0.6, 0.8, 0.8, 0.8]
+    )
+    assert OuterOptimizerConfig(momentum=0.8, momentum_warmup_rounds=0).momentum_at(0) == 0.8
+    # A warm-up of momentum 0 is no warm-up: plain SGD from the first step.
+    assert OuterOptimizerConfig(momentum=0.0, momentum_warmup_rounds=3).momentum_at(5) == 0.0
+    assert OuterOptimizerConfig(kind="average").momentum_warmup_rounds == 0
+
+
+def test_momentum_warmup_matches_direct_reference() -> None:
+    params = make(11)
+    steps = [make(60 + i, scale=0.1) for i in range(6)]
+    cfg = OuterOptimizerConfig(lr=0.6, momentum=0.9, momentum_warmup_rounds=3)
+    opt = OuterOptimizer(cfg)
+    current = params
+    for grads in steps:
+        current = opt.step(current, grads)
+    theta = {n: p.double() for n, p in params.items()}
+    buf: dict[str, torch.Tensor] = {}
+    for step, grads in enumerate(steps):
+        mu = 0.9 * min(1.0, step / 3)
+        for n, g in grads.items():
+            g = g.double()
+            buf[n] = g.clone() if n not in buf else mu * buf[n] + g
+            theta[n] = theta[n] - 0.6 * (g + mu * buf[n])
+    for name in SHAPES:
+        torch.testing.assert_close(current[name].double(), theta[name], rtol=1e-5, atol=1e-6)
+
+
+def test_momentum_warmup_first_step_is_a_plain_lr_step() -> None:
+    params, grads = make(12), make(13, scale=0.1)
+    opt = OuterOptimizer(OuterOptimizerConfig(lr=0.6, momentum=0.9, momentum_warmup_rounds=2))
+    first = opt.step(params, grads)
+    assert_bit_identical(first, {n: params[n].add(grads[n], alpha=-0.6) for n in SHAPES})
+    # Without the warm-up the first step is (1 + μ) times as long.
+    plain_config = OuterOptimizerConfig(lr=0.6, momentum=0.9, momentum_warmup_rounds=0)
+    plain = OuterOptimizer(plain_config).step(params, grads)
+    assert not torch.equal(plain["w"], first["w"])
+
+
+def test_state_resumed_during_momentum_warmup_is_bit_exact() -> None:
+    cfg = OuterOptimizerConfig(lr=0.6, momentum=0.9, momentum_warmup_rounds=4)
+    params = make(14)
+    steps = [make(70 + i, scale=0.1) for i in range(6)]
+    uninterrupted = OuterOptimizer(cfg)
+    current = params
+    for grads in steps:
+        current = uninterrupted.step(current, grads)
+    first = OuterOptimizer(cfg)
+    resumed = params
+    for grads in steps[:2]:
+        resumed = first.step(resumed, grads)
+    blob = io.BytesIO()
+    torch.save(first.state_dict(), blob)
+    blob.seek(0)
+    restored = OuterOptimizer.from_state_dict(torch.load(blob, weights_only=True))
+    assert restored.config.momentum_warmup_rounds == 4
+    for grads in steps[2:]:
+        resumed = restored.step(resumed, grads)
+    assert_bit_identical(resumed, current)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "needle"),
+    [
+        ({"kind": "average", "momentum_warmup_rounds": 3}, "and momentum_warmup_rounds 3"),
+        ({"momentum_warmup_rounds": -1}, "greater than or equal to 0"),
+        ({"momentum_warmup_rounds": 1.5}, "valid integer"),
+    ],
+)
+def test_momentum_warmup_validation(kwargs, needle) -> None:
+    with pytest.raises(ValidationError, match=needle):
+        OuterOptimizerConfig(**kwargs)
+
+
+def test_load_refuses_state_saved_with_another_warmup() -> None:
+    opt = OuterOptimizer(OuterOptimizerConfig(lr=0.6, momentum=0.9, momentum_warmup_rounds=2))
+    opt.step({"a": torch.zeros(2)}, {"a": torch.ones(2)})
+    other = OuterOptimizer(OuterOptimizerConfig(lr=0.6, momentum=0.9, momentum_warmup_rounds=0))
+    with pytest.raises(OuterOptimizerError, match=r"'momentum_warmup_rounds': 2"):
+        other.load_state_dict(opt.state_dict())
+
+
+def test_state_saved_before_the_warmup_option_resumes_without_a_warmup() -> None:
+    # States saved before momentum_warmup_rounds existed have no such key: they had no
+    # warm-up, and must not take on the default's when a job resumes.
+    opt = OuterOptimizer(DILOCO)
+    params = make(15)
+    current = opt.step(params, make(16, scale=0.1))
+    state = opt.state_dict()
+    state["config"] = {k: v for k, v in state["config"].items() if k != "momentum_warmup_rounds"}
+    restored = OuterOptimizer.from_state_dict(state)
+    assert restored.config == DILOCO
+    grads = make(17, scale=0.1)
+    assert_bit_identical(restored.step(current, grads), opt.step(current, grads))

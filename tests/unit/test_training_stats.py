@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from regional_agent.comm_timer import covered_seconds
 from regional_agent.flops import flops_utilisation, peak_flops
 from regional_agent.handoff import HandoffDir, InvalidHandoffData, RoundSummary
 from regional_agent.training_stats import TrainingStats
+from regional_agent.utilization import union_seconds
 
 STATS = TrainingStats(
     step_seconds=0.2,
@@ -89,10 +89,10 @@ def test_flops_utilisation_refuses_nonsense(args: tuple[float, float, float, int
 
 
 def test_overlapping_all_reduces_count_once() -> None:
-    assert covered_seconds([]) == 0.0
-    assert covered_seconds([(1.0, 2.0)]) == 1.0
+    assert union_seconds([]) == 0.0
+    assert union_seconds([(1.0, 2.0)]) == 1.0
     # Buckets in flight together, then a gap, then one more.
-    assert math.isclose(covered_seconds([(1.5, 3.0), (1.0, 2.0), (2.5, 2.75), (5.0, 5.5)]), 2.5)
+    assert math.isclose(union_seconds([(1.5, 3.0), (1.0, 2.0), (2.5, 2.75), (5.0, 5.5)]), 2.5)
 
 
 # -- the stats value --------------------------------------------------------------------------

@@ -1,0 +1,26 @@
+"""Opening the state store the coordinator's config names (``state_store``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from coordinator.config import StateStoreConfig
+from coordinator.sqlite_store import SqliteStore
+from coordinator.store import Store
+
+__all__ = ["open_state_store"]
+
+
+def open_state_store(config: StateStoreConfig, state_dir: Path) -> Store:
+    """The configured store, opened and migrated (blocking: call it off the event loop).
+
+    SQLite lives in ``state_dir``; PostgreSQL is reached through the config's ``dsn``.
+    Raises :class:`~coordinator.store.StoreFailure` when it cannot be opened.
+    """
+    if config.kind == "postgresql":
+        from coordinator.postgres_store import PostgresStore  # needs the optional psycopg
+
+        if config.dsn is None:  # the config model refuses this; kept for the type checker
+            raise ValueError("state_store: kind postgresql needs a dsn")
+        return PostgresStore(config.dsn)
+    return SqliteStore.in_state_dir(state_dir)

@@ -1,0 +1,193 @@
+"""The worker side of a delayed round (``overlap: delayed``) on one rank.
+
+The workers start round r+1 from the parameters y they hold at the end of round r and
+keep a snapshot S = y on the device (one copy of the rank's share of the model). Before
+every step rank 0 looks for the round's base-ready marker and for a cancel request; one
+tiny all-reduce (with the stop wish) carries both to every rank, so all fold θ_{r+1} in at
+the same step: y <- θ_{r+1} + (y - S) (:mod:`regional_agent.overlap`), each rank on its
+own shard under FSDP. θ is broadcast from rank 0 into the model as in a serial round, and
+evaluated there when the marker asks for it (between the two halves of the correction,
+while the model holds θ exactly). If θ has not come when the last step is done, the ranks
+wait for it (still honouring a stop), then fold it in.
+
+A cancel (the agent will not use the round) or a θ that cannot be read ends the round
+without a result; the caller drops the rank's state, so the next round resumes from the
+regional checkpoint of round r, as a restarted group does.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Mapping
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from geofed.params import federated_state
+from geofed.training_config import TrainingConfig
+from regional_agent.base_evaluation import evaluate_base
+from regional_agent.handoff import BaseReady, HandoffDir, RoundInstruction
+from regional_agent.job_state import read_base
+from regional_agent.overlap import add_progress, progress_in_place, take_snapshot
+from regional_agent.parallelism import ParallelModel
+
+log = logging.getLogger(__name__)
+
+#: (stop, base ready, cancelled) -> whether any rank raised each.
+Agree = Callable[..., tuple[bool, ...]]
+
+
+def local_tensors(parallel: ParallelModel) -> dict[str, torch.Tensor]:
+    """This rank's federated tensors, as views of the model's own memory (shards under
+    FSDP), so in-place updates change the model."""
+    return {
+        name: tensor.to_local() if isinstance(tensor, DTensor) else tensor
+        for name, tensor in federated_state(parallel.model).items()
+    }
+
+
+class DelayedFold:
+    """Folds θ into a delayed round that started from the local parameters."""
+
+    def __init__(
+        self,
+        handoff: HandoffDir,
+        instruction: RoundInstruction,
+        parallel: ParallelModel,
+        agree: Agree,
+        evaluate: Callable[[], dict[str, float] | None],
+        group: dist.ProcessGroup | None = None,
+    ) -> None:
+        """``agree`` is the caller's control all-reduce over ``group`` (gloo, on the CPU)."""
+        self._handoff = handoff
+        self._instruction = instruction
+        self._parallel = parallel
+        self._agree = agree
+        self._evaluate = evaluate
+        self._group = group
+        self._rank = dist.get_rank()
+        self._snapshot: dict[str, torch.Tensor] = take_snapshot(local_tensors(parallel))
+        #: Set once θ is folded in: its hash (rank 0; "" elsewhere), its metrics, the step.
+        self.base_hash = ""
+        self.base_eval: dict[str, float] | None = None
+        self.folded_at_step: int | None = None
+        self.wait_seconds = 0.0
+        #: Why the round ended without a result when it was not a stop (rank 0 reports it).
+        self.failure: str | None = None
+
+    @property
+    def folded(self) -> bool:
+        return self.folded_at_step is not None
+
+    def between_steps(self, step: int, wants_stop: bool) -> bool:
+        """Before step ``step``: fold θ in if it came; True when the round must end."""
+        if self.folded:
+            return self._agree(wants_stop)[0]
+        outcome = self._check(wants_stop)
+        if outcome is None:
+            return True
+        if isinstance(outcome, BaseReady):
+            self._fold(outcome, step)
+        return self.failure is not None
+
+    def finish(self, steps: int, wants_stop: Callable[[], bool], poll_s: float) -> bool:
+        """After the last step: wait for θ if it has not come and fold it in; True when it
+        is folded (False: stopped, cancelled or failed)."""
+        if self.folded:
+            return True
+        started = time.monotonic()
+        while True:
+            outcome = self._check(wants_stop())
+            if outcome is None:
+                return False
+            if isinstance(outcome, BaseReady):
+                self.wait_seconds = time.monotonic() - started
+                self._fold(outcome, steps)
+                return self.failure is None
+            time.sleep(poll_s)
+
+    # -- internals -----------------------------------------------------------------------
+
+    def _check(self, wants_stop: bool) -> BaseReady | Literal[False] | None:
+        """None: stop or cancel agreed; False: θ not there yet; else the marker (all ranks)."""
+        job, round_ = self._instruction.job, self._instruction.round
+        ready: BaseReady | None = None
+        cancelled = False
+        if self._rank == 0:
+            cancelled = self._handoff.cancel_requested(job, round_)
+            if not cancelled:
+                try:
+                    ready = self._handoff.read_base_ready(job, round_)
+                except Exception as exc:  # a damaged marker fails the round, on every rank
+                    log.exception("job %s round %d: unreadable base-ready marker", job, round_)
+                    self.failure = f"unreadable base-ready marker: {exc}"
+                    cancelled = True
+        stop, has, cancel = self._agree(wants_stop, ready is not None, cancelled)
+        if cancel:
+            if self.failure is None:
+                self.failure = "the delayed round was cancelled by the agent"
+            return None
+        if stop:
+            return None
+        if not has:
+            return False
+        box: list[BaseReady | None] = [ready]
+        dist.broadcast_object_list(box, src=0, group=self._group)
+        assert box[0] is not None
+        return box[0]
+
+    def _fold(self, ready: BaseReady, step: int) -> None:
+        """y <- θ + (y - S), evaluating θ on the way when asked."""
+        job, round_ = self._instruction.job, self._instruction.round
+        base: Mapping[str, torch.Tensor] | None = None
+        error: str | None = None
+        if self._rank == 0:
+            try:
+                read = read_base(self._parallel.model, ready.base_params)
+            except Exception as exc:
+                log.exception("job %s round %d: cannot read θ", job, round_)
+                error = f"cannot read θ_{round_}: {type(exc).__name__}: {exc}"
+            else:
+                if read.hash == ready.base_hash:
+                    base, self.base_hash = read.state, read.hash
+                else:
+                    error = f"θ at {ready.base_params} hashes {read.hash}, not {ready.base_hash}"
+        (failed,) = self._agree(error is not None)
+        if failed:
+            self.failure = error or "rank 0 could not read θ"
+            return
+        started = time.monotonic()
+        progress = progress_in_place(self._snapshot, local_tensors(self._parallel))
+        self._parallel.load_full_state(base)
+        del base
+        if ready.evaluate_base:
+            self.base_eval = self._evaluate()
+        add_progress(local_tensors(self._parallel), progress)
+        self._snapshot = {}
+        self.folded_at_step = step
+        log.info(
+            "job %s round %d: θ folded in before step %d of %d (%.3f s)",
+            job,
+            round_,
+            step,
+            self._instruction.inner_steps,
+            time.monotonic() - started,
+        )
+
+
+def evaluator(
+    task: Any, parallel: ParallelModel, training: TrainingConfig, device: torch.device, what: str
+) -> Callable[[], dict[str, float] | None]:
+    """Evaluate the parameters the model holds; None (logged) when the task fails."""
+
+    def run() -> dict[str, float] | None:
+        try:
+            return evaluate_base(task, parallel, training, device)
+        except Exception:
+            log.exception("evaluating %s failed", what)
+            return None
+
+    return run

@@ -1,0 +1,164 @@
+"""The one-step delayed outer update (``overlap: delayed``): its math and its decisions.
+
+Serial rounds train round r from θ_r and form Δ_r against θ_r. Under ``delayed`` a region
+hands in round r's result and at once trains round r+1 from its own parameters
+y_r = θ_r + p_r, keeping a snapshot S = y_r. When θ_{r+1} arrives it is folded in at a
+step boundary::
+
+    y ← θ_{r+1} + (y - S)
+
+so y = θ_{r+1} + p_{r+1} afterwards, p_{r+1} being the progress of round r+1 so far, and
+the round's delta is formed against θ_{r+1} exactly as in serial mode. (It is the same as
+``y ← y + (θ_{r+1} - S)``; the first form is what the workers compute, since they load θ
+into the model, in place, between the two halves.) Tensor by tensor: under FSDP each rank
+corrects its own shard.
+
+Nothing here does I/O: the workers (:mod:`regional_agent.delayed_round`) and the agent
+(:mod:`regional_agent.overlap_pipeline`) call these functions and act on their answers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+
+from regional_agent.handoff import RoundInstruction
+
+
+def take_snapshot(params: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """S: a detached copy of every tensor, on its own device (one model copy)."""
+    with torch.no_grad():
+        return {name: tensor.detach().clone() for name, tensor in params.items()}
+
+
+def progress_in_place(
+    snapshot: dict[str, torch.Tensor], params: Mapping[str, torch.Tensor]
+) -> dict[str, torch.Tensor]:
+    """Turn ``snapshot`` (S) into the progress y - S, in its own memory; return it."""
+    _same_names(snapshot, params)
+    with torch.no_grad():
+        for name, saved in snapshot.items():
+            saved.neg_().add_(params[name].detach())
+    return snapshot
+
+
+def add_progress(params: Mapping[str, torch.Tensor], progress: Mapping[str, torch.Tensor]) -> None:
+    """y ← y + progress, in place (y holds θ_{r+1} at this point)."""
+    _same_names(progress, params)
+    with torch.no_grad():
+        for name, tensor in params.items():
+            tensor.add_(progress[name])
+
+
+def apply_correction(
+    params: Mapping[str, torch.Tensor],
+    theta: Mapping[str, torch.Tensor],
+    snapshot: dict[str, torch.Tensor],
+) -> None:
+    """y ← θ + (y - S) in place, tensor by tensor; ``snapshot`` is consumed (holds y - S)."""
+    _same_names(theta, params)
+    progress = progress_in_place(snapshot, params)
+    with torch.no_grad():
+        for name, tensor in params.items():
+            tensor.copy_(theta[name])
+    add_progress(params, progress)
+
+
+def _same_names(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor]) -> None:
+    if set(a) != set(b):
+        raise ValueError(
+            f"tensor names differ: only in one {sorted(set(a) - set(b))}, "
+            f"only in the other {sorted(set(b) - set(a))}"
+        )
+    for name, tensor in a.items():
+        if tensor.shape != b[name].shape:
+            raise ValueError(f"{name}: shape {tuple(tensor.shape)} != {tuple(b[name].shape)}")
+
+
+# -- decisions ---------------------------------------------------------------------------
+
+
+def speculate_next(overlap: str, round_: int, total_rounds: int | None) -> bool:
+    """Whether the region starts round ``round_ + 1`` as soon as round ``round_`` trained.
+
+    Not after the job's last round: there is no θ to fold in.
+    """
+    if overlap != "delayed":
+        return False
+    return total_rounds is None or round_ + 1 < total_rounds
+
+
+def next_instruction(trained: RoundInstruction, promised_base: str) -> RoundInstruction:
+    """The speculative instruction of the round after ``trained``.
+
+    Same job and training settings; the workers start from their local parameters and
+    wait for θ at ``promised_base`` (the file the agent will write once it has synced it).
+    Whether θ is evaluated is decided when it arrives (the base-ready marker says).
+    """
+    return RoundInstruction(
+        job=trained.job,
+        round=trained.round + 1,
+        base_params=promised_base,
+        inner_steps=trained.inner_steps,
+        task=trained.task,
+        task_options=dict(trained.task_options),
+        seed=trained.seed,
+        region=trained.region,
+        region_index=trained.region_index,
+        num_regions=trained.num_regions,
+        training=trained.training,
+        total_steps=trained.total_steps,
+        evaluate_base=False,
+        overlap="delayed",
+        base_pending=True,
+    )
+
+
+def speculation_unusable(
+    speculative: RoundInstruction, wanted: RoundInstruction, *, resync: bool
+) -> str | None:
+    """Why the speculative round cannot stand for ``wanted`` (the serial instruction the
+    announcement asks for), or None when its steps count.
+
+    The speculative round must train exactly what the serial one would (same data shard,
+    schedule, task, training settings) from the θ file it promised; after a resync the
+    region starts from the announced θ, as a serial round does.
+    """
+    if resync:
+        return "the region resyncs its parameters"
+    if (speculative.job, speculative.round) != (wanted.job, wanted.round):
+        return f"it is round {speculative.round} of {speculative.job}, not the announced one"
+    if speculative.base_params != wanted.base_params:
+        return f"θ is at {wanted.base_params}, not at the promised {speculative.base_params}"
+    ignored = {"base_params", "evaluate_base", "overlap", "base_pending"}
+    for name in RoundInstruction.__dataclass_fields__:
+        if name in ignored:
+            continue
+        if getattr(speculative, name) != getattr(wanted, name):
+            return f"the announced round changed {name}"
+    return None
+
+
+def keeps_speculation(
+    speculative_round: int,
+    announced_round: int,
+    state: str,
+    participates: bool,
+) -> str | None:
+    """Why an announcement of the job ends its speculative round, or None if it may go on.
+
+    The speculative round ``s`` goes on while the previous round closes (an announcement
+    of round s - 1) and when round s opens with this region among its participants;
+    anything else (a skipped or repeated round, a pause, the job's end or cancellation, a
+    region left out, a coordinator restored from an older backup) ends it.
+    """
+    if announced_round == speculative_round - 1 and state in ("open", "closed"):
+        return None
+    if announced_round == speculative_round and state in ("open", "closed"):
+        if not participates:
+            return f"this region does not take part in round {announced_round}"
+        return None
+    if announced_round == speculative_round:
+        return f"round {announced_round} is {state}"
+    return f"round {announced_round} ({state}) was announced, not round {speculative_round}"

@@ -1,0 +1,88 @@
+"""``geofed demo --wan ... --chaos``: a short demo through an emulated WAN with real faults.
+
+The demo runs as a process. Its regions reach the coordinator through the WAN emulator;
+while the job runs it kills an agent, a worker and the coordinator with SIGKILL, restarts
+its broker and cuts a region off through its WAN link. Its supervision restarts what was
+killed, as the shipped systemd units would, and says so in its live view. The demo must
+exit 0, having reported every fault it injected, nothing acknowledged lost, every region's
+parameters equal to what the coordinator published, and each region's compute
+utilization, with a timeline line per round its agent recorded.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from geofed_cli.demo.chaos import FAULTS
+from tests.support.federation import TINY_CHARLM
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+REGIONS = ("eu-west", "us-east")
+ROUNDS = 6
+
+
+@pytest.mark.timeout(420)
+def test_a_chaos_demo_over_a_wan_loses_nothing_and_its_regions_agree(tmp_path: Path) -> None:
+    work = tmp_path / "demo"
+    command = [sys.executable, "-m", "geofed", "demo", "--regions", "2", "--rounds", str(ROUNDS)]
+    command += ["--inner-steps", "3", "--task-options", json.dumps(TINY_CHARLM)]
+    command += ["--wan", "20mbit,40ms", "--chaos", "--workdir", str(work), "--timeout", "360"]
+    done = subprocess.run(
+        command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=400, check=False
+    )
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, "...\n" + output[-3000:]
+    assert "20 Mbit/s, 40 ms RTT (emulated)" in done.stdout
+    summary = json.loads((work / "summary.json").read_text())
+    assert summary["job_state"] == "completed"
+
+    # The faults, and what they cost: nothing.
+    chaos = summary["chaos"]
+    assert [fault["kind"] for fault in chaos["injected"]] == list(FAULTS), chaos
+    details = {fault["kind"]: fault["detail"] for fault in chaos["injected"]}
+    for kind in ("kill-agent", "kill-worker", "kill-coordinator"):
+        assert details[kind].startswith("SIGKILL to"), details
+    assert details["partition-region"].startswith("cut off from the coordinator"), details
+    assert chaos["lost"] == [], chaos
+    assert chaos["regions_agree"], chaos
+    assert set(chaos["regions"]) == set(REGIONS)
+    assert "lost: nothing acknowledged" in output
+
+    # Supervision restarted the killed daemons and said so.
+    assert "agent-eu-west was killed by SIGKILL; restarting in 1 s" in output, output[-3000:]
+    assert "agent-eu-west restarted (pid " in output
+    assert summary["restarts"].get("coordinator", 0) >= 1, summary["restarts"]
+    assert summary["restarts"].get("agent-eu-west", 0) >= 1, summary["restarts"]
+    agent_log = (work / "logs" / "agent-eu-west.log").read_text()
+    starts = agent_log.split("agent for region eu-west of federation demo starting")
+    assert len(starts) >= 2, agent_log[-3000:]
+    assert "delta accepted" in starts[-1], agent_log[-3000:]  # the restarted agent delivered
+
+    # Each region's compute utilization, and a timeline line per recorded round.
+    utilization = summary["compute_utilization"]
+    assert set(utilization) == set(REGIONS)
+    for region, value in utilization.items():
+        assert value is not None, region
+        assert 0 < value <= 1, (region, value)
+    for region in REGIONS:
+        lines = (work / "agents" / region / "round_timeline.jsonl").read_text().splitlines()
+        rounds = [json.loads(line) for line in lines]
+        numbers = [entry["round"] for entry in rounds]
+        assert set(numbers) <= set(range(ROUNDS)), (region, numbers)
+        # A restarted agent may only re-send a spooled delta (upload, wait) for its round.
+        trained = [entry for entry in rounds if "train" in entry["seconds"]]
+        assert len(trained) >= ROUNDS // 2, (region, numbers)
+        for entry in trained:
+            assert {"sync", "train"} <= set(entry["seconds"]), entry
+        for entry in rounds:
+            assert entry["seconds"], entry
+            worker = entry.get("worker")
+            if worker is not None:
+                assert worker["end"] > worker["start"]

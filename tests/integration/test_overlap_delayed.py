@@ -1,0 +1,143 @@
+"""``overlap: delayed`` in a real federation (embedded broker, coordinator and two agents as
+processes, mutual TLS, real worker groups).
+
+What it proves: regions train round r+1 before θ_{r+1} exists anywhere (a round's
+training starts before the coordinator announces that round), fold θ_{r+1} in when it
+comes, and still end every round holding exactly the coordinator's θ; and a worker killed
+with SIGKILL in the middle of such a round costs only that round's speculative steps.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.support.federation import FederationRun
+from tests.support.observe import (
+    WAIT_S,
+    ControlObserver,
+    audit_entries,
+    check_same_parameters,
+    observed_federation,
+    poll,
+)
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+REGIONS = ("eu-west", "us-east")
+ROUNDS = 3
+INNER_STEPS = 12
+_AHEAD = re.compile(
+    r"job (\S+) round (\d+): trained ahead of θ \(started at ([0-9.]+), "
+    r"θ folded in before step (\d+) of (\d+)"
+)
+
+
+def configure(name: str, data: dict[str, Any]) -> None:
+    """A delayed job; two workers in eu-west (DDP), one in us-east (few cores here)."""
+    if name == "job":
+        data["overlap"] = "delayed"
+    if name == "agent-us-east":
+        data["workers"]["count"] = 1
+
+
+def ahead(fed: FederationRun, region: str) -> dict[int, tuple[float, int]]:
+    """Round -> (training start, fold step) of the rounds the region trained ahead of θ."""
+    text = (fed.work / "logs" / f"agent-{region}.log").read_text(errors="replace")
+    return {
+        int(m.group(2)): (float(m.group(3)), int(m.group(4)))
+        for m in _AHEAD.finditer(text)
+        if m.group(1) == fed.job
+    }
+
+
+def opened_at(observer: ControlObserver, round_: int) -> float:
+    """When the coordinator announced round ``round_`` open: θ_round exists from then."""
+    return min(
+        a.sent_at.timestamp()
+        for a in observer.announcements
+        if a.state == "open" and a.round == round_
+    )
+
+
+async def test_delayed_rounds_train_ahead_of_theta_and_agree_with_the_coordinator(
+    tmp_path: Path,
+) -> None:
+    async with observed_federation(
+        tmp_path, regions=REGIONS, rounds=ROUNDS, inner_steps=INNER_STEPS, customize=configure
+    ) as (fed, observer):
+        final = await fed.wait_completed(timeout_s=WAIT_S)
+        entries = await audit_entries(fed, job=fed.job, verify=True)
+        check_same_parameters(
+            fed, observer, ROUNDS, {region: set(range(ROUNDS)) for region in REGIONS}
+        )
+        trained_ahead = {region: ahead(fed, region) for region in REGIONS}
+
+    assert final["round"] == ROUNDS
+    assert all(a.overlap == "delayed" for a in observer.announcements)
+    accepts = sorted((e.round, e.region) for e in entries if e.action == "delta.accept")
+    assert accepts == [(r, g) for r in range(ROUNDS) for g in sorted(REGIONS)]
+    for region, rounds in trained_ahead.items():
+        # Round 0 starts from θ_0; every later round was started from the local parameters.
+        assert sorted(rounds) == list(range(1, ROUNDS)), (region, rounds)
+        for round_, (started_at, fold_step) in rounds.items():
+            # Training began before θ_round was announced, so before it could be had.
+            assert started_at < opened_at(observer, round_), (region, round_)
+            assert 1 <= fold_step <= INNER_STEPS, (region, round_, fold_step)
+
+
+def workers_dir(fed: FederationRun, region: str) -> Path:
+    return fed.work / "agents" / region / "workers"
+
+
+def speculating(fed: FederationRun, region: str, round_: int) -> bool:
+    """The region's workers hold round ``round_``'s speculative instruction, unanswered."""
+    jobs = workers_dir(fed, region) / "jobs" / fed.job
+    try:
+        instruction = json.loads((jobs / f"round-{round_}.instruction.json").read_text())
+    except (FileNotFoundError, ValueError):
+        return False
+    return bool(instruction.get("base_pending")) and not (
+        (jobs / f"round-{round_}.done.json").exists()
+        or (jobs / f"round-{round_}.base.json").exists()
+    )
+
+
+async def test_a_worker_killed_in_a_delayed_round_costs_only_its_speculative_steps(
+    tmp_path: Path,
+) -> None:
+    victim, killed_round = "eu-west", 1
+    async with observed_federation(
+        tmp_path, regions=REGIONS, rounds=ROUNDS, inner_steps=INNER_STEPS, customize=configure
+    ) as (fed, observer):
+        await poll(
+            fed,
+            lambda: speculating(fed, victim, killed_round),
+            f"{victim} to train round {killed_round} ahead of θ",
+            timeout_s=WAIT_S,
+        )
+        rank0 = json.loads((workers_dir(fed, victim) / "ranks" / "rank-0.json").read_text())
+        os.kill(rank0["pid"], signal.SIGKILL)
+        final = await fed.wait_completed(timeout_s=WAIT_S)
+        entries = await audit_entries(fed, job=fed.job, verify=True)
+        check_same_parameters(
+            fed, observer, ROUNDS, {region: set(range(ROUNDS)) for region in REGIONS}
+        )
+        trained_ahead = ahead(fed, victim)
+        rank_log = (workers_dir(fed, victim) / "logs" / "rank-0.log").read_text()
+
+    assert final["round"] == ROUNDS
+    accepts = sorted((e.round, e.region) for e in entries if e.action == "delta.accept")
+    assert accepts == [(r, g) for r in range(ROUNDS) for g in sorted(REGIONS)]
+    # The restarted group resumed from the regional checkpoint of the round before and
+    # trained the killed round serially from θ; the next round went ahead of θ again.
+    assert f"resumed from the regional checkpoint of round {killed_round - 1}" in rank_log
+    assert f"job {fed.job} round {killed_round}: θ came; training from it" in rank_log
+    assert killed_round not in trained_ahead
+    assert killed_round + 1 in trained_ahead

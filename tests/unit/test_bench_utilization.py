@@ -1,0 +1,68 @@
+"""The utilization benchmark's own logic: arguments, modes, per-round figures."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from benchmarks import utilization
+from regional_agent.round_timeline import Interval, RoundTimeline
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [["--sizes", "s,huge"], ["--modes", "streaming"], ["--rtt", "80"], ["--scale", "0"]],
+)
+def test_bad_arguments_are_refused(tmp_path: Path, argv: list[str]) -> None:
+    out = tmp_path / "utilization.json"
+    with pytest.raises(SystemExit) as exc:
+        utilization.main([*argv, "--out", str(out)])
+    assert exc.value.code == 2
+    assert not out.exists()
+
+
+def test_defaults_scale_the_reference_link() -> None:
+    settings = utilization.settings_from([])
+    assert settings.sizes == ("s", "m")
+    assert settings.link.describe() == "2.5 Mbit/s, 80 ms RTT"
+    assert utilization.settings_from(["--big"]).sizes == ("s", "m", "l", "xl")
+
+
+def test_modes_the_job_spec_refuses_are_reported_not_run() -> None:
+    modes = utilization.overlap_modes(["none"])
+    assert modes["none"]["available"]
+
+
+def _round(number: int, start: float) -> RoundTimeline:
+    phases = {
+        "sync": Interval(start, start + 1, 1),
+        "train": Interval(start + 1, start + 5, 4),
+        "encode": Interval(start + 5, start + 6, 1),
+        "upload": Interval(start + 6, start + 8, 2),
+        "wait": Interval(start + 8, start + 10, 2),
+    }
+    return RoundTimeline("job", number, phases, Interval(start + 1.5, start + 4.5, 3))
+
+
+def test_region_figures_split_the_train_phase_into_training_and_load() -> None:
+    figures = utilization.region_figures(
+        [_round(1, 10), _round(0, 0)], {"bytes_up": 1, "bytes_down": 2}
+    )
+    first = figures["rounds"][0]
+    assert first["round"] == 0
+    assert first["train_s"] == 3
+    assert first["load_s"] == 1
+    assert first["round_s"] == 10
+    assert figures["compute_utilization"] == pytest.approx(6 / 13)
+    assert figures["mean_per_round"]["wait_s"] == 2  # the last round's wait is left out
+    assert "## overlap: delayed\n\nnot available: x." in utilization.render(
+        {
+            "machine": {"cpu_model": "x", "usable_cpus": 2, "python": "3", "torch": "2",
+                        "torch_cpu_capability": "x", "torch_threads": 1},
+            "settings": {"regions": ["a"], "workers_per_region": 2, "rounds": 2,
+                         "inner_steps": 5, "smoke": False, "note": "",
+                         "link": {"emulated": "1 Mbit/s", "scaling": "scaled"}},
+            "modes": {"delayed": {"detail": "not available: x", "runs": {}}},
+        }
+    )  # fmt: skip

@@ -1,0 +1,111 @@
+"""``geofed demo --chaos``: the plan, the verdict, and finding a region's workers (pure)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from geofed_cli.demo.chaos import FAULTS, InjectedFault, judge_chaos, plan_chaos, worker_pids
+
+
+def test_the_faults_are_spread_over_the_job_one_of_each() -> None:
+    plan = plan_chaos(10, ["eu-west", "us-east", "ap-south"])
+    assert [f.kind for f in plan] == list(FAULTS)
+    assert [f.after_round for f in plan] == [2, 4, 5, 7, 9]
+    assert [f.target for f in plan] == [
+        "agent-eu-west",
+        "agent-us-east",
+        "coordinator",
+        "broker",
+        "ap-south",
+    ]
+    # A short job: faults share rounds, never after the last one.
+    assert [f.after_round for f in plan_chaos(3, ["eu-west"])] == [1, 1, 2, 2, 2]
+    assert {f.after_round for f in plan_chaos(1, ["eu-west"])} == {0}
+    with pytest.raises(ValueError, match="at least one round"):
+        plan_chaos(0, ["eu-west"])
+
+
+def _entry(action: str, round_: int, region: str | None = None, **details: Any) -> dict[str, Any]:
+    return {
+        "action": action,
+        "verdict": "ok",
+        "job": "j",
+        "round": round_,
+        "region": region,
+        "details": details,
+    }
+
+
+AUDIT = [
+    _entry("delta.accept", 0, "eu-west"),
+    _entry("delta.accept", 0, "us-east"),
+    _entry("round.publish", 0, included=["eu-west", "us-east"], params_hash="a" * 64),
+    _entry("delta.accept", 1, "eu-west"),
+    _entry("round.publish", 1, included=["eu-west"], params_hash="b" * 64),
+]
+FAULT = InjectedFault("kill-agent", "agent-eu-west", 1, 12.5, "SIGKILL to pid 7")
+
+
+def test_nothing_lost_and_every_region_agreeing_is_a_clean_run() -> None:
+    statuses: list[dict[str, Any]] = [
+        {"region": "eu-west", "job": "j", "round": 2, "params_hash": "b" * 64},
+        {"region": "us-east", "job": "j", "round": 1, "params_hash": "a" * 64},
+        {"region": "ap-south", "state": "offline"},  # not in the job: not judged
+    ]
+    report = judge_chaos("j", ["eu-west", "us-east"], AUDIT, statuses, [FAULT])
+    assert report.lost == []
+    assert report.regions["eu-west"].startswith("agrees with θ_2")
+    assert report.regions_agree
+    assert report.ok
+    assert report.to_json()["injected"][0]["detail"] == "SIGKILL to pid 7"
+
+
+def test_a_lost_delta_a_double_publication_and_a_stray_region_are_named() -> None:
+    audit = [
+        *AUDIT,
+        _entry("delta.accept", 1, "us-east"),  # accepted, but round 1 left it out
+        _entry("round.publish", 1, included=["eu-west"], params_hash="b" * 64),
+        _entry("delta.accept", 2, "eu-west"),  # accepted; round 2 never published
+        {**_entry("delta.accept", 3, "eu-west"), "verdict": "deny"},  # not accepted
+    ]
+    statuses = [
+        {"region": "eu-west", "job": "j", "round": 2, "params_hash": "c" * 64},
+        {"region": "us-east", "job": "other", "round": 9},
+        {"region": "ap-south", "job": "j", "round": 7, "params_hash": "d" * 64},
+    ]
+    report = judge_chaos("j", ["eu-west", "us-east", "ap-south", "sa-east"], audit, statuses, [])
+    assert report.lost == [
+        "round 1 was published 2 times",
+        "us-east's accepted delta of round 1 was not included",
+        "eu-west's accepted delta of round 2: never published",
+    ]
+    assert report.regions["eu-west"].startswith("differs: θ_2 is cccccccccccc there")
+    assert report.regions["us-east"] == "reports no state of job j"
+    assert report.regions["ap-south"] == "reports θ_7 without a hash to compare"
+    assert report.regions["sa-east"] == "reports no state of job j"
+    assert not report.ok
+
+
+def _process(proc: Path, pid: int, ppid: int, command: str) -> None:
+    entry = proc / str(pid)
+    entry.mkdir()
+    (entry / "stat").write_text(f"{pid} (python3 (x)) S {ppid} {pid} {pid} 0 -1")
+    (entry / "cmdline").write_bytes(command.replace(" ", "\0").encode())
+
+
+def test_a_regions_workers_are_found_by_descent_not_by_session(tmp_path: Path) -> None:
+    proc = tmp_path / "proc"
+    proc.mkdir()
+    _process(proc, 100, 1, "python -m geofed_cli agent --config agent-eu-west.yaml")
+    _process(proc, 110, 100, "python -m torch.distributed.run -m regional_agent.worker")
+    _process(proc, 111, 110, "python -m regional_agent.worker --workdir w")
+    _process(proc, 112, 110, "python -m regional_agent.worker --workdir w")
+    _process(proc, 200, 1, "python -m geofed_cli agent --config agent-us-east.yaml")
+    _process(proc, 211, 200, "python -m regional_agent.worker --workdir v")
+    (proc / "self").mkdir()
+    assert worker_pids(100, proc) == [111, 112]
+    assert worker_pids(200, proc) == [211]
+    assert worker_pids(999, proc) == []
