@@ -19,7 +19,7 @@ $(STAMP): pyproject.toml
 
 setup: $(STAMP)
 
-# mosquitto, promtool and a PostgreSQL server, which the integration tests run for real.
+# mosquitto, promtool, chromium and a PostgreSQL server, which the integration tests run for real.
 system-deps:
 	scripts/install-system-deps.sh
 

@@ -56,6 +56,7 @@ async def readyz(request: web.Request) -> web.Response:
 async def metrics(request: web.Request) -> web.Response:
     # Job- and region-labelled series of every job: readers only, never a region.
     require_role(request, *READERS)
+    request.app[JOBS].refresh_metrics()  # queue waits and GPU-seconds, as of now
     body = generate_latest(request.app[REGISTRY])
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
@@ -89,7 +90,10 @@ async def submit_job(request: web.Request) -> web.Response:
         text = data.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise BadRequest(f"job spec is not UTF-8: {exc}") from None
-    result = await request.app[JOBS].submit(text, actor)
+    overrides = {
+        name: request.query[name] for name in ("priority", "team") if name in request.query
+    }
+    result = await request.app[JOBS].submit(text, actor, overrides)
     return web.json_response(result, status=201)
 
 
@@ -134,6 +138,14 @@ async def change_job(request: web.Request) -> web.Response:
     return web.json_response(result)
 
 
+@routes.post(ApiPaths.JOB_PREEMPT)
+async def preempt_job(request: web.Request) -> web.Response:
+    """Stop a job at its next round boundary and requeue it (admins; coordinator.teams)."""
+    actor = require_role(request, Role.OPERATOR)
+    result = await request.app[JOBS].preempt(request.match_info["job"], actor)
+    return web.json_response(result, status=202)
+
+
 @routes.get(ApiPaths.REGIONS)
 async def regions(request: web.Request) -> web.Response:
     require_role(request, *READERS)
@@ -149,6 +161,9 @@ async def regions(request: web.Request) -> web.Response:
             "quarantined": {
                 job: held[region] for job, held in sorted(quarantines.items()) if region in held
             },
+            # what the agent offers (null: unknown, treated as unlimited) and what the
+            # capacity-scheduled jobs hold of it
+            **request.app[JOBS].region_usage(region),
         }
         view = services.control.regions.get(region)
         if view is not None:
@@ -165,6 +180,13 @@ async def regions(request: web.Request) -> web.Response:
             )
         body.append(entry)
     return web.json_response({"regions": body})
+
+
+@routes.get(ApiPaths.QUEUE)
+async def queue(request: web.Request) -> web.Response:
+    """Jobs waiting for capacity (in queue order) and running, with priority and reason."""
+    require_role(request, *READERS)
+    return web.json_response({"jobs": request.app[JOBS].queue()})
 
 
 @routes.get(ApiPaths.AUDIT)

@@ -26,7 +26,7 @@ from aiohttp import web
 from aiohttp.typedefs import Handler
 from prometheus_client import CollectorRegistry
 
-from coordinator import api_admin, api_data
+from coordinator import api_admin, api_data, api_export, api_lineage
 from coordinator.async_store import AsyncStore
 from coordinator.auth import header_identity_middleware, refuse_identity_header_middleware
 from coordinator.control import ControlPlane
@@ -35,10 +35,12 @@ from coordinator.executors import Executors
 from coordinator.http_server import error_code
 from coordinator.jobs import JobManager
 from coordinator.keys import JOBS, REGISTRY, RUNTIME, SERVICES, UPLOADS
+from coordinator.leader_lease import Fence
 from coordinator.metrics import CoordinatorMetrics
 from coordinator.runtime import Runtime
 from coordinator.services import Services
 from coordinator.store_backends import open_state_store
+from coordinator.ui import handler as status_page
 from coordinator.uploads import UploadService
 from geofed.pki.httpauth import identity_middleware
 
@@ -80,8 +82,12 @@ def create_app(
     *,
     registry: CollectorRegistry,
     clock: Callable[[], float] = time.time,
+    fence: Fence | None = None,
 ) -> web.Application:
-    """The coordinator app for ``runtime``; serve it with ``runtime.server_ssl()``."""
+    """The coordinator app for ``runtime``; serve it with ``runtime.server_ssl()``.
+
+    ``fence``: the leader lease this coordinator holds, when several share the state.
+    """
     config = runtime.config
     if config.tls_enabled:
         identity = [
@@ -101,14 +107,17 @@ def create_app(
     )
     app[RUNTIME] = runtime
     app[REGISTRY] = registry
-    app.cleanup_ctx.append(_lifecycle(clock))
+    app.cleanup_ctx.append(_lifecycle(clock, fence))
     app.add_routes(api_admin.routes)
     app.add_routes(api_data.routes)
+    api_export.setup(app)
+    app.add_routes(api_lineage.routes)
+    status_page.install(app)
     return app
 
 
 def _lifecycle(
-    clock: Callable[[], float],
+    clock: Callable[[], float], fence: Fence | None
 ) -> Callable[[web.Application], AsyncIterator[None]]:
     async def lifecycle(app: web.Application) -> AsyncIterator[None]:
         runtime = app[RUNTIME]
@@ -118,7 +127,7 @@ def _lifecycle(
         for name, timestamp in runtime.certificate_expiry().items():
             metrics.certificate_expiry.labels(certificate=name).set(timestamp)
         db = await AsyncStore.open(
-            lambda: open_state_store(config.state_store, config.state_dir), executors
+            lambda: open_state_store(config.state_store, config.state_dir, fence), executors
         )
         control = ControlPlane(config, runtime.mqtt_ssl(), metrics, frozenset(runtime.policies))
         await control.start()

@@ -15,7 +15,8 @@ than request_s (60)``). Relative paths are relative to the file's own directory.
     # insecure_loopback: true         # plain HTTP on 127.0.0.1, demo only (no tls section)
     mqtt: {host: broker.acme.example, port: 8883, tls: true}
     state_dir: /var/lib/geofed/coordinator
-    # state_store: {kind: postgresql, dsn: "host=db.acme.example dbname=geofed user=geofed"}
+    # state_store: {kind: postgresql, dsn: "host=db.acme.example dbname=geofed user=geofed",
+    #               leader_lease: {ttl_s: 15}}   # two or more coordinators: one leads
     policies_dir: /etc/geofed/policies
     storage:
       - {name: eu-ckpt, jurisdiction: EU, path: /srv/checkpoints/eu}
@@ -24,6 +25,8 @@ than request_s (60)``). Relative paths are relative to the file's own directory.
     limits: {max_upload_bytes: 2147483648, max_manifest_bytes: 16777216}
     publication_retry: {initial_s: 5, max_s: 300, max_attempts: 10}
     task_modules: [acme_tasks.*]      # task modules jobs may name, besides geofed.examples.*
+    scheduling: scheduling.yaml       # optional: priority classes and quotas for admission
+    admins: [ops-lead]                # optional: operators that manage every team's jobs
     log_level: INFO                   # optional; a reload (SIGHUP) applies a change
 """
 
@@ -96,6 +99,10 @@ def _coordinator_name(value: str) -> str:
     return validate_name("coordinator name", value)
 
 
+def _admin_name(value: str) -> str:
+    return validate_name("admin operator name", value)
+
+
 FederationName = Annotated[str, AfterValidator(_federation)]
 Jurisdiction = Annotated[str, AfterValidator(validate_jurisdiction)]
 
@@ -135,6 +142,40 @@ class StorageConfig(ConfigSection):
     )
 
 
+class LeaderLeaseConfig(ConfigSection):
+    """Coordinators sharing one PostgreSQL state: one leads, the others stand by."""
+
+    ttl_s: float = Field(
+        default=15.0,
+        gt=0,
+        le=3600,
+        description="how long a lease lasts unless renewed: a standby takes over at most "
+        "this long after the leader's loss",
+    )
+    renew_every_s: float | None = Field(
+        default=None, gt=0, description="how often the leader renews (default: ttl_s / 3)"
+    )
+    name: str = Field(
+        default="coordinator",
+        min_length=1,
+        max_length=128,
+        description="the lease's name: coordinators of one federation share it",
+    )
+
+    @property
+    def renew_interval_s(self) -> float:
+        return self.ttl_s / 3 if self.renew_every_s is None else self.renew_every_s
+
+    @model_validator(mode="after")
+    def _renews_in_time(self) -> Self:
+        if self.renew_interval_s * 2 > self.ttl_s:
+            raise ValueError(
+                f"renew_every_s ({self.renew_interval_s:g}) must be at most half of ttl_s "
+                f"({self.ttl_s:g}), so one failed renewal does not lose the lease"
+            )
+        return self
+
+
 class StateStoreConfig(ConfigSection):
     """Where the coordinator keeps jobs, rounds, receipts, pointers and the audit log."""
 
@@ -150,12 +191,21 @@ class StateStoreConfig(ConfigSection):
         "dbname=geofed user=geofed sslmode=verify-full'; without a password (use a "
         "~/.pgpass file, PGPASSFILE or a client certificate)",
     )
+    leader_lease: LeaderLeaseConfig | None = Field(
+        default=None,
+        description="postgresql: run two or more coordinators on the same database; the "
+        "one holding this lease serves, the others wait to take over",
+    )
 
     @model_validator(mode="after")
     def _dsn_fits_kind(self) -> Self:
         if self.kind == "sqlite":
             if self.dsn is not None:
                 raise ValueError("dsn is for kind: postgresql; sqlite lives in state_dir")
+            if self.leader_lease is not None:
+                raise ValueError(
+                    "leader_lease needs kind: postgresql (coordinators must share the state)"
+                )
             return self
         if not self.dsn:
             raise ValueError("kind: postgresql needs a dsn (a libpq connection string)")
@@ -282,6 +332,17 @@ class CoordinatorConfig(ConfigSection):
         "'package.module' or 'package.*'; a job naming any other module is refused before "
         "anything is imported",
     )
+    scheduling: Path | None = Field(
+        default=None,
+        description="scheduling file: priority classes, ageing, team quotas "
+        "(coordinator.scheduling.config); default: the built-in classes production, "
+        "research (the default) and best-effort",
+    )
+    admins: tuple[Annotated[str, AfterValidator(_admin_name)], ...] = Field(
+        default=(),
+        description="operator names (operator/<name>) that manage every team's jobs and may "
+        "preempt; other operators manage only their team's jobs (coordinator.teams)",
+    )
     log_level: LogLevel | None = Field(
         default=None,
         description="DEBUG, INFO, WARNING or ERROR; default: the command line's --log-level; "
@@ -363,6 +424,7 @@ class CoordinatorConfig(ConfigSection):
             "tls": tls,
             "state_dir": fix(self.state_dir),
             "policies_dir": fix(self.policies_dir),
+            "scheduling": fix(self.scheduling) if self.scheduling is not None else None,
             "storage": tuple(s.model_copy(update={"path": fix(s.path)}) for s in self.storage),
         }
         return self.model_copy(update=update)

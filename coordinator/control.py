@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import math
 import ssl
+from collections.abc import Callable
 from typing import Literal
 
 from coordinator.config import CoordinatorConfig
@@ -72,6 +73,7 @@ class ControlPlane:
         self._retained: dict[str, bytes] = {}
         self._dedup = Deduplicator()
         self.regions: dict[str, RegionView] = {}
+        self._region_listeners: list[Callable[[str], None]] = []
         for region in known_regions:
             metrics.region_up.labels(region=region).set(0)
         metrics.regions_up.set(0)
@@ -80,6 +82,13 @@ class ControlPlane:
     @property
     def connected(self) -> bool:
         return self.client.connected.is_set()
+
+    def on_region_change(self, listener: Callable[[str], None]) -> None:
+        """Call ``listener(region)`` when a region goes up or down or its capacity changes.
+
+        Called in the status handler's task: it must not block.
+        """
+        self._region_listeners.append(listener)
 
     async def start(self) -> None:
         """Register the status subscription and the reconnect hook; run ``client.run()`` next."""
@@ -148,6 +157,10 @@ class ControlPlane:
         if view is None:
             log.info("ignored a status of %s sent at %s: %s", region, status.sent_at, reason)
             return
+        before = self.regions.get(region)
         self.regions[region] = view
+        if before is None or (before.up, before.status.capacity) != (view.up, status.capacity):
+            for listener in self._region_listeners:
+                listener(region)
         self._metrics.region_up.labels(region=region).set(1 if status.state != "offline" else 0)
         self._metrics.regions_up.set(sum(1 for view in self.regions.values() if view.up))

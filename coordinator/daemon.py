@@ -10,7 +10,14 @@ the port cannot be bound, the state database is unusable or the daemon crashed,
 ``CONFIG`` (2) for a bad file (the config, the trust bundle, the credential, the
 policies) or systemd environment, printed as ``file:line: key: message`` lines.
 
-Under systemd (``Type=notify``, ``deploy/systemd``) it sends ``READY=1`` once it serves,
+With ``state_store.leader_lease`` several coordinators share one PostgreSQL state and
+one of them serves (:mod:`coordinator.leadership`): the others stand by, binding nothing,
+until the leader's lease runs out or is released, then take over on the same address
+(a shared name or virtual IP the agents use). A leader that loses its lease stops and
+exits ``RUNTIME``, so that systemd restarts it as a standby; a clean stop releases it.
+
+Under systemd (``Type=notify``, ``deploy/systemd``) it sends ``READY=1`` once it serves
+(a standby: once it stands by, its ``STATUS=`` saying whom it waits for),
 ``WATCHDOG=1`` from its event loop every half of ``WatchdogSec=`` (a stuck loop stops
 them), and ``STOPPING=1`` when SIGTERM arrives.
 """
@@ -31,8 +38,11 @@ from prometheus_client import CollectorRegistry
 from coordinator.app import create_app
 from coordinator.config import ConfigError, load_config
 from coordinator.http_server import CoordinatorRunner
+from coordinator.leader_lease import Fence
+from coordinator.leadership import Deposed, Leadership, holder_name
 from coordinator.reload import apply_reload, prepare_reload
 from coordinator.runtime import Runtime, load_runtime
+from coordinator.scheduling.config import load_scheduling_config
 from coordinator.store import StoreError
 from geofed.exit_codes import ExitCode
 from geofed.reload import apply_log_level
@@ -52,11 +62,15 @@ async def serve(
     on_ready: Callable[[int], None] | None = None,
     notifier: Notifier | None = None,
     watchdog_s: float | None = None,
+    fence: Fence | None = None,
 ) -> None:
-    """Serve ``runtime`` until ``stop`` is set; ``on_ready(port)`` once listening."""
+    """Serve ``runtime`` until ``stop`` is set; ``on_ready(port)`` once listening.
+
+    ``fence``: the leader lease held, when coordinators share the state store.
+    """
     notifier = notifier or Notifier(None)
     config = runtime.config
-    app = create_app(runtime, registry=registry or CollectorRegistry())
+    app = create_app(runtime, registry=registry or CollectorRegistry(), fence=fence)
     runner = CoordinatorRunner(app, access_log=None)
     await runner.setup()
     try:
@@ -121,10 +135,57 @@ async def _run(
         reloader.serving = True
 
     try:
-        await serve(runtime, stop, notifier=notifier, watchdog_s=watchdog_s, on_ready=on_ready)
+        await _lead_and_serve(runtime, stop, notifier, watchdog_s, on_ready)
     finally:
         loop.remove_signal_handler(signal.SIGHUP)
         await reloader.close()
+
+
+async def _lead_and_serve(
+    runtime: Runtime,
+    stop: asyncio.Event,
+    notifier: Notifier,
+    watchdog_s: float | None,
+    on_ready: Callable[[int], None],
+) -> None:
+    """Serve; with a leader lease, stand by until leading and stop when deposed."""
+    store = runtime.config.state_store
+    if store.leader_lease is None or store.dsn is None:
+        await serve(runtime, stop, notifier=notifier, watchdog_s=watchdog_s, on_ready=on_ready)
+        return
+    leadership = await Leadership.open(
+        store.dsn, store.leader_lease, holder_name(runtime.signer.identity.uri), notifier
+    )
+    deposed: list[str] = []
+
+    def on_deposed(reason: str) -> None:
+        log.error("deposed: %s", reason)
+        deposed.append(reason)
+        stop.set()
+
+    try:
+        notifier.ready("standby: waiting for the leader lease")
+        fence = await leadership.acquire(stop)
+        if fence is None:
+            return
+        holding = asyncio.create_task(leadership.hold(on_deposed), name="leader-lease")
+        try:
+            await serve(
+                runtime,
+                stop,
+                notifier=notifier,
+                watchdog_s=watchdog_s,
+                on_ready=on_ready,
+                fence=fence,
+            )
+        finally:
+            holding.cancel()
+            await asyncio.wait([holding])
+        if deposed:
+            raise Deposed(deposed[0])
+        await leadership.release()
+    finally:
+        await leadership.close()
 
 
 def main(config_path: str | Path) -> int:
@@ -137,6 +198,7 @@ def main(config_path: str | Path) -> int:
         default_level = logging.getLogger().level
         apply_log_level(config.log_level, default_level)
         runtime = load_runtime(config)
+        load_scheduling_config(config.scheduling)  # its mistakes exit 2 too, named
     except NotifyEnvironmentError as exc:
         print(f"error: systemd environment: {exc}", file=sys.stderr)
         return ExitCode.CONFIG
@@ -147,7 +209,7 @@ def main(config_path: str | Path) -> int:
     try:
         with notifier:
             asyncio.run(_run(runtime, Path(config_path), notifier, watchdog_s, default_level))
-    except (OSError, StoreError) as exc:
+    except (OSError, StoreError, Deposed) as exc:
         log.error("coordinator failed: %s", exc)  # noqa: TRY400 - the message says it all
         return ExitCode.RUNTIME
     except Exception:

@@ -14,6 +14,7 @@ from datetime import datetime
 
 from coordinator.errors import ApiError, BadRequest, Conflict, Forbidden, TooLarge
 from geofed.codec_params import CodecParams
+from geofed.lineage import code_mismatch, task_code
 from geofed.manifest import (
     BadSignature,
     ManifestError,
@@ -54,6 +55,7 @@ class DeltaExpectation:
         max_chunk_bytes: int,
         training: TrainingConfig | None = None,
         max_tokens: int | None = None,
+        refuse_code_of: str | None = None,
     ) -> None:
         self.job = job
         self.round = round
@@ -68,6 +70,8 @@ class DeltaExpectation:
         self.max_chunk_bytes = max_chunk_bytes
         self.training = training
         self.max_tokens = max_tokens
+        #: The job's task spec when it refuses deltas trained with other task code.
+        self.refuse_code_of = refuse_code_of
 
     @property
     def max_chunks(self) -> int:
@@ -129,6 +133,11 @@ def check_delta_manifest(signed: SignedManifest, expect: DeltaExpectation) -> No
             "tokens_out_of_bounds",
         )
     _check_provenance(signed, expect)
+    if expect.refuse_code_of is not None:
+        # Hashes the task's sources once per process (cached); this runs in a worker thread.
+        reason = code_mismatch(expect.region, manifest.software, task_code(expect.refuse_code_of))
+        if reason is not None:
+            raise Conflict(f"job {expect.job} refuses other task code: {reason}", "code_mismatch")
 
 
 def _record(training: TrainingConfig | None) -> object:

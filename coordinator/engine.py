@@ -31,10 +31,12 @@ import contextlib
 import logging
 import time
 from collections import deque
+from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
 from typing import Any, assert_never
 
 from coordinator.acceptance import accepted_again, refusal
+from coordinator.admission_records import record_job_preempted
 from coordinator.aggregation import StagedDelta
 from coordinator.audit import AuditEvent, AuditVerdict
 from coordinator.context import JobContext, initial_parameters
@@ -62,7 +64,7 @@ from coordinator.round_state import (
     judge_delta,
 )
 from coordinator.services import Services
-from coordinator.store import Receipt
+from coordinator.store import ConflictError, Receipt
 from coordinator.transactions import DeltaOffer, accept_delta, record_initial, record_job_failure
 from coordinator.working_state import WorkingState
 from geofed.control.messages import AnnouncedPhase
@@ -70,6 +72,10 @@ from geofed.control.messages import AnnouncedPhase
 __all__ = ["DeltaOffer", "JobEngine"]
 
 log = logging.getLogger(__name__)
+
+
+async def _nothing(reason: str) -> None:
+    return None
 
 
 class JobEngine:
@@ -96,6 +102,14 @@ class JobEngine:
         self._publication_retry_at: float | None = None
         #: The open round's accepted deltas, summed as they arrived (in memory only).
         self._accumulator: RoundAccumulator | None = None
+        #: ``priority``, ``team`` and ``queue`` (its place while queued, else None), kept
+        #: by the job manager's admission passes; shown in the job's status.
+        self.scheduling: dict[str, Any] = {"priority": None, "team": None, "queue": None}
+        #: Why the job is to give its regions back at its next round boundary (a
+        #: preemption); None when it is not. ``on_yield`` is awaited once it did (the job
+        #: manager's admission pass: the job's place in the queue, the regions' next job).
+        self.preempting: str | None = None
+        self.on_yield: Callable[[str], Awaitable[None]] = _nothing
 
     # -- what the API reads -------------------------------------------------------
 
@@ -131,7 +145,7 @@ class JobEngine:
     def status(self) -> dict[str, Any]:
         """The job as ``GET /v1/jobs/{job}`` shows it."""
         spec = self.ctx.spec
-        return job_status(
+        body = job_status(
             job=self.job,
             state=self._state,
             version=self.version,
@@ -145,6 +159,9 @@ class JobEngine:
             quarantined=self.quarantined(),
             record=self.record,
         )
+        body.update(self.scheduling)
+        body["preempting"] = self.preempting  # why it stops at its next boundary, if it does
+        return body
 
     def quarantined(self) -> dict[str, str]:
         """The job's regions in quarantine for the current round now, each with why."""
@@ -288,6 +305,13 @@ class JobEngine:
             log.debug("job %s: %s: %s", self.job, step, reason)
             if step is Step.END:
                 return
+            if step is Step.QUEUED:
+                self.ready.set()
+                await self._sleep(None)  # the job manager wakes it: admitted or cancelled
+                continue
+            if step is Step.OPEN and self.preempting is not None:
+                await self._yield_regions(self.preempting)  # at a boundary: nothing is lost
+                continue
             if step is Step.PUBLISH:
                 self._publication_retry_at = None
                 await self._publish()  # finish what closed, whatever was asked since
@@ -530,6 +554,29 @@ class JobEngine:
             return
         self._publication_retry_at = plan.retry_at
         self.last_error = plan.waiting
+
+    def preempt(self, reason: str) -> None:
+        """Give the regions back at the next round boundary (the round in progress ends
+        and is published first); the job then waits in the queue, as it stood."""
+        self.preempting = reason
+        self._wake.set()
+
+    async def _yield_regions(self, reason: str) -> None:
+        """At a boundary: the job goes back to the queue (persisted, audited), regions hold."""
+        self.preempting = None
+        try:
+            await self._s.db.run(
+                record_job_preempted, self.job, self._s.actor, reason, self.version
+            )
+        except ConflictError:
+            return  # paused or cancelled meanwhile: that state wins
+        self._state = JobState.QUEUED
+        log.info("job %s preempted before round %d: %s", self.job, self.version, reason)
+        await self.on_yield(reason)
+        await self._announce("paused")
+        await self._s.control.event(
+            "job.preempted", job=self.job, round=self.version, detail=reason
+        )
 
     # -- ending rounds and jobs -------------------------------------------------------
 

@@ -43,6 +43,7 @@ CODES: Final = frozenset(
         "not_participant",
         "wrong_round",
         "base_mismatch",
+        "code_mismatch",
         "already_accepted",
         "already_exists",
         "invalid_state",

@@ -8,6 +8,15 @@ the task, records the job with the checkpoint location admission allows (the fir
 allowed candidate, in the spec's order), audits the admission, and starts the job's
 :class:`~coordinator.engine.JobEngine`. The manager owns every engine task and cancels
 them on shutdown.
+
+Capacity: a job whose spec states ``needs`` is recorded ``queued`` and its engine waits;
+an admission pass (:func:`coordinator.admission.admission_pass`, pure) decides which
+queued jobs start, and the manager starts them (``job.admit`` audited with the reason),
+and which running jobs to preempt: each stops at its next round boundary and goes back
+to the queue (:meth:`coordinator.engine.JobEngine.preempt`).
+A pass runs when a job is submitted, cancelled or ends, when a region's status changes
+whether it is up or what it offers, and at start-up; every waiting job's place and reason
+is kept for ``GET /v1/jobs/{job}`` and ``GET /v1/queue``.
 """
 
 from __future__ import annotations
@@ -15,19 +24,41 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
+from datetime import UTC, datetime
 from typing import Any, Literal
 
-from coordinator.audit import AuditEvent, AuditVerdict
+from coordinator.admission import (
+    JobFacts,
+    QueueEntry,
+    RegionFacts,
+    admission_pass,
+    capacity_json,
+    in_use,
+    job_facts,
+    training_phase,
+)
+from coordinator.admission_records import record_job_start, record_queued_job
+from coordinator.audit import AuditEntry, AuditEvent, AuditVerdict
 from coordinator.context import JobContext, JobContextError, build_context
 from coordinator.deadline import DeadlineError
 from coordinator.engine import JobEngine
-from coordinator.errors import ApiError, BadRequest, Conflict, NotFound
+from coordinator.errors import ApiError, BadRequest, Conflict, Forbidden, NotFound
 from coordinator.jobspec import JobSpec, JobSpecError, parse_job_spec, parse_stored_spec
 from coordinator.records import JobState
+from coordinator.scheduling import SchedulingConfig
+from coordinator.scheduling.config import load_scheduling_config
+from coordinator.scheduling.quota import team_gpu_hours
 from coordinator.services import Services
 from coordinator.store import AlreadyExists, ConflictError
+from coordinator.teams import (
+    DEFAULT_TEAM,
+    management_refusal,
+    operator_team,
+    submission_refusal,
+)
 from coordinator.transactions import LOCATION_POINTER, record_admitted_job, record_job_change
+from coordinator.usage import RunLedger
 from geofed.task import task_module_refusal
 from geofed.types import Identity, InvalidName, validate_name
 from policies import Admission, JobPlacement, PlacementError, StorageLocation, admit_job
@@ -36,12 +67,18 @@ __all__ = ["JobManager"]
 
 log = logging.getLogger(__name__)
 Action = Literal["pause", "resume", "cancel"]
+#: How often a pass runs while jobs wait, without any event asking for one.
+REPLAN_EVERY_S = 60.0
 
 #: action -> (states it applies to, resulting state, command sent to the job's regions)
 _TRANSITIONS: dict[str, tuple[frozenset[JobState], JobState, Action]] = {
     "pause": (frozenset({JobState.RUNNING}), JobState.PAUSED, "pause"),
     "resume": (frozenset({JobState.PAUSED}), JobState.RUNNING, "resume"),
-    "cancel": (frozenset({JobState.RUNNING, JobState.PAUSED}), JobState.CANCELLED, "cancel"),
+    "cancel": (
+        frozenset({JobState.QUEUED, JobState.RUNNING, JobState.PAUSED}),
+        JobState.CANCELLED,
+        "cancel",
+    ),
 }
 
 
@@ -54,13 +91,25 @@ class JobManager:
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._unavailable: dict[str, str] = {}
         self._submitting = asyncio.Lock()
+        self._scheduling = SchedulingConfig()
+        self._claims: dict[str, tuple[str, ...]] = {}
+        self._submitted: dict[str, float] = {}
+        self._queue: dict[str, QueueEntry] = {}
+        self._planning = asyncio.Lock()
+        self._replan_wanted = asyncio.Event()
+        self._replan_why: dict[str, None] = {}  # why passes were asked for, in order
+        self._planner: asyncio.Task[None] | None = None
+        self._ledger = RunLedger()  # when jobs held GPUs: GPU-hour quotas
 
     # -- lifecycle ------------------------------------------------------------------
 
     async def start(self) -> None:
-        """Rebuild and start the engine of every stored job."""
+        """Load the scheduling config; rebuild and start the engine of every stored job."""
+        config = await asyncio.to_thread(load_scheduling_config, self._s.config.scheduling)
+        self._scheduling = config
         records = await self._s.db.list_jobs()
         for record in records:
+            self._submitted[record.job_id] = record.created_at
             try:
                 spec = parse_stored_spec(record.spec)
                 _check_task_module(spec, self._s)
@@ -74,10 +123,44 @@ class JobManager:
                 continue
             self._launch(ctx, JobState(record.state))
         self._count_states()
+        await self._replay_usage(records)
+        await self._replan("the coordinator started")
+        self._s.control.on_region_change(
+            lambda region: self._request_pass(f"region {region} changed (up or capacity)")
+        )
+        self._planner = asyncio.create_task(self._plan_on_request(), name="admission")
+
+    async def _replay_usage(self, records: Iterable[Any]) -> None:
+        """Rebuild the GPU run spans from the audit log (only with GPU-hour quotas)."""
+        if not any(q.gpu_hours is not None for q in self._scheduling.teams.values()):
+            return
+        teams: dict[str, str] = {}
+        gpus: dict[str, dict[str, int]] = {}
+        for job, engine in self._engines.items():
+            spec = engine.ctx.spec
+            if spec.needs is not None:
+                teams[job] = spec.team_name
+                gpus[job] = {region: _gpus(spec, region) for region in spec.regions}
+        finished = {
+            record.job_id: record.updated_at
+            for record in records
+            if record.job_id in gpus and JobState(record.state).final
+        }
+        entries: list[AuditEntry] = []
+        after = 0
+        while True:
+            page = await self._s.db.audit_entries(after, 1000)
+            if not page:
+                break
+            entries.extend(e for e in page if e.job in gpus)
+            after = page[-1].seq
+        self._ledger.replay(entries, teams, gpus, finished)
 
     async def stop(self) -> None:
-        """Cancel every engine and wait for them."""
+        """Cancel every engine (and the admission task) and wait for them."""
         tasks = list(self._tasks.values())
+        if self._planner is not None:
+            tasks.append(self._planner)
         for task in tasks:
             task.cancel()
         if tasks:
@@ -85,6 +168,9 @@ class JobManager:
 
     def _launch(self, ctx: JobContext, state: JobState) -> JobEngine:
         engine = JobEngine(self._s, ctx, state)
+        facts = job_facts(ctx.spec, state, 0.0, self._scheduling)
+        engine.scheduling.update(priority=facts.priority, team=facts.team)
+        engine.on_yield = lambda reason: self._after_yield(ctx.job)
         self._engines[ctx.job] = engine
         task = asyncio.create_task(self._run(engine), name=f"job-{ctx.job}")
         self._tasks[ctx.job] = task
@@ -92,7 +178,10 @@ class JobManager:
 
     async def _run(self, engine: JobEngine) -> None:
         await engine.run()
+        self._ledger.stopped(engine.job, self._s.clock())
         self._count_states()
+        if engine.ctx.spec.needs is not None:  # its capacity is free: start what now fits
+            self._request_pass(f"job {engine.job} {engine.state.value}")
 
     # -- queries --------------------------------------------------------------------
 
@@ -126,8 +215,13 @@ class JobManager:
 
     # -- submission -----------------------------------------------------------------
 
-    async def submit(self, text: str, actor: Identity) -> dict[str, Any]:
-        """Admit and start a job; raise the ApiError that explains a refusal."""
+    async def submit(
+        self, text: str, actor: Identity, overrides: Mapping[str, str] | None = None
+    ) -> dict[str, Any]:
+        """Admit and start a job; raise the ApiError that explains a refusal.
+
+        ``overrides``: ``priority`` and/or ``team`` replacing the spec's (the command
+        line's ``--priority``/``--team``)."""
         try:
             # Bounded, but a hostile body is slow to parse: never on the event loop.
             spec = await self._s.executors.parse(parse_job_spec, text, "request")
@@ -135,7 +229,11 @@ class JobManager:
             raise BadRequest(
                 f"invalid job spec: {exc}", extra={"problems": list(exc.problems)}
             ) from None
+        if overrides:
+            spec = _overridden(spec, overrides)
         self._check_local(spec)
+        self._check_priority(spec)
+        spec = await self._check_team(spec, actor)
         async with self._submitting:
             if spec.job in self._engines or spec.job in self._unavailable:
                 raise Conflict(f"job {spec.job} already exists", "already_exists")
@@ -158,9 +256,11 @@ class JobManager:
                 )
             except JobContextError as exc:
                 raise BadRequest(f"job {spec.job}: {exc}") from None
+            # A job stating needs waits for capacity; one stating none starts at once.
+            queued = spec.needs is not None
             try:
                 await self._s.db.run(
-                    record_admitted_job,
+                    record_queued_job if queued else record_admitted_job,
                     spec.job,
                     spec.to_json(),
                     location,
@@ -169,7 +269,10 @@ class JobManager:
                 )
             except AlreadyExists:
                 raise Conflict(f"job {spec.job} already exists", "already_exists") from None
-            engine = self._launch(ctx, JobState.RUNNING)
+            self._submitted[spec.job] = self._s.clock()
+            engine = self._launch(ctx, JobState.QUEUED if queued else JobState.RUNNING)
+        if queued:
+            await self._replan(f"job {spec.job} submitted")
         with contextlib.suppress(TimeoutError):
             # θ_0 and round 0 are usually ready in well under a second; answer then.
             await asyncio.wait_for(engine.ready.wait(), self._s.config.timeouts.request_s)
@@ -181,7 +284,40 @@ class JobManager:
             "state": engine.state.value,
             "checkpoint_location": location,
             "decisions": len(admission.decisions),
+            **engine.scheduling,
         }
+
+    async def _check_team(self, spec: JobSpec, actor: Identity) -> JobSpec:
+        """The spec with its team (the submitter's when it names none); 403 ``forbidden``
+        (audited) when the submitter may not submit for the team it names."""
+        if spec.team is None:
+            return spec.model_copy(update={"team": operator_team(actor)})
+        refusal = submission_refusal(actor, spec.team, self._s.config.admins)
+        if refusal is not None:
+            await self._deny(actor, "job.submit", spec.job, refusal)
+            raise Forbidden(refusal)
+        return spec
+
+    async def _deny(self, actor: Identity, action: str, job: str, reason: str) -> None:
+        """Audit a refused request (a team's boundary) before it is answered 403."""
+        log.warning("refused %s of job %s by %s: %s", action, job, actor, reason)
+        await self._s.db.append_audit(
+            AuditEvent(
+                actor=actor,
+                action=action,
+                verdict=AuditVerdict.DENY,
+                job=job,
+                details={"reason": reason},
+            )
+        )
+
+    def _check_priority(self, spec: JobSpec) -> None:
+        if spec.priority is not None and spec.priority not in self._scheduling.priorities:
+            known = ", ".join(sorted(self._scheduling.priorities))
+            raise BadRequest(
+                f"priority: {spec.priority!r} is not a priority class of this coordinator "
+                f"(known: {known})"
+            )
 
     def _check_local(self, spec: JobSpec) -> None:
         try:
@@ -242,6 +378,7 @@ class JobManager:
         engine = self.engine(job)
         if action not in _TRANSITIONS:
             raise BadRequest(f"unknown job action {action!r}; use pause, resume or cancel")
+        await self._check_manager(engine, action, actor)
         allowed, target, command = _TRANSITIONS[action]
         current = engine.state
         if current not in allowed:
@@ -255,10 +392,247 @@ class JobManager:
         except ConflictError as exc:
             raise Conflict(f"job {job} changed meanwhile: {exc}", "invalid_state") from None
         engine.set_state(target)
+        if target is JobState.CANCELLED:
+            self._ledger.stopped(job, self._s.clock())
         self._count_states()
         for region in engine.ctx.spec.region_names:
             await self._s.control.command(region, command, job, f"{action} by {actor}")
+        if target is JobState.CANCELLED and engine.ctx.spec.needs is not None:
+            await self._replan(f"job {job} cancelled")
         return {"job": job, "state": target.value}
+
+    async def _check_manager(self, engine: JobEngine, action: str, actor: Identity) -> None:
+        """403 ``forbidden`` (audited) unless ``actor`` may ``action`` the job (its team)."""
+        team = engine.ctx.spec.team_name
+        refusal = management_refusal(actor, action, engine.job, team, self._s.config.admins)
+        if refusal is not None:
+            await self._deny(actor, f"job.{action}", engine.job, refusal)
+            raise Forbidden(refusal)
+
+    async def preempt(self, job: str, actor: Identity) -> dict[str, Any]:
+        """Stop a running capacity-scheduled job at its next round boundary and put it
+        back in the queue (admins only); it starts again when a pass admits it."""
+        engine = self.engine(job)
+        await self._check_manager(engine, "preempt", actor)
+        if engine.ctx.spec.needs is None:
+            raise Conflict(
+                f"job {job} states no needs, so it holds no capacity to give back; pause it",
+                "invalid_state",
+            )
+        if engine.state is not JobState.RUNNING:
+            raise Conflict(
+                f"job {job} is {engine.state.value}; preempt applies to running jobs",
+                "invalid_state",
+            )
+        reason = f"preempted by {actor}"
+        if engine.preempting is None:
+            log.info("job %s to be preempted: %s", job, reason)
+            engine.preempt(reason)
+            self._s.metrics.preemptions.labels(priority=engine.scheduling["priority"]).inc()
+        return {"job": job, "state": engine.state.value, "preempting": engine.preempting}
+
+    # -- capacity admission ------------------------------------------------------------
+
+    def _facts(self) -> list[JobFacts]:
+        return [
+            job_facts(
+                engine.ctx.spec,
+                engine.state,
+                self._submitted.get(job, 0.0),
+                self._scheduling,
+                phase=training_phase(
+                    engine.version,
+                    engine.ctx.spec.snapshot_every,
+                    in_round=engine.round_state is not None
+                    and engine.round_state.config.round == engine.version,
+                ),
+                preempting=engine.preempting is not None,
+                claim=self._claims.get(job, ()),
+            )
+            for job, engine in self._engines.items()
+        ]
+
+    def _regions(self) -> list[RegionFacts]:
+        views = self._s.control.regions
+        facts = []
+        for region in self._s.runtime.policies:
+            view = views.get(region)
+            up = view is not None and view.up
+            capacity = view.status.capacity if view is not None and view.up else None
+            facts.append(RegionFacts(region, up, capacity))
+        return facts
+
+    async def _after_yield(self, job: str) -> None:
+        """A preempted job is back in the queue: a pass now, so its status shows its place."""
+        self._ledger.stopped(job, self._s.clock())
+        try:
+            await self._replan(f"job {job} preempted")
+        except Exception:  # the job must not fail for it: the next pass tries again
+            log.exception("admission pass after preempting %s failed", job)
+            self._request_pass(f"job {job} preempted")
+
+    def _request_pass(self, why: str) -> None:
+        """Ask the admission task for a pass (from code that must not wait for one)."""
+        self._replan_why[why] = None
+        self._replan_wanted.set()
+
+    async def _plan_on_request(self) -> None:
+        """Run a pass whenever one is asked for (a region changed, a job ended), and every
+        ``REPLAN_EVERY_S`` while jobs wait (GPU-hour windows slide, waiting jobs age)."""
+        while True:
+            timeout = REPLAN_EVERY_S if self._queue else None
+            try:
+                await asyncio.wait_for(self._replan_wanted.wait(), timeout)
+            except TimeoutError:
+                self._replan_why["time passed"] = None
+            self._replan_wanted.clear()
+            why, self._replan_why = "; ".join(self._replan_why), {}
+            try:
+                await self._replan(why)
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # the next request tries again; the engines go on
+                log.exception("admission pass failed")
+
+    async def _replan(self, why: str) -> None:
+        """One admission pass: start the queued jobs that fit now, queue the others."""
+        async with self._planning:
+            facts = self._facts()
+            now = self._s.clock()
+            intervals = self._ledger.intervals()
+            decided = admission_pass(now, self._regions(), facts, self._scheduling, intervals)
+            self._show_queue(decided.queue)  # first: the I/O below yields to status readers
+            for start in decided.starts:
+                engine = self._engines.get(start.job)
+                if engine is None or engine.state is not JobState.QUEUED:
+                    continue
+                reason = f"{start.reason} ({why})"
+                try:
+                    await self._s.db.run(
+                        record_job_start, start.job, self._s.actor, reason, start.regions
+                    )
+                except ConflictError:
+                    continue  # cancelled meanwhile
+                engine.set_state(JobState.RUNNING)
+                spec = engine.ctx.spec
+                gpus = sum(_gpus(spec, region) for region in start.regions)
+                self._ledger.started(start.job, spec.team_name, gpus, now)
+                log.info("job %s started: %s", start.job, reason)
+                await self._s.control.event("job.started", job=start.job, detail=reason)
+            for job, reason in decided.preempt.items():
+                engine = self._engines[job]
+                if engine.state is JobState.RUNNING and engine.preempting is None:
+                    log.info("job %s to be preempted: %s", job, reason)
+                    engine.preempt(reason)
+                    self._s.metrics.preemptions.labels(priority=engine.scheduling["priority"]).inc()
+            self._claims = dict(decided.claims)
+        self._count_states()
+        self._show_usage(now)
+
+    def _show_queue(self, queue: Mapping[str, QueueEntry]) -> None:
+        """Each job's place in the queue (None: not waiting), and the queue per class."""
+        self._queue = dict(queue)
+        waiting: dict[str, int] = dict.fromkeys(self._scheduling.priorities, 0)
+        for job, engine in self._engines.items():
+            entry = self._queue.get(job)
+            engine.scheduling["queue"] = entry.as_dict() if entry is not None else None
+            if entry is not None:
+                priority = engine.scheduling["priority"]
+                waiting[priority] = waiting.get(priority, 0) + 1
+        for priority, count in waiting.items():
+            self._s.metrics.jobs_queued.labels(priority=priority).set(count)
+
+    def refresh_metrics(self) -> None:
+        """Bring the usage gauges up to now (waits and GPU-seconds grow between passes);
+        the ``/metrics`` handler calls it before each scrape."""
+        self._show_usage(self._s.clock())
+
+    def _show_usage(self, now: float) -> None:
+        """Capacity held per region and team, GPU-hours per team, the oldest wait per class."""
+        facts = self._facts()
+        for region in self._s.runtime.policies:
+            used = in_use(region, facts)
+            for resource in ("gpus", "cpu_slots"):
+                self._s.metrics.region_capacity_in_use.labels(region=region, resource=resource).set(
+                    used[resource]
+                )
+        # The default team always has its series, so its alerts see 0 rather than nothing.
+        teams = {*self._scheduling.teams, DEFAULT_TEAM}
+        held: dict[str, int] = dict.fromkeys(teams, 0)
+        for each in facts:
+            if each.state in (JobState.RUNNING, JobState.PAUSED):
+                gpus_held = sum(need.gpus for need in each.needs.values())
+                held[each.team] = held.get(each.team, 0) + gpus_held
+        for team, gpus in held.items():
+            self._s.metrics.team_gpus_in_use.labels(team=team).set(gpus)
+        hours = team_gpu_hours(self._ledger.intervals(), self._scheduling, now)
+        for team, used_h in hours.items():
+            self._s.metrics.team_gpu_seconds.labels(team=team).set(used_h * 3600)
+        windows = [q.window_s for q in self._scheduling.teams.values() if q.window_s]
+        # Closed spans older than every window count for nothing (no window: none count).
+        self._ledger.forget_before(now - max(windows, default=0.0))
+        oldest: dict[str, float] = dict.fromkeys(self._scheduling.priorities, 0.0)
+        over_quota: dict[str, int] = dict.fromkeys(teams, 0)
+        for job, entry in self._queue.items():
+            engine = self._engines[job]
+            priority, team = engine.scheduling["priority"], engine.scheduling["team"]
+            oldest[priority] = max(oldest.get(priority, 0.0), now - entry.since)
+            if entry.over_quota:
+                over_quota[team] = over_quota.get(team, 0) + 1
+        for priority, waited in oldest.items():
+            self._s.metrics.queue_oldest_wait.labels(priority=priority).set(max(0.0, waited))
+        for team, count in over_quota.items():
+            self._s.metrics.team_quota_waiting.labels(team=team).set(count)
+
+    def queue(self) -> list[dict[str, Any]]:
+        """The jobs waiting (in queue order) and running, as ``GET /v1/queue`` shows them."""
+        now = self._s.clock()
+        rows: list[dict[str, Any]] = []
+        for job, engine in self._engines.items():
+            state = engine.state
+            if state is not JobState.QUEUED and state.final:
+                continue
+            entry = self._queue.get(job)
+            since = self._submitted.get(job, now)
+            rows.append(
+                {
+                    "job": job,
+                    "state": state.value,
+                    "priority": engine.scheduling["priority"],
+                    "team": engine.scheduling["team"],
+                    "position": entry.position if entry is not None else None,
+                    "reason": entry.reason if entry is not None else None,
+                    "submitted_at": datetime.fromtimestamp(since, UTC).isoformat(),
+                    "wait_s": round(max(0.0, now - since), 3) if entry is not None else None,
+                    "scheduled": engine.ctx.spec.needs is not None,
+                }
+            )
+        rows.sort(key=lambda row: (row["position"] is None, row["position"] or 0, row["job"]))
+        return rows
+
+    def region_usage(self, region: str) -> dict[str, Any]:
+        """``capacity`` (None: unknown, treated as unlimited) and ``in_use`` of ``region``."""
+        view = self._s.control.regions.get(region)
+        capacity = view.status.capacity if view is not None and view.up else None
+        return {"capacity": capacity_json(capacity), "in_use": in_use(region, self._facts())}
+
+
+def _gpus(spec: JobSpec, region: str) -> int:
+    need = spec.need_in(region)
+    return 0 if need is None else need.gpus
+
+
+def _overridden(spec: JobSpec, overrides: Mapping[str, str]) -> JobSpec:
+    """``spec`` with the submitter's ``priority``/``team`` instead of its own; 400 if bad."""
+    unknown = sorted(set(overrides) - {"priority", "team"})
+    if unknown:
+        raise BadRequest(f"unknown submission overrides {unknown}; use priority or team")
+    for name, value in overrides.items():
+        try:
+            validate_name("priority class" if name == "priority" else "team", value)
+        except InvalidName as exc:
+            raise BadRequest(f"{name}: {exc}") from None
+    return spec.model_copy(update=dict(overrides))
 
 
 def _check_task_module(spec: JobSpec, services: Services) -> None:

@@ -34,12 +34,22 @@ the line and the key. The spec is stored as submitted, in its validated JSON for
       norm_check: off                  # off | clip | refuse, against max_norm_ratio x median
       max_tokens_per_round: 1000000    # default: inner_steps x 2^24
     overlap: none                      # none | delayed: start round r+1 before θ_{r+1} comes
+    priority: research                 # a class of the coordinator's scheduling config
+    team: vision                       # whose job it is (quotas, fair share); default: default
+    needs: {cpu_slots: 2}              # in each region: gpus, gpu_kind, min_gpu_memory_gib,
+                                       # cpu_slots; default: none (not capacity-scheduled)
+    region_needs: {us-east: {gpus: 4, gpu_kind: NVIDIA H100 80GB HBM3}}   # per region
+
+A job that states ``needs`` starts only when ``min_regions`` of its regions have that
+much free at once (:mod:`coordinator.admission`); until then it is ``queued``. A job
+without ``needs`` is not capacity-scheduled: it starts at once, as jobs always did, and
+shares its regions' workers with the other jobs there.
 """
 
 from __future__ import annotations
 
 import json
-from typing import Annotated
+from typing import Annotated, Literal
 
 from pydantic import (
     AfterValidator,
@@ -56,6 +66,7 @@ from coordinator.aggregation_config import AggregationConfig
 from coordinator.deadline import DeadlineConfig
 from coordinator.outer_optimizer import OuterOptimizerConfig
 from coordinator.retention import RetentionConfig
+from coordinator.teams import DEFAULT_TEAM
 from geofed.codec_params import CodecParams
 from geofed.control.messages import OVERLAP_MODES, Overlap
 from geofed.evaluation_config import EvaluationConfig
@@ -67,7 +78,15 @@ from policies.errors import PolicyLoadError, Problem
 from policies.validation import validate_document
 from policies.yaml_loader import load_located
 
-__all__ = ["MAX_SPEC_NODES", "JobSpec", "JobSpecError", "TaskSpec", "parse_job_spec"]
+__all__ = [
+    "DEFAULT_TEAM",
+    "MAX_SPEC_NODES",
+    "JobSpec",
+    "JobSpecError",
+    "NeedSpec",
+    "TaskSpec",
+    "parse_job_spec",
+]
 
 #: A job spec is tens of nodes, its task options at most hundreds; the bound keeps a
 #: hostile body's parse short.
@@ -101,7 +120,17 @@ def _storage(value: str) -> str:
     return validate_name("storage location", value)
 
 
+def _priority(value: str) -> str:
+    return validate_name("priority class", value)
+
+
+def _team(value: str) -> str:
+    return validate_name("team", value)
+
+
 JobId = Annotated[str, AfterValidator(_job)]
+PriorityName = Annotated[str, AfterValidator(_priority)]
+TeamName = Annotated[str, AfterValidator(_team)]
 RegionName = Annotated[str, AfterValidator(_region)]
 DatasetName = Annotated[str, AfterValidator(_dataset)]
 StorageName = Annotated[str, AfterValidator(_storage)]
@@ -127,6 +156,27 @@ class TaskSpec(_Section):
         except TaskSpecError as exc:
             raise ValueError(str(exc)) from None
         return value
+
+
+class NeedSpec(_Section):
+    """What a job needs in one region: GPUs (of a kind, with memory) and/or worker slots."""
+
+    gpus: int = Field(default=0, ge=0, le=1_000_000, description="accelerators")
+    gpu_kind: str | None = Field(
+        default=None, min_length=1, max_length=128, description="the device name; any if unset"
+    )
+    min_gpu_memory_gib: float = Field(default=0.0, ge=0, le=1e9, allow_inf_nan=False)
+    cpu_slots: int = Field(
+        default=0, ge=0, le=1_000_000, description="CPU worker slots (an agent's workers.count)"
+    )
+
+    @model_validator(mode="after")
+    def _asks_for_something(self) -> NeedSpec:
+        if self.gpus == 0 and self.cpu_slots == 0:
+            raise ValueError("a need asks for at least one GPU (gpus) or CPU worker slot")
+        if self.gpus == 0 and (self.gpu_kind is not None or self.min_gpu_memory_gib > 0):
+            raise ValueError("gpu_kind and min_gpu_memory_gib apply only with gpus >= 1")
+        return self
 
 
 class JobSpec(_Section):
@@ -175,11 +225,31 @@ class JobSpec(_Section):
         default_factory=AggregationConfig,
         description="how a round's deltas are combined, and what one region may weigh in it",
     )
+    code_mismatch: Literal["warn", "refuse"] = Field(
+        default="warn",
+        description="a region whose task code fingerprint differs from the coordinator's "
+        "(geofed.lineage): warned about at its first delta, or each of its deltas refused",
+    )
     overlap: Overlap = Field(
         default="none",
         description="none: regions wait for θ_r before round r; delayed: a region starts "
         "round r+1 from its own parameters once it sent round r's delta, and folds θ_{r+1} "
         "in when it comes (the one-step delayed outer update)",
+    )
+
+    priority: PriorityName | None = Field(
+        default=None,
+        description="a priority class of the coordinator's scheduling config; default: its "
+        "default_priority",
+    )
+    team: TeamName | None = Field(default=None, description="the owning team; default: default")
+    needs: NeedSpec | None = Field(
+        default=None,
+        description="what the job needs in each of its regions; default: none stated, and "
+        "the job is not capacity-scheduled (it starts at once and shares its regions)",
+    )
+    region_needs: dict[RegionName, NeedSpec] = Field(
+        default_factory=dict, description="region -> its own need, instead of needs"
     )
 
     @field_validator("overlap", mode="before")
@@ -220,6 +290,18 @@ class JobSpec(_Section):
         return self
 
     @model_validator(mode="after")
+    def _needs_of_its_regions(self) -> JobSpec:
+        strangers = sorted(set(self.region_needs) - set(self.regions))
+        if strangers:
+            raise ValueError(
+                f"region_needs names {strangers}, which are not among the job's regions "
+                f"{sorted(self.regions)}"
+            )
+        if self.region_needs and self.needs is None:
+            raise ValueError("region_needs refines needs: state needs (for the other regions)")
+        return self
+
+    @model_validator(mode="after")
     def _warmup_within_the_job(self) -> JobSpec:
         schedule = self.training.lr_schedule
         if schedule.kind == "warmup_cosine" and schedule.warmup_steps > self.total_steps:
@@ -247,6 +329,14 @@ class JobSpec(_Section):
     def total_steps(self) -> int:
         """Each region's inner steps over the whole job: what the LR schedule runs over."""
         return self.rounds * self.inner_steps
+
+    @property
+    def team_name(self) -> str:
+        return self.team if self.team is not None else DEFAULT_TEAM
+
+    def need_in(self, region: str) -> NeedSpec | None:
+        """What the job needs in ``region``; None: it states no needs."""
+        return self.region_needs.get(region, self.needs)
 
     @property
     def region_names(self) -> tuple[str, ...]:

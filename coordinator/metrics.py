@@ -126,6 +126,45 @@ CERTIFICATE_EXPIRY = MetricSpec(
     ("certificate",),
 )
 JOBS = MetricSpec("geofed_jobs", "gauge", "Jobs known to the coordinator, by state.", ("state",))
+JOBS_QUEUED = MetricSpec(
+    "geofed_jobs_queued",
+    "gauge",
+    "Jobs waiting for capacity, by priority class.",
+    ("priority",),
+)
+PREEMPTIONS = MetricSpec(
+    "geofed_preemptions_total",
+    "counter",
+    "Jobs asked to give their regions back at their next round boundary, by their class.",
+    ("priority",),
+)
+QUEUE_OLDEST_WAIT = MetricSpec(
+    "geofed_queue_oldest_wait_seconds",
+    "gauge",
+    "How long the longest-waiting queued job of each priority class has waited (0: none).",
+    ("priority",),
+)
+REGION_CAPACITY_IN_USE = MetricSpec(
+    "geofed_region_capacity_in_use",
+    "gauge",
+    "GPUs and CPU worker slots the capacity-scheduled jobs hold in each region.",
+    ("region", "resource"),
+)
+TEAM_GPUS_IN_USE = MetricSpec(
+    "geofed_team_gpus_in_use", "gauge", "GPUs each team's running and paused jobs hold.", ("team",)
+)
+TEAM_GPU_SECONDS = MetricSpec(
+    "geofed_team_gpu_seconds",
+    "gauge",
+    "GPU-seconds each team used within its quota window (teams with a GPU-hour quota).",
+    ("team",),
+)
+TEAM_QUOTA_WAITING = MetricSpec(
+    "geofed_team_quota_waiting_jobs",
+    "gauge",
+    "Jobs of each team waiting because the team is at its quota.",
+    ("team",),
+)
 MQTT_CONNECTED = MetricSpec(
     "geofed_mqtt_connected", "gauge", "1 while the control-plane connection is up."
 )
@@ -152,6 +191,13 @@ CATALOGUE: Final[tuple[MetricSpec, ...]] = (
     LAST_CHECKPOINT,
     CERTIFICATE_EXPIRY,
     JOBS,
+    JOBS_QUEUED,
+    PREEMPTIONS,
+    QUEUE_OLDEST_WAIT,
+    REGION_CAPACITY_IN_USE,
+    TEAM_GPUS_IN_USE,
+    TEAM_GPU_SECONDS,
+    TEAM_QUOTA_WAITING,
     MQTT_CONNECTED,
 )
 
@@ -186,6 +232,13 @@ class CoordinatorMetrics:
         self.last_checkpoint = gauge(LAST_CHECKPOINT, registry)
         self.certificate_expiry = gauge(CERTIFICATE_EXPIRY, registry)
         self.jobs = gauge(JOBS, registry)
+        self.jobs_queued = gauge(JOBS_QUEUED, registry)
+        self.preemptions = counter(PREEMPTIONS, registry)
+        self.queue_oldest_wait = gauge(QUEUE_OLDEST_WAIT, registry)
+        self.region_capacity_in_use = gauge(REGION_CAPACITY_IN_USE, registry)
+        self.team_gpus_in_use = gauge(TEAM_GPUS_IN_USE, registry)
+        self.team_gpu_seconds = gauge(TEAM_GPU_SECONDS, registry)
+        self.team_quota_waiting = gauge(TEAM_QUOTA_WAITING, registry)
         self.mqtt_connected = gauge(MQTT_CONNECTED, registry)
         # Series that exist from the start: increase() over a counter born at its first
         # increment is 0, so the alerts on these would miss the first event.

@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, Final
 
+from pydantic import JsonValue
 from torch import Tensor
 
 from coordinator.aggregation import WeightedSum
@@ -222,13 +223,15 @@ def publish_round(
     *,
     order: Sequence[str] | None = None,
     folded_sum: WeightedSum | None = None,
+    lineage: Mapping[str, JsonValue] | None = None,
 ) -> PublishedRound:
     """Compute and store round ``state.version`` from the accepted ``sources``.
 
     ``order`` is the order the mean sums regions in (the round's arrival order; default
     sorted names). ``folded_sum`` is those very regions already summed in that order as
     they arrived (:mod:`coordinator.round_accumulator`): the deltas are then not decoded
-    again, and the result is the same bits. It is consumed.
+    again, and the result is the same bits. It is consumed. ``lineage`` is the round's
+    lineage record (:mod:`coordinator.lineage`), signed into the update's manifest.
     """
     if not sources:
         raise ValueError(f"job {job.job!r} round {state.version}: no delta to aggregate")
@@ -253,7 +256,7 @@ def publish_round(
     tokens = sum(source.tokens for source in sources)
     with ThreadPoolExecutor(max_workers=3, thread_name_prefix="geofed-publish") as pool:
         new_state, pointers, update, snapshot = store_round(
-            job, state, publication, tokens, now, pool
+            job, state, publication, tokens, now, pool, lineage=lineage
         )
     return PublishedRound(
         round_,
@@ -276,6 +279,8 @@ def store_round(
     tokens: int,
     now: datetime,
     pool: Executor | None,
+    *,
+    lineage: Mapping[str, JsonValue] | None = None,
 ) -> tuple[WorkingState, dict[str, str], StoredArtifact, StoredArtifact | None]:
     """Store what round ``state.version`` published: θ_{r+1}'s working state, the signed
     update (and a snapshot when one is due); return the new state, its pointer values and
@@ -302,6 +307,7 @@ def store_round(
         base_hash=state.params_hash,
         parameters_hash=new_hash,
         tokens=tokens,
+        lineage=lineage,
     )
     update = store_artifact(
         job.location,

@@ -15,6 +15,11 @@ transaction first takes one transaction-scoped advisory lock
 receipt, an audit entry's place in the chain) cannot interleave with another
 coordinator's. Nested transactions are savepoints.
 
+Coordinators that share the database elect a leader (:mod:`coordinator.postgres_lease`);
+the leader's store is opened with its :class:`~coordinator.leader_lease.Fence`, and every
+outermost transaction checks, under the writer lock, that the lease still carries the
+fence's token: a deposed leader's writes fail with :class:`StoreFenced`, changing nothing.
+
 Blocking by design, like the SQLite store: the daemon calls it from one worker thread,
 every call holding a re-entrant lock. Needs ``psycopg`` 3 (``pip install
 'geofed[postgres]'``).
@@ -43,6 +48,7 @@ from coordinator.audit import (
     validated_fields,
     verify_chain,
 )
+from coordinator.leader_lease import Fence
 from coordinator.sql_store import SqlStore
 from coordinator.store import (
     InvalidValue,
@@ -59,10 +65,24 @@ try:  # an optional dependency: only a coordinator configured for PostgreSQL nee
 except ImportError as _exc:  # pragma: no cover - exercised where psycopg is missing
     _MISSING = str(_exc)
 
-__all__ = ["SCHEMA_VERSION", "WRITER_LOCK", "PostgresStore", "describe_dsn"]
+__all__ = [
+    "LEASE_TABLE",
+    "SCHEMA_VERSION",
+    "WRITER_LOCK",
+    "PostgresStore",
+    "StoreFenced",
+    "describe_dsn",
+]
 
 #: The advisory lock every writing transaction takes (an arbitrary, fixed 64-bit key).
 WRITER_LOCK: Final = 0x67656F666564  # "geofed"
+#: The leader leases of coordinators sharing the database (:mod:`coordinator.postgres_lease`).
+LEASE_TABLE: Final = "geofed_leader_lease"
+
+
+class StoreFenced(StoreFailure):
+    """A write of a coordinator whose leader lease another coordinator has taken over."""
+
 
 _SCHEMA_V1: tuple[str, ...] = (
     """CREATE TABLE jobs (
@@ -139,6 +159,7 @@ class PostgresStore(SqlStore):
         clock: Callable[[], float] = time.time,
         connect_timeout_s: float = 10.0,
         statement_timeout_s: float = 30.0,
+        fence: Fence | None = None,
     ) -> None:
         if _MISSING:
             raise StoreFailure(
@@ -147,6 +168,7 @@ class PostgresStore(SqlStore):
             )
         self._where = describe_dsn(dsn)
         self._clock = clock
+        self._fence = fence
         self._lock = threading.RLock()
         self._depth = 0
         self._closed = False
@@ -187,9 +209,13 @@ class PostgresStore(SqlStore):
                 else:
                     self._conn.execute("BEGIN")
                     self._conn.execute("SELECT pg_advisory_xact_lock(%s)", (WRITER_LOCK,))
+                    self._check_fence()
             except psycopg.Error as exc:
                 self._undo(savepoint)
                 raise StoreFailure(f"cannot begin a transaction on {self.where}: {exc}") from exc
+            except StoreFenced:
+                self._undo(savepoint)
+                raise
             self._depth += 1
             try:
                 yield
@@ -320,6 +346,21 @@ class PostgresStore(SqlStore):
         except psycopg.Error:
             # A broken connection rolls the transaction back on the server's side.
             pass
+
+    def _check_fence(self) -> None:
+        """Under the writer lock: refuse to write unless the lease still has our token."""
+        if self._fence is None:
+            return
+        row = self._conn.execute(
+            f"SELECT holder, token FROM {LEASE_TABLE} WHERE name = %s",  # noqa: S608
+            (self._fence.name,),
+        ).fetchone()
+        if row is None or int(row[1]) != self._fence.token:
+            holder = "nobody" if row is None else f"{row[0]} with token {row[1]}"
+            raise StoreFenced(
+                f"{self.where}: this coordinator's leader lease (token {self._fence.token}) "
+                f"was taken over ({holder} leads); refusing to write"
+            )
 
     def _check_open(self) -> None:
         if self._closed:

@@ -20,17 +20,21 @@ coordinator's storage trouble.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from pydantic import JsonValue
+
 from coordinator.audit import AuditEvent, AuditVerdict, format_time
 from coordinator.config import PublicationRetryConfig
 from coordinator.context import JobContext
+from coordinator.lineage import ContributionLog, round_record
 from coordinator.outer_round import DeltaSource, PublishedRound, publish_round
 from coordinator.records import RoundRecord
 from coordinator.retention import plan_retention
@@ -205,6 +209,7 @@ class RoundPublisher:
                 log.info("job %s round %d: decoding the deltas again: %s", job, round_, why)
         faults, state_dir = self._s.runtime.faults, self._s.config.state_dir
         await faults.reached("aggregate", state_dir, job, round_)
+        lineage = await self._lineage(round_, receipts, rs.included)
         started = time.monotonic()
         try:
             published = await self._s.executors.compute(
@@ -215,12 +220,35 @@ class RoundPublisher:
                 datetime.now(UTC),
                 order=order,
                 folded_sum=folded_sum,
+                lineage=lineage,
             )
         except Exception as exc:
             raise PublicationFailed(exc) from exc
         elapsed = time.monotonic() - started
         await faults.reached("publish", state_dir, job, round_)
         return ComputedRound(published, sources, elapsed)
+
+    async def _lineage(
+        self, round_: int, receipts: Sequence[Receipt], included: Sequence[str]
+    ) -> dict[str, JsonValue] | None:
+        """The round's lineage record for the update's manifest (None if it cannot be made:
+        the round is published all the same)."""
+        contributions = ContributionLog(self._s.config.state_dir / "lineage")
+        try:
+            return await self._s.executors.files(
+                functools.partial(
+                    round_record,
+                    contributions,
+                    job=self._ctx.job,
+                    round_=round_,
+                    spec=self._ctx.spec.to_json(),
+                    receipts=receipts,
+                    included=included,
+                )
+            )
+        except Exception as exc:  # lineage records the round; it never stops it
+            log.warning("job %s round %d: no lineage record: %s", self._ctx.job, round_, exc)
+            return None
 
     async def commit(
         self, record: RoundRecord, published: PublishedRound, *, completed: bool
@@ -261,6 +289,8 @@ class RoundPublisher:
         await self._s.executors.files(
             discard_inputs, runtime.spool_dir, runtime.deltas, job, round_, computed.sources
         )
+        contributions = ContributionLog(self._s.config.state_dir / "lineage")
+        await self._s.executors.files(contributions.discard_round, job, round_)
         if published.snapshot is not None:
             await self._retain(round_)
         metrics = self._s.metrics

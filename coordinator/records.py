@@ -1,11 +1,12 @@
 """What the coordinator persists about jobs and rounds, and how it announces them.
 
-A job is ``running``, ``paused``, ``cancelled``, ``completed`` or ``failed``. Each round
-of a job has one record in the state store (``rounds`` table, key (job, round)): the
-round state machine's state, the attempt number (a round that failed below quorum, or
-was abandoned by a pause, is re-opened as a new attempt with the deltas already
-accepted), consecutive failures, failed publication attempts, why its deadline is what
-it is, and the quarantine standing of the job's regions when the record was written.
+A job is ``queued`` (waiting for capacity), ``running``, ``paused``, ``cancelled``,
+``completed`` or ``failed``. Each round of a job has one record in the state store
+(``rounds`` table, key (job, round)): the round state machine's state, the attempt
+number (a round that failed below quorum, or was abandoned by a pause, is re-opened as a
+new attempt with the deltas already accepted), consecutive failures, failed publication
+attempts, why its deadline is what it is, and the quarantine standing of the job's
+regions when the record was written.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ __all__ = ["JobState", "RoundRecord", "announcement"]
 
 
 class JobState(StrEnum):
+    QUEUED = "queued"  # admitted by residency, waiting for capacity (coordinator.admission)
     RUNNING = "running"
     PAUSED = "paused"
     CANCELLED = "cancelled"

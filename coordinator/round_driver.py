@@ -5,7 +5,8 @@ retry, and returns one :class:`Step` with the reason for it; the engine carries 
 out and asks again. It does no I/O and reads no clock: ``now`` is passed in (wall-clock
 POSIX seconds, like the round's deadlines). Precedence, first match wins:
 
-1. a failed job is driven no further;
+1. a failed job is driven no further; a queued job (waiting for capacity) has no round
+   yet and waits until the engine is woken;
 2. a closed round of the current version is published, whatever was asked since it
    closed. If its publication failed and waits for its next try, a cancel abandons it, a
    pause holds it (a resume then tries again at once), and otherwise it waits until the
@@ -33,6 +34,7 @@ class Step(StrEnum):
     """One thing the engine does; the engine asks for the next step after each."""
 
     END = "end"  # the job failed: stop driving
+    QUEUED = "queued"  # the job waits for capacity: sleep until woken (admitted or cancelled)
     PUBLISH = "publish"  # publish the closed round now
     AWAIT_RETRY = "await_retry"  # sleep until the failed publication's next try is due
     CANCEL = "cancel"  # abandon the round in progress, announce the cancel, stop driving
@@ -67,6 +69,8 @@ def next_step(
     """
     if job_state is JobState.FAILED:
         return Step.END, "the job failed: nothing more to drive"
+    if job_state is JobState.QUEUED:
+        return Step.QUEUED, "the job waits in the queue for capacity"
     rs = round_state
     current = rs is not None and rs.config.round == version
     if rs is not None and current and rs.phase is RoundPhase.AGGREGATING:

@@ -54,13 +54,19 @@ def record_admitted_job(
     location: str,
     actor: Identity,
     decisions: int,
+    *,
+    queued: bool = False,
 ) -> None:
-    """Create the admitted job, running, with its checkpoint location; audit the admission.
+    """Create the admitted job with its checkpoint location; audit the admission.
 
+    The job is running, or ``queued`` for capacity (its audit details say so).
     :class:`~coordinator.store.AlreadyExists` if the job id is taken.
     """
+    details: dict[str, Any] = {"checkpoint_location": location, "decisions": decisions}
+    if queued:
+        details["queued"] = True
     with store.transaction():
-        store.create_job(job, spec, JobState.RUNNING.value)
+        store.create_job(job, spec, (JobState.QUEUED if queued else JobState.RUNNING).value)
         store.set_pointer(job, LOCATION_POINTER, location)
         store.append_audit(
             AuditEvent(
@@ -68,15 +74,26 @@ def record_admitted_job(
                 action="job.admit",
                 verdict=AuditVerdict.ALLOW,
                 job=job,
-                details={"checkpoint_location": location, "decisions": decisions},
+                details=details,
             )
         )
 
 
 def record_job_change(
-    store: Store, job: str, action: str, current: JobState, target: JobState, actor: Identity
+    store: Store,
+    job: str,
+    action: str,
+    current: JobState,
+    target: JobState,
+    actor: Identity,
+    *,
+    round: int | None = None,
+    details: Mapping[str, Any] | None = None,
 ) -> None:
-    """``action`` moves the job from ``current`` to ``target``; ConflictError if it moved."""
+    """``action`` moves the job from ``current`` to ``target``; ConflictError if it moved.
+
+    ``details`` are audited besides the move (a reason, say).
+    """
     with store.transaction():
         store.set_job_state(job, target.value, expected=current.value)
         store.append_audit(
@@ -85,7 +102,8 @@ def record_job_change(
                 action=f"job.{action}",
                 verdict=AuditVerdict.OK,
                 job=job,
-                details={"from": current.value, "to": target.value},
+                round=round,
+                details={"from": current.value, "to": target.value, **(details or {})},
             )
         )
 
@@ -107,6 +125,10 @@ def open_upload(
     return store.uploaded_chunks(job, round, region, manifest_digest)
 
 
+#: The seconds a region may report of its round with its delta's commit.
+ROUND_TIMINGS = ("train_s", "encode_s", "upload_s")
+
+
 @dataclass(frozen=True, slots=True)
 class DeltaOffer:
     """A verified delta whose stream is durable, offered to the round it was made for."""
@@ -121,6 +143,8 @@ class DeltaOffer:
     actor: Identity
     #: The region's held-out metrics of the round's base parameters, from its manifest.
     base_eval: Mapping[str, float] | None = None
+    #: What the region reported of its round with the commit (:data:`ROUND_TIMINGS`).
+    timings: Mapping[str, float] | None = None
 
 
 def accept_delta(
@@ -153,6 +177,10 @@ def accept_delta(
                     "stream": offer.blob_digest,
                     "size": offer.size,
                     "tokens": offer.tokens,
+                    # The region's reported training loss and seconds trained, encoded
+                    # and uploaded: the status page's curves and timeline.
+                    "train_loss": offer.train_loss,
+                    **({"timings": dict(offer.timings)} if offer.timings else {}),
                     "reason": reason,
                 },
             )

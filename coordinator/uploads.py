@@ -33,11 +33,12 @@ from coordinator.delta_stream import checked_manifest, verify_and_store
 from coordinator.engine import JobEngine
 from coordinator.errors import ApiError, BadRequest, Conflict, Forbidden, NotFound, TooLarge
 from coordinator.jobs import JobManager
+from coordinator.lineage import note_delta
 from coordinator.residency import delta_upload
 from coordinator.services import Services
 from coordinator.spool import Spool, StagedChunk
 from coordinator.store import MAX_STORED_INT, Receipt
-from coordinator.transactions import DeltaOffer, open_upload, upload_pointer
+from coordinator.transactions import ROUND_TIMINGS, DeltaOffer, open_upload, upload_pointer
 from geofed.artifact_bundle import HEADER_SIZE, BundleError, manifest_length
 from geofed.manifest import ManifestError, SignedManifest
 from geofed.pki.errors import CertificateRefused
@@ -316,6 +317,7 @@ class UploadService:
             self._s.runtime.deltas,
             stage_as=region if engine.folds_on_arrival else None,
         )
+        await note_delta(self._s, job, engine.ctx.spec.task.spec, region, digest, signed.manifest)
         tokens = signed.manifest.tokens or 0
         offer = DeltaOffer(
             region=region,
@@ -325,6 +327,7 @@ class UploadService:
             size=size,
             tokens=tokens,
             train_loss=metrics.get("train_loss"),
+            timings={k: metrics[k] for k in ROUND_TIMINGS if k in metrics and metrics[k] >= 0},
             actor=actor,
             base_eval=signed.manifest.base_eval,
         )
@@ -384,6 +387,7 @@ class UploadService:
             max_chunk_bytes=limits.max_chunk_bytes,
             training=ctx.spec.training,
             max_tokens=ctx.spec.aggregation.token_bound(ctx.spec.inner_steps),
+            refuse_code_of=ctx.spec.task.spec if ctx.spec.code_mismatch == "refuse" else None,
         )
 
     async def _open_upload(

@@ -4,15 +4,19 @@ The upper-case names are route patterns in aiohttp's syntax (``{job}`` matches o
 segment), which the coordinator registers its handlers under; the methods format the
 concrete path a client requests. Everything versioned lives under ``/v1``:
 
-- ``jobs``, ``jobs/<job>``, ``jobs/<job>/<pause|resume|cancel>``   jobs (operators)
-- ``regions``, ``audit``                                           federation views
+- ``jobs``, ``jobs/<job>``, ``jobs/<job>/<pause|resume|cancel|preempt>``  jobs (operators)
+- ``regions``, ``queue``, ``audit``                                federation views
 - ``jobs/<job>/rounds/<round>/deltas/<region>[/manifest|/chunks/<i>|/commit]``
                                                                    delta uploads
 - ``jobs/<job>/rounds/<round>/update``                             a published update
 - ``jobs/<job>/checkpoints/latest``                                where to resync from
 - ``jobs/<job>/artifacts/<sha256>``                                any stored artifact
+- ``jobs/<job>/exports``, ``jobs/<job>/exports/<id>/artifacts/<sha256>``
+                                                                   a model export (operators)
+- ``jobs/<job>/lineage``                                           what made each version
 
-The unversioned ``/healthz``, ``/readyz`` and ``/metrics`` are for the operations tools.
+The unversioned ``/healthz``, ``/readyz`` and ``/metrics`` are for the operations tools,
+``/ui`` the status page for a browser.
 """
 
 from __future__ import annotations
@@ -34,11 +38,16 @@ class ApiPaths:
     HEALTHZ: ClassVar[str] = "/healthz"
     READYZ: ClassVar[str] = "/readyz"
     METRICS: ClassVar[str] = "/metrics"
+    #: The status page (HTML, for a browser holding a reader's certificate).
+    UI: ClassVar[str] = "/ui"
 
     JOBS: ClassVar[str] = _V1 + "/jobs"
     JOB: ClassVar[str] = _V1 + "/jobs/{job}"
     JOB_ACTION: ClassVar[str] = _V1 + "/jobs/{job}/{action:" + "|".join(JOB_ACTIONS) + "}"
+    #: Stop a capacity-scheduled job at its next round boundary and requeue it (admins).
+    JOB_PREEMPT: ClassVar[str] = _V1 + "/jobs/{job}/preempt"
     REGIONS: ClassVar[str] = _V1 + "/regions"
+    QUEUE: ClassVar[str] = _V1 + "/queue"
     AUDIT: ClassVar[str] = _V1 + "/audit"
 
     DELTA: ClassVar[str] = _DELTA
@@ -49,6 +58,9 @@ class ApiPaths:
     UPDATE: ClassVar[str] = _V1 + "/jobs/{job}/rounds/{round}/update"
     LATEST_CHECKPOINT: ClassVar[str] = _V1 + "/jobs/{job}/checkpoints/latest"
     ARTIFACT: ClassVar[str] = _V1 + "/jobs/{job}/artifacts/{digest}"
+    EXPORTS: ClassVar[str] = _V1 + "/jobs/{job}/exports"
+    EXPORT_ARTIFACT: ClassVar[str] = _V1 + "/jobs/{job}/exports/{export}/artifacts/{digest}"
+    LINEAGE: ClassVar[str] = _V1 + "/jobs/{job}/lineage"
 
     @staticmethod
     def job(job: str) -> str:
@@ -90,3 +102,17 @@ class ApiPaths:
     def artifact(job: str, digest: str) -> str:
         """A stored artifact of ``job`` by the SHA-256 of its payload."""
         return f"{_V1}/jobs/{job}/artifacts/{digest}"
+
+    @staticmethod
+    def exports(job: str) -> str:
+        """Where an operator asks to export ``job``'s model (POST)."""
+        return f"{_V1}/jobs/{job}/exports"
+
+    @staticmethod
+    def export_artifact(job: str, export: str, digest: str) -> str:
+        """An artifact of the chain that export ``export`` of ``job`` was granted."""
+        return f"{_V1}/jobs/{job}/exports/{export}/artifacts/{digest}"
+
+    @staticmethod
+    def lineage(job: str) -> str:
+        return f"{_V1}/jobs/{job}/lineage"

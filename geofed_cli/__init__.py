@@ -16,7 +16,18 @@ import sys
 from collections.abc import Sequence
 
 # Sub-command modules, imported lazily so `geofed policy check` does not pay for torch.
-_COMMAND_MODULES: tuple[str, ...] = ("agent", "ca", "coordinator", "demo", "jobs", "mqtt", "policy")
+_COMMAND_MODULES: tuple[str, ...] = (
+    "agent",
+    "ca",
+    "coordinator",
+    "demo",
+    "export",
+    "jobs",
+    "lineage",
+    "mqtt",
+    "policy",
+    "queue",
+)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,4 +1,4 @@
-"""``geofed job submit|status|pause|resume|cancel`` and ``geofed status``: talk to a coordinator.
+"""``geofed job submit|status|pause|resume|cancel|preempt`` and ``geofed status``.
 
 Every call is HTTPS with the operator's (or observer's) client certificate, and the
 server must prove it is a coordinator of the federation. Where to connect and as whom
@@ -30,9 +30,11 @@ import io
 import json
 import os
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
+from urllib.parse import urlencode
 
 from geofed.api_paths import ApiPaths
 from geofed_cli.status_view import plain_text, rich_view, status_rows
@@ -70,6 +72,12 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     actions = job.add_subparsers(dest="job_command", metavar="ACTION", required=True)
     submit = actions.add_parser("submit", help="submit a job spec (YAML or JSON)")
     submit.add_argument("file", metavar="FILE", type=Path, help="job spec")
+    submit.add_argument(
+        "--priority", metavar="CLASS", help="priority class, instead of the spec's priority"
+    )
+    submit.add_argument(
+        "--team", metavar="TEAM", help="owning team, instead of the spec's (default: yours)"
+    )
     _connection_arguments(submit)
     submit.set_defaults(handler=_submit)
     for name, text in (
@@ -77,6 +85,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         ("pause", "pause a job at its current round"),
         ("resume", "resume a paused job"),
         ("cancel", "cancel a job for good"),
+        ("preempt", "stop a job at its next round boundary and requeue it (admins)"),
     ):
         action = actions.add_parser(name, help=text)
         action.add_argument("job", metavar="JOB", help="job id")
@@ -146,7 +155,13 @@ def _submit(args: argparse.Namespace) -> int:
     except (OSError, UnicodeDecodeError) as exc:
         print(f"error: {args.file}: {exc}", file=sys.stderr)
         return EXIT_USAGE
-    reply = _call(args, "POST", ApiPaths.JOBS, data=text.encode("utf-8"))
+    overrides = {
+        name: value
+        for name, value in (("priority", args.priority), ("team", args.team))
+        if value is not None
+    }
+    path = ApiPaths.JOBS + ("?" + urlencode(overrides) if overrides else "")
+    reply = _call(args, "POST", path, data=text.encode("utf-8"))
     if isinstance(reply, int):
         return reply
     if reply.status != 201:
@@ -169,28 +184,21 @@ def _submit(args: argparse.Namespace) -> int:
 
 
 def _job_status(args: argparse.Namespace) -> int:
-    reply = _call(args, "GET", ApiPaths.job(args.job))
-    if isinstance(reply, int):
-        return reply
-    if reply.status != 200:
-        return _refused(reply)
-    if args.json:
-        _print_json(reply.body)
-    else:
-        _print_job(reply.body, sys.stdout)
-    return EXIT_OK
+    return show(args, ApiPaths.job(args.job), lambda body: _print_job(body, sys.stdout))
 
 
 def _job_action(args: argparse.Namespace) -> int:
     reply = _call(args, "POST", ApiPaths.job_action(args.job, args.action))
     if isinstance(reply, int):
         return reply
-    if reply.status != 200:
+    if reply.status not in (200, 202):
         return _refused(reply)
     if args.json:
         _print_json(reply.body)
     else:
-        print(f"job {reply.body['job']}: {reply.body['state']}")
+        preempting = reply.body.get("preempting")
+        after = f" (stops at its next round boundary: {preempting})" if preempting else ""
+        print(f"job {reply.body['job']}: {reply.body['state']}{after}")
     return EXIT_OK
 
 
@@ -306,6 +314,14 @@ def _print_job(body: dict[str, Any], out: TextIO) -> None:
             print(f"  {current['end_reason']}", file=out)
     for _, reason in sorted(body.get("quarantined", {}).items()):
         print(f"  {reason}", file=out)
+    if body.get("priority"):
+        print(f"  priority {body['priority']}, team {body.get('team') or '-'}", file=out)
+    queue = body.get("queue")
+    if queue:
+        print(
+            f"  queued since {queue['since']} (position {queue['position']}): {queue['reason']}",
+            file=out,
+        )
     if body.get("error"):
         print(f"  error: {body['error']}", file=out)
 
@@ -319,6 +335,20 @@ def _refused(reply: Reply) -> int:
 
 
 # -- transport --------------------------------------------------------------------------
+
+
+def show(args: argparse.Namespace, path: str, render: Callable[[Any], object]) -> int:
+    """GET ``path`` and print the answer: as JSON with ``--json``, else with ``render``."""
+    reply = _call(args, "GET", path)
+    if isinstance(reply, int):
+        return reply
+    if reply.status != 200:
+        return _refused(reply)
+    if args.json:
+        _print_json(reply.body)
+    else:
+        render(reply.body)
+    return EXIT_OK
 
 
 def _call(

@@ -19,7 +19,16 @@ from rich.text import Text
 
 __all__ = ["StatusRows", "plain_text", "rich_view", "status_rows"]
 
-REGION_HEADER = ("REGION", "JURISDICTION", "STATE", "JOB", "ROUND", "TRAIN_LOSS")
+REGION_HEADER = (
+    "REGION",
+    "JURISDICTION",
+    "STATE",
+    "JOB",
+    "ROUND",
+    "TRAIN_LOSS",
+    "CAPACITY",
+    "IN_USE",
+)
 JOB_HEADER = ("JOB", "STATE", "ROUND", "VAL_LOSS", "LOSS_TREND", "LOCATION")
 #: Eight levels, lowest to highest, for a job's validation-loss trend.
 _SPARKS = "▁▂▃▄▅▆▇█"
@@ -49,6 +58,8 @@ def status_rows(
                 str(region.get("job") or "-"),
                 _text(region.get("round")),
                 f"{loss:.4f}" if _number(loss) else "-",
+                capacity_text(region.get("capacity")),
+                in_use_text(region.get("in_use"), region.get("capacity")),
             )
         )
     job_rows = [JOB_HEADER]
@@ -66,6 +77,38 @@ def status_rows(
             )
         )
     return StatusRows(tuple(region_rows), tuple(job_rows))
+
+
+def capacity_text(capacity: object) -> str:
+    """``2 GPU NVIDIA H100 80GiB, 2 slots``; ``unknown`` (treated as unlimited) when absent."""
+    if not isinstance(capacity, Mapping):
+        return "unknown"
+    parts = []
+    gpus = capacity.get("gpus")
+    if _number(gpus) and gpus:
+        kind = capacity.get("gpu_kind")
+        memory = capacity.get("gpu_memory_gib")
+        gpu = f"{gpus} GPU"
+        gpu += f" {kind}" if kind else ""
+        gpu += f" {memory:g}GiB" if _number(memory) and memory else ""
+        parts.append(gpu)
+    slots = capacity.get("cpu_slots")
+    parts.append(f"{slots if _number(slots) else 0} slots")
+    return ", ".join(parts)
+
+
+def in_use_text(in_use: object, capacity: object) -> str:
+    """``1/2 slots`` (of a known capacity) or ``1 slots``, with GPUs when any: what jobs hold."""
+    if not isinstance(in_use, Mapping):
+        return "-"
+    known = capacity if isinstance(capacity, Mapping) else {}
+    parts = []
+    for key, unit in (("gpus", "GPU"), ("cpu_slots", "slots")):
+        used, total = in_use.get(key, 0), known.get(key)
+        if key == "gpus" and not used and not total:
+            continue
+        parts.append(f"{used}/{total} {unit}" if _number(total) else f"{used} {unit}")
+    return ", ".join(parts)
 
 
 def trend(history: object) -> str:

@@ -66,13 +66,14 @@ from policies import PolicySet
 from regional_agent.config import AgentConfig, training_datasets
 from regional_agent.coordinator_client import CoordinatorClient, build_session
 from regional_agent.credentials import Credentials
-from regional_agent.launcher import Launcher, LocalElasticLauncher
+from regional_agent.launch_backends import make_launcher
+from regional_agent.launcher import Launcher
 from regional_agent.metrics import AgentMetrics
 from regional_agent.pipeline import RegionFacts, RetryLater, RoundEnd, RoundPipeline
 from regional_agent.round_timeline import Timeline
 from regional_agent.schedule import Running, Schedule, Stop
 from regional_agent.state import AgentState
-from regional_agent.status import StatusReporter, offline_status
+from regional_agent.status import StatusReporter, offline_status, probe_capacity
 from regional_agent.sync import Synchronizer
 from regional_agent.uploader import Uploader
 from regional_agent.worker_group import WorkerGroup, WorkerGroupConfig, WorkerGroupFailed
@@ -127,6 +128,8 @@ class Agent:
         self._on_ready = on_ready
         self._refreshing = asyncio.Lock()
         self._ended_jobs: set[str] = set()
+        # Ended jobs whose hand-off files (regional checkpoint, last rounds) are to go.
+        self._ended_handoff: set[str] = set()
         self._region = RegionFacts(credentials, policies, training_datasets(config, policies))
         self._topics = Topics(config.federation)
         timeouts = config.timeouts
@@ -151,10 +154,7 @@ class Agent:
         workers = config.workers
         self._workers = WorkerGroup(
             config.workers_dir,
-            launcher
-            or LocalElasticLauncher(
-                config.workers_dir, workers.launcher_config(), environ=worker_environ
-            ),
+            launcher or make_launcher(workers, config.workers_dir, environ=worker_environ),
             WorkerGroupConfig(
                 start_timeout_s=workers.start_timeout_s, max_relaunches=workers.max_relaunches
             ),
@@ -167,6 +167,7 @@ class Agent:
             interval_s=timeouts.heartbeat_s,
             timeout_s=timeouts.request_s,
             restarts=lambda: self._workers.restart_count,
+            capacity=lambda: probe_capacity(workers.count, workers.backend),
         )
         self._state = AgentState(config.state_dir)
         self._timeline = Timeline(
@@ -336,6 +337,7 @@ class Agent:
             if self._schedule.draining:
                 log.info("drained: no round in progress; stopping")
                 return
+            await self._forget_ended_jobs()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wakeup.wait(), _WATCH_INTERVAL_S)
             self._wakeup.clear()
@@ -404,7 +406,24 @@ class Agent:
         for job in sorted(self._ended_jobs):
             if job != running:
                 self._metrics.forget_job(job)
+                self._ended_handoff.add(job)
         self._ended_jobs = {job for job in self._ended_jobs if job == running}
+
+    async def _forget_ended_jobs(self) -> None:
+        """Remove ended jobs' regional checkpoints and round files (disk stays bounded),
+        once the worker group has no instruction in hand: a round it still trains would
+        write them again."""
+        handoff = self._workers.handoff
+        while self._ended_handoff:
+            if await asyncio.to_thread(handoff.pending_instruction) is not None:
+                return  # the next idle pass tries again
+            job = self._ended_handoff.pop()
+            try:
+                await asyncio.to_thread(handoff.forget_job, job)
+            except OSError as exc:
+                log.warning("job %s ended; cannot remove its regional checkpoint: %s", job, exc)
+            else:
+                log.info("job %s ended: removed its regional checkpoint", job)
 
     def _running_view(self) -> Running | None:
         running = self._running

@@ -14,10 +14,15 @@
       key: pki/region-eu-west/key.pem
       trust_bundle: pki/trust.yaml
     insecure_loopback: false          # demo only: plain HTTP to a loopback coordinator
-    workers:                          # the local worker group
-      count: auto                     # auto: one rank per visible GPU on nccl, 2 on gloo
+    workers:                          # the worker group
+      count: auto                     # ranks per node (or nproc_per_node); auto: one per
+                                      #   visible GPU on nccl, 2 on gloo
       backend: auto                   # auto | gloo | nccl
       env: {NCCL_SOCKET_IFNAME: eth0} # extra environment for the workers
+      env_passthrough: ["NCCL_*"]     # the agent's variables passed to every node's workers
+      launcher: local                 # local | slurm
+      nnodes: 1                       # nodes; local with > 1: rdzv_endpoint and rdzv_id
+      slurm: {rdzv_port: 29400}       # slurm: rdzv_port, partition, time_limit, extra_args
       peak_flops: 989.0e+12           # optional: one device's peak FLOPs/s, for the MFU
     state_dir: /var/lib/geofed/eu-west
     timeouts: {request_s: 30, upload_s: 300}
@@ -39,7 +44,7 @@ certificate and client certificates required in every mode, the demo's included.
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -62,6 +67,7 @@ from policies import PolicyLoadError, PolicySet, Problem, load_policies
 from policies.validation import validate_document
 from policies.yaml_loader import load_located
 from regional_agent.credentials import AgentIdentityConfig, CredentialsError, load_credentials
+from regional_agent.launch_spec import check_env_patterns, parse_endpoint, passthrough_env
 from regional_agent.launcher import LauncherConfigError, LocalLauncherConfig
 from regional_agent.ranks import AUTO
 from regional_agent.transfer_config import TransferConfig
@@ -108,13 +114,65 @@ class MetricsConfig(ConfigSection):
         return value
 
 
+class SlurmConfig(ConfigSection):
+    """How the ``slurm`` launcher asks Slurm for the worker group's job step."""
+
+    rdzv_port: StrictInt = Field(
+        default=29400, ge=1, le=65535, description="rendezvous port on the step's first node"
+    )
+    partition: str | None = Field(
+        default=None, min_length=1, description="for an allocation srun requests itself"
+    )
+    time_limit: str | None = Field(default=None, min_length=1, description="srun --time")
+    extra_args: tuple[str, ...] = Field(
+        default=(), description="more srun options, e.g. --gpus-per-node=8, --account=..."
+    )
+
+    @field_validator("extra_args")
+    @classmethod
+    def _options(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        for arg in value:
+            if not arg.startswith("-"):
+                raise ValueError(f"{arg!r} is not an srun option (options start with -)")
+        return value
+
+
 class WorkersConfig(ConfigSection):
-    """The local worker group (torch.distributed) the agent launches and supervises."""
+    """The worker group (torch.distributed) the agent launches and supervises."""
 
     count: int | Literal["auto"] = Field(
         default=AUTO,
-        description="ranks on this node; auto: one per visible GPU on nccl, 2 on gloo",
+        description="ranks on each node; auto: one per visible GPU on nccl, 2 on gloo",
     )
+    nproc_per_node: int | Literal["auto"] | None = Field(
+        default=None, description="another name of count (torchrun's); give one of them"
+    )
+    nnodes: StrictInt = Field(default=1, ge=1, description="nodes of the group")
+    launcher: Literal["local", "slurm"] = Field(
+        default="local",
+        description="local: this node's elastic launcher (the other nodes run "
+        "regional_agent.launch_node); slurm: srun starts every node",
+    )
+    rdzv_endpoint: str | None = Field(
+        default=None,
+        description="local: host:port of the head node's rendezvous (needed for nnodes > 1); "
+        "default 127.0.0.1 and a free port",
+    )
+    rdzv_id: str | None = Field(
+        default=None,
+        min_length=1,
+        max_length=128,
+        description="local, nnodes > 1: the rendezvous id all nodes are given",
+    )
+    local_addr: str | None = Field(
+        default=None, min_length=1, description="this node's address as the others reach it"
+    )
+    env_passthrough: tuple[str, ...] = Field(
+        default=("NCCL_*",),
+        description="the agent's own variables (names, or PREFIX* patterns) given to the "
+        "workers of every node, e.g. NCCL_IB_HCA, NCCL_SOCKET_IFNAME",
+    )
+    slurm: SlurmConfig = Field(default_factory=SlurmConfig)
     backend: Literal["auto", "gloo", "nccl"] = Field(
         default="auto", description="auto: nccl when CUDA is available, else gloo"
     )
@@ -141,12 +199,34 @@ class WorkersConfig(ConfigSection):
     start_timeout_s: float = Field(default=300.0, gt=0, allow_inf_nan=False)
     collective_timeout_s: float = Field(default=600.0, gt=0, allow_inf_nan=False)
 
-    @field_validator("count", mode="before")
+    @model_validator(mode="before")
+    @classmethod
+    def _one_count(cls, data: object) -> object:
+        if isinstance(data, dict) and data.get("nproc_per_node") is not None:
+            if "count" in data:
+                raise ValueError("give count or nproc_per_node, not both")
+            data = {**data, "count": data["nproc_per_node"]}
+        return data
+
+    @field_validator("count", "nproc_per_node", mode="before")
     @classmethod
     def _count(cls, value: object) -> object:
-        if value == AUTO or (type(value) is int and value >= 1):
+        if value is None or value == AUTO or (type(value) is int and value >= 1):
             return value
         raise ValueError(f"must be an integer >= 1 or {AUTO!r}, got {value!r}")
+
+    @field_validator("rdzv_endpoint")
+    @classmethod
+    def _endpoint(cls, value: str | None) -> str | None:
+        if value is not None:
+            parse_endpoint(value)
+        return value
+
+    @field_validator("env_passthrough")
+    @classmethod
+    def _passthrough(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        check_env_patterns(value)
+        return value
 
     @field_validator("env")
     @classmethod
@@ -156,20 +236,46 @@ class WorkersConfig(ConfigSection):
                 raise ValueError(f"{key!r} is not an environment variable name")
         return value
 
-    def launcher_config(self, cwd: Path | None = None) -> LocalLauncherConfig:
-        """The local launcher's settings; raises ``LauncherConfigError`` if they clash."""
+    def launcher_config(
+        self, cwd: Path | None = None, environ: Mapping[str, str] | None = None
+    ) -> LocalLauncherConfig:
+        """The head node's launcher settings; raises ``LauncherConfigError`` if they clash.
+
+        ``environ`` is the agent's environment: the variables ``env_passthrough`` names
+        are taken from it (``env`` wins over them).
+        """
+        passed = {} if environ is None else passthrough_env(environ, self.env_passthrough)
         return LocalLauncherConfig(
             nproc_per_node=self.count,
             max_restarts=self.max_restarts,
             backend=None if self.backend == "auto" else self.backend,
-            env=dict(self.env),
+            env={**passed, **self.env},
             num_threads=self.num_threads,
             collective_timeout_s=self.collective_timeout_s,
             cwd=cwd,
+            nnodes=self.nnodes,
+            rdzv_endpoint=self.rdzv_endpoint,
+            rdzv_id=self.rdzv_id,
+            local_addr=self.local_addr,
         )
 
     @model_validator(mode="after")
     def _launcher_accepts(self) -> WorkersConfig:
+        if self.launcher == "slurm" and (self.rdzv_endpoint or self.rdzv_id):
+            raise ValueError(
+                "rdzv_endpoint and rdzv_id are for the local launcher: under slurm the "
+                "rendezvous is at the job step's first node, port slurm.rdzv_port"
+            )
+        if (
+            self.launcher == "local"
+            and self.nnodes > 1
+            and not (self.rdzv_endpoint and self.rdzv_id)
+        ):
+            raise ValueError(
+                "nnodes > 1 with the local launcher needs rdzv_endpoint (host:port of this "
+                "head node, where the other nodes' regional_agent.launch_node meet it) and "
+                "rdzv_id"
+            )
         try:
             self.launcher_config()
         except LauncherConfigError as exc:
@@ -370,6 +476,7 @@ __all__ = [
     "AgentConfig",
     "AgentConfigError",
     "MetricsConfig",
+    "SlurmConfig",
     "WorkersConfig",
     "load_config",
     "load_region_policies",

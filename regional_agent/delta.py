@@ -20,6 +20,7 @@ from torch import Tensor
 from geofed.codec import DEFAULT_CHUNK_ELEMENTS, EncodedStream, ErrorFeedback, TensorLayout
 from geofed.codec_params import CodecParams
 from geofed.deltas import pseudo_gradient
+from geofed.lineage import Software
 from geofed.manifest import (
     ArtifactProvenance,
     Manifest,
@@ -78,6 +79,7 @@ class DeltaOrigin:
     datasets: Sequence[str]
     training: TrainingConfig | None = None  # the job's training section, as announced
     base_eval: Mapping[str, float] | None = None  # the region's metrics of θ_base_round
+    software: Software | None = None  # what trained it (geofed.lineage.local_software)
 
 
 def rounding_generator(job: str, round_: int, region: str) -> torch.Generator:
@@ -130,6 +132,7 @@ def delta_manifest(origin: DeltaOrigin, encoded: EncodedDelta, *, now: datetime)
         tokens=origin.tokens,
         training=origin.training,
         base_eval=origin.base_eval,
+        software=origin.software,
     )
 
 

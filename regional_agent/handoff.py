@@ -10,13 +10,16 @@ moment and pick up where the other left off::
     jobs/<job>/round-<r>.progress.json      rank 0: steps done so far (advisory)
     jobs/<job>/round-<r>.base.json          agent -> workers: θ_r of a delayed round is ready
     jobs/<job>/round-<r>.cancel             agent -> workers: drop the delayed round r
-    regional-checkpoint.pt                  rank 0: inner optimizer state + data cursor
+    jobs/<job>/regional-checkpoint.pt       rank 0: the job's inner optimizer state + cursor
     ranks/rank-<n>.json                     each rank: pid, launch id, restart count
     logs/rank-<n>.log, logs/launcher.log    worker and launcher output
     stop                                    agent -> workers: finish and exit 0
 
 Results, checkpoints, markers and instructions are written temp + fsync + rename; a
-result exists only once its done marker does. Progress and rank status files are
+result exists only once its done marker does. The regional checkpoint is per job, so jobs
+that share the group never resume from each other's state; a checkpoint left at the old
+single-file place (``regional-checkpoint.pt`` at the root) is moved to its job's place by
+:meth:`HandoffDir.migrate_legacy_checkpoint`. Progress and rank status files are
 advisory and only renamed into place (whole, not durable). All functions here block on
 disk I/O; asyncio callers run them in a thread.
 """
@@ -37,12 +40,13 @@ from typing import Any, get_args
 import torch
 from pydantic import ValidationError
 
-from geofed.fsutil import AtomicFile, atomic_write_bytes
+from geofed.fsutil import AtomicFile, atomic_write_bytes, replace_durably
 from geofed.training_config import Parallelism, TrainingConfig
 from geofed.types import validate_name
 from regional_agent.training_stats import TrainingStats
 
 FORMAT_VERSION = 1
+_CHECKPOINT_NAME = "regional-checkpoint.pt"
 _ROUND_FILE_RE = re.compile(r"^round-(\d+)\.instruction\.json$")
 
 
@@ -437,9 +441,14 @@ class HandoffDir:
     def cancel_path(self, job: str, round_: int) -> Path:
         return self._round_path(job, round_, "cancel")
 
+    def checkpoint_path(self, job: str) -> Path:
+        """``job``'s regional checkpoint, beside its round files."""
+        return self.job_dir(job) / _CHECKPOINT_NAME
+
     @property
-    def checkpoint_path(self) -> Path:
-        return self.root / "regional-checkpoint.pt"
+    def legacy_checkpoint_path(self) -> Path:
+        """Where groups kept the region's one checkpoint before it was per job."""
+        return self.root / _CHECKPOINT_NAME
 
     @property
     def stop_path(self) -> Path:
@@ -661,33 +670,76 @@ class HandoffDir:
         return pruned
 
     def forget_job(self, job: str) -> None:
-        """Drop ``job``'s round files and, if it is ``job``'s, the regional checkpoint.
+        """Drop ``job``'s round files and its regional checkpoint (a legacy one too).
 
         File by file, never the directory: the worker scans it while idle. A worker whose
         in-memory state is past a round asked again, and that finds no regional checkpoint,
         takes this as the agent's discard and starts afresh (see the worker).
         """
+        job_dir = self.job_dir(job)
+        if job_dir.is_dir():
+            # Instructions first: a round whose done marker went before its instruction
+            # would read as pending, and an idle worker would train it again.
+            for entry in job_dir.iterdir():
+                if _ROUND_FILE_RE.fullmatch(entry.name) is not None:
+                    entry.unlink(missing_ok=True)
         self.prune_rounds(job, sys.maxsize)
+        self.checkpoint_path(job).unlink(missing_ok=True)
+        legacy = self.legacy_checkpoint_path
         try:
-            checkpoint = self.read_checkpoint()
+            owner = self._load_checkpoint(legacy)
         except InvalidHandoffData:
-            checkpoint = None  # unreadable: no job can resume from it anyway
-            self.checkpoint_path.unlink(missing_ok=True)
-        if checkpoint is not None and checkpoint.job == job:
-            self.checkpoint_path.unlink(missing_ok=True)
+            owner = None  # unreadable: no job can resume from it anyway
+            legacy.unlink(missing_ok=True)
+        if owner is not None and owner.job == job:
+            legacy.unlink(missing_ok=True)
 
     # -- regional checkpoint -------------------------------------------------------------
 
     def write_checkpoint(self, checkpoint: RegionalCheckpoint) -> None:
-        self.root.mkdir(parents=True, exist_ok=True)
+        """Atomically replace the regional checkpoint of ``checkpoint.job``."""
+        path = self.checkpoint_path(checkpoint.job)
+        path.parent.mkdir(parents=True, exist_ok=True)
         # Field by field, not asdict(): that would deep-copy every optimizer tensor.
         body: dict[str, Any] = {"format": FORMAT_VERSION}
         body.update((name, getattr(checkpoint, name)) for name in _CHECKPOINT_FIELDS)
-        with AtomicFile(self.checkpoint_path) as f:
+        with AtomicFile(path) as f:
             torch.save(body, f)
 
-    def read_checkpoint(self) -> RegionalCheckpoint | None:
-        path = self.checkpoint_path
+    def has_checkpoint(self, job: str) -> bool:
+        return self.checkpoint_path(job).is_file()
+
+    def read_checkpoint(self, job: str) -> RegionalCheckpoint | None:
+        """``job``'s regional checkpoint, or None if it has none."""
+        path = self.checkpoint_path(job)
+        checkpoint = self._load_checkpoint(path)
+        if checkpoint is not None and checkpoint.job != job:
+            raise InvalidHandoffData(f"{path}: holds the state of job {checkpoint.job!r}")
+        return checkpoint
+
+    def migrate_legacy_checkpoint(self) -> str | None:
+        """Move a checkpoint at the old single-file place to its job's place, once.
+
+        Returns the job it belonged to, or None when there was none to move. A job that
+        already has its own checkpoint keeps it (written later than any legacy file), and
+        the legacy file goes. An unreadable legacy file raises
+        :class:`InvalidHandoffData` and stays where it is, unused, until :meth:`forget_job`
+        of any job removes it. Call it while no rank reads checkpoints (rank 0, before the
+        group's first collective).
+        """
+        legacy = self.legacy_checkpoint_path
+        checkpoint = self._load_checkpoint(legacy)
+        if checkpoint is None:
+            return None
+        target = self.checkpoint_path(checkpoint.job)
+        if target.exists():
+            legacy.unlink(missing_ok=True)
+        else:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            replace_durably(legacy, target)
+        return checkpoint.job
+
+    def _load_checkpoint(self, path: Path) -> RegionalCheckpoint | None:
         try:
             # Mapped, not read: a rank that does not load the optimizer state (FSDP ranks
             # other than 0) never pages it in.

@@ -1,8 +1,9 @@
 """A region's inner training state for one job on one rank: built, resumed, made ready.
 
 :meth:`JobState.build` does what a rank can do alone: import the task, build the model
-on the device, make its checkpointed modules recompute, and take the data cursor and
-inner optimizer state from the regional checkpoint. :meth:`JobState.ready` then does
+on the device, make its checkpointed modules recompute, and take the data cursor, last
+round and inner optimizer state from the job's own regional checkpoint (a job parked
+while another trained resumes from it exactly). :meth:`JobState.ready` then does
 the collectives, once per state: wrap the model for the job's parallelism, build the
 optimizer and load the checkpoint's optimizer state into it. The split lets the ranks
 agree that every one of them got through the first part before any enters a collective
@@ -59,8 +60,8 @@ class JobState:
         device: torch.device,
         checkpoint: RegionalCheckpoint | None,
     ) -> JobState:
-        """A fresh state for ``instruction``'s job, resumed from ``checkpoint`` if it is the
-        job's (no collectives)."""
+        """A fresh state for ``instruction``'s job, resumed from ``checkpoint`` (the job's
+        own; another job's is never resumed from) (no collectives)."""
         job, training = instruction.job, instruction.training
         task = load_task(instruction.task, instruction.task_options)
         model = task.build_model(seed=instruction.seed).to(device)

@@ -51,6 +51,13 @@ from typing import Literal
 import torch
 
 from regional_agent.handoff import HandoffDir
+from regional_agent.launch_spec import (
+    HEAD_NODE_ENV,
+    HEAD_SLURM_TASK_ENV,
+    ElasticSpec,
+    elastic_command,
+    parse_endpoint,
+)
 from regional_agent.launcher_flags import (
     Flag,
     FlagSpelling,
@@ -75,6 +82,8 @@ _RESERVED_ENV = frozenset(
         "MASTER_PORT",
         "TORCH_DISABLE_SHARE_RDZV_TCP_STORE",
         LAUNCH_ID_ENV,
+        HEAD_NODE_ENV,
+        HEAD_SLURM_TASK_ENV,
     }
 )
 _KILL_WAIT_S = 10.0
@@ -89,6 +98,8 @@ _FLAGS = (
     Flag("max-restarts"),
     Flag("monitor-interval", required=False),
     Flag("shutdown-timeout", required=False),
+    Flag("rdzv-conf", required=False),
+    Flag("local-addr", required=False),
     Flag("module"),
 )
 # Optional flags already reported missing: one warning per process, not one per launch.
@@ -218,7 +229,7 @@ class Launcher(ABC):
 
 @dataclass(frozen=True, slots=True)
 class LocalLauncherConfig:
-    """Settings of :class:`LocalElasticLauncher` (one node)."""
+    """Settings of :class:`LocalElasticLauncher` (one node of a group of ``nnodes``)."""
 
     nproc_per_node: int | Literal["auto"] = AUTO
     """Ranks to run: ``auto`` (one per visible GPU on nccl, 2 on gloo) or a count, at most
@@ -243,6 +254,20 @@ class LocalLauncherConfig:
     to torch's default where the installed torch has no ``--shutdown-timeout``)."""
     python: str = sys.executable
     cwd: Path | None = None
+    nnodes: int = 1
+    """Nodes of the group, each running one elastic launcher with ``nproc_per_node`` ranks."""
+    rdzv_endpoint: str | None = None
+    """``host:port`` of the c10d rendezvous, hosted by the head node's launcher; None (one
+    node only): 127.0.0.1 and a free port."""
+    rdzv_id: str | None = None
+    """The rendezvous id every node's launcher gives (needed for ``nnodes`` > 1); None: a
+    fresh id per launch."""
+    local_addr: str | None = None
+    """This node's address as the other nodes reach it (rendezvous and the workers' store);
+    None: its fully qualified host name."""
+    head: bool = True
+    """Whether this node is the head: the agent's, where rank 0 runs and reads the hand-off
+    directory. The other nodes' launchers (``python -m regional_agent.launch_node``) are not."""
 
     def __post_init__(self) -> None:
         count = self.nproc_per_node
@@ -257,6 +282,13 @@ class LocalLauncherConfig:
         if isinstance(self.max_restarts, bool) or self.max_restarts < 0:
             raise LauncherConfigError(f"max_restarts must be >= 0, got {self.max_restarts!r}")
         _positive("monitor_interval_s", self.monitor_interval_s)
+        if isinstance(self.nnodes, bool) or not isinstance(self.nnodes, int) or self.nnodes < 1:
+            raise LauncherConfigError(f"nnodes must be an integer >= 1, got {self.nnodes!r}")
+        if self.rdzv_endpoint is not None:
+            try:
+                parse_endpoint(self.rdzv_endpoint)
+            except ValueError as exc:
+                raise LauncherConfigError(f"rdzv_endpoint: {exc}") from None
         for key, value in self.env.items():
             if not isinstance(key, str) or not isinstance(value, str) or not key:
                 raise LauncherConfigError(f"env entries must be strings: {key!r}={value!r}")
@@ -282,6 +314,7 @@ class LocalElasticLauncher(Launcher):
         process sees, and the options of the installed ``torch.distributed.run`` (read
         from its parser when None).
         """
+        self._check_rendezvous(config)
         self._handoff = HandoffDir(Path(workdir).resolve())
         self._config = config
         self._environ = None if environ is None else dict(environ)
@@ -303,6 +336,14 @@ class LocalElasticLauncher(Launcher):
         self._launch_id: str | None = None
         self._past_restarts = 0
 
+    @staticmethod
+    def _check_rendezvous(config: LocalLauncherConfig) -> None:
+        """Several nodes meet only at an endpoint and id that all of them are given."""
+        if config.nnodes > 1 and (config.rdzv_endpoint is None or not config.rdzv_id):
+            raise LauncherConfigError(
+                "nnodes > 1 needs rdzv_endpoint (host:port of the head node) and rdzv_id"
+            )
+
     @property
     def pid(self) -> int | None:
         return self._proc.pid if self._proc is not None and self._proc.poll() is None else None
@@ -313,40 +354,37 @@ class LocalElasticLauncher(Launcher):
 
     @property
     def world_size(self) -> int:
-        return self.ranks.count
+        return self.ranks.count * self._config.nnodes
 
     @property
     def restart_count(self) -> int:
         return self._past_restarts + self._current_restarts()
 
-    def command(self, port: int, launch_id: str) -> list[str]:
-        """The elastic launcher's command line for a rendezvous on ``port``."""
+    def elastic_spec(self, port: int, launch_id: str) -> ElasticSpec:
+        """This node's elastic launcher settings for a launch (``port``: one node only)."""
         cfg = self._config
-        values = {
-            "nnodes": "1",
-            "nproc-per-node": str(self.ranks.count),
-            "rdzv-backend": "c10d",
-            "rdzv-endpoint": f"127.0.0.1:{port}",
-            "rdzv-id": launch_id,
-            "max-restarts": str(cfg.max_restarts),
-            "monitor-interval": repr(cfg.monitor_interval_s),
-            "shutdown-timeout": str(cfg.shutdown_timeout_s),
-        }
-        options = [
-            f"{self._flags.spelled[name]}={value}"
-            for name, value in values.items()
-            if name in self._flags.spelled
-        ]
-        return [
-            cfg.python,
-            "-m",
-            "torch.distributed.run",
-            *options,
-            # A store-true flag: the script that follows is a module name.
-            self._flags.spelled["module"],
-            "regional_agent.worker",
-            *self.settings.to_argv(),
-        ]
+        multi = cfg.nnodes > 1
+        return ElasticSpec(
+            nnodes=cfg.nnodes,
+            nproc_per_node=self.ranks.count,
+            rdzv_endpoint=cfg.rdzv_endpoint or f"127.0.0.1:{port}",
+            rdzv_id=cfg.rdzv_id or launch_id,
+            max_restarts=cfg.max_restarts,
+            monitor_interval_s=cfg.monitor_interval_s,
+            shutdown_timeout_s=cfg.shutdown_timeout_s,
+            # Several nodes on one host (or an endpoint given by address) must not all host.
+            is_host=cfg.head if multi else None,
+            local_addr=cfg.local_addr,
+        )
+
+    def command(self, port: int, launch_id: str) -> list[str]:
+        """The elastic launcher's command line (rendezvous on ``port`` for one node)."""
+        return elastic_command(
+            self._config.python,
+            self._flags.spelled,
+            self.elastic_spec(port, launch_id),
+            self.settings.to_argv(),
+        )
 
     def environment(self, launch_id: str) -> dict[str, str]:
         env = dict(os.environ if self._environ is None else self._environ)
@@ -354,6 +392,7 @@ class LocalElasticLauncher(Launcher):
         env["OMP_NUM_THREADS"] = str(self._config.omp_num_threads)
         env["PYTHONUNBUFFERED"] = "1"
         env[LAUNCH_ID_ENV] = launch_id
+        env[HEAD_NODE_ENV] = "1" if self._config.head else "0"
         # Workers get their own TCPStore per restart: with the store shared with the
         # rendezvous, a restarted rank can read the previous attempt's peer addresses
         # and fail to connect (pytorch/pytorch#135712).

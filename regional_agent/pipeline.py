@@ -33,6 +33,7 @@ import asyncio
 import contextlib
 import logging
 import math
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
@@ -41,6 +42,7 @@ from typing import Any, Literal, TypeVar
 from geofed.codec import CodecError
 from geofed.control import RoundAnnouncement
 from geofed.evaluation_config import region_evaluates
+from geofed.lineage import Software, local_software
 from geofed.manifest import Manifest
 from geofed.timeouts import Timeout
 from policies import PolicySet
@@ -77,6 +79,15 @@ _IDLE_POLL_S = 0.2
 T = TypeVar("T")
 
 
+def _software(task_spec: str) -> Software | None:
+    """What trains this region's deltas, for their lineage; None if it cannot be told."""
+    try:
+        return local_software(task_spec)
+    except Exception as exc:  # lineage is best effort: the delta is still good
+        log.warning("no software fingerprint for task %s: %s", task_spec, exc)
+        return None
+
+
 async def _blocking(fn: Callable[..., T], *args: Any) -> T:
     """Run ``fn`` in a thread; if cancelled meanwhile, let the thread finish first.
 
@@ -91,6 +102,15 @@ async def _blocking(fn: Callable[..., T], *args: Any) -> T:
         if not future.cancelled():
             future.exception()  # retrieved: the cancellation is what the caller sees
         raise
+
+
+def round_timings(train_s: float, encode_s: float) -> dict[str, float]:
+    """What a delta's commit tells the coordinator of its round: seconds trained, encoded.
+
+    With the uploader's ``upload_s`` they make the coordinator's view of each region's
+    round (the status page's timeline); the agent's own timeline has every phase.
+    """
+    return {"train_s": round(max(0.0, train_s), 3), "encode_s": round(max(0.0, encode_s), 3)}
 
 
 class RetryLater(Exception):
@@ -154,6 +174,9 @@ class RoundPipeline:
         self._metrics = metrics
         self._train_timeout_s = train_timeout_s
         self._clock = clock
+        self._monotonic = time.monotonic
+        # (job, round) -> its training and encoding seconds, sent with its delta's commit
+        self._timings: dict[tuple[str, int], dict[str, float]] = {}
         # job -> the last round counted as trained (a round read back is not counted again)
         self._trained: dict[str, int] = {}
         self._residency = ExportGate(region.policies, region.name, region.datasets, metrics)
@@ -283,6 +306,7 @@ class RoundPipeline:
             datasets=self._region.datasets,
             training=announcement.training,
             base_eval=summary.base_eval,
+            software=await _blocking(_software, announcement.task),
         )
         meta = DeltaMeta(train_loss=summary.mean_loss, tokens=summary.tokens, params_hash=base_hash)
 
@@ -299,8 +323,14 @@ class RoundPipeline:
                 announcement.round, signed.to_bytes(), encoded.frames, encoded.feedback, meta
             )
 
+        encode_started = self._monotonic()
         with self._phase(announcement, "encode"):
             delta = await _blocking(encode_sign_spool)
+        for key in [k for k in self._timings if k[0] == announcement.job]:
+            del self._timings[key]  # an earlier round's delta that never left
+        self._timings[(announcement.job, announcement.round)] = round_timings(
+            summary.train_seconds, self._monotonic() - encode_started
+        )
         await _blocking(self._workers.handoff.prune_rounds, announcement.job, announcement.round)
         return delta
 
@@ -353,8 +383,9 @@ class RoundPipeline:
         )
         try:
             with self._phase(announcement, "upload"):
+                timings = self._timings.pop((announcement.job, announcement.round), {})
                 report = await self._uploader.upload(
-                    announcement.job, delta, {"train_loss": meta.train_loss}
+                    announcement.job, delta, {"train_loss": meta.train_loss, **timings}
                 )
         except RoundClosed as exc:
             # Kept: a round closed by a pause, or below quorum, may be re-opened as is;

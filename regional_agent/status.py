@@ -9,6 +9,10 @@ blocks the caller: :meth:`update` only records and wakes the publishing task.
 
 Listeners (:meth:`StatusReporter.add_listener`) hear every change at once, in the
 caller's task: the daemon turns them into systemd ``STATUS=`` lines (:func:`describe`).
+
+Every live status carries the region's capacity (:func:`probe_capacity`: the visible
+accelerators from ``torch.cuda``, and the worker group's ranks as CPU worker slots),
+probed once, off the event loop, before the first publication.
 """
 
 from __future__ import annotations
@@ -21,7 +25,15 @@ from collections.abc import Callable
 from typing import Any
 
 import geofed
-from geofed.control import ControlClient, ControlError, Publication, RegionStatus, Topics, encode
+from geofed.control import (
+    Capacity,
+    ControlClient,
+    ControlError,
+    Publication,
+    RegionStatus,
+    Topics,
+    encode,
+)
 from geofed.control.messages import RegionState
 
 log = logging.getLogger(__name__)
@@ -44,6 +56,7 @@ class StatusReporter:
         interval_s: float,
         timeout_s: float,
         restarts: Callable[[], int] = lambda: 0,
+        capacity: Callable[[], Capacity | None] = lambda: None,
     ) -> None:
         self._control = control
         self._topic = topics.region_status(region)
@@ -56,6 +69,9 @@ class StatusReporter:
         self._changed.set()
         self._listeners: list[Listener] = []
         self._restarts_seen = 0
+        self._probe = capacity
+        self._capacity: Capacity | None = None
+        self._probed = False
         #: The last status the broker acknowledged (tests and logs read it).
         self.published: RegionStatus | None = None
 
@@ -73,6 +89,7 @@ class StatusReporter:
             region=self._region,
             agent_version=AGENT_VERSION,
             worker_restarts=worker_restarts,
+            capacity=self._capacity,
             **self._fields,
         )
 
@@ -117,6 +134,12 @@ class StatusReporter:
 
     async def publish_now(self) -> None:
         """Publish the current status once (raises ``ControlError`` if not acknowledged)."""
+        if not self._probed:
+            try:
+                self._capacity = await asyncio.to_thread(self._probe)
+            except Exception:  # an unreadable device leaves the capacity unknown, not the agent
+                log.exception("cannot read this region's capacity; reporting none")
+            self._probed = True
         restarts = await asyncio.to_thread(self._restarts)
         self._restarts_seen = restarts
         status = self.current(restarts)
@@ -159,3 +182,35 @@ def offline_status(topic: str, region: str, detail: str = "") -> Publication:
         region=region, state="offline", agent_version=AGENT_VERSION, detail=detail
     )
     return Publication(topic, encode(status), retain=True)
+
+
+def probe_capacity(workers: int | str, backend: str = "auto") -> Capacity:
+    """This host's capacity: visible CUDA devices (kind, count, memory) and worker slots.
+
+    ``workers`` is the agent's ``workers.count``: a number of ranks, or ``auto`` (one per
+    visible GPU on nccl, 2 on gloo, as the launcher resolves it). Blocking (imports torch,
+    reads the devices): call it off the event loop.
+    """
+    import torch  # heavy: imported only where the agent first reports its capacity
+
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    kind: str | None = None
+    memory = 0.0
+    if gpus:
+        props = torch.cuda.get_device_properties(0)
+        kind = str(props.name)
+        memory = round(props.total_memory / 2**30, 1)
+    return Capacity(
+        gpus=gpus,
+        gpu_kind=kind,
+        gpu_memory_gib=memory,
+        cpu_slots=worker_slots(workers, backend, gpus),
+    )
+
+
+def worker_slots(workers: int | str, backend: str, gpus: int) -> int:
+    """The ranks of the worker group: ``workers.count``, with ``auto`` resolved."""
+    if isinstance(workers, int):
+        return workers
+    nccl = backend == "nccl" or (backend == "auto" and gpus > 0)
+    return gpus if nccl and gpus > 0 else 2

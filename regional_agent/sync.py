@@ -1,11 +1,9 @@
 """Reaching θ_r for a round: apply the published update, or resync from the checkpoint.
 
 :func:`verify_artifact` is the one gate every downloaded artifact passes before any of
-its values is used: the bundle parses, the manifest's signature verifies against the
-federation trust bundle, its signer is a ``coordinator`` of the federation, kind, job
-and round are the expected ones, every frame matches its chunk record, and the stream
-decodes (strictly, bounded) into exactly the tensors the manifest declares. Then the
-parameters it reconstructs must hash to the manifest's ``parameters_hash``.
+its values is used (:mod:`geofed.artifact_check`, shared with ``geofed export``; here its
+refusals are :class:`ArtifactRejected`). Then the parameters it reconstructs must hash to
+the manifest's ``parameters_hash``.
 
 :class:`Synchronizer` decides how to get there (protocol: "Round lifecycle", step 2):
 nothing to do when the held θ already has the announced hash; the update when the held
@@ -23,26 +21,21 @@ snapshot it applies, and each completed resync.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import logging
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any, Literal
 
-import torch
 from torch import Tensor
 
+from geofed import artifact_check
 from geofed.api_paths import ApiPaths
-from geofed.artifact_bundle import BundleError, split_bundle
-from geofed.codec import CodecError, decode
+from geofed.artifact_check import ArtifactRefused, VerifiedArtifact
 from geofed.control import RoundAnnouncement
-from geofed.deltas import DeltaError, apply_update
-from geofed.manifest import Manifest, ManifestError, SignedManifest, verify_chunks
-from geofed.params import parameters_vector_hash
 from geofed.pki import TrustBundle
 from geofed.pki.bundle_source import BundleSource, current
-from geofed.types import ArtifactKind, Role
+from geofed.types import ArtifactKind
 from regional_agent.coordinator_client import CoordinatorClient, CoordinatorError, HttpError
 from regional_agent.metrics import AgentMetrics, MetricsError
 from regional_agent.prefetch import Prefetch
@@ -64,16 +57,6 @@ class ArtifactRejected(SyncError):
 
 class ResyncFailed(SyncError):
     """The latest checkpoint does not reconstruct the announced θ_r."""
-
-
-@dataclass(frozen=True)
-class VerifiedArtifact:
-    """A verified manifest and the tensors its stream decodes to."""
-
-    manifest: Manifest
-    tensors: Params
-    manifest_digest: str
-    """sha256 of the signed manifest bytes (what announcements call ``update_digest``)."""
 
 
 @dataclass(frozen=True)
@@ -101,85 +84,41 @@ def verify_artifact(
     now: datetime,
     max_decoded_bytes: int | None = None,
 ) -> VerifiedArtifact:
-    """Verify an artifact bundle (see the module docstring); raise :class:`ArtifactRejected`."""
-    what = f"{kind.value} {job}/{round_}"
+    """:func:`geofed.artifact_check.verify_artifact`; raise :class:`ArtifactRejected`."""
     try:
-        manifest_bytes, stream = split_bundle(data)
-        signed = SignedManifest.from_bytes(manifest_bytes)
-        signer = signed.verify(bundle, now=now)
-    except (BundleError, ManifestError) as exc:
-        raise ArtifactRejected(f"{what}: {exc}") from None
-    manifest = signed.manifest
-    if signer.role is not Role.COORDINATOR:
-        raise ArtifactRejected(f"{what}: signed by {signer}, not by a coordinator")
-    found = (manifest.kind, manifest.job, manifest.round)
-    if found != (kind, job, round_):
-        raise ArtifactRejected(f"{what}: the manifest is for {found[0].value} {job}/{found[2]}")
-    frames = _frames(manifest, stream, what)
-    try:
-        verify_chunks(manifest, frames)
-        tensors = decode(
-            frames,
-            expected_header_digest=manifest.chunks[0].sha256,
-            expected_digests=[record.sha256 for record in manifest.chunks[1:-1]],
+        return artifact_check.verify_artifact(
+            data,
+            bundle,
+            kind=kind,
+            job=job,
+            round_=round_,
+            now=now,
             max_decoded_bytes=max_decoded_bytes,
         )
-    except (ManifestError, CodecError) as exc:
-        raise ArtifactRejected(f"{what}: {exc}") from None
-    declared = [(t.name, t.dtype, tuple(t.shape)) for t in manifest.tensors]
-    actual = [(n, str(t.dtype).removeprefix("torch."), tuple(t.shape)) for n, t in tensors.items()]
-    if declared != actual:
-        raise ArtifactRejected(f"{what}: the stream's tensors differ from the manifest's")
-    if any(t.dtype != torch.float32 for t in tensors.values()):
-        raise ArtifactRejected(f"{what}: parameters and updates must be float32")
-    return VerifiedArtifact(manifest, tensors, hashlib.sha256(manifest_bytes).hexdigest())
-
-
-def _frames(manifest: Manifest, stream: bytes, what: str) -> list[bytes]:
-    if len(manifest.chunks) < 2 or len(stream) != manifest.total_size:
-        raise ArtifactRejected(
-            f"{what}: stream of {len(stream)} bytes, the manifest declares "
-            f"{manifest.total_size} in {len(manifest.chunks)} frames"
-        )
-    frames, offset = [], 0
-    for record in manifest.chunks:
-        frames.append(stream[offset : offset + record.size])
-        offset += record.size
-    return frames
+    except ArtifactRefused as exc:
+        raise ArtifactRejected(str(exc)) from None
 
 
 def apply_verified_update(
     params: Mapping[str, Tensor], version: ParamsVersion, update: VerifiedArtifact
 ) -> tuple[Params, ParamsVersion]:
     """θ_{r+1} = θ_r + û, checked against the update's base and parameters hashes."""
-    manifest = update.manifest
-    where = f"update {manifest.job}/{manifest.round}"
-    if manifest.round != version.round:
-        raise ArtifactRejected(f"{where} applies to θ_{manifest.round}; θ_{version.round} is held")
-    if manifest.base_hash != version.hash:
-        raise ArtifactRejected(f"{where} has base_hash {manifest.base_hash}, θ is {version.hash}")
     try:
-        result = apply_update(params, update.tensors)
-    except DeltaError as exc:
-        raise ArtifactRejected(f"{where}: {exc}") from None
-    found = parameters_vector_hash(result)
-    if found != manifest.parameters_hash:
-        raise ArtifactRejected(
-            f"{where}: parameters hash {found}, the manifest says {manifest.parameters_hash}"
+        result, found = artifact_check.apply_verified_update(
+            params, version.round, version.hash, update
         )
+    except ArtifactRefused as exc:
+        raise ArtifactRejected(str(exc)) from None
     return result, ParamsVersion(round=version.round + 1, hash=found)
 
 
 def snapshot_params(snapshot: VerifiedArtifact) -> tuple[Params, ParamsVersion]:
     """θ of a verified snapshot, checked against its ``parameters_hash``."""
-    manifest = snapshot.manifest
-    found = parameters_vector_hash(snapshot.tensors)
-    if found != manifest.parameters_hash:
-        raise ArtifactRejected(
-            f"snapshot {manifest.job}/{manifest.round}: parameters hash {found}, "
-            f"the manifest says {manifest.parameters_hash}"
-        )
-    return snapshot.tensors, ParamsVersion(round=manifest.round, hash=found)
+    try:
+        params, found = artifact_check.snapshot_params(snapshot)
+    except ArtifactRefused as exc:
+        raise ArtifactRejected(str(exc)) from None
+    return params, ParamsVersion(round=snapshot.manifest.round, hash=found)
 
 
 class Synchronizer:

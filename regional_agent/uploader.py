@@ -119,7 +119,9 @@ class Uploader:
         started = self._clock()
         cancelled = False
         try:
-            return await wait_for(self._upload(job, delta, dict(metrics), report), limit, what)
+            return await wait_for(
+                self._upload(job, delta, dict(metrics), report, started), limit, what
+            )
         except asyncio.CancelledError:
             cancelled = True  # not an upload's duration: the agent stopped it
             raise
@@ -129,7 +131,12 @@ class Uploader:
                 self._metrics.upload_finished(report.bytes_sent, max(1, report.attempts), seconds)
 
     async def _upload(
-        self, job: str, delta: SpooledDelta, metrics: dict[str, float], report: UploadReport
+        self,
+        job: str,
+        delta: SpooledDelta,
+        metrics: dict[str, float],
+        report: UploadReport,
+        started: float,
     ) -> UploadReport:
         base = self.delta_path(job, delta.round)
         retry = Retry(self._backoff, rng=self._rng, sleep=self._sleep)
@@ -137,7 +144,7 @@ class Uploader:
         while True:
             report.attempts += 1
             try:
-                if await self._attempt(job, delta, metrics, report):
+                if await self._attempt(job, delta, metrics, report, started):
                     return report
                 incomplete += 1
                 if incomplete >= _MAX_INCOMPLETE:
@@ -160,8 +167,13 @@ class Uploader:
         delta: SpooledDelta,
         metrics: dict[str, float],
         report: UploadReport,
+        started: float,
     ) -> bool:
-        """One pass: manifest, missing chunks, commit. False to start over from the manifest."""
+        """One pass: manifest, missing chunks, commit. False to start over from the manifest.
+
+        The commit's metrics gain ``upload_s``: the seconds from the upload's start (its
+        retries included) to the commit.
+        """
         base = self.delta_path(job, delta.round)
         manifest = ApiPaths.delta_manifest(job, delta.round, self._region)
         answer = await self._client.request(
@@ -180,7 +192,9 @@ class Uploader:
             commit = await self._client.request(
                 "POST",
                 ApiPaths.delta_commit(job, delta.round, self._region),
-                json_body={"metrics": metrics},
+                json_body={
+                    "metrics": {**metrics, "upload_s": round(max(0.0, self._clock() - started), 3)}
+                },
                 what=f"commit {base}",
             )
         except HttpError as exc:

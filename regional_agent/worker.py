@@ -4,25 +4,40 @@ Run by a launcher as ``python -m regional_agent.worker --workdir DIR --backend B
 under torch's elastic launcher, which sets ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``,
 ``MASTER_ADDR``/``MASTER_PORT`` and ``TORCHELASTIC_RESTART_COUNT``.
 
-Rank 0 polls the hand-off directory for the newest pending instruction and broadcasts
-it. Each round: every rank builds or keeps the job's state, rank 0 maps the base θ and
+Rank 0 alone reads and writes the hand-off directory: it polls it for the newest pending
+instruction and broadcasts it, reads the base θ and the regional checkpoint and broadcasts
+them, and writes the results; the other ranks may run on nodes that share no filesystem
+with the agent. Rank 0 is always on the head node (the agent's, :func:`is_head_node`):
+the ranks renumber themselves head node first (:func:`head_first_ranks`).
+
+Each round: every rank builds or keeps the job's state, rank 0 maps the base θ and
 checks it, and the ranks agree that all is well before any collective
 (:mod:`regional_agent.job_state`); then the model is wrapped for the job's parallelism
 once (:mod:`regional_agent.parallelism`), rank 0's θ is broadcast into it, the ranks
 evaluate it when instructed (:mod:`regional_agent.base_evaluation`, reported in the
 summary's ``base_eval``), and every rank trains ``inner_steps`` optimizer steps from the
 region's data cursor (:mod:`regional_agent.inner_loop`). Rank 0 receives the full fp32
-parameters and the whole optimizer state and writes the result, the regional checkpoint
-and, last, the done marker (see :mod:`regional_agent.handoff`). The inner optimizer
-state persists across rounds; the parameters restart from the base each round. A
+parameters and the whole optimizer state and writes the result, the job's regional
+checkpoint and, last, the done marker (see :mod:`regional_agent.handoff`). The inner
+optimizer state persists across rounds; the parameters restart from the base each round. A
 restarted group resumes from the regional checkpoint and redoes the current round, so a
 crash costs at most that round's work and changes nothing in its result: the learning
 rate is a function of the round and step, and the data of the cursor.
 
+Jobs that share the region share the group, one round at a time. The group holds only
+the state of the job it last trained; the others are parked on disk as their own regional
+checkpoints (written with every round, so parking costs nothing), and a job's next round
+rebuilds its state from its checkpoint: optimizer state, data cursor and last round, so it
+trains exactly as if no other job had run in between. The data shard is the instruction's
+(``region_index`` of ``num_regions``: the region's place among the job's regions, never
+among a round's participants), so leaving a region out of a round changes no other
+region's data (:func:`data_shard`).
+
 A delayed round (``overlap: delayed``, the instruction's ``base_pending``) goes on from
 the parameters the group holds at the end of the round before and folds θ in when the
 agent has it (:mod:`regional_agent.delayed_round`); a group that does not hold them (just
-restarted, or another job in between) waits for θ and trains the round serially.
+restarted, or another job in between: parked jobs keep no parameters) waits for θ and
+trains the round serially.
 
 Every idle poll and every training step starts with a tiny all-reduce (gloo, on the
 CPU) of each rank's stop wish (stop file, SIGTERM/SIGINT/SIGHUP, launcher gone), so
@@ -34,6 +49,7 @@ arguments.
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import logging
 import math
@@ -48,6 +64,8 @@ from types import FrameType
 
 import torch
 import torch.distributed as dist
+from torch.distributed.distributed_c10d import PrefixStore
+from torch.distributed.rendezvous import rendezvous
 
 from geofed.params import parameters_vector_hash
 from geofed.task import DataShard
@@ -64,6 +82,7 @@ from regional_agent.handoff import (
 )
 from regional_agent.inner_loop import RankTotals, RoundPlan, region_stats, train_round
 from regional_agent.job_state import BaseParams, JobState, read_base
+from regional_agent.launch_spec import head_first_ranks, is_head_node
 from regional_agent.launcher import LAUNCH_ID_ENV, WorkerSettings
 from regional_agent.parallelism import ParallelModel
 
@@ -91,6 +110,19 @@ class StopSignals:
         if os.getppid() != self._parent:
             return "the launcher exited"
         return None
+
+
+def data_shard(instruction: RoundInstruction, rank: int, world_size: int) -> DataShard:
+    """The data ``rank`` of ``world_size`` reads for ``instruction``: fixed by the job's
+    assignment (the region's place among the job's regions) and the job's seed."""
+    return DataShard(
+        region=instruction.region,
+        region_index=instruction.region_index,
+        num_regions=instruction.num_regions,
+        rank=rank,
+        world_size=world_size,
+        seed=instruction.seed,
+    )
 
 
 def round_seed(seed: int, round_: int, rank: int) -> int:
@@ -121,6 +153,8 @@ class RoundRunner:
         self._control = dist.new_group(backend="gloo") if device.type == "cuda" else None
 
     def serve(self) -> None:
+        if self._rank == 0:
+            self._migrate_legacy_checkpoint()
         while True:
             pending = self._handoff.pending_instruction() if self._rank == 0 else None
             stop, has_work = self._agree(self._wants_stop(), pending is not None)
@@ -133,6 +167,17 @@ class RoundRunner:
             instruction = self._broadcast_instruction(pending)
             if instruction is not None:
                 self._serve(instruction)
+
+    def _migrate_legacy_checkpoint(self) -> None:
+        """Move a checkpoint of the old one-per-region place to its job's (rank 0, before
+        any rank reads one: the other ranks are held in the first collective)."""
+        try:
+            job = self._handoff.migrate_legacy_checkpoint()
+        except (OSError, ValueError):
+            log.exception("ignoring the legacy regional checkpoint")
+            return
+        if job is not None:
+            log.info("moved the legacy regional checkpoint to job %s's place", job)
 
     # -- collectives ---------------------------------------------------------------------
 
@@ -182,10 +227,17 @@ class RoundRunner:
                 round_,
             )
             self._state = None
+        # Every rank holds the same state, so all take part in the checkpoint's broadcast
+        # or none does.
+        held = self._state
+        checkpoint: RegionalCheckpoint | None = None
+        checkpoint_error: str | None = None
+        if held is None or not held.serves(instruction):
+            checkpoint, checkpoint_error = self._shared_checkpoint(job)
         # First what each rank does alone, so that a failure is agreed on before any rank
         # enters a collective its peers would never join.
         try:
-            state = self._state_for(instruction)
+            state = self._state_for(instruction, checkpoint, checkpoint_error)
             replay = state.last_round is not None and round_ <= state.last_round
             if not replay and self._rank == 0 and not instruction.base_pending:
                 base = read_base(state.model, instruction.base_params)
@@ -340,28 +392,79 @@ class RoundRunner:
         return True
 
     def _regional_state_dropped(self, instruction: RoundInstruction) -> bool:
-        """Whether the agent discarded the regional state this rank still holds.
+        """Whether the agent discarded the job's regional state this rank still holds.
 
-        The checkpoint is written with every round this state completed, so a state
-        past the instructed round with no checkpoint on disk was discarded (the agent
-        follows a coordinator restored from an older backup): the round is trained
-        afresh rather than refused as a replay.
+        The job's checkpoint is written with every round this state completed, so a
+        state past the instructed round with no checkpoint of its job on disk was
+        discarded (the agent follows a coordinator restored from an older backup, or the
+        job ended and a job of the same name came): the round is trained afresh rather
+        than refused as a replay. A state of another job is parked, not dropped.
         """
         state = self._state
         if state is None or state.job != instruction.job or state.last_round is None:
             return False
         if instruction.round > state.last_round:
             return False
-        return not self._handoff.checkpoint_path.exists()
+        return not self._handoff.has_checkpoint(instruction.job)
 
-    def _state_for(self, instruction: RoundInstruction) -> JobState:
-        """The job's state, kept from the last round or built (without collectives)."""
-        if self._state is not None and self._state.serves(instruction):
-            return self._state
-        self._state = None
-        checkpoint = self._handoff.read_checkpoint()
+    def _state_for(
+        self,
+        instruction: RoundInstruction,
+        checkpoint: RegionalCheckpoint | None,
+        checkpoint_error: str | None = None,
+    ) -> JobState:
+        """The job's state, kept from the last round or built from the job's own regional
+        checkpoint (without collectives).
+
+        Only one job's state is held: the one it replaces is already on disk as its
+        checkpoint of its last completed round (a state that is not, a round cut short,
+        was dropped when it was), so it is parked by letting it go.
+        """
+        held = self._state
+        if held is not None and held.serves(instruction):
+            return held
+        if checkpoint_error is not None:
+            raise ValueError(f"unreadable regional checkpoint: {checkpoint_error}")
+        if held is not None:
+            log.info(
+                "job %s: parked at its regional checkpoint of round %s; serving job %s",
+                held.job,
+                held.last_round,
+                instruction.job,
+            )
+        self._state = held = None  # freed before the next job's model is built
+        if self._device.type == "cuda":
+            # Give the parked job's parameters and optimizer state back now, cycles
+            # included, rather than when the allocator happens to need them.
+            gc.collect()
+            torch.cuda.empty_cache()
         self._state = JobState.build(instruction, self._device, checkpoint)
         return self._state
+
+    def _shared_checkpoint(self, job: str) -> tuple[RegionalCheckpoint | None, str | None]:
+        """The job's regional checkpoint as rank 0 read it, and rank 0's error (a collective).
+
+        Only rank 0 reads the hand-off directory: the other ranks may run on nodes that
+        do not share its filesystem. Under FSDP only rank 0's optimizer state is loaded
+        (:meth:`ParallelModel.load_optimizer_state`), so the others get it empty.
+        """
+        box: list[tuple[RegionalCheckpoint | None, str | None] | None] = [None]
+        checkpoint: RegionalCheckpoint | None = None
+        if self._rank == 0:
+            error: str | None = None
+            try:
+                checkpoint = self._handoff.read_checkpoint(job)
+            except Exception as exc:
+                log.exception("cannot read the regional checkpoint of job %s", job)
+                error = f"{type(exc).__name__}: {exc}"
+            sent = checkpoint
+            if sent is not None and sent.parallelism == "fsdp":
+                sent = replace(sent, optimizer_state={})
+            box[0] = (sent, error)
+        dist.broadcast_object_list(box, src=0, group=self._control)
+        assert box[0] is not None
+        received, error = box[0]
+        return (checkpoint if self._rank == 0 else received), error
 
     def _republish(self, state: JobState, instruction: RoundInstruction) -> None:
         """Answer an instruction the regional state is already past."""
@@ -389,14 +492,7 @@ class RoundRunner:
         fold: DelayedFold | None = None,
     ) -> None:
         """Train the round; a delayed round (``fold``) folds θ in on the way."""
-        shard = DataShard(
-            region=instruction.region,
-            region_index=instruction.region_index,
-            num_regions=instruction.num_regions,
-            rank=self._rank,
-            world_size=self._world_size,
-            seed=instruction.seed,
-        )
+        shard = data_shard(instruction, self._rank, self._world_size)
         batches = state.task.batches(shard, start_step=state.cursor)
         torch.manual_seed(round_seed(instruction.seed, instruction.round, self._rank))
         steps = instruction.inner_steps
@@ -521,6 +617,32 @@ class RoundRunner:
         )
 
 
+def _join(backend: str, head: bool, timeout: timedelta, device: torch.device) -> tuple[int, int]:
+    """Join the process group with the head node's ranks first; return (rank, world size).
+
+    Every rank publishes whether it is on the head node in the launcher's store
+    (``MASTER_ADDR``/``MASTER_PORT``, the ``env://`` rendezvous), then all take their
+    renumbered rank in a process group over that same store.
+    """
+    # A store of this attempt's own (the launcher disables sharing the rendezvous
+    # store), so no key of an earlier attempt is read.
+    store, launcher_rank, world_size = next(rendezvous("env://", timeout=timeout))
+    store.set(f"geofed/head/{launcher_rank}", "1" if head else "0")
+    keys = [f"geofed/head/{r}" for r in range(world_size)]
+    store.wait(keys, timeout)
+    heads = [store.get(key) == b"1" for key in keys]
+    rank = head_first_ranks(heads)[launcher_rank]
+    dist.init_process_group(
+        backend,
+        store=PrefixStore("geofed/pg", store),
+        rank=rank,
+        world_size=world_size,
+        timeout=timeout,
+        device_id=device if device.type == "cuda" else None,
+    )
+    return rank, world_size
+
+
 def _env_int(name: str, default: int | None = None) -> int:
     raw = os.environ.get(name)
     if raw is None:
@@ -558,14 +680,33 @@ def _warm_up() -> None:
     torch.optim.AdamW([torch.zeros(1, requires_grad=True)])
 
 
+def _report_ready(handoff: HandoffDir, status: RankStatus) -> None:
+    """Every rank records its own status; rank 0 also writes every rank's into the
+    hand-off directory, where the agent counts them, stamped with its launch (a collective)."""
+    handoff.write_rank_status(status)
+    statuses: list[RankStatus | None] = [None] * status.world_size
+    dist.all_gather_object(statuses, status)
+    if status.rank != 0:
+        return
+    for other in statuses:
+        if other is not None and other.rank != 0:
+            handoff.write_rank_status(replace(other, launch_id=status.launch_id))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run one rank until a stop is requested; return the process exit code."""
     settings = WorkerSettings.from_argv(argv)
-    rank = _env_int("RANK")
+    _env_int("RANK")  # fail early outside the elastic launcher
     local_rank = _env_int("LOCAL_RANK")
-    world_size = _env_int("WORLD_SIZE")
     restart_count = _env_int("TORCHELASTIC_RESTART_COUNT", 0)
     launch_id = os.environ.get(LAUNCH_ID_ENV, "")
+    torch.set_num_threads(settings.num_threads)
+    device = _device(settings.backend, local_rank)
+    timeout = timedelta(seconds=settings.collective_timeout_s)
+    # The rank is known only once joined; until then output goes to the launcher's log.
+    rank, world_size = _join(settings.backend, is_head_node(os.environ), timeout, device)
+    # On the head node this is the hand-off directory; on the others a node-local
+    # directory of the same path, for this rank's log and status only.
     handoff = HandoffDir(settings.workdir)
     handoff.log_dir.mkdir(parents=True, exist_ok=True)
     _redirect_output(handoff.rank_log_path(rank))
@@ -585,32 +726,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     stop = StopSignals()
     stop.install()
-    torch.set_num_threads(settings.num_threads)
-    device = _device(settings.backend, local_rank)
-
-    def report(state: str) -> None:
-        handoff.write_rank_status(
-            RankStatus(
-                rank=rank,
-                local_rank=local_rank,
-                world_size=world_size,
-                pid=os.getpid(),
-                launch_id=launch_id,
-                restart_count=restart_count,
-                backend=settings.backend,
-                device=str(device),
-                state=state,
-            )
-        )
-
-    report("starting")
-    dist.init_process_group(
-        settings.backend,
-        timeout=timedelta(seconds=settings.collective_timeout_s),
-        device_id=device if device.type == "cuda" else None,
+    status = RankStatus(
+        rank=rank,
+        local_rank=local_rank,
+        world_size=world_size,
+        pid=os.getpid(),
+        launch_id=launch_id,
+        restart_count=restart_count,
+        backend=settings.backend,
+        device=str(device),
+        state="starting",
     )
+    handoff.write_rank_status(status)
     _warm_up()
-    report("ready")
+    _report_ready(handoff, replace(status, state="ready"))
     try:
         RoundRunner(handoff, settings, device, stop.reason).serve()
     except Exception:

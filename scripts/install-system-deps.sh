@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Install the binaries the integration tests run for real: mosquitto (MQTT broker, mTLS
-# and ACL tests), promtool (alert rule tests, from Debian's prometheus package) and, unless
+# and ACL tests), promtool (alert rule tests, from Debian's prometheus package), chromium
+# (the status page's browser test, driven by Playwright; never `playwright install`) and, unless
 # GEOFED_TEST_POSTGRES names another server, a PostgreSQL server on 127.0.0.1:5432 with
 # trust authentication for local connections (the PostgreSQL state store's tests).
 # Idempotent: does nothing when all are already there.
@@ -14,6 +15,10 @@ postgres_up() {
 missing=()
 command -v mosquitto >/dev/null 2>&1 || [ -x /usr/sbin/mosquitto ] || missing+=(mosquitto)
 command -v promtool >/dev/null 2>&1 || missing+=(prometheus)
+command -v chromium >/dev/null 2>&1 || missing+=(chromium)
+# Slurm and munge: the slurm launcher's test runs its own slurmctld, slurmd and munged.
+command -v slurmctld >/dev/null 2>&1 || [ -x /usr/sbin/slurmctld ] || missing+=(slurm-wlm)
+command -v munged >/dev/null 2>&1 || [ -x /usr/sbin/munged ] || missing+=(munge)
 postgres_up || command -v pg_ctlcluster >/dev/null 2>&1 || missing+=(postgresql)
 if [ ${#missing[@]} -eq 0 ] && postgres_up; then
     exit 0

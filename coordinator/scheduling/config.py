@@ -22,6 +22,7 @@ a file and names file, line and key in every problem.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Self
 
 from pydantic import Field, StrictBool, StrictFloat, StrictInt, field_validator, model_validator
@@ -29,7 +30,7 @@ from pydantic import Field, StrictBool, StrictFloat, StrictInt, field_validator,
 from coordinator.config import ConfigError
 from geofed.config_sections import ConfigSection
 from geofed.types import validate_name
-from policies.errors import PolicyLoadError
+from policies.errors import PolicyLoadError, Problem
 from policies.validation import validate_document
 from policies.yaml_loader import load_located
 
@@ -38,6 +39,7 @@ __all__ = [
     "PreemptionConfig",
     "SchedulingConfig",
     "TeamQuota",
+    "load_scheduling_config",
     "parse_scheduling_config",
 ]
 
@@ -157,3 +159,19 @@ def parse_scheduling_config(text: str, file: str) -> SchedulingConfig:
         return validate_document(SchedulingConfig, load_located(text, file), file)
     except PolicyLoadError as exc:
         raise ConfigError([str(problem) for problem in exc.problems]) from None
+
+
+def load_scheduling_config(path: Path | None) -> SchedulingConfig:
+    """Read and validate the scheduling file at ``path``; the defaults when ``path`` is None.
+
+    Blocking (reads the file): call it off the event loop.
+    """
+    if path is None:
+        return SchedulingConfig()
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(
+            [str(Problem(str(path), None, "(file)", f"cannot read: {exc}"))]
+        ) from None
+    return parse_scheduling_config(text, str(path))

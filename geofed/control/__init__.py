@@ -16,6 +16,7 @@ from geofed.control.errors import (
     TopicError,
 )
 from geofed.control.messages import (
+    Capacity,
     Command,
     Deduplicator,
     Event,
@@ -29,6 +30,7 @@ from geofed.control.topics import ParsedTopic, TopicKind, Topics
 
 __all__ = [
     "BrokerError",
+    "Capacity",
     "Command",
     "ControlClient",
     "ControlError",

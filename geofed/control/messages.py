@@ -166,6 +166,22 @@ class RoundAnnouncement(_Message):
         return self
 
 
+class Capacity(BaseModel):
+    """What a region offers jobs (:attr:`RegionStatus.capacity`).
+
+    ``gpus`` accelerators of one ``gpu_kind`` (the device name), each with
+    ``gpu_memory_gib``; ``cpu_slots`` worker slots (the ranks of the agent's worker group,
+    ``workers.count``). A CPU-only region has ``gpus`` 0.
+    """
+
+    model_config = ConfigDict(strict=True, extra="forbid", frozen=True, allow_inf_nan=False)
+
+    gpus: int = Field(default=0, ge=0, le=1_000_000)
+    gpu_kind: Annotated[str, StringConstraints(min_length=1, max_length=128)] | None = None
+    gpu_memory_gib: float = Field(default=0.0, ge=0, le=1e9)
+    cpu_slots: int = Field(default=0, ge=0, le=1_000_000)
+
+
 class RegionStatus(_Message):
     """What a region's agent is doing (retained on ``regions/<region>/status``).
 
@@ -187,6 +203,9 @@ class RegionStatus(_Message):
     worker_restarts: int = Field(default=0, ge=0)
     agent_version: Annotated[str, StringConstraints(min_length=1, max_length=64)]
     detail: Text = ""
+    #: What the region offers jobs; None from agents that predate it (and in a Last Will):
+    #: the coordinator then treats the region's capacity as unknown, i.e. unlimited.
+    capacity: Capacity | None = None
 
 
 class Command(_Message):

@@ -11,7 +11,10 @@ from collections.abc import Iterable, Mapping, Sequence
 from datetime import datetime
 from typing import Protocol
 
+from pydantic import JsonValue
+
 from geofed.codec_params import CodecParams
+from geofed.lineage import Software
 from geofed.manifest.chunks import Bytes, chunk_records
 from geofed.manifest.model import ArtifactProvenance, Manifest, ManifestTensor
 from geofed.training_config import TrainingConfig
@@ -62,6 +65,8 @@ def build_manifest(
     parameters_hash: str | None = None,
     training: TrainingConfig | None = None,
     base_eval: Mapping[str, float] | None = None,
+    software: Software | None = None,
+    lineage: Mapping[str, JsonValue] | None = None,
 ) -> Manifest:
     """The manifest of ``stream``: its codec, its tensors, one chunk record per frame."""
     chunks = chunk_records(stream.frames())
@@ -84,5 +89,7 @@ def build_manifest(
         tokens=tokens,
         parameters_hash=parameters_hash,
         training=training,
+        software=software,
+        lineage=None if lineage is None else dict(lineage),
         base_eval=None if base_eval is None else dict(base_eval),
     )

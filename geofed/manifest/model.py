@@ -9,8 +9,9 @@ package does not import the codec.
 
 The canonical form (:meth:`Manifest.canonical_bytes`) is JSON with sorted keys, no
 whitespace, UTF-8; it is what gets signed and what :meth:`Manifest.digest` hashes. Fields
-added to format 1 after manifests were first signed (``training``, ``base_eval``) are
-left out of it while unset, so a manifest signed before they existed still verifies.
+added to format 1 after manifests were first signed (``training``, ``base_eval``,
+``software``, ``lineage``) are left out of it while unset, so a manifest signed before
+they existed still verifies.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    JsonValue,
     Strict,
     StrictInt,
     StrictStr,
@@ -33,6 +35,7 @@ from pydantic import (
 )
 
 from geofed.codec_params import CodecParams
+from geofed.lineage import Software
 from geofed.training_config import TrainingConfig
 from geofed.types import ArtifactKind, Identity, validate_name
 
@@ -54,7 +57,7 @@ Label = Annotated[StrictStr, Field(pattern=r"^[!-~]{1,512}$")]
 MetricName = Annotated[StrictStr, Field(pattern=r"^[A-Za-z_][A-Za-z0-9_.]{0,63}$")]
 FiniteNumber = Annotated[float, Strict(), Field(allow_inf_nan=False)]
 #: Fields added to format 1 later: omitted from the wire and canonical forms while None.
-_LATER_OPTIONAL: Final = frozenset({"training", "base_eval"})
+_LATER_OPTIONAL: Final = frozenset({"training", "base_eval", "software", "lineage"})
 
 
 class _Record(BaseModel):
@@ -120,6 +123,12 @@ class Manifest(_Record):
     base_eval: Annotated[dict[MetricName, FiniteNumber], Field(max_length=32)] | None = Field(
         default=None,
         description="a delta's region's held-out metrics of its base parameters θ_base_round",
+    )
+    software: Software | None = Field(
+        default=None, description="a delta's region's torch, geofed and task code versions"
+    )
+    lineage: dict[str, JsonValue] | None = Field(
+        default=None, description="a global update's lineage record (geofed.lineage)"
     )
 
     @field_validator("kind")

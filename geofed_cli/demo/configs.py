@@ -114,6 +114,8 @@ def write_demo_configs(
     coordinator["mqtt"] = {**coordinator.get("mqtt", {}), **mqtt}
     coordinator["state_dir"] = str(work / "coordinator")
     coordinator["policies_dir"] = str(policies)
+    # The demo's one operator runs every team's jobs.
+    coordinator["admins"] = [federation.operator.identity.name]
     for storage in coordinator.get("storage", []):
         storage["path"] = str(work / "checkpoints" / storage["name"])
     coordinator_path = write(out / "coordinator.yaml", "coordinator", coordinator)

@@ -28,6 +28,7 @@ from geofed.control.broker import quiet_broker_logging
 from geofed.fsutil import atomic_write_bytes
 from geofed.pki import client_ssl_context, load_trust_bundle
 from geofed.wanspec import WanLink
+from geofed_cli.demo.browser import write_browser_credential
 from geofed_cli.demo.chaos import BrokerHolder, ChaosMonkey, judge_chaos, plan_chaos
 from geofed_cli.demo.configs import DEMO_REGIONS, find_examples, write_demo_configs
 from geofed_cli.demo.federation import create_demo_federation
@@ -192,6 +193,9 @@ async def run_demo(options: DemoOptions, *, echo: Callable[[str], None] = print)
             )
             await _wait_ready(http, base, children, options.startup_timeout_s)
             echo(f"  HTTPS     coordinator on {base} (mTLS)")
+            card = await asyncio.to_thread(write_browser_credential, federation.operator.directory)
+            echo(f"  status    {base}{ApiPaths.UI} while the demo runs: import {card.p12} into")
+            echo(f"            the browser (passphrase in {card.passphrase_file.name} beside it)")
             for region in regions:
                 await children.start(
                     f"agent-{region}", ["agent", "--config", str(configs.agents[region])]

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -204,10 +205,14 @@ async def session() -> AsyncIterator[aiohttp.ClientSession]:
 
 
 def uploader(
-    session: aiohttp.ClientSession, url: str, sleep: RecordingSleep, window: int = 1
+    session: aiohttp.ClientSession,
+    url: str,
+    sleep: RecordingSleep,
+    window: int = 1,
+    clock: Callable[[], float] = time.monotonic,
 ) -> Uploader:
     client = CoordinatorClient(session, url, TIMEOUTS)
-    return Uploader(client, REGION, sleep=sleep, window=window)
+    return Uploader(client, REGION, sleep=sleep, window=window, clock=clock)
 
 
 @pytest.mark.parametrize("drop_after", [0, 2, 5])
@@ -220,10 +225,14 @@ async def test_upload_resumes_without_resending_acknowledged_chunks(
     coordinator, url = fake
     coordinator.drop_after_stored = drop_after
     sleep = RecordingSleep()
-    report = await uploader(session, url, sleep).upload(JOB, delta, {"train_loss": 0.5})
+    ticks = iter(range(100))  # each reading of the clock one second later
+    report = await uploader(session, url, sleep, clock=lambda: float(next(ticks))).upload(
+        JOB, delta, {"train_loss": 0.5}
+    )
     frames = delta.frame_count
     assert coordinator.accepted
-    assert report.receipt == {"metrics": {"train_loss": 0.5}}
+    # The commit tells the seconds from the upload's start to the commit, retries included.
+    assert report.receipt == {"metrics": {"train_loss": 0.5, "upload_s": 1.0}}
     # Every acknowledged chunk went exactly once; only the one cut off went again.
     expected = dict.fromkeys(range(frames), 1)
     expected[drop_after] = 1 + 2

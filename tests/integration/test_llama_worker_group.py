@@ -96,7 +96,7 @@ async def test_a_complex_buffer_model_trains_rounds(group: WorkerGroup, tmp_path
         assert result.summary.cursor == STEPS * (index + 1)
         assert any(not torch.equal(result.params[k], theta0[k]) for k in theta0)
     assert first.summary.params_hash != second.summary.params_hash
-    checkpoint = group.handoff.read_checkpoint()
+    checkpoint = group.handoff.read_checkpoint("llama")
     assert checkpoint is not None
     assert (checkpoint.job, checkpoint.last_round) == ("llama", 1)
 

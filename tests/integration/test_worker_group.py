@@ -163,7 +163,7 @@ async def test_rounds_train_on_one_long_lived_group(started: Started) -> None:
         assert any(not torch.equal(result.params[k], theta0[k]) for k in theta0)
     # Same base, later data and a warm optimizer: a different result.
     assert first.summary.params_hash != second.summary.params_hash
-    checkpoint = HandoffDir(started.workdir).read_checkpoint()
+    checkpoint = HandoffDir(started.workdir).read_checkpoint("alpha")
     assert checkpoint is not None
     assert (checkpoint.job, checkpoint.last_round, checkpoint.cursor) == ("alpha", 1, 2 * STEPS)
     assert checkpoint.optimizer_state["state"][0]["step"].item() == 2 * STEPS
@@ -303,11 +303,11 @@ async def test_rounds_the_region_is_past_are_republished_or_refused(started: Sta
     # As if rank 0 died after the checkpoint but before the done marker.
     handoff.done_path("crashed", 3).unlink()
     result_mtime = handoff.result_path("crashed", 3).stat().st_mtime_ns
-    checkpoint_mtime = handoff.checkpoint_path.stat().st_mtime_ns
+    checkpoint_mtime = handoff.checkpoint_path("crashed").stat().st_mtime_ns
     result = await group.run_round(fourth, 30)
     assert result.summary.cursor == 4 * STEPS
     assert handoff.result_path("crashed", 3).stat().st_mtime_ns == result_mtime
-    assert handoff.checkpoint_path.stat().st_mtime_ns == checkpoint_mtime
+    assert handoff.checkpoint_path("crashed").stat().st_mtime_ns == checkpoint_mtime
 
     assert handoff.prune_rounds("crashed", before_round=2) == 2
     second = instruction("crashed", 1, workdir / "chain-base-1.pt")

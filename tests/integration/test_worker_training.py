@@ -160,7 +160,7 @@ async def test_accumulation_clipping_and_schedule_match_a_replay(region: Group) 
         for name in unclipped[0]
     )
     # The schedule went on from round 0 into round 1 (job steps 20..39), not from 0.
-    checkpoint = region.handoff.read_checkpoint()
+    checkpoint = region.handoff.read_checkpoint("tuned")
     assert checkpoint is not None
     assert checkpoint.parallelism == "ddp"
     group = checkpoint.optimizer_state["param_groups"][0]
@@ -182,7 +182,7 @@ async def test_fsdp_trains_the_same_rounds_as_ddp(region: Group) -> None:
         for name in ("tokens", "cursor", "steps", "world_size", "base_params_hash"):
             assert getattr(sharded.summary, name) == getattr(replicated.summary, name), name
         assert math.isclose(sharded.summary.mean_loss, replicated.summary.mean_loss, rel_tol=1e-5)
-    checkpoint = region.handoff.read_checkpoint()
+    checkpoint = region.handoff.read_checkpoint("tuned-fsdp")
     assert checkpoint is not None
     assert (checkpoint.job, checkpoint.parallelism) == ("tuned-fsdp", "fsdp")
     # Gathered whole, keyed by parameter name: loadable by a group of any size.
@@ -219,7 +219,7 @@ async def test_fsdp_worker_killed_mid_round_resumes_state_and_schedule_exactly(
     for name, tensor in expected.params.items():
         assert torch.equal(result.params[name], tensor), name
     assert result.summary.params_hash == expected.summary.params_hash
-    checkpoint = region.handoff.read_checkpoint()
+    checkpoint = region.handoff.read_checkpoint("fsdp-crash")
     assert checkpoint is not None
     assert checkpoint.last_round == ROUNDS - 1
     assert math.isclose(

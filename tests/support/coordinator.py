@@ -32,6 +32,7 @@ from geofed.codec import EncodedStream, decode, encode_stream
 from geofed.codec_params import CodecParams
 from geofed.control import ControlClient, RoundAnnouncement, Topics
 from geofed.control import decode as decode_message
+from geofed.lineage import Software
 from geofed.manifest import (
     ArtifactProvenance,
     SignedManifest,
@@ -291,9 +292,11 @@ class FakeRegion:
         chunk_elements: int = 64,
         tensors: dict[str, torch.Tensor] | None = None,
         base_eval: dict[str, float] | None = None,
+        software: Software | None = None,
     ) -> tuple[bytes, EncodedStream]:
         """A signed manifest and the encoded stream of a small random delta (``base_eval``:
-        the region's metrics of the base parameters, as a region that evaluated sends)."""
+        the region's metrics of the base parameters, as a region that evaluated sends;
+        ``software``: what trained it, for the round's lineage)."""
         codec = codec or CodecParams(scheme="int8", block_size=32)
         if tensors is None:
             gen = torch.Generator().manual_seed(seed)
@@ -320,6 +323,7 @@ class FakeRegion:
             base_hash=base_hash,
             tokens=tokens,
             base_eval=base_eval,
+            software=software,
         )
         credential = self.principal.credential
         signed = sign_manifest(manifest, credential.private_key, credential.certificate)

@@ -6,6 +6,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from geofed.codec_params import CodecParams
+from geofed.lineage import Software, TaskCode
 from geofed.manifest import ArtifactProvenance, Manifest, ManifestTensor, chunk_records
 from geofed.training_config import LrSchedule, TrainingConfig
 from geofed.types import ArtifactKind
@@ -45,6 +46,18 @@ def make_manifest(signer: Principal, **changes: Any) -> Manifest:
             lr_schedule=LrSchedule(kind="warmup_cosine", warmup_steps=10, min_lr_ratio=0.1),
         ),
         "base_eval": {"val_loss": 2.5, "val_bits_per_byte": 3.6067},
+        "software": Software(
+            torch="2.13.0",
+            geofed="0.1.0",
+            python="3.11.2",
+            task=TaskCode(
+                spec="geofed.examples.charlm:CharLMTask",
+                package="geofed",
+                version="0.1.0",
+                fingerprint="12" * 32,
+            ),
+        ),
+        "lineage": {"format": 1, "contributors": [{"region": "eu-west", "tokens": 4096}]},
     }
     fields.update(changes)
     return Manifest(**fields)

@@ -69,3 +69,33 @@ async def wait_for_progress(handoff: HandoffDir, job: str, round_: int, steps: i
             return
         await asyncio.sleep(0.01)
     pytest.fail(f"round {round_} of job {job!r} never got going")
+
+
+def simulate_region(
+    theta0: dict[str, torch.Tensor], rounds: int, world: int = WORLD, seed: int = 7
+) -> list[dict[str, torch.Tensor]]:
+    """What ``world`` DDP ranks compute on the tiny task, replayed in this process: each
+    round from ``theta0`` with a warm optimizer, the mean gradient of the ranks' batches."""
+    from geofed.task import DataShard
+    from tests.support.tiny_task import TinyTask
+
+    task = TinyTask()
+    model = task.build_model()
+    optimizer = task.build_optimizer(model.parameters())
+    results = []
+    cursor = 0
+    for _ in range(rounds):
+        model.load_state_dict(theta0)
+        for step in range(cursor, cursor + STEPS):
+            grads = []
+            for rank in range(world):
+                shard = DataShard("eu-west", 0, 2, rank, world, seed)
+                model.zero_grad(set_to_none=True)
+                task.loss(model, task.batch_at(shard, step)).backward()
+                grads.append([p.grad.clone() for p in model.parameters() if p.grad is not None])
+            for param, *per_rank in zip(model.parameters(), *grads, strict=True):
+                param.grad = sum(per_rank) / world
+            optimizer.step()
+        cursor += STEPS
+        results.append({k: v.clone() for k, v in model.state_dict().items()})
+    return results

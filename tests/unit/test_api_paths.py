@@ -33,6 +33,7 @@ async def _matches(pattern: str, path: str) -> dict[str, str] | None:
             ApiPaths.job_action("llm", "pause"),
             {"job": "llm", "action": "pause"},
         ),
+        (ApiPaths.JOB_PREEMPT, ApiPaths.job_action("llm", "preempt"), {"job": "llm"}),
         (ApiPaths.REGIONS, "/v1/regions", {}),
         (ApiPaths.AUDIT, "/v1/audit", {}),
         (
@@ -62,6 +63,13 @@ async def _matches(pattern: str, path: str) -> dict[str, str] | None:
             ApiPaths.artifact("llm", "ab" * 32),
             {"job": "llm", "digest": "ab" * 32},
         ),
+        (ApiPaths.EXPORTS, ApiPaths.exports("llm"), {"job": "llm"}),
+        (
+            ApiPaths.EXPORT_ARTIFACT,
+            ApiPaths.export_artifact("llm", "f00d", "ab" * 32),
+            {"job": "llm", "export": "f00d", "digest": "ab" * 32},
+        ),
+        (ApiPaths.LINEAGE, ApiPaths.lineage("llm"), {"job": "llm"}),
     ],
 )
 async def test_the_route_matches_the_client_path(

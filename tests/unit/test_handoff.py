@@ -238,10 +238,10 @@ def test_checkpoint_keeps_optimizer_state_exactly(tmp_path: Path) -> None:
         model(torch.randn(4, 3)).pow(2).sum().backward()
         optimizer.step()
     handoff = HandoffDir(tmp_path)
-    assert handoff.read_checkpoint() is None
+    assert handoff.read_checkpoint("job-a") is None
     handoff.write_checkpoint(RegionalCheckpoint("job-a", 5, 300, 2, optimizer.state_dict()))
 
-    loaded = handoff.read_checkpoint()
+    loaded = handoff.read_checkpoint("job-a")
     assert loaded is not None
     assert (loaded.job, loaded.last_round, loaded.cursor, loaded.world_size) == ("job-a", 5, 300, 2)
     restored = torch.optim.AdamW(torch.nn.Linear(3, 2).parameters(), lr=0.1)
@@ -254,12 +254,13 @@ def test_checkpoint_keeps_optimizer_state_exactly(tmp_path: Path) -> None:
 
 def test_corrupt_checkpoint_is_an_error_not_a_fresh_start(tmp_path: Path) -> None:
     handoff = HandoffDir(tmp_path)
-    handoff.checkpoint_path.write_bytes(b"garbage")
+    handoff.checkpoint_path("job-a").parent.mkdir(parents=True)
+    handoff.checkpoint_path("job-a").write_bytes(b"garbage")
     with pytest.raises(InvalidHandoffData, match="unreadable regional checkpoint"):
-        handoff.read_checkpoint()
-    torch.save({"format": 1, "job": "job-a"}, handoff.checkpoint_path)
+        handoff.read_checkpoint("job-a")
+    torch.save({"format": 1, "job": "job-a"}, handoff.checkpoint_path("job-a"))
     with pytest.raises(InvalidHandoffData, match="last_round"):
-        handoff.read_checkpoint()
+        handoff.read_checkpoint("job-a")
 
 
 def test_prune_removes_older_rounds_marker_first(tmp_path: Path) -> None:

@@ -126,6 +126,8 @@ TAMPERS: dict[str, Callable[[dict[str, Any]], None]] = {
     "parameters_hash": _set(("parameters_hash",), "ef" * 32),
     "training": _set(("training", "lr_schedule", "warmup_steps"), 11),
     "base_eval": _set(("base_eval", "val_loss"), 2.25),
+    "software": _set(("software", "task", "fingerprint"), "34" * 32),
+    "lineage": _set(("lineage", "contributors", 0, "tokens"), 8192),
 }
 
 

@@ -18,8 +18,10 @@ REGIONS: list[dict[str, Any]] = [
         "job": "llm",
         "round": 4,
         "train_loss": 2.5,
+        "capacity": {"gpus": 2, "gpu_kind": "H100", "gpu_memory_gib": 80.0, "cpu_slots": 2},
+        "in_use": {"gpus": 1, "cpu_slots": 0, "jobs": ["llm"]},
     },
-    {"region": "us-east", "state": "offline"},
+    {"region": "us-east", "state": "offline", "capacity": None, "in_use": {"cpu_slots": 3}},
 ]
 JOBS: list[dict[str, Any]] = [
     {
@@ -37,8 +39,17 @@ JOBS: list[dict[str, Any]] = [
 
 def test_rows_show_every_region_and_job_and_what_is_unknown() -> None:
     rows = status_rows(REGIONS, JOBS)
-    assert rows.regions[1] == ("eu-west", "EU", "training", "llm", "4", "2.5000")
-    assert rows.regions[2] == ("us-east", "-", "offline", "-", "-", "-")
+    assert rows.regions[1] == (
+        "eu-west",
+        "EU",
+        "training",
+        "llm",
+        "4",
+        "2.5000",
+        "2 GPU H100 80GiB, 2 slots",
+        "1/2 GPU, 0/2 slots",
+    )
+    assert rows.regions[2] == ("us-east", "-", "offline", "-", "-", "-", "unknown", "3 slots")
     assert rows.jobs[1] == ("llm", "running", "4/10", "2.2500", "█▄▂▁", "eu-ckpt")
     assert rows.jobs[2] == ("queued-one", "paused", "0/3", "-", "-", "-")
 

@@ -1,0 +1,77 @@
+"""Which team an operator belongs to, and which jobs it may manage. Pure.
+
+An operator's team is part of its certificate's name: ``operator/<team>--<person>``
+(``geofed ca issue --role operator --name vision--alice``); the first ``--`` separates
+them, so a team name never contains ``--``. An operator whose name has no ``--``
+(every certificate issued before teams) belongs to the team ``default``. The
+coordinator config's ``admins`` lists operator names that manage every team's jobs.
+
+* A job's team defaults to its submitter's team; only an admin may submit a job of
+  another team.
+* Pause, resume and cancel apply to jobs of the caller's own team (admins: all);
+  ``preempt`` is for admins only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+from typing import Final
+
+from geofed.types import Identity, Role
+
+__all__ = [
+    "ADMIN_ONLY",
+    "DEFAULT_TEAM",
+    "TEAM_SEPARATOR",
+    "is_admin",
+    "management_refusal",
+    "operator_team",
+    "submission_refusal",
+]
+
+TEAM_SEPARATOR: Final = "--"
+#: The team of an operator whose name carries none, and of a job that names none.
+DEFAULT_TEAM: Final = "default"
+#: Job actions only an admin may take.
+ADMIN_ONLY: Final = frozenset({"preempt"})
+
+
+def operator_team(identity: Identity) -> str:
+    """The team of an operator: the part of its name before ``--``, else ``default``."""
+    team, separator, person = identity.name.partition(TEAM_SEPARATOR)
+    return team if separator and team and person else DEFAULT_TEAM
+
+
+def is_admin(identity: Identity, admins: Collection[str]) -> bool:
+    """Whether ``identity`` is an operator listed in the coordinator's ``admins``."""
+    return identity.role is Role.OPERATOR and identity.name in admins
+
+
+def submission_refusal(identity: Identity, team: str, admins: Collection[str]) -> str | None:
+    """Why ``identity`` may not submit a job of ``team``, or None when it may."""
+    if is_admin(identity, admins):
+        return None
+    own = operator_team(identity)
+    if team == own:
+        return None
+    return (
+        f"{identity} belongs to team {own} and may submit only its jobs, not team {team}'s "
+        "(leave team out to submit for your own team; an admin may submit for any team)"
+    )
+
+
+def management_refusal(
+    identity: Identity, action: str, job: str, team: str, admins: Collection[str]
+) -> str | None:
+    """Why ``identity`` may not ``action`` job ``job`` of ``team``, or None when it may."""
+    if is_admin(identity, admins):
+        return None
+    if action in ADMIN_ONLY:
+        return f"{identity} may not {action} job {job}: only an admin may"
+    own = operator_team(identity)
+    if team == own:
+        return None
+    return (
+        f"{identity} belongs to team {own} and may not {action} job {job} of team {team}; "
+        f"operators of team {team} or an admin may"
+    )

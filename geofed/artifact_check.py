@@ -1,0 +1,149 @@
+"""The one gate every downloaded global artifact passes before any of its values is used.
+
+:func:`verify_artifact`: the bundle parses, the manifest's signature verifies against the
+federation trust bundle, its signer is a ``coordinator`` of the federation, kind, job and
+round are the expected ones, every frame matches its chunk record, and the stream decodes
+(strictly, bounded) into exactly the float32 tensors the manifest declares. Then
+:func:`snapshot_params` and :func:`apply_verified_update` check the parameters they give
+against the manifest's ``parameters_hash`` (and an update's ``base_hash``).
+
+A regional agent resyncing (``regional_agent.sync``) and ``geofed export`` rebuilding a
+published model share it, so both trust exactly the same things. Pure and blocking.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Mapping
+from dataclasses import dataclass
+from datetime import datetime
+
+import torch
+from torch import Tensor
+
+from geofed.artifact_bundle import BundleError, split_bundle
+from geofed.codec import CodecError, decode
+from geofed.deltas import DeltaError, apply_update
+from geofed.manifest import Manifest, ManifestError, SignedManifest, verify_chunks
+from geofed.params import parameters_vector_hash
+from geofed.pki import TrustBundle
+from geofed.types import ArtifactKind, Role
+
+__all__ = [
+    "ArtifactRefused",
+    "VerifiedArtifact",
+    "apply_verified_update",
+    "snapshot_params",
+    "verify_artifact",
+]
+
+Params = dict[str, Tensor]
+
+
+class ArtifactRefused(ValueError):
+    """A global update or snapshot failed verification; none of it may be used."""
+
+
+@dataclass(frozen=True)
+class VerifiedArtifact:
+    """A verified manifest and the tensors its stream decodes to."""
+
+    manifest: Manifest
+    tensors: Params
+    manifest_digest: str
+    """sha256 of the signed manifest bytes (what announcements call ``update_digest``)."""
+    signed: SignedManifest
+
+
+def verify_artifact(
+    data: bytes,
+    bundle: TrustBundle,
+    *,
+    kind: ArtifactKind,
+    job: str,
+    round_: int,
+    now: datetime,
+    max_decoded_bytes: int | None = None,
+) -> VerifiedArtifact:
+    """Verify an artifact bundle (see the module docstring); raise :class:`ArtifactRefused`."""
+    what = f"{kind.value} {job}/{round_}"
+    try:
+        manifest_bytes, stream = split_bundle(data)
+        signed = SignedManifest.from_bytes(manifest_bytes)
+        signer = signed.verify(bundle, now=now)
+    except (BundleError, ManifestError) as exc:
+        raise ArtifactRefused(f"{what}: {exc}") from None
+    manifest = signed.manifest
+    if signer.role is not Role.COORDINATOR:
+        raise ArtifactRefused(f"{what}: signed by {signer}, not by a coordinator")
+    found = (manifest.kind, manifest.job, manifest.round)
+    if found != (kind, job, round_):
+        raise ArtifactRefused(f"{what}: the manifest is for {found[0].value} {job}/{found[2]}")
+    frames = _frames(manifest, stream, what)
+    try:
+        verify_chunks(manifest, frames)
+        tensors = decode(
+            frames,
+            expected_header_digest=manifest.chunks[0].sha256,
+            expected_digests=[record.sha256 for record in manifest.chunks[1:-1]],
+            max_decoded_bytes=max_decoded_bytes,
+        )
+    except (ManifestError, CodecError) as exc:
+        raise ArtifactRefused(f"{what}: {exc}") from None
+    declared = [(t.name, t.dtype, tuple(t.shape)) for t in manifest.tensors]
+    actual = [(n, str(t.dtype).removeprefix("torch."), tuple(t.shape)) for n, t in tensors.items()]
+    if declared != actual:
+        raise ArtifactRefused(f"{what}: the stream's tensors differ from the manifest's")
+    if any(t.dtype != torch.float32 for t in tensors.values()):
+        raise ArtifactRefused(f"{what}: parameters and updates must be float32")
+    return VerifiedArtifact(manifest, tensors, hashlib.sha256(manifest_bytes).hexdigest(), signed)
+
+
+def _frames(manifest: Manifest, stream: bytes, what: str) -> list[bytes]:
+    if len(manifest.chunks) < 2 or len(stream) != manifest.total_size:
+        raise ArtifactRefused(
+            f"{what}: stream of {len(stream)} bytes, the manifest declares "
+            f"{manifest.total_size} in {len(manifest.chunks)} frames"
+        )
+    frames, offset = [], 0
+    for record in manifest.chunks:
+        frames.append(stream[offset : offset + record.size])
+        offset += record.size
+    return frames
+
+
+def apply_verified_update(
+    params: Mapping[str, Tensor], round_: int, params_hash: str, update: VerifiedArtifact
+) -> tuple[Params, str]:
+    """θ_{r+1} = θ_r + û and its hash, checked against the update's base and parameters hashes.
+
+    ``round_`` and ``params_hash`` say which θ ``params`` is.
+    """
+    manifest = update.manifest
+    where = f"update {manifest.job}/{manifest.round}"
+    if manifest.round != round_:
+        raise ArtifactRefused(f"{where} applies to θ_{manifest.round}; θ_{round_} is held")
+    if manifest.base_hash != params_hash:
+        raise ArtifactRefused(f"{where} has base_hash {manifest.base_hash}, θ is {params_hash}")
+    try:
+        result = apply_update(params, update.tensors)
+    except DeltaError as exc:
+        raise ArtifactRefused(f"{where}: {exc}") from None
+    found = parameters_vector_hash(result)
+    if found != manifest.parameters_hash:
+        raise ArtifactRefused(
+            f"{where}: parameters hash {found}, the manifest says {manifest.parameters_hash}"
+        )
+    return result, found
+
+
+def snapshot_params(snapshot: VerifiedArtifact) -> tuple[Params, str]:
+    """θ of a verified snapshot and its hash, checked against its ``parameters_hash``."""
+    manifest = snapshot.manifest
+    found = parameters_vector_hash(snapshot.tensors)
+    if found != manifest.parameters_hash:
+        raise ArtifactRefused(
+            f"snapshot {manifest.job}/{manifest.round}: parameters hash {found}, "
+            f"the manifest says {manifest.parameters_hash}"
+        )
+    return snapshot.tensors, found

@@ -1,0 +1,219 @@
+"""``geofed export`` against a real federation: the exported model is the published one.
+
+A two-region federation trains three rounds; the operator exports the final θ with the
+CLI in both formats, and plain ``safetensors``/``torch`` loading into the task's
+``build_model()`` reproduces the coordinator's last validation loss. A destination the
+policies refuse is refused naming the rule, and every decision is in the audit log. From
+a local copy of the checkpoint location, a tampered artifact is refused.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import yaml
+from safetensors import safe_open
+from safetensors.torch import load_file
+
+from geofed.blobstore import FsBlobStore
+from geofed.manifest import canonical_json
+from geofed.params import parameters_vector_hash
+from geofed.task import load_task
+from tests.support.federation import FederationRun, running_federation
+from tests.support.observe import audit_entries
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+REPO = Path(__file__).resolve().parents[2]
+REGIONS = ("eu-west", "us-east")
+
+
+async def geofed(fed: FederationRun, *args: str, **env: str) -> subprocess.CompletedProcess[str]:
+    """The CLI as the operator runs it (in a thread: the test's loop runs the broker)."""
+    operator = fed.federation.operator
+    environment = {
+        **os.environ,
+        "GEOFED_URL": fed.base,
+        "GEOFED_CERT": str(operator.cert),
+        "GEOFED_KEY": str(operator.key),
+        "GEOFED_TRUST": str(fed.federation.trust_bundle),
+        **env,
+    }
+    return await asyncio.to_thread(
+        subprocess.run,
+        [sys.executable, "-m", "geofed_cli", *args],
+        capture_output=True,
+        text=True,
+        env=environment,
+        cwd=REPO,
+        timeout=120,
+        check=False,
+    )
+
+
+def evaluate(spec: dict[str, Any], state: dict[str, torch.Tensor]) -> float:
+    """The task's validation loss of ``state`` loaded into a fresh ``build_model()``."""
+    task = load_task(spec["task"]["spec"], spec["task"].get("options"))
+    model = task.build_model(seed=spec.get("seed"))
+    model.load_state_dict(state)
+    model.eval()
+    with torch.no_grad():
+        return float(task.evaluate(model)["val_loss"])
+
+
+def location_root(fed: FederationRun, name: str) -> Path:
+    config = yaml.safe_load(fed.configs.coordinator.read_text())
+    path = Path(next(s["path"] for s in config["storage"] if s["name"] == name))
+    return path if path.is_absolute() else (fed.configs.coordinator.parent / path).resolve()
+
+
+async def test_export_rebuilds_the_published_model(tmp_path: Path) -> None:
+    async with running_federation(tmp_path, regions=REGIONS, rounds=3, inner_steps=3) as fed:
+        status, _ = await fed.submit()
+        assert status == 201
+        final = await fed.wait_completed()
+        spec = fed.job_spec()
+        job = fed.job
+        loss = final["global_val_loss"]
+        assert loss["round"] == 3
+
+        # safetensors, to a declared storage location the policies allow.
+        st_file = tmp_path / "model.safetensors"
+        done = await geofed(
+            fed, "export", job, "--out", str(st_file), "--destination", "storage:eu-ckpt",
+            "--json",
+        )  # fmt: skip
+        assert done.returncode == 0, done.stderr
+        summary = json.loads(done.stdout)
+        assert summary["round"] == 3
+        assert summary["parameters_hash"] == final["params_hash"]
+        state = load_file(st_file)
+        assert parameters_vector_hash(state) == final["params_hash"]
+        assert evaluate(spec, state) == pytest.approx(loss["value"], rel=1e-6, abs=1e-7)
+        with safe_open(st_file, "pt") as opened:
+            meta = opened.metadata()
+        assert meta["job"] == job
+        assert meta["round"] == "3"
+        assert meta["parameters_hash"] == final["params_hash"]
+        assert {p["region"] for p in json.loads(meta["provenance"])} == set(REGIONS)
+        chain = json.loads(meta["chain"])
+        assert [(c["kind"], c["round"]) for c in chain] == [
+            ("global_checkpoint", 0),
+            ("global_update", 0),
+            ("global_update", 1),
+            ("global_update", 2),
+        ]
+
+        # The lineage of θ_3 (made by round 2), signed into the export's own chain.
+        shown = await geofed(fed, "lineage", job, "--json")
+        assert shown.returncode == 0, shown.stderr
+        served = json.loads(shown.stdout)
+        assert served["version"] == 3
+        lineage = served["lineage"]
+        assert json.loads(meta["lineage"]) == lineage
+        assert lineage["round"] == 2
+        assert lineage["spec_hash"] == hashlib.sha256(canonical_json(final["spec"])).hexdigest()
+        accepted = {
+            e.region: e.details["manifest"]
+            for e in await audit_entries(fed, job=job)
+            if e.action == "delta.accept" and e.round == 2
+        }
+        contributors = {c["region"]: c for c in lineage["contributors"]}
+        assert set(contributors) == set(REGIONS)
+        for region, entry in contributors.items():
+            assert entry["delta_manifest"] == accepted[region]
+            assert entry["software"]["torch"] == torch.__version__
+            assert entry["software"]["task"] == lineage["coordinator"]["task"]
+            assert entry["code_matches"] is True
+        text = await geofed(fed, "lineage", job, "--round", "1")
+        assert text.returncode == 0, text.stderr
+        assert text.stdout.startswith(f"job {job} θ_1: made by round 0"), text.stdout
+        assert "eu-west (EU; datasets" in text.stdout
+
+        # torch, to the operator's own jurisdiction (the default destination).
+        pt_file = tmp_path / "model.pt"
+        done = await geofed(
+            fed, "export", job, "--out", str(pt_file), "--format", "torch",
+            GEOFED_JURISDICTION="EU",
+        )  # fmt: skip
+        assert done.returncode == 0, done.stderr
+        loaded = torch.load(pt_file, weights_only=True)
+        assert loaded["metadata"]["parameters_hash"] == final["params_hash"]
+        assert loaded["metadata"]["destination"] == "jurisdiction:EU"
+        assert evaluate(spec, loaded["state_dict"]) == pytest.approx(loss["value"], rel=1e-6)
+        for name, tensor in state.items():
+            assert torch.equal(tensor, loaded["state_dict"][name]), name
+        reproduced = evaluate(spec, state)
+        print(
+            f"export round trip: safetensors {st_file.stat().st_size} B, torch "
+            f"{pt_file.stat().st_size} B, {summary['parameters']} parameters in "
+            f"{summary['tensors']} tensors; hash {summary['parameters_hash'][:16]} equal to "
+            f"the published one; val_loss {reproduced!r} vs the coordinator's {loss['value']!r}"
+        )
+
+        # An older version, rebuilt from the same chain.
+        done = await geofed(
+            fed, "export", job, "--round", "1", "--out", str(tmp_path / "r1.safetensors"),
+            "--destination", "jurisdiction:EU", "--json",
+        )  # fmt: skip
+        assert done.returncode == 0, done.stderr
+        history = {e["round"]: e for e in final["val_loss_history"]}
+        r1 = load_file(tmp_path / "r1.safetensors")
+        if 1 in history:
+            assert evaluate(spec, r1) == pytest.approx(history[1]["value"], rel=1e-6)
+
+        # eu-west's data may not leave the EU as a whole model: refused, naming the rule.
+        denied = await geofed(
+            fed, "export", job, "--out", str(tmp_path / "us.pt"),
+            "--destination", "jurisdiction:US",
+        )  # fmt: skip
+        assert denied.returncode == 1
+        assert "policy_denied" in denied.stderr, denied.stderr
+        assert "[rule " in denied.stderr, denied.stderr
+        assert not (tmp_path / "us.pt").exists()
+
+        entries = await audit_entries(fed, job=job, verify=True)
+        exports = [e for e in entries if e.action == "export"]
+        verdicts = [(e.verdict, e.details["destination"].split(" ")[0]) for e in exports]
+        assert verdicts == [
+            ("allow", "storage:eu-ckpt"),
+            ("allow", "storage:export-demo"),
+            ("allow", "storage:export-demo"),
+            ("deny", "storage:export-demo"),
+        ], verdicts
+        denial = exports[-1].details
+        assert denial["rule"] in denied.stderr
+        assert "jurisdiction US" in denial["destination"]
+
+        # A local copy of the checkpoint location: it exports the same model...
+        copy = tmp_path / "eu-ckpt"
+        shutil.copytree(location_root(fed, final["checkpoint_location"]), copy)
+        local = tmp_path / "local.safetensors"
+        done = await geofed(fed, "export", job, "--store", str(copy), "--out", str(local))
+        assert done.returncode == 0, done.stderr
+        assert parameters_vector_hash(load_file(local)) == final["params_hash"]
+
+        # ...until one byte of an update is changed: refused, and nothing is written.
+        index = json.loads((copy / "jobs" / job / "index.json").read_text())
+        update = next(e for e in index["entries"] if e["kind"] == "update" and e["round"] == 1)
+        blob = FsBlobStore(copy / "blobs").path_of(update["payload_digest"])
+        blob.chmod(0o600)
+        data = bytearray(blob.read_bytes())
+        data[-10] ^= 0x01
+        blob.write_bytes(bytes(data))
+        tampered = tmp_path / "tampered.safetensors"
+        refused = await geofed(fed, "export", job, "--store", str(copy), "--out", str(tampered))
+        assert refused.returncode == 1
+        assert "refused" in refused.stderr, refused.stderr
+        assert "global_update" in refused.stderr, refused.stderr
+        assert not tampered.exists()

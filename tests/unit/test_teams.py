@@ -1,0 +1,67 @@
+"""Operator teams: who belongs to which team, and which jobs each may manage."""
+
+from __future__ import annotations
+
+import pytest
+
+from coordinator.teams import management_refusal, operator_team, submission_refusal
+from geofed.types import Identity, Role
+
+ADMINS = ("lead",)
+
+
+def _op(name: str, role: Role = Role.OPERATOR) -> Identity:
+    return Identity("acme", role, name)
+
+
+@pytest.mark.parametrize(
+    ("name", "team"),
+    [
+        ("vision--alice", "vision"),
+        ("ml-infra--bob", "ml-infra"),
+        ("a--b--c", "a"),  # the first -- separates
+        ("ops", "default"),  # issued before teams
+        ("ops-lead", "default"),
+    ],
+)
+def test_operator_team(name: str, team: str) -> None:
+    assert operator_team(_op(name)) == team
+
+
+@pytest.mark.parametrize(
+    ("name", "action", "team", "refused"),
+    [
+        ("vision--alice", "cancel", "vision", None),
+        ("vision--alice", "pause", "nlp", "belongs to team vision and may not pause job j"),
+        ("ops", "resume", "default", None),
+        ("ops", "cancel", "vision", "belongs to team default and may not cancel"),
+        ("vision--alice", "preempt", "vision", "only an admin may"),
+        ("lead", "cancel", "vision", None),
+        ("lead", "preempt", "nlp", None),
+    ],
+)
+def test_management(name: str, action: str, team: str, refused: str | None) -> None:
+    refusal = management_refusal(_op(name), action, "j", team, ADMINS)
+    if refused is None:
+        assert refusal is None
+    else:
+        assert refusal is not None
+        assert refused in refusal
+
+
+def test_an_admin_name_only_counts_for_an_operator() -> None:
+    assert management_refusal(_op("lead", Role.OBSERVER), "cancel", "j", "x", ADMINS)
+
+
+@pytest.mark.parametrize(
+    ("name", "team", "allowed"),
+    [
+        ("vision--alice", "vision", True),
+        ("vision--alice", "nlp", False),
+        ("ops", "default", True),
+        ("ops", "nlp", False),
+        ("lead", "nlp", True),
+    ],
+)
+def test_submission(name: str, team: str, allowed: bool) -> None:
+    assert (submission_refusal(_op(name), team, ADMINS) is None) is allowed

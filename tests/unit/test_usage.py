@@ -1,0 +1,70 @@
+"""GPU run spans for GPU-hour quotas, kept live and rebuilt from the audit log."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import Any
+
+from coordinator.audit import AuditEntry
+from coordinator.scheduling import RunInterval
+from coordinator.usage import RunLedger
+
+
+def _entry(seq: int, at: float, action: str, verdict: str, job: str, **details: Any) -> AuditEntry:
+    return AuditEntry(
+        seq=seq,
+        time=datetime.fromtimestamp(at, UTC).isoformat(),
+        actor="spiffe://acme/coordinator/main",
+        action=action,
+        verdict=verdict,
+        job=job,
+        round=None,
+        region=None,
+        details=details,
+        prev_hash="",
+        hash="",
+    )
+
+
+def test_live_spans_open_close_and_ignore_jobs_without_gpus() -> None:
+    ledger = RunLedger()
+    ledger.started("a", "vision", 2, 100.0)
+    ledger.started("a", "vision", 2, 150.0)  # already open: kept as it was
+    ledger.started("cpu", "vision", 0, 100.0)
+    ledger.stopped("a", 200.0)
+    ledger.stopped("cpu", 200.0)
+    ledger.started("a", "vision", 2, 300.0)
+    assert ledger.intervals() == [
+        RunInterval("vision", 2, 100.0, 200.0),
+        RunInterval("vision", 2, 300.0, None),
+    ]
+    assert ledger.intervals(since=250.0) == [RunInterval("vision", 2, 300.0, None)]
+    ledger.forget_before(250.0)
+    assert ledger.intervals() == [RunInterval("vision", 2, 300.0, None)]
+
+
+def test_replay_from_the_audit_log() -> None:
+    entries = [
+        _entry(1, 100.0, "job.admit", "allow", "a"),  # recorded queued: holds nothing
+        _entry(2, 110.0, "job.admit", "ok", "a", to="running", regions=["eu", "us"]),
+        _entry(3, 120.0, "job.preempt", "ok", "a"),
+        _entry(4, 130.0, "job.admit", "ok", "a", to="running", regions=["eu"]),
+        _entry(5, 140.0, "job.fail", "error", "a"),
+        _entry(6, 150.0, "job.admit", "ok", "b", to="running", regions=["eu", "us"]),
+        _entry(7, 155.0, "job.cancel", "deny", "b"),  # refused: b runs on
+        _entry(8, 160.0, "job.admit", "ok", "c", to="running", regions=["eu", "us"]),
+        _entry(9, 170.0, "job.admit", "ok", "other", to="running", regions=["eu"]),
+    ]
+    ledger = RunLedger()
+    ledger.replay(
+        entries,
+        teams={"a": "vision", "b": "nlp", "c": "nlp"},
+        gpus={"a": {"eu": 1, "us": 3}, "b": {"eu": 2, "us": 2}, "c": {"eu": 1, "us": 1}},
+        finished={"c": 180.0},  # completed: no audit entry, its record's last update
+    )
+    assert sorted(ledger.intervals(), key=lambda i: i.start) == [
+        RunInterval("vision", 4, 110.0, 120.0),
+        RunInterval("vision", 1, 130.0, 140.0),
+        RunInterval("nlp", 4, 150.0, None),
+        RunInterval("nlp", 2, 160.0, 180.0),
+    ]
