@@ -9,11 +9,13 @@ region every other job answers exactly as one that does not exist
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from coordinator.async_store import AsyncStore
 from coordinator.auth import READERS, caller, require_role, unknown_job
 from coordinator.bodies import read_limited
 from coordinator.engine import JobEngine
@@ -24,7 +26,7 @@ from geofed.api_paths import ApiPaths
 from geofed.timeouts import Timeout, wait_for
 from geofed.types import Identity, InvalidName, Role, validate_name
 
-__all__ = ["int_query", "routes", "visible_engine"]
+__all__ = ["audit_page", "int_query", "routes", "visible_engine"]
 
 routes = web.RouteTableDef()
 
@@ -192,7 +194,11 @@ async def queue(request: web.Request) -> web.Response:
 @routes.get(ApiPaths.AUDIT)
 async def audit(request: web.Request) -> web.Response:
     require_role(request, *READERS)
-    query = request.query
+    return web.json_response(await audit_page(request.app[SERVICES].db, request.query))
+
+
+async def audit_page(db: AsyncStore, query: Mapping[str, str]) -> dict[str, Any]:
+    """``GET /v1/audit``'s answer: a page of entries after ``after``, the head, a check."""
     after = int_query(query.get("after", "0"), "after", 0)
     limit = int_query(query.get("limit", "100"), "limit", 1, 1000)
     job = query.get("job")
@@ -201,22 +207,21 @@ async def audit(request: web.Request) -> web.Response:
             validate_name("job", job)
         except InvalidName as exc:
             raise BadRequest(str(exc)) from None
-    services = request.app[SERVICES]
-    entries = await services.db.audit_entries(after, limit, job)
-    seq, digest = await services.db.audit_head()
+    entries = await db.audit_entries(after, limit, job)
+    seq, digest = await db.audit_head()
     body: dict[str, Any] = {
         "entries": [entry.to_dict() for entry in entries],
         "head": {"seq": seq, "hash": digest},
     }
     if query.get("verify") in ("1", "true"):
-        result = await services.db.verify_audit()
+        result = await db.verify_audit()
         body["verify"] = {
             "ok": result.ok,
             "checked": result.checked,
             "first_bad_seq": result.first_bad_seq,
             "reason": result.reason,
         }
-    return web.json_response(body)
+    return body
 
 
 def int_query(text: str, name: str, low: int, high: int | None = MAX_STORED_INT) -> int:

@@ -23,7 +23,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 
 from aiohttp import web
-from aiohttp.typedefs import Handler
+from aiohttp.typedefs import Handler, Middleware
 from prometheus_client import CollectorRegistry
 
 from coordinator import api_admin, api_data, api_export, api_lineage
@@ -42,9 +42,9 @@ from coordinator.services import Services
 from coordinator.store_backends import open_state_store
 from coordinator.ui import handler as status_page
 from coordinator.uploads import UploadService
-from geofed.pki.httpauth import identity_middleware
+from geofed.pki.httpauth import RefusalHook, identity_middleware
 
-__all__ = ["INSECURE_BANNER", "create_app"]
+__all__ = ["INSECURE_BANNER", "create_app", "error_middleware", "identity_middlewares"]
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +77,23 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
         )
 
 
+def identity_middlewares(
+    runtime: Runtime, on_refused: RefusalHook | None = None
+) -> list[Middleware]:
+    """Who calls: the client certificate (TLS), or the header in insecure loopback mode.
+
+    ``on_refused``: what else to do about a refused certificate (it is always logged).
+    """
+    config = runtime.config
+    if config.tls_enabled:
+        return [
+            refuse_identity_header_middleware(),
+            identity_middleware(runtime.trust, on_refused=on_refused),
+        ]
+    log.warning(INSECURE_BANNER)
+    return [header_identity_middleware(config.federation)]
+
+
 def create_app(
     runtime: Runtime,
     *,
@@ -89,17 +106,9 @@ def create_app(
     ``fence``: the leader lease this coordinator holds, when several share the state.
     """
     config = runtime.config
-    if config.tls_enabled:
-        identity = [
-            refuse_identity_header_middleware(),
-            identity_middleware(runtime.trust, on_refused=api_data.refused_peer),
-        ]
-    else:
-        log.warning(INSECURE_BANNER)
-        identity = [header_identity_middleware(config.federation)]
     limits = config.limits
     app = web.Application(
-        middlewares=[error_middleware, *identity],
+        middlewares=[error_middleware, *identity_middlewares(runtime, api_data.refused_peer)],
         client_max_size=max(limits.max_manifest_bytes, limits.max_job_spec_bytes) + 4096,
         # A connection without a complete request (unfinished headers included) for
         # request_s is closed, so no client holds one open for long.

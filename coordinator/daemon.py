@@ -11,15 +11,16 @@ the port cannot be bound, the state database is unusable or the daemon crashed,
 policies) or systemd environment, printed as ``file:line: key: message`` lines.
 
 With ``state_store.leader_lease`` several coordinators share one PostgreSQL state and
-one of them serves (:mod:`coordinator.leadership`): the others stand by, binding nothing,
-until the leader's lease runs out or is released, then take over on the same address
-(a shared name or virtual IP the agents use). A leader that loses its lease stops and
+one of them serves (:mod:`coordinator.leadership`): the others stand by, serving only
+reads on their address (:mod:`coordinator.standby_app`; ``/readyz`` 503), until the
+leader's lease runs out or is released, then take over on the same address (a shared
+name or virtual IP the agents use). A leader that loses its lease stops and
 exits ``RUNTIME``, so that systemd restarts it as a standby; a clean stop releases it.
 
 Under systemd (``Type=notify``, ``deploy/systemd``) it sends ``READY=1`` once it serves
 (a standby: once it stands by, its ``STATUS=`` saying whom it waits for),
-``WATCHDOG=1`` from its event loop every half of ``WatchdogSec=`` (a stuck loop stops
-them), and ``STOPPING=1`` when SIGTERM arrives.
+``WATCHDOG=1`` from its event loop every half of ``WatchdogSec=`` (a standby's too; a
+stuck loop stops them), and ``STOPPING=1`` when SIGTERM arrives.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ from coordinator.leadership import Deposed, Leadership, holder_name
 from coordinator.reload import apply_reload, prepare_reload
 from coordinator.runtime import Runtime, load_runtime
 from coordinator.scheduling.config import load_scheduling_config
+from coordinator.standby_app import standing_by
 from coordinator.store import StoreError
 from geofed.exit_codes import ExitCode
 from geofed.reload import apply_log_level
@@ -164,8 +166,9 @@ async def _lead_and_serve(
         stop.set()
 
     try:
-        notifier.ready("standby: waiting for the leader lease")
-        fence = await leadership.acquire(stop)
+        async with standing_by(runtime, leadership, notifier, watchdog_s):
+            notifier.ready("standby: waiting for the leader lease")
+            fence = await leadership.acquire(stop)
         if fence is None:
             return
         holding = asyncio.create_task(leadership.hold(on_deposed), name="leader-lease")

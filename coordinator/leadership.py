@@ -77,6 +77,9 @@ class Leadership:
         self._monotonic = monotonic
         self._valid_until = 0.0
         self.leading_since: float | None = None
+        #: While standing by: who leads as last seen ('' unknown) and why this one waits.
+        self.leader = ""
+        self.standby_reason = "waiting for the leader lease"
 
     @classmethod
     async def open(
@@ -117,6 +120,8 @@ class Leadership:
                     log.info("leading as %s: %s", self.holder, decision.reason)
                     return fence
                 reason = decision.reason
+                self.leader = decision.lease.holder
+            self.standby_reason = reason
             if reason != said:
                 log.info("standby: %s", reason)
                 self._notifier.status(f"standby: {reason}")

@@ -160,7 +160,14 @@ class PostgresStore(SqlStore):
         connect_timeout_s: float = 10.0,
         statement_timeout_s: float = 30.0,
         fence: Fence | None = None,
+        read_only: bool = False,
     ) -> None:
+        """Connect (and migrate the schema, unless ``read_only``).
+
+        ``read_only``: a standby's reader. The server refuses every write of the session
+        (``default_transaction_read_only``), and the schema is checked, never migrated, so
+        a standby of a newer release never upgrades it under a running leader.
+        """
         if _MISSING:
             raise StoreFailure(
                 "the PostgreSQL state store needs psycopg 3 (pip install 'geofed[postgres]'): "
@@ -177,14 +184,18 @@ class PostgresStore(SqlStore):
                 dsn,
                 autocommit=True,
                 connect_timeout=max(1, round(connect_timeout_s)),
-                options=f"-c statement_timeout={round(statement_timeout_s * 1000)}",
+                options=f"-c statement_timeout={round(statement_timeout_s * 1000)}"
+                + (" -c default_transaction_read_only=on" if read_only else ""),
             )
         except psycopg.Error as exc:
             raise StoreFailure(
                 f"cannot connect to the state database {self._where}: {exc}"
             ) from exc
         try:
-            self._migrate()
+            if read_only:
+                self._check_schema()
+            else:
+                self._migrate()
         except BaseException:
             self._conn.close()
             raise
@@ -313,6 +324,15 @@ class PostgresStore(SqlStore):
                     "INSERT INTO geofed_schema_migrations (version, applied_at) VALUES (?, ?)",
                     (version, self._clock()),
                 )
+
+    def _check_schema(self) -> None:
+        """A reader's check: the schema is exactly the one this coordinator knows."""
+        version = self.schema_version()
+        if version != SCHEMA_VERSION:
+            raise SchemaError(
+                f"{self.where} has schema version {version}; this coordinator reads"
+                f" version {SCHEMA_VERSION} (the leader migrates it)"
+            )
 
     def _execute(self, query: str, params: Sequence[Any]) -> int:
         return int(self._conn.execute(_native(query), params).rowcount)

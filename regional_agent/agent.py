@@ -19,7 +19,9 @@ discards the job's regional state.
 
 Commands: ``pause``/``resume`` hold and release a job, ``cancel`` drops it, ``resync``
 discards the held θ (the next sync is a full resync), ``drain`` finishes the round in
-progress and then stops the agent cleanly.
+progress and then stops the agent cleanly. :meth:`Agent.request_drain` (SIGTERM, a spot
+notice) finishes the round in progress only if it fits in ``drain.grace_s``
+(:mod:`regional_agent.drain`), else stops it at the next step.
 
 :meth:`Agent.run` returns after :meth:`Agent.request_stop` or a finished drain, having
 stopped the worker group and said ``offline``; it raises :class:`AgentFailed` when the
@@ -66,6 +68,7 @@ from policies import PolicySet
 from regional_agent.config import AgentConfig, training_datasets
 from regional_agent.coordinator_client import CoordinatorClient, build_session
 from regional_agent.credentials import Credentials
+from regional_agent.drain import DrainDecision, decide
 from regional_agent.launch_backends import make_launcher
 from regional_agent.launcher import Launcher
 from regional_agent.metrics import AgentMetrics
@@ -95,6 +98,7 @@ class _RoundTask:
     job: str
     round: int
     task: asyncio.Task[RoundEnd]
+    announcement: RoundAnnouncement
 
 
 def _utc_now() -> datetime:
@@ -183,6 +187,9 @@ class Agent:
         self._retry = Retry(Backoff(initial_s=1.0, max_s=30.0), rng=self._rng)
         self._wakeup = asyncio.Event()
         self._stop = asyncio.Event()
+        self._drain: asyncio.Task[None] | None = None
+        #: What the last SIGTERM decided (finish the round or stop it), and why.
+        self.drain_decision: DrainDecision | None = None
         self._pipeline: RoundPipeline | None = None
         #: (job, round, outcome) of every round this agent finished, in order.
         self.history: list[tuple[str, int, str]] = []
@@ -216,7 +223,45 @@ class Agent:
         }
 
     def request_stop(self) -> None:
-        """Ask :meth:`run` to stop the agent cleanly (the SIGTERM path)."""
+        """Ask :meth:`run` to stop the agent now (SIGINT, a second SIGTERM).
+
+        The round in progress is cancelled and the workers stop at the next step.
+        """
+        self._stop.set()
+
+    def request_drain(self) -> None:
+        """Drain, then stop (SIGTERM, a spot notice): see :mod:`regional_agent.drain`.
+
+        No new round starts; the round in progress finishes if it fits in the drain
+        grace (it is stopped at the grace's end anyway), else it stops at the next step.
+        """
+        if self._drain is None and not self._stop.is_set():
+            notice_at = asyncio.get_running_loop().time()
+            self._drain = asyncio.create_task(self._drain_then_stop(notice_at), name="drain")
+
+    async def _drain_then_stop(self, notice_at: float) -> None:
+        loop = asyncio.get_running_loop()
+        self._schedule.draining = True
+        running = self._running
+        position = None
+        if running is not None and not running.task.done() and self._pipeline is not None:
+            position = await self._pipeline.position(running.announcement)
+        decision = decide(
+            position, notice_at=notice_at, now=loop.time(), grace_s=self._config.drain.grace_s
+        )
+        self.drain_decision = decision
+        log.info("drain on SIGTERM: %s", decision.reason)
+        if decision.finish and running is not None:
+            self._status.update(
+                "draining", job=running.job, round=running.round, detail=decision.reason
+            )
+            await asyncio.wait([running.task], timeout=max(decision.deadline - loop.time(), 0.0))
+            if not running.task.done():
+                log.warning(
+                    "job %s round %d: the drain grace is over; stopping at the next step",
+                    running.job,
+                    running.round,
+                )
         self._stop.set()
 
     def use_policies(self, policies: PolicySet, datasets: tuple[str, ...]) -> None:
@@ -307,6 +352,9 @@ class Agent:
         return False
 
     async def _shutdown(self, background: list[asyncio.Task[None]]) -> None:
+        if self._drain is not None and not self._drain.done():
+            self._drain.cancel()
+            await asyncio.wait([self._drain])
         self._status.update("offline", detail="stopping")
         self._metrics.set_participating(False)
         try:
@@ -347,7 +395,7 @@ class Agent:
         job, round_ = announcement.job, announcement.round
         resync = self._schedule.take_resync(job)
         task = asyncio.create_task(self._pipeline.run(announcement, resync=resync))
-        self._running = _RoundTask(job, round_, task)
+        self._running = _RoundTask(job, round_, task, announcement)
         try:
             end = await task
         except asyncio.CancelledError:

@@ -28,6 +28,7 @@
     timeouts: {request_s: 30, upload_s: 300}
     metrics: {enabled: true, host: 127.0.0.1, port: 9443}   # /metrics and /healthz, mTLS
     transfer: {upload_window: 8, download_window: 4}         # requests in flight at once
+    drain: {grace_s: 120}             # SIGTERM: finish the round if it fits (default 120 s)
     log_level: INFO                   # optional; a reload (SIGHUP) applies a change
 
 Relative paths are relative to the config file's directory. Unknown and duplicate keys
@@ -67,6 +68,7 @@ from policies import PolicyLoadError, PolicySet, Problem, load_policies
 from policies.validation import validate_document
 from policies.yaml_loader import load_located
 from regional_agent.credentials import AgentIdentityConfig, CredentialsError, load_credentials
+from regional_agent.drain import DrainConfig
 from regional_agent.launch_spec import check_env_patterns, parse_endpoint, passthrough_env
 from regional_agent.launcher import LauncherConfigError, LocalLauncherConfig
 from regional_agent.ranks import AUTO
@@ -301,6 +303,7 @@ class AgentConfig(ConfigSection):
     timeouts: Timeouts = Field(default_factory=Timeouts)
     metrics: MetricsConfig = Field(default_factory=MetricsConfig)
     transfer: TransferConfig = Field(default_factory=TransferConfig)
+    drain: DrainConfig = Field(default_factory=DrainConfig)
     log_level: LogLevel | None = Field(
         default=None,
         description="DEBUG, INFO, WARNING or ERROR; default: the command line's --log-level; "

@@ -15,9 +15,12 @@ occurred (restarting may help), ``CONFIG`` (2) for a bad config file, policy fil
 identity file it names, or a malformed ``$NOTIFY_SOCKET``/``$WATCHDOG_USEC``
 (restarting will not help until the files are fixed).
 
-On SIGTERM the agent cancels the round in progress (its durable state lets the next
-start resume it), stops the worker group (a stop request, then SIGKILL after its
-deadline), publishes ``offline`` and exits.
+On SIGTERM (a spot notice) the agent drains (:mod:`regional_agent.drain`): it starts no
+new round and finishes the one in progress if its measured pace says it fits in
+``drain.grace_s`` (stopping it at the grace's end anyway), else stops it at the next
+inner step; its durable state lets the next start retrain that round. SIGINT, or a
+second SIGTERM, stops at once. Then it stops the worker group (a stop request, then
+SIGKILL after its deadline), publishes ``offline`` and exits.
 
 Operations. The daemon creates the Prometheus registry and the agent's metrics and
 serves them on the metrics listener (:mod:`regional_agent.metrics_server`), bound before
@@ -186,6 +189,12 @@ async def serve(
 
     def on_signal(signum: int) -> None:
         name = signal.Signals(signum).name
+        if signum == signal.SIGTERM and not stopping:
+            # A spot notice: finish the round if the grace allows (regional_agent.drain).
+            log.info("received %s; draining, then stopping", name)
+            stop(f"offline: {name} received, draining")
+            agent.request_drain()
+            return
         log.info("received %s; stopping", name)
         stop(f"offline: {name} received, stopping")
         agent.request_stop()

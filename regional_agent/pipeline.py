@@ -56,6 +56,7 @@ from regional_agent.delta import (
     rounding_generator,
     sign_delta,
 )
+from regional_agent.drain import RoundPosition
 from regional_agent.handoff import RoundInstruction, RoundResult
 from regional_agent.metrics import AgentMetrics
 from regional_agent.overlap_pipeline import DelayedRounds
@@ -181,6 +182,12 @@ class RoundPipeline:
         self._trained: dict[str, int] = {}
         self._residency = ExportGate(region.policies, region.name, region.datasets, metrics)
         self._delayed = DelayedRounds(workers, region.name, train_timeout_s)
+        # The pace a drain on SIGTERM estimates the rest of a round from (regional_agent.drain):
+        # job -> seconds per inner step and seconds from trained to delivered, last measured.
+        self._step_s: dict[str, float] = {}
+        self._tail_s: dict[str, float] = {}
+        # (job, round) -> when its training ended (monotonic), while it is being delivered.
+        self._trained_at: dict[tuple[str, int], float] = {}
 
     def use_region(self, region: RegionFacts) -> None:
         """Check residency with ``region``'s reloaded policies from the next question on."""
@@ -208,6 +215,7 @@ class RoundPipeline:
                 spooled = produced
             else:
                 log.info("round %d: resuming the spooled delta", announcement.round)
+            self._trained_at.setdefault((announcement.job, announcement.round), self._monotonic())
             return await self._deliver(job, announcement, spooled)
         except (TransportError, Timeout) as exc:
             raise RetryLater(str(exc)) from exc
@@ -216,6 +224,25 @@ class RoundPipeline:
             # parameters cannot form a delta (shapes, NaN), or the regional state is
             # damaged: this round is lost for this region.
             return RoundEnd("failed", f"{type(exc).__name__}: {exc}")
+        finally:
+            self._trained_at.pop((announcement.job, announcement.round), None)
+
+    async def position(self, announcement: RoundAnnouncement) -> RoundPosition:
+        """Where the announced round (the one running) is, and the job's measured pace."""
+        job, round_ = announcement.job, announcement.round
+        if (job, round_) in self._trained_at:
+            steps_done = announcement.inner_steps
+        else:
+            progress = await asyncio.to_thread(self._workers.handoff.read_progress, job, round_)
+            steps_done = 0 if progress is None else progress.steps_done
+        return RoundPosition(
+            job=job,
+            round=round_,
+            steps_done=steps_done,
+            inner_steps=announcement.inner_steps,
+            step_s=self._step_s.get(job),
+            tail_s=self._tail_s.get(job),
+        )
 
     # -- steps ------------------------------------------------------------------------
 
@@ -285,6 +312,7 @@ class RoundPipeline:
         )
         self._count_trained(announcement.job, announcement.round, summary.mean_loss)
         if summary.stats is not None:
+            self._step_s[announcement.job] = summary.stats.step_seconds
             self._metrics.round_measured(
                 announcement.job,
                 summary.stats,
@@ -403,6 +431,9 @@ class RoundPipeline:
         if self._timeline is not None:
             self._timeline.accepted(announcement.job, announcement.round)
         await _blocking(job.promote, announcement.round)
+        trained_at = self._trained_at.get((announcement.job, announcement.round))
+        if trained_at is not None:
+            self._tail_s[announcement.job] = self._monotonic() - trained_at
         sent = f"{report.chunks_sent} chunks, {report.bytes_sent} bytes sent"
         return end(
             "accepted", f"delta accepted ({sent}{', resumed' if report.attempts > 1 else ''})"

@@ -16,7 +16,7 @@ import json
 import logging
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -225,7 +225,7 @@ async def run_demo(options: DemoOptions, *, echo: Callable[[str], None] = print)
                     configs.job_id,
                     regions,
                     await _audit(http, base),
-                    (await _get_json(http, base + ApiPaths.REGIONS))["regions"],
+                    await _settled_statuses(http, base, configs.job_id, regions),
                     monkey.injected,
                 )
                 summary.chaos = report.to_json()
@@ -306,6 +306,24 @@ async def _get_json(http: aiohttp.ClientSession, url: str) -> dict[str, Any]:
         response.raise_for_status()
         data: dict[str, Any] = await response.json()
         return data
+
+
+#: How long the chaos verdict waits for every region's status to name the job again: a
+#: region whose broker connection was cut last may still be reconnecting.
+SETTLE_S = 15.0
+
+
+async def _settled_statuses(
+    http: aiohttp.ClientSession, base: str, job: str, regions: Sequence[str]
+) -> list[dict[str, Any]]:
+    """The regions' statuses once each names ``job`` (or as they are after SETTLE_S)."""
+    deadline = time.monotonic() + SETTLE_S
+    while True:
+        statuses: list[dict[str, Any]] = (await _get_json(http, base + ApiPaths.REGIONS))["regions"]
+        named = {str(s.get("region")) for s in statuses if s.get("job") == job}
+        if named >= set(regions) or time.monotonic() >= deadline:
+            return statuses
+        await asyncio.sleep(0.5)
 
 
 async def _scrape(http: aiohttp.ClientSession, base: str) -> tuple[int, int, int]:

@@ -109,7 +109,7 @@ class ControlWatcher:
             await asyncio.wait([self._task])
 
 
-def agent_config(setup: Setup, region: str, coordinator_port: int) -> Path:
+def agent_config(setup: Setup, region: str, coordinator_port: int, extra: str = "") -> Path:
     principal = setup.regions[region]
     path = setup.root / f"agent-{region}.yaml"
     path.write_text(
@@ -128,7 +128,7 @@ workers: {{count: 1, backend: gloo, start_timeout_s: 120}}
 metrics: {{host: 127.0.0.1, port: 0}}
 state_dir: {setup.root / "agents" / region}
 timeouts: {TIMEOUTS}
-"""
+{extra}"""
     )
     return path
 
@@ -140,9 +140,11 @@ class Agents:
         self.setup = setup
         self.port = coordinator_port
         self.procs: dict[str, asyncio.subprocess.Process] = {}
+        #: region -> more lines of its agent's config file
+        self.extra: dict[str, str] = {}
 
     async def start(self, region: str) -> None:
-        config = agent_config(self.setup, region, self.port)
+        config = agent_config(self.setup, region, self.port, self.extra.get(region, ""))
         with (self.setup.root / f"agent-{region}.log").open("ab") as log:
             self.procs[region] = await asyncio.create_subprocess_exec(
                 sys.executable,
@@ -162,9 +164,15 @@ class Agents:
 
 
 @asynccontextmanager
-async def agents(setup: Setup, coordinator_port: int) -> AsyncIterator[Agents]:
-    """Start one agent per region; on exit SIGTERM those still running, check they exit 0."""
+async def agents(
+    setup: Setup, coordinator_port: int, extra: dict[str, str] | None = None
+) -> AsyncIterator[Agents]:
+    """Start one agent per region; on exit SIGTERM those still running, check they exit 0.
+
+    ``extra``: region -> more lines of its agent's config file.
+    """
     group = Agents(setup, coordinator_port)
+    group.extra.update(extra or {})
     try:
         for region in REGIONS:
             await group.start(region)

@@ -5,7 +5,10 @@ machine's real PostgreSQL with a fresh database, one state directory standing fo
 shared filesystem) share a leader lease (``state_store.leader_lease``). Test code acting
 as two regions feeds them the fixed deltas of ``tests/support/coordinator_daemon.py``.
 
-1. A leads; B stands by. A is killed with SIGKILL mid-publication of round 1 (its update
+1. A leads; B stands by, answering reads from the shared state on its own port
+   (``coordinator/standby_app.py``: a job's state and round as the leader shows them,
+   ``/readyz`` 503 naming the leader, writes 503 ``standby``, the leader's role rules).
+   A is killed with SIGKILL mid-publication of round 1 (its update
    and snapshot stored, the publishing transaction not committed): B takes over and
    publishes round 1.
 2. A is restarted and stands by. Mid-collection of round 2 (one region's delta
@@ -13,6 +16,7 @@ as two regions feeds them the fixed deltas of ``tests/support/coordinator_daemon
    accepts the other region's delta and publishes the last round.
 3. B is let go (SIGCONT): it finds its lease taken, writes nothing (its store is fenced)
    and exits with the runtime-error code, so that systemd would restart it as a standby.
+4. B restarted stands by, serving reads, and SIGTERM stops it cleanly (exit 0).
 
 What it proves: every round's update stream and θ hash are bit for bit those of an
 uninterrupted coordinator; each round is published once and each delta accepted once
@@ -31,10 +35,13 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.coordinator import request
 from tests.support.coordinator_daemon import (
+    JOB,
     REGIONS,
     ROUNDS,
     WAIT_S,
+    Daemon,
     deliver_one,
     lease_pair,
     log_text,
@@ -73,6 +80,7 @@ async def test_a_standby_takes_over_mid_publication_and_mid_collection(
         await a.submit()
         await a.deliver(0)
         await a.wait_published(0)
+        await reads_on_standby(a, b)
         await a.deliver(PUBLISHED_ROUND)
         await a.wait_marker("publish", PUBLISHED_ROUND)
 
@@ -81,7 +89,8 @@ async def test_a_standby_takes_over_mid_publication_and_mid_collection(
         await a.kill()
         await b.wait_ready()
         first_takeover_s = time.monotonic() - lost
-        await b.wait_published(PUBLISHED_ROUND)
+        led = await b.wait_published(PUBLISHED_ROUND)
+        assert "served_by" not in led, led  # the full API, from the engine
 
         # 2. The old leader comes back as a standby; the new one freezes mid-collection.
         before = len(log_text(a))
@@ -106,6 +115,16 @@ async def test_a_standby_takes_over_mid_publication_and_mid_collection(
         await b.forget()
         assert [e.seq for e in await a.audit()] == [e.seq for e in entries]
 
+        # 4. Restarted, it stands by serving reads; SIGTERM stops it cleanly.
+        before = len(log_text(b))
+        await b.start(wait_ready=False)
+        await standing_by(b, before)
+        status, ready = await request(b.session(b.setup.observer), "GET", "/readyz")
+        assert (status, ready["served_by"]) == (503, "standby"), ready
+        signal_group(b, signal.SIGTERM)
+        assert await asyncio.wait_for(b.child.wait(), WAIT_S) == 0, log_text(b)
+        await b.forget()
+
     for round_ in range(ROUNDS):
         assert done.updates[round_] == reference.updates[round_], f"round {round_} differs"
     assert done.final_hash == reference.final_hash
@@ -118,3 +137,37 @@ async def test_a_standby_takes_over_mid_publication_and_mid_collection(
         f"leader was killed mid-publication, {second_takeover_s:.1f} s after the next "
         "leader froze mid-collection; no round applied twice, no delta re-sent"
     )
+
+
+async def reads_on_standby(leader: Daemon, standby: Daemon) -> None:
+    """The standby answers reads as the leader does and refuses the rest, naming it."""
+    observer = standby.session(standby.setup.observer)
+    led = await leader.job()
+    status, seen = await request(observer, "GET", f"/v1/jobs/{JOB}")
+    assert status == 200, seen
+    assert seen.pop("served_by") == "standby"
+    shared = ("state", "round", "rounds", "params_hash", "regions", "current", "spec")
+    assert {k: seen[k] for k in shared} == {k: led[k] for k in shared}
+    status, listed = await request(observer, "GET", "/v1/jobs")
+    assert status == 200, listed
+    assert [(j["job"], j["round"]) for j in listed["jobs"]] == [(JOB, led["round"])]
+    status, trail = await request(observer, "GET", f"/v1/audit?job={JOB}&verify=1")
+    assert status == 200, trail
+    assert trail["verify"]["ok"], trail
+    assert [e.seq for e in await leader.audit()] == [e["seq"] for e in trail["entries"]]
+    assert (await request(observer, "GET", "/healthz"))[0] == 200
+
+    status, ready = await request(observer, "GET", "/readyz")
+    assert (status, ready["ready"]) == (503, False), ready
+    assert f"leading as {ready['leader']}:" in log_text(leader), ready
+    operator = standby.session(standby.setup.operator)
+    status, refused = await request(operator, "POST", "/v1/jobs", data="job: x")
+    assert (status, refused["error"]) == (503, "standby"), refused
+    assert ready["leader"] in refused["message"]
+    # A region: refused what the leader refuses it, shown only its own job, as there.
+    for daemon in (leader, standby):
+        region = daemon.session(daemon.setup.regions[REGIONS[0]])
+        status, body = await request(region, "GET", "/v1/jobs")
+        assert (status, body["error"]) == (403, "forbidden"), body
+        status, body = await request(region, "GET", f"/v1/jobs/{JOB}")
+        assert (status, body["round"], "spec" in body) == (200, led["round"], False), body

@@ -182,6 +182,7 @@ def test_stop_timeouts_outlast_the_daemons_own_deadlines() -> None:
     """systemd's SIGKILL must not cut a clean shutdown short."""
     from aiohttp.web import BaseRunner
 
+    from regional_agent.drain import DEFAULT_GRACE_S
     from regional_agent.worker_group import WorkerGroupConfig
 
     coordinator = Unit.read(UNITS_DIR / "geofed-coordinator.service")
@@ -189,9 +190,12 @@ def test_stop_timeouts_outlast_the_daemons_own_deadlines() -> None:
     # The coordinator's HTTP server waits this long for in-flight requests on SIGTERM.
     graceful_s = inspect.signature(BaseRunner.__init__).parameters["shutdown_timeout"].default
     assert _seconds(coordinator.get("Service", "TimeoutStopSec")) >= graceful_s + 15
-    # The agent stops its worker group (then SIGKILLs it) before it exits.
+    # The agent drains (finishes the round within the default grace), then stops its
+    # worker group (then SIGKILLs it) before it exits.
     worker_stop_s = WorkerGroupConfig().stop_timeout_s
-    assert _seconds(agent.get("Service", "TimeoutStopSec")) >= worker_stop_s + 15
+    assert _seconds(agent.get("Service", "TimeoutStopSec")) >= (
+        DEFAULT_GRACE_S + worker_stop_s + 15
+    )
 
 
 # What the coordinator computes: decode regions' deltas, aggregate, outer step, encode.

@@ -311,3 +311,15 @@ def test_transfer_windows_default_and_are_bounded(tmp_path: Path, federation: Fe
         assert any("agent.yaml:11: transfer." in p for p in found), found
     found = problems(write(tmp_path, federation, extra="transfer: {window: 4}\n"))
     assert any("agent.yaml:11: transfer.window" in p for p in found), found
+
+
+def test_drain_grace_defaults_to_two_minutes_and_is_bounded(
+    tmp_path: Path, federation: Federation
+) -> None:
+    config = load_config(write(tmp_path, federation))
+    assert config.drain.grace_s == 120
+    config = load_config(write(tmp_path, federation, extra="drain: {grace_s: 0}\n"))
+    assert config.drain.grace_s == 0
+    for bad in ("drain: {grace_s: -1}\n", "drain: {grace_s: 3601}\n", "drain: {grace: 5}\n"):
+        found = problems(write(tmp_path, federation, extra=bad))
+        assert any("agent.yaml:11: drain." in p for p in found), found

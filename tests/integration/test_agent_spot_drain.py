@@ -1,0 +1,148 @@
+"""A spot notice (SIGTERM) mid-round: drain within the grace, or stop at a step boundary.
+
+Two real agents (``python -m geofed_cli agent``, one gloo rank each) and a real
+coordinator train a job whose inner steps take measurable time. Once both regions have
+delivered round 0 (so each agent has measured its step time and delivery time), each
+agent gets SIGTERM while it trains round 1:
+
+- eu-west has the default grace (120 s): the rest of the round fits, so it finishes
+  round 1, delivers it and exits 0 on its own;
+- us-east has ``drain: {grace_s: 0}``: it stops at the next step at once, exits 0
+  without delivering round 1, and, restarted, retrains round 1 from its regional state
+  and delivers it.
+
+Both then finish the job, every round trained from the θ the coordinator announced.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import signal
+from pathlib import Path
+
+import pytest
+
+from geofed.control.broker import EmbeddedBroker
+from tests.integration.test_agent_federation import (
+    JOB,
+    REGIONS,
+    TIMEOUTS,
+    ControlWatcher,
+    agents,
+    delivered,
+)
+from tests.support.coordinator import coordinator, job_yaml, write_setup
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+# 16 steps of 0.15 s: about 2.4 s of training a round, long enough to be hit mid-round.
+SLOW_JOB = (
+    job_yaml(JOB, rounds=3, deadline=40)
+    .replace("options: {hidden: 8}", "options: {hidden: 8, step_delay_s: 0.15}")
+    .replace("inner_steps: 2", "inner_steps: 16")
+)
+
+
+def accepted(watcher: ControlWatcher, region: str, round_: int) -> bool:
+    """Whether ``region`` ever said its delta of ``round_`` was accepted."""
+    return any(
+        s.region == region
+        and s.job == JOB
+        and s.round == round_
+        and s.detail.startswith("delta accepted")
+        for s in watcher.statuses
+    )
+
+
+def training(watcher: ControlWatcher, region: str, round_: int) -> bool:
+    status = watcher.latest(region)
+    return (
+        status is not None
+        and status.job == JOB
+        and status.round == round_
+        and status.state == "training"
+    )
+
+
+async def test_a_spot_notice_finishes_the_round_in_the_grace_or_stops_at_a_step(
+    tmp_path: Path,
+) -> None:
+    async with EmbeddedBroker(port=0) as broker:
+        setup = write_setup(tmp_path, broker.port, timeouts=TIMEOUTS)
+        watcher = ControlWatcher(broker.port)
+        await watcher.start()
+        try:
+            no_grace = {"us-east": "drain: {grace_s: 0}\n"}
+            async with (
+                coordinator(setup) as running,
+                agents(setup, running.port, no_grace) as group,
+            ):
+
+                def ready() -> bool:
+                    latest = [watcher.latest(r) for r in REGIONS]
+                    return all(s is not None and s.detail == "ready" for s in latest)
+
+                await watcher.until(ready, 90, "both agents to start their worker groups")
+                operator = running.session(setup.operator)
+                async with operator.post("/v1/jobs", data=SLOW_JOB) as answer:
+                    assert answer.status == 201, await answer.text()
+                await watcher.until(
+                    lambda: all(delivered(watcher, r, 0) for r in REGIONS), 90, "round 0"
+                )
+
+                async def notice(region: str) -> None:
+                    """SIGTERM ``region``'s agent as soon as it says it trains round 1."""
+                    await watcher.until(
+                        functools.partial(training, watcher, region, 1), 30, f"{region} training 1"
+                    )
+                    group.procs[region].send_signal(signal.SIGTERM)
+
+                await asyncio.gather(*(notice(r) for r in REGIONS))
+
+                # eu-west finishes round 1 in its grace; us-east stops at once.
+                codes = await asyncio.wait_for(
+                    asyncio.gather(*(group.procs[r].wait() for r in REGIONS)), 60
+                )
+                assert codes == [0, 0]
+                eu_log, us_log = group.log("eu-west"), group.log("us-east")
+                assert "drain on SIGTERM: job tiny round 1: finishing" in eu_log, eu_log[-4000:]
+                # The status reporter publishes the latest status only, so the delivery
+                # between the notice and the goodbye is read from the agent's log.
+                after_notice = eu_log.split("drain on SIGTERM", 1)[1]
+                assert "delta accepted" in after_notice, after_notice
+                assert "drain on SIGTERM: job tiny round 1: no drain grace" in us_log, us_log[
+                    -4000:
+                ]
+                assert "delta accepted" not in us_log.split("drain on SIGTERM", 1)[1]
+                assert not accepted(watcher, "us-east", 1)
+
+                # Restarted, us-east retrains round 1 (eu-west rejoins) and the job ends.
+                for region in REGIONS:
+                    await group.start(region)
+                await watcher.until(
+                    lambda: accepted(watcher, "us-east", 1),
+                    90,
+                    "us-east to deliver the round it stopped",
+                )
+                await watcher.until(
+                    lambda: all(delivered(watcher, r, 2) for r in REGIONS),
+                    90,
+                    "both regions to deliver round 2",
+                )
+        finally:
+            await watcher.stop()
+
+    announced = {
+        a.round: a.base_hash for a in watcher.announcements if a.job == JOB and a.state == "open"
+    }
+    assert sorted(announced) == [0, 1, 2]
+    for round_, base in announced.items():
+        for region in REGIONS:
+            seen = {
+                s.params_hash
+                for s in watcher.statuses
+                if s.region == region and s.job == JOB and s.round == round_ and s.params_hash
+            }
+            # Every round, the retrained one included, trained from the announced θ_r.
+            assert seen == {base}, (region, round_, seen)
