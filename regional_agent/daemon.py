@@ -3,9 +3,10 @@
 SIGHUP reloads what a running agent can change (:mod:`regional_agent.reload`): the
 region's policy and datasets, the trust bundle's revocations and ``log_level``; it logs
 what was reloaded, what needs a restart, and refuses (changing nothing) a file that does
-not load. No exit leaves the worker group behind: a stop stops it, and the elastic
-launcher gets SIGTERM from the kernel when the agent dies, even by SIGKILL
-(:class:`~regional_agent.launcher.LocalElasticLauncher`).
+not load. No exit leaves the worker group behind: a stop stops it, and the launcher
+process (the elastic launcher of :class:`~regional_agent.launcher.LocalElasticLauncher`,
+or ``srun`` under :class:`~regional_agent.slurm_launcher.SlurmLauncher`) gets SIGTERM
+from the kernel when the agent dies, even by SIGKILL.
 
 Exit codes are :class:`geofed.exit_codes.ExitCode`, the table both daemons share:
 ``OK`` (0) when stopped cleanly (SIGTERM or SIGINT, or a ``drain`` command finished),
