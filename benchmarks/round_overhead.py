@@ -374,7 +374,8 @@ class Settings:
     note: str
 
 
-def _regions(text: str) -> tuple[int, ...]:
+def region_counts(text: str) -> tuple[int, ...]:
+    """``--regions``: a comma list of region counts, sorted, each at least 1."""
     try:
         values = tuple(sorted({int(part) for part in text.split(",")}))
     except ValueError:
@@ -398,7 +399,7 @@ def parse_args(argv: Sequence[str] | None) -> Settings:
     parser = argparse.ArgumentParser(
         prog="python -m benchmarks.round_overhead", description=__doc__
     )
-    parser.add_argument("--regions", type=_regions, help="default 2,4,8,16; smoke 2")
+    parser.add_argument("--regions", type=region_counts, help="default 2,4,8,16; smoke 2")
     parser.add_argument("--params", type=_params, help="model size, default 25e6; smoke 1e6")
     parser.add_argument("--scheme", choices=SCHEMES, default="int8", help="default int8")
     parser.add_argument("--repeats", type=int, help="rounds per process, default 3; smoke 1")

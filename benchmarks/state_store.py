@@ -32,6 +32,7 @@ from typing import Any
 
 from benchmarks._machine import describe_machine, machine_line
 from benchmarks._report import publish
+from benchmarks.round_overhead import region_counts
 from coordinator.audit import AuditEvent, AuditVerdict
 from coordinator.chunk_commit import ChunkWrite, record_chunks
 from coordinator.postgres_lease import PostgresLease
@@ -172,19 +173,9 @@ def render(report: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _ints(text: str) -> list[int]:
-    try:
-        values = [int(part) for part in text.split(",")]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a list like 2,4,8,16") from None
-    if not values or any(v < 1 for v in values):
-        raise argparse.ArgumentTypeError(f"{text!r}: every value must be >= 1")
-    return values
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--regions", type=_ints, default=[2, 4, 8, 16])
+    parser.add_argument("--regions", type=region_counts, default=(2, 4, 8, 16))
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--chunks", type=int, default=64, help="frames per delta (default 64)")
     parser.add_argument("--smoke", action="store_true", help="2 regions, 2 rounds, 8 frames")
@@ -192,7 +183,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--note", default="")
     args = parser.parse_args(argv)
     if args.smoke:
-        args.regions, args.rounds, args.chunks = [2], 2, 8
+        args.regions, args.rounds, args.chunks = (2,), 2, 8
     if args.rounds < 1 or args.chunks < 1:
         parser.error("--rounds and --chunks must be >= 1")
     results: dict[str, dict[str, Any]] = {}

@@ -62,8 +62,10 @@ try:  # an optional dependency: only a coordinator configured for PostgreSQL nee
     import psycopg
 
     _MISSING = ""
+    _DRIVER_ERROR: type[Exception] = psycopg.Error
 except ImportError as _exc:  # pragma: no cover - exercised where psycopg is missing
     _MISSING = str(_exc)
+    _DRIVER_ERROR = Exception  # never raised: the store cannot be opened without psycopg
 
 __all__ = [
     "LEASE_TABLE",
@@ -151,6 +153,7 @@ class PostgresStore(SqlStore):
     """Coordinator state in a PostgreSQL database. See the module docstring."""
 
     _JOB_ORDER = "seq"
+    _DB_ERROR = _DRIVER_ERROR
 
     def __init__(
         self,
@@ -227,30 +230,8 @@ class PostgresStore(SqlStore):
             except StoreFenced:
                 self._undo(savepoint)
                 raise
-            self._depth += 1
-            try:
+            with self._begun(savepoint, f"RELEASE SAVEPOINT {savepoint}", self.where):
                 yield
-            except BaseException as exc:
-                self._depth -= 1
-                self._undo(savepoint)
-                if isinstance(exc, psycopg.Error):
-                    raise StoreFailure(f"state database {self.where}: {exc}") from exc
-                raise
-            self._depth -= 1
-            try:
-                self._conn.execute(f"RELEASE SAVEPOINT {savepoint}" if savepoint else "COMMIT")
-            except psycopg.Error as exc:
-                self._undo(savepoint)
-                raise StoreFailure(f"commit failed on {self.where}: {exc}") from exc
-
-    def close(self) -> None:
-        with self._lock:
-            if self._closed:
-                return
-            if self._depth:
-                raise StoreFailure("cannot close the store inside a transaction")
-            self._closed = True
-            self._conn.close()
 
     # Audit log.
 

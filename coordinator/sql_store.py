@@ -12,8 +12,9 @@ orders jobs by creation (``_JOB_ORDER``).
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Mapping, Sequence
-from contextlib import AbstractContextManager
+import threading
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import AbstractContextManager, contextmanager
 from typing import Any, ClassVar
 
 from coordinator.store import (
@@ -23,6 +24,7 @@ from coordinator.store import (
     MissingRecord,
     Receipt,
     StoredRound,
+    StoreFailure,
     check_count,
     check_digest,
     check_job_id,
@@ -44,10 +46,49 @@ class SqlStore:
 
     #: The expression that lists jobs in creation order.
     _JOB_ORDER: ClassVar[str]
+    #: The driver's error class, which the store turns into :class:`StoreFailure`.
+    _DB_ERROR: ClassVar[type[Exception]]
     _clock: Callable[[], float]
+    _conn: Any
+    _lock: threading.RLock
+    _depth: int
+    _closed: bool
 
     def transaction(self) -> AbstractContextManager[None]:
         raise NotImplementedError
+
+    def _undo(self, savepoint: str | None) -> None:
+        """Roll back to ``savepoint`` (None: the whole transaction), ignoring failures."""
+        raise NotImplementedError
+
+    @contextmanager
+    def _begun(self, savepoint: str | None, release: str, where: str) -> Iterator[None]:
+        """The body of a transaction (or savepoint) that has begun: undone on any error,
+        ``release`` or COMMIT at the end; database errors become :class:`StoreFailure`."""
+        self._depth += 1
+        try:
+            yield
+        except BaseException as exc:
+            self._depth -= 1
+            self._undo(savepoint)
+            if isinstance(exc, self._DB_ERROR):
+                raise StoreFailure(f"state database {where}: {exc}") from exc
+            raise
+        self._depth -= 1
+        try:
+            self._conn.execute(release if savepoint else "COMMIT")
+        except self._DB_ERROR as exc:
+            self._undo(savepoint)
+            raise StoreFailure(f"commit failed on {where}: {exc}") from exc
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            if self._depth:
+                raise StoreFailure("cannot close the store inside a transaction")
+            self._closed = True
+            self._conn.close()
 
     def _execute(self, query: str, params: Sequence[Any]) -> int:
         """Run a write (inside :meth:`transaction`); the rows it touched."""

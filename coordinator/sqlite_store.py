@@ -87,6 +87,7 @@ class SqliteStore(SqlStore):
     """Coordinator state in one SQLite file. See the module docstring for threading."""
 
     _JOB_ORDER = "rowid"
+    _DB_ERROR = sqlite3.Error
 
     def __init__(
         self,
@@ -140,30 +141,8 @@ class SqliteStore(SqlStore):
                 self._conn.execute(f"SAVEPOINT {savepoint}" if savepoint else "BEGIN IMMEDIATE")
             except sqlite3.Error as exc:
                 raise StoreFailure(f"cannot begin a transaction on {self._path}: {exc}") from exc
-            self._depth += 1
-            try:
+            with self._begun(savepoint, f"RELEASE {savepoint}", str(self._path)):
                 yield
-            except BaseException as exc:
-                self._depth -= 1
-                self._undo(savepoint)
-                if isinstance(exc, sqlite3.Error):
-                    raise StoreFailure(f"state database {self._path}: {exc}") from exc
-                raise
-            self._depth -= 1
-            try:
-                self._conn.execute(f"RELEASE {savepoint}" if savepoint else "COMMIT")
-            except sqlite3.Error as exc:
-                self._undo(savepoint)
-                raise StoreFailure(f"commit failed on {self._path}: {exc}") from exc
-
-    def close(self) -> None:
-        with self._lock:
-            if self._closed:
-                return
-            if self._depth:
-                raise StoreFailure("cannot close the store inside a transaction")
-            self._closed = True
-            self._conn.close()
 
     # Audit log.
 
