@@ -8,7 +8,8 @@ in use. When ``alpha`` completes, its slots free, ``beta`` is admitted (audited 
 reason) and completes. Then preemption: a ``production`` job arriving while a
 ``research`` job runs stops it at its next round boundary (its current round completes
 and is published), runs, and the research job resumes from the round where it stopped
-and completes: no round lost, failed or run twice.
+and completes: no round lost, failed or run twice, and both end with the parameters
+the same jobs reach when each runs alone.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import pytest
 from tests.support.federation import FederationRun, running_federation
 from tests.support.observe import audit_entries, sample
 
-pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(420)]
 
 ROUNDS = 2
 
@@ -174,3 +175,21 @@ async def test_a_production_job_preempts_a_research_job_at_a_round_boundary(
         assert sample(metrics, "geofed_rounds_completed_total", job="research-job") == 5
         assert sample(metrics, "geofed_preemptions_total", priority="research") == 1
         assert sample(metrics, "geofed_rounds_failed_total", job="research-job") == 0
+
+        # Preemption changed nothing a job trains: the same jobs run alone, one after the
+        # other on the same regions, end with the same parameters, bit for bit.
+        shared = {
+            job: (await fed.status(job))["params_hash"]
+            for job in ("research-job", "production-job")
+        }
+        for job, alone in ((research, "research-alone"), (production, "production-alone")):
+            status, body = await fed.submit({**job, "job": alone})
+            assert (status, body["state"]) == (201, "running"), body
+            done = await fed.wait_for(
+                lambda s: s.get("state") == "completed",
+                timeout_s=180,
+                what=f"{alone} run alone",
+                job=alone,
+            )
+            assert done["params_hash"] is not None
+            assert done["params_hash"] == shared[job["job"]], (job["job"], done, shared)
