@@ -21,7 +21,8 @@ Commands: ``pause``/``resume`` hold and release a job, ``cancel`` drops it, ``re
 discards the held θ (the next sync is a full resync), ``drain`` finishes the round in
 progress and then stops the agent cleanly. :meth:`Agent.request_drain` (SIGTERM, a spot
 notice) finishes the round in progress only if it fits in ``drain.grace_s``
-(:mod:`regional_agent.drain`), else stops it at the next step.
+(:mod:`regional_agent.drain`), else stops it at the next step, where the workers keep its
+inner state and resume it after the restart.
 
 :meth:`Agent.run` returns after :meth:`Agent.request_stop` or a finished drain, having
 stopped the worker group and said ``offline``; it raises :class:`AgentFailed` when the
@@ -233,7 +234,8 @@ class Agent:
         """Drain, then stop (SIGTERM, a spot notice): see :mod:`regional_agent.drain`.
 
         No new round starts; the round in progress finishes if it fits in the drain
-        grace (it is stopped at the grace's end anyway), else it stops at the next step.
+        grace (it is stopped at the grace's end anyway), else it stops at the next step
+        and the workers keep its inner state for the restart to resume.
         """
         if self._drain is None and not self._stop.is_set():
             notice_at = asyncio.get_running_loop().time()

@@ -3,8 +3,13 @@
 A spot instance gets a notice (SIGTERM) some time before it is taken away. The agent
 then finishes the round in progress if the rest of it fits in the configured grace,
 and otherwise stops the worker group at once, at a step boundary (the workers agree on
-a stop every step), so that the next start retrains the round from the regional
-checkpoint of the round before: a round cut short loses its inner steps, never its
+a stop every step). There the workers keep the round's inner state (parameters, inner
+optimizer state, step, RNG states and running totals: :mod:`regional_agent.inner_checkpoint`),
+and the next start, asked for the same round from the same θ, resumes it at that step:
+the steps trained before the notice are kept and the delta is bit-identical to an
+uninterrupted round's. Asked for anything else, or with the state unreadable (or not
+written within the worker group's stop), it retrains the round from the regional
+checkpoint of the round before: a round cut short may lose its inner steps, never its
 correctness.
 
 :func:`decide` is the pure decision: the clock is passed in, and it returns its reason.

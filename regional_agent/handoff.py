@@ -11,6 +11,7 @@ moment and pick up where the other left off::
     jobs/<job>/round-<r>.base.json          agent -> workers: θ_r of a delayed round is ready
     jobs/<job>/round-<r>.cancel             agent -> workers: drop the delayed round r
     jobs/<job>/regional-checkpoint.pt       rank 0: the job's inner optimizer state + cursor
+    jobs/<job>/inner-checkpoint.pt          rank 0: a round's inner state at a mid-round stop
     ranks/rank-<n>.json                     each rank: pid, launch id, restart count
     logs/rank-<n>.log, logs/launcher.log    worker and launcher output
     stop                                    agent -> workers: finish and exit 0
@@ -47,6 +48,7 @@ from regional_agent.training_stats import TrainingStats
 
 FORMAT_VERSION = 1
 _CHECKPOINT_NAME = "regional-checkpoint.pt"
+_INNER_CHECKPOINT_NAME = "inner-checkpoint.pt"
 _ROUND_FILE_RE = re.compile(r"^round-(\d+)\.instruction\.json$")
 
 
@@ -445,6 +447,11 @@ class HandoffDir:
         """``job``'s regional checkpoint, beside its round files."""
         return self.job_dir(job) / _CHECKPOINT_NAME
 
+    def inner_checkpoint_path(self, job: str) -> Path:
+        """The inner state of ``job``'s round stopped mid-way (see
+        :mod:`regional_agent.inner_checkpoint`)."""
+        return self.job_dir(job) / _INNER_CHECKPOINT_NAME
+
     @property
     def legacy_checkpoint_path(self) -> Path:
         """Where groups kept the region's one checkpoint before it was per job."""
@@ -670,7 +677,7 @@ class HandoffDir:
         return pruned
 
     def forget_job(self, job: str) -> None:
-        """Drop ``job``'s round files and its regional checkpoint (a legacy one too).
+        """Drop ``job``'s round files, its regional and inner checkpoints (a legacy one too).
 
         File by file, never the directory: the worker scans it while idle. A worker whose
         in-memory state is past a round asked again, and that finds no regional checkpoint,
@@ -684,6 +691,7 @@ class HandoffDir:
                 if _ROUND_FILE_RE.fullmatch(entry.name) is not None:
                     entry.unlink(missing_ok=True)
         self.prune_rounds(job, sys.maxsize)
+        self.inner_checkpoint_path(job).unlink(missing_ok=True)
         self.checkpoint_path(job).unlink(missing_ok=True)
         legacy = self.legacy_checkpoint_path
         try:

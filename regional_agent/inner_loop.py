@@ -10,7 +10,10 @@ says so. The data cursor advances by one per micro-batch, and every micro-batch'
 count.
 
 The loop asks ``should_stop`` before every optimizer step, so every rank stops at the
-same step; a stopped round returns None and its partial state must not be reused.
+same step; a stopped round returns None, and tells ``on_stop`` the step it stopped
+before and its totals so far. A round resumed after such a stop
+(:mod:`regional_agent.inner_checkpoint`) starts at ``plan.first_step`` with the totals
+``carried`` from before, and ends with the same totals as had it never stopped.
 
 Each rank also measures its round (:class:`RankTotals`): the loop's wall time, the time
 spent waiting for batches, the gradient all-reduce time under DDP, the peak CUDA memory,
@@ -47,6 +50,8 @@ class RoundPlan:
     total_steps: int
     """The job's inner steps in all, which the schedule decays over."""
     training: TrainingConfig
+    first_step: int = 0
+    """The step the loop starts at: those before it were trained before a stop."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,23 +83,59 @@ def train_round(
     plan: RoundPlan,
     should_stop: Callable[[int], bool],
     device: torch.device,
+    *,
+    carried: RankTotals | None = None,
+    on_stop: Callable[[int, RankTotals], None] | None = None,
 ) -> RankTotals | None:
-    """Run ``plan.inner_steps`` optimizer steps; None when ``should_stop(step)`` agreed."""
+    """Run the optimizer steps from ``plan.first_step`` to ``plan.inner_steps``; None when
+    ``should_stop(step)`` agreed, after ``on_stop(step, totals so far)``.
+
+    ``carried``: the totals of the steps before ``plan.first_step``; ``batches`` must
+    start at that step's first micro-batch.
+    """
     training = plan.training
     accumulation = training.grad_accumulation
     started = time.monotonic()
+    before = carried or RankTotals(0, 0, 0.0, 0.0, math.nan, 0.0)
     parallel.module.train()
     if parallel.comm is not None:
         parallel.comm.start()
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     data_wait = 0.0
-    loss_sum = torch.zeros((), dtype=torch.float64, device=device)
-    tokens = 0
-    last_lr = 0.0
+    # Carried as a float64 value: the sum goes on exactly as if never interrupted.
+    loss_sum = torch.tensor(before.loss_sum, dtype=torch.float64, device=device)
+    tokens = before.tokens
+    last_lr = before.last_lr
     grad_norm: torch.Tensor | None = None
-    for step_in_round in range(plan.inner_steps):
+
+    def comm_seconds() -> float | None:
+        if parallel.comm is None:
+            return None
+        return parallel.comm.seconds() + (before.comm_seconds or 0.0)
+
+    def peak_memory() -> int | None:
+        if device.type != "cuda":
+            return None
+        return max(int(torch.cuda.max_memory_allocated(device)), before.peak_memory_bytes or 0)
+
+    for step_in_round in range(plan.first_step, plan.inner_steps):
         if should_stop(step_in_round):
+            if on_stop is not None:
+                on_stop(
+                    step_in_round,
+                    RankTotals(
+                        micro_batches=step_in_round * accumulation,
+                        tokens=tokens,
+                        loss_sum=float(loss_sum.item()),
+                        last_lr=last_lr,
+                        last_grad_norm=math.nan,
+                        seconds=before.seconds + time.monotonic() - started,
+                        data_wait_seconds=before.data_wait_seconds + data_wait,
+                        comm_seconds=comm_seconds(),
+                        peak_memory_bytes=peak_memory(),
+                    ),
+                )
             return None
         step = job_step(plan.round, plan.inner_steps, step_in_round)
         apply_lr(optimizer, lr_factor(training.lr_schedule, step, plan.total_steps))
@@ -115,7 +156,7 @@ def train_round(
             grad_norm = parallel.clip_grad_norm(float(training.grad_clip_norm))
         optimizer.step()
     loss_total = float(loss_sum.item())  # waits for the device's queued work
-    seconds = time.monotonic() - started
+    seconds = before.seconds + time.monotonic() - started
     if grad_norm is None:
         # Not clipping: the last step's gradients are still there, and one norm is cheap.
         grad_norm = parallel.grad_norm()
@@ -126,11 +167,9 @@ def train_round(
         last_lr=last_lr,
         last_grad_norm=float(grad_norm.item()),
         seconds=seconds,
-        data_wait_seconds=data_wait,
-        comm_seconds=None if parallel.comm is None else parallel.comm.seconds(),
-        peak_memory_bytes=(
-            int(torch.cuda.max_memory_allocated(device)) if device.type == "cuda" else None
-        ),
+        data_wait_seconds=before.data_wait_seconds + data_wait,
+        comm_seconds=comm_seconds(),
+        peak_memory_bytes=peak_memory(),
     )
 
 

@@ -22,7 +22,10 @@ checkpoint and, last, the done marker (see :mod:`regional_agent.handoff`). The i
 optimizer state persists across rounds; the parameters restart from the base each round. A
 restarted group resumes from the regional checkpoint and redoes the current round, so a
 crash costs at most that round's work and changes nothing in its result: the learning
-rate is a function of the round and step, and the data of the cursor.
+rate is a function of the round and step, and the data of the cursor. A group stopped
+mid-round (the agent's stop, a drain on a spot notice, SIGTERM) keeps the round's inner
+state at the step it stopped before, and resumes that very round from it
+(:mod:`regional_agent.inner_checkpoint`): only a crash loses steps.
 
 Jobs that share the region share the group, one round at a time. The group holds only
 the state of the job it last trained; the others are parked on disk as their own regional
@@ -67,7 +70,7 @@ import torch.distributed as dist
 from torch.distributed.distributed_c10d import PrefixStore
 from torch.distributed.rendezvous import rendezvous
 
-from geofed.params import parameters_vector_hash
+from geofed.params import check_federated_state, parameters_vector_hash
 from geofed.task import DataShard
 from regional_agent.base_evaluation import evaluate_base
 from regional_agent.delayed_round import DelayedFold, evaluator
@@ -79,6 +82,17 @@ from regional_agent.handoff import (
     RoundInstruction,
     RoundProgress,
     RoundSummary,
+)
+from regional_agent.inner_checkpoint import (
+    InnerCheckpoint,
+    InvalidInnerCheckpoint,
+    RankInner,
+    RoundIdentity,
+    discard_inner_checkpoint,
+    instruction_digest,
+    read_inner_checkpoint,
+    resume_verdict,
+    write_inner_checkpoint,
 )
 from regional_agent.inner_loop import RankTotals, RoundPlan, region_stats, train_round
 from regional_agent.job_state import BaseParams, JobState, read_base
@@ -129,6 +143,10 @@ def round_seed(seed: int, round_: int, rank: int) -> int:
     """The torch seed of ``rank`` in round ``round_``: dropout etc. replay after a restart."""
     digest = hashlib.sha256(f"geofed-round/{seed}/{round_}/{rank}".encode()).digest()
     return int.from_bytes(digest[:8], "little") & (2**63 - 1)
+
+
+class _ResumeFailed(Exception):
+    """A round's inner checkpoint could not be loaded (the round is refused)."""
 
 
 class RoundRunner:
@@ -491,18 +509,49 @@ class RoundRunner:
         base_eval: dict[str, float] | None = None,
         fold: DelayedFold | None = None,
     ) -> None:
-        """Train the round; a delayed round (``fold``) folds θ in on the way."""
+        """Train the round; a delayed round (``fold``) folds θ in on the way.
+
+        A serial round resumes from its inner checkpoint when one of this very round is
+        there, and keeps one when the group stops it mid-way
+        (:mod:`regional_agent.inner_checkpoint`).
+        """
         shard = data_shard(instruction, self._rank, self._world_size)
-        batches = state.task.batches(shard, start_step=state.cursor)
         torch.manual_seed(round_seed(instruction.seed, instruction.round, self._rank))
         steps = instruction.inner_steps
+        identity = RoundIdentity(
+            job=instruction.job,
+            round=instruction.round,
+            base_hash=base_hash,  # rank 0's; rank 0 alone decides
+            instruction=instruction_digest(instruction),
+            world_size=self._world_size,
+            after_round=state.last_round,
+            start_cursor=state.cursor,
+        )
+        first_step, carried = 0, None
+        if fold is None:
+            try:
+                resumed = self._resume(identity, parallel, optimizer, instruction)
+            except _ResumeFailed:
+                return
+            if resumed is not None:
+                first_step, carried = resumed
+        batches = state.task.batches(
+            shard, start_step=state.cursor + first_step * state.training.grad_accumulation
+        )
         plan = RoundPlan(
             round=instruction.round,
             inner_steps=steps,
             # Only a constant schedule comes without the job's total, and ignores it.
             total_steps=instruction.total_steps or (instruction.round + 1) * steps,
             training=state.training,
+            first_step=first_step,
         )
+        stopped: list[tuple[int, RankTotals]] = []
+
+        def on_stop(step: int, so_far: RankTotals) -> None:
+            if fold is None:  # a delayed round's start is not θ: nothing to resume into
+                stopped.append((step, so_far))
+
         started = time.monotonic()
         started_at = time.time()  # the wall clock: other processes' timelines compare to it
         progress_at = 0.0
@@ -522,7 +571,15 @@ class RoundRunner:
             return self._agree(self._wants_stop())[0]
 
         totals = train_round(
-            parallel, optimizer, state.task, batches, plan, should_stop, self._device
+            parallel,
+            optimizer,
+            state.task,
+            batches,
+            plan,
+            should_stop,
+            self._device,
+            carried=carried,
+            on_stop=on_stop,
         )
         finished_at = time.time()
         if (
@@ -533,6 +590,8 @@ class RoundRunner:
             totals = None
         if totals is None:
             log.info("job %s round %d: aborted", instruction.job, instruction.round)
+            if stopped and stopped[0][0] > 0:
+                self._keep_inner_state(identity, parallel, optimizer, steps, *stopped[0])
             self._state = None  # part-way through a round; never reused
             if fold is not None and fold.failure is not None and self._rank == 0:
                 self._handoff.write_error(instruction.job, instruction.round, fold.failure)
@@ -594,6 +653,129 @@ class RoundRunner:
         state.cursor, state.last_round = cursor, instruction.round
         state.local_round = instruction.round
 
+    def _resume(
+        self,
+        identity: RoundIdentity,
+        parallel: ParallelModel,
+        optimizer: torch.optim.Optimizer,
+        instruction: RoundInstruction,
+    ) -> tuple[int, RankTotals] | None:
+        """Load the round's inner checkpoint when it is of this very round (collectives).
+
+        Returns the step to start at and this rank's totals before it; None to train the
+        round from its start (no checkpoint, or one rank 0 discarded, saying why). Raises
+        :class:`_ResumeFailed` when loading it failed: the round's error marker says why,
+        and the file is gone, so the round is trained from its start when asked again.
+        """
+        box: list[tuple[int, tuple[RankInner, ...], dict[str, object] | None] | None] = [None]
+        checkpoint: InnerCheckpoint | None = None
+        if self._rank == 0:
+            checkpoint = self._inner_checkpoint(identity, instruction.inner_steps, parallel)
+            if checkpoint is not None:
+                # Under FSDP rank 0's optimizer state is broadcast by the load itself.
+                shared = None if parallel.kind == "fsdp" else checkpoint.optimizer_state
+                box[0] = (checkpoint.step, checkpoint.ranks, shared)
+        dist.broadcast_object_list(box, src=0, group=self._control)
+        if box[0] is None:
+            return None
+        step, ranks, shared = box[0]
+        mine = ranks[self._rank]
+        error: str | None = None
+        try:
+            parallel.load_full_state(None if checkpoint is None else checkpoint.params)
+            optimizer_state = checkpoint.optimizer_state if checkpoint is not None else shared
+            parallel.load_optimizer_state(optimizer, optimizer_state or {})
+            torch.set_rng_state(mine.cpu_rng)
+            if self._device.type == "cuda" and mine.cuda_rng is not None:
+                torch.cuda.set_rng_state(mine.cuda_rng, self._device)
+        except Exception as exc:
+            log.exception("cannot resume job %s round %d", identity.job, identity.round)
+            error = f"rank {self._rank}: cannot resume from the inner checkpoint: {exc}"
+        problems = self._problems(error)
+        if problems:
+            if self._rank == 0:
+                discard_inner_checkpoint(self._handoff.inner_checkpoint_path(identity.job))
+            self._refused(instruction, problems)
+            raise _ResumeFailed
+        return step, mine.totals
+
+    def _inner_checkpoint(
+        self, identity: RoundIdentity, inner_steps: int, parallel: ParallelModel
+    ) -> InnerCheckpoint | None:
+        """The job's inner checkpoint if it resumes this round; else discarded (rank 0)."""
+        path = self._handoff.inner_checkpoint_path(identity.job)
+        where = f"job {identity.job} round {identity.round}"
+        try:
+            checkpoint = read_inner_checkpoint(path)
+            if checkpoint is not None:
+                # The load is not strict (it keeps what a missing entry had): check first.
+                check_federated_state(parallel.model, checkpoint.params)
+        except (InvalidInnerCheckpoint, ValueError, OSError) as exc:
+            log.warning("%s: discarding the inner checkpoint: %s", where, exc)
+            discard_inner_checkpoint(path)
+            return None
+        if checkpoint is None:
+            return None
+        verdict = resume_verdict(checkpoint.identity, checkpoint.step, inner_steps, identity)
+        if verdict.step is None:
+            log.warning("%s", verdict.reason)
+            discard_inner_checkpoint(path)
+            return None
+        log.info("%s", verdict.reason)
+        return checkpoint
+
+    def _keep_inner_state(
+        self,
+        identity: RoundIdentity,
+        parallel: ParallelModel,
+        optimizer: torch.optim.Optimizer,
+        inner_steps: int,
+        step: int,
+        so_far: RankTotals,
+    ) -> None:
+        """Keep the state of a round stopped before ``step`` for the restart (collectives;
+        rank 0 writes it)."""
+        params = parallel.full_state()
+        optimizer_state = parallel.optimizer_state(optimizer)
+        mine = RankInner(
+            cpu_rng=torch.get_rng_state(),
+            cuda_rng=torch.cuda.get_rng_state(self._device)
+            if self._device.type == "cuda"
+            else None,
+            totals=so_far,
+        )
+        ranks: list[RankInner | None] = [None] * self._world_size
+        dist.all_gather_object(ranks, mine, group=self._control)
+        if params is None or optimizer_state is None:  # not rank 0
+            return
+        path = self._handoff.inner_checkpoint_path(identity.job)
+        try:
+            write_inner_checkpoint(
+                path,
+                InnerCheckpoint(
+                    identity=identity,
+                    step=step,
+                    inner_steps=inner_steps,
+                    params=params,
+                    optimizer_state=optimizer_state,
+                    ranks=tuple(r for r in ranks if r is not None),
+                ),
+            )
+        except Exception:
+            # The round is then trained from its start next time, as without one.
+            log.exception(
+                "job %s round %d: cannot keep the inner state", identity.job, identity.round
+            )
+            return
+        log.info(
+            "job %s round %d: stopped before step %d of %d; kept the inner state in %s",
+            identity.job,
+            identity.round,
+            step,
+            inner_steps,
+            path,
+        )
+
     def _publish(
         self,
         summary: RoundSummary,
@@ -605,8 +787,11 @@ class RoundRunner:
         self._handoff.write_result(summary, params)
         self._handoff.write_checkpoint(checkpoint)
         self._handoff.write_done(summary)
+        # The round's result is out: a stop before this round's end is no longer resumed.
+        discard_inner_checkpoint(self._handoff.inner_checkpoint_path(summary.job))
         log.info(
-            "job %s round %d: %d steps, %d tokens, mean loss %.4f, lr %.3g, grad norm %.3g",
+            "job %s round %d: %d steps, %d tokens, mean loss %.4f, lr %.3g, grad norm %.3g, "
+            "params %s",
             summary.job,
             summary.round,
             summary.steps,
@@ -614,6 +799,7 @@ class RoundRunner:
             summary.mean_loss,
             totals.last_lr,
             totals.last_grad_norm,
+            summary.params_hash,
         )
 
 

@@ -7,23 +7,33 @@ agent gets SIGTERM while it trains round 1:
 
 - eu-west has the default grace (120 s): the rest of the round fits, so it finishes
   round 1, delivers it and exits 0 on its own;
-- us-east has ``drain: {grace_s: 0}``: it stops at the next step at once, exits 0
-  without delivering round 1, and, restarted, retrains round 1 from its regional state
-  and delivers it.
+- us-east has ``drain: {grace_s: 0}``: it stops at the next step at once, keeping the
+  round's inner state at that step, exits 0 without delivering round 1, and, restarted,
+  resumes round 1 at that step (not step 0) and delivers it.
 
-Both then finish the job, every round trained from the θ the coordinator announced.
+Both then finish the job, every round trained from the θ the coordinator announced. Last,
+a reference worker group trains us-east's round 1 uninterrupted from the same θ_1 and
+regional checkpoint: its parameters hash exactly as those us-east delivered after the
+resume.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
+import re
+import shutil
 import signal
 from pathlib import Path
 
 import pytest
 
 from geofed.control.broker import EmbeddedBroker
+from regional_agent.handoff import HandoffDir, RoundInstruction
+from regional_agent.inner_checkpoint import read_inner_checkpoint
+from regional_agent.launcher import LocalElasticLauncher
+from regional_agent.worker_group import WorkerGroup, WorkerGroupConfig
 from tests.integration.test_agent_federation import (
     JOB,
     REGIONS,
@@ -33,6 +43,7 @@ from tests.integration.test_agent_federation import (
     delivered,
 )
 from tests.support.coordinator import coordinator, job_yaml, write_setup
+from tests.support.worker_group import launcher_config
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -53,6 +64,42 @@ def accepted(watcher: ControlWatcher, region: str, round_: int) -> bool:
         and s.detail.startswith("delta accepted")
         for s in watcher.statuses
     )
+
+
+async def steps_done(workers: Path, round_: int, steps: int) -> None:
+    """Wait until the worker group in ``workers`` reports ``steps`` steps of ``round_``."""
+    handoff = HandoffDir(workers)
+    for _ in range(600):
+        progress = handoff.read_progress(JOB, round_)
+        if progress is not None and progress.steps_done >= steps:
+            return
+        await asyncio.sleep(0.05)
+    pytest.fail(f"{workers}: round {round_} never got to step {steps}")
+
+
+def keep_for_reference(workers: Path, reference: Path) -> RoundInstruction:
+    """Copy round 1's θ, instruction and the regional checkpoint it started from."""
+    handoff, copy = HandoffDir(workers), HandoffDir(reference)
+    instruction = handoff.read_instruction(JOB, 1)
+    reference.mkdir()
+    base = reference / "theta-1.pt"
+    shutil.copyfile(instruction.base_params, base)
+    copy.job_dir(JOB).mkdir(parents=True)
+    shutil.copyfile(handoff.checkpoint_path(JOB), copy.checkpoint_path(JOB))
+    return dataclasses.replace(instruction, base_params=str(base))
+
+
+async def uninterrupted_params_hash(reference: Path, instruction: RoundInstruction) -> str:
+    """What one gloo rank (the agent's workers) trains for ``instruction`` in one go."""
+    launcher = LocalElasticLauncher(reference, launcher_config(nproc_per_node=1))
+    group = WorkerGroup(reference, launcher, WorkerGroupConfig(start_timeout_s=120.0))
+    await group.start()
+    try:
+        result = await group.run_round(instruction, 120)
+    finally:
+        await group.stop()
+    assert "resuming" not in HandoffDir(reference).rank_log_path(0).read_text()
+    return result.summary.params_hash
 
 
 def training(watcher: ControlWatcher, region: str, round_: int) -> bool:
@@ -91,11 +138,16 @@ async def test_a_spot_notice_finishes_the_round_in_the_grace_or_stops_at_a_step(
                     lambda: all(delivered(watcher, r, 0) for r in REGIONS), 90, "round 0"
                 )
 
+                us_workers = setup.root / "agents" / "us-east" / "workers"
+
                 async def notice(region: str) -> None:
-                    """SIGTERM ``region``'s agent as soon as it says it trains round 1."""
+                    """SIGTERM ``region``'s agent as soon as it says it trains round 1
+                    (us-east: a few steps in, so there is inner state to keep)."""
                     await watcher.until(
                         functools.partial(training, watcher, region, 1), 30, f"{region} training 1"
                     )
+                    if region == "us-east":
+                        await steps_done(us_workers, 1, 2)
                     group.procs[region].send_signal(signal.SIGTERM)
 
                 await asyncio.gather(*(notice(r) for r in REGIONS))
@@ -116,8 +168,19 @@ async def test_a_spot_notice_finishes_the_round_in_the_grace_or_stops_at_a_step(
                 ]
                 assert "delta accepted" not in us_log.split("drain on SIGTERM", 1)[1]
                 assert not accepted(watcher, "us-east", 1)
+                # eu-west finished its round: no inner state to keep. us-east kept round
+                # 1's at the step it stopped before.
+                eu_workers = setup.root / "agents" / "eu-west" / "workers"
+                assert not HandoffDir(eu_workers).inner_checkpoint_path(JOB).exists()
+                kept = read_inner_checkpoint(HandoffDir(us_workers).inner_checkpoint_path(JOB))
+                assert kept is not None
+                assert (kept.identity.job, kept.identity.round) == (JOB, 1)
+                assert 0 < kept.step < 16, kept.step
+                reference = keep_for_reference(us_workers, tmp_path / "reference")
+                us_rank_log = HandoffDir(us_workers).rank_log_path(0)
+                log_offset = us_rank_log.stat().st_size
 
-                # Restarted, us-east retrains round 1 (eu-west rejoins) and the job ends.
+                # Restarted, us-east resumes round 1 (eu-west rejoins) and the job ends.
                 for region in REGIONS:
                     await group.start(region)
                 await watcher.until(
@@ -132,6 +195,15 @@ async def test_a_spot_notice_finishes_the_round_in_the_grace_or_stops_at_a_step(
                 )
         finally:
             await watcher.stop()
+
+    # us-east resumed round 1 where it stopped, and delivered what an uninterrupted
+    # round trains, bit for bit (the hash is of the parameters' bytes).
+    since = us_rank_log.read_text()[log_offset:]
+    assert f"job {JOB} round 1: resuming at step {kept.step} of 16" in since, since
+    published = re.findall(rf"job {JOB} round 1: 16 steps, .*, params ([0-9a-f]+)", since)
+    assert len(published) == 1, since
+    assert published[0] == await uninterrupted_params_hash(tmp_path / "reference", reference)
+    assert not HandoffDir(us_workers).inner_checkpoint_path(JOB).exists()
 
     announced = {
         a.round: a.base_hash for a in watcher.announcements if a.job == JOB and a.state == "open"

@@ -1,0 +1,215 @@
+"""A round's inner state, kept when the worker group stops mid-round, and resumed from.
+
+A worker group stopped at a step boundary (the agent's stop, the end of a drain on a
+spot notice, SIGTERM) keeps the round's inner state at that step in the job's
+``inner-checkpoint.pt`` beside its regional checkpoint (rank 0 writes it, temp + fsync +
+rename, mode 0600): the parameters and the inner optimizer state (whole, as the regional
+checkpoint keeps them), the step within the round, and each rank's RNG states and
+running totals (micro-batches, tokens, loss sum, times). The data cursor and the learning
+rate follow from the step: batches are a function of the data step, the schedule of the
+round and step, and a step boundary has no gradient accumulation in flight.
+
+The file names the round it belongs to (:class:`RoundIdentity`: job, round, the hash of
+the base θ, a digest of the instruction's training-relevant fields, the group's size and
+the regional state the round started from). :func:`resume_verdict` is the pure decision
+made when the group is next asked for a round: resume only that very round, else
+discard the file and say why. Only rounds trained serially from θ keep one: a delayed
+round (``overlap: delayed``) started from parameters a restarted group no longer holds.
+Blocking disk I/O; rank 0 only.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from geofed.fsutil import AtomicFile
+from regional_agent.handoff import RoundInstruction
+from regional_agent.inner_loop import RankTotals
+
+__all__ = [
+    "FORMAT_VERSION",
+    "InnerCheckpoint",
+    "InvalidInnerCheckpoint",
+    "RankInner",
+    "ResumeVerdict",
+    "RoundIdentity",
+    "discard_inner_checkpoint",
+    "instruction_digest",
+    "read_inner_checkpoint",
+    "resume_verdict",
+    "write_inner_checkpoint",
+]
+
+FORMAT_VERSION = 1
+# What a re-sent instruction may change without changing what the round trains: where
+# θ is on disk (its hash is compared instead) and whether θ is evaluated first.
+_NOT_TRAINING = frozenset({"base_params", "evaluate_base"})
+
+
+class InvalidInnerCheckpoint(ValueError):
+    """An inner checkpoint file that cannot be read; the message says why."""
+
+
+@dataclass(frozen=True, slots=True)
+class RoundIdentity:
+    """What a round's inner state belongs to; resumed only into the very same round.
+
+    ``after_round`` and ``start_cursor`` are the regional state the round started from
+    (the last completed round, None for none, and its data cursor).
+    """
+
+    job: str
+    round: int
+    base_hash: str
+    instruction: str
+    """:func:`instruction_digest` of the round's instruction."""
+    world_size: int
+    after_round: int | None
+    start_cursor: int
+
+
+def instruction_digest(instruction: RoundInstruction) -> str:
+    """A digest of everything in ``instruction`` that shapes what the round trains."""
+    body = json.loads(instruction.to_json())
+    kept = {name: value for name, value in body.items() if name not in _NOT_TRAINING}
+    return hashlib.sha256(json.dumps(kept, sort_keys=True).encode()).hexdigest()
+
+
+@dataclass(frozen=True, slots=True)
+class RankInner:
+    """One rank's share of a round stopped mid-way: its RNG states and totals so far."""
+
+    cpu_rng: torch.Tensor
+    cuda_rng: torch.Tensor | None
+    totals: RankTotals
+
+
+@dataclass(frozen=True, slots=True)
+class InnerCheckpoint:
+    """A round's inner state at the start of step ``step`` (``step`` steps trained)."""
+
+    identity: RoundIdentity
+    step: int
+    inner_steps: int
+    params: dict[str, torch.Tensor] = field(repr=False)
+    optimizer_state: dict[str, Any] = field(repr=False)
+    ranks: tuple[RankInner, ...] = field(repr=False)
+
+
+@dataclass(frozen=True, slots=True)
+class ResumeVerdict:
+    """Resume the round at ``step``, or discard the file (``step`` None); and why."""
+
+    step: int | None
+    reason: str
+
+
+def resume_verdict(
+    saved: RoundIdentity, step: int, inner_steps: int, current: RoundIdentity
+) -> ResumeVerdict:
+    """Whether inner state ``saved`` at ``step`` of ``inner_steps`` resumes ``current``."""
+    where = f"job {current.job} round {current.round}"
+    mismatch: str | None = None
+    if (saved.job, saved.round) != (current.job, current.round):
+        mismatch = f"it is of job {saved.job} round {saved.round}"
+    elif saved.base_hash != current.base_hash:
+        mismatch = f"it was trained from θ {saved.base_hash[:12]}, not {current.base_hash[:12]}"
+    elif saved.instruction != current.instruction:
+        mismatch = "the instruction changed (steps, seed, data, task or training)"
+    elif saved.world_size != current.world_size:
+        mismatch = f"it was taken by {saved.world_size} ranks, not {current.world_size}"
+    elif (saved.after_round, saved.start_cursor) != (current.after_round, current.start_cursor):
+        mismatch = (
+            f"it follows round {saved.after_round} at data step {saved.start_cursor}, "
+            f"the regional state round {current.after_round} at data step {current.start_cursor}"
+        )
+    elif not 0 < step < inner_steps:
+        mismatch = f"its step {step} is not within the round's {inner_steps} steps"
+    if mismatch is not None:
+        return ResumeVerdict(None, f"{where}: discarding the inner checkpoint: {mismatch}")
+    return ResumeVerdict(
+        step, f"{where}: resuming at step {step} of {inner_steps} from the inner checkpoint"
+    )
+
+
+def discard_inner_checkpoint(path: Path) -> None:
+    """Remove the inner checkpoint at ``path`` and any temp file a killed writer left."""
+    path.unlink(missing_ok=True)
+    for stale in path.parent.glob(f".{path.name}.*.tmp"):
+        stale.unlink(missing_ok=True)
+
+
+def write_inner_checkpoint(path: Path, checkpoint: InnerCheckpoint) -> None:
+    """Atomically and durably replace ``path`` with ``checkpoint``, owner-only."""
+    body: dict[str, Any] = {
+        "format": FORMAT_VERSION,
+        "identity": asdict(checkpoint.identity),
+        "step": checkpoint.step,
+        "inner_steps": checkpoint.inner_steps,
+        "params": checkpoint.params,
+        "optimizer_state": checkpoint.optimizer_state,
+        "ranks": [
+            {"cpu_rng": r.cpu_rng, "cuda_rng": r.cuda_rng, "totals": asdict(r.totals)}
+            for r in checkpoint.ranks
+        ],
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    discard_inner_checkpoint(path)  # a stale file of another round, a killed write's temp
+    with AtomicFile(path, private=True) as f:
+        torch.save(body, f)
+
+
+def read_inner_checkpoint(path: Path) -> InnerCheckpoint | None:
+    """The inner checkpoint at ``path``; None if there is none.
+
+    Raises :class:`InvalidInnerCheckpoint` when the file is unreadable or malformed.
+    """
+    try:
+        body = torch.load(path, map_location="cpu", weights_only=True)
+    except FileNotFoundError:
+        return None
+    except Exception as exc:
+        raise InvalidInnerCheckpoint(f"{path}: unreadable: {exc}") from None
+    try:
+        return _parse(body)
+    except (KeyError, TypeError, ValueError) as exc:
+        raise InvalidInnerCheckpoint(f"{path}: malformed: {exc}") from None
+
+
+def _parse(body: object) -> InnerCheckpoint:
+    if not isinstance(body, dict) or body.get("format") != FORMAT_VERSION:
+        raise ValueError(f"not a format-{FORMAT_VERSION} inner checkpoint")
+    identity = RoundIdentity(**body["identity"])
+    for name in ("job", "base_hash", "instruction"):
+        if not isinstance(getattr(identity, name), str):
+            raise TypeError(f"identity.{name} is not a string")
+    params, optimizer_state = body["params"], body["optimizer_state"]
+    if not isinstance(params, dict) or not all(
+        isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in params.items()
+    ):
+        raise ValueError("params must map names to tensors")
+    if not isinstance(optimizer_state, dict):
+        raise TypeError("optimizer_state is not a state dict")
+    ranks = tuple(_rank(entry) for entry in body["ranks"])
+    if len(ranks) != identity.world_size:
+        raise ValueError(f"{len(ranks)} ranks' states for a group of {identity.world_size}")
+    step, inner_steps = body["step"], body["inner_steps"]
+    if not isinstance(step, int) or not isinstance(inner_steps, int):
+        raise TypeError("step and inner_steps must be integers")
+    return InnerCheckpoint(identity, step, inner_steps, params, optimizer_state, ranks)
+
+
+def _rank(entry: Mapping[str, Any]) -> RankInner:
+    cpu_rng, cuda_rng = entry["cpu_rng"], entry["cuda_rng"]
+    if not isinstance(cpu_rng, torch.Tensor) or not (
+        cuda_rng is None or isinstance(cuda_rng, torch.Tensor)
+    ):
+        raise TypeError("RNG states must be tensors")
+    return RankInner(cpu_rng, cuda_rng, RankTotals(**entry["totals"]))
