@@ -44,6 +44,7 @@ from coordinator.scheduling import (
     plan,
 )
 from coordinator.scheduling import JobState as SchedState
+from coordinator.scheduling.elastic import join_shortfall
 from geofed.control import Capacity
 
 __all__ = [
@@ -57,6 +58,7 @@ __all__ = [
     "capacity_json",
     "in_use",
     "job_facts",
+    "join_capacity_refusal",
     "training_phase",
     "without_preemption",
 ]
@@ -135,13 +137,24 @@ class Pass:
     claims: Mapping[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
 
 
-def training_phase(version: int, snapshot_every: int, *, in_round: bool) -> TrainingPhase:
-    """Where a job at θ_version stands between snapshots (one is taken at every multiple of
-    ``snapshot_every``); ``in_round``: a round of it is under way."""
-    since = version % snapshot_every
+def training_phase(
+    version: int,
+    snapshot_every: int,
+    *,
+    in_round: bool,
+    last_snapshot: int | None = None,
+    next_snapshot: int | None = None,
+) -> TrainingPhase:
+    """Where a job at θ_version stands between snapshots; ``in_round``: a round of it is
+    under way. ``last_snapshot`` and ``next_snapshot`` are the versions of its newest
+    snapshot and of the one its plan takes next (:mod:`coordinator.snapshot_policy`);
+    without them, snapshots are at every multiple of ``snapshot_every``."""
+    last = version - version % snapshot_every if last_snapshot is None else last_snapshot
+    since = max(0, version - last)
+    upcoming = last + snapshot_every if next_snapshot is None else next_snapshot
     return TrainingPhase(
         rounds_since_snapshot=since,
-        rounds_to_snapshot=snapshot_every - since,
+        rounds_to_snapshot=max(1, upcoming - version),
         round_in_progress=in_round,
     )
 
@@ -262,6 +275,23 @@ def _job(facts: JobFacts, unknown: frozenset[str]) -> Job:
         phase=facts.phase if holding else None,
         claim=facts.claim if not holding else (),
     )
+
+
+def join_capacity_refusal(
+    region: str,
+    need: NeedSpec,
+    regions: Sequence[RegionFacts],
+    jobs: Sequence[JobFacts],
+) -> str | None:
+    """Why a job needing ``need`` cannot join ``region`` now (what the running and paused
+    capacity-scheduled ``jobs`` hold there is not free), or None when it fits."""
+    facts = next((each for each in regions if each.name == region), None)
+    unknown = frozenset(each.name for each in regions if each.capacity is None)
+    holding = [_job(each, unknown) for each in jobs if each.scheduled and each.state in HOLDING]
+    wanted = _need(need)
+    if region in unknown:
+        wanted = dataclasses.replace(wanted, gpu_kind=None)
+    return join_shortfall(wanted, _region(facts) if facts is not None else None, holding)
 
 
 def in_use(region: str, jobs: Sequence[JobFacts]) -> dict[str, Any]:

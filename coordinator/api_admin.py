@@ -9,6 +9,7 @@ region every other job answers exactly as one that does not exist
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from typing import Any
 
@@ -21,12 +22,13 @@ from coordinator.bodies import read_limited
 from coordinator.engine import JobEngine
 from coordinator.errors import ApiError, BadRequest
 from coordinator.keys import JOBS, REGISTRY, RUNTIME, SERVICES
+from coordinator.scheduling.elastic import RegionChange
 from coordinator.store import MAX_STORED_INT
 from geofed.api_paths import ApiPaths
 from geofed.timeouts import Timeout, wait_for
 from geofed.types import Identity, InvalidName, Role, validate_name
 
-__all__ = ["audit_page", "int_query", "routes", "visible_engine"]
+__all__ = ["audit_page", "int_query", "parse_region_change", "routes", "visible_engine"]
 
 routes = web.RouteTableDef()
 
@@ -146,6 +148,73 @@ async def preempt_job(request: web.Request) -> web.Response:
     actor = require_role(request, Role.OPERATOR)
     result = await request.app[JOBS].preempt(request.match_info["job"], actor)
     return web.json_response(result, status=202)
+
+
+#: A region change is a line of JSON; anything longer is not one.
+MAX_REGION_CHANGE_BYTES = 16 * 1024
+
+
+@routes.post(ApiPaths.JOB_REGIONS)
+async def change_job_regions(request: web.Request) -> web.Response:
+    """Add a region to a job (``{"add": R, "datasets": [...]}``) or remove one
+    (``{"remove": R}``); it takes effect at the job's next round boundary."""
+    actor = require_role(request, Role.OPERATOR)
+    jobs = request.app[JOBS]
+    jobs.engine(request.match_info["job"])  # 404 before the body of an unknown job is read
+    timeout = request.app[RUNTIME].config.timeouts.request_s
+    try:
+        data = await wait_for(
+            read_limited(
+                request.content, MAX_REGION_CHANGE_BYTES, "region change", request.content_length
+            ),
+            timeout,
+            "reading the region change",
+        )
+    except Timeout as exc:
+        raise ApiError(408, "timeout", str(exc)) from None
+    change = parse_region_change(data)
+    result = await jobs.change_regions(request.match_info["job"], change, actor)
+    return web.json_response(result, status=202)
+
+
+def parse_region_change(data: bytes) -> RegionChange:
+    """The change a request body asks for; 400 ``bad_request`` naming what is wrong."""
+    try:
+        body = json.loads(data)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise BadRequest(f"region change is not JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise BadRequest(
+            'region change must be an object: {"add": R, "datasets": [...]} or {"remove": R}'
+        )
+    actions = [key for key in ("add", "remove") if key in body]
+    if len(actions) != 1:
+        raise BadRequest("region change names exactly one of add, remove")
+    action = actions[0]
+    unknown = sorted(set(body) - {action, "datasets"} if action == "add" else set(body) - {action})
+    if unknown:
+        raise BadRequest(f"region change: unknown keys {unknown}")
+    region = body[action]
+    if not isinstance(region, str):
+        raise BadRequest(f"{action}: a region name is a string, not {type(region).__name__}")
+    try:
+        validate_name("region", region)
+    except InvalidName as exc:
+        raise BadRequest(f"{action}: {exc}") from None
+    datasets: tuple[str, ...] = ()
+    if action == "add":
+        given = body.get("datasets")
+        if not isinstance(given, list) or not given:
+            raise BadRequest(f"datasets: name the datasets {region} trains on (a list)")
+        if not all(isinstance(name, str) for name in given):
+            raise BadRequest("datasets: dataset names are strings")
+        try:
+            datasets = tuple(validate_name("dataset", name) for name in given)
+        except InvalidName as exc:
+            raise BadRequest(f"datasets: {exc}") from None
+        if len(set(datasets)) != len(datasets):
+            raise BadRequest("datasets: a dataset is named twice")
+    return RegionChange(action, region, datasets)
 
 
 @routes.get(ApiPaths.REGIONS)

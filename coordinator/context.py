@@ -7,6 +7,7 @@ blocking work: call :func:`build_context` from a worker thread.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,6 +38,9 @@ class JobContext:
     jurisdictions: dict[str, str]
     coordinator_jurisdiction: str
     publishing: JobPublishing
+    #: Every region the parameters derive from, with its datasets, when regions left the
+    #: job (:mod:`coordinator.job_regions`); None: the spec's regions.
+    contributors: Mapping[str, tuple[str, ...]] | None = None
 
     @property
     def job(self) -> str:
@@ -73,7 +77,8 @@ class JobContext:
 
     def provenance(self) -> Provenance:
         """Every region of the job with its datasets: what global artifacts derive from."""
-        return Provenance.of(dict(self.spec.regions))
+        regions = self.spec.regions if self.contributors is None else self.contributors
+        return Provenance.of(dict(regions))
 
 
 def initial_parameters(task: Task[Any], seed: int) -> dict[str, Tensor]:
@@ -116,7 +121,9 @@ def build_context(spec: JobSpec, runtime: Runtime, location: str) -> JobContext:
     publishing = JobPublishing(
         job=spec.job,
         codec=spec.codec.rounding_to_nearest(),
-        snapshot_every=spec.snapshot_every,
+        # With snapshot_every: auto the round publisher decides each snapshot
+        # (coordinator.job_snapshots); the bound only serves callers that do not.
+        snapshot_every=spec.fixed_snapshot_every or spec.snapshot_max_rounds,
         provenance=provenance,
         specs=shapes,
         location=runtime.locations[location],

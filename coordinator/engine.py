@@ -43,6 +43,8 @@ from coordinator.context import JobContext, initial_parameters
 from coordinator.deadline import RoundTiming, next_deadline
 from coordinator.job_evaluation import JobEvaluation
 from coordinator.job_recovery import recover_rounds
+from coordinator.job_regions import membership_of, with_membership
+from coordinator.job_snapshots import JobSnapshots
 from coordinator.job_status import job_status
 from coordinator.outer_optimizer import OuterOptimizer
 from coordinator.outer_round import publish_initial
@@ -63,6 +65,7 @@ from coordinator.round_state import (
     RoundState,
     judge_delta,
 )
+from coordinator.scheduling.elastic import Membership
 from coordinator.services import Services
 from coordinator.store import ConflictError, Receipt
 from coordinator.transactions import DeltaOffer, accept_delta, record_initial, record_job_failure
@@ -84,6 +87,14 @@ class JobEngine:
     def __init__(self, services: Services, ctx: JobContext, state: JobState) -> None:
         self._s = services
         self.ctx = ctx
+        #: The job as submitted; ``ctx`` is it on the regions of the round in progress.
+        self.submitted = ctx
+        #: The job's regions and shard slots as the operators set them (durable); the
+        #: next round runs on them. ``applied`` is what the current round runs on.
+        self.membership = Membership.initial(ctx.spec.regions, ctx.spec.region_slots)
+        self.applied = self.membership
+        #: Whether ``membership`` was read from the store (the engine recovered it).
+        self.membership_loaded = False
         self._state = state
         self._lock = asyncio.Lock()
         self._wake = asyncio.Event()
@@ -96,7 +107,9 @@ class JobEngine:
         self._history: deque[RoundTiming] = deque(maxlen=ctx.spec.deadline.window_rounds)
         self._quarantine = Quarantine(services.config.quarantine)
         self._evaluation = JobEvaluation(services, ctx)
-        self._publisher = RoundPublisher(services, ctx)
+        #: When the job takes its snapshots (coordinator.job_snapshots), and why.
+        self.snapshots = JobSnapshots(services, ctx, self._serving)
+        self._publisher = RoundPublisher(services, ctx, self.snapshots)
         self._announced: tuple[int, str, float] | None = None
         #: When the next try of a failed publication is due (wall clock); None otherwise.
         self._publication_retry_at: float | None = None
@@ -161,7 +174,58 @@ class JobEngine:
         )
         body.update(self.scheduling)
         body["preempting"] = self.preempting  # why it stops at its next boundary, if it does
+        body["snapshot"] = self.snapshots.status(self.version)
+        body["shards"] = self._shards()
+        current = body.get("current")
+        if isinstance(current, dict) and self.record is not None:
+            config = self.record.state.config
+            current["shards"] = dict(config.shards) if config.shards is not None else None
         return body
+
+    def _shards(self) -> dict[str, Any]:
+        """The job's data shard slots: who holds which now, and from the next round."""
+        spec = self.submitted.spec
+        return {
+            "count": self.applied.slots,
+            "min_regions": spec.quorum,
+            "max_regions": spec.region_slots,
+            "assignment": dict(self.applied.assignment),
+            "next": dict(self.membership.assignment),
+            "left": list(self.membership.departed),
+        }
+
+    def adopt(self, membership: Membership) -> bool:
+        """Take regions the manager has already stored: at once when no round of the
+        current version was opened yet, else at the next round boundary. True: at once."""
+        self.membership = membership
+        if self._round_opened():
+            return False
+        self._apply(membership)
+        return True
+
+    def _round_opened(self) -> bool:
+        rs = self.round_state
+        return rs is not None and rs.config.round == self.version
+
+    def _apply(self, membership: Membership) -> None:
+        """Run on ``membership``'s regions from now on (a round boundary)."""
+        if membership == self.applied:
+            return
+        self.ctx = with_membership(
+            self.submitted, self.submitted.spec, membership, self._s.runtime.policies
+        )
+        self._publisher = RoundPublisher(self._s, self.ctx, self.snapshots)
+        self.applied = membership
+        log.info(
+            "job %s runs on %s (shards %s)",
+            self.job,
+            ", ".join(membership.members),
+            dict(membership.assignment),
+        )
+
+    def _serving(self, region: str) -> bool:
+        """Whether ``region`` serves the job now (its failures count for its snapshots)."""
+        return self._state is JobState.RUNNING and region in self.ctx.spec.regions
 
     def quarantined(self) -> dict[str, str]:
         """The job's regions in quarantine for the current round now, each with why."""
@@ -359,6 +423,8 @@ class JobEngine:
         self._s.metrics.job_started(self.job, self.ctx.spec.regions)
         db = self._s.db
         pointers = await db.list_pointers(self.job)
+        self.membership = membership_of(self.submitted.spec, pointers)
+        self.membership_loaded = True
         if "version" not in pointers:
             if self._state.final:
                 return  # it ended before θ_0 existed: nothing to recover
@@ -369,6 +435,7 @@ class JobEngine:
             params_store = self.ctx.publishing.params_store
             self.working = await self._s.executors.compute(params_store.load, pointers)
         found = await recover_rounds(self._s, self.ctx, self.version)
+        await self.snapshots.recover()
         if found.last_checkpoint_at is not None:
             self._s.metrics.last_checkpoint.labels(job=self.job).set(found.last_checkpoint_at)
         self.update_digest = found.update_digest
@@ -376,6 +443,7 @@ class JobEngine:
         if found.quarantine is not None:
             self._quarantine = found.quarantine
         self.record = found.record
+        self._apply(self._round_membership())
         self._evaluation.restore(pointers)
         self._s.metrics.current_round.labels(job=self.job).set(self.version)
         self._export_quarantine()
@@ -411,8 +479,19 @@ class JobEngine:
 
     # -- rounds ---------------------------------------------------------------------
 
+    def _round_membership(self) -> Membership:
+        """The regions the round of the current version opened on (they stay its regions
+        whatever joins or leaves meanwhile); the job's own when none is open."""
+        if not self._round_opened() or self.record is None:
+            return self.membership
+        config = self.record.state.config
+        if config.shards is None or config.shard_count is None:
+            return self.membership  # a round recorded before shards were
+        return Membership(config.shard_count, config.shards, self.membership.datasets)
+
     async def _open_round(self) -> None:
-        """Open (or re-open) round ``version``."""
+        """Open (or re-open) round ``version``, on the job's regions as they stand now."""
+        self._apply(self.membership)  # a round boundary: regions join and leave here
         version = self.version
         previous = (
             self.record if self.record and self.record.state.config.round == version else None
@@ -427,6 +506,8 @@ class JobEngine:
             min_regions=min(spec.quorum, len(selection.participants)),
             opened_at=now,
             deadline_s=deadline_s,
+            shards=dict(self.applied.assignment),
+            shard_count=self.applied.slots,
         )
         rs = RoundState.open(config)
         receipts = await self._s.db.list_receipts(self.job, version)
@@ -638,6 +719,8 @@ class JobEngine:
             now=self._s.clock(),
             evaluation=spec.evaluation,
             overlap=spec.overlap,
+            assignment=self.applied.assignment,
+            shards=self.applied.slots,
         )
         await self._s.control.announce(message)
         self._announced = key

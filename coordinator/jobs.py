@@ -36,6 +36,7 @@ from coordinator.admission import (
     capacity_json,
     in_use,
     job_facts,
+    join_capacity_refusal,
     training_phase,
 )
 from coordinator.admission_records import record_job_start, record_queued_job
@@ -43,11 +44,13 @@ from coordinator.audit import AuditEntry, AuditEvent, AuditVerdict
 from coordinator.context import JobContext, JobContextError, build_context
 from coordinator.deadline import DeadlineError
 from coordinator.engine import JobEngine
-from coordinator.errors import ApiError, BadRequest, Conflict, Forbidden, NotFound
+from coordinator.errors import ApiError, BadRequest, Conflict, Forbidden, NotFound, Unavailable
+from coordinator.job_regions import record_region_change
 from coordinator.jobspec import JobSpec, JobSpecError, parse_job_spec, parse_stored_spec
 from coordinator.records import JobState
 from coordinator.scheduling import SchedulingConfig
 from coordinator.scheduling.config import load_scheduling_config
+from coordinator.scheduling.elastic import RegionChange, decide_change, joined_provenance
 from coordinator.scheduling.quota import team_gpu_hours
 from coordinator.services import Services
 from coordinator.store import AlreadyExists, ConflictError
@@ -96,6 +99,7 @@ class JobManager:
         self._submitted: dict[str, float] = {}
         self._queue: dict[str, QueueEntry] = {}
         self._planning = asyncio.Lock()
+        self._changing_regions = asyncio.Lock()
         self._replan_wanted = asyncio.Event()
         self._replan_why: dict[str, None] = {}  # why passes were asked for, in order
         self._planner: asyncio.Task[None] | None = None
@@ -431,6 +435,130 @@ class JobManager:
             self._s.metrics.preemptions.labels(priority=engine.scheduling["priority"]).inc()
         return {"job": job, "state": engine.state.value, "preempting": engine.preempting}
 
+    # -- regions joining and leaving -------------------------------------------------
+
+    async def change_regions(
+        self, job: str, change: RegionChange, actor: Identity
+    ) -> dict[str, Any]:
+        """Add a region to ``job`` or remove one, from its next round boundary.
+
+        Authorized as other job management (the job's team or an admin); a join is
+        decided by residency as at admission and, for a job stating needs, by the
+        capacity free in the region. Every refusal is audited (``job.regions``, deny,
+        with why) and changes nothing.
+        """
+        engine = self.engine(job)
+        await self._check_manager(engine, "regions", actor)
+        if not engine.membership_loaded:
+            raise Unavailable(f"job {job} is starting; retry shortly")
+        async with self._changing_regions:
+            submitted = engine.submitted.spec
+            decision = decide_change(
+                change,
+                engine.membership,
+                job=job,
+                ended=engine.state.value if engine.state.final else "",
+                min_regions=submitted.quorum,
+                known_regions=frozenset(self._s.runtime.policies),
+                evaluation_region=submitted.evaluation.region,
+            )
+            if decision.membership is None:
+                await self._refuse_change(engine, change, actor, decision.reason, decision.details)
+                raise ApiError(
+                    decision.status,
+                    decision.code,
+                    decision.reason,
+                    {"refusal": str(decision.refusal)},
+                )
+            if change.action == "add":
+                await self._check_join(engine, change, actor)
+            details: dict[str, Any] = {
+                "action": change.action,
+                "reason": decision.reason,
+                "slot": decision.slot,
+            }
+            if change.action == "add":
+                details["datasets"] = list(change.datasets)
+            await self._s.db.run(
+                record_region_change, job, change.region, decision.membership, actor, details
+            )
+            at_once = engine.adopt(decision.membership)
+            in_progress = None if at_once else engine.version
+        log.info("job %s: %s by %s", job, decision.reason, actor)
+        await self._s.control.event(
+            "job.regions", job=job, region=change.region, detail=decision.reason
+        )
+        if engine.ctx.spec.needs is not None:
+            self._request_pass(f"job {job}: {change.action} {change.region}")
+        return {
+            "job": job,
+            "action": change.action,
+            "region": change.region,
+            "slot": decision.slot,
+            "effective": "now" if at_once else "next_round",
+            "round_in_progress": in_progress,  # keeps its participants
+            "reason": decision.reason,
+            "shards": engine.status()["shards"],
+        }
+
+    async def _check_join(self, engine: JobEngine, change: RegionChange, actor: Identity) -> None:
+        """Residency (as at admission, with the job's checkpoint location) and capacity
+        for ``change.region`` joining; a refusal is audited and raised."""
+        spec = engine.submitted.spec
+        regions = joined_provenance(engine.membership, change.region, change.datasets)
+        location = engine.ctx.publishing.location
+        storage = StorageLocation(location.name, location.jurisdiction, location.region)
+        try:
+            placement = JobPlacement.build(regions, self._s.config.jurisdiction, [storage])
+        except PlacementError as exc:
+            raise BadRequest(f"region change: {exc}") from None
+        admission = admit_job(self._s.runtime.policies, placement)
+        for each in admission.decisions:
+            self._s.metrics.policy_decision(each.allowed, "admission")
+        if not admission.admitted:
+            first = admission.denials[0]
+            reason = (
+                f"residency policy refuses {change.region} joining {engine.job}: {first.reason} "
+                f"[rule {first.rule.rule_id} at {first.rule.origin}]"
+            )
+            denials = [each.as_dict() for each in admission.denials]
+            await self._refuse_change(engine, change, actor, reason, {"denials": denials})
+            raise ApiError(403, "policy_denied", reason, {"denials": denials})
+        need = spec.need_in(change.region)
+        if need is None:
+            return
+        lack = join_capacity_refusal(change.region, need, self._regions(), self._facts())
+        if lack is not None:
+            reason = f"{change.region} lacks the capacity {engine.job} needs: {lack}"
+            await self._refuse_change(engine, change, actor, reason, {})
+            raise ApiError(409, "invalid_state", reason, {"refusal": "capacity"})
+
+    async def _refuse_change(
+        self,
+        engine: JobEngine,
+        change: RegionChange,
+        actor: Identity,
+        reason: str,
+        details: Mapping[str, Any],
+    ) -> None:
+        log.warning(
+            "refused %s of region %s to job %s: %s",
+            change.action,
+            change.region,
+            engine.job,
+            reason,
+        )
+        await self._s.db.append_audit(
+            AuditEvent(
+                actor=actor,
+                action="job.regions",
+                verdict=AuditVerdict.DENY,
+                job=engine.job,
+                region=change.region,
+                details={"action": change.action, "reason": reason, **details},
+            )
+        )
+
     # -- capacity admission ------------------------------------------------------------
 
     def _facts(self) -> list[JobFacts]:
@@ -442,9 +570,11 @@ class JobManager:
                 self._scheduling,
                 phase=training_phase(
                     engine.version,
-                    engine.ctx.spec.snapshot_every,
+                    engine.snapshots.every_rounds,
                     in_round=engine.round_state is not None
                     and engine.round_state.config.round == engine.version,
+                    last_snapshot=engine.snapshots.last_round,
+                    next_snapshot=engine.snapshots.next_round(engine.version),
                 ),
                 preempting=engine.preempting is not None,
                 claim=self._claims.get(job, ()),

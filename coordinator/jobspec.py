@@ -13,12 +13,15 @@ the line and the key. The spec is stored as submitted, in its validated JSON for
       eu-west: [eu-parliament-proceedings]
       us-east: [us-public-domain-books]
     min_regions: 2                     # quorum once the deadline passes (default: all)
+    max_regions: 3                     # regions it may grow to (default: those listed)
     rounds: 20                         # outer rounds to run
     inner_steps: 50                    # H: local steps per round
     seed: 0                            # θ_0 and every region's data order
     codec: {scheme: int8, block_size: 128, zstd_level: 1}        # geofed.codec_params
     outer_optimizer: {kind: nesterov, lr: 0.3, momentum: 0.8, momentum_warmup_rounds: 4}
-    snapshot_every: 5                  # K: full snapshot every K rounds
+    snapshot_every: 5                  # K: full snapshot every K rounds; or auto: Young/Daly
+                                       # within snapshot_min_rounds..snapshot_max_rounds
+                                       # (default 1..100; coordinator.snapshot_policy)
     retention: {keep_snapshots: 3, keep_every: 10}   # default: keep the whole chain
     deadline: {initial_s: 1800, min_s: 600, max_s: 14400}       # adaptive bounds
     checkpoint_storage: [eu-ckpt, us-ckpt]                      # candidates, in preference
@@ -58,6 +61,7 @@ from pydantic import (
     Field,
     JsonValue,
     ValidationError,
+    ValidationInfo,
     field_validator,
     model_validator,
 )
@@ -190,6 +194,13 @@ class JobSpec(_Section):
     min_regions: int | None = Field(
         default=None, ge=1, description="quorum at the deadline; default: every region"
     )
+    max_regions: int | None = Field(
+        default=None,
+        ge=1,
+        le=10_000,
+        description="the most regions the job may run on once regions join it (its number "
+        "of data shards, fixed at submission); default: the regions listed",
+    )
     rounds: int = Field(ge=1, description="outer rounds")
     inner_steps: int = Field(ge=1, description="local steps per round (H)")
     seed: int = Field(default=0, ge=0, lt=2**63)
@@ -199,7 +210,18 @@ class JobSpec(_Section):
         "(stochastic_rounding is for regions' deltas; the update rounds to nearest)",
     )
     outer_optimizer: OuterOptimizerConfig = Field(default_factory=OuterOptimizerConfig)
-    snapshot_every: int = Field(default=10, ge=1, description="K: a full snapshot every K rounds")
+    snapshot_every: int | Literal["auto"] = Field(
+        default=10,
+        description="K: a full snapshot every K rounds; auto: the Young/Daly interval from "
+        "the measured snapshot cost and the regions' observed failures "
+        "(coordinator.snapshot_policy), within snapshot_min_rounds..snapshot_max_rounds",
+    )
+    snapshot_min_rounds: int = Field(
+        default=1, ge=1, description="with snapshot_every: auto, the shortest interval in rounds"
+    )
+    snapshot_max_rounds: int = Field(
+        default=100, ge=1, description="with snapshot_every: auto, the longest interval in rounds"
+    )
     retention: RetentionConfig | None = Field(
         default=None,
         description="how much of the checkpoint chain to keep (coordinator.retention); "
@@ -264,6 +286,23 @@ class JobSpec(_Section):
             raise ValueError(f"overlap must be one of none, delayed; got {value!r}")
         return value
 
+    @field_validator("snapshot_every", mode="before")
+    @classmethod
+    def _interval_or_auto(cls, value: object) -> object:
+        if value == "auto":
+            return value
+        if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
+            return value
+        raise ValueError(f"snapshot_every must be a whole number >= 1 or auto; got {value!r}")
+
+    @field_validator("snapshot_max_rounds")
+    @classmethod
+    def _bounds_ordered(cls, value: int, info: ValidationInfo) -> int:
+        low = info.data.get("snapshot_min_rounds")
+        if isinstance(low, int) and value < low:
+            raise ValueError(f"snapshot_max_rounds ({value}) is below snapshot_min_rounds ({low})")
+        return value
+
     @field_validator("regions")
     @classmethod
     def _datasets_given(cls, value: dict[str, tuple[str, ...]]) -> dict[str, tuple[str, ...]]:
@@ -286,6 +325,20 @@ class JobSpec(_Section):
         if self.min_regions is not None and self.min_regions > len(self.regions):
             raise ValueError(
                 f"min_regions ({self.min_regions}) exceeds the {len(self.regions)} regions"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _room_to_grow(self) -> JobSpec:
+        if self.max_regions is None:
+            return self
+        if self.max_regions < len(self.regions):
+            raise ValueError(
+                f"max_regions ({self.max_regions}) is below the {len(self.regions)} regions listed"
+            )
+        if self.min_regions is not None and self.max_regions < self.min_regions:
+            raise ValueError(
+                f"max_regions ({self.max_regions}) is below min_regions ({self.min_regions})"
             )
         return self
 
@@ -326,9 +379,19 @@ class JobSpec(_Section):
         return self.min_regions if self.min_regions is not None else len(self.regions)
 
     @property
+    def region_slots(self) -> int:
+        """The job's data shards: ``max_regions``, else the regions listed (elastic jobs)."""
+        return self.max_regions if self.max_regions is not None else len(self.regions)
+
+    @property
     def total_steps(self) -> int:
         """Each region's inner steps over the whole job: what the LR schedule runs over."""
         return self.rounds * self.inner_steps
+
+    @property
+    def fixed_snapshot_every(self) -> int | None:
+        """K when snapshots are taken every K rounds; None with ``snapshot_every: auto``."""
+        return None if self.snapshot_every == "auto" else self.snapshot_every
 
     @property
     def team_name(self) -> str:

@@ -119,6 +119,12 @@ LAST_CHECKPOINT = MetricSpec(
     "When the job's latest global checkpoint part was stored.",
     ("job",),
 )
+SNAPSHOT_INTERVAL = MetricSpec(
+    "geofed_job_snapshot_interval_rounds",
+    "gauge",
+    "Rounds between the job's global snapshots, as chosen now (fixed, or Young/Daly).",
+    ("job",),
+)
 CERTIFICATE_EXPIRY = MetricSpec(
     "geofed_certificate_expiry_timestamp_seconds",
     "gauge",
@@ -189,6 +195,7 @@ CATALOGUE: Final[tuple[MetricSpec, ...]] = (
     EVALUATIONS,
     REGION_TRAIN_LOSS,
     LAST_CHECKPOINT,
+    SNAPSHOT_INTERVAL,
     CERTIFICATE_EXPIRY,
     JOBS,
     JOBS_QUEUED,
@@ -230,6 +237,7 @@ class CoordinatorMetrics:
         self.evaluations = counter(EVALUATIONS, registry)
         self.region_train_loss = gauge(REGION_TRAIN_LOSS, registry)
         self.last_checkpoint = gauge(LAST_CHECKPOINT, registry)
+        self.snapshot_interval = gauge(SNAPSHOT_INTERVAL, registry)
         self.certificate_expiry = gauge(CERTIFICATE_EXPIRY, registry)
         self.jobs = gauge(JOBS, registry)
         self.jobs_queued = gauge(JOBS_QUEUED, registry)

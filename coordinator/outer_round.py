@@ -17,16 +17,18 @@ folded as deltas arrived when the engine holds it (the job's rule is a plain mea
 in the round's recorded arrival order and combines them
 (:func:`coordinator.robust_aggregation.combine`); both give the same bits, so a
 restarted coordinator recomputes the identical round. It then signs and
-stores the update (and every ``snapshot_every`` rounds a lossless fp32 snapshot) in the
-job's checkpoint location and writes the new working-state blobs. Nothing here commits
-the round: :mod:`coordinator.publication` does, in one state-store transaction. Blocking:
-run in a worker thread.
+stores the update (and, when the job's snapshot policy says so, a lossless fp32 snapshot;
+by default every ``snapshot_every`` rounds) in the job's checkpoint location and writes
+the new working-state blobs. Nothing here commits the round:
+:mod:`coordinator.publication` does, in one state-store transaction. Blocking: run in a
+worker thread.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Executor, ThreadPoolExecutor
 from contextlib import AbstractContextManager
@@ -213,6 +215,8 @@ class PublishedRound:
     #: "folded on arrival" or "decoded at publication".
     order: tuple[str, ...] = ()
     summation: str = ""
+    #: Wall seconds the snapshot took to encode, sign and store (None: no snapshot).
+    snapshot_s: float | None = None
 
 
 def publish_round(
@@ -224,6 +228,7 @@ def publish_round(
     order: Sequence[str] | None = None,
     folded_sum: WeightedSum | None = None,
     lineage: Mapping[str, JsonValue] | None = None,
+    snapshot: bool | None = None,
 ) -> PublishedRound:
     """Compute and store round ``state.version`` from the accepted ``sources``.
 
@@ -232,6 +237,8 @@ def publish_round(
     they arrived (:mod:`coordinator.round_accumulator`): the deltas are then not decoded
     again, and the result is the same bits. It is consumed. ``lineage`` is the round's
     lineage record (:mod:`coordinator.lineage`), signed into the update's manifest.
+    ``snapshot``: whether θ_{r+1} gets a snapshot (:mod:`coordinator.snapshot_policy`);
+    None: when r+1 is a multiple of ``job.snapshot_every``.
     """
     if not sources:
         raise ValueError(f"job {job.job!r} round {state.version}: no delta to aggregate")
@@ -254,21 +261,31 @@ def publish_round(
     del combined
     round_ = state.version
     tokens = sum(source.tokens for source in sources)
+    took: list[float] = []
     with ThreadPoolExecutor(max_workers=3, thread_name_prefix="geofed-publish") as pool:
-        new_state, pointers, update, snapshot = store_round(
-            job, state, publication, tokens, now, pool, lineage=lineage
+        new_state, pointers, update, stored_snapshot = store_round(
+            job,
+            state,
+            publication,
+            tokens,
+            now,
+            pool,
+            lineage=lineage,
+            snapshot=snapshot,
+            on_snapshot=took.append,
         )
     return PublishedRound(
         round_,
         new_state,
         pointers,
         update,
-        snapshot,
+        stored_snapshot,
         tokens,
         publication.stream.fp32_bytes,
         flagged,
         tuple(order) if order is not None else tuple(sorted(s.region for s in sources)),
         "folded on arrival" if folded_sum is not None else "decoded at publication",
+        took[0] if took else None,
     )
 
 
@@ -281,6 +298,8 @@ def store_round(
     pool: Executor | None,
     *,
     lineage: Mapping[str, JsonValue] | None = None,
+    snapshot: bool | None = None,
+    on_snapshot: Callable[[float], None] | None = None,
 ) -> tuple[WorkingState, dict[str, str], StoredArtifact, StoredArtifact | None]:
     """Store what round ``state.version`` published: θ_{r+1}'s working state, the signed
     update (and a snapshot when one is due); return the new state, its pointer values and
@@ -288,7 +307,8 @@ def store_round(
 
     The writes are independent, a model's size each: with ``pool`` (3 threads) the
     working state's three blobs are written side by side with θ_{r+1}'s hash and the
-    chain's update and snapshot.
+    chain's update and snapshot. ``snapshot`` is as in :func:`publish_round`;
+    ``on_snapshot`` is told the wall seconds the snapshot took.
     """
     round_ = state.version
     saving = job.params_store.begin_save(
@@ -317,9 +337,14 @@ def store_round(
         job.signer.sign(manifest),
         publication.stream,
     )
-    snapshot = None
-    if (round_ + 1) % job.snapshot_every == 0:
-        snapshot = store_snapshot(job, round_ + 1, publication.params, new_hash, now)
+    if snapshot is None:
+        snapshot = (round_ + 1) % job.snapshot_every == 0
+    stored_snapshot = None
+    if snapshot:
+        started = time.monotonic()
+        stored_snapshot = store_snapshot(job, round_ + 1, publication.params, new_hash, now)
+        if on_snapshot is not None:
+            on_snapshot(time.monotonic() - started)
     pointers = saving.pointers(new_hash)
     new_state = WorkingState(
         version=round_ + 1,
@@ -328,7 +353,7 @@ def store_round(
         optimizer_state=publication.optimizer_state,
         residual=publication.residual,
     )
-    return new_state, pointers, update, snapshot
+    return new_state, pointers, update, stored_snapshot
 
 
 def publish_initial(

@@ -34,6 +34,7 @@ from pydantic import JsonValue
 from coordinator.audit import AuditEvent, AuditVerdict, format_time
 from coordinator.config import PublicationRetryConfig
 from coordinator.context import JobContext
+from coordinator.job_snapshots import JobSnapshots
 from coordinator.lineage import ContributionLog, round_record
 from coordinator.outer_round import DeltaSource, PublishedRound, publish_round
 from coordinator.records import RoundRecord
@@ -181,9 +182,10 @@ class ComputedRound:
 class RoundPublisher:
     """The work of publishing one job's closed rounds (see the module docstring)."""
 
-    def __init__(self, services: Services, ctx: JobContext) -> None:
+    def __init__(self, services: Services, ctx: JobContext, snapshots: JobSnapshots) -> None:
         self._s = services
         self._ctx = ctx
+        self._snapshots = snapshots
 
     async def compute(
         self,
@@ -210,6 +212,15 @@ class RoundPublisher:
         faults, state_dir = self._s.runtime.faults, self._s.config.state_dir
         await faults.reached("aggregate", state_dir, job, round_)
         lineage = await self._lineage(round_, receipts, rs.included)
+        snapshot = self._snapshots.decide(rs)
+        log.info(
+            "job %s round %d: θ_%d %s: %s",
+            job,
+            round_,
+            round_ + 1,
+            "snapshotted" if snapshot.take else "not snapshotted",
+            snapshot.reason,
+        )
         started = time.monotonic()
         try:
             published = await self._s.executors.compute(
@@ -221,10 +232,13 @@ class RoundPublisher:
                 order=order,
                 folded_sum=folded_sum,
                 lineage=lineage,
+                snapshot=snapshot.take,
             )
         except Exception as exc:
             raise PublicationFailed(exc) from exc
         elapsed = time.monotonic() - started
+        if published.snapshot_s is not None:
+            self._snapshots.stored(round_ + 1, published.snapshot_s)
         await faults.reached("publish", state_dir, job, round_)
         return ComputedRound(published, sources, elapsed)
 
@@ -291,6 +305,7 @@ class RoundPublisher:
         )
         contributions = ContributionLog(self._s.config.state_dir / "lineage")
         await self._s.executors.files(contributions.discard_round, job, round_)
+        await self._snapshots.published(rs)
         if published.snapshot is not None:
             await self._retain(round_)
         metrics = self._s.metrics
@@ -334,7 +349,9 @@ class RoundPublisher:
         job = self._ctx.job
         try:
             entries = await self._s.executors.files(store.entries, job)
-            plan = plan_retention(entries, config, self._ctx.spec.snapshot_every)
+            spec = self._ctx.spec
+            spacing = spec.fixed_snapshot_every or spec.snapshot_min_rounds
+            plan = plan_retention(entries, config, spacing)
             if not plan.remove:
                 return
             result = await self._s.executors.files(store.remove, job, plan.remove)

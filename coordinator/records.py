@@ -106,6 +106,8 @@ def announcement(
     now: float,
     evaluation: EvaluationConfig | None = None,
     overlap: Literal["none", "delayed"] = "none",
+    assignment: Mapping[str, int] | None = None,
+    shards: int | None = None,
 ) -> RoundAnnouncement:
     """The announcement of round ``version`` in ``state``.
 
@@ -145,4 +147,6 @@ def announcement(
         evaluation=evaluation if evaluation is not None else EvaluationConfig(),
         overlap=overlap,
         regions=regions,
+        assignment=dict(assignment or {}),
+        shards=shards if assignment else None,
     )

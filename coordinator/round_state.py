@@ -130,6 +130,13 @@ class RoundConfig(BaseModel):
     extension_s: float | None = Field(
         default=None, gt=0, allow_inf_nan=False, description="Default: half of deadline_s."
     )
+    shards: dict[str, int] | None = Field(
+        default=None,
+        description="The job's regions when the round opened, each with its data shard slot "
+        "(kept for the round's life, whoever joins or leaves meanwhile); None: a record that "
+        "predates it.",
+    )
+    shard_count: int | None = Field(default=None, ge=1, description="The job's shard slots.")
 
     @field_validator("participants")
     @classmethod
@@ -149,6 +156,18 @@ class RoundConfig(BaseModel):
                 f"min_regions ({self.min_regions}) exceeds the {len(self.participants)} "
                 "participants"
             )
+        if (self.shards is None) != (self.shard_count is None):
+            raise ValueError("shards and shard_count go together")
+        if self.shards is not None and self.shard_count is not None:
+            slots = list(self.shards.values())
+            if len(set(slots)) != len(slots) or any(
+                not 0 <= slot < self.shard_count for slot in slots
+            ):
+                raise ValueError(
+                    f"shards {self.shards} are not distinct slots of {self.shard_count}"
+                )
+            if not set(self.participants) <= set(self.shards):
+                raise ValueError("every participant needs a shard")
         return self
 
     @property

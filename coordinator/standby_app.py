@@ -47,6 +47,7 @@ from coordinator.job_evaluation import (
     parse_history,
     parse_val_loss,
 )
+from coordinator.job_regions import effective_spec, membership_of
 from coordinator.job_status import job_status
 from coordinator.jobspec import parse_stored_spec
 from coordinator.quarantine import QuarantineConfig
@@ -139,7 +140,9 @@ def job_view(
     Raises ``ValueError`` (a damaged record, a stored spec that no longer parses).
     """
     record, pointers = facts.record, facts.pointers
-    spec = parse_stored_spec(record.spec)
+    submitted = parse_stored_spec(record.spec)
+    # The regions it runs on now: those submitted, with the joins and leaves since.
+    spec = effective_spec(submitted, membership_of(submitted, pointers))
     state = JobState(record.state)
     version = int(pointers.get(VERSION, "0"))
     current = (
@@ -311,7 +314,8 @@ async def job_status_handler(request: web.Request) -> web.Response:
     readers = identity.role in READERS
     if not readers:
         try:
-            regions = parse_stored_spec(facts.record.spec).regions
+            submitted = parse_stored_spec(facts.record.spec)
+            regions = membership_of(submitted, facts.pointers).member_datasets()
         except DAMAGED:
             raise unknown_job(job) from None
         if not may_see(identity, regions):

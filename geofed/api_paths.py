@@ -46,6 +46,8 @@ class ApiPaths:
     JOB_ACTION: ClassVar[str] = _V1 + "/jobs/{job}/{action:" + "|".join(JOB_ACTIONS) + "}"
     #: Stop a capacity-scheduled job at its next round boundary and requeue it (admins).
     JOB_PREEMPT: ClassVar[str] = _V1 + "/jobs/{job}/preempt"
+    #: Add a region to a job or remove one, from its next round boundary (operators).
+    JOB_REGIONS: ClassVar[str] = _V1 + "/jobs/{job}/regions"
     REGIONS: ClassVar[str] = _V1 + "/regions"
     QUEUE: ClassVar[str] = _V1 + "/queue"
     AUDIT: ClassVar[str] = _V1 + "/audit"
@@ -70,6 +72,10 @@ class ApiPaths:
     def job_action(job: str, action: str) -> str:
         """``pause``, ``resume`` or ``cancel`` of ``job`` (the server refuses any other)."""
         return f"{_V1}/jobs/{job}/{action}"
+
+    @staticmethod
+    def job_regions(job: str) -> str:
+        return f"{_V1}/jobs/{job}/regions"
 
     @staticmethod
     def delta(job: str, round_: int, region: str) -> str:

@@ -1,4 +1,4 @@
-"""``geofed job submit|status|pause|resume|cancel|preempt`` and ``geofed status``.
+"""``geofed job submit|status|pause|resume|cancel|preempt|regions`` and ``geofed status``.
 
 Every call is HTTPS with the operator's (or observer's) client certificate, and the
 server must prove it is a coordinator of the federation. Where to connect and as whom
@@ -91,6 +91,26 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         action.add_argument("job", metavar="JOB", help="job id")
         _connection_arguments(action)
         action.set_defaults(handler=_job_status if name == "status" else _job_action, action=name)
+
+    regions = actions.add_parser(
+        "regions",
+        help="add a region to a job or remove one, from its next round boundary",
+        description="Grow or shrink a running job within its min_regions..max_regions. A "
+        "region that joins takes a free data shard slot and starts from the job's latest "
+        "parameters at the next round boundary; one that leaves finishes the round in "
+        "progress.",
+    )
+    regions.add_argument("job", metavar="JOB", help="job id")
+    change = regions.add_mutually_exclusive_group(required=True)
+    change.add_argument("--add", metavar="REGION", help="the region to add")
+    change.add_argument("--remove", metavar="REGION", help="the region to remove")
+    regions.add_argument(
+        "--datasets",
+        metavar="NAME[,NAME...]",
+        help="with --add: the datasets the region trains on (comma-separated)",
+    )
+    _connection_arguments(regions)
+    regions.set_defaults(handler=_job_regions)
 
     status = subparsers.add_parser(
         "status",
@@ -199,6 +219,37 @@ def _job_action(args: argparse.Namespace) -> int:
         preempting = reply.body.get("preempting")
         after = f" (stops at its next round boundary: {preempting})" if preempting else ""
         print(f"job {reply.body['job']}: {reply.body['state']}{after}")
+    return EXIT_OK
+
+
+def region_change_body(add: str | None, remove: str | None, datasets: str | None) -> bytes:
+    """The JSON body of ``POST /v1/jobs/{job}/regions``; UsageError if incomplete."""
+    if remove is not None:
+        if datasets:
+            raise UsageError("--datasets goes with --add, not --remove")
+        return json.dumps({"remove": remove}).encode()
+    names = [name.strip() for name in (datasets or "").split(",") if name.strip()]
+    if not names:
+        raise UsageError(f"--add {add} needs --datasets: the datasets it trains on")
+    return json.dumps({"add": add, "datasets": names}).encode()
+
+
+def _job_regions(args: argparse.Namespace) -> int:
+    try:
+        body = region_change_body(args.add, args.remove, args.datasets)
+    except UsageError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    reply = _call(args, "POST", ApiPaths.job_regions(args.job), body)
+    if isinstance(reply, int):
+        return reply
+    if reply.status not in (200, 202):
+        return _refused(reply)
+    if args.json:
+        _print_json(reply.body)
+    else:
+        when = "now" if reply.body.get("effective") == "now" else "from the next round"
+        print(f"job {reply.body['job']}: {reply.body['reason']} ({when})")
     return EXIT_OK
 
 
@@ -314,6 +365,22 @@ def _print_job(body: dict[str, Any], out: TextIO) -> None:
             print(f"  {current['end_reason']}", file=out)
     for _, reason in sorted(body.get("quarantined", {}).items()):
         print(f"  {reason}", file=out)
+    shards = body.get("shards")
+    if shards:
+        print(
+            f"  regions (data shard of {shards['count']}): {_slots(shards['assignment'])}", file=out
+        )
+        if shards.get("next") != shards["assignment"]:
+            print(f"  from the next round: {_slots(shards.get('next') or {})}", file=out)
+    snapshot = body.get("snapshot")
+    if snapshot:
+        last = snapshot.get("last_round")
+        print(
+            f"  snapshots ({snapshot['mode']}) every {snapshot['every_rounds']} round(s), "
+            f"last θ_{'-' if last is None else last}, next θ_{snapshot['next_round']}: "
+            f"{snapshot['reason']}",
+            file=out,
+        )
     if body.get("priority"):
         print(f"  priority {body['priority']}, team {body.get('team') or '-'}", file=out)
     queue = body.get("queue")
@@ -324,6 +391,10 @@ def _print_job(body: dict[str, Any], out: TextIO) -> None:
         )
     if body.get("error"):
         print(f"  error: {body['error']}", file=out)
+
+
+def _slots(assignment: dict[str, int]) -> str:
+    return ", ".join(f"{region} {slot}" for region, slot in sorted(assignment.items())) or "none"
 
 
 def _refused(reply: Reply) -> int:

@@ -12,7 +12,8 @@ nothing here does I/O. One module per job:
 * :mod:`.admission`: the gang decision for one job;
 * :mod:`.preemption`: which jobs a blocked job may stop, at their round boundary;
 * :mod:`.plan`: one pass over the queue;
-* :mod:`.checkpoint_interval`: the Young/Daly snapshot interval.
+* :mod:`.checkpoint_interval`: the Young/Daly snapshot interval;
+* :mod:`.elastic`: regions joining and leaving a running job, and their data shard slots.
 """
 
 from coordinator.scheduling.admission import Admission, Blocker, admit

@@ -123,17 +123,48 @@ class RoundAnnouncement(_Message):
     #: them (:meth:`data_shard`), whoever takes part in a round. Empty from coordinators
     #: that predate it; the participants then stand in.
     regions: Annotated[tuple[RegionName, ...], BeforeValidator(_as_tuple)] = ()
+    #: The job's shard assignment: region -> its data shard slot, fixed while the region
+    #: stays in the job (regions join and leave elastic jobs), out of ``shards`` slots.
+    #: Empty (and ``shards`` None) from coordinators that predate it: a region's place
+    #: among ``regions`` then stands in.
+    assignment: dict[RegionName, Annotated[int, Field(ge=0, lt=2**31)]] = Field(
+        default_factory=dict
+    )
+    shards: int | None = Field(default=None, ge=1, lt=2**31)
 
     def data_shard(self, region: str) -> tuple[int, int]:
-        """``region``'s data shard: its index among the job's regions, and their count.
+        """``region``'s data shard: its slot in the job's assignment, and the slot count.
 
         Fixed by the job's assignment, so a region left out of a round (quarantined, a
-        straggler) changes no other region's data.
+        straggler), or another region joining or leaving the job, changes no other
+        region's data. Without an assignment: its index among the job's regions.
         """
+        if self.assignment and self.shards is not None:
+            if region not in self.assignment:
+                raise ValueError(
+                    f"region {region!r} is not one of the job's regions {sorted(self.assignment)}"
+                )
+            return self.assignment[region], self.shards
         regions = sorted(self.regions or self.participants)
         if region not in regions:
             raise ValueError(f"region {region!r} is not one of the job's regions {regions}")
         return regions.index(region), len(regions)
+
+    def _consistent_assignment(self) -> None:
+        if (not self.assignment) != (self.shards is None):
+            raise ValueError("assignment and shards go together")
+        if not self.assignment or self.shards is None:
+            return
+        slots = list(self.assignment.values())
+        if len(set(slots)) != len(slots):
+            raise ValueError(f"assignment gives two regions one shard: {self.assignment}")
+        if max(slots) >= self.shards:
+            raise ValueError(f"assignment {self.assignment} names a shard beyond {self.shards}")
+        if self.regions and set(self.assignment) != set(self.regions):
+            raise ValueError("assignment and regions name different regions")
+        if not set(self.participants) <= set(self.assignment):
+            strangers = sorted(set(self.participants) - set(self.assignment))
+            raise ValueError(f"participants {strangers} have no shard in the assignment")
 
     @property
     def total_steps(self) -> int | None:
@@ -161,6 +192,7 @@ class RoundAnnouncement(_Message):
             raise ValueError(
                 f"min_regions {self.min_regions} exceeds {len(self.participants)} participants"
             )
+        self._consistent_assignment()
         if self.total_rounds is None and self.training.lr_schedule.kind != "constant":
             raise ValueError(f"a {self.training.lr_schedule.kind} schedule needs total_rounds")
         return self

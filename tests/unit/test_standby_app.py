@@ -135,3 +135,12 @@ def test_refusals_and_readiness_name_the_leader() -> None:
 def test_who_may_see_a_job_follows_the_leaders_rule(who: str, sees: bool) -> None:
     regions = {"eu-west": ["a"], "us-east": ["b"]}
     assert may_see(Identity.parse(f"spiffe://acme/{who}"), regions) is sees
+
+
+def test_a_job_shows_the_regions_it_runs_on_now_as_the_leader_does() -> None:
+    pointers = {"version": "2", "member.us-east": '{"slot": null, "datasets": ["d"]}'}
+    body = view(facts(pointers=pointers))
+    assert list(body["regions"]) == ["eu-west"]  # us-east left the job
+    assert list(body["spec"]["regions"]) == ["eu-west"]
+    with pytest.raises(DAMAGED):
+        view(facts(pointers={"version": "2", "member.us-east": "{not json"}))
