@@ -24,6 +24,21 @@ default, is at the end of the inner phase: communication that takes a whole phas
 applies y ← y + (θ_{r+1} - S), so that Δ_{r+1} is formed against θ_{r+1} as usual. The
 inner optimizer's state and the data order carry on throughout.
 
+Two corrections of that rule can be measured (both off by default):
+
+* ``fold_mix`` a: the fold is y ← θ_{r+1} + a·(y - S), damping the progress made on the
+  stale start (a = 1 is the rule above, computed as above so it is bit for bit the same;
+  a = 0 keeps none of it).
+* ``delayed_start``: where the region trains from until θ_{r+1} arrives. ``local`` is
+  y_r (the rule above); ``global`` is θ_r, the last global parameters it has; ``eager``
+  is θ_r plus an outer step on an estimate of round r's mean delta made from what a
+  region has (after Kale et al. 2025, "Eager Updates for Overlapped Communication and
+  Computation in DiLoCo"): its own fresh Δ_r in place of its own previous one in the
+  previous round's mean, ĝ_r = ḡ_{r-1} + (Δ_r - Δ_{r-1}) / M. ḡ_{r-1} and the outer
+  momentum are not sent to regions; they are recovered from the published θ_r - θ_{r-1}
+  and the job's outer config by replaying the outer optimizer (:class:`OuterReplica`).
+  S is then that start, and the fold is as above.
+
 An ``attack`` makes the last region hostile: it trains honestly, then sends its delta
 multiplied by :data:`ATTACK_FACTORS` (through the agent's own encoding), claiming its
 honest tokens.
@@ -56,6 +71,7 @@ from regional_agent.delta import EncodedDelta, encode_delta
 Method = Literal["sync", "diloco"]
 Attack = Literal["none", "scaled", "sign_flipped"]
 Overlap = Literal["none", "delayed"]
+DelayedStart = Literal["local", "global", "eager"]
 
 #: What a hostile region multiplies its honest delta by.
 ATTACK_FACTORS: dict[Attack, float] = {"none": 1.0, "scaled": 10.0, "sign_flipped": -2.0}
@@ -89,6 +105,8 @@ class RunSpec:
     attack: Attack = "none"
     overlap: Overlap = "none"
     arrival_fraction: float = 1.0
+    fold_mix: float = 1.0
+    delayed_start: DelayedStart = "local"
 
     def __post_init__(self) -> None:
         for what in ("regions", "workers", "rounds", "inner_steps"):
@@ -100,6 +118,8 @@ class RunSpec:
             raise SimulationError(
                 f"arrival_fraction must be in [0, 1], got {self.arrival_fraction}"
             )
+        if not 0.0 <= self.fold_mix <= 1.0:
+            raise SimulationError(f"fold_mix must be in [0, 1], got {self.fold_mix}")
 
     @property
     def arrival_step(self) -> int:
@@ -317,10 +337,18 @@ def _run_rounds(
         models.append(model)
         optimizers.append(optimizer)
     feedback = [ErrorFeedback() for _ in range(spec.regions)]
-    # Under overlap="delayed", each region's parameters when it sent its last delta.
+    # Under overlap="delayed", where each region started its current round (S).
     snapshots: list[dict[str, torch.Tensor] | None] = [None] * spec.regions
+    # Under delayed_start="eager": each region's last raw delta, and what every region
+    # knows of the outer optimizer (the same for all, so kept once).
+    last_deltas: list[dict[str, torch.Tensor] | None] = [None] * spec.regions
+    replica = OuterReplica(spec.outer)
+    previous_base: dict[str, torch.Tensor] | None = None
     for round_ in range(spec.rounds):
         base = coordinator.params
+        if spec.delayed_start == "eager" and previous_base is not None:
+            replica.observe(previous_base, base)
+        previous_base = base
         deltas: dict[str, tuple[int, EncodedDelta]] = {}
         for index, (model, optimizer) in enumerate(zip(models, optimizers, strict=True)):
             tick = time.perf_counter()
@@ -331,7 +359,7 @@ def _run_rounds(
             else:
                 early = spec.arrival_step
                 tokens = train_steps(task, model, optimizer, shards[index], early)
-                _apply_late_update(model, base, snapshot)
+                _apply_late_update(model, base, snapshot, spec.fold_mix)
                 tokens += train_steps(
                     task, model, optimizer, shards[index], spec.inner_steps - early
                 )
@@ -340,7 +368,12 @@ def _run_rounds(
             tick = time.perf_counter()
             local = state_to_fp32(model)
             if spec.overlap == "delayed":
-                snapshots[index] = local
+                start = delayed_start(spec, base, local, last_deltas[index], replica)
+                if start is not local:
+                    load_federated_state(model, start)
+                snapshots[index] = start
+                if spec.delayed_start == "eager":
+                    last_deltas[index] = {name: base[name] - local[name] for name in base}
             if index == hostile:
                 factor = ATTACK_FACTORS[spec.attack]
                 # Δ = θ_r - local, so this local makes the agent's encoding send factor x Δ.
@@ -360,13 +393,85 @@ def _run_rounds(
 
 
 def _apply_late_update(
-    model: nn.Module, params: Mapping[str, torch.Tensor], snapshot: Mapping[str, torch.Tensor]
+    model: nn.Module,
+    params: Mapping[str, torch.Tensor],
+    snapshot: Mapping[str, torch.Tensor],
+    mix: float = 1.0,
 ) -> None:
-    """y ← y + (θ - S): move a region that trained on from S by the outer step it missed."""
+    """y ← θ + a·(y - S): move a region that trained on from S onto θ, keeping a of its
+    progress since S. a = 1 is computed as y + (θ - S), the simulator's original form."""
     current = state_to_fp32(model)
-    load_federated_state(
-        model, {name: current[name] + (params[name] - snapshot[name]) for name in current}
-    )
+    if mix == 1.0:
+        folded = {name: current[name] + (params[name] - snapshot[name]) for name in current}
+    else:
+        folded = {name: params[name] + mix * (current[name] - snapshot[name]) for name in current}
+    load_federated_state(model, folded)
+
+
+def delayed_start(
+    spec: RunSpec,
+    base: Mapping[str, torch.Tensor],
+    local: dict[str, torch.Tensor],
+    last_delta: Mapping[str, torch.Tensor] | None,
+    replica: OuterReplica,
+) -> dict[str, torch.Tensor]:
+    """Where a region that sent Δ_r = θ_r - ``local`` trains from until θ_{r+1} arrives.
+
+    In round 0, before any outer step was seen, ḡ_{r-1} and Δ_{r-1} count as 0.
+    """
+    if spec.delayed_start == "local":
+        return local
+    if spec.delayed_start == "global":
+        return dict(base)
+    share = 1.0 / spec.regions
+    estimate: dict[str, torch.Tensor] = {}
+    for name in base:
+        fresh = base[name] - local[name]
+        if last_delta is not None:
+            fresh = fresh - last_delta[name]
+        if replica.last_mean is not None:
+            estimate[name] = replica.last_mean[name] + share * fresh
+        else:
+            estimate[name] = share * fresh
+    return replica.estimate(base, estimate)
+
+
+class OuterReplica:
+    """A region's copy of the coordinator's outer optimizer, rebuilt from published θs.
+
+    Each observed step θ_r → θ_{r+1} is inverted for the mean delta that produced it
+    (Nesterov: θ_{r+1} - θ_r = -lr·((1 + μ_r)·g_r + μ_r²·buf_{r-1})), which is then
+    stepped through a real :class:`OuterOptimizer` so the momentum buffer follows the
+    coordinator's. Exact up to rounding and the update codec's error.
+    """
+
+    def __init__(self, config: OuterOptimizerConfig) -> None:
+        self._config = config
+        self._optimizer = OuterOptimizer(config)
+        self.last_mean: dict[str, torch.Tensor] | None = None
+
+    def observe(
+        self, before: Mapping[str, torch.Tensor], after: Mapping[str, torch.Tensor]
+    ) -> None:
+        cfg = self._config
+        mu = cfg.momentum_at(self._optimizer.steps)
+        buffers = self._optimizer.state_dict()["momentum_buffers"]
+        mean: dict[str, torch.Tensor] = {}
+        for name, old in before.items():
+            direction = (old - after[name]) / cfg.lr
+            if name in buffers:
+                direction = direction - mu * mu * buffers[name]
+            mean[name] = direction / (1.0 + mu)
+        self._optimizer.step(before, mean)
+        self.last_mean = mean
+
+    def estimate(
+        self, params: Mapping[str, torch.Tensor], mean: Mapping[str, torch.Tensor]
+    ) -> dict[str, torch.Tensor]:
+        """θ after one outer step on ``mean`` from ``params``; the replica is not advanced."""
+        trial = OuterOptimizer(self._config)
+        trial.load_state_dict(self._optimizer.state_dict())
+        return trial.step(params, mean)
 
 
 def _count_bytes(result: RunResult, deltas: list[EncodedDelta], update: EncodedStream) -> None:

@@ -13,6 +13,9 @@ configuration, with the spread over seeds, and checks them against DESIGN's targ
     python -m benchmarks.convergence --outer-sweep [--sweep-lr 0.3,0.5,0.7,1.0]
         [--sweep-momentum 0,0.5,0.8,0.9] [--sweep-warmup 0,4] [--choice-seed 0]
         [--confirm-seeds 1,2]
+    python -m benchmarks.convergence --overlap-sweep [--sweep-mix 0,0.25,0.5,0.75,1]
+        [--sweep-start local,global,eager] [--arrivals 1,0.5] [--sweep-lr 0.2,0.3,0.5]
+        [--sweep-momentum 0,0.5,0.8] [--sweep-warmup 4] [--choice-seed 0] [--confirm-seeds 1,2]
 
 ``--sweep`` measures instead how the DiLoCo/synchronous gap moves with H and with a
 synchronous warm start (the DiLoCo paper's protocol) at the same total tokens, and
@@ -23,8 +26,11 @@ it saves when one region sends its delta scaled or sign-flipped, and writes
 and momentum warm-up on one seed, picks the lowest final loss, and confirms it against
 plain averaging on other seeds, and writes ``outer_sweep.json``. The main table also has
 rows for ``overlap: delayed`` (the one-step delayed outer update; see
-:mod:`benchmarks._federation_sim`). Figures go to ``--out`` (JSON) and the same path with ``.md``
-(a markdown table); both are printed too.
+:mod:`benchmarks._federation_sim`). ``--overlap-sweep`` measures corrections of the
+delayed fold (the mix a, the start of a round, then the outer optimizer) against
+``overlap: none`` at equal tokens: chosen on one seed over every arrival time, confirmed on
+others, and writes ``overlap_sweep.json``. Figures go to ``--out`` (JSON) and the same
+path with ``.md`` (a markdown table); both are printed too.
 """
 
 from __future__ import annotations
@@ -41,6 +47,7 @@ import torch
 
 from benchmarks._federation_sim import (
     ATTACK_FACTORS,
+    DelayedStart,
     RunResult,
     RunSpec,
     SimulationError,
@@ -125,6 +132,10 @@ class Settings:
     sweep: bool
     robust: bool
     outer_sweep: bool
+    overlap_sweep: bool
+    sweep_mix: tuple[float, ...]
+    sweep_start: tuple[DelayedStart, ...]
+    arrivals: tuple[float, ...]
     sweep_lr: tuple[float, ...]
     sweep_momentum: tuple[float, ...]
     sweep_warmup: tuple[int, ...]
@@ -187,6 +198,17 @@ def sweep_outer_configs(settings: Settings) -> dict[str, OuterOptimizerConfig]:
     return configs
 
 
+def _start_list(text: str) -> tuple[DelayedStart, ...]:
+    values = tuple(part.strip() for part in text.split(","))
+    for value in values:
+        if value not in DELAYED_STARTS:
+            raise argparse.ArgumentTypeError(f"{value!r} is not one of {', '.join(DELAYED_STARTS)}")
+    return values  # type: ignore[return-value]
+
+
+DELAYED_STARTS: tuple[DelayedStart, ...] = ("local", "global", "eager")
+
+
 def parse_args(argv: Sequence[str] | None) -> Settings:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.convergence", description=__doc__)
     parser.add_argument("--regions", type=int, help="regions (default 3; smoke 2)")
@@ -211,6 +233,16 @@ def parse_args(argv: Sequence[str] | None) -> Settings:
     parser.add_argument(
         "--sweep-warmup", type=_count_list, help="momentum warm-up rounds (default 0,4)"
     )
+    parser.add_argument(
+        "--overlap-sweep", action="store_true", help="corrections of overlap: delayed instead"
+    )
+    parser.add_argument(
+        "--sweep-mix", type=_float_list, help="fold mixes a (default 0,0.25,0.5,0.75,1)"
+    )
+    parser.add_argument(
+        "--sweep-start", type=_start_list, help="round starts (default local,global,eager)"
+    )
+    parser.add_argument("--arrivals", type=_float_list, help="θ arrival fractions (default 1,0.5)")
     parser.add_argument("--choice-seed", type=int, default=0, help="seed the choice is made on")
     parser.add_argument(
         "--confirm-seeds", type=_count_list, help="seeds that confirm the choice (default 1,2)"
@@ -220,19 +252,21 @@ def parse_args(argv: Sequence[str] | None) -> Settings:
     parser.add_argument("--note", default="", help="free text stored with the figures")
     args = parser.parse_args(argv)
     smoke = args.smoke
-    if sum((args.sweep, args.robust, args.outer_sweep)) > 1:
-        parser.error("--sweep, --robust and --outer-sweep are separate runs")
+    if sum((args.sweep, args.robust, args.outer_sweep, args.overlap_sweep)) > 1:
+        parser.error("--sweep, --robust, --outer-sweep and --overlap-sweep are separate runs")
     rounds = args.rounds or (2 if smoke else 6 if args.robust else 12)
     inner_steps = args.inner_steps or (3 if smoke else 10 if args.robust else 25)
     total = rounds * inner_steps
     stem = "convergence"
-    if args.sweep or args.robust or args.outer_sweep:
+    if args.sweep or args.robust or args.outer_sweep or args.overlap_sweep:
         stem = (
             "convergence_sweep"
             if args.sweep
             else "robust_aggregation"
             if args.robust
             else "outer_sweep"
+            if args.outer_sweep
+            else "overlap_sweep"
         )
     out = args.out or RESULTS / (f"{stem}.smoke.json" if smoke else f"{stem}.json")
     for name in ("regions", "rounds", "inner_steps", "seeds", "workers", "threads"):
@@ -249,8 +283,19 @@ def parse_args(argv: Sequence[str] | None) -> Settings:
             f"--choice-seed {args.choice_seed} must be >= 0 and not one of the confirming "
             f"seeds {list(confirm_seeds)}"
         )
-    sweep_lr = args.sweep_lr or ((0.7, 1.0) if smoke else (0.3, 0.5, 0.7, 1.0))
-    sweep_momentum = args.sweep_momentum or ((0.0, 0.9) if smoke else (0.0, 0.5, 0.8, 0.9))
+    if args.overlap_sweep:
+        sweep_lr = args.sweep_lr or ((0.5,) if smoke else (0.2, 0.3, 0.5))
+        sweep_momentum = args.sweep_momentum or ((0.0,) if smoke else (0.0, 0.5, 0.8))
+        sweep_warmup = args.sweep_warmup or (4,)
+    else:
+        sweep_lr = args.sweep_lr or ((0.7, 1.0) if smoke else (0.3, 0.5, 0.7, 1.0))
+        sweep_momentum = args.sweep_momentum or ((0.0, 0.9) if smoke else (0.0, 0.5, 0.8, 0.9))
+        sweep_warmup = args.sweep_warmup or ((0, 1) if smoke else (0, 4))
+    sweep_mix = args.sweep_mix or ((0.5, 1.0) if smoke else (0.0, 0.25, 0.5, 0.75, 1.0))
+    arrivals = args.arrivals or ((1.0,) if smoke else (1.0, 0.5))
+    for value in (*sweep_mix, *arrivals):
+        if not 0.0 <= value <= 1.0:
+            parser.error(f"--sweep-mix and --arrivals values must be in [0, 1], got {value:g}")
     for lr in sweep_lr:
         if not 0.0 < lr < float("inf"):
             parser.error(f"--sweep-lr values must be > 0, got {lr:g}")
@@ -275,9 +320,13 @@ def parse_args(argv: Sequence[str] | None) -> Settings:
         sweep=args.sweep,
         robust=args.robust,
         outer_sweep=args.outer_sweep,
+        overlap_sweep=args.overlap_sweep,
+        sweep_mix=sweep_mix,
+        sweep_start=args.sweep_start or (("local", "eager") if smoke else DELAYED_STARTS),
+        arrivals=arrivals,
         sweep_lr=sweep_lr,
         sweep_momentum=sweep_momentum,
-        sweep_warmup=args.sweep_warmup or ((0, 1) if smoke else (0, 4)),
+        sweep_warmup=sweep_warmup,
         choice_seed=args.choice_seed,
         confirm_seeds=confirm_seeds,
         sweep_h=sweep_h,
@@ -652,6 +701,273 @@ def outer_sweep_figures(settings: Settings, runs: dict[str, list[RunResult]]) ->
     }
 
 
+# -- overlap sweep -------------------------------------------------------------------
+
+#: The fold as the agent does it today: start from y_r, keep all progress since S.
+TODAY_FOLD: tuple[DelayedStart, float] = ("local", 1.0)
+
+
+def fold_name(start: str, mix: float) -> str:
+    return f"{start}_mix{mix:g}"
+
+
+def overlap_folds(settings: Settings) -> dict[str, tuple[DelayedStart, float]]:
+    """The fold candidates: each mix from the local start, then each other start at a = 1."""
+    folds: dict[str, tuple[DelayedStart, float]] = {fold_name(*TODAY_FOLD): TODAY_FOLD}
+    for mix in settings.sweep_mix:
+        folds[fold_name("local", mix)] = ("local", mix)
+    for start in settings.sweep_start:
+        folds[fold_name(start, 1.0)] = (start, 1.0)
+    return folds
+
+
+def overlap_outer_configs(settings: Settings) -> dict[str, OuterOptimizerConfig]:
+    """Outer configs tried on the best fold: lr x momentum (warm-up only with momentum)."""
+    configs: dict[str, OuterOptimizerConfig] = {"defaults": OuterOptimizerConfig()}
+    for lr in settings.sweep_lr:
+        for momentum in settings.sweep_momentum:
+            for warmup in sorted({w if momentum else 0 for w in settings.sweep_warmup}):
+                config = OuterOptimizerConfig(
+                    lr=lr, momentum=momentum, momentum_warmup_rounds=warmup
+                )
+                if config != configs["defaults"]:
+                    configs[f"lr{lr:g}_m{momentum:g}_w{warmup}"] = config
+    return configs
+
+
+def _delayed_key(fold: str, outer: str, arrival: float) -> str:
+    return f"{fold}/{outer}/a{arrival:g}"
+
+
+def _mean_gap(
+    runs: dict[str, list[RunResult]], fold: str, outer: str, arrivals: Iterable[float]
+) -> float:
+    """Mean over arrivals of the relative final-loss gap to ``none`` (choice seed)."""
+    none = runs["none"][0].final_val_loss
+    return _mean(
+        (runs[_delayed_key(fold, outer, a)][0].final_val_loss - none) / none for a in arrivals
+    )
+
+
+def run_overlap_sweep(task: CharLMTask, settings: Settings) -> dict[str, list[RunResult]]:
+    """On the choice seed: ``none``, every fold at every arrival with the default outer
+    optimizer, then every outer config with the best fold; the lowest mean gap over the
+    arrivals is chosen. On the confirming seeds: ``none``, today's fold and the choice.
+
+    Runs are keyed ``none``, ``fold/outer/aF`` and ``confirm/...`` for the confirming seeds.
+    """
+    base = replace(
+        _spec(settings, "overlap", settings.inner_steps, settings.rounds),
+        method="diloco",
+        scheme="fp32",
+        seed=settings.choice_seed,
+    )
+    warm_up(task, base)
+    folds = overlap_folds(settings)
+    configs = overlap_outer_configs(settings)
+
+    def delayed(fold: str, outer: str, arrival: float, seed: int, prefix: str = "") -> RunSpec:
+        start, mix = folds[fold]
+        return replace(
+            base,
+            name=prefix + _delayed_key(fold, outer, arrival),
+            seed=seed,
+            overlap="delayed",
+            arrival_fraction=arrival,
+            delayed_start=start,
+            fold_mix=mix,
+            outer=configs[outer],
+        )
+
+    results: dict[str, list[RunResult]] = {"none": [_run(task, replace(base, name="none"))]}
+    for fold in folds:
+        for arrival in settings.arrivals:
+            spec = delayed(fold, "defaults", arrival, settings.choice_seed)
+            results[spec.name] = [_run(task, spec)]
+    best_fold = min(folds, key=lambda f: _mean_gap(results, f, "defaults", settings.arrivals))
+    for outer in configs:
+        if outer == "defaults":
+            continue
+        for arrival in settings.arrivals:
+            spec = delayed(best_fold, outer, arrival, settings.choice_seed)
+            results[spec.name] = [_run(task, spec)]
+    chosen = _overlap_choice(settings, results)
+    for seed in settings.confirm_seeds:
+        spec = replace(base, name="confirm/none", seed=seed)
+        results.setdefault(spec.name, []).append(_run(task, spec))
+        for fold, outer in dict.fromkeys([(fold_name(*TODAY_FOLD), "defaults"), chosen]):
+            for arrival in settings.arrivals:
+                spec = delayed(fold, outer, arrival, seed, prefix="confirm/")
+                results.setdefault(spec.name, []).append(_run(task, spec))
+    return results
+
+
+def _overlap_choice(settings: Settings, runs: dict[str, list[RunResult]]) -> tuple[str, str]:
+    """(fold, outer) with the lowest mean gap to ``none`` over the arrivals, choice seed."""
+    tried = {
+        tuple(name.split("/")[:2])
+        for name in runs
+        if name.count("/") == 2 and not name.startswith("confirm/")
+    }
+    return min(  # type: ignore[return-value]
+        sorted(tried), key=lambda pair: _mean_gap(runs, pair[0], pair[1], settings.arrivals)
+    )
+
+
+def overlap_sweep_figures(settings: Settings, runs: dict[str, list[RunResult]]) -> dict[str, Any]:
+    """Rows of the choice seed (gap to ``none`` per arrival), the choice and its check."""
+    folds = overlap_folds(settings)
+    configs = overlap_outer_configs(settings)
+    none = runs["none"][0].final_val_loss
+    rows: list[dict[str, Any]] = []
+    for fold, outer in sorted(
+        {tuple(n.split("/")[:2]) for n in runs if n.count("/") == 2 and "confirm" not in n}
+    ):
+        start, mix = folds[fold]
+        per_arrival = {}
+        for arrival in settings.arrivals:
+            loss = runs[_delayed_key(fold, outer, arrival)][0].final_val_loss
+            per_arrival[f"{arrival:g}"] = {"final_val_loss": loss, "vs_none": (loss - none) / none}
+        rows.append(
+            {
+                "fold": fold,
+                "start": start,
+                "fold_mix": mix,
+                "outer_name": outer,
+                "outer": configs[outer].model_dump(),
+                "by_arrival": per_arrival,
+                "mean_vs_none": _mean_gap(runs, fold, outer, settings.arrivals),
+            }
+        )
+    chosen_fold, chosen_outer = _overlap_choice(settings, runs)
+    today = fold_name(*TODAY_FOLD)
+    confirmation: dict[str, Any] = {
+        "none": {
+            "final_val_loss": loss_stats(r.final_val_loss for r in runs["confirm/none"]),
+            "per_seed": [r.final_val_loss for r in runs["confirm/none"]],
+        }
+    }
+    checks: list[dict[str, Any]] = []
+    for label, (fold, outer) in (
+        ("today", (today, "defaults")),
+        ("chosen", (chosen_fold, chosen_outer)),
+    ):
+        for arrival in settings.arrivals:
+            name = "confirm/" + _delayed_key(fold, outer, arrival)
+            comparison = compare(runs, name, "confirm/none")
+            confirmation[f"{label}/a{arrival:g}"] = {
+                "fold": fold,
+                "outer": configs[outer].model_dump(),
+                "arrival_fraction": arrival,
+                "final_val_loss": loss_stats(r.final_val_loss for r in runs[name]),
+                "per_seed": [r.final_val_loss for r in runs[name]],
+                "vs_none": comparison,
+            }
+            if label == "chosen":
+                checks.append(
+                    {
+                        "name": f"overlap delayed (θ arrives after {arrival:.0%} of the next "
+                        "inner phase), chosen correction, final loss within 1% of overlap "
+                        f"none (seeds {list(settings.confirm_seeds)})",
+                        "measured": f"{comparison['mean_relative_difference']:+.2%} "
+                        f"({_spread_text(comparison)})",
+                        "value": comparison["mean_relative_difference"],
+                        "met": comparison["mean_relative_difference"] <= 0.01,
+                    }
+                )
+    return {
+        "choice_seed": settings.choice_seed,
+        "confirm_seeds": list(settings.confirm_seeds),
+        "arrivals": list(settings.arrivals),
+        "none_final_val_loss": none,
+        "rows": rows,
+        "chosen": {
+            "fold": chosen_fold,
+            "outer_name": chosen_outer,
+            **dict(zip(("start", "fold_mix"), folds[chosen_fold], strict=True)),
+            "outer": configs[chosen_outer].model_dump(),
+        },
+        "confirmation": confirmation,
+        "targets": checks,
+    }
+
+
+def _fold_cell(start: str, mix: float) -> str:
+    what = {"local": "from y_r", "global": "from θ_r", "eager": "eager start"}[start]
+    return f"{what}, a = {mix:g}"
+
+
+def render_overlap_sweep(report: dict[str, Any]) -> str:
+    lines = _header(report, "Overlap delayed: corrections of the late fold")
+    sweep = report["overlap_sweep"]
+    arrivals = sweep["arrivals"]
+    lines += [
+        "DiLoCo fp32. A delayed region trains round r+1 from a start S until θ_(r+1) "
+        "arrives after a fraction of the inner phase, then folds y ← θ_(r+1) + a·(y - S). "
+        "Start `from y_r` is today's rule (its own parameters when it sent Δ_r); `from θ_r` "
+        "is the last global parameters it has; `eager start` is θ_r plus an outer step on "
+        "ĝ = ḡ_(r-1) + (Δ_r - Δ_(r-1))/M (its fresh delta in place of its previous one in "
+        "the previous mean, which it recovers from θ_r - θ_(r-1) and the outer config). "
+        f"Every fold runs on seed {sweep['choice_seed']} with the default outer optimizer; "
+        "the outer configs then run with the best fold; the lowest mean gap to `none` over "
+        f"the arrivals is chosen and confirmed on seeds {sweep['confirm_seeds']}, which took "
+        "no part in the choice. All runs see the same tokens.",
+        "",
+        f"## Sweep (seed {sweep['choice_seed']}; `none`: {sweep['none_final_val_loss']:.4f})",
+        "",
+        "| fold | outer optimizer | "
+        + " | ".join(f"θ after {a:.0%}: loss (vs none)" for a in arrivals)
+        + " | mean vs none |",
+        "|---|---|" + "---|" * len(arrivals) + "---|",
+    ]
+    for row in sorted(sweep["rows"], key=lambda r: r["mean_vs_none"]):
+        cells = " | ".join(
+            f"{row['by_arrival'][f'{a:g}']['final_val_loss']:.4f} "
+            f"({row['by_arrival'][f'{a:g}']['vs_none']:+.2%})"
+            for a in arrivals
+        )
+        lines.append(
+            f"| {_fold_cell(row['start'], row['fold_mix'])} | {_outer_cell(row['outer'])} | "
+            f"{cells} | {row['mean_vs_none']:+.2%} |"
+        )
+    chosen = sweep["chosen"]
+    lines += [
+        "",
+        f"Chosen: {_fold_cell(chosen['start'], chosen['fold_mix'])}, "
+        f"{_outer_cell(chosen['outer'])}.",
+        "",
+        f"## Confirmation (seeds {sweep['confirm_seeds']})",
+        "",
+        "| config | θ arrives after | final val loss (mean ± std) | per seed | vs none "
+        "(mean; per seed) |",
+        "|---|---|---|---|---|",
+    ]
+    none = sweep["confirmation"]["none"]
+    per_seed = ", ".join(f"{x:.4f}" for x in none["per_seed"])
+    lines.append(f"| overlap none | | {_loss_cell(none['final_val_loss'])} | {per_seed} | |")
+    for name, row in sweep["confirmation"].items():
+        if name == "none":
+            continue
+        vs = row["vs_none"]
+        label = "today" if name.startswith("today") else "chosen"
+        start, mix = overlap_folds_from(row["fold"])
+        per_seed = ", ".join(f"{x:.4f}" for x in row["per_seed"])
+        rel = ", ".join(f"{x:+.2%}" for x in vs["per_seed_relative_difference"])
+        lines.append(
+            f"| {label}: {_fold_cell(start, mix)}, {_outer_cell(row['outer'])} | "
+            f"{row['arrival_fraction']:.0%} | {_loss_cell(row['final_val_loss'])} | "
+            f"{per_seed} | {vs['mean_relative_difference']:+.2%}; {rel} |"
+        )
+    lines += targets_table(sweep["targets"])
+    return "\n".join(lines) + "\n"
+
+
+def overlap_folds_from(name: str) -> tuple[str, float]:
+    """(start, mix) back from :func:`fold_name`."""
+    start, mix = name.split("_mix")
+    return start, float(mix)
+
+
 def sweep_rows(runs: dict[str, list[RunResult]]) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
     for name, results in runs.items():
@@ -860,6 +1176,8 @@ def build_report(
         if settings.robust
         else "outer_sweep"
         if settings.outer_sweep
+        else "overlap_sweep"
+        if settings.overlap_sweep
         else "convergence",
         "machine": describe_machine(),
         "note": settings.note,
@@ -873,7 +1191,7 @@ def build_report(
             "inner_steps": settings.inner_steps,
             "total_steps": settings.rounds * settings.inner_steps,
             "seeds": [settings.choice_seed, *settings.confirm_seeds]
-            if settings.outer_sweep
+            if settings.outer_sweep or settings.overlap_sweep
             else list(range(settings.seeds)),
             "torch_threads": settings.threads,
             "smoke": settings.smoke,
@@ -882,7 +1200,11 @@ def build_report(
             "error feedback on both sides",
         },
         "notes": [SIMULATION_NOTE]
-        + ([] if settings.robust or settings.sweep or settings.outer_sweep else [OVERLAP_NOTE]),
+        + (
+            []
+            if settings.robust or settings.sweep or settings.outer_sweep or settings.overlap_sweep
+            else [OVERLAP_NOTE]
+        ),
         "configs": {
             name: config_summary(labels.get(name, name), results, 4 * params)
             for name, results in runs.items()
@@ -894,6 +1216,9 @@ def build_report(
         return report
     if settings.outer_sweep:
         report["outer_sweep"] = outer_sweep_figures(settings, runs)
+        return report
+    if settings.overlap_sweep:
+        report["overlap_sweep"] = overlap_sweep_figures(settings, runs)
         return report
     for name, summary in report["configs"].items():
         if name != "sync":
@@ -922,6 +1247,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             runs = run_robust(task, settings)
         elif settings.outer_sweep:
             runs = run_outer_sweep(task, settings)
+        elif settings.overlap_sweep:
+            runs = run_overlap_sweep(task, settings)
         else:
             runs = run_main(task, settings)
     except SimulationError as exc:
@@ -935,6 +1262,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         markdown = render_robust(report)
     elif settings.outer_sweep:
         markdown = render_outer_sweep(report)
+    elif settings.overlap_sweep:
+        markdown = render_overlap_sweep(report)
     else:
         markdown = render_main(report)
     publish(report, settings.out, markdown)

@@ -183,3 +183,36 @@ def test_training_throughput_smoke_compares_each_config_with_plain_torch(tmp_pat
             assert row["mfu"] is None
     assert len(report["targets"]) == len(rows)
     assert all(check["met"] in (True, False) for check in report["targets"])
+
+
+def test_overlap_sweep_smoke_chooses_a_fold_and_confirms_it_against_none(tmp_path: Path) -> None:
+    out = tmp_path / "overlap_sweep.json"
+    assert convergence.main(["--overlap-sweep", "--smoke", "--out", str(out)]) == 0
+    report = _load(out)
+
+    assert report["benchmark"] == "overlap_sweep"
+    sweep = report["overlap_sweep"]
+    assert (sweep["choice_seed"], sweep["confirm_seeds"], sweep["arrivals"]) == (0, [1], [1.0])
+    tokens = {c["tokens"] for c in report["configs"].values()}
+    assert len(tokens) == 1, "every configuration must see the same tokens"
+    tried = {(row["fold"], row["outer_name"]) for row in sweep["rows"]}
+    # Every fold with the defaults, then the outer grid with the best fold.
+    assert {fold for fold, outer in tried if outer == "defaults"} == {
+        "local_mix1",
+        "local_mix0.5",
+        "eager_mix1",
+    }
+    assert any(outer != "defaults" for _, outer in tried)
+    best = min(sweep["rows"], key=lambda row: row["mean_vs_none"])
+    assert (sweep["chosen"]["fold"], sweep["chosen"]["outer_name"]) == (
+        best["fold"],
+        best["outer_name"],
+    )
+    confirmation = sweep["confirmation"]
+    assert confirmation["none"]["final_val_loss"]["n"] == 1
+    assert confirmation["today/a1"]["fold"] == "local_mix1"
+    assert confirmation["chosen/a1"]["fold"] == best["fold"]
+    assert confirmation["chosen/a1"]["vs_none"]["reference"] == "confirm/none"
+    assert len(sweep["targets"]) == 1
+    seeds = {r["seed"] for c in report["configs"].values() for r in c["runs"]}
+    assert seeds == {0, 1}

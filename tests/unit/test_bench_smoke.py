@@ -142,3 +142,48 @@ def test_outer_sweep_grid_always_holds_plain_averaging() -> None:
     assert configs["lr0.5_m0.9_w2"].momentum_warmup_rounds == 2
     # A warm-up needs momentum to ramp, so momentum 0 runs once.
     assert set(configs) == {"lr0.5_m0_w0", "lr0.5_m0.9_w0", "lr0.5_m0.9_w2", "lr1_m0_w0"}
+
+
+def test_overlap_sweep_folds_and_outer_grid() -> None:
+    settings = convergence.parse_args(
+        [
+            "--overlap-sweep",
+            "--sweep-mix",
+            "0,1",
+            "--sweep-start",
+            "local,eager",
+            "--sweep-lr",
+            "0.3",
+            "--sweep-momentum",
+            "0,0.8",
+        ]
+    )
+    folds = convergence.overlap_folds(settings)
+    # Today's fold is always there; a = 1 from y_r is it, not a second entry.
+    assert folds == {
+        "local_mix1": ("local", 1.0),
+        "local_mix0": ("local", 0.0),
+        "eager_mix1": ("eager", 1.0),
+    }
+    assert convergence.overlap_folds_from("local_mix0.25") == ("local", 0.25)
+    configs = convergence.overlap_outer_configs(settings)
+    # lr 0.3 momentum 0.8 warm-up 4 is the defaults row; momentum 0 runs without warm-up.
+    assert set(configs) == {"defaults", "lr0.3_m0_w0"}
+    assert configs["lr0.3_m0_w0"].momentum_warmup_rounds == 0
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--overlap-sweep", "--sweep-start", "local,lazy"],
+        ["--overlap-sweep", "--sweep-mix", "1.5"],
+        ["--overlap-sweep", "--arrivals", "-0.5"],
+        ["--overlap-sweep", "--outer-sweep"],
+    ],
+)
+def test_overlap_sweep_refuses_bad_arguments(tmp_path: Path, argv: list[str]) -> None:
+    out = tmp_path / "overlap.json"
+    with pytest.raises(SystemExit) as exc:
+        convergence.main([*argv, "--out", str(out)])
+    assert exc.value.code == 2
+    assert not out.exists()
