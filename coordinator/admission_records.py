@@ -2,6 +2,8 @@
 
 - :func:`record_queued_job`: a job residency admitted, waiting for capacity (``queued``);
 - :func:`record_job_start`: a queued job starts, with the regions and the reason;
+- :func:`record_preemption_pending`: a running job is to stop at its next round boundary
+  (kept in the ``preempting`` pointer, so a restarted coordinator still stops it there);
 - :func:`record_job_preempted`: a running job went back to the queue at a round boundary.
 
 Both are ``job.admit`` entries: the first (verdict ``allow``) as for a job that starts
@@ -19,7 +21,16 @@ from coordinator.store import Store
 from coordinator.transactions import record_admitted_job, record_job_change
 from geofed.types import Identity
 
-__all__ = ["record_job_preempted", "record_job_start", "record_queued_job"]
+__all__ = [
+    "PREEMPTING_POINTER",
+    "record_job_preempted",
+    "record_job_start",
+    "record_preemption_pending",
+    "record_queued_job",
+]
+
+#: Why a running job stops at its next round boundary ("" once it did, or never).
+PREEMPTING_POINTER = "preempting"
 
 
 def record_queued_job(
@@ -47,15 +58,22 @@ def record_job_start(
     )
 
 
+def record_preemption_pending(store: Store, job: str, reason: str) -> None:
+    """``job`` is to stop at its next round boundary for ``reason``."""
+    store.set_pointer(job, PREEMPTING_POINTER, reason)
+
+
 def record_job_preempted(store: Store, job: str, actor: Identity, reason: str, round: int) -> None:
     """``job`` stopped before ``round`` for another job; ConflictError if it is not running."""
-    record_job_change(
-        store,
-        job,
-        "preempt",
-        JobState.RUNNING,
-        JobState.QUEUED,
-        actor,
-        round=round,
-        details={"reason": reason},
-    )
+    with store.transaction():
+        record_job_change(
+            store,
+            job,
+            "preempt",
+            JobState.RUNNING,
+            JobState.QUEUED,
+            actor,
+            round=round,
+            details={"reason": reason},
+        )
+        store.set_pointer(job, PREEMPTING_POINTER, "")

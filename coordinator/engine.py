@@ -36,7 +36,11 @@ from datetime import UTC, datetime
 from typing import Any, assert_never
 
 from coordinator.acceptance import accepted_again, refusal
-from coordinator.admission_records import record_job_preempted
+from coordinator.admission_records import (
+    PREEMPTING_POINTER,
+    record_job_preempted,
+    record_preemption_pending,
+)
 from coordinator.aggregation import StagedDelta
 from coordinator.audit import AuditEvent, AuditVerdict
 from coordinator.context import JobContext, initial_parameters
@@ -67,7 +71,7 @@ from coordinator.round_state import (
 )
 from coordinator.scheduling.elastic import Membership
 from coordinator.services import Services
-from coordinator.store import ConflictError, Receipt
+from coordinator.store import MAX_POINTER_VALUE, ConflictError, Receipt
 from coordinator.transactions import DeltaOffer, accept_delta, record_initial, record_job_failure
 from coordinator.working_state import WorkingState
 from geofed.control.messages import AnnouncedPhase
@@ -176,10 +180,6 @@ class JobEngine:
         body["preempting"] = self.preempting  # why it stops at its next boundary, if it does
         body["snapshot"] = self.snapshots.status(self.version)
         body["shards"] = self._shards()
-        current = body.get("current")
-        if isinstance(current, dict) and self.record is not None:
-            config = self.record.state.config
-            current["shards"] = dict(config.shards) if config.shards is not None else None
         return body
 
     def _shards(self) -> dict[str, Any]:
@@ -445,6 +445,8 @@ class JobEngine:
         self.record = found.record
         self._apply(self._round_membership())
         self._evaluation.restore(pointers)
+        if self._state is JobState.RUNNING and pointers.get(PREEMPTING_POINTER):
+            self.preempting = pointers[PREEMPTING_POINTER]  # decided before a restart
         self._s.metrics.current_round.labels(job=self.job).set(self.version)
         self._export_quarantine()
 
@@ -636,9 +638,11 @@ class JobEngine:
         self._publication_retry_at = plan.retry_at
         self.last_error = plan.waiting
 
-    def preempt(self, reason: str) -> None:
+    async def preempt(self, reason: str) -> None:
         """Give the regions back at the next round boundary (the round in progress ends
-        and is published first); the job then waits in the queue, as it stood."""
+        and is published first); the job then waits in the queue, as it stood. Stored
+        first, so a coordinator restarted before the boundary still stops it there."""
+        await self._s.db.run(record_preemption_pending, self.job, reason[:MAX_POINTER_VALUE])
         self.preempting = reason
         self._wake.set()
 

@@ -61,5 +61,7 @@ def job_status(
             "deadline": datetime.fromtimestamp(rs.deadline_at, UTC).isoformat(),
             "deadline_reason": record.deadline_reason,
             "end_reason": rs.end_reason or None,
+            # The data shard slots the round opened with (None: recorded before slots were).
+            "shards": dict(rs.config.shards) if rs.config.shards is not None else None,
         }
     return body

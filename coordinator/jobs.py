@@ -431,7 +431,7 @@ class JobManager:
         reason = f"preempted by {actor}"
         if engine.preempting is None:
             log.info("job %s to be preempted: %s", job, reason)
-            engine.preempt(reason)
+            await engine.preempt(reason)
             self._s.metrics.preemptions.labels(priority=engine.scheduling["priority"]).inc()
         return {"job": job, "state": engine.state.value, "preempting": engine.preempting}
 
@@ -653,7 +653,7 @@ class JobManager:
                 engine = self._engines[job]
                 if engine.state is JobState.RUNNING and engine.preempting is None:
                     log.info("job %s to be preempted: %s", job, reason)
-                    engine.preempt(reason)
+                    await engine.preempt(reason)
                     self._s.metrics.preemptions.labels(priority=engine.scheduling["priority"]).inc()
             self._claims = dict(decided.claims)
         self._count_states()

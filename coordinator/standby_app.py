@@ -49,10 +49,11 @@ from coordinator.job_evaluation import (
 )
 from coordinator.job_regions import effective_spec, membership_of
 from coordinator.job_status import job_status
-from coordinator.jobspec import parse_stored_spec
+from coordinator.jobspec import JobSpec, parse_stored_spec
 from coordinator.quarantine import QuarantineConfig
 from coordinator.records import JobState, RoundRecord
 from coordinator.runtime import Runtime
+from coordinator.scheduling.elastic import Membership
 from coordinator.store import JobRecord, Store, StoredRound, StoreError, StoreFailure
 from coordinator.transactions import LOCATION_POINTER
 from coordinator.working_state import PARAMS_HASH, VERSION
@@ -132,6 +133,15 @@ class JobFacts:
     current: StoredRound | None
 
 
+def current_spec(submitted: JobSpec, pointers: Mapping[str, str]) -> JobSpec:
+    """The spec as the leader shows it: as submitted until a region joins or leaves,
+    then on the regions it runs on now."""
+    membership = membership_of(submitted, pointers)
+    if membership == Membership.initial(submitted.regions, submitted.region_slots):
+        return submitted
+    return effective_spec(submitted, membership)
+
+
 def job_view(
     facts: JobFacts, quarantine: QuarantineConfig, now: float, *, with_spec: bool
 ) -> dict[str, Any]:
@@ -140,9 +150,7 @@ def job_view(
     Raises ``ValueError`` (a damaged record, a stored spec that no longer parses).
     """
     record, pointers = facts.record, facts.pointers
-    submitted = parse_stored_spec(record.spec)
-    # The regions it runs on now: those submitted, with the joins and leaves since.
-    spec = effective_spec(submitted, membership_of(submitted, pointers))
+    spec = current_spec(parse_stored_spec(record.spec), pointers)
     state = JobState(record.state)
     version = int(pointers.get(VERSION, "0"))
     current = (

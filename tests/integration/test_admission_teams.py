@@ -238,3 +238,32 @@ async def test_submit_with_priority_and_team_and_preempt_from_the_command_line(
             as_(alice)  # the job is her team's: she may cancel it
             assert await geofed("job", "cancel", "cli") == 0
             assert "job cli: cancelled" in capsys.readouterr().out
+
+
+async def test_a_preemption_decided_before_a_restart_still_stops_the_job(tmp_path: Path) -> None:
+    # No agent delivers, so round 0 never ends: the job is still to stop at its boundary
+    # when the coordinator restarts, and the restarted one must remember it.
+    async with EmbeddedBroker() as broker:
+        setup = write_setup(tmp_path, broker.port)
+        _configure(setup, "teams: {}\n")
+        await _report_gpus(broker.port)
+        lead = setup.fed.operator("lead")
+        async with coordinator(setup) as running:
+            session = running.session(lead)
+            await _until(session, "/v1/regions", _gpus_known, "GPU capacity")
+            status, body = await request(
+                session, "POST", "/v1/jobs", data=job_yaml("held", extra=GPU, rounds=50)
+            )
+            assert (status, body["state"]) == (201, "running"), body
+            status, body = await request(session, "POST", "/v1/jobs/held/preempt")
+            assert status == 202, body
+            assert body["preempting"].startswith("preempted by"), body
+        async with coordinator(setup) as running:
+            body = await _until(
+                running.session(lead),
+                "/v1/jobs/held",
+                # Recovery runs after the job is listed: wait until it has read its state.
+                lambda b: b["state"] == "running" and b.get("preempting") is not None,
+                "the job after the restart, still to be preempted",
+            )
+            assert (body["preempting"] or "").startswith("preempted by"), body

@@ -81,6 +81,11 @@ def assert_identical(result: RoundResult, reference: RoundResult) -> None:
         assert getattr(result.summary, name) == getattr(reference.summary, name), name
 
 
+def log_since(handoff: HandoffDir, offset: int) -> str:
+    """Rank 0's log from byte ``offset`` on."""
+    return handoff.rank_log_path(0).read_bytes()[offset:].decode()
+
+
 async def stop_mid_round(
     group: WorkerGroup, workdir: Path, round_: int, base: Path, **fields: object
 ) -> int:
@@ -127,12 +132,14 @@ async def test_a_round_stopped_mid_way_resumes_bit_identically_and_only_itself(
     await group.run_round(instruction(JOB, 0, theta[0], task_options=OPTIONS), 120)
     step = await stop_mid_round(group, spot_dir, 1, theta[1])
 
+    # Before the start: a restarted group takes up the instruction its predecessor left
+    # pending at once, possibly before start() returns.
+    log_offset = handoff.rank_log_path(0).stat().st_size
     group = group_at(spot_dir)
     await group.start()
     try:
-        log_offset = handoff.rank_log_path(0).stat().st_size
         resumed = await group.run_round(instruction(JOB, 1, theta[1], task_options=OPTIONS), 120)
-        since = handoff.rank_log_path(0).read_text()[log_offset:]
+        since = log_since(handoff, log_offset)
         assert f"job {JOB} round 1: resuming at step {step} of {STEPS}" in since, since
         assert_identical(resumed, reference[1])
         # The result is out: the inner state is gone.
@@ -146,12 +153,14 @@ async def test_a_round_stopped_mid_way_resumes_bit_identically_and_only_itself(
     # The federation moved on: the agent asks for round 3, never again for round 2.
     handoff.instruction_path(JOB, 2).unlink()
 
+    # Before the start: a restarted group takes up the instruction its predecessor left
+    # pending at once, possibly before start() returns.
+    log_offset = handoff.rank_log_path(0).stat().st_size
     group = group_at(spot_dir)
     await group.start()
     try:
-        log_offset = handoff.rank_log_path(0).stat().st_size
         third = await group.run_round(instruction(JOB, 3, theta[3], task_options=OPTIONS), 120)
-        since = handoff.rank_log_path(0).read_text()[log_offset:]
+        since = log_since(handoff, log_offset)
         assert (
             f"job {JOB} round 3: discarding the inner checkpoint: it is of job {JOB} round 2"
             in since
@@ -165,7 +174,7 @@ async def test_a_round_stopped_mid_way_resumes_bit_identically_and_only_itself(
         path.write_bytes(b"torn")
         log_offset = handoff.rank_log_path(0).stat().st_size
         fourth = await group.run_round(instruction(JOB, 4, theta[4], task_options=OPTIONS), 120)
-        since = handoff.rank_log_path(0).read_text()[log_offset:]
+        since = log_since(handoff, log_offset)
         assert f"job {JOB} round 4: discarding the inner checkpoint: {path}: unreadable" in since
         assert_identical(fourth, reference[4])
         assert not path.exists()
@@ -237,12 +246,14 @@ async def test_a_sharded_accumulating_scheduled_round_resumes_bit_identically(
     assert kept is not None
     assert kept.ranks[0].totals.micro_batches == 2 * step  # two micro-batches a step
 
+    # Before the start: a restarted group takes up the instruction its predecessor left
+    # pending at once, possibly before start() returns.
+    log_offset = handoff.rank_log_path(0).stat().st_size
     group = group_at(spot_dir)
     await group.start()
     try:
-        log_offset = handoff.rank_log_path(0).stat().st_size
         resumed = await group.run_round(inst(1), 120)
-        since = handoff.rank_log_path(0).read_text()[log_offset:]
+        since = log_since(handoff, log_offset)
         assert f"job {JOB} round 1: resuming at step {step} of {STEPS}" in since, since
         assert_identical(resumed, reference)
     finally:

@@ -93,6 +93,7 @@ def test_a_job_collecting_a_round() -> None:
         "deadline": "2023-11-14T22:14:20+00:00",
         "deadline_reason": "initial deadline 60 s",
         "end_reason": None,
+        "shards": None,  # a round config recorded without shard slots
     }
 
 
@@ -108,3 +109,24 @@ def test_an_ended_round_says_why() -> None:
     body = job_status(**facts(state=JobState.CANCELLED, record=record))
     assert body["current"]["phase"] == "abandoned"
     assert body["current"]["end_reason"] == "job cancelled by an operator"
+
+
+def test_a_round_shows_the_data_shard_slots_it_opened_with() -> None:
+    config = RoundConfig(
+        round=4,
+        participants=("eu-west", "us-east"),
+        min_regions=2,
+        opened_at=T0,
+        deadline_s=60,
+        shards={"eu-west": 0, "us-east": 2},
+        shard_count=3,
+    )
+    record = RoundRecord(
+        state=RoundState.open(config),
+        attempt=1,
+        failures=0,
+        deadline_reason="initial deadline 60 s",
+        quarantine=Quarantine(),
+    )
+    body = job_status(**facts(state=JobState.RUNNING, version=4, record=record))
+    assert body["current"]["shards"] == {"eu-west": 0, "us-east": 2}
