@@ -22,7 +22,13 @@ from coordinator.errors import CODES
 from geofed.metric_spec import MetricSpec, counter, gauge, histogram
 from geofed.types import ArtifactKind
 
-__all__ = ["CATALOGUE", "DURATION_BUCKETS_S", "CoordinatorMetrics"]
+__all__ = [
+    "CATALOGUE",
+    "DURATION_BUCKETS_S",
+    "STANDBY_CATALOGUE",
+    "CoordinatorMetrics",
+    "StandbyMetrics",
+]
 
 #: Round and aggregation durations: from a second up to eight hours (WAN rounds are long;
 #: the client library's default buckets stop at 10 s).
@@ -174,6 +180,19 @@ TEAM_QUOTA_WAITING = MetricSpec(
 MQTT_CONNECTED = MetricSpec(
     "geofed_mqtt_connected", "gauge", "1 while the control-plane connection is up."
 )
+LEADER = MetricSpec(
+    "geofed_coordinator_leader",
+    "gauge",
+    "1 while this coordinator leads (serves the full API), 0 while it stands by.",
+)
+#: A standby's own: labelled with the lease holder it last saw ('' until known). One series
+#: at a time; its value changes only when the leader does.
+STANDBY_INFO = MetricSpec(
+    "geofed_coordinator_standby_info",
+    "gauge",
+    "1 on a standby coordinator; leader: the leader lease holder it last saw.",
+    ("leader",),
+)
 
 CATALOGUE: Final[tuple[MetricSpec, ...]] = (
     ROUNDS_COMPLETED,
@@ -206,7 +225,10 @@ CATALOGUE: Final[tuple[MetricSpec, ...]] = (
     TEAM_GPU_SECONDS,
     TEAM_QUOTA_WAITING,
     MQTT_CONNECTED,
+    LEADER,
 )
+#: What a standby coordinator exports (:class:`StandbyMetrics`).
+STANDBY_CATALOGUE: Final[tuple[MetricSpec, ...]] = (LEADER, STANDBY_INFO)
 
 
 def _duration(spec: MetricSpec, registry: CollectorRegistry) -> Histogram:
@@ -248,6 +270,9 @@ class CoordinatorMetrics:
         self.team_gpu_seconds = gauge(TEAM_GPU_SECONDS, registry)
         self.team_quota_waiting = gauge(TEAM_QUOTA_WAITING, registry)
         self.mqtt_connected = gauge(MQTT_CONNECTED, registry)
+        self.leader = gauge(LEADER, registry)
+        # The full app runs only on the leader (or the only coordinator): it leads.
+        self.leader.set(1)
         # Series that exist from the start: increase() over a counter born at its first
         # increment is 0, so the alerts on these would miss the first event.
         for code in CODES:
@@ -267,3 +292,23 @@ class CoordinatorMetrics:
 
     def policy_decision(self, allowed: bool, kind: str) -> None:
         self.policy_decisions.labels(verdict="allow" if allowed else "deny", kind=kind).inc()
+
+
+class StandbyMetrics:
+    """A standby coordinator's collectors (:data:`STANDBY_CATALOGUE`), in ``registry``.
+
+    It exports that it does not lead, so that Prometheus scraping every coordinator's own
+    address sees a healthy standby as up, and alerts when no coordinator leads.
+    """
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.registry = registry
+        self.leader = gauge(LEADER, registry)
+        self.leader.set(0)
+        self.standby_info = gauge(STANDBY_INFO, registry)
+        self.saw("")
+
+    def saw(self, leader: str) -> None:
+        """The lease holder seen now ('' unknown) replaces the one seen before."""
+        self.standby_info.clear()
+        self.standby_info.labels(leader=leader).set(1)

@@ -6,6 +6,10 @@ configured address with the leader's TLS and client-certificate identity middlew
 
 - ``GET /healthz`` 200, and ``GET /readyz`` 503 saying it stands by and who leads, so a
   load balancer's health check sends traffic only to the leader;
+- ``GET /metrics`` to readers, as the leader's: ``geofed_coordinator_leader 0`` and
+  ``geofed_coordinator_standby_info{leader=HOLDER} 1``
+  (:class:`~coordinator.metrics.StandbyMetrics`), so that Prometheus, scraping each
+  coordinator's own address, sees a healthy standby up and can alert when none leads;
 - ``GET /v1/jobs``, ``GET /v1/jobs/{job}`` and ``GET /v1/audit``, by the leader's role
   rules, from the shared state store, each job marked ``"served_by": "standby"``: its
   record, state, round, θ hash and the current round's record; what only the leader's
@@ -32,6 +36,7 @@ from dataclasses import dataclass
 from typing import Any, Final, Protocol, TypeVar
 
 from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from pydantic import ValidationError
 
 from coordinator.api_admin import audit_page
@@ -50,6 +55,7 @@ from coordinator.job_evaluation import (
 from coordinator.job_regions import effective_spec, membership_of
 from coordinator.job_status import job_status
 from coordinator.jobspec import JobSpec, parse_stored_spec
+from coordinator.metrics import StandbyMetrics
 from coordinator.quarantine import QuarantineConfig
 from coordinator.records import JobState, RoundRecord
 from coordinator.runtime import Runtime
@@ -249,12 +255,13 @@ class _Reads:
 
 @dataclass(frozen=True)
 class _Standby:
-    """What the handlers need: the config, who leads, the reads and the clock."""
+    """What the handlers need: the config, who leads, the reads, the clock, the metrics."""
 
     runtime: Runtime
     lease: LeaderView
     reads: _Reads
     clock: Callable[[], float]
+    metrics: StandbyMetrics
 
 
 _STANDBY: Final = web.AppKey("geofed_standby", _Standby)
@@ -278,6 +285,16 @@ async def healthz(request: web.Request) -> web.Response:
 async def readyz(request: web.Request) -> web.Response:
     lease = request.app[_STANDBY].lease
     return web.json_response(readiness(lease.leader, lease.standby_reason), status=503)
+
+
+@routes.get(ApiPaths.METRICS)
+async def metrics(request: web.Request) -> web.Response:
+    """That this coordinator stands by, and whom it sees leading; readers only, as there."""
+    require_role(request, *READERS)
+    standby = request.app[_STANDBY]
+    standby.metrics.saw(standby.lease.leader)
+    body = generate_latest(standby.metrics.registry)
+    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 
 async def _read(request: web.Request, fn: Callable[..., T], *args: str) -> T:
@@ -381,7 +398,7 @@ def create_standby_app(
         handler_args={"keepalive_timeout": config.timeouts.request_s},
     )
     reads = _Reads(opener or _postgres_reader(runtime), Executors(compute_threads=1))
-    app[_STANDBY] = _Standby(runtime, lease, reads, clock)
+    app[_STANDBY] = _Standby(runtime, lease, reads, clock, StandbyMetrics(CollectorRegistry()))
 
     async def lifecycle(app: web.Application) -> AsyncIterator[None]:
         try:

@@ -207,8 +207,11 @@ def _job_status(args: argparse.Namespace) -> int:
     return show(args, ApiPaths.job(args.job), lambda body: _print_job(body, sys.stdout))
 
 
-def _job_action(args: argparse.Namespace) -> int:
-    reply = _call(args, "POST", ApiPaths.job_action(args.job, args.action))
+def _post(
+    args: argparse.Namespace, path: str, data: bytes | None, say: Callable[[Any], str]
+) -> int:
+    """POST a job change; print the reply (JSON with ``--json``, else ``say(body)``)."""
+    reply = _call(args, "POST", path, data)
     if isinstance(reply, int):
         return reply
     if reply.status not in (200, 202):
@@ -216,10 +219,17 @@ def _job_action(args: argparse.Namespace) -> int:
     if args.json:
         _print_json(reply.body)
     else:
-        preempting = reply.body.get("preempting")
-        after = f" (stops at its next round boundary: {preempting})" if preempting else ""
-        print(f"job {reply.body['job']}: {reply.body['state']}{after}")
+        print(say(reply.body))
     return EXIT_OK
+
+
+def _job_action(args: argparse.Namespace) -> int:
+    def say(body: Any) -> str:
+        preempting = body.get("preempting")
+        after = f" (stops at its next round boundary: {preempting})" if preempting else ""
+        return f"job {body['job']}: {body['state']}{after}"
+
+    return _post(args, ApiPaths.job_action(args.job, args.action), None, say)
 
 
 def region_change_body(add: str | None, remove: str | None, datasets: str | None) -> bytes:
@@ -240,17 +250,12 @@ def _job_regions(args: argparse.Namespace) -> int:
     except UsageError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_USAGE
-    reply = _call(args, "POST", ApiPaths.job_regions(args.job), body)
-    if isinstance(reply, int):
-        return reply
-    if reply.status not in (200, 202):
-        return _refused(reply)
-    if args.json:
-        _print_json(reply.body)
-    else:
-        when = "now" if reply.body.get("effective") == "now" else "from the next round"
-        print(f"job {reply.body['job']}: {reply.body['reason']} ({when})")
-    return EXIT_OK
+
+    def say(reply: Any) -> str:
+        when = "now" if reply.get("effective") == "now" else "from the next round"
+        return f"job {reply['job']}: {reply['reason']} ({when})"
+
+    return _post(args, ApiPaths.job_regions(args.job), body, say)
 
 
 def _overview(args: argparse.Namespace) -> int:

@@ -7,7 +7,8 @@ as two regions feeds them the fixed deltas of ``tests/support/coordinator_daemon
 
 1. A leads; B stands by, answering reads from the shared state on its own port
    (``coordinator/standby_app.py``: a job's state and round as the leader shows them,
-   ``/readyz`` 503 naming the leader, writes 503 ``standby``, the leader's role rules).
+   ``/readyz`` 503 naming the leader, ``/metrics`` with ``geofed_coordinator_leader`` 0
+   where the leader's has 1, writes 503 ``standby``, the leader's role rules).
    A is killed with SIGKILL mid-publication of round 1 (its update
    and snapshot stored, the publishing transaction not committed): B takes over and
    publishes round 1.
@@ -160,6 +161,13 @@ async def reads_on_standby(leader: Daemon, standby: Daemon) -> None:
     status, ready = await request(observer, "GET", "/readyz")
     assert (status, ready["ready"]) == (503, False), ready
     assert f"leading as {ready['leader']}:" in log_text(leader), ready
+    # Prometheus scrapes each at its own address: the standby is up and says it stands by.
+    for daemon, leads in ((leader, 1.0), (standby, 0.0)):
+        async with daemon.session(daemon.setup.observer).get("/metrics") as response:
+            assert response.status == 200, await response.text()
+            scraped = await response.text()
+        assert f"geofed_coordinator_leader {leads}\n" in scraped, scraped
+    assert f'geofed_coordinator_standby_info{{leader="{ready["leader"]}"}} 1.0' in scraped
     operator = standby.session(standby.setup.operator)
     status, refused = await request(operator, "POST", "/v1/jobs", data="job: x")
     assert (status, refused["error"]) == (503, "standby"), refused

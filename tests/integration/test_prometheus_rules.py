@@ -19,7 +19,7 @@ import yaml
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.metrics import MetricWrapperBase
 
-from coordinator.metrics import CoordinatorMetrics
+from coordinator.metrics import CoordinatorMetrics, StandbyMetrics
 from geofed.types import ArtifactKind
 from regional_agent.metrics import AgentMetrics
 from tests.support.pki import make_federation
@@ -116,7 +116,7 @@ def test_scrape_config_passes_promtool_with_real_certificates(promtool, tmp_path
     shutil.copy(RULES, tmp_path / RULES.name)
     result = _run(promtool, "check", "config", "prometheus.yml", cwd=tmp_path)
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "SUCCESS: 19 rules found" in result.stdout
+    assert "SUCCESS: 20 rules found" in result.stdout
     for job in yaml.safe_load(config)["scrape_configs"]:
         for key in ("ca_file", "cert_file", "key_file"):
             assert Path(job["tls_config"][key]).is_file(), (job["job_name"], key)
@@ -142,6 +142,16 @@ def test_coordinator_exposition_passes_promtool_check_metrics(promtool):
     registry = CollectorRegistry()
     _populated(CoordinatorMetrics(registry))
     exposition = generate_latest(registry)
+    result = _run(promtool, "check", "metrics", stdin=exposition)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout + result.stderr == ""
+
+
+def test_standby_exposition_passes_promtool_check_metrics(promtool):
+    metrics = StandbyMetrics(CollectorRegistry())
+    metrics.saw("spiffe://acme/coordinator/main@host-a:4242")
+    exposition = generate_latest(metrics.registry)
+    assert b"geofed_coordinator_leader 0.0" in exposition
     result = _run(promtool, "check", "metrics", stdin=exposition)
     assert result.returncode == 0, result.stdout + result.stderr
     assert result.stdout + result.stderr == ""
@@ -174,7 +184,7 @@ def test_promtool_check_metrics_does_report_problems(promtool):
 
 def test_every_alert_has_for_severity_summary_description_and_runbook():
     alerts = _alerts()
-    assert len(alerts) == 19
+    assert len(alerts) == 20
     names = [alert["alert"] for alert in alerts]
     assert len(names) == len(set(names))
     for alert in alerts:

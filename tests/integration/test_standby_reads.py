@@ -1,8 +1,8 @@
 """The standby's read-only app over real HTTP, on a real SQLite state store.
 
-In insecure loopback mode (callers named by header) so that it runs in-process: reads by
-the leader's role rules, everything else and a store that cannot be read answered
-``503 standby`` naming the leader. TLS and the takeover are covered with real
+In insecure loopback mode (callers named by header) so that it runs in-process: reads and
+``/metrics`` by the leader's role rules, everything else and a store that cannot be read
+answered ``503 standby`` naming the leader. TLS and the takeover are covered with real
 coordinator processes in ``test_coordinator_failover.py``.
 """
 
@@ -16,6 +16,8 @@ from typing import Any
 import aiohttp
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
+from prometheus_client import CONTENT_TYPE_LATEST
+from prometheus_client.parser import text_string_to_metric_families
 
 from coordinator.auth import IDENTITY_HEADER
 from coordinator.config import load_config
@@ -103,7 +105,7 @@ async def test_everything_else_is_refused_naming_the_leader(
     for method, path, caller in [
         ("POST", "/v1/jobs", "operator/alice"),
         ("POST", "/v1/jobs/tiny/pause", "operator/alice"),
-        ("GET", "/metrics", "observer/grafana"),
+        ("POST", "/metrics", "operator/alice"),
         ("POST", "/v1/jobs/tiny/rounds/0/uploads", "region/eu-west"),
     ]:
         status, body = await answer(standby, method, path, caller)
@@ -111,6 +113,28 @@ async def test_everything_else_is_refused_naming_the_leader(
         assert LEADER in body["message"]
     response = await standby.get("/v1/jobs/tiny")  # no identity: refused before anything
     assert response.status == 403
+
+
+async def test_metrics_say_it_stands_by_and_whom_it_sees_leading(
+    standby: TestClient[Any, Any],
+) -> None:
+    for caller in ("observer/grafana", "operator/alice"):
+        response = await standby.get("/metrics", headers=who(caller))
+        assert response.status == 200, await response.text()
+        assert response.headers["Content-Type"] == CONTENT_TYPE_LATEST
+        samples = {
+            (sample.name, tuple(sample.labels.items())): sample.value
+            for family in text_string_to_metric_families(await response.text())
+            for sample in family.samples
+        }
+        assert samples == {
+            ("geofed_coordinator_leader", ()): 0.0,
+            ("geofed_coordinator_standby_info", (("leader", LEADER),)): 1.0,
+        }
+    # As the leader's: a region learns nothing of other regions' jobs from metrics.
+    status, body = await answer(standby, "GET", "/metrics", "region/eu-west")
+    assert (status, body["error"]) == (403, "forbidden"), body
+    assert (await standby.get("/metrics")).status == 403  # no identity
 
 
 async def test_a_store_that_cannot_be_read_answers_standby_and_is_tried_again(

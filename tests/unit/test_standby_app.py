@@ -5,8 +5,11 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
 
 from coordinator.jobspec import parse_job_spec
+from coordinator.metrics import STANDBY_CATALOGUE, CoordinatorMetrics, StandbyMetrics
 from coordinator.quarantine import Quarantine, QuarantineConfig
 from coordinator.records import RoundRecord
 from coordinator.round_state import RoundConfig, RoundState
@@ -144,3 +147,40 @@ def test_a_job_shows_the_regions_it_runs_on_now_as_the_leader_does() -> None:
     assert list(body["spec"]["regions"]) == ["eu-west"]
     with pytest.raises(DAMAGED):
         view(facts(pointers={"version": "2", "member.us-east": "{not json"}))
+
+
+def samples(registry: CollectorRegistry) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """(name, labels) -> value of every sample ``registry`` exposes."""
+    text = generate_latest(registry).decode()
+    return {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
+
+
+def test_a_standby_exports_that_it_does_not_lead_and_whom_it_sees_leading() -> None:
+    metrics = StandbyMetrics(CollectorRegistry())
+    assert samples(metrics.registry) == {
+        ("geofed_coordinator_leader", ()): 0.0,
+        ("geofed_coordinator_standby_info", (("leader", ""),)): 1.0,  # not known yet
+    }
+    metrics.saw(LEADER)
+    metrics.saw("spiffe://acme/coordinator/main@host-b:77")  # the lease changed hands
+    assert samples(metrics.registry) == {  # one info series at a time: bounded
+        ("geofed_coordinator_leader", ()): 0.0,
+        (
+            "geofed_coordinator_standby_info",
+            (("leader", "spiffe://acme/coordinator/main@host-b:77"),),
+        ): 1.0,
+    }
+    text = generate_latest(metrics.registry).decode()
+    for spec in STANDBY_CATALOGUE:
+        assert f"# TYPE {spec.name} gauge" in text, spec.name
+
+
+def test_the_leaders_registry_says_it_leads() -> None:
+    registry = CollectorRegistry()
+    CoordinatorMetrics(registry)
+    assert samples(registry)[("geofed_coordinator_leader", ())] == 1.0
+    assert "geofed_coordinator_standby_info" not in generate_latest(registry).decode()
