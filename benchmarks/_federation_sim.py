@@ -37,7 +37,8 @@ Two corrections of that rule can be measured (both off by default):
   previous round's mean, ĝ_r = ḡ_{r-1} + (Δ_r - Δ_{r-1}) / M. ḡ_{r-1} and the outer
   momentum are not sent to regions; they are recovered from the published θ_r - θ_{r-1}
   and the job's outer config by replaying the outer optimizer (:class:`OuterReplica`).
-  S is then that start, and the fold is as above.
+  S is then that start, and the fold is as above. The math is the regional agent's own
+  (:mod:`geofed.eager_start`).
 
 An ``attack`` makes the last region hostile: it trains honestly, then sends its delta
 multiplied by :data:`ATTACK_FACTORS` (through the agent's own encoding), claiming its
@@ -64,6 +65,7 @@ from coordinator.robust_aggregation import combine
 from geofed.codec import EncodedStream, ErrorFeedback, decode, decode_pieces
 from geofed.codec_params import CodecParams, Scheme
 from geofed.deltas import apply_update
+from geofed.eager_start import OuterReplica
 from geofed.params import load_federated_state, parameters_vector_hash, state_to_fp32
 from geofed.task import DataShard, Task
 from regional_agent.delta import EncodedDelta, encode_delta
@@ -423,55 +425,7 @@ def delayed_start(
         return local
     if spec.delayed_start == "global":
         return dict(base)
-    share = 1.0 / spec.regions
-    estimate: dict[str, torch.Tensor] = {}
-    for name in base:
-        fresh = base[name] - local[name]
-        if last_delta is not None:
-            fresh = fresh - last_delta[name]
-        if replica.last_mean is not None:
-            estimate[name] = replica.last_mean[name] + share * fresh
-        else:
-            estimate[name] = share * fresh
-    return replica.estimate(base, estimate)
-
-
-class OuterReplica:
-    """A region's copy of the coordinator's outer optimizer, rebuilt from published θs.
-
-    Each observed step θ_r → θ_{r+1} is inverted for the mean delta that produced it
-    (Nesterov: θ_{r+1} - θ_r = -lr·((1 + μ_r)·g_r + μ_r²·buf_{r-1})), which is then
-    stepped through a real :class:`OuterOptimizer` so the momentum buffer follows the
-    coordinator's. Exact up to rounding and the update codec's error.
-    """
-
-    def __init__(self, config: OuterOptimizerConfig) -> None:
-        self._config = config
-        self._optimizer = OuterOptimizer(config)
-        self.last_mean: dict[str, torch.Tensor] | None = None
-
-    def observe(
-        self, before: Mapping[str, torch.Tensor], after: Mapping[str, torch.Tensor]
-    ) -> None:
-        cfg = self._config
-        mu = cfg.momentum_at(self._optimizer.steps)
-        buffers = self._optimizer.state_dict()["momentum_buffers"]
-        mean: dict[str, torch.Tensor] = {}
-        for name, old in before.items():
-            direction = (old - after[name]) / cfg.lr
-            if name in buffers:
-                direction = direction - mu * mu * buffers[name]
-            mean[name] = direction / (1.0 + mu)
-        self._optimizer.step(before, mean)
-        self.last_mean = mean
-
-    def estimate(
-        self, params: Mapping[str, torch.Tensor], mean: Mapping[str, torch.Tensor]
-    ) -> dict[str, torch.Tensor]:
-        """θ after one outer step on ``mean`` from ``params``; the replica is not advanced."""
-        trial = OuterOptimizer(self._config)
-        trial.load_state_dict(self._optimizer.state_dict())
-        return trial.step(params, mean)
+    return replica.start(base, local, last_delta, spec.regions)
 
 
 def _count_bytes(result: RunResult, deltas: list[EncodedDelta], update: EncodedStream) -> None:

@@ -723,6 +723,8 @@ class JobEngine:
             now=self._s.clock(),
             evaluation=spec.evaluation,
             overlap=spec.overlap,
+            overlap_start=spec.overlap_start,
+            outer_optimizer=spec.outer_optimizer,
             assignment=self.applied.assignment,
             shards=self.applied.slots,
         )

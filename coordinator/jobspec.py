@@ -37,6 +37,7 @@ the line and the key. The spec is stored as submitted, in its validated JSON for
       norm_check: off                  # off | clip | refuse, against max_norm_ratio x median
       max_tokens_per_round: 1000000    # default: inner_steps x 2^24
     overlap: none                      # none | delayed: start round r+1 before θ_{r+1} comes
+    overlap_start: local               # delayed only: local | eager (start from an estimate)
     priority: research                 # a class of the coordinator's scheduling config
     team: vision                       # whose job it is (quotas, fair share); default: default
     needs: {cpu_slots: 2}              # in each region: gpus, gpu_kind, min_gpu_memory_gib,
@@ -72,7 +73,7 @@ from coordinator.outer_optimizer import OuterOptimizerConfig
 from coordinator.retention import RetentionConfig
 from coordinator.teams import DEFAULT_TEAM
 from geofed.codec_params import CodecParams
-from geofed.control.messages import OVERLAP_MODES, Overlap
+from geofed.control.messages import OVERLAP_MODES, Overlap, OverlapStart
 from geofed.evaluation_config import EvaluationConfig
 from geofed.located_yaml import MAX_DEPTH, LineMap, LocatedDocument
 from geofed.task import TaskSpecError, parse_task_spec
@@ -258,6 +259,12 @@ class JobSpec(_Section):
         "round r+1 from its own parameters once it sent round r's delta, and folds θ_{r+1} "
         "in when it comes (the one-step delayed outer update)",
     )
+    overlap_start: OverlapStart = Field(
+        default="local",
+        description="overlap delayed only: where round r+1 starts before θ_{r+1} comes; "
+        "local: the region's own parameters; eager: θ_r stepped by the outer optimizer on "
+        "an estimate of round r's mean delta (geofed.eager_start)",
+    )
 
     priority: PriorityName | None = Field(
         default=None,
@@ -319,6 +326,15 @@ class JobSpec(_Section):
         if len(set(value)) != len(value):
             raise ValueError(f"checkpoint_storage repeats a name: {list(value)}")
         return value
+
+    @model_validator(mode="after")
+    def _start_needs_delayed(self) -> JobSpec:
+        if self.overlap_start != "local" and self.overlap != "delayed":
+            raise ValueError(
+                f"overlap_start {self.overlap_start!r} needs overlap delayed "
+                f"(overlap is {self.overlap!r})"
+            )
+        return self
 
     @model_validator(mode="after")
     def _quorum(self) -> JobSpec:

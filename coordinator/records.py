@@ -17,6 +17,7 @@ from datetime import UTC, datetime
 from enum import StrEnum
 from typing import Any, Literal
 
+from coordinator.outer_optimizer import OuterOptimizerConfig
 from coordinator.quarantine import Quarantine, QuarantineConfig
 from coordinator.round_state import RoundState
 from geofed.api_paths import ApiPaths
@@ -106,6 +107,8 @@ def announcement(
     now: float,
     evaluation: EvaluationConfig | None = None,
     overlap: Literal["none", "delayed"] = "none",
+    overlap_start: Literal["local", "eager"] = "local",
+    outer_optimizer: OuterOptimizerConfig | None = None,
     assignment: Mapping[str, int] | None = None,
     shards: int | None = None,
 ) -> RoundAnnouncement:
@@ -146,6 +149,9 @@ def announcement(
         total_rounds=total_rounds,
         evaluation=evaluation if evaluation is not None else EvaluationConfig(),
         overlap=overlap,
+        overlap_start=overlap_start,
+        # Only a region that starts from the eager estimate replays the outer optimizer.
+        outer_optimizer=outer_optimizer if overlap_start == "eager" else None,
         regions=regions,
         assignment=dict(assignment or {}),
         shards=shards if assignment else None,

@@ -10,6 +10,12 @@ evaluated there when the marker asks for it (between the two halves of the corre
 while the model holds θ exactly). If θ has not come when the last step is done, the ranks
 wait for it (still honouring a stop), then fold it in.
 
+Under ``overlap_start: eager`` (the instruction's ``start``) the round starts instead from
+the estimate S the agent hands over (:mod:`regional_agent.eager_start`): before the first
+step the ranks wait for the round's start marker (still honouring a stop and a cancel),
+load S as they load θ (rank 0 reads it, each rank takes its shard under FSDP) and keep it
+as the snapshot; a marker without S (the agent had no estimate) keeps the local start.
+
 A cancel (the agent will not use the round) or a θ that cannot be read ends the round
 without a result; the caller drops the rank's state, so the next round resumes from the
 regional checkpoint of round r, as a restarted group does.
@@ -29,7 +35,7 @@ from torch.distributed.tensor import DTensor
 from geofed.params import federated_state
 from geofed.training_config import TrainingConfig
 from regional_agent.base_evaluation import evaluate_base
-from regional_agent.handoff import BaseReady, HandoffDir, RoundInstruction
+from regional_agent.handoff import BaseReady, HandoffDir, RoundInstruction, StartReady
 from regional_agent.job_state import read_base
 from regional_agent.overlap import add_progress, progress_in_place, take_snapshot
 from regional_agent.parallelism import ParallelModel
@@ -75,6 +81,9 @@ class DelayedFold:
         self.base_eval: dict[str, float] | None = None
         self.folded_at_step: int | None = None
         self.wait_seconds = 0.0
+        #: Eager start: how long the ranks waited for S, and whether they took it.
+        self.start_wait_seconds = 0.0
+        self.started_from_estimate = False
         #: Why the round ended without a result when it was not a stop (rank 0 reports it).
         self.failure: str | None = None
 
@@ -108,6 +117,82 @@ class DelayedFold:
                 self._fold(outcome, steps)
                 return self.failure is None
             time.sleep(poll_s)
+
+    def begin(self, wants_stop: Callable[[], bool], poll_s: float) -> bool:
+        """Eager start, before the first step: wait for S, load it and take it as the
+        snapshot. False when stopped, cancelled or failed (then ``failure`` says why)."""
+        job, round_ = self._instruction.job, self._instruction.round
+        started = time.monotonic()
+        while True:
+            ready: StartReady | None = None
+            cancelled = False
+            if self._rank == 0:
+                cancelled = self._handoff.cancel_requested(job, round_)
+                if not cancelled:
+                    try:
+                        ready = self._handoff.read_start_ready(job, round_)
+                    except Exception as exc:  # a damaged marker fails the round, on every rank
+                        log.exception("job %s round %d: unreadable start marker", job, round_)
+                        self.failure = f"unreadable start marker: {exc}"
+                        cancelled = True
+            stop, has, cancel = self._agree(wants_stop(), ready is not None, cancelled)
+            if cancel:
+                if self.failure is None:
+                    self.failure = "the delayed round was cancelled by the agent"
+                return False
+            if stop:
+                return False
+            if has:
+                break
+            time.sleep(poll_s)
+        self.start_wait_seconds = time.monotonic() - started
+        box: list[StartReady | None] = [ready]
+        dist.broadcast_object_list(box, src=0, group=self._group)
+        marker = box[0]
+        assert marker is not None
+        if not marker.start_params:
+            log.info(
+                "job %s round %d: no eager estimate (%s); starting from the local parameters "
+                "(%.3f s waited)",
+                job,
+                round_,
+                marker.reason or "none made",
+                self.start_wait_seconds,
+            )
+            return True
+        start: Mapping[str, torch.Tensor] | None = None
+        error: str | None = None
+        if self._rank == 0:
+            try:
+                read = read_base(self._parallel.model, marker.start_params)
+            except Exception as exc:
+                log.exception("job %s round %d: cannot read S", job, round_)
+                error = f"cannot read the eager start: {type(exc).__name__}: {exc}"
+            else:
+                if read.hash == marker.start_hash:
+                    start = read.state
+                else:
+                    error = (
+                        f"S at {marker.start_params} hashes {read.hash}, not {marker.start_hash}"
+                    )
+        (failed,) = self._agree(error is not None)
+        if failed:
+            self.failure = error or "rank 0 could not read the eager start"
+            return False
+        self._parallel.load_full_state(start)
+        del start
+        with torch.no_grad():
+            for name, tensor in local_tensors(self._parallel).items():
+                self._snapshot[name].copy_(tensor.detach())
+        self.started_from_estimate = True
+        log.info(
+            "job %s round %d: starting from the eager estimate S %s (%.3f s waited for it)",
+            job,
+            round_,
+            marker.start_hash,
+            self.start_wait_seconds,
+        )
+        return True
 
     # -- internals -----------------------------------------------------------------------
 

@@ -10,6 +10,8 @@ moment and pick up where the other left off::
     jobs/<job>/round-<r>.progress.json      rank 0: steps done so far (advisory)
     jobs/<job>/round-<r>.base.json          agent -> workers: θ_r of a delayed round is ready
     jobs/<job>/round-<r>.cancel             agent -> workers: drop the delayed round r
+    jobs/<job>/round-<r>.start.pt           agent -> workers: S, where an eager round r starts
+    jobs/<job>/round-<r>.start.json         agent -> workers, written last: S is ready
     jobs/<job>/regional-checkpoint.pt       rank 0: the job's inner optimizer state + cursor
     jobs/<job>/inner-checkpoint.pt          rank 0: a round's inner state at a mid-round stop
     ranks/rank-<n>.json                     each rank: pid, launch id, restart count
@@ -117,7 +119,9 @@ class RoundInstruction:
     (:mod:`regional_agent.overlap`): the workers start from the parameters they hold at
     the end of round ``round - 1``; θ_round is not there yet, and ``base_params`` is where
     the agent will put it, announcing it with the round's base-ready marker
-    (:meth:`HandoffDir.write_base_ready`).
+    (:meth:`HandoffDir.write_base_ready`). ``start`` ``eager`` (``overlap_start: eager``):
+    a delayed round starts instead from the estimate S the agent writes, announced by the
+    round's start marker (:meth:`HandoffDir.write_start`), which the workers wait for.
     """
 
     job: str
@@ -135,6 +139,7 @@ class RoundInstruction:
     evaluate_base: bool = False
     overlap: str = "none"
     base_pending: bool = False
+    start: str = "local"
 
     def __post_init__(self) -> None:
         try:
@@ -173,6 +178,10 @@ class RoundInstruction:
             raise InvalidHandoffData(f"base_pending must be a bool, got {self.base_pending!r}")
         if self.base_pending and self.overlap != "delayed":
             raise InvalidHandoffData("base_pending is for rounds of an overlap: delayed job")
+        if self.start not in ("local", "eager"):
+            raise InvalidHandoffData(f"start must be local or eager, got {self.start!r}")
+        if self.start == "eager" and not self.base_pending:
+            raise InvalidHandoffData("start eager is for a delayed round (base_pending)")
         if self.total_steps is None:
             if self.training.lr_schedule.kind != "constant":
                 raise InvalidHandoffData(
@@ -218,7 +227,7 @@ def _training(data: object) -> TrainingConfig:
 _INSTRUCTION_FIELDS = tuple(RoundInstruction.__dataclass_fields__)
 # Written by every agent that knows them; an instruction without them trains as before.
 _INSTRUCTION_OPTIONAL = frozenset(
-    {"training", "total_steps", "evaluate_base", "overlap", "base_pending"}
+    {"training", "total_steps", "evaluate_base", "overlap", "base_pending", "start"}
 )
 
 
@@ -347,6 +356,44 @@ _BASE_READY_FIELDS = tuple(BaseReady.__dataclass_fields__)
 
 
 @dataclass(frozen=True, slots=True)
+class StartReady:
+    """Where an eager delayed round starts: S's file and hash, or (both empty) the
+    workers' own parameters, when the agent had no estimate; ``reason`` says why."""
+
+    job: str
+    round: int
+    start_params: str = ""
+    start_hash: str = ""
+    reason: str = ""
+
+    def __post_init__(self) -> None:
+        try:
+            validate_name("job", self.job)
+        except ValueError as exc:
+            raise InvalidHandoffData(str(exc)) from None
+        _require_int("round", self.round, 0)
+        for name in ("start_params", "start_hash", "reason"):
+            if not isinstance(getattr(self, name), str):
+                raise InvalidHandoffData(f"{name} must be a string")
+        if bool(self.start_params) != bool(self.start_hash):
+            raise InvalidHandoffData("start_params and start_hash go together")
+
+    def to_json(self) -> bytes:
+        return json.dumps({"format": FORMAT_VERSION, **asdict(self)}, sort_keys=True).encode()
+
+    @classmethod
+    def from_json(cls, raw: bytes, source: str = "start marker") -> StartReady:
+        try:
+            data = _fields(source, json.loads(raw), _START_READY_FIELDS)
+            return cls(**{name: data[name] for name in _START_READY_FIELDS})
+        except (ValueError, TypeError) as exc:
+            raise InvalidHandoffData(f"{source}: {exc}") from None
+
+
+_START_READY_FIELDS = tuple(StartReady.__dataclass_fields__)
+
+
+@dataclass(frozen=True, slots=True)
 class RoundResult:
     """A completed round: its summary and rank 0's locally trained fp32 state."""
 
@@ -442,6 +489,12 @@ class HandoffDir:
 
     def cancel_path(self, job: str, round_: int) -> Path:
         return self._round_path(job, round_, "cancel")
+
+    def start_params_path(self, job: str, round_: int) -> Path:
+        return self._round_path(job, round_, "start.pt")
+
+    def start_ready_path(self, job: str, round_: int) -> Path:
+        return self._round_path(job, round_, "start.json")
 
     def checkpoint_path(self, job: str) -> Path:
         """``job``'s regional checkpoint, beside its round files."""
@@ -552,6 +605,35 @@ class HandoffDir:
 
     def clear_cancel(self, job: str, round_: int) -> None:
         self.cancel_path(job, round_).unlink(missing_ok=True)
+
+    def write_start(
+        self,
+        job: str,
+        round_: int,
+        params: Mapping[str, torch.Tensor] | None,
+        params_hash: str = "",
+        reason: str = "",
+    ) -> StartReady:
+        """Hand an eager round its start S (durable), then the marker; ``params`` None:
+        the workers start from their own parameters."""
+        path = self.start_params_path(job, round_)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if params is None:
+            ready = StartReady(job, round_, reason=reason)
+        else:
+            with AtomicFile(path) as f:
+                torch.save(dict(params), f)
+            ready = StartReady(job, round_, str(path), params_hash, reason)
+        atomic_write_bytes(self.start_ready_path(job, round_), ready.to_json())
+        return ready
+
+    def read_start_ready(self, job: str, round_: int) -> StartReady | None:
+        path = self.start_ready_path(job, round_)
+        try:
+            raw = path.read_bytes()
+        except FileNotFoundError:
+            return None
+        return StartReady.from_json(raw, str(path))
 
     # -- outcomes ------------------------------------------------------------------------
 
@@ -670,6 +752,8 @@ class HandoffDir:
                 "progress.json",
                 "base.json",
                 "cancel",
+                "start.json",
+                "start.pt",
             ):
                 self._round_path(job, round_, suffix).unlink(missing_ok=True)
             self.instruction_path(job, round_).unlink(missing_ok=True)

@@ -89,12 +89,15 @@ def speculate_next(overlap: str, round_: int, total_rounds: int | None) -> bool:
     return total_rounds is None or round_ + 1 < total_rounds
 
 
-def next_instruction(trained: RoundInstruction, promised_base: str) -> RoundInstruction:
+def next_instruction(
+    trained: RoundInstruction, promised_base: str, start: str = "local"
+) -> RoundInstruction:
     """The speculative instruction of the round after ``trained``.
 
-    Same job and training settings; the workers start from their local parameters and
-    wait for θ at ``promised_base`` (the file the agent will write once it has synced it).
-    Whether θ is evaluated is decided when it arrives (the base-ready marker says).
+    Same job and training settings; the workers start from their local parameters (or,
+    ``start`` ``eager``, from the estimate S the agent hands them) and wait for θ at
+    ``promised_base`` (the file the agent will write once it has synced it). Whether θ
+    is evaluated is decided when it arrives (the base-ready marker says).
     """
     return RoundInstruction(
         job=trained.job,
@@ -112,6 +115,7 @@ def next_instruction(trained: RoundInstruction, promised_base: str) -> RoundInst
         evaluate_base=False,
         overlap="delayed",
         base_pending=True,
+        start=start,
     )
 
 
@@ -131,7 +135,7 @@ def speculation_unusable(
         return f"it is round {speculative.round} of {speculative.job}, not the announced one"
     if speculative.base_params != wanted.base_params:
         return f"θ is at {wanted.base_params}, not at the promised {speculative.base_params}"
-    ignored = {"base_params", "evaluate_base", "overlap", "base_pending"}
+    ignored = {"base_params", "evaluate_base", "overlap", "base_pending", "start"}
     for name in RoundInstruction.__dataclass_fields__:
         if name in ignored:
             continue

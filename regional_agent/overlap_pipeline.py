@@ -11,6 +11,10 @@ participants, settings, θ file; no resync): the agent writes the base-ready mar
 path, hash, and whether to evaluate it) and waits for the round's done marker. The delta
 is then formed against θ_{r+1} as in a serial round; the coordinator sees no difference.
 
+Under ``overlap_start: eager`` :meth:`DelayedRounds.speculate` then computes S, the
+estimate the workers start round r+1 from, in a thread, and hands it over
+(:mod:`regional_agent.eager_start`); the workers wait for it before their first step.
+
 Otherwise the speculative round is cancelled (a cancel file the workers check between
 steps; they answer with the round's error marker and drop its steps) and the announced
 round is trained serially from θ, with the optimizer state and data cursor of the
@@ -28,6 +32,7 @@ from pathlib import Path
 
 from geofed.control import RoundAnnouncement
 from geofed.timeouts import wait_for
+from regional_agent.eager_start import hand_start
 from regional_agent.handoff import BaseReady, RoundInstruction, RoundResult
 from regional_agent.overlap import (
     keeps_speculation,
@@ -35,6 +40,7 @@ from regional_agent.overlap import (
     speculate_next,
     speculation_unusable,
 )
+from regional_agent.state import JobDirectory
 from regional_agent.worker_group import WorkerGroup
 
 log = logging.getLogger(__name__)
@@ -52,18 +58,48 @@ class DelayedRounds:
         self._timeout_s = timeout_s
 
     async def speculate(
-        self, announcement: RoundAnnouncement, trained: RoundInstruction, promised: Path
+        self,
+        announcement: RoundAnnouncement,
+        trained: RoundInstruction,
+        promised: Path,
+        *,
+        result: RoundResult | None = None,
+        job: JobDirectory | None = None,
     ) -> None:
-        """Start round ``trained.round + 1`` now, if the job overlaps and has one more."""
+        """Start round ``trained.round + 1`` now, if the job overlaps and has one more;
+        from the eager estimate when the job asks for it (and ``result`` and ``job`` say
+        what it is made from)."""
         if not speculate_next(announcement.overlap, trained.round, announcement.total_rounds):
             return
+        outer = announcement.outer_optimizer
+        if announcement.overlap_start != "eager" or outer is None or job is None:
+            result = None
+        eager = result is not None
         handoff = self._workers.handoff
-        path = handoff.instruction_path(trained.job, trained.round + 1)
+        next_round = trained.round + 1
+        path = handoff.instruction_path(trained.job, next_round)
         if await asyncio.to_thread(path.exists):
-            return  # written before a restart of the agent, or already answered
-        spec = next_instruction(trained, str(promised))
-        await asyncio.to_thread(handoff.write_instruction, spec)
-        log.info("job %s: round %d started ahead of θ_%d", spec.job, spec.round, spec.round)
+            # Written before a restart of the agent, or already answered; an eager round
+            # whose S never came still needs it.
+            waiting = await asyncio.to_thread(self._awaits_start, trained.job, next_round)
+            if not (eager and waiting):
+                return
+        else:
+            spec = next_instruction(trained, str(promised), "eager" if eager else "local")
+            await asyncio.to_thread(handoff.write_instruction, spec)
+            log.info("job %s: round %d started ahead of θ_%d", spec.job, spec.round, spec.round)
+        if result is not None and outer is not None and job is not None:
+            await asyncio.to_thread(
+                hand_start,
+                job,
+                handoff,
+                outer,
+                trained.round,
+                trained.base_params,
+                result.summary.base_params_hash,
+                result.params,
+                len(announcement.participants),
+            )
 
     async def train(self, wanted: RoundInstruction, base_hash: str) -> RoundResult | None:
         """The result of the speculative round that stands for ``wanted``, or None: train
@@ -143,6 +179,20 @@ class DelayedRounds:
             await asyncio.to_thread(self._workers.handoff.request_cancel, *pending)
 
     # -- internals -----------------------------------------------------------------------
+
+    def _awaits_start(self, job: str, round_: int) -> bool:
+        """Whether round ``round_``'s eager instruction is still waiting for its S."""
+        handoff = self._workers.handoff
+        try:
+            spec = handoff.read_instruction(job, round_)
+        except (FileNotFoundError, ValueError):
+            return False
+        return (
+            spec.start == "eager"
+            and handoff.read_start_ready(job, round_) is None
+            and handoff.read_done(job, round_) is None
+            and handoff.read_error(job, round_) is None
+        )
 
     async def _speculative(self, job: str, round_: int) -> RoundInstruction | None:
         """Round ``round_``'s instruction if it is a speculative one still in play."""

@@ -308,7 +308,11 @@ class RoundPipeline:
                 params_hash=base_hash,
             )
         await self._delayed.speculate(
-            announcement, instruction, job.params_path(announcement.round + 1)
+            announcement,
+            instruction,
+            job.params_path(announcement.round + 1),
+            result=result,
+            job=job,
         )
         self._count_trained(announcement.job, announcement.round, summary.mean_loss)
         if summary.stats is not None:

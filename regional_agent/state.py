@@ -8,6 +8,8 @@ cursor) in its own hand-off directory. Layout under the state directory::
     jobs/<job>/params/current.json      {"round": v, "hash": ...}: which θ is held, last
     jobs/<job>/feedback.pt              error-feedback residual after the last accepted delta
     jobs/<job>/progress.json            {"uploaded_round": r}: last delta the coordinator took
+    jobs/<job>/eager.pt                 overlap_start eager: the outer optimizer's replica and
+                                        the last raw delta (:mod:`regional_agent.eager_start`)
     jobs/<job>/spool/round-<r>/         one encoded delta, kept until it is accepted:
         stream.bin                      the codec frames, concatenated
         residual.pt                     the residual this delta leaves behind
@@ -171,6 +173,32 @@ class JobDirectory:
     def forget_params(self) -> None:
         """Hold no θ any more: the next sync is a full resync."""
         (self._params / "current.json").unlink(missing_ok=True)
+        # The replica followed the θ chain now dropped: it starts again from zero.
+        self.forget_eager()
+
+    # -- eager start (overlap_start: eager) -------------------------------------------
+
+    @property
+    def eager_path(self) -> Path:
+        return self.root / "eager.pt"
+
+    def load_eager(self) -> dict[str, Any] | None:
+        """The saved eager-start state, None when there is none or it is unreadable."""
+        if not self.eager_path.exists():
+            return None
+        try:
+            return _load(self.eager_path)
+        except StateError as exc:
+            log.warning("dropping the eager-start state: %s", exc)
+            return None
+
+    def save_eager(self, state: Mapping[str, Any]) -> None:
+        self.root.mkdir(parents=True, exist_ok=True)
+        with AtomicFile(self.eager_path, private=True) as f:
+            torch.save(dict(state), f)
+
+    def forget_eager(self) -> None:
+        self.eager_path.unlink(missing_ok=True)
 
     def _prune_params(self, current: int) -> None:
         rounds = sorted(

@@ -287,6 +287,13 @@ class RoundRunner:
                     error = f"rank {self._rank}: {type(exc).__name__}: {exc}"
                 if self._refused(instruction, self._problems(error)) or fold is None:
                     return
+                if instruction.start == "eager" and not fold.begin(
+                    self._wants_stop, self._settings.poll_interval_s
+                ):
+                    self._state = None  # as a dropped delayed round: resume from the checkpoint
+                    if fold.failure is not None and self._rank == 0:
+                        self._handoff.write_error(job, round_, fold.failure)
+                    return
                 self._train(state, parallel, optimizer, instruction, "", None, fold)
                 return
             # A restarted group, or another job in between: a serial round once θ is there.

@@ -35,6 +35,7 @@ from pydantic import (
 from geofed.codec_params import CodecParams
 from geofed.control.errors import MessageError
 from geofed.evaluation_config import EvaluationConfig
+from geofed.outer_step import OuterOptimizerConfig
 from geofed.training_config import TrainingConfig
 from geofed.types import validate_name
 
@@ -64,6 +65,8 @@ RoundNumber = Annotated[int, Field(ge=0, lt=2**63)]
 Overlap = Literal["none", "delayed"]
 #: The overlap modes a job may ask for (``streaming`` is not implemented).
 OVERLAP_MODES: tuple[str, ...] = ("none", "delayed")
+#: Where a delayed round starts: the region's own parameters, or the eager estimate.
+OverlapStart = Literal["local", "eager"]
 
 AnnouncedPhase = Literal["open", "closed", "done", "cancelled", "paused"]
 """``open``: regions train; ``closed``: no more deltas, aggregating; ``done``: the job
@@ -96,6 +99,9 @@ class RoundAnnouncement(_Message):
     ``overlap`` is the job's overlap mode: under ``delayed`` a region starts the next
     round from its own parameters as soon as it has trained this one, and folds the
     next θ in when it comes (the protocol between regions and coordinator is the same).
+    ``overlap_start`` ``eager`` makes it start instead from an estimate of the next θ
+    (:mod:`geofed.eager_start`), for which it needs the job's ``outer_optimizer``;
+    announcements that lack them start from the region's own parameters.
     """
 
     type: Literal["round_announcement"] = "round_announcement"
@@ -119,6 +125,9 @@ class RoundAnnouncement(_Message):
     total_rounds: int | None = Field(default=None, ge=1, lt=2**63)
     evaluation: EvaluationConfig = Field(default_factory=EvaluationConfig)
     overlap: Overlap = "none"
+    overlap_start: OverlapStart = "local"
+    #: The job's outer optimizer config; sent with ``overlap_start: eager`` only.
+    outer_optimizer: OuterOptimizerConfig | None = None
     #: The job's regions, as its spec lists them: a region's data shard is its place among
     #: them (:meth:`data_shard`), whoever takes part in a round. Empty from coordinators
     #: that predate it; the participants then stand in.

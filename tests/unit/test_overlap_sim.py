@@ -8,7 +8,6 @@ import pytest
 import torch
 
 from benchmarks._federation_sim import (
-    OuterReplica,
     RunResult,
     RunSpec,
     SimulationError,
@@ -17,6 +16,7 @@ from benchmarks._federation_sim import (
     simulate,
 )
 from coordinator.outer_optimizer import OuterOptimizer, OuterOptimizerConfig
+from geofed.eager_start import OuterReplica
 from geofed.examples.charlm import CharLMOptions, CharLMTask
 from geofed.params import state_to_fp32
 
