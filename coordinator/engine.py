@@ -676,7 +676,10 @@ class JobEngine:
 
     async def _complete(self) -> None:
         """The job ran all its rounds (the publishing transaction usually recorded it)."""
-        # The last parameters' evaluation is the job's result: let it finish, not cancel it.
+        # The last parameters' evaluation is the job's result: let it finish, not cancel it
+        # (and start it, if a coordinator killed after the last publication never kept it).
+        if self.working is not None:
+            self._evaluation.ensure(self.working)
         await self._evaluation.finish()
         if self._state is not JobState.COMPLETED:
             await self._s.db.set_job_state(self.job, JobState.COMPLETED.value)

@@ -136,6 +136,8 @@ class JobEvaluation:
         #: The validation loss of every evaluated version.
         self.history: dict[int, float] = {}
         self._tasks: set[asyncio.Task[None]] = set()
+        #: Versions the coordinator is evaluating now.
+        self._evaluating: set[int] = set()
 
     def restore(self, pointers: Mapping[str, str]) -> None:
         """Take back the losses a previous run persisted in the job's pointers."""
@@ -154,7 +156,14 @@ class JobEvaluation:
         if not decision.evaluate:
             log.debug("job %s: θ_%d: %s", self._ctx.job, state.version, decision.reason)
             return
+        self._evaluating.add(state.version)
         self._background(self._evaluate(state), f"evaluate-{self._ctx.job}-{state.version}")
+
+    def ensure(self, state: WorkingState) -> None:
+        """Evaluate θ_version of ``state`` unless it was or is being evaluated: the last
+        parameters of a job whose coordinator was killed before their evaluation was kept."""
+        if state.version not in self.history and state.version not in self._evaluating:
+            self.later(state)
 
     def record(self, version: int, metrics: Mapping[str, float]) -> None:
         """Take a region's evaluation of θ_version (persisted in the background)."""
@@ -184,14 +193,17 @@ class JobEvaluation:
         job, spec = self._ctx.job, self._ctx.spec
         options = json.dumps(spec.task.options, sort_keys=True)
         try:
-            params = await asyncio.to_thread(_params_bytes, state.params)
-            metrics = await self._s.executors.evaluate(
-                evaluate_in_process, spec.task.spec, options, spec.seed, params
-            )
-        except Exception:
-            log.exception("job %s: evaluating θ_%d failed", job, state.version)
-            return
-        await self._keep(state.version, metrics, "coordinator")
+            try:
+                params = await asyncio.to_thread(_params_bytes, state.params)
+                metrics = await self._s.executors.evaluate(
+                    evaluate_in_process, spec.task.spec, options, spec.seed, params
+                )
+            except Exception:
+                log.exception("job %s: evaluating θ_%d failed", job, state.version)
+                return
+            await self._keep(state.version, metrics, "coordinator")
+        finally:
+            self._evaluating.discard(state.version)
 
     async def _keep(
         self,

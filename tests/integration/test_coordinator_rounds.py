@@ -3,11 +3,18 @@
 from __future__ import annotations
 
 import asyncio
+import sqlite3
 from pathlib import Path
 
 import pytest
 
 from coordinator.audit import AuditEntry, verify_chain
+from coordinator.job_evaluation import (
+    VAL_HISTORY_POINTER,
+    VAL_LOSS_POINTER,
+    format_history,
+    format_val_loss,
+)
 from geofed.control.broker import EmbeddedBroker
 from geofed.params import parameters_vector_hash
 from tests.support.coordinator import (
@@ -143,3 +150,59 @@ async def test_a_regions_evaluation_of_its_base_is_the_jobs_loss(tmp_path: Path)
             evaluations = 'geofed_evaluations_total{job="tiny",where="%s"}'
             assert await metric_value(running, observer, evaluations % "region") == 1.0
             assert await metric_value(running, observer, evaluations % "coordinator") == 1.0
+
+
+async def test_a_restarted_coordinator_evaluates_last_parameters_it_never_kept(
+    tmp_path: Path,
+) -> None:
+    # The last round was published but the coordinator died before the evaluation of θ_1
+    # was kept: the store then holds θ_1 and no loss for it. Its evaluation is the job's
+    # result, so the restarted coordinator makes it.
+    async with EmbeddedBroker() as broker, Announcements(broker.port) as announcements:
+        setup = write_setup(tmp_path, broker.port)
+        spec = job_yaml(
+            task="tests.support.coordinator:EvaluatedTinyTask",
+            rounds=1,
+            extra="evaluation: {where: coordinator}\n",
+        )
+        async with coordinator(setup) as running:
+            operator = running.session(setup.operator)
+            status, body = await request(operator, "POST", "/v1/jobs", data=spec)
+            assert status == 201, body
+            first = await announcements.until(round=0, state="open")
+            for seed, region in enumerate(("eu-west", "us-east"), start=1):
+                client = running.region(region)
+                manifest, stream = client.delta("tiny", 0, first.base_hash, seed=seed, tokens=100)
+                status, body = await client.three_step("tiny", 0, manifest, stream)
+                assert (status, body["state"]) == (200, "accepted"), body
+            async with asyncio.timeout(120):
+                while True:
+                    status, job = await request(operator, "GET", "/v1/jobs/tiny")
+                    if job["state"] == "completed" and len(job["val_loss_history"]) == 2:
+                        break
+                    await asyncio.sleep(0.05)
+            kept = {e["round"]: e["value"] for e in job["val_loss_history"]}
+
+        database = sqlite3.connect(setup.root / "state" / "coordinator.db")
+        with database:  # as a kill before the evaluation of θ_1 was kept leaves the store
+            for name, value in (
+                (VAL_HISTORY_POINTER, format_history({0: kept[0]})),
+                (VAL_LOSS_POINTER, format_val_loss(0, kept[0])),
+            ):
+                database.execute(
+                    "UPDATE pointers SET value = ? WHERE job_id = 'tiny' AND name = ?",
+                    (value, name),
+                )
+        database.close()
+
+        async with coordinator(setup) as running:
+            observer = running.session(setup.observer)
+            async with asyncio.timeout(120):
+                while True:
+                    status, job = await request(observer, "GET", "/v1/jobs/tiny")
+                    if len(job["val_loss_history"]) == 2:
+                        break
+                    await asyncio.sleep(0.05)
+            assert job["state"] == "completed"
+            assert {e["round"]: e["value"] for e in job["val_loss_history"]} == kept
+            assert job["global_val_loss"] == {"round": 1, "value": kept[1]}
