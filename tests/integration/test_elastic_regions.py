@@ -27,7 +27,7 @@ from tests.support.observe import audit_entries
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(300)]
 
-ROUNDS = 24
+ROUNDS = 48  # about 20 s of rounds: the job must outlast the operator calls below
 REGIONS = ("eu-west", "us-east", "ap-south")
 DATASETS = {
     "eu-west": ["eu-parliament-proceedings"],
@@ -103,10 +103,11 @@ async def test_regions_join_and_leave_a_running_job(tmp_path: Path) -> None:
         assert answer["slot"] == 2, answer
         kept = answer["round_in_progress"]
         assert kept is None or kept >= before["round"], answer
+        # A round on ap-south (its deltas are checked in the audit log below).
         grown = await fed.wait_for(
-            lambda s: "ap-south" in (s.get("current") or {}).get("delivered", []),
+            lambda s: "ap-south" in (s.get("current") or {}).get("participants", []),
             timeout_s=120,
-            what="ap-south to deliver a delta",
+            what="a round on ap-south",
         )
         assert shards_of(grown) == {"eu-west": 0, "us-east": 1, "ap-south": 2}, grown
         assert grown["shards"]["assignment"] == {"eu-west": 0, "us-east": 1, "ap-south": 2}
@@ -122,11 +123,11 @@ async def test_regions_join_and_leave_a_running_job(tmp_path: Path) -> None:
         assert status == 202, body
         assert body["shards"]["next"] == {"us-east": 1, "ap-south": 2}, body
         removed_at = body["round_in_progress"]  # eu-west still delivers it
+        # Any phase: rounds take well under a second here, and the job may even have
+        # run its last round by the time this looks.
         shrunk = await fed.wait_for(
             lambda s: (
-                s.get("current") is not None
-                and "eu-west" not in s["current"]["participants"]
-                and s["current"]["phase"] == "collecting"
+                s.get("current") is not None and "eu-west" not in s["current"]["participants"]
             ),
             timeout_s=120,
             what="a round without eu-west",
