@@ -45,6 +45,7 @@ from coordinator.aggregation import StagedDelta
 from coordinator.audit import AuditEvent, AuditVerdict
 from coordinator.context import JobContext, initial_parameters
 from coordinator.deadline import RoundTiming, next_deadline
+from coordinator.errors import Unavailable
 from coordinator.job_evaluation import JobEvaluation
 from coordinator.job_recovery import recover_rounds
 from coordinator.job_regions import membership_of, with_membership
@@ -104,6 +105,9 @@ class JobEngine:
         self._wake = asyncio.Event()
         #: Set once the engine settled: a round collecting, the job paused, or ended.
         self.ready = asyncio.Event()
+        #: Set once the job's state was read back (or its recovery failed): before, the
+        #: engine knows neither its round nor its parameters.
+        self.recovered = asyncio.Event()
         self.working: WorkingState | None = None
         self.record: RoundRecord | None = None
         self.update_digest: str | None = None
@@ -154,7 +158,12 @@ class JobEngine:
         return None
 
     def check_open(self, region: str, round: int) -> None:
-        """Raise the 409 a delta of ``region`` for ``round`` would get now (read-only)."""
+        """Raise the 409 a delta of ``region`` for ``round`` would get now (read-only);
+        503 while the job is being recovered."""
+        if not self.recovered.is_set():
+            # Not a 409: a region takes that as final for the round (a straggler), and the
+            # round it uploads to may well be the one about to be recovered as open.
+            raise Unavailable(f"job {self.job} is being recovered; try again shortly")
         verdict = judge_delta(self.round_state, region, round, self._s.clock(), self._intake())
         if not verdict.accepted:
             raise refusal(verdict)
@@ -338,7 +347,16 @@ class JobEngine:
     async def run(self) -> None:
         """Recover, then drive rounds until the job ends; failures mark the job failed."""
         try:
+            started = time.monotonic()
             await self._recover()
+            self.recovered.set()
+            log.info(
+                "job %s at round %d (%s): its state was loaded in %.2f s",
+                self.job,
+                self.version,
+                self._state.value,
+                time.monotonic() - started,
+            )
             if self.collecting() is not None and self._state is JobState.RUNNING:
                 await self._announce("open")  # the retained message may predate a restart
             await self._drive()
@@ -348,6 +366,7 @@ class JobEngine:
             log.exception("job %s failed", self.job, extra={"job": self.job})
             await self._fail_job(f"{type(exc).__name__}: {exc}")
         finally:
+            self.recovered.set()  # a failed recovery answers as the failed job it left
             self.ready.set()
             self._export_quarantine()  # an ended job holds no region back
             await self._evaluation.stop()

@@ -31,7 +31,15 @@ from coordinator.chunk_commit import ChunkCommitter, ChunkWrite
 from coordinator.delta_checks import DeltaExpectation
 from coordinator.delta_stream import checked_manifest, verify_and_store
 from coordinator.engine import JobEngine
-from coordinator.errors import ApiError, BadRequest, Conflict, Forbidden, NotFound, TooLarge
+from coordinator.errors import (
+    ApiError,
+    BadRequest,
+    Conflict,
+    Forbidden,
+    NotFound,
+    TooLarge,
+    Unavailable,
+)
 from coordinator.jobs import JobManager
 from coordinator.lineage import note_delta
 from coordinator.residency import delta_upload
@@ -370,7 +378,7 @@ class UploadService:
     def _expectation(self, engine: JobEngine, round: int, region: str) -> DeltaExpectation:
         working = engine.working
         if working is None:
-            raise Conflict(f"job {engine.job} is starting; retry shortly", "round_closed")
+            raise Unavailable(f"job {engine.job} is starting; retry shortly")
         ctx = engine.ctx
         limits = self._s.config.limits
         return DeltaExpectation(

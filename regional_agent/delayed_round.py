@@ -78,6 +78,7 @@ class DelayedFold:
         self._snapshot: dict[str, torch.Tensor] = take_snapshot(local_tensors(parallel))
         #: Set once θ is folded in: its hash (rank 0; "" elsewhere), its metrics, the step.
         self.base_hash = ""
+        self.base_path = ""  # the file θ_round was folded in from
         self.base_eval: dict[str, float] | None = None
         self.folded_at_step: int | None = None
         self.wait_seconds = 0.0
@@ -238,6 +239,7 @@ class DelayedFold:
             else:
                 if read.hash == ready.base_hash:
                     base, self.base_hash = read.state, read.hash
+                    self.base_path = ready.base_params
                 else:
                     error = f"θ at {ready.base_params} hashes {read.hash}, not {ready.base_hash}"
         (failed,) = self._agree(error is not None)

@@ -1,5 +1,9 @@
 """One round's delta: pseudo-gradient, error feedback, encoding, and its signed manifest.
 
+Workers asked for it (:class:`regional_agent.handoff.DeltaRequest`) hand over the delta
+already quantized; :func:`seal_worker_delta` checks and frames it. :func:`encode_delta`
+forms and encodes a delta from trained parameters.
+
 Pure computation on tensors (no I/O, no clock read): the agent runs :func:`encode_delta`
 in a worker thread, never on its event loop. The residual is carried in a *copy* of the
 error-feedback state, so the caller's state advances only when it decides the delta was
@@ -17,7 +21,14 @@ from datetime import datetime
 import torch
 from torch import Tensor
 
-from geofed.codec import DEFAULT_CHUNK_ELEMENTS, EncodedStream, ErrorFeedback, TensorLayout
+from geofed.codec import (
+    DEFAULT_CHUNK_ELEMENTS,
+    EncodedStream,
+    ErrorFeedback,
+    QuantizedTensors,
+    TensorLayout,
+    seal_quantized,
+)
 from geofed.codec_params import CodecParams
 from geofed.deltas import pseudo_gradient
 from geofed.lineage import Software
@@ -82,10 +93,14 @@ class DeltaOrigin:
     software: Software | None = None  # what trained it (geofed.lineage.local_software)
 
 
-def rounding_generator(job: str, round_: int, region: str) -> torch.Generator:
-    """A generator seeded from (job, round, region): re-encoding a round gives the same bytes."""
+def rounding_generator(
+    job: str, round_: int, region: str, device: torch.device | str = "cpu"
+) -> torch.Generator:
+    """A generator on ``device`` seeded from (job, round, region): re-encoding a round on
+    the same kind of device gives the same bytes."""
     digest = hashlib.sha256(f"geofed-delta/{job}/{round_}/{region}".encode()).digest()
-    return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") & (2**63 - 1))
+    generator = torch.Generator(device=device)
+    return generator.manual_seed(int.from_bytes(digest[:8], "little") & (2**63 - 1))
 
 
 def encode_delta(
@@ -111,14 +126,35 @@ def encode_delta(
     return EncodedDelta(stream=stream, feedback=after)
 
 
-def delta_manifest(origin: DeltaOrigin, encoded: EncodedDelta, *, now: datetime) -> Manifest:
+def seal_worker_delta(
+    base: Mapping[str, Tensor], quantized: QuantizedTensors, codec: CodecParams
+) -> EncodedStream:
+    """Frame the delta rank 0 quantized (:mod:`regional_agent.device_delta`), once it is
+    checked to be a float32 delta of ``base``'s tensors in the announced ``codec``."""
+    if quantized.codec != codec:
+        raise UnusableDelta(f"the workers quantized with {quantized.codec}, not {codec}")
+    layouts = {spec.name: spec for spec in quantized.specs}
+    if set(layouts) != set(base):
+        names = sorted(set(layouts) ^ set(base))
+        raise UnusableDelta(f"the workers' delta and θ differ in tensors {names}")
+    for name, tensor in base.items():
+        spec = layouts[name]
+        if spec.dtype != "float32" or spec.shape != tuple(tensor.shape):
+            raise UnusableDelta(
+                f"the workers' delta has {name!r} as {spec.dtype} {spec.shape}, "
+                f"θ as float32 {tuple(tensor.shape)}"
+            )
+    return seal_quantized(quantized)
+
+
+def delta_manifest(origin: DeltaOrigin, stream: EncodedStream, *, now: datetime) -> Manifest:
     """The manifest of a ``model_delta`` (protocol: "What the signed manifests say")."""
     return build_manifest(
         kind=ArtifactKind.MODEL_DELTA,
         job=origin.job,
         round=origin.round,
         producer=origin.producer,
-        stream=encoded.stream,
+        stream=stream,
         provenance=(
             ArtifactProvenance(
                 region=origin.producer.name,

@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from geofed.codec import CodecError, QuantizedTensors, dequantize
 from geofed.eager_start import EagerStartError, OuterReplica
 from geofed.outer_step import OuterOptimizerConfig
 from geofed.params import parameters_vector_hash
@@ -120,8 +121,12 @@ def hand_start(
     theta_hash: str,
     local: Mapping[str, torch.Tensor],
     regions: int,
+    delta: QuantizedTensors | None = None,
 ) -> StartReady:
     """Compute S for round ``round_ + 1`` from round ``round_``'s result and hand it over.
+
+    The result is the trained ``local`` state or, when the workers handed over the
+    quantized ``delta``, θ minus the delta it decodes to (what the coordinator receives).
 
     S goes first, the state after: a crash between the two leaves an old state, which the
     next round finds not standing at its θ and restarts from zero. A failure hands the
@@ -138,10 +143,21 @@ def hand_start(
                 log.warning("job %s: dropping the eager-start state: %s", job.job, exc)
         before = _previous_theta(job, saved, round_)
         theta = load_tensors(Path(theta_path))
+        if delta is not None:
+            decoded = dequantize(delta)
+            local = {name: theta[name] - decoded[name] for name in theta}
         start, state, replayed = next_state(
             saved, config, round_, theta, theta_hash, local, regions, before
         )
-    except (StateError, EagerStartError, OSError, ValueError, KeyError, RuntimeError) as exc:
+    except (
+        StateError,
+        EagerStartError,
+        CodecError,
+        OSError,
+        ValueError,
+        KeyError,
+        RuntimeError,
+    ) as exc:
         log.warning(
             "job %s: no eager estimate for round %d (%s: %s); it starts from the local parameters",
             job.job,

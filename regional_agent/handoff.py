@@ -4,7 +4,9 @@ Everything crosses as files in one work directory, so either side may restart at
 moment and pick up where the other left off::
 
     jobs/<job>/round-<r>.instruction.json   agent -> workers: train round r from theta_r
-    jobs/<job>/round-<r>.result.pt          rank 0: local fp32 parameters + summary
+    jobs/<job>/round-<r>.result.pt          rank 0: local fp32 parameters, or the quantized
+                                            delta (an instruction's ``delta``), + summary
+    jobs/<job>/round-<r>.residual.pt        rank 0: the residual the quantized delta leaves
     jobs/<job>/round-<r>.done.json          rank 0, written last: the result exists
     jobs/<job>/round-<r>.error.json         rank 0: the instruction cannot be served
     jobs/<job>/round-<r>.progress.json      rank 0: steps done so far (advisory)
@@ -41,8 +43,11 @@ from pathlib import Path
 from typing import Any, get_args
 
 import torch
-from pydantic import ValidationError
+from pydantic import TypeAdapter, ValidationError
 
+from geofed.codec import DEFAULT_CHUNK_ELEMENTS, CodecError, QuantizedTensors
+from geofed.codec.layout import check_chunk_elements
+from geofed.codec_params import CodecParams
 from geofed.fsutil import AtomicFile, atomic_write_bytes, replace_durably
 from geofed.training_config import Parallelism, TrainingConfig
 from geofed.types import validate_name
@@ -104,6 +109,51 @@ def _fields(
 
 
 @dataclass(frozen=True, slots=True)
+class DeltaRequest:
+    """Rank 0 hands over the round's delta quantized, instead of the trained parameters.
+
+    Δ = θ_round - θ_local plus the error-feedback residual stored at ``feedback`` (the
+    agent's residual after its last accepted delta; no file: none) is quantized with
+    ``codec`` in chunks of ``chunk_elements`` where rank 0 holds the parameters (its
+    accelerator, when it has one); the residual this leaves is written to the round's
+    residual file, which the agent keeps only if the coordinator accepts the delta.
+    """
+
+    codec: CodecParams
+    feedback: str
+    chunk_elements: int = DEFAULT_CHUNK_ELEMENTS
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.codec, CodecParams):
+            raise InvalidHandoffData(f"delta.codec must be CodecParams, got {self.codec!r}")
+        _require_str("delta.feedback", self.feedback)
+        if not Path(self.feedback).is_absolute():
+            raise InvalidHandoffData(
+                f"delta.feedback must be an absolute path, got {self.feedback!r}"
+            )
+        try:
+            check_chunk_elements(self.chunk_elements, self.codec.block_size)
+        except CodecError as exc:
+            raise InvalidHandoffData(f"delta.chunk_elements: {exc}") from None
+
+    @staticmethod
+    def parse(data: object) -> DeltaRequest:
+        """The request as an instruction file records it (:func:`dataclasses.asdict`)."""
+        if not isinstance(data, Mapping) or set(data) != {"codec", "feedback", "chunk_elements"}:
+            raise InvalidHandoffData(
+                f"delta must hold codec, feedback and chunk_elements, got {data!r}"
+            )
+        try:
+            codec = _CODEC.validate_python(data["codec"])
+        except ValidationError as exc:
+            raise InvalidHandoffData(f"delta.codec: {exc.errors(include_url=False)}") from None
+        return DeltaRequest(codec, data["feedback"], data["chunk_elements"])
+
+
+_CODEC: TypeAdapter[CodecParams] = TypeAdapter(CodecParams)
+
+
+@dataclass(frozen=True, slots=True)
 class RoundInstruction:
     """Train ``inner_steps`` steps of round ``round`` of ``job`` from ``base_params``.
 
@@ -122,6 +172,9 @@ class RoundInstruction:
     (:meth:`HandoffDir.write_base_ready`). ``start`` ``eager`` (``overlap_start: eager``):
     a delayed round starts instead from the estimate S the agent writes, announced by the
     round's start marker (:meth:`HandoffDir.write_start`), which the workers wait for.
+
+    ``delta``: rank 0 hands over the quantized delta (:class:`DeltaRequest`) rather than
+    the trained parameters (None).
     """
 
     job: str
@@ -140,6 +193,7 @@ class RoundInstruction:
     overlap: str = "none"
     base_pending: bool = False
     start: str = "local"
+    delta: DeltaRequest | None = None
 
     def __post_init__(self) -> None:
         try:
@@ -182,6 +236,8 @@ class RoundInstruction:
             raise InvalidHandoffData(f"start must be local or eager, got {self.start!r}")
         if self.start == "eager" and not self.base_pending:
             raise InvalidHandoffData("start eager is for a delayed round (base_pending)")
+        if self.delta is not None and not isinstance(self.delta, DeltaRequest):
+            raise InvalidHandoffData(f"delta must be a DeltaRequest, got {self.delta!r}")
         if self.total_steps is None:
             if self.training.lr_schedule.kind != "constant":
                 raise InvalidHandoffData(
@@ -208,6 +264,8 @@ class RoundInstruction:
             fields = {name: data[name] for name in _INSTRUCTION_FIELDS if name in data}
             if "training" in fields:
                 fields["training"] = _training(fields["training"])
+            if fields.get("delta") is not None:
+                fields["delta"] = DeltaRequest.parse(fields["delta"])
             return cls(**fields)
         except (ValueError, TypeError) as exc:
             raise InvalidHandoffData(f"{source}: {exc}") from None
@@ -227,7 +285,7 @@ def _training(data: object) -> TrainingConfig:
 _INSTRUCTION_FIELDS = tuple(RoundInstruction.__dataclass_fields__)
 # Written by every agent that knows them; an instruction without them trains as before.
 _INSTRUCTION_OPTIONAL = frozenset(
-    {"training", "total_steps", "evaluate_base", "overlap", "base_pending", "start"}
+    {"training", "total_steps", "evaluate_base", "overlap", "base_pending", "start", "delta"}
 )
 
 
@@ -237,7 +295,9 @@ class RoundSummary:
 
     ``tokens`` counts the whole region (all ranks); ``mean_loss`` averages every rank's
     every micro-batch; ``steps`` counts optimizer steps, and ``cursor`` is the data step
-    (micro-batch) index the next round starts at.
+    (micro-batch) index the next round starts at. ``params_hash`` names what the result
+    holds: the trained parameters' :func:`geofed.params.parameters_vector_hash`, or the
+    quantized delta's payload hash (:func:`regional_agent.device_delta.payloads_hash`).
     """
 
     job: str
@@ -395,10 +455,14 @@ _START_READY_FIELDS = tuple(StartReady.__dataclass_fields__)
 
 @dataclass(frozen=True, slots=True)
 class RoundResult:
-    """A completed round: its summary and rank 0's locally trained fp32 state."""
+    """A completed round: its summary and rank 0's locally trained fp32 state, or (an
+    instruction with a :class:`DeltaRequest`) the quantized delta and its residual file
+    (``params`` then empty)."""
 
     summary: RoundSummary
-    params: dict[str, torch.Tensor]
+    params: dict[str, torch.Tensor] = field(default_factory=dict)
+    delta: QuantizedTensors | None = None
+    residual: Path | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -474,6 +538,9 @@ class HandoffDir:
 
     def result_path(self, job: str, round_: int) -> Path:
         return self._round_path(job, round_, "result.pt")
+
+    def residual_path(self, job: str, round_: int) -> Path:
+        return self._round_path(job, round_, "residual.pt")
 
     def done_path(self, job: str, round_: int) -> Path:
         return self._round_path(job, round_, "done.json")
@@ -637,11 +704,24 @@ class HandoffDir:
 
     # -- outcomes ------------------------------------------------------------------------
 
-    def write_result(self, summary: RoundSummary, params: Mapping[str, torch.Tensor]) -> None:
-        """Atomically write the result file (not yet visible as a result: see write_done)."""
+    def write_result(
+        self,
+        summary: RoundSummary,
+        params: Mapping[str, torch.Tensor] | None = None,
+        delta: QuantizedTensors | None = None,
+    ) -> None:
+        """Atomically write the result file (not yet visible as a result: see write_done):
+        the trained ``params``, or the quantized ``delta`` (its residual file written
+        before, by :func:`regional_agent.residual_file.write_residual`)."""
+        if (params is None) == (delta is None):
+            raise HandoffError("a result holds either the parameters or the delta")
         path = self.result_path(summary.job, summary.round)
         path.parent.mkdir(parents=True, exist_ok=True)
-        body = {"format": FORMAT_VERSION, "summary": asdict(summary), "params": dict(params)}
+        body: dict[str, Any] = {"format": FORMAT_VERSION, "summary": asdict(summary)}
+        if params is not None:
+            body["params"] = dict(params)
+        if delta is not None:
+            body["delta"] = delta.to_state()
         with AtomicFile(path) as f:
             torch.save(body, f)
 
@@ -660,13 +740,22 @@ class HandoffDir:
         if not isinstance(body, dict) or body.get("format") != FORMAT_VERSION:
             raise InvalidHandoffData(f"{path}: not a format-{FORMAT_VERSION} result file")
         summary = RoundSummary.from_json(json.dumps(body.get("summary")).encode(), str(path))
+        if (summary.job, summary.round) != (job, round_):
+            raise InvalidHandoffData(f"{path}: holds job {summary.job!r} round {summary.round}")
+        if "delta" in body:
+            try:
+                delta = QuantizedTensors.from_state(body["delta"], f"{path}: delta")
+            except CodecError as exc:
+                raise InvalidHandoffData(str(exc)) from None
+            residual = self.residual_path(job, round_)
+            if not residual.is_file():
+                raise InvalidHandoffData(f"{path}: its residual file {residual} is missing")
+            return RoundResult(summary=summary, delta=delta, residual=residual)
         params = body.get("params")
         if not isinstance(params, dict) or not all(
             isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in params.items()
         ):
             raise InvalidHandoffData(f"{path}: params must map names to tensors")
-        if (summary.job, summary.round) != (job, round_):
-            raise InvalidHandoffData(f"{path}: holds job {summary.job!r} round {summary.round}")
         return RoundResult(summary=summary, params=params)
 
     def write_done(self, summary: RoundSummary) -> None:
@@ -748,6 +837,7 @@ class HandoffDir:
             for suffix in (
                 "done.json",
                 "result.pt",
+                "residual.pt",
                 "error.json",
                 "progress.json",
                 "base.json",

@@ -116,6 +116,7 @@ def next_instruction(
         overlap="delayed",
         base_pending=True,
         start=start,
+        delta=trained.delta,
     )
 
 

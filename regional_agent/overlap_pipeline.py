@@ -99,6 +99,7 @@ class DelayedRounds:
                 result.summary.base_params_hash,
                 result.params,
                 len(announcement.participants),
+                result.delta,
             )
 
     async def train(self, wanted: RoundInstruction, base_hash: str) -> RoundResult | None:

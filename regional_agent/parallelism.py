@@ -125,6 +125,19 @@ class ParallelModel:
             return state_to_fp32(federated_state(tensors))
         return state_to_fp32(self.model) if dist.get_rank() == 0 else None
 
+    def local_state(self) -> dict[str, torch.Tensor] | None:
+        """The trained federated state on rank 0 where it is cheapest to read; None elsewhere.
+
+        DDP: the replica's own tensors on its device (no copy: read them before the next
+        step changes them). FSDP: the gathered fp32 CPU copy of :meth:`full_state` (a
+        collective).
+        """
+        if self.kind == "fsdp":
+            return self.full_state()
+        if dist.get_rank() != 0:
+            return None
+        return {name: tensor.detach() for name, tensor in federated_state(self.model).items()}
+
     def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any] | None:
         """The whole inner optimizer state on rank 0 (for the regional checkpoint).
 

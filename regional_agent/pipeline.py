@@ -37,9 +37,10 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
+from pathlib import Path
 from typing import Any, Literal, TypeVar
 
-from geofed.codec import CodecError
+from geofed.codec import CodecError, EncodedStream, ErrorFeedback
 from geofed.control import RoundAnnouncement
 from geofed.evaluation_config import region_evaluates
 from geofed.lineage import Software, local_software
@@ -54,10 +55,11 @@ from regional_agent.delta import (
     delta_manifest,
     encode_delta,
     rounding_generator,
+    seal_worker_delta,
     sign_delta,
 )
 from regional_agent.drain import RoundPosition
-from regional_agent.handoff import RoundInstruction, RoundResult
+from regional_agent.handoff import DeltaRequest, RoundInstruction, RoundResult
 from regional_agent.metrics import AgentMetrics
 from regional_agent.overlap_pipeline import DelayedRounds
 from regional_agent.residency import ExportGate
@@ -326,7 +328,6 @@ class RoundPipeline:
         self._status.update(
             "uploading", **where, train_loss=summary.mean_loss, detail="encoding the delta"
         )
-        feedback = await _blocking(job.load_feedback)
         origin = DeltaOrigin(
             job=announcement.job,
             round=announcement.round,
@@ -343,16 +344,28 @@ class RoundPipeline:
         meta = DeltaMeta(train_loss=summary.mean_loss, tokens=summary.tokens, params_hash=base_hash)
 
         def encode_sign_spool() -> SpooledDelta:
-            generator = None
-            if announcement.codec.stochastic_rounding:
-                generator = rounding_generator(job.job, announcement.round, self._region.name)
-            encoded = encode_delta(
-                synced.params, result.params, feedback, announcement.codec, generator=generator
-            )
-            manifest = delta_manifest(origin, encoded, now=self._clock())
+            stream: EncodedStream
+            residual: ErrorFeedback | Path
+            if result.delta is not None and result.residual is not None:
+                # Quantized by rank 0, with its error feedback: only framing is left.
+                stream = seal_worker_delta(synced.params, result.delta, announcement.codec)
+                residual = result.residual
+            else:  # a result holding the trained parameters
+                generator = None
+                if announcement.codec.stochastic_rounding:
+                    generator = rounding_generator(job.job, announcement.round, self._region.name)
+                encoded = encode_delta(
+                    synced.params,
+                    result.params,
+                    job.load_feedback(),
+                    announcement.codec,
+                    generator=generator,
+                )
+                stream, residual = encoded.stream, encoded.feedback
+            manifest = delta_manifest(origin, stream, now=self._clock())
             signed = sign_delta(manifest, self._region.credentials)
             return job.write_spool(
-                announcement.round, signed.to_bytes(), encoded.frames, encoded.feedback, meta
+                announcement.round, signed.to_bytes(), list(stream.frames()), residual, meta
             )
 
         encode_started = self._monotonic()
@@ -390,6 +403,7 @@ class RoundPipeline:
                 announcement.round,
                 announcement.participants,
             ).evaluate,
+            delta=DeltaRequest(announcement.codec, str(job.feedback_path)),
         )
 
     async def _deliver(

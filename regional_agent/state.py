@@ -31,6 +31,7 @@ import logging
 import os
 import re
 import shutil
+import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,9 +42,10 @@ from torch import Tensor
 
 from geofed.codec import ErrorFeedback, ErrorFeedbackError
 from geofed.fsutil import AtomicFile, atomic_write_bytes, fsync_dir, replace_durably
-from geofed.manifest import SignedManifest
+from geofed.manifest import ManifestError, SignedManifest
 from geofed.params import parameters_vector_hash
 from geofed.types import validate_name
+from regional_agent.residual_file import residual_body
 
 log = logging.getLogger(__name__)
 
@@ -212,10 +214,15 @@ class JobDirectory:
 
     # -- error feedback ---------------------------------------------------------------
 
+    @property
+    def feedback_path(self) -> Path:
+        """The residual after the last accepted delta (:mod:`regional_agent.residual_file`)."""
+        return self.root / "feedback.pt"
+
     def load_feedback(self) -> ErrorFeedback:
         """The residual after the last accepted delta (empty at the start of a job)."""
         feedback = ErrorFeedback()
-        path = self.root / "feedback.pt"
+        path = self.feedback_path
         if not path.exists():
             return feedback
         body = _load(path)
@@ -235,10 +242,14 @@ class JobDirectory:
         round_: int,
         manifest_bytes: bytes,
         frames: list[bytes],
-        residual: ErrorFeedback,
+        residual: ErrorFeedback | Path,
         meta: DeltaMeta,
     ) -> SpooledDelta:
-        """Store a delta before anything of it is sent; the manifest goes last."""
+        """Store a delta before anything of it is sent; the manifest goes last.
+
+        ``residual`` is the error feedback the delta leaves, or the durable residual file
+        rank 0 wrote beside it (:mod:`regional_agent.residual_file`), linked here.
+        """
         directory = self.spool_dir(round_)
         if directory.exists():
             shutil.rmtree(directory)  # an incomplete spool (no manifest) from a crash
@@ -246,9 +257,22 @@ class JobDirectory:
         with AtomicFile(directory / "stream.bin", private=True) as f:
             for frame in frames:
                 f.write(frame)
-        body = {"format": FORMAT_VERSION, "round": round_, "feedback": residual.state_dict()}
-        with AtomicFile(directory / "residual.pt", private=True) as f:
-            torch.save(body, f)
+        if isinstance(residual, Path):
+            # A second name for the worker's file (never rewritten in place, so the link
+            # cannot change under the spool); a copy where the two lie on other devices.
+            try:
+                os.link(residual, directory / "residual.pt")
+            except OSError:
+                with (
+                    residual.open("rb") as src,
+                    AtomicFile(directory / "residual.pt", private=True) as dst,
+                ):
+                    shutil.copyfileobj(src, dst)
+            fsync_dir(directory)
+        else:
+            body = residual_body(round_, residual.residual, uuid.uuid4().hex)
+            with AtomicFile(directory / "residual.pt", private=True) as f:
+                torch.save(body, f)
         atomic_write_bytes(directory / "meta.json", meta.to_json())
         atomic_write_bytes(directory / "manifest.json", manifest_bytes)
         fsync_dir(self._spool)
@@ -272,7 +296,7 @@ class JobDirectory:
                 tokens=int(meta_data["tokens"]),
                 params_hash=str(meta_data["params_hash"]),
             )
-        except (OSError, ValueError, KeyError, TypeError) as exc:
+        except (OSError, ValueError, KeyError, TypeError, ManifestError) as exc:
             raise StateError(f"{directory}: unreadable spooled delta: {exc}") from None
         try:
             size = (directory / "stream.bin").stat().st_size
@@ -312,7 +336,7 @@ class JobDirectory:
             atomic_write_bytes(self.root / "progress.json", json.dumps(body).encode())
         residual = self.spool_dir(round_) / "residual.pt"
         if residual.exists():
-            replace_durably(residual, self.root / "feedback.pt")
+            replace_durably(residual, self.feedback_path)
         self.discard_spool(round_)
 
     def uploaded_round(self) -> int | None:

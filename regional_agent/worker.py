@@ -70,12 +70,15 @@ import torch.distributed as dist
 from torch.distributed.distributed_c10d import PrefixStore
 from torch.distributed.rendezvous import rendezvous
 
+from geofed.codec import QuantizedTensors
 from geofed.params import check_federated_state, parameters_vector_hash
 from geofed.task import DataShard
 from regional_agent.base_evaluation import evaluate_base
 from regional_agent.delayed_round import DelayedFold, evaluator
+from regional_agent.device_delta import DeviceResidual, payloads_hash, quantize_round_delta
 from regional_agent.handoff import (
     BaseReady,
+    DeltaRequest,
     HandoffDir,
     RankStatus,
     RegionalCheckpoint,
@@ -166,6 +169,8 @@ class RoundRunner:
         self._rank = dist.get_rank()
         self._world_size = dist.get_world_size()
         self._state: JobState | None = None
+        # Rank 0: the residual its last quantized delta left, on its device.
+        self._residual: DeviceResidual | None = None
         # Control messages (stop votes, instructions, errors) travel over gloo on the CPU,
         # so checking for a stop every step never synchronises a GPU stream.
         self._control = dist.new_group(backend="gloo") if device.type == "cuda" else None
@@ -375,7 +380,9 @@ class RoundRunner:
         if self._refused(instruction, self._problems(error)):
             return None
         log.info("job %s round %d: θ came; training from it", job, round_)
-        return base, replace(instruction, evaluate_base=marker.evaluate_base)
+        return base, replace(
+            instruction, base_params=marker.base_params, evaluate_base=marker.evaluate_base
+        )
 
     def _superseded(self, instruction: RoundInstruction) -> bool:
         """Whether the agent rewrote (or dropped) this delayed round's instruction."""
@@ -627,8 +634,28 @@ class RoundRunner:
         )
         cursor = state.cursor + totals.micro_batches
         # Collectives under FSDP: every rank takes part, rank 0 receives the whole.
-        params = parallel.full_state()
+        request = instruction.delta
+        params = parallel.full_state() if request is None else parallel.local_state()
         optimizer_state = parallel.optimizer_state(optimizer)
+        delta: QuantizedTensors | None = None
+        failure: str | None = None
+        if params is not None and request is not None:  # rank 0
+            base_path = (fold.base_path if fold is not None else "") or instruction.base_params
+            try:
+                delta = self._quantize(request, instruction, base_path, params)
+            except Exception as exc:
+                log.exception(
+                    "job %s round %d: cannot quantize the delta", instruction.job, instruction.round
+                )
+                failure = f"cannot hand over the delta: {type(exc).__name__}: {exc}"
+        (failed,) = self._agree(failure is not None)
+        if failed:
+            self._state = None  # as a diverged round: resume from the last checkpoint
+            if self._rank == 0:
+                self._handoff.write_error(
+                    instruction.job, instruction.round, failure or "rank 0 failed"
+                )
+            return
         if params is not None and optimizer_state is not None:  # rank 0
             summary = RoundSummary(
                 job=instruction.job,
@@ -638,7 +665,9 @@ class RoundRunner:
                 mean_loss=mean_loss,
                 cursor=cursor,
                 base_params_hash=base_hash,
-                params_hash=parameters_vector_hash(params),
+                params_hash=parameters_vector_hash(params)
+                if delta is None
+                else payloads_hash(delta),
                 world_size=self._world_size,
                 train_seconds=time.monotonic() - started,
                 base_eval=base_eval,
@@ -656,7 +685,7 @@ class RoundRunner:
                 optimizer_state=optimizer_state,
                 parallelism=state.training.parallelism,
             )
-            self._publish(summary, params, checkpoint, totals)
+            self._publish(summary, params if delta is None else None, checkpoint, totals, delta)
         state.cursor, state.last_round = cursor, instruction.round
         state.local_round = instruction.round
 
@@ -783,15 +812,47 @@ class RoundRunner:
             path,
         )
 
+    def _quantize(
+        self,
+        request: DeltaRequest,
+        instruction: RoundInstruction,
+        base_path: str,
+        local: Mapping[str, torch.Tensor],
+    ) -> QuantizedTensors:
+        """The round's quantized delta (rank 0); its residual is written and kept."""
+        started = time.monotonic()
+        delta, self._residual = quantize_round_delta(
+            request,
+            job=instruction.job,
+            round_=instruction.round,
+            region=instruction.region,
+            base_path=base_path,
+            local=local,
+            residual_path=self._handoff.residual_path(instruction.job, instruction.round),
+            kept=self._residual,
+        )
+        log.info(
+            "job %s round %d: delta quantized on %s (%s, %.1f MB) in %.3f s",
+            instruction.job,
+            instruction.round,
+            next(iter(local.values())).device if local else "cpu",
+            request.codec.scheme,
+            sum(p.numel() for p in delta.payloads) / 1e6,
+            time.monotonic() - started,
+        )
+        return delta
+
     def _publish(
         self,
         summary: RoundSummary,
-        params: Mapping[str, torch.Tensor],
+        params: Mapping[str, torch.Tensor] | None,
         checkpoint: RegionalCheckpoint,
         totals: RankTotals,
+        delta: QuantizedTensors | None = None,
     ) -> None:
-        # Order matters: result, then checkpoint, then the marker that publishes both.
-        self._handoff.write_result(summary, params)
+        # Order matters: result (its residual file before it), then checkpoint, then the
+        # marker that publishes both.
+        self._handoff.write_result(summary, params, delta)
         self._handoff.write_checkpoint(checkpoint)
         self._handoff.write_done(summary)
         # The round's result is out: a stop before this round's end is no longer resumed.

@@ -26,10 +26,11 @@ class SnapshotInterval:
 
 
 def observed_mtbf(failures: int, exposure_s: float) -> float | None:
-    """Mean time between failures seen over ``exposure_s`` seconds; None before any."""
+    """Mean time between failures seen over ``exposure_s`` seconds; None before any, and
+    while no exposure is measured (a failure at once says nothing of a rate yet)."""
     if failures < 0 or exposure_s < 0:
         raise ValueError("failures and exposure must not be negative")
-    return exposure_s / failures if failures else None
+    return exposure_s / failures if failures and exposure_s > 0 else None
 
 
 def combined_mtbf(mtbfs: Iterable[float | None]) -> float | None:

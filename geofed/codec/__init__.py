@@ -8,6 +8,13 @@ The parameters are :class:`geofed.codec_params.CodecParams`, the model job specs
 announcements and manifests share; the chunk size is the encoder's own choice
 (``chunk_elements``, recorded in the stream header).
 
+Encoding is two steps, which may run apart: :func:`quantize_tensors` quantizes on the
+tensors' own device (with error feedback, the new residual is computed there too) and
+returns :class:`QuantizedTensors`, the chunks' payloads on the host, which
+``to_state``/``from_state`` carry to another process; :func:`seal_quantized` compresses,
+frames and hashes them. :func:`encode_stream` chains both chunk by chunk, to the same
+bytes; :func:`dequantize` gives the values a decoder will get.
+
 Wire format, version 2
 ======================
 
@@ -105,6 +112,13 @@ from geofed.codec.errors import (
 )
 from geofed.codec.feedback import ErrorFeedback, ErrorFeedbackError
 from geofed.codec.layout import DEFAULT_CHUNK_ELEMENTS
+from geofed.codec.quantized import (
+    InvalidQuantized,
+    QuantizedTensors,
+    dequantize,
+    quantize_tensors,
+    seal_quantized,
+)
 from geofed.codec.tensors import TensorLayout
 
 __all__ = [
@@ -122,15 +136,20 @@ __all__ = [
     "ErrorFeedback",
     "ErrorFeedbackError",
     "InvalidConfig",
+    "InvalidQuantized",
     "NonFiniteValue",
     "OutOfOrder",
     "Piece",
+    "QuantizedTensors",
     "StreamDecoder",
     "TensorLayout",
     "TruncatedStream",
     "UnsupportedVersion",
     "decode",
     "decode_pieces",
+    "dequantize",
     "encode",
     "encode_stream",
+    "quantize_tensors",
+    "seal_quantized",
 ]

@@ -1,11 +1,18 @@
-"""Encoding a mapping of named tensors into a framed, self-describing stream."""
+"""Encoding a mapping of named tensors into a framed, self-describing stream.
+
+Two steps, each defined here once: quantizing the chunk slots into payloads
+(:func:`quantize_slots`) and framing payloads into a stream (:func:`seal_payloads`).
+:func:`encode_stream` chains them chunk by chunk; :mod:`geofed.codec.quantized` runs them
+apart, in different processes if need be.
+"""
 
 from __future__ import annotations
 
 import functools
 import hashlib
 import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -111,24 +118,28 @@ def encode_stream(
     that many threads while the next chunks are quantized (the bytes are the same).
     Raises :class:`EncodeError` (naming the tensor) on an unsupported dtype, a bad name
     or a non-finite value.
+
+    The same as sealing (:func:`geofed.codec.seal_quantized`) what
+    :func:`geofed.codec.quantize_tensors` makes of the tensors, without holding every
+    payload at once.
     """
-    if not isinstance(codec, CodecParams):
-        raise EncodeError(f"codec must be a CodecParams, not {type(codec).__name__}")
-    check_chunk_elements(chunk_elements, codec.block_size)
-    check_policy(compression)
-    check_zstd_threads(zstd_threads)
-    if not isinstance(workers, int) or not 1 <= workers <= (os.cpu_count() or 1) * 4:
-        raise EncodeError(f"workers {workers!r} must be an int from 1 to 4 x the CPU count")
-    specs, flats = _describe(tensors)
-    rng_state = generator.get_state() if generator is not None else None
-    try:
-        return _encode(
-            specs, flats, codec, chunk_elements, generator, workers, compression, zstd_threads
+    check_encoding(codec, chunk_elements)
+    check_sealing(workers, compression, zstd_threads)
+    specs, flats = describe_tensors(tensors)
+    with restored_on_failure(generator):
+        # One worker seals each payload before the next is quantized: buffers can be reused.
+        payloads = quantize_slots(
+            specs, flats, codec, chunk_elements, generator=generator, reuse_buffer=workers == 1
         )
-    except BaseException:
-        if generator is not None and rng_state is not None:
-            generator.set_state(rng_state)
-        raise
+        return seal_payloads(
+            specs,
+            codec,
+            chunk_elements,
+            payloads,
+            workers=workers,
+            compression=compression,
+            zstd_threads=zstd_threads,
+        )
 
 
 def encode(
@@ -151,9 +162,37 @@ def encode(
     return encode_stream(tensors, codec, generator=generator, compression=compression).to_bytes()
 
 
-def _describe(
+def check_encoding(codec: object, chunk_elements: object) -> None:
+    """Refuse codec parameters or a chunk size that cannot encode."""
+    if not isinstance(codec, CodecParams):
+        raise EncodeError(f"codec must be a CodecParams, not {type(codec).__name__}")
+    check_chunk_elements(chunk_elements, codec.block_size)
+
+
+def check_sealing(workers: object, compression: object, zstd_threads: object) -> None:
+    """Refuse sealing options out of range."""
+    check_policy(compression)
+    check_zstd_threads(zstd_threads)
+    if not isinstance(workers, int) or not 1 <= workers <= (os.cpu_count() or 1) * 4:
+        raise EncodeError(f"workers {workers!r} must be an int from 1 to 4 x the CPU count")
+
+
+@contextmanager
+def restored_on_failure(generator: torch.Generator | None) -> Iterator[None]:
+    """Put ``generator`` back in its state on entry if the block raises."""
+    state = generator.get_state() if generator is not None else None
+    try:
+        yield
+    except BaseException:
+        if generator is not None and state is not None:
+            generator.set_state(state)
+        raise
+
+
+def describe_tensors(
     tensors: Mapping[str, torch.Tensor],
 ) -> tuple[list[TensorLayout], list[torch.Tensor]]:
+    """The layout of each tensor and its flattened view; refuses what cannot be encoded."""
     if not isinstance(tensors, Mapping):
         raise EncodeError(
             f"tensors must be a mapping of name to tensor, not {type(tensors).__name__}"
@@ -183,20 +222,61 @@ def _describe(
     return specs, flats
 
 
-def _encode(
-    specs: list[TensorLayout],
-    flats: list[torch.Tensor],
+def quantize_slots(
+    specs: Sequence[TensorLayout],
+    flats: Sequence[torch.Tensor],
     params: CodecParams,
     chunk_elements: int,
+    *,
     generator: torch.Generator | None,
+    reuse_buffer: bool,
+    residuals: Sequence[torch.Tensor] | None = None,
+) -> Iterator[tuple[ChunkSlot, torch.Tensor]]:
+    """Yield each chunk's slot and payload (host), quantized in order, lazily.
+
+    With ``reuse_buffer`` a payload is valid until the next one is drawn. ``residuals``
+    (flat float32, one per tensor, on its device) receive what decoding will miss.
+    """
+    codec = BlockCodec(
+        params.scheme, params.block_size, stochastic_rounding=params.stochastic_rounding
+    )
+    for slot in chunk_slots(specs, chunk_elements):
+        spec = specs[slot.tensor]
+        flat = flats[slot.tensor]
+        stop = slot.offset + slot.count
+        if generator is not None and generator.device != flat.device:
+            raise EncodeError(
+                f"tensor {spec.name!r} is on {flat.device} but the generator is on "
+                f"{generator.device}"
+            )
+        # Quantization stays on the caller's thread, in order, so seeded rounding
+        # reproduces; compression and hashing, which release the GIL, may run on workers.
+        payload = codec.encode(
+            flat[slot.offset : stop],
+            label=f"tensor {spec.name!r} elements [{slot.offset}:{stop}]",
+            generator=generator,
+            reuse_buffer=reuse_buffer,
+            residual_out=None if residuals is None else residuals[slot.tensor][slot.offset : stop],
+        )
+        yield slot, payload
+
+
+def seal_payloads(
+    specs: list[TensorLayout],
+    params: CodecParams,
+    chunk_elements: int,
+    payloads: Iterable[tuple[ChunkSlot, torch.Tensor]],
+    *,
     workers: int,
     compression: CompressionPolicy,
     zstd_threads: int,
 ) -> EncodedStream:
+    """Frame the payloads of every chunk slot, in order, into a stream.
+
+    The next payload is drawn from ``payloads`` while ``workers`` > 1 threads compress
+    and hash the previous ones.
+    """
     header = seal(FrameKind.HEADER, [header_body(params, chunk_elements, specs)])
-    codec = BlockCodec(
-        params.scheme, params.block_size, stochastic_rounding=params.stochastic_rounding
-    )
     sealer = ChunkSealer(params, header.digest, policy=compression, zstd_threads=zstd_threads)
     stream_hash = hashlib.sha256(header.digest)
     chunks: list[Chunk] = []
@@ -209,23 +289,7 @@ def _encode(
         )
 
     with Pipeline(workers) as pipeline:
-        for slot in chunk_slots(specs, chunk_elements):
-            spec = specs[slot.tensor]
-            flat = flats[slot.tensor]
-            label = f"tensor {spec.name!r} elements [{slot.offset}:{slot.offset + slot.count}]"
-            if generator is not None and generator.device != flat.device:
-                raise EncodeError(
-                    f"tensor {spec.name!r} is on {flat.device} but the generator is on "
-                    f"{generator.device}"
-                )
-            # Quantization stays on this thread (in order, so seeded rounding reproduces);
-            # compression and hashing, which release the GIL, may run on workers.
-            payload = codec.encode(
-                flat[slot.offset : slot.offset + slot.count],
-                label=label,
-                generator=generator,
-                reuse_buffer=workers == 1,
-            )
+        for slot, payload in payloads:
             pipeline.submit(slot, functools.partial(sealer.seal, slot, payload), collect)
     trailer = seal(
         FrameKind.TRAILER,

@@ -4,6 +4,10 @@ A biased compressor (round-to-nearest) loses the same small error every round; a
 the residual ``compensated - reconstructed`` to the next delta makes the error cancel
 over rounds instead of accumulating (EF / EF21). The residual holds float32 and stays
 on the delta's device; it belongs in the region's own checkpoint.
+
+The arithmetic is :mod:`geofed.codec.quantized`'s: compensating is
+:func:`~geofed.codec.quantized.compensate_tensor`, and the new residual is what the
+quantizer computes on the delta's device while it quantizes.
 """
 
 from __future__ import annotations
@@ -12,10 +16,10 @@ from collections.abc import Mapping
 
 import torch
 
-from geofed.codec.assembly import decode
-from geofed.codec.encoder import EncodedStream, encode_stream
+from geofed.codec.encoder import EncodedStream
 from geofed.codec.errors import CodecError
 from geofed.codec.layout import DEFAULT_CHUNK_ELEMENTS
+from geofed.codec.quantized import compensate_tensor, quantize_tensors, seal_quantized
 from geofed.codec.tensors import check_tensor_name
 from geofed.codec_params import CodecParams
 
@@ -42,12 +46,10 @@ class ErrorFeedback:
         out: dict[str, torch.Tensor] = {}
         for name, tensor in delta.items():
             _check_tensor(name, tensor)
-            compensated = tensor.detach().to(torch.float32, copy=True)
             residual = self._residual.get(name)
             if residual is not None:
                 _check_shape(name, residual, tensor)
-                compensated.add_(residual.to(compensated.device))
-            out[name] = compensated
+            out[name] = compensate_tensor(tensor, residual)
         return out
 
     def update(
@@ -78,12 +80,17 @@ class ErrorFeedback:
         chunk_elements: int = DEFAULT_CHUNK_ELEMENTS,
         generator: torch.Generator | None = None,
     ) -> EncodedStream:
-        """Compensate ``delta``, encode it, and keep what decoding it will miss."""
+        """Compensate ``delta``, encode it, and keep what decoding it will miss.
+
+        The stream records every tensor as float32 (the compensated values); the new
+        residual is computed on the delta's device, no stream is decoded.
+        """
         compensated = self.compensate(delta)
-        stream = encode_stream(
+        quantized, residual = quantize_tensors(
             compensated, codec, chunk_elements=chunk_elements, generator=generator
         )
-        self.update(compensated, decode(stream.frames()))
+        stream = seal_quantized(quantized)
+        self._residual.update(residual)
         return stream
 
     def reset(self) -> None:

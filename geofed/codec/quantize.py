@@ -24,6 +24,11 @@ these ops but took 24 s to compile and needs a C++ compiler at run time. Slices 
 most ``SMALL_ELEMENTS`` (biases, norms) go through a numpy twin of the same arithmetic,
 whose per-call overhead is about half of torch's; the two give the same bytes and
 values (tested).
+
+Error feedback needs ``x - q * s``, what decoding will miss. The encoder can write it
+(``residual_out``) from the codes and scales it already holds, on the slice's device, so
+no payload has to be decoded on the host; since ``q * s`` is exact, the residual has the
+same bits as ``x`` minus the host decoder's values.
 """
 
 from __future__ import annotations
@@ -77,16 +82,23 @@ class BlockCodec:
         label: str,
         generator: torch.Generator | None = None,
         reuse_buffer: bool = True,
+        residual_out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Return the payload (uint8, on the host) of a 1-D contiguous float slice.
 
         With ``reuse_buffer`` the payload may be a buffer this codec reuses: consume it
         before the next call. An fp32 payload may share memory with ``flat``.
+        ``residual_out`` (1-D float32, as many elements as ``flat``, on its device), when
+        given, receives ``flat - decoded`` (zeros for fp32), bit for bit what subtracting
+        the decoder's values gives.
         Raises :class:`NonFiniteValue` on NaN/Inf and :class:`EncodeError` on magnitudes
         too large to quantize, naming ``label`` and the first offending element.
         """
         if self.scheme == "fp32":
-            return self._encode_fp32(flat, label)
+            payload = self._encode_fp32(flat, label)
+            if residual_out is not None:
+                residual_out.zero_()
+            return payload
         count = flat.numel()
         nblocks = num_blocks(count, self.block_size)
         size = payload_size(self.scheme, count, self.block_size)
@@ -104,7 +116,13 @@ class BlockCodec:
             and flat.dtype == torch.float32
             and not self.stochastic_rounding
         ):
-            peak = _quantize_small(flat.numpy(), payload.numpy(), self.scheme, self.block_size)
+            peak = _quantize_small(
+                flat.numpy(),
+                payload.numpy(),
+                self.scheme,
+                self.block_size,
+                None if residual_out is None else residual_out.numpy(),
+            )
             if not math.isfinite(peak) or peak > MAX_SCALE:
                 raise _bad_value_error(flat, label)
             return payload
@@ -116,6 +134,7 @@ class BlockCodec:
                 scales[: full // block],
                 self._code_slice(codes, 0, full),
                 generator,
+                None if residual_out is None else residual_out[:full].view(-1, block),
             )
         if full < count:
             self._quantize_tail(
@@ -123,6 +142,7 @@ class BlockCodec:
                 scales[-1:],
                 codes[full if self.scheme == "int8" else full // 2 :],
                 generator,
+                None if residual_out is None else residual_out[full:],
             )
         peak = scales.max().item() if nblocks else 0.0
         if not math.isfinite(peak) or peak > MAX_SCALE:
@@ -135,6 +155,7 @@ class BlockCodec:
         scale_out: torch.Tensor,
         codes_out: torch.Tensor,
         generator: torch.Generator | None,
+        residual_out: torch.Tensor | None,
     ) -> None:
         """Quantize a last, partial block through a zero-padded copy of it."""
         block = self.block_size
@@ -145,8 +166,15 @@ class BlockCodec:
         tail_codes = self._buffer("tail", code_bytes, tail.device, torch.uint8).view(
             codes_out.dtype
         )
-        self._quantize_blocks(padded.view(1, block), scale_out, tail_codes, generator)
+        tail_residual = None
+        if residual_out is not None:
+            tail_residual = self._buffer("tail_residual", block, tail.device).view(1, block)
+        self._quantize_blocks(
+            padded.view(1, block), scale_out, tail_codes, generator, tail_residual
+        )
         codes_out.copy_(tail_codes[: codes_out.numel()])
+        if residual_out is not None and tail_residual is not None:
+            residual_out.copy_(tail_residual.view(-1)[: tail.numel()])
 
     def _encode_fp32(self, flat: torch.Tensor, label: str) -> torch.Tensor:
         values = flat.to(torch.float32)
@@ -167,6 +195,7 @@ class BlockCodec:
         scales_out: torch.Tensor,
         codes_out: torch.Tensor,
         generator: torch.Generator | None,
+        residual_out: torch.Tensor | None = None,
     ) -> None:
         """Quantize whole blocks: block maxima tile by tile, all scales at once, then codes.
 
@@ -202,6 +231,8 @@ class BlockCodec:
                 inverse[first:last],
                 self._code_slice(codes_out, first * block, last * block),
                 generator,
+                scale[first:last],
+                None if residual_out is None else residual_out[first:last],
             )
 
     def _round_codes(
@@ -210,6 +241,8 @@ class BlockCodec:
         inverse: torch.Tensor,
         codes_out: torch.Tensor,
         generator: torch.Generator | None,
+        scale: torch.Tensor,
+        residual_out: torch.Tensor | None,
     ) -> None:
         nblocks, block = blocks.shape
         device = blocks.device
@@ -225,13 +258,19 @@ class BlockCodec:
             values.round_()
         if self.scheme == "int8":
             codes_out.view(nblocks, block).copy_(values)
-            return
-        # Byte = (lo + 8) | (hi + 8) << 4 = lo + 16 * hi + 136, exact in float32.
-        pairs = values.view(-1, 2)
-        packed = self._buffer("packed", pairs.shape[0], device)
-        torch.add(pairs[:, 0], pairs[:, 1], alpha=16, out=packed)
-        packed.add_(_INT4_OFFSET * 17)
-        codes_out.copy_(packed)
+        else:
+            # Byte = (lo + 8) | (hi + 8) << 4 = lo + 16 * hi + 136, exact in float32.
+            pairs = values.view(-1, 2)
+            packed = self._buffer("packed", pairs.shape[0], device)
+            torch.add(pairs[:, 0], pairs[:, 1], alpha=16, out=packed)
+            packed.add_(_INT4_OFFSET * 17)
+            codes_out.copy_(packed)
+        if residual_out is not None:
+            # q * s is exact; adding +0 turns the -0 of a code rounded from a small negative
+            # into the +0 the decoder makes of code 0, so a zero residual has the sign that
+            # subtracting the decoder's values gives.
+            values.mul_(scale[:, None]).add_(0.0)
+            torch.sub(blocks, values, out=residual_out)
 
     # -- decoding -------------------------------------------------------------------
 
@@ -269,7 +308,7 @@ class BlockCodec:
         # The encoder's scales lie in [2**-120, 2**120]: products q * s are then normal
         # floats, exact and identical whatever the decoder's denormal handling.
         low, high = torch.aminmax(scales)
-        _check_scale_range(low.item(), high.item(), label)
+        check_scale_range(low.item(), high.item(), label)
         if out is None:
             out = torch.empty(count, dtype=torch.float32)
         for start in range(0, count, self.tile):
@@ -317,11 +356,18 @@ class BlockCodec:
         return buffer[:size]
 
 
-def _quantize_small(values: np.ndarray, payload: np.ndarray, scheme: Scheme, block: int) -> float:
+def _quantize_small(
+    values: np.ndarray,
+    payload: np.ndarray,
+    scheme: Scheme,
+    block: int,
+    residual: np.ndarray | None = None,
+) -> float:
     """The numpy twin of :meth:`BlockCodec.encode` (rounding to nearest): same bytes.
 
     Writes the payload of ``values`` (float32) into ``payload`` (uint8, of the payload's
-    size); returns the largest scale, which the caller checks.
+    size), and ``values - decoded`` into ``residual`` when given; returns the largest
+    scale, which the caller checks.
     """
     count = values.size
     nblocks = num_blocks(count, block)
@@ -351,10 +397,16 @@ def _quantize_small(values: np.ndarray, payload: np.ndarray, scheme: Scheme, blo
         pairs = codes.reshape(-1, 2)
         packed = pairs[:, 0] + pairs[:, 1] * np.float32(16) + np.float32(_INT4_OFFSET * 17)
         out[:] = packed[: out.size]
+    if residual is not None:
+        # As in BlockCodec._round_codes: exact products, -0 codes made +0.
+        codes *= scale[:, None]
+        codes += np.float32(0)
+        np.subtract(blocks, codes, out=codes)
+        residual[:] = codes.reshape(-1)[:count]
     return peak
 
 
-def _check_scale_range(low: float, high: float, label: str) -> None:
+def check_scale_range(low: float, high: float, label: str) -> None:
     if not (low >= MIN_SCALE and high <= MAX_SCALE):
         # With finite scales every q * s is finite: a NaN or Inf value can only come
         # from a scale, and receivers report those apart from other corruption.
@@ -373,7 +425,7 @@ def _dequantize_small(
     nblocks = num_blocks(count, block)
     bits = payload[: SCALE_BYTES * nblocks].view(np.uint16).astype(np.uint32) << 16
     scales = bits.view(np.float32)
-    _check_scale_range(float(scales.min()), float(scales.max()), label)
+    check_scale_range(float(scales.min()), float(scales.max()), label)
     body = payload[SCALE_BYTES * nblocks :]
     if scheme == "int8":
         codes = body.view(np.int8)

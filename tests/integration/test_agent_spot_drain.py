@@ -86,7 +86,12 @@ def keep_for_reference(workers: Path, reference: Path) -> RoundInstruction:
     shutil.copyfile(instruction.base_params, base)
     copy.job_dir(JOB).mkdir(parents=True)
     shutil.copyfile(handoff.checkpoint_path(JOB), copy.checkpoint_path(JOB))
-    return dataclasses.replace(instruction, base_params=str(base))
+    # The residual the round's delta starts from: the agent's, as round 0 left it.
+    assert instruction.delta is not None
+    feedback = reference / "feedback.pt"
+    shutil.copyfile(instruction.delta.feedback, feedback)
+    request = dataclasses.replace(instruction.delta, feedback=str(feedback))
+    return dataclasses.replace(instruction, base_params=str(base), delta=request)
 
 
 async def uninterrupted_params_hash(reference: Path, instruction: RoundInstruction) -> str:
@@ -197,7 +202,7 @@ async def test_a_spot_notice_finishes_the_round_in_the_grace_or_stops_at_a_step(
             await watcher.stop()
 
     # us-east resumed round 1 where it stopped, and delivered what an uninterrupted
-    # round trains, bit for bit (the hash is of the parameters' bytes).
+    # round trains, bit for bit (the hash is of the quantized delta's bytes).
     since = us_rank_log.read_text()[log_offset:]
     assert f"job {JOB} round 1: resuming at step {kept.step} of 16" in since, since
     published = re.findall(rf"job {JOB} round 1: 16 steps, .*, params ([0-9a-f]+)", since)

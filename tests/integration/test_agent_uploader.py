@@ -173,7 +173,7 @@ def spooled_delta(tmp_path: Path) -> SpooledDelta:
         jurisdiction="EU",
         datasets=("eu-support-chats",),
     )
-    manifest = delta_manifest(origin, encoded, now=datetime.now(UTC))
+    manifest = delta_manifest(origin, encoded.stream, now=datetime.now(UTC))
     signed = sign_delta(manifest, credentials)
     state = JobDirectory(tmp_path / "state", JOB)
     meta = DeltaMeta(train_loss=0.5, tokens=64, params_hash=origin.base_hash)

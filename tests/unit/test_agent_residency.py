@@ -146,7 +146,7 @@ def spool_delta(root: Path, credentials: Credentials, round_: int) -> None:
         jurisdiction="EU",
         datasets=OWN_DATASETS,
     )
-    signed = sign_delta(delta_manifest(origin, encoded, now=datetime.now(UTC)), credentials)
+    signed = sign_delta(delta_manifest(origin, encoded.stream, now=datetime.now(UTC)), credentials)
     meta = DeltaMeta(train_loss=1.0, tokens=32, params_hash=origin.base_hash)
     job = AgentState(root).job("llm")
     job.write_spool(round_, signed.to_bytes(), encoded.frames, encoded.feedback, meta)

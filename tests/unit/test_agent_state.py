@@ -62,7 +62,7 @@ def spool_round(
         datasets=("eu-parliament-proceedings",),
         training=TRAINING,
     )
-    signed = sign_delta(delta_manifest(origin, encoded, now=datetime.now(UTC)), credentials)
+    signed = sign_delta(delta_manifest(origin, encoded.stream, now=datetime.now(UTC)), credentials)
     meta = DeltaMeta(train_loss=1.25, tokens=32, params_hash=origin.base_hash)
     state.write_spool(round_, signed.to_bytes(), encoded.frames, encoded.feedback, meta)
     return encoded.feedback

@@ -128,3 +128,27 @@ def test_reset_forgets_the_residual() -> None:
     feedback.update({"w": torch.ones(2)}, {"w": torch.zeros(2)})
     feedback.reset()
     assert feedback.residual == {}
+
+
+@pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
+@pytest.mark.parametrize("scheme", ["fp32", "int8", "int4"])
+def test_step_gives_the_bytes_and_residual_of_decoding_each_round_on_the_host(
+    scheme: Scheme, device: str
+) -> None:
+    config = CodecParams(scheme=scheme, block_size=64)
+    feedback = ErrorFeedback()
+    residual: dict[str, torch.Tensor] = {}
+    for delta in deltas(4):
+        delta = {name: tensor.to(device) for name, tensor in delta.items()}
+        # The reference: compensate, encode, decode the whole stream, subtract.
+        compensated = {
+            name: tensor.float() + residual[name] if residual else tensor.float()
+            for name, tensor in delta.items()
+        }
+        stream = encode_stream(compensated, config)
+        decoded = decode(stream.to_bytes())
+        residual = {name: compensated[name] - decoded[name].to(device) for name in compensated}
+        assert feedback.step(delta, config).to_bytes() == stream.to_bytes()
+        for name, tensor in residual.items():
+            assert feedback.residual[name].device == tensor.device
+            assert torch.equal(feedback.residual[name].view(torch.int32), tensor.view(torch.int32))

@@ -203,3 +203,36 @@ def test_small_slices_refuse_bad_values_and_scales_like_large_ones(bad: float) -
     payload[2:4] = torch.tensor([bad], dtype=torch.bfloat16).view(torch.uint8)
     with pytest.raises(CorruptChunk, match=r"x: block scales must lie in \[2\*\*-120, 2\*\*120\]"):
         BlockCodec("int8", 128).decode(payload, 300, label="x")
+
+
+@pytest.mark.parametrize(
+    ("scheme", "stochastic"),
+    [("fp32", False), ("int8", False), ("int8", True), ("int4", False), ("int4", True)],
+)
+@pytest.mark.parametrize("count", [1, 127, 129, 1000, quantize.SMALL_ELEMENTS + 3, 20000])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_residual_out_is_the_slice_minus_its_decoded_values_bit_for_bit(
+    scheme: Scheme, stochastic: bool, count: int, dtype: torch.dtype
+) -> None:
+    generator = torch.Generator().manual_seed(count)
+    x = (torch.randn(count, generator=generator) ** 3).to(dtype)
+    x[::3] = -0.0  # rounds to a code of -0, which decodes to +0
+    codec = BlockCodec(scheme, 128, stochastic_rounding=stochastic, tile_elements=4096)
+    residual = torch.full((count,), math.nan)
+    payload = codec.encode(x, label="x", generator=generator, residual_out=residual).clone()
+    expected = x.float() - codec.decode(payload, count, label="x")
+    assert torch.equal(residual.view(torch.int32), expected.view(torch.int32))
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+def test_small_slices_write_the_same_residual_as_large_ones(
+    scheme: Scheme, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    values = torch.randn(1000, generator=torch.Generator().manual_seed(5)) ** 3
+    values[::4] = -0.0
+    small = torch.empty(1000)
+    BlockCodec(scheme, 64).encode(values, label="x", residual_out=small)
+    monkeypatch.setattr(quantize, "SMALL_ELEMENTS", 0)
+    large = torch.empty(1000)
+    BlockCodec(scheme, 64).encode(values, label="x", residual_out=large)
+    assert torch.equal(small.view(torch.int32), large.view(torch.int32))

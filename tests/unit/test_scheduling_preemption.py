@@ -323,6 +323,10 @@ def test_mtbf_of_a_job_combines_its_regions() -> None:
     assert combined_mtbf([None]) is None
     assert observed_mtbf(4, 8 * 3600.0) == pytest.approx(7200.0)
     assert observed_mtbf(0, 8 * 3600.0) is None
+    # A region that failed before any exposure was measured (an agent crash within the
+    # job's first round) gives no rate yet, rather than an MTBF of zero.
+    assert observed_mtbf(1, 0.0) is None
+    assert combined_mtbf([observed_mtbf(1, 0.0), 3600.0]) == pytest.approx(3600.0)
 
 
 def test_snapshot_interval_refuses_nonsense() -> None:

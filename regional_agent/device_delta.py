@@ -1,0 +1,136 @@
+"""Rank 0's side of a :class:`~regional_agent.handoff.DeltaRequest`: the round's delta,
+quantized where the trained parameters are, with its error feedback there too.
+
+Δ = θ_round - θ_local is formed on the parameters' device (θ_round read again from its
+immutable file), compensated with the residual the agent kept after its last accepted
+delta, and quantized chunk by chunk (:func:`geofed.codec.quantize_tensors`); only the
+codes and scales reach the host. The residual the round leaves is written to the round's
+residual file for the agent, and kept on the device: when the agent's residual file
+still names it (the same id), the next round reads nothing from disk.
+
+A residual whose tensors no longer fit the model (another task, another shape) is
+dropped, with a warning, as the agent's own error feedback would refuse it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from geofed.codec import QuantizedTensors, quantize_tensors
+from regional_agent.delta import UnusableDelta, rounding_generator
+from regional_agent.handoff import DeltaRequest
+from regional_agent.residual_file import read_residual, read_residual_id, write_residual
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceResidual:
+    """The residual a job's last quantized delta left, on rank 0's device."""
+
+    job: str
+    id: str
+    tensors: dict[str, torch.Tensor]
+
+
+def quantize_round_delta(
+    request: DeltaRequest,
+    *,
+    job: str,
+    round_: int,
+    region: str,
+    base_path: str,
+    local: Mapping[str, torch.Tensor],
+    residual_path: Path,
+    kept: DeviceResidual | None,
+) -> tuple[QuantizedTensors, DeviceResidual]:
+    """Quantize round ``round_``'s delta; write the residual it leaves to ``residual_path``.
+
+    ``local`` is the trained federated state (on rank 0's device, or the host under
+    FSDP); ``kept`` is the residual this rank holds from its previous delta, if any.
+    Raises :class:`~regional_agent.delta.UnusableDelta` when θ_round and the trained
+    state do not match, and the codec's errors on non-finite values.
+    """
+    device = _device_of(local)
+    base = torch.load(base_path, map_location="cpu", weights_only=True, mmap=True)
+    if not isinstance(base, Mapping) or set(base) != set(local):
+        names = sorted(set(base) ^ set(local)) if isinstance(base, Mapping) else []
+        raise UnusableDelta(f"θ at {base_path} and the trained state differ in {names}")
+    delta: dict[str, torch.Tensor] = {}
+    for name, trained in local.items():
+        start = base[name]
+        if start.shape != trained.shape:
+            raise UnusableDelta(
+                f"{name!r}: θ has shape {tuple(start.shape)}, the trained state "
+                f"{tuple(trained.shape)}"
+            )
+        out = start.to(device=device, dtype=torch.float32, copy=True)
+        delta[name] = out.sub_(trained.detach().to(torch.float32))
+    del base
+    residual = _residual_for(request, job, delta, kept, device)
+    generator = None
+    if request.codec.stochastic_rounding:
+        generator = rounding_generator(job, round_, region, device)
+    quantized, after = quantize_tensors(
+        delta,
+        request.codec,
+        chunk_elements=request.chunk_elements,
+        generator=generator,
+        residual=residual,
+    )
+    del delta
+    id_ = write_residual(residual_path, round_, after)
+    return quantized, DeviceResidual(job, id_, after)
+
+
+def _residual_for(
+    request: DeltaRequest,
+    job: str,
+    delta: Mapping[str, torch.Tensor],
+    kept: DeviceResidual | None,
+    device: torch.device,
+) -> dict[str, torch.Tensor] | None:
+    """The agent's residual on ``device``: the kept one when its file still names it."""
+    path = Path(request.feedback)
+    if kept is not None and kept.job == job and read_residual_id(path) == kept.id:
+        residual = kept.tensors
+    else:
+        read = read_residual(path)
+        if read is None:
+            return None
+        residual = {name: tensor.to(device) for name, tensor in read.tensors.items()}
+    unfit = sorted(
+        name
+        for name in set(residual) | set(delta)
+        if name not in residual or name not in delta or residual[name].shape != delta[name].shape
+    )
+    if unfit:
+        log.warning(
+            "job %s: the error-feedback residual does not fit the model (%s); starting it anew",
+            job,
+            ", ".join(unfit[:5]),
+        )
+        return None
+    return residual
+
+
+def payloads_hash(delta: QuantizedTensors) -> str:
+    """The sha256 of a quantized delta's payloads, in order (what a round summary names
+    when its workers hand over the delta, not the parameters)."""
+    digest = hashlib.sha256()
+    for payload in delta.payloads:
+        digest.update(payload.numpy().data)
+    return digest.hexdigest()
+
+
+def _device_of(tensors: Mapping[str, torch.Tensor]) -> torch.device:
+    devices = {tensor.device for tensor in tensors.values()}
+    if len(devices) > 1:
+        raise UnusableDelta(f"the trained state spans devices {sorted(map(str, devices))}")
+    return devices.pop() if devices else torch.device("cpu")

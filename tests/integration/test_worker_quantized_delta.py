@@ -1,0 +1,162 @@
+"""Rank 0 hands over the round's delta quantized, with its error feedback (2 gloo ranks,
+real processes): the bytes equal what the agent's own encoding of the trained parameters
+gives, round after round, with the residual the agent holds, whichever way it got there.
+
+Two jobs with the same seed and data train the same parameters: ``plain`` hands over its
+parameters, ``quantized`` its delta; the agent's side is played by the test (it keeps
+``feedback.pt`` as the agent's state directory does).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import pytest_asyncio
+import torch
+
+from geofed.codec import ErrorFeedback, seal_quantized
+from geofed.codec_params import CodecParams
+from regional_agent.delta import encode_delta
+from regional_agent.handoff import DeltaRequest, HandoffDir, RoundResult
+from regional_agent.launcher import LocalElasticLauncher
+from regional_agent.residual_file import read_residual, write_residual
+from regional_agent.worker_group import RoundFailed, WorkerGroup, WorkerGroupConfig
+from tests.support.tiny_task import TinyTask
+from tests.support.worker_group import instruction, launcher_config, save_state
+
+pytestmark = pytest.mark.integration
+on_module_loop = pytest.mark.asyncio(loop_scope="module")
+
+STEPS = 4
+# Small chunks and blocks: the tiny model's tensors span several chunks, with tails.
+CODEC = CodecParams(scheme="int8", block_size=16)
+CHUNK = 64
+
+
+@dataclass
+class Region:
+    workdir: Path
+    handoff: HandoffDir
+    group: WorkerGroup
+    feedback: Path  # the agent's residual after its last accepted delta
+
+    async def plain(self, round_: int, base: Path) -> RoundResult:
+        step = instruction("plain", round_, base, inner_steps=STEPS)
+        return await self.group.run_round(step, 60)
+
+    async def quantized(self, round_: int, base: Path) -> RoundResult:
+        request = DeltaRequest(CODEC, str(self.feedback), CHUNK)
+        step = instruction("quantized", round_, base, inner_steps=STEPS, delta=request)
+        return await self.group.run_round(step, 60)
+
+    def accept(self, result: RoundResult) -> None:
+        """What the agent does once the coordinator took the delta: keep its residual."""
+        assert result.residual is not None
+        spooled = self.workdir / "spooled-residual.pt"
+        self.feedback.parent.mkdir(exist_ok=True)
+        os.link(result.residual, spooled)
+        spooled.replace(self.feedback)
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def region(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Region]:
+    workdir = tmp_path_factory.mktemp("quantizing-region")
+    launcher = LocalElasticLauncher(workdir, launcher_config())
+    group = WorkerGroup(workdir, launcher, WorkerGroupConfig(start_timeout_s=120.0))
+    await group.start()
+    yield Region(workdir, HandoffDir(workdir), group, workdir / "agent" / "feedback.pt")
+    await group.stop()
+
+
+def agent_encoding(
+    base: Path, trained: dict[str, torch.Tensor], residual: dict[str, torch.Tensor] | None
+) -> tuple[bytes, dict[str, torch.Tensor]]:
+    """The agent's own encoding of ``trained`` against θ at ``base``: bytes and residual."""
+    feedback = ErrorFeedback()
+    if residual is not None:
+        feedback.load_state_dict({"version": 1, "residual": residual})
+    theta = torch.load(base, weights_only=True)
+    encoded = encode_delta(theta, trained, feedback, CODEC, chunk_elements=CHUNK)
+    return encoded.stream.to_bytes(), encoded.feedback.residual
+
+
+def worker_encoding(result: RoundResult) -> tuple[bytes, dict[str, torch.Tensor]]:
+    assert result.delta is not None
+    assert result.residual is not None
+    assert result.params == {}
+    residual = read_residual(result.residual)
+    assert residual is not None
+    assert residual.round == result.summary.round
+    return seal_quantized(result.delta).to_bytes(), residual.tensors
+
+
+def assert_same(
+    got: tuple[bytes, dict[str, torch.Tensor]], want: tuple[bytes, dict[str, torch.Tensor]]
+) -> None:
+    assert got[0] == want[0]
+    assert got[1].keys() == want[1].keys()
+    for name, tensor in want[1].items():
+        assert torch.equal(got[1][name], tensor), name
+
+
+@on_module_loop
+async def test_the_workers_delta_is_the_agents_encoding_round_after_round(
+    region: Region,
+) -> None:
+    base = save_state(region.workdir / "theta0.pt", TinyTask().build_model(seed=3).state_dict())
+    residual: dict[str, torch.Tensor] | None = None
+    for round_ in range(3):
+        plain = await region.plain(round_, base)
+        quantized = await region.quantized(round_, base)
+        want = agent_encoding(base, plain.params, residual)
+        assert_same(worker_encoding(quantized), want)
+        assert any(t.abs().sum() > 0 for t in want[1].values())  # the residual is carried
+        region.accept(quantized)  # from round 1 on, rank 0 reuses the residual it kept
+        residual = want[1]
+        base = save_state(region.workdir / f"theta{round_ + 1}.pt", plain.params)
+    # The agent discards its regional state (a rollback, a resync): no residual.
+    region.feedback.unlink()
+    plain = await region.plain(3, base)
+    quantized = await region.quantized(3, base)
+    assert_same(worker_encoding(quantized), agent_encoding(base, plain.params, None))
+
+    # The agent's residual is another than the one rank 0 kept (same round, other id).
+    other = {name: torch.full_like(t, 1e-3) for name, t in plain.params.items()}
+    write_residual(region.feedback, 3, other)
+    base = save_state(region.workdir / "theta4.pt", plain.params)
+    plain = await region.plain(4, base)
+    quantized = await region.quantized(4, base)
+    assert_same(worker_encoding(quantized), agent_encoding(base, plain.params, other))
+
+    # A residual of another model is dropped, as the agent's error feedback would.
+    misfit = {name: torch.zeros(3) for name in plain.params}
+    write_residual(region.feedback, 4, misfit)
+    base = save_state(region.workdir / "theta5.pt", plain.params)
+    plain = await region.plain(5, base)
+    quantized = await region.quantized(5, base)
+    assert_same(worker_encoding(quantized), agent_encoding(base, plain.params, None))
+    assert "does not fit the model" in region.handoff.rank_log_path(0).read_text()
+
+
+@on_module_loop
+async def test_an_unreadable_residual_fails_the_round_and_changes_nothing(
+    region: Region,
+) -> None:
+    base = save_state(region.workdir / "theta-10.pt", TinyTask().build_model(seed=3).state_dict())
+    first = await region.quantized(10, base)
+    region.accept(first)
+    kept = region.feedback.read_bytes()
+    region.feedback.write_bytes(b"not a residual")
+    with pytest.raises(RoundFailed, match="cannot hand over the delta: ResidualFileError"):
+        await region.quantized(11, base)
+    assert not region.handoff.residual_path("quantized", 11).exists()
+    assert region.feedback.read_bytes() == b"not a residual"
+    # The agent's residual is back: the round trains again, from the last checkpoint.
+    region.feedback.write_bytes(kept)
+    again = await region.quantized(11, base)
+    assert again.delta is not None
+    assert again.summary.cursor == first.summary.cursor + STEPS

@@ -1,0 +1,198 @@
+"""Handing over a quantized delta: the instruction's request, the result file, the
+residual file both sides share, the agent's check before it frames, and the spool."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+from geofed.codec import ErrorFeedback, decode, quantize_tensors, seal_quantized
+from geofed.codec_params import CodecParams
+from regional_agent.delta import UnusableDelta, encode_delta, seal_worker_delta
+from regional_agent.device_delta import payloads_hash, quantize_round_delta
+from regional_agent.handoff import (
+    DeltaRequest,
+    HandoffDir,
+    HandoffError,
+    InvalidHandoffData,
+    RoundInstruction,
+    RoundSummary,
+)
+from regional_agent.residual_file import (
+    ResidualFileError,
+    read_residual,
+    read_residual_id,
+    write_residual,
+)
+from regional_agent.state import DeltaMeta, JobDirectory, StateError
+
+CODEC = CodecParams(scheme="int8", block_size=16)
+THETA = {"w": torch.linspace(-1, 1, 300).reshape(10, 30), "b": torch.linspace(0, 1, 7)}
+TRAINED = {name: t * 0.9 + 0.01 for name, t in THETA.items()}
+INSTRUCTION = RoundInstruction(
+    job="job-a",
+    round=3,
+    base_params="/data/base.pt",
+    inner_steps=5,
+    task="tests.support.tiny_task:TinyTask",
+    task_options={},
+    seed=1,
+    region="eu-west",
+    region_index=0,
+    num_regions=2,
+    delta=DeltaRequest(CODEC, "/state/jobs/job-a/feedback.pt", 64),
+)
+SUMMARY = RoundSummary(
+    job="job-a",
+    round=3,
+    steps=5,
+    tokens=40,
+    mean_loss=0.5,
+    cursor=5,
+    base_params_hash="b" * 64,
+    params_hash="p" * 64,
+    world_size=1,
+    train_seconds=0.1,
+)
+
+
+def test_an_instruction_with_a_delta_request_round_trips_through_json() -> None:
+    assert RoundInstruction.from_json(INSTRUCTION.to_json()) == INSTRUCTION
+    assert RoundInstruction.from_json(replace(INSTRUCTION, delta=None).to_json()).delta is None
+
+
+@pytest.mark.parametrize(
+    ("delta", "message"),
+    [
+        ({"codec": {"scheme": "int9"}, "feedback": "/f", "chunk_elements": 64}, "delta.codec"),
+        ({"codec": {}, "feedback": "relative/f", "chunk_elements": 64}, "absolute path"),
+        ({"codec": {}, "feedback": "/f", "chunk_elements": 200}, "not a multiple"),
+        ({"codec": {}, "feedback": "/f"}, "must hold codec, feedback and chunk_elements"),
+        ("int8", "must hold codec"),
+    ],
+)
+def test_a_bad_delta_request_is_refused_by_name(delta: object, message: str) -> None:
+    body = json.loads(INSTRUCTION.to_json())
+    body["delta"] = delta
+    with pytest.raises(InvalidHandoffData, match=message):
+        RoundInstruction.from_json(json.dumps(body).encode(), "round-3.instruction.json")
+
+
+def test_a_result_holds_the_delta_and_names_its_residual_file(tmp_path: Path) -> None:
+    handoff = HandoffDir(tmp_path)
+    quantized, residual = quantize_tensors(
+        {k: THETA[k] - TRAINED[k] for k in THETA}, CODEC, chunk_elements=64
+    )
+    with pytest.raises(HandoffError, match="either the parameters or the delta"):
+        handoff.write_result(SUMMARY, TRAINED, quantized)
+    handoff.write_result(SUMMARY, delta=quantized)
+    with pytest.raises(InvalidHandoffData, match=r"residual file .* is missing"):
+        handoff.read_result_file("job-a", 3)
+    write_residual(handoff.residual_path("job-a", 3), 3, residual)
+    handoff.write_done(SUMMARY)
+    result = handoff.read_completed("job-a", 3)
+    assert result is not None
+    assert result.params == {}
+    assert result.delta is not None
+    assert result.residual == handoff.residual_path("job-a", 3)
+    assert seal_quantized(result.delta).to_bytes() == seal_quantized(quantized).to_bytes()
+    # Pruned with the rest of the round.
+    handoff.prune_rounds("job-a", 4)
+    assert not handoff.residual_path("job-a", 3).exists()
+
+
+def test_a_residual_file_reads_back_with_its_id_and_refuses_what_is_not_one(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "feedback.pt"
+    assert read_residual(path) is None
+    assert read_residual_id(path) is None
+    id_ = write_residual(path, 7, {"w": torch.ones(2, 2)})
+    read = read_residual(path)
+    assert read is not None
+    assert (read.round, read.id) == (7, id_)
+    assert torch.equal(read.tensors["w"], torch.ones(2, 2))
+    assert read_residual_id(path) == id_
+    assert path.stat().st_mode & 0o077 == 0
+    # The agent's own error-feedback reader takes the same file.
+    directory = JobDirectory(tmp_path / "state", "job-a")
+    directory.root.mkdir(parents=True)
+    path.rename(directory.feedback_path)
+    assert torch.equal(directory.load_feedback().residual["w"], torch.ones(2, 2))
+
+    path.write_bytes(b"garbage")
+    with pytest.raises(ResidualFileError, match="unreadable residual"):
+        read_residual(path)
+    torch.save({"format": 1, "round": 1, "feedback": {"version": 1, "residual": {"w": 1}}}, path)
+    with pytest.raises(ResidualFileError, match="not a named tensor"):
+        read_residual(path)
+    bad = {"w": torch.tensor([float("nan")])}
+    torch.save({"format": 1, "round": 1, "feedback": {"version": 1, "residual": bad}}, path)
+    with pytest.raises(ResidualFileError, match="NaN or Inf"):
+        read_residual(path)
+
+
+def test_rank_zeros_delta_is_the_agents_encoding_and_keeps_its_residual(
+    tmp_path: Path,
+) -> None:
+    base = tmp_path / "theta.pt"
+    torch.save(THETA, base)
+    feedback = tmp_path / "feedback.pt"
+    request = DeltaRequest(CODEC, str(feedback), 64)
+    ef = ErrorFeedback()
+    kept = None
+    local = dict(TRAINED)
+    for round_ in range(3):
+        residual_path = tmp_path / f"round-{round_}.residual.pt"
+        quantized, kept = quantize_round_delta(
+            request,
+            job="job-a",
+            round_=round_,
+            region="eu-west",
+            base_path=str(base),
+            local=local,
+            residual_path=residual_path,
+            kept=kept,
+        )
+        want = encode_delta(THETA, local, ef, CODEC, chunk_elements=64)
+        assert seal_quantized(quantized).to_bytes() == want.stream.to_bytes()
+        assert read_residual_id(residual_path) == kept.id
+        ef = want.feedback
+        residual_path.replace(feedback)  # accepted
+        local = {name: t * 1.01 for name, t in local.items()}
+    assert len(payloads_hash(quantized)) == 64
+
+
+def test_the_agent_frames_only_a_delta_of_its_theta_in_the_announced_codec() -> None:
+    quantized, _ = quantize_tensors(
+        {k: THETA[k] - TRAINED[k] for k in THETA}, CODEC, chunk_elements=64
+    )
+    stream = seal_worker_delta(THETA, quantized, CODEC)
+    decoded = decode(stream.frames())
+    assert decoded.keys() == THETA.keys()
+    with pytest.raises(UnusableDelta, match="quantized with"):
+        seal_worker_delta(THETA, quantized, CodecParams(scheme="int4", block_size=16))
+    with pytest.raises(UnusableDelta, match="differ in tensors \\['extra'\\]"):
+        seal_worker_delta({**THETA, "extra": torch.zeros(1)}, quantized, CODEC)
+    with pytest.raises(UnusableDelta, match="'b' as float32"):
+        seal_worker_delta({**THETA, "b": torch.zeros(8)}, quantized, CODEC)
+
+
+def test_the_spool_links_the_workers_residual_and_promotes_it(tmp_path: Path) -> None:
+    job = JobDirectory(tmp_path / "state", "job-a")
+    job.root.mkdir(parents=True)
+    worker_file = tmp_path / "round-3.residual.pt"
+    id_ = write_residual(worker_file, 3, {"w": torch.full((2,), 0.5)})
+    quantized, _ = quantize_tensors({"w": torch.ones(2)}, CODEC, chunk_elements=64)
+    stream = seal_quantized(quantized)
+    meta = DeltaMeta(train_loss=1.0, tokens=2, params_hash="h" * 64)
+    with pytest.raises(StateError, match="unreadable spooled delta"):  # a bad manifest
+        job.write_spool(3, b"not a manifest", list(stream.frames()), worker_file, meta)
+    assert worker_file.exists()  # still the worker's: a retry can take it again
+    assert (job.spool_dir(3) / "residual.pt").stat().st_ino == worker_file.stat().st_ino
+    job.promote(3)
+    assert read_residual_id(job.feedback_path) == id_
