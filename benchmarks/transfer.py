@@ -63,7 +63,13 @@ from geofed_cli.demo.processes import ChildSet
 from regional_agent.config import AgentConfig, load_config
 from regional_agent.coordinator_client import CoordinatorClient, build_session
 from regional_agent.credentials import Credentials, load_credentials
-from regional_agent.delta import DeltaOrigin, delta_manifest, encode_delta, sign_delta
+from regional_agent.delta import (
+    DeltaOrigin,
+    EncodedDelta,
+    delta_manifest,
+    encode_delta,
+    sign_delta,
+)
 from regional_agent.state import DeltaMeta, JobDirectory, SpooledDelta
 from regional_agent.sync import snapshot_params, verify_artifact
 from regional_agent.uploader import Uploader
@@ -196,7 +202,7 @@ async def download_snapshot(
 class Delta:
     """One encoded delta, signed again for each trial's job."""
 
-    encoded: Any
+    encoded: EncodedDelta
     codec: CodecParams
 
 
@@ -217,7 +223,7 @@ def spool(fed: Federation, delta: Delta, job: str, base_hash: str, root: Path) -
         jurisdiction="EU",
         datasets=tuple(fed.job["regions"][REGION]),
     )
-    manifest = delta_manifest(origin, delta.encoded, now=datetime.now(UTC))
+    manifest = delta_manifest(origin, delta.encoded.stream, now=datetime.now(UTC))
     signed = sign_delta(manifest, fed.credentials)
     meta = DeltaMeta(train_loss=1.0, tokens=1000, params_hash=base_hash)
     return JobDirectory(root, job).write_spool(

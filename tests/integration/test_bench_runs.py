@@ -1,5 +1,5 @@
-"""The convergence, round-overhead and training-throughput benchmarks run end to end in
-their smoke modes.
+"""The convergence, round-overhead, training-throughput and hand-off benchmarks run end to
+end in their smoke modes.
 
 These check that the benchmarks still run and write figures of the right shape and of
 sane magnitude; they assert nothing about speed. The round-overhead benchmark measures
@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from benchmarks import convergence, round_overhead, training_throughput
+from benchmarks import convergence, handoff, round_overhead, training_throughput
 
 LN_256 = math.log(256)
 
@@ -216,3 +216,20 @@ def test_overlap_sweep_smoke_chooses_a_fold_and_confirms_it_against_none(tmp_pat
     assert len(sweep["targets"]) == 1
     seeds = {r["seed"] for c in report["configs"].values() for r in c["runs"]}
     assert seeds == {0, 1}
+
+
+def test_handoff_smoke_times_both_ways_on_real_files(tmp_path: Path) -> None:
+    out = tmp_path / "handoff.json"
+    assert handoff.main(["--smoke", "--out", str(out)]) == 0
+    report = _load(out)
+    assert report["benchmark"] == "handoff"
+    assert report["machine"]["torch"]
+    medians = report["medians_s"]
+    assert "agent: encode" in medians["params"]
+    assert "worker: quantize + residual" in medians["delta"]
+    assert "agent: frame" in medians["delta"]
+    for way in ("params", "delta"):
+        assert medians[way]["total"] == pytest.approx(
+            sum(v for k, v in medians[way].items() if k != "total")
+        )
+    assert report["ratio_total"] > 0
