@@ -42,7 +42,7 @@ import torch
 
 from benchmarks._machine import describe_machine, machine_line
 from benchmarks._report import publish
-from benchmarks.round_overhead import charlm_config, charlm_shapes, random_state
+from benchmarks.round_overhead import charlm_config, charlm_shapes, model_size, random_state
 from geofed.codec import EncodedStream, ErrorFeedback
 from geofed.codec_params import SCHEMES, CodecParams
 from geofed.manifest import sign_manifest
@@ -275,19 +275,9 @@ def render(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _params(text: str) -> int:
-    try:
-        value = int(float(text))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number like 25e6") from None
-    if value < 1000:
-        raise argparse.ArgumentTypeError(f"--params must be at least 1000, got {text}")
-    return value
-
-
 def parse_args(argv: Sequence[str]) -> Settings:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.handoff", description=__doc__)
-    parser.add_argument("--params", type=_params, help="model size, default 25e6; smoke 1e5")
+    parser.add_argument("--params", type=model_size, help="model size, default 25e6; smoke 1e5")
     parser.add_argument("--repeats", type=int, help="rounds measured, default 3; smoke 1")
     parser.add_argument("--scheme", choices=[s for s in SCHEMES if s != "fp32"], default="int8")
     parser.add_argument(

@@ -385,7 +385,8 @@ def region_counts(text: str) -> tuple[int, ...]:
     return values
 
 
-def _params(text: str) -> int:
+def model_size(text: str) -> int:
+    """A model size as an argparse type: a count like 25e6, at least 1000."""
     try:
         value = int(float(text))
     except ValueError:
@@ -400,7 +401,7 @@ def parse_args(argv: Sequence[str] | None) -> Settings:
         prog="python -m benchmarks.round_overhead", description=__doc__
     )
     parser.add_argument("--regions", type=region_counts, help="default 2,4,8,16; smoke 2")
-    parser.add_argument("--params", type=_params, help="model size, default 25e6; smoke 1e6")
+    parser.add_argument("--params", type=model_size, help="model size, default 25e6; smoke 1e6")
     parser.add_argument("--scheme", choices=SCHEMES, default="int8", help="default int8")
     parser.add_argument("--repeats", type=int, help="rounds per process, default 3; smoke 1")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")

@@ -26,7 +26,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Mapping
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -41,6 +41,8 @@ from regional_agent.overlap import add_progress, progress_in_place, take_snapsho
 from regional_agent.parallelism import ParallelModel
 
 log = logging.getLogger(__name__)
+
+_Marker = TypeVar("_Marker", BaseReady, StartReady)
 
 #: (stop, base ready, cancelled) -> whether any rank raised each.
 Agree = Callable[..., tuple[bool, ...]]
@@ -125,32 +127,13 @@ class DelayedFold:
         job, round_ = self._instruction.job, self._instruction.round
         started = time.monotonic()
         while True:
-            ready: StartReady | None = None
-            cancelled = False
-            if self._rank == 0:
-                cancelled = self._handoff.cancel_requested(job, round_)
-                if not cancelled:
-                    try:
-                        ready = self._handoff.read_start_ready(job, round_)
-                    except Exception as exc:  # a damaged marker fails the round, on every rank
-                        log.exception("job %s round %d: unreadable start marker", job, round_)
-                        self.failure = f"unreadable start marker: {exc}"
-                        cancelled = True
-            stop, has, cancel = self._agree(wants_stop(), ready is not None, cancelled)
-            if cancel:
-                if self.failure is None:
-                    self.failure = "the delayed round was cancelled by the agent"
+            marker = self._poll(self._handoff.read_start_ready, "start marker", wants_stop())
+            if marker is None:
                 return False
-            if stop:
-                return False
-            if has:
+            if marker is not False:
                 break
             time.sleep(poll_s)
         self.start_wait_seconds = time.monotonic() - started
-        box: list[StartReady | None] = [ready]
-        dist.broadcast_object_list(box, src=0, group=self._group)
-        marker = box[0]
-        assert marker is not None
         if not marker.start_params:
             log.info(
                 "job %s round %d: no eager estimate (%s); starting from the local parameters "
@@ -199,17 +182,24 @@ class DelayedFold:
 
     def _check(self, wants_stop: bool) -> BaseReady | Literal[False] | None:
         """None: stop or cancel agreed; False: θ not there yet; else the marker (all ranks)."""
+        return self._poll(self._handoff.read_base_ready, "base-ready marker", wants_stop)
+
+    def _poll(
+        self, read: Callable[[str, int], _Marker | None], what: str, wants_stop: bool
+    ) -> _Marker | Literal[False] | None:
+        """One look for the agent's ``what`` (a collective): None when a stop or a cancel is
+        agreed, False while the marker is not there, else rank 0's marker on every rank."""
         job, round_ = self._instruction.job, self._instruction.round
-        ready: BaseReady | None = None
+        ready: _Marker | None = None
         cancelled = False
         if self._rank == 0:
             cancelled = self._handoff.cancel_requested(job, round_)
             if not cancelled:
                 try:
-                    ready = self._handoff.read_base_ready(job, round_)
+                    ready = read(job, round_)
                 except Exception as exc:  # a damaged marker fails the round, on every rank
-                    log.exception("job %s round %d: unreadable base-ready marker", job, round_)
-                    self.failure = f"unreadable base-ready marker: {exc}"
+                    log.exception("job %s round %d: unreadable %s", job, round_, what)
+                    self.failure = f"unreadable {what}: {exc}"
                     cancelled = True
         stop, has, cancel = self._agree(wants_stop, ready is not None, cancelled)
         if cancel:
@@ -220,7 +210,7 @@ class DelayedFold:
             return None
         if not has:
             return False
-        box: list[BaseReady | None] = [ready]
+        box: list[_Marker | None] = [ready]
         dist.broadcast_object_list(box, src=0, group=self._group)
         assert box[0] is not None
         return box[0]

@@ -20,6 +20,7 @@ import torch
 
 from geofed.codec import ErrorFeedback, seal_quantized
 from geofed.codec_params import CodecParams
+from geofed.training_config import TrainingConfig
 from regional_agent.delta import encode_delta
 from regional_agent.handoff import DeltaRequest, HandoffDir, RoundResult
 from regional_agent.launcher import LocalElasticLauncher
@@ -35,6 +36,8 @@ STEPS = 4
 # Small chunks and blocks: the tiny model's tensors span several chunks, with tails.
 CODEC = CodecParams(scheme="int8", block_size=16)
 CHUNK = 64
+DDP = TrainingConfig()
+FSDP = TrainingConfig(parallelism="fsdp")
 
 
 @dataclass
@@ -44,13 +47,17 @@ class Region:
     group: WorkerGroup
     feedback: Path  # the agent's residual after its last accepted delta
 
-    async def plain(self, round_: int, base: Path) -> RoundResult:
-        step = instruction("plain", round_, base, inner_steps=STEPS)
+    async def plain(
+        self, round_: int, base: Path, training: TrainingConfig = DDP, job: str = "plain"
+    ) -> RoundResult:
+        step = instruction(job, round_, base, inner_steps=STEPS, training=training)
         return await self.group.run_round(step, 60)
 
-    async def quantized(self, round_: int, base: Path) -> RoundResult:
+    async def quantized(
+        self, round_: int, base: Path, training: TrainingConfig = DDP, job: str = "quantized"
+    ) -> RoundResult:
         request = DeltaRequest(CODEC, str(self.feedback), CHUNK)
-        step = instruction("quantized", round_, base, inner_steps=STEPS, delta=request)
+        step = instruction(job, round_, base, inner_steps=STEPS, training=training, delta=request)
         return await self.group.run_round(step, 60)
 
     def accept(self, result: RoundResult) -> None:
@@ -140,6 +147,22 @@ async def test_the_workers_delta_is_the_agents_encoding_round_after_round(
     quantized = await region.quantized(5, base)
     assert_same(worker_encoding(quantized), agent_encoding(base, plain.params, None))
     assert "does not fit the model" in region.handoff.rank_log_path(0).read_text()
+
+
+@on_module_loop
+async def test_under_fsdp_rank_zero_quantizes_the_gathered_parameters(region: Region) -> None:
+    region.feedback.unlink(missing_ok=True)
+    base = save_state(region.workdir / "theta-f0.pt", TinyTask().build_model(seed=5).state_dict())
+    residual: dict[str, torch.Tensor] | None = None
+    for round_ in range(2):
+        plain = await region.plain(round_, base, FSDP, "plain-fsdp")
+        quantized = await region.quantized(round_, base, FSDP, "quantized-fsdp")
+        want = agent_encoding(base, plain.params, residual)
+        assert_same(worker_encoding(quantized), want)
+        region.accept(quantized)
+        residual = want[1]
+        base = save_state(region.workdir / f"theta-f{round_ + 1}.pt", plain.params)
+    region.feedback.unlink()
 
 
 @on_module_loop
