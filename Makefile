@@ -52,6 +52,7 @@ demo: $(STAMP)
 bench: $(STAMP) system-deps
 	$(PY) -m benchmarks.codec_bench
 	$(PY) -m benchmarks.round_overhead
+	$(PY) -m benchmarks.handoff
 	$(PY) -m benchmarks.convergence
 	$(PY) -m benchmarks.training_throughput
 	$(PY) -m benchmarks.transfer

@@ -1,14 +1,17 @@
 """Compute utilization of a real federation under an emulated WAN.
 
     python -m benchmarks.utilization [--sizes s,m] [--big] [--rounds 4] [--inner-steps 30]
-        [--bandwidth 1gbit] [--rtt 80ms] [--scale 400] [--modes none,delayed]
+        [--bandwidth 1gbit] [--rtt 80ms] [--scale 400]
+        [--modes none,delayed,delayed-eager,streaming]
         [--smoke] [--out PATH] [--note TEXT]
 
 A coordinator and two regional agents run as processes (``tests/support/federation.py``:
 real HTTPS with client certificates, each agent with its own gloo worker group), and each
 region reaches the coordinator through its own emulated WAN link (:mod:`geofed.wanemu`).
 The job trains the bundled charlm task at each model size of ``--sizes`` (task options),
-once per overlap mode the job spec accepts.
+once per mode the job spec accepts: the overlap modes, and ``delayed-eager`` (delayed
+rounds started from the eager estimate, ``overlap_start: eager``); a mode the spec refuses
+is reported as such.
 
 The link defaults to 1 Gbit/s and 80 ms RTT, with the bandwidth divided by ``--scale``
 (400): the models a CPU trains are some thousand times smaller than those the link
@@ -57,7 +60,15 @@ from regional_agent.utilization import compute_utilization
 from tests.support.federation import EXAMPLES, running_federation
 
 REGIONS = ("eu-west", "us-east")
-MODES = ("none", "delayed")
+#: Each mode's job fields: the overlap modes, and delayed rounds started from the eager
+#: estimate (``overlap_start: eager``).
+MODE_FIELDS: dict[str, dict[str, str]] = {
+    "none": {"overlap": "none"},
+    "delayed": {"overlap": "delayed"},
+    "delayed-eager": {"overlap": "delayed", "overlap_start": "eager"},
+    "streaming": {"overlap": "streaming"},
+}
+MODES = tuple(MODE_FIELDS)
 OVERHEAD = ("sync", "load", "encode", "upload", "wait")
 _SMALL = {"seq_len": 64, "batch_size": 8, "val_batches": 2}
 #: Model sizes (charlm task options); parameters: xs 30k, s 0.28M, m 0.87M, l 3.3M, xl 25.5M.
@@ -100,19 +111,19 @@ def parameters(options: dict[str, Any]) -> int:
 def overlap_modes(requested: Sequence[str] | None) -> dict[str, dict[str, Any]]:
     """Each overlap mode and whether the job spec accepts it (the reason when not).
 
-    Asked by validating the example job with ``overlap`` set. A spec without the field
-    trains serially: ``none`` then runs with the field left out.
+    Asked by validating the example job with the mode's fields (:data:`MODE_FIELDS`) set.
+    A spec without the field trains serially: ``none`` then runs with the field left out.
     """
     base = yaml.safe_load((EXAMPLES / "job-charlm.yaml").read_text())
     found: dict[str, dict[str, Any]] = {}
     for mode in requested or MODES:
         try:
-            JobSpec.model_validate({**base, "overlap": mode})
+            JobSpec.model_validate({**base, **MODE_FIELDS[mode]})
         except pydantic.ValidationError as exc:
             reason = "; ".join(
                 f"{'.'.join(map(str, e['loc']))}: {e['msg']}"
                 for e in exc.errors()
-                if e["loc"] and e["loc"][0] == "overlap"
+                if e["loc"] and e["loc"][0] in MODE_FIELDS[mode]
             )
             if mode == "none" and "Extra inputs" in reason:
                 serial = "the job spec has no overlap field: serial rounds"
@@ -125,7 +136,7 @@ def overlap_modes(requested: Sequence[str] | None) -> dict[str, dict[str, Any]]:
 
 
 def _customize(
-    proxies: dict[str, WanProxy], overlap: str | None
+    proxies: dict[str, WanProxy], fields: dict[str, str]
 ) -> Callable[[str, dict[str, Any]], None]:
     def customize(name: str, data: dict[str, Any]) -> None:
         if name == "coordinator":
@@ -134,14 +145,14 @@ def _customize(
         elif name.startswith("agent-"):
             region = name.removeprefix("agent-")
             data["coordinator_url"] = f"https://localhost:{proxies[region].port}"
-        elif name == "job" and overlap is not None:
-            data["overlap"] = overlap
+        elif name == "job":
+            data.update(fields)
 
     return customize
 
 
 async def run_federation(
-    work: Path, settings: Settings, options: dict[str, Any], overlap: str | None
+    work: Path, settings: Settings, options: dict[str, Any], fields: dict[str, str]
 ) -> tuple[dict[str, list[RoundTimeline]], dict[str, dict[str, int]], float]:
     """One federation to the end of its job; each region's timeline, WAN bytes, wall time."""
     link = settings.link.settings()
@@ -159,7 +170,7 @@ async def run_federation(
             rounds=settings.rounds,
             inner_steps=settings.inner_steps,
             task_options=options,
-            customize=_customize(proxies, overlap),
+            customize=_customize(proxies, fields),
         ) as fed:
             status, body = await fed.submit()
             if status != 201:
@@ -237,10 +248,10 @@ async def measure(settings: Settings) -> dict[str, Any]:
             options = SIZES[size]
             print(f"overlap {mode}, size {size}: running ...", file=sys.stderr)
             with tempfile.TemporaryDirectory(prefix="geofed-util-") as tmp:
-                overlap = mode if verdict["set_field"] else None
+                fields = MODE_FIELDS[mode] if verdict["set_field"] else {}
                 try:
                     timelines, wan, wall = await run_federation(
-                        Path(tmp), settings, options, overlap
+                        Path(tmp), settings, options, fields
                     )
                 except (AssertionError, RuntimeError, OSError) as exc:
                     # Reported, not hidden: a mode that cannot finish a job says so.

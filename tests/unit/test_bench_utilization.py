@@ -12,7 +12,7 @@ from regional_agent.round_timeline import Interval, RoundTimeline
 
 @pytest.mark.parametrize(
     "argv",
-    [["--sizes", "s,huge"], ["--modes", "streaming"], ["--rtt", "80"], ["--scale", "0"]],
+    [["--sizes", "s,huge"], ["--modes", "sparse"], ["--rtt", "80"], ["--scale", "0"]],
 )
 def test_bad_arguments_are_refused(tmp_path: Path, argv: list[str]) -> None:
     out = tmp_path / "utilization.json"
@@ -30,8 +30,12 @@ def test_defaults_scale_the_reference_link() -> None:
 
 
 def test_modes_the_job_spec_refuses_are_reported_not_run() -> None:
-    modes = utilization.overlap_modes(["none"])
+    modes = utilization.overlap_modes(["none", "delayed-eager", "streaming"])
     assert modes["none"]["available"]
+    assert modes["delayed-eager"]["available"]
+    assert utilization.MODE_FIELDS["delayed-eager"]["overlap_start"] == "eager"
+    assert not modes["streaming"]["available"]
+    assert modes["streaming"]["detail"].startswith("not available: overlap")
 
 
 def _round(number: int, start: float) -> RoundTimeline:
