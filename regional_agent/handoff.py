@@ -37,10 +37,10 @@ import math
 import os
 import re
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, get_args
+from typing import TYPE_CHECKING, Any, TypeVar, get_args
 
 import torch
 from pydantic import TypeAdapter, ValidationError
@@ -53,7 +53,11 @@ from geofed.training_config import Parallelism, TrainingConfig
 from geofed.types import validate_name
 from regional_agent.training_stats import TrainingStats
 
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
+
 FORMAT_VERSION = 1
+_T = TypeVar("_T")
 _CHECKPOINT_NAME = "regional-checkpoint.pt"
 _INNER_CHECKPOINT_NAME = "inner-checkpoint.pt"
 _ROUND_FILE_RE = re.compile(r"^round-(\d+)\.instruction\.json$")
@@ -92,6 +96,20 @@ def _require_metrics(what: str, value: object) -> Mapping[str, float]:
         _require_str(f"{what} key", name)
         _require_float(f"{what}[{name!r}]", number)
     return value
+
+
+def _flat_json(record: DataclassInstance) -> bytes:
+    """A flat record's file content: the format, then its fields."""
+    return json.dumps({"format": FORMAT_VERSION, **asdict(record)}, sort_keys=True).encode()
+
+
+def _parse_flat(make: Callable[..., _T], names: tuple[str, ...], raw: bytes, source: str) -> _T:
+    """A record :func:`_flat_json` wrote, every field present; errors name ``source``."""
+    try:
+        data = _fields(source, json.loads(raw), names)
+        return make(**{name: data[name] for name in names})
+    except (ValueError, TypeError) as exc:
+        raise InvalidHandoffData(f"{source}: {exc}") from None
 
 
 def _fields(
@@ -350,7 +368,7 @@ class RoundSummary:
             _require_int("base_folded_at_step", self.base_folded_at_step, 0)
 
     def to_json(self) -> bytes:
-        return json.dumps({"format": FORMAT_VERSION, **asdict(self)}, sort_keys=True).encode()
+        return _flat_json(self)
 
     @classmethod
     def from_json(cls, raw: bytes, source: str = "done marker") -> RoundSummary:
@@ -401,15 +419,11 @@ class BaseReady:
             raise InvalidHandoffData(f"evaluate_base must be a bool, got {self.evaluate_base!r}")
 
     def to_json(self) -> bytes:
-        return json.dumps({"format": FORMAT_VERSION, **asdict(self)}, sort_keys=True).encode()
+        return _flat_json(self)
 
     @classmethod
     def from_json(cls, raw: bytes, source: str = "base-ready marker") -> BaseReady:
-        try:
-            data = _fields(source, json.loads(raw), _BASE_READY_FIELDS)
-            return cls(**{name: data[name] for name in _BASE_READY_FIELDS})
-        except (ValueError, TypeError) as exc:
-            raise InvalidHandoffData(f"{source}: {exc}") from None
+        return _parse_flat(cls, _BASE_READY_FIELDS, raw, source)
 
 
 _BASE_READY_FIELDS = tuple(BaseReady.__dataclass_fields__)
@@ -439,15 +453,11 @@ class StartReady:
             raise InvalidHandoffData("start_params and start_hash go together")
 
     def to_json(self) -> bytes:
-        return json.dumps({"format": FORMAT_VERSION, **asdict(self)}, sort_keys=True).encode()
+        return _flat_json(self)
 
     @classmethod
     def from_json(cls, raw: bytes, source: str = "start marker") -> StartReady:
-        try:
-            data = _fields(source, json.loads(raw), _START_READY_FIELDS)
-            return cls(**{name: data[name] for name in _START_READY_FIELDS})
-        except (ValueError, TypeError) as exc:
-            raise InvalidHandoffData(f"{source}: {exc}") from None
+        return _parse_flat(cls, _START_READY_FIELDS, raw, source)
 
 
 _START_READY_FIELDS = tuple(StartReady.__dataclass_fields__)
