@@ -48,6 +48,7 @@ from typing import Any
 
 import pydantic
 import yaml
+from prometheus_client.parser import text_string_to_metric_families
 
 from benchmarks._machine import describe_machine, machine_line
 from benchmarks._report import publish
@@ -153,8 +154,11 @@ def _customize(
 
 async def run_federation(
     work: Path, settings: Settings, options: dict[str, Any], fields: dict[str, str]
-) -> tuple[dict[str, list[RoundTimeline]], dict[str, dict[str, int]], float]:
-    """One federation to the end of its job; each region's timeline, WAN bytes, wall time."""
+) -> tuple[
+    dict[str, list[RoundTimeline]], dict[str, dict[str, int]], float, dict[str, float | None]
+]:
+    """One federation to the end of its job: each region's timeline, WAN bytes, wall time,
+    and the coordinator's figures (:func:`coordinator_figures`)."""
     link = settings.link.settings()
     proxies = {
         region: WanProxy("127.0.0.1", 0, "127.0.0.1", 0, seed=i, upstream=link, downstream=link)
@@ -177,6 +181,7 @@ async def run_federation(
                 raise RuntimeError(f"job refused ({status}): {body}")
             await fed.wait_completed(timeout_s=settings.timeout_s)
             wall = time.monotonic() - started
+            coordinator = coordinator_figures(await fed.metrics_text(), fed.job)
         wan = {
             region: {
                 "bytes_up": proxy.stats().bytes_upstream,
@@ -192,7 +197,27 @@ async def run_federation(
         region: [r for r in read_timeline(work / "agents" / region) if r.job == fed.job]
         for region in REGIONS
     }
-    return timelines, wan, wall
+    return timelines, wan, wall, coordinator
+
+
+def coordinator_figures(metrics: str, job: str) -> dict[str, float | None]:
+    """The coordinator's mean seconds per published round of ``job``, from its /metrics:
+    aggregation, outer step, encoding and persistence (``aggregate_s``), and announcement
+    to publication (``round_s``); None where it published no round."""
+    found: dict[str, float] = {}
+    for family in text_string_to_metric_families(metrics):
+        for sample in family.samples:
+            if sample.labels.get("job") == job and sample.name.endswith(("_sum", "_count")):
+                found[sample.name] = sample.value
+
+    def mean(name: str) -> float | None:
+        count = found.get(f"{name}_count")
+        return found[f"{name}_sum"] / count if count else None
+
+    return {
+        "aggregate_s": mean("geofed_aggregation_duration_seconds"),
+        "round_s": mean("geofed_round_duration_seconds"),
+    }
 
 
 def round_row(entry: RoundTimeline) -> dict[str, Any]:
@@ -250,7 +275,7 @@ async def measure(settings: Settings) -> dict[str, Any]:
             with tempfile.TemporaryDirectory(prefix="geofed-util-") as tmp:
                 fields = MODE_FIELDS[mode] if verdict["set_field"] else {}
                 try:
-                    timelines, wan, wall = await run_federation(
+                    timelines, wan, wall, coordinator = await run_federation(
                         Path(tmp), settings, options, fields
                     )
                 except (AssertionError, RuntimeError, OSError) as exc:
@@ -264,6 +289,7 @@ async def measure(settings: Settings) -> dict[str, Any]:
                 "parameters": parameters(options),
                 "wall_s": wall,
                 "regions": {r: region_figures(timelines[r], wan[r]) for r in REGIONS},
+                "coordinator": coordinator,
             }
     link = settings.link
     return {
@@ -340,6 +366,23 @@ def render(report: dict[str, Any]) -> str:
                     + f" | {fig['wan']['bytes_up'] / 1e6:.2f}"
                     + f" | {fig['wan']['bytes_down'] / 1e6:.2f} |"
                 )
+        coordinator = {
+            size: run["coordinator"] for size, run in entry["runs"].items() if "coordinator" in run
+        }
+        if coordinator:
+            lines += [
+                "",
+                "Inside `wait`, the coordinator's share per published round (its /metrics): "
+                "aggregation, outer step, encoding and persistence; and a round from its "
+                "announcement to its publication.",
+                "",
+                "| size | aggregate + publish s | announcement to publication s |",
+                "|---|---|---|",
+            ]
+            lines += [
+                f"| {size} | {_fmt(fig['aggregate_s'])} | {_fmt(fig['round_s'])} |"
+                for size, fig in coordinator.items()
+            ]
     return "\n".join(lines) + "\n"
 
 

@@ -41,7 +41,9 @@ async def healthz(request: web.Request) -> web.Response:
 
 @routes.get(ApiPaths.READYZ)
 async def readyz(request: web.Request) -> web.Response:
-    """Ready: the state database answers, MQTT is connected, policies are loaded."""
+    """Ready: the state database answers, MQTT is connected, policies are loaded, and the
+    state of every job stored before the start was read back (until then a restarted
+    coordinator knows none of their rounds)."""
     services = request.app[SERVICES]
     checks: dict[str, Any] = {}
     try:
@@ -52,6 +54,10 @@ async def readyz(request: web.Request) -> web.Response:
     checks["mqtt"] = "ok" if services.control.connected else "disconnected"
     policies = len(services.runtime.policies)
     checks["policies"] = f"ok ({policies} regions)" if policies else "none loaded"
+    # The jobs stored before a start, not one just submitted (θ_0 of a large model may
+    # take a while to build, and the coordinator serves meanwhile).
+    recovering = request.app[JOBS].recovering()
+    checks["jobs"] = f"recovering: {', '.join(recovering)}" if recovering else "ok"
     ready = all(str(value).startswith("ok") for value in checks.values())
     return web.json_response({"ready": ready, "checks": checks}, status=200 if ready else 503)
 

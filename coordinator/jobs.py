@@ -93,6 +93,8 @@ class JobManager:
         self._engines: dict[str, JobEngine] = {}
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._unavailable: dict[str, str] = {}
+        #: The stored jobs started with this coordinator (readiness waits for their state).
+        self._restored: set[str] = set()
         self._submitting = asyncio.Lock()
         self._scheduling = SchedulingConfig()
         self._claims: dict[str, tuple[str, ...]] = {}
@@ -125,6 +127,7 @@ class JobManager:
                 self._unavailable[record.job_id] = str(exc)
                 log.error("job %s cannot be resumed: %s", record.job_id, exc)  # noqa: TRY400
                 continue
+            self._restored.add(record.job_id)
             self._launch(ctx, JobState(record.state))
         self._count_states()
         await self._replay_usage(records)
@@ -209,6 +212,14 @@ class JobManager:
 
     def unavailable(self) -> dict[str, str]:
         return dict(self._unavailable)
+
+    def recovering(self) -> list[str]:
+        """The stored jobs this coordinator started with whose state is not read back yet."""
+        return sorted(
+            job
+            for job in self._restored
+            if (engine := self._engines.get(job)) is not None and not engine.recovered.is_set()
+        )
 
     def _count_states(self) -> None:
         counts = dict.fromkeys((state.value for state in JobState), 0)

@@ -26,6 +26,9 @@ def test_utilization_smoke_reports_each_region_and_phase(tmp_path: Path) -> None
     assert "divided by 50" in link["scaling"]
     run = report["modes"]["none"]["runs"]["xs"]
     assert run["parameters"] > 0
+    # The coordinator published both rounds, each in less time than the round took.
+    coordinator = run["coordinator"]
+    assert 0 < coordinator["aggregate_s"] < coordinator["round_s"]
     for region in utilization.REGIONS:
         figures = run["regions"][region]
         assert 0 < figures["compute_utilization"] <= 1

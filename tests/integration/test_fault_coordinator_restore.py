@@ -122,13 +122,20 @@ async def test_an_upload_while_the_job_is_read_back_is_retried_not_closed(
         monkeypatch.setattr(ParamsStore, "load", held)
         async with coordinator(setup) as running:
             eu = running.region("eu-west")
+            observer = running.session(setup.observer)
             manifest, stream = eu.delta(JOB, 0, first.base_hash, seed=1)
             try:
                 status, body = await eu.three_step(JOB, 0, manifest, stream)
+                ready, readiness = await request(observer, "GET", "/readyz")
             finally:
                 release.set()
             assert (status, body["error"]) == (503, "unavailable"), body
-            await wait_collecting(running.session(setup.observer), 0)
+            # Not ready either: a load balancer sends no region here before the job is back.
+            assert ready == 503, readiness
+            assert readiness["checks"]["jobs"] == f"recovering: {JOB}", readiness
+            await wait_collecting(observer, 0)
+            ready, readiness = await request(observer, "GET", "/readyz")
+            assert (ready, readiness["checks"]["jobs"]) == (200, "ok"), readiness
             status, body = await eu.three_step(JOB, 0, manifest, stream)
             assert (status, body["state"]) == (200, "accepted"), body
 

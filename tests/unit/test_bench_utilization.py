@@ -70,3 +70,28 @@ def test_region_figures_split_the_train_phase_into_training_and_load() -> None:
             "modes": {"delayed": {"detail": "not available: x", "runs": {}}},
         }
     )  # fmt: skip
+
+
+def test_the_coordinators_share_of_the_wait_is_read_from_its_metrics() -> None:
+    metrics = "\n".join(
+        [
+            "# TYPE geofed_aggregation_duration_seconds histogram",
+            'geofed_aggregation_duration_seconds_bucket{job="tiny",le="+Inf"} 4.0',
+            'geofed_aggregation_duration_seconds_sum{job="tiny"} 2.0',
+            'geofed_aggregation_duration_seconds_count{job="tiny"} 4.0',
+            'geofed_aggregation_duration_seconds_sum{job="other"} 90.0',
+            'geofed_aggregation_duration_seconds_count{job="other"} 1.0',
+            "# TYPE geofed_round_duration_seconds histogram",
+            'geofed_round_duration_seconds_sum{job="tiny"} 10.0',
+            'geofed_round_duration_seconds_count{job="tiny"} 4.0',
+            "",
+        ]
+    )
+    assert utilization.coordinator_figures(metrics, "tiny") == {
+        "aggregate_s": 0.5,
+        "round_s": 2.5,
+    }
+    assert utilization.coordinator_figures(metrics, "absent") == {
+        "aggregate_s": None,
+        "round_s": None,
+    }
