@@ -440,6 +440,7 @@ class JobEngine:
     async def _recover(self) -> None:
         """Load the job's working state (or create θ_0) and what its rounds left behind."""
         self._s.metrics.job_started(self.job, self.ctx.spec.regions)
+        await self._s.runtime.faults.reached("recover", self._s.config.state_dir, self.job, 0)
         db = self._s.db
         pointers = await db.list_pointers(self.job)
         self.membership = membership_of(self.submitted.spec, pointers)

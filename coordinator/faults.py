@@ -9,7 +9,11 @@ Phases:
 - ``aggregate``: the round is closed (its record says aggregating) and nothing of its
   publication has been computed or written yet;
 - ``publish``: the update (and the snapshot, if due) and θ_{r+1}'s working state are
-  stored, but the transaction that publishes the round has not committed.
+  stored, but the transaction that publishes the round has not committed;
+- ``recover``: a job engine of a (re)started coordinator is about to read its job's
+  working state back (its round is not known yet: ``ROUND`` is 0). This pause ends when
+  the test removes the marker file, so that what the coordinator answers meanwhile can
+  be checked.
 
 Nothing else changes: requests are still served while the driver waits.
 """
@@ -30,8 +34,11 @@ __all__ = ["FAULT_ENV", "PHASES", "FaultError", "FaultPoints", "Phase"]
 log = logging.getLogger(__name__)
 
 FAULT_ENV: Final = "GEOFED_FAULT_PAUSE_AT"
-Phase = Literal["aggregate", "publish"]
-PHASES: Final[tuple[Phase, ...]] = ("aggregate", "publish")
+Phase = Literal["aggregate", "publish", "recover"]
+PHASES: Final[tuple[Phase, ...]] = ("aggregate", "publish", "recover")
+#: Phases whose pause ends when the marker file is removed (the others wait for the kill).
+_RELEASED_BY_MARKER: Final[frozenset[Phase]] = frozenset({"recover"})
+_RELEASE_POLL_S: Final = 0.05
 
 
 class FaultError(ValueError):
@@ -64,10 +71,15 @@ class FaultPoints:
         return self.pause_at == phase and self.round in (None, round)
 
     async def reached(self, phase: Phase, state_dir: Path, job: str, round: int) -> None:
-        """At an armed point: leave the marker file, then wait until the process dies."""
+        """At an armed point: leave the marker file, then wait until the process dies (or,
+        for ``recover``, until the marker is removed)."""
         if not self.active(phase, round):
             return
         marker = state_dir / f"fault-{phase}-{job}-{round}"
         await asyncio.to_thread(atomic_write_bytes, marker, b"")
         log.warning("fault injection: job %s round %d paused at %s (%s)", job, round, phase, marker)
-        await asyncio.Event().wait()
+        if phase not in _RELEASED_BY_MARKER:
+            await asyncio.Event().wait()
+        while await asyncio.to_thread(marker.exists):  # noqa: ASYNC110 - released by a file
+            await asyncio.sleep(_RELEASE_POLL_S)
+        log.warning("fault injection: job %s released at %s", job, phase)

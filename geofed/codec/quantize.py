@@ -66,11 +66,14 @@ class BlockCodec:
         *,
         stochastic_rounding: bool = False,
         tile_elements: int = TILE_ELEMENTS,
+        small_elements: int = SMALL_ELEMENTS,
     ) -> None:
         self.scheme: Scheme = scheme
         self.block_size = block_size
         self.stochastic_rounding = stochastic_rounding
         self.tile = max(block_size, tile_elements // block_size * block_size)
+        #: CPU float32 slices up to this size take the numpy path (0: never).
+        self.small_elements = small_elements
         self._buffers: dict[tuple[str, torch.device], torch.Tensor] = {}
 
     # -- encoding -------------------------------------------------------------------
@@ -111,7 +114,7 @@ class BlockCodec:
         if self.scheme == "int8":
             codes = codes.view(torch.int8)
         if (
-            count <= SMALL_ELEMENTS
+            count <= self.small_elements
             and flat.device.type == "cpu"
             and flat.dtype == torch.float32
             and not self.stochastic_rounding
@@ -297,7 +300,7 @@ class BlockCodec:
                 raise CorruptChunk(f"{label}: payload holds NaN or Inf")
             return values if out is None else out.copy_(values)
         block = self.block_size
-        if count <= SMALL_ELEMENTS and (out is None or out.is_contiguous()):
+        if count <= self.small_elements and (out is None or out.is_contiguous()):
             if out is None:
                 out = torch.empty(count, dtype=torch.float32)
             _dequantize_small(payload.numpy(), out.numpy(), self.scheme, block, label)

@@ -16,7 +16,10 @@ backup is trained again, and both regions end on the coordinator's last paramete
 
 A restarted coordinator serves before its job is read back: an upload that comes in
 meanwhile (a region retrying across the restart) is answered 503, which a region retries,
-never as a closed round, which would make it a straggler of the very round recovered open.
+never as a closed round, which would make it a straggler of the very round recovered open;
+and it is not ready until then. A coordinator daemon (real process, Mosquitto with mutual
+TLS) is held there by its ``recover`` fault point (:mod:`coordinator.faults`); the test
+plays the region (``FakeRegion``).
 """
 
 from __future__ import annotations
@@ -25,26 +28,18 @@ import json
 import re
 import shutil
 import signal
-import threading
 import time
-from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from coordinator.sqlite_store import SqliteStore
-from coordinator.working_state import VERSION, ParamsStore, WorkingState
-from geofed.control.broker import EmbeddedBroker
-from tests.support.coordinator import (
-    JOB,
-    Announcements,
-    coordinator,
-    job_yaml,
-    request,
-    wait_collecting,
-    write_setup,
-)
+from coordinator.working_state import VERSION
+from tests.support.coordinator import JOB, request
+from tests.support.coordinator_daemon import daemon_with_broker
 from tests.support.federation import FederationRun, running_federation
+from tests.support.pki import make_federation
 
 pytestmark = pytest.mark.integration
 
@@ -101,43 +96,40 @@ def agent_log(fed: FederationRun, region: str) -> str:
 
 
 async def test_an_upload_while_the_job_is_read_back_is_retried_not_closed(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path,
 ) -> None:
-    async with EmbeddedBroker() as broker, Announcements(broker.port) as announcements:
-        setup = write_setup(tmp_path, broker.port)
-        async with coordinator(setup) as running:
-            operator = running.session(setup.operator)
-            status, body = await request(operator, "POST", "/v1/jobs", data=job_yaml())
-            assert status == 201, body
-            first = await announcements.until(round=0, state="open")
+    fed = make_federation(tmp_path / "fed", "acme")
+    async with daemon_with_broker(tmp_path / "restarted", fed) as daemon:
+        await daemon.start()
+        await daemon.submit()
+        job = await daemon.wait_job("round 0 to collect", collecting)
+        await daemon.kill()
 
-        # The restarted coordinator's engine is held while it loads θ back.
-        release = threading.Event()
-        load = ParamsStore.load
+        # Restarted with its job engine held just before it reads the job back (the
+        # ``recover`` fault point, released by removing its marker).
+        await daemon.start(fault="recover", wait_ready=False)
+        await daemon.wait_marker("recover", 0)
+        region = daemon.region("eu-west")
+        observer = daemon.session(daemon.setup.observer)
+        manifest, stream = region.delta(JOB, 0, job["params_hash"], seed=1)
+        status, body = await region.three_step(JOB, 0, manifest, stream)
+        assert (status, body["error"]) == (503, "unavailable"), body
+        # Not ready either: a load balancer sends no region here before the job is back.
+        ready, readiness = await request(observer, "GET", "/readyz")
+        assert ready == 503, readiness
+        assert readiness["checks"]["jobs"] == f"recovering: {JOB}", readiness
 
-        def held(store: ParamsStore, pointers: Mapping[str, str]) -> WorkingState:
-            release.wait(30.0)
-            return load(store, pointers)
+        (daemon.state_dir / f"fault-recover-{JOB}-0").unlink()
+        await daemon.wait_ready()
+        ready, readiness = await request(observer, "GET", "/readyz")
+        assert (ready, readiness["checks"]["jobs"]) == (200, "ok"), readiness
+        await daemon.wait_job("round 0 to collect again", collecting)
+        status, body = await region.three_step(JOB, 0, manifest, stream)
+        assert (status, body["state"]) == (200, "accepted"), body
 
-        monkeypatch.setattr(ParamsStore, "load", held)
-        async with coordinator(setup) as running:
-            eu = running.region("eu-west")
-            observer = running.session(setup.observer)
-            manifest, stream = eu.delta(JOB, 0, first.base_hash, seed=1)
-            try:
-                status, body = await eu.three_step(JOB, 0, manifest, stream)
-                ready, readiness = await request(observer, "GET", "/readyz")
-            finally:
-                release.set()
-            assert (status, body["error"]) == (503, "unavailable"), body
-            # Not ready either: a load balancer sends no region here before the job is back.
-            assert ready == 503, readiness
-            assert readiness["checks"]["jobs"] == f"recovering: {JOB}", readiness
-            await wait_collecting(observer, 0)
-            ready, readiness = await request(observer, "GET", "/readyz")
-            assert (ready, readiness["checks"]["jobs"]) == (200, "ok"), readiness
-            status, body = await eu.three_step(JOB, 0, manifest, stream)
-            assert (status, body["state"]) == (200, "accepted"), body
+
+def collecting(status: dict[str, Any]) -> bool:
+    return bool(status["round"] == 0 and status.get("current", {}).get("phase") == "collecting")
 
 
 @pytest.mark.slow

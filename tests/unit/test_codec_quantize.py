@@ -177,7 +177,7 @@ def test_decode_into_a_given_buffer() -> None:
 @pytest.mark.parametrize("block", [2, 16, 128])
 @pytest.mark.parametrize("magnitude", [1.0, 1e-30, 1e30])
 def test_small_slices_take_the_numpy_path_to_the_same_bytes_and_values(
-    scheme: Scheme, block: int, magnitude: float, monkeypatch: pytest.MonkeyPatch
+    scheme: Scheme, block: int, magnitude: float
 ) -> None:
     generator = torch.Generator().manual_seed(block)
     for count in [1, 3, block - 1, block, block + 1, 3 * block + 7, 1000, quantize.SMALL_ELEMENTS]:
@@ -185,10 +185,9 @@ def test_small_slices_take_the_numpy_path_to_the_same_bytes_and_values(
         values[count // 2] = -0.0
         small = BlockCodec(scheme, block).encode(values, label="x", reuse_buffer=False)
         decoded = BlockCodec(scheme, block).decode(small, count, label="x")
-        with monkeypatch.context() as patch:
-            patch.setattr(quantize, "SMALL_ELEMENTS", 0)
-            large = BlockCodec(scheme, block).encode(values, label="x", reuse_buffer=False)
-            reference = BlockCodec(scheme, block).decode(small, count, label="x")
+        torch_only = BlockCodec(scheme, block, small_elements=0)
+        large = torch_only.encode(values, label="x", reuse_buffer=False)
+        reference = torch_only.decode(small, count, label="x")
         assert torch.equal(small, large), count
         assert torch.equal(decoded.view(torch.int32), reference.view(torch.int32)), count
 
@@ -225,14 +224,11 @@ def test_residual_out_is_the_slice_minus_its_decoded_values_bit_for_bit(
 
 
 @pytest.mark.parametrize("scheme", ["int8", "int4"])
-def test_small_slices_write_the_same_residual_as_large_ones(
-    scheme: Scheme, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_small_slices_write_the_same_residual_as_large_ones(scheme: Scheme) -> None:
     values = torch.randn(1000, generator=torch.Generator().manual_seed(5)) ** 3
     values[::4] = -0.0
     small = torch.empty(1000)
     BlockCodec(scheme, 64).encode(values, label="x", residual_out=small)
-    monkeypatch.setattr(quantize, "SMALL_ELEMENTS", 0)
     large = torch.empty(1000)
-    BlockCodec(scheme, 64).encode(values, label="x", residual_out=large)
+    BlockCodec(scheme, 64, small_elements=0).encode(values, label="x", residual_out=large)
     assert torch.equal(small.view(torch.int32), large.view(torch.int32))
