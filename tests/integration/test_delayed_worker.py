@@ -23,12 +23,11 @@ import torch
 from coordinator.job_evaluation import evaluate_params
 from geofed.params import parameters_vector_hash
 from geofed.training_config import TrainingConfig
-from regional_agent.handoff import BaseReady, HandoffDir, RoundInstruction, RoundResult
-from regional_agent.launcher import LocalElasticLauncher
+from regional_agent.handoff import BaseReady, RoundResult
 from regional_agent.overlap import next_instruction
-from regional_agent.worker_group import RoundFailed, WorkerGroup, WorkerGroupConfig
+from regional_agent.worker_group import RoundFailed
 from tests.support.tiny_task import TinyTask
-from tests.support.worker_group import instruction, launcher_config, save_state, wait_for_progress
+from tests.support.worker_group import DelayedRegion, instruction, save_state, wait_for_progress
 
 pytestmark = pytest.mark.integration
 on_module_loop = pytest.mark.asyncio(loop_scope="module")
@@ -36,18 +35,9 @@ on_module_loop = pytest.mark.asyncio(loop_scope="module")
 STEPS = 150  # long enough that θ can come while the round trains
 
 
-class Group:
+class Group(DelayedRegion):
     def __init__(self, workdir: Path) -> None:
-        self.workdir = workdir
-        self.handoff = HandoffDir(workdir)
-        launcher = LocalElasticLauncher(workdir, launcher_config())
-        self.group = WorkerGroup(workdir, launcher, WorkerGroupConfig(start_timeout_s=120.0))
-        self.base0 = save_state(workdir / "theta0.pt", TinyTask().build_model(seed=3).state_dict())
-
-    def first(self, job: str, training: TrainingConfig) -> RoundInstruction:
-        return instruction(
-            job, 0, self.base0, inner_steps=STEPS, training=training, overlap="delayed"
-        )
+        super().__init__(workdir, STEPS)
 
     async def serial_pair(self, job: str, training: TrainingConfig) -> RoundResult:
         """Round 0 from θ0, round 1 serially from round 0's result; round 1's result."""

@@ -22,12 +22,10 @@ import torch
 
 from geofed.params import parameters_vector_hash
 from geofed.training_config import TrainingConfig
-from regional_agent.handoff import BaseReady, HandoffDir, RoundInstruction, RoundResult
-from regional_agent.launcher import LocalElasticLauncher
+from regional_agent.handoff import BaseReady, RoundInstruction, RoundResult
 from regional_agent.overlap import next_instruction
-from regional_agent.worker_group import RoundFailed, WorkerGroup, WorkerGroupConfig
-from tests.support.tiny_task import TinyTask
-from tests.support.worker_group import instruction, launcher_config, save_state
+from regional_agent.worker_group import RoundFailed
+from tests.support.worker_group import DelayedRegion, instruction, save_state
 
 pytestmark = pytest.mark.integration
 on_module_loop = pytest.mark.asyncio(loop_scope="module")
@@ -36,18 +34,9 @@ STEPS = 60
 LATE_S = 1.0  # S comes this long after the instruction: the ranks must wait for it
 
 
-class Group:
+class Group(DelayedRegion):
     def __init__(self, workdir: Path) -> None:
-        self.workdir = workdir
-        self.handoff = HandoffDir(workdir)
-        launcher = LocalElasticLauncher(workdir, launcher_config())
-        self.group = WorkerGroup(workdir, launcher, WorkerGroupConfig(start_timeout_s=120.0))
-        self.base0 = save_state(workdir / "theta0.pt", TinyTask().build_model(seed=3).state_dict())
-
-    def first(self, job: str, training: TrainingConfig) -> RoundInstruction:
-        return instruction(
-            job, 0, self.base0, inner_steps=STEPS, training=training, overlap="delayed"
-        )
+        super().__init__(workdir, STEPS)
 
     async def round0(self, job: str, training: TrainingConfig) -> RoundResult:
         return await self.group.run_round(self.first(job, training), 60)

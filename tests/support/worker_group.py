@@ -12,9 +12,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from geofed.training_config import TrainingConfig
 from regional_agent.handoff import HandoffDir, RoundInstruction
-from regional_agent.launcher import LocalLauncherConfig
-from tests.support.tiny_task import SPEC
+from regional_agent.launcher import LocalElasticLauncher, LocalLauncherConfig
+from regional_agent.worker_group import WorkerGroup, WorkerGroupConfig
+from tests.support.tiny_task import SPEC, TinyTask
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 WORLD = 2
@@ -99,3 +101,21 @@ def simulate_region(
         cursor += STEPS
         results.append({k: v.clone() for k, v in model.state_dict().items()})
     return results
+
+
+class DelayedRegion:
+    """A 2-rank gloo group over ``workdir`` on the tiny task, θ_0 beside it, and the first
+    round of a delayed job of ``steps`` inner steps (the overlap tests' common ground)."""
+
+    def __init__(self, workdir: Path, steps: int) -> None:
+        self.workdir = workdir
+        self.steps = steps
+        self.handoff = HandoffDir(workdir)
+        launcher = LocalElasticLauncher(workdir, launcher_config())
+        self.group = WorkerGroup(workdir, launcher, WorkerGroupConfig(start_timeout_s=120.0))
+        self.base0 = save_state(workdir / "theta0.pt", TinyTask().build_model(seed=3).state_dict())
+
+    def first(self, job: str, training: TrainingConfig) -> RoundInstruction:
+        return instruction(
+            job, 0, self.base0, inner_steps=self.steps, training=training, overlap="delayed"
+        )
