@@ -202,12 +202,15 @@ async def _serve(
         round=round_,
         region=identity.name,
     )
-    kind = "global_update" if entry.kind is EntryKind.UPDATE else "global_checkpoint"
+    update = entry.kind is EntryKind.UPDATE
+    kind = "global_update" if update else "global_checkpoint"
+    # A streaming round's update carries its fragment only; a snapshot all of θ.
+    fp32 = ctx.round_fp32_bytes(round_) if update else ctx.fp32_bytes
 
     def sent(status: int, size: int) -> None:
         services.metrics.sent_bytes.labels(kind=kind).inc(size)
         if status == 200:
-            services.metrics.fp32_equivalent_bytes.labels(direction="sent").inc(ctx.fp32_bytes)
+            services.metrics.fp32_equivalent_bytes.labels(direction="sent").inc(fp32)
 
     return _CountedFile(
         ctx.publishing.location.path_of(entry.payload_digest),

@@ -3,6 +3,11 @@
 Building a context imports the job's task and builds its model once, to learn the exact
 tensors (names, shapes, float32) every delta and update of the job must carry. That is
 blocking work: call :func:`build_context` from a worker thread.
+
+Which of those tensors a round carries is said in one place, :meth:`JobContext.round_shapes`:
+all of them, or for an ``overlap: streaming`` job the round's fragment
+(:mod:`geofed.fragments`); the delta checks, the round's running sum, the publication
+and the size limits all take it from there.
 """
 
 from __future__ import annotations
@@ -14,8 +19,9 @@ from typing import Any
 from torch import Tensor
 
 from coordinator.jobspec import JobSpec
-from coordinator.outer_round import JobPublishing
+from coordinator.outer_round import JobPublishing, fp32_bytes
 from coordinator.runtime import Runtime
+from geofed.fragments import FragmentError, round_fragment
 from geofed.manifest import ArtifactProvenance, ManifestTensor
 from geofed.params import state_to_fp32
 from geofed.task import Task, TaskError, load_task
@@ -59,10 +65,31 @@ class JobContext:
         return self.publishing.location.name
 
     def tensor_specs(self) -> tuple[ManifestTensor, ...]:
-        """What every delta's manifest must declare, in order."""
-        return tuple(
-            ManifestTensor(name=name, dtype="float32", shape=shape)
-            for name, shape in self.shapes.items()
+        """Every tensor of the job's model, in order (what a full delta declares)."""
+        return _manifest_tensors(self.shapes)
+
+    def round_shapes(self, round_: int) -> dict[str, tuple[int, ...]]:
+        """The tensors round ``round_`` synchronizes, in the model's order: the round's
+        fragment for a streaming job, every tensor otherwise."""
+        return self.publishing.round_specs(round_)
+
+    def round_tensor_specs(self, round_: int) -> tuple[ManifestTensor, ...]:
+        """What every delta's manifest for round ``round_`` must declare, in order."""
+        return _manifest_tensors(self.round_shapes(round_))
+
+    def round_fp32_bytes(self, round_: int) -> int:
+        """The float32 size of round ``round_``'s delta (and of its update)."""
+        return fp32_bytes(self.round_shapes(round_))
+
+    def round_scope(self, round_: int) -> str:
+        """What round ``round_``'s tensors are, for messages."""
+        plan = self.publishing.plan
+        if plan is None:
+            return "the job's model"
+        index = round_fragment(round_, plan.count)
+        return (
+            f"the tensors round {round_} synchronizes (fragment {index} of F={plan.count}, "
+            "numbered from 0)"
         )
 
     def region_endpoint(self, region: str) -> Endpoint:
@@ -131,7 +158,12 @@ def build_context(spec: JobSpec, runtime: Runtime, location: str) -> JobContext:
         params_store=runtime.params,
         deltas=runtime.deltas,
         aggregation=spec.aggregation,
+        fragments=spec.fragments if spec.overlap == "streaming" else None,
     )
+    try:
+        publishing.plan  # noqa: B018  (a model with fewer tensors than F fails here, at start)
+    except FragmentError as exc:
+        raise JobContextError(str(exc)) from None
     return JobContext(
         spec=spec,
         task=task,
@@ -139,6 +171,12 @@ def build_context(spec: JobSpec, runtime: Runtime, location: str) -> JobContext:
         jurisdictions={r: j for r, j in jurisdictions.items() if j},
         coordinator_jurisdiction=runtime.config.jurisdiction,
         publishing=publishing,
+    )
+
+
+def _manifest_tensors(shapes: Mapping[str, tuple[int, ...]]) -> tuple[ManifestTensor, ...]:
+    return tuple(
+        ManifestTensor(name=name, dtype="float32", shape=shape) for name, shape in shapes.items()
     )
 
 

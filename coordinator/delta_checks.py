@@ -56,6 +56,7 @@ class DeltaExpectation:
         training: TrainingConfig | None = None,
         max_tokens: int | None = None,
         refuse_code_of: str | None = None,
+        scope: str = "the job's model",
     ) -> None:
         self.job = job
         self.round = round
@@ -72,6 +73,9 @@ class DeltaExpectation:
         self.max_tokens = max_tokens
         #: The job's task spec when it refuses deltas trained with other task code.
         self.refuse_code_of = refuse_code_of
+        #: What ``tensors`` are, for messages: the job's model, or a streaming round's
+        #: fragment (:meth:`coordinator.context.JobContext.round_scope`).
+        self.scope = scope
 
     @property
     def max_chunks(self) -> int:
@@ -110,7 +114,7 @@ def check_delta_manifest(signed: SignedManifest, expect: DeltaExpectation) -> No
             "resync from the latest checkpoint",
             "base_mismatch",
         )
-    _check_tensors(manifest.tensors, expect.tensors)
+    _check_tensors(manifest.tensors, expect.tensors, expect.scope)
     if manifest.codec != expect.codec:
         raise BadRequest(
             f"delta is encoded with {manifest.codec.as_dict()}; job {expect.job} uses "
@@ -144,7 +148,9 @@ def _record(training: TrainingConfig | None) -> object:
     return None if training is None else training.record()
 
 
-def _check_tensors(found: Sequence[ManifestTensor], wanted: Sequence[ManifestTensor]) -> None:
+def _check_tensors(
+    found: Sequence[ManifestTensor], wanted: Sequence[ManifestTensor], scope: str
+) -> None:
     if tuple(found) == tuple(wanted):
         return
     found_names = [spec.name for spec in found]
@@ -157,11 +163,11 @@ def _check_tensors(found: Sequence[ManifestTensor], wanted: Sequence[ManifestTen
             if missing or extra
             else ("tensors are in another order")
         )
-        raise BadRequest(f"delta tensors differ from the job's model: {detail}", "shape_mismatch")
+        raise BadRequest(f"delta tensors differ from {scope}: {detail}", "shape_mismatch")
     for got, want in zip(found, wanted, strict=True):
         if got != want:
             raise BadRequest(
-                f"tensor {want.name!r} is declared {got.dtype}{list(got.shape)}, the job's model "
+                f"tensor {want.name!r} is declared {got.dtype}{list(got.shape)}, {scope} "
                 f"has {want.dtype}{list(want.shape)}",
                 "shape_mismatch",
             )

@@ -306,7 +306,9 @@ class JobEngine:
                 await self._fold(offer, staged, (offer.round, record.state.config.opened_at))
         metrics = self._s.metrics
         metrics.deltas_accepted.labels(job=self.job, region=offer.region).inc()
-        metrics.fp32_equivalent_bytes.labels(direction="received").inc(self.ctx.fp32_bytes)
+        metrics.fp32_equivalent_bytes.labels(direction="received").inc(
+            self.ctx.round_fp32_bytes(offer.round)
+        )
         if offer.train_loss is not None:
             metrics.region_train_loss.labels(job=self.job, region=offer.region).set(
                 offer.train_loss
@@ -324,7 +326,7 @@ class JobEngine:
         """
         accumulator = self._accumulator
         if accumulator is None or accumulator.key != key:
-            accumulator = self._accumulator = RoundAccumulator(key, self.ctx.publishing.specs)
+            accumulator = self._accumulator = RoundAccumulator(key, self.ctx.round_shapes(key[0]))
         try:
             await self._s.executors.compute(
                 accumulator.fold, offer.region, float(offer.tokens), staged
@@ -747,6 +749,7 @@ class JobEngine:
             evaluation=spec.evaluation,
             overlap=spec.overlap,
             overlap_start=spec.overlap_start,
+            fragments=spec.fragments,
             outer_optimizer=spec.outer_optimizer,
             assignment=self.applied.assignment,
             shards=self.applied.slots,

@@ -36,8 +36,10 @@ the line and the key. The spec is stored as submitted, in its validated JSON for
       rule: mean                       # mean | trimmed_mean | median
       norm_check: off                  # off | clip | refuse, against max_norm_ratio x median
       max_tokens_per_round: 1000000    # default: inner_steps x 2^24
-    overlap: none                      # none | delayed: start round r+1 before θ_{r+1} comes
+    overlap: none                      # none | delayed: start round r+1 before θ_{r+1} comes;
+                                       # streaming: delayed, syncing one fragment per round
     overlap_start: local               # delayed only: local | eager (start from an estimate)
+    fragments: 4                       # streaming only: F (default 4; geofed.fragments)
     priority: research                 # a class of the coordinator's scheduling config
     team: vision                       # whose job it is (quotas, fair share); default: default
     needs: {cpu_slots: 2}              # in each region: gpus, gpu_kind, min_gpu_memory_gib,
@@ -96,6 +98,9 @@ __all__ = [
 #: A job spec is tens of nodes, its task options at most hundreds; the bound keeps a
 #: hostile body's parse short.
 MAX_SPEC_NODES = 10_000
+#: Streaming's F when the spec does not say, and the most it may say.
+DEFAULT_FRAGMENTS = 4
+MAX_FRAGMENTS = 64
 
 
 class JobSpecError(ValueError):
@@ -257,13 +262,22 @@ class JobSpec(_Section):
         default="none",
         description="none: regions wait for θ_r before round r; delayed: a region starts "
         "round r+1 from its own parameters once it sent round r's delta, and folds θ_{r+1} "
-        "in when it comes (the one-step delayed outer update)",
+        "in when it comes (the one-step delayed outer update); streaming: as delayed, and "
+        "round r synchronizes only fragment r mod F of the model (Streaming DiLoCo)",
     )
     overlap_start: OverlapStart = Field(
         default="local",
         description="overlap delayed only: where round r+1 starts before θ_{r+1} comes; "
         "local: the region's own parameters; eager: θ_r stepped by the outer optimizer on "
         "an estimate of round r's mean delta (geofed.eager_start)",
+    )
+    fragments: int | None = Field(
+        default=None,
+        ge=2,
+        le=MAX_FRAGMENTS,
+        description="overlap streaming only: F, the fragments the model is split into; "
+        "round r synchronizes fragment r mod F, so each tensor is synchronized every F "
+        f"rounds (geofed.fragments); default {DEFAULT_FRAGMENTS}",
     )
 
     priority: PriorityName | None = Field(
@@ -284,13 +298,8 @@ class JobSpec(_Section):
     @field_validator("overlap", mode="before")
     @classmethod
     def _known_overlap(cls, value: object) -> object:
-        if value == "streaming":
-            raise ValueError(
-                "overlap 'streaming' (fragments synced at staggered times) is not available "
-                "yet; use none or delayed"
-            )
         if value not in OVERLAP_MODES:
-            raise ValueError(f"overlap must be one of none, delayed; got {value!r}")
+            raise ValueError(f"overlap must be one of {', '.join(OVERLAP_MODES)}; got {value!r}")
         return value
 
     @field_validator("snapshot_every", mode="before")
@@ -326,6 +335,19 @@ class JobSpec(_Section):
         if len(set(value)) != len(value):
             raise ValueError(f"checkpoint_storage repeats a name: {list(value)}")
         return value
+
+    @model_validator(mode="before")
+    @classmethod
+    def _streaming_fragments_default(cls, data: object) -> object:
+        if isinstance(data, dict) and data.get("overlap") == "streaming":
+            return {"fragments": DEFAULT_FRAGMENTS, **data}
+        return data
+
+    @model_validator(mode="after")
+    def _fragments_need_streaming(self) -> JobSpec:
+        if self.overlap != "streaming" and self.fragments is not None:
+            raise ValueError(f"fragments needs overlap streaming (overlap is {self.overlap!r})")
+        return self
 
     @model_validator(mode="after")
     def _start_needs_delayed(self) -> JobSpec:

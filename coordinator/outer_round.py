@@ -11,7 +11,11 @@ the outer optimizer state and the coordinator's error-feedback residual e, it co
     θ_r+1  = θ_r + û                             exactly what regions compute
 
 so the coordinator's θ_{r+1} is bit for bit what each region reconstructs from the
-published update. :func:`publish_round` wraps it with I/O: it takes the round's sum
+published update. A round of an ``overlap: streaming`` job does all of this for its
+fragment's tensors only (:meth:`JobPublishing.round_specs`, :mod:`geofed.fragments`):
+the momentum buffers and residuals of the other tensors are kept, the update names only
+the fragment, and every other tensor of θ_{r+1} is θ_r's, bit for bit; θ_{r+1}'s hash is
+over all of it. :func:`publish_round` wraps it with I/O: it takes the round's sum
 folded as deltas arrived when the engine holds it (the job's rule is a plain mean;
 :mod:`coordinator.round_accumulator`), or else decodes the durable deltas chunk by chunk
 in the round's recorded arrival order and combines them
@@ -28,12 +32,14 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Executor, ThreadPoolExecutor
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from datetime import datetime
+from functools import cached_property
 from typing import Any, Final
 
 from pydantic import JsonValue
@@ -49,7 +55,8 @@ from coordinator.working_state import ParamsStore, WorkingState
 from geofed.blobstore import BlobStore
 from geofed.codec import EncodedStream, Piece, StreamDecoder, decode, encode_stream
 from geofed.codec_params import CodecParams
-from geofed.deltas import apply_update, feedback_residual, update_to_publish
+from geofed.deltas import apply_partial_update, apply_update, feedback_residual, update_to_publish
+from geofed.fragments import FragmentPlan, fragment_plan
 from geofed.manifest import ArtifactProvenance, build_manifest
 from geofed.params import parameters_vector_hash
 from geofed.types import ArtifactKind
@@ -62,6 +69,7 @@ __all__ = [
     "PublicationStep",
     "PublishedRound",
     "delta_pieces",
+    "fp32_bytes",
     "mean_delta",
     "publication_step",
     "publish_initial",
@@ -98,9 +106,16 @@ def publication_step(
     residual: Mapping[str, Tensor] | None,
     codec: CodecParams,
     *,
+    names: Sequence[str] | None = None,
     phase: Callable[[str], AbstractContextManager[object]] = _unmeasured,
 ) -> PublicationStep:
     """Apply the outer step to θ_r and encode the update; inputs are not modified.
+
+    ``names`` restricts the round to those tensors of θ_r (a streaming round's fragment,
+    in θ's order): ``mean`` names exactly them, the optimizer steps only them
+    (:meth:`OuterOptimizer.step_subset`), the update and the new residual cover only
+    them (the residual of every other tensor is carried as it is) and every other tensor
+    of θ_{r+1} is θ_r's. None: every tensor of θ_r, as ``mean`` must then name.
 
     Each step named in :data:`PUBLICATION_PHASES` runs inside ``phase(name)``, so that a
     caller can measure the steps of the very computation the daemon runs (the
@@ -108,11 +123,15 @@ def publication_step(
     """
     # Each intermediate is dropped as soon as the next one exists: the round's peak memory
     # is what the coordinator must provision, so nothing outlives its use.
+    stepped, carried = (params, residual) if names is None else _restricted(params, residual, names)
     with phase("outer_step"):
         optimizer = OuterOptimizer.from_state_dict(optimizer_state)
-        target = optimizer.step(params, mean)
+        if names is None:
+            target = optimizer.step(params, mean)
+        else:
+            target = optimizer.step_subset(stepped, mean)
     with phase("encode_update"):
-        intended = update_to_publish(params, target, residual)
+        intended = update_to_publish(stepped, target, carried)
         del target
         stream = encode_stream(intended, codec)
     with phase("decode_update"):
@@ -120,7 +139,11 @@ def publication_step(
     with phase("apply"):
         new_residual = feedback_residual(intended, decoded)
         del intended
-        new_params = apply_update(params, decoded)
+        if names is None:
+            new_params = apply_update(params, decoded)
+        else:
+            new_params = apply_partial_update(params, decoded)
+            new_residual = _merged_residual(params, residual, new_residual)
         del decoded
     return PublicationStep(
         params=new_params,
@@ -128,6 +151,37 @@ def publication_step(
         residual=new_residual,
         optimizer_state=optimizer.state_dict(),
     )
+
+
+def _restricted(
+    params: Mapping[str, Tensor], residual: Mapping[str, Tensor] | None, names: Sequence[str]
+) -> tuple[dict[str, Tensor], dict[str, Tensor] | None]:
+    """θ_r's tensors ``names`` and their residual (None when none of them has one yet)."""
+    unknown = [name for name in names if name not in params]
+    if unknown or not names or len(set(names)) != len(names):
+        raise ValueError(
+            f"a round's tensors must be distinct tensors of θ (at least one); got "
+            f"{list(names)[:5]}, unknown {unknown[:5]}"
+        )
+    stepped = {name: params[name] for name in names}
+    held = {name: residual[name] for name in names if residual is not None and name in residual}
+    if not held:
+        return stepped, None
+    if len(held) != len(names):
+        # A fragment's tensors are always published together, so they get residuals together.
+        missing = [name for name in names if name not in held]
+        raise ValueError(f"the residual covers some of the round's tensors, not {missing[:5]}")
+    return stepped, held
+
+
+def _merged_residual(
+    params: Mapping[str, Tensor],
+    residual: Mapping[str, Tensor] | None,
+    fresh: Mapping[str, Tensor],
+) -> dict[str, Tensor]:
+    """The round's new residuals with every other tensor's carried, in θ's order."""
+    merged = {**(residual or {}), **fresh}
+    return {name: merged[name] for name in params if name in merged}
 
 
 @dataclass(frozen=True, slots=True)
@@ -158,7 +212,8 @@ def mean_delta(
 ) -> Combined:
     """The round's delta under the job's aggregation ``config`` (default: the
     token-weighted mean, summed in ``order``, by default sorted region order) and the
-    norm check's verdicts."""
+    norm check's verdicts. ``specs`` are the round's tensors
+    (:meth:`JobPublishing.round_specs`)."""
     return combine(
         specs,
         {
@@ -187,16 +242,39 @@ class JobPublishing:
     params_store: ParamsStore
     deltas: BlobStore
     aggregation: AggregationConfig = field(default_factory=AggregationConfig)
+    #: F of an ``overlap: streaming`` job (round r publishes fragment r mod F); None:
+    #: every round publishes all of θ.
+    fragments: int | None = None
 
     @property
     def max_decoded_bytes(self) -> int:
-        total = 0
-        for shape in self.specs.values():
-            count = 1
-            for size in shape:
-                count *= size
-            total += count
-        return 4 * total
+        return fp32_bytes(self.specs)
+
+    @cached_property
+    def plan(self) -> FragmentPlan | None:
+        """The streaming job's fragments (:class:`~geofed.fragments.FragmentError` when
+        θ has fewer tensors than F); None for any other job."""
+        if self.fragments is None:
+            return None
+        return fragment_plan(self.specs, self.fragments)
+
+    def round_specs(self, round_: int) -> dict[str, tuple[int, ...]]:
+        """The tensors round ``round_`` synchronizes, in θ's order: its fragment for a
+        streaming job, every tensor otherwise. Every delta of the round names exactly
+        these, and its update does too."""
+        plan = self.plan
+        if plan is None:
+            return dict(self.specs)
+        return {name: self.specs[name] for name in plan.names(round_)}
+
+    def round_names(self, round_: int) -> tuple[str, ...] | None:
+        """The tensors round ``round_`` steps when it is a fragment; None: all of θ."""
+        return None if self.plan is None else tuple(self.round_specs(round_))
+
+
+def fp32_bytes(specs: Mapping[str, tuple[int, ...]]) -> int:
+    """The float32 size of the tensors ``specs`` names."""
+    return 4 * sum(math.prod(shape) for shape in specs.values())
 
 
 @dataclass(frozen=True)
@@ -251,11 +329,15 @@ def publish_round(
             )
         combined = folded(folded_sum.take_mean(), regions, job.aggregation)
     else:
-        combined = mean_delta(
-            job.deltas, job.specs, sources, job.max_decoded_bytes, job.aggregation, order
-        )
+        specs = job.round_specs(state.version)
+        combined = mean_delta(job.deltas, specs, sources, fp32_bytes(specs), job.aggregation, order)
     publication = publication_step(
-        state.params, combined.delta, state.optimizer_state, state.residual, job.codec
+        state.params,
+        combined.delta,
+        state.optimizer_state,
+        state.residual,
+        job.codec,
+        names=job.round_names(state.version),
     )
     flagged = combined.flagged
     del combined

@@ -106,8 +106,9 @@ def announcement(
     default_deadline_s: float,
     now: float,
     evaluation: EvaluationConfig | None = None,
-    overlap: Literal["none", "delayed"] = "none",
+    overlap: Literal["none", "delayed", "streaming"] = "none",
     overlap_start: Literal["local", "eager"] = "local",
+    fragments: int | None = None,
     outer_optimizer: OuterOptimizerConfig | None = None,
     assignment: Mapping[str, int] | None = None,
     shards: int | None = None,
@@ -150,6 +151,7 @@ def announcement(
         evaluation=evaluation if evaluation is not None else EvaluationConfig(),
         overlap=overlap,
         overlap_start=overlap_start,
+        fragments=fragments if overlap == "streaming" else None,
         # Only a region that starts from the eager estimate replays the outer optimizer.
         outer_optimizer=outer_optimizer if overlap_start == "eager" else None,
         regions=regions,

@@ -33,6 +33,8 @@ class RoundAccumulator:
     """One round's running weighted sum of accepted deltas (see the module docstring)."""
 
     def __init__(self, key: RoundKey, shapes: Mapping[str, tuple[int, ...]]) -> None:
+        """``shapes``: the round's tensors (``JobContext.round_shapes``: a streaming
+        round's fragment), as every delta of the round names them."""
         self.key = key
         self._shapes = dict(shapes)
         self._sum: WeightedSum | None = None

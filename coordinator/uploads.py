@@ -321,7 +321,7 @@ class UploadService:
             verify_and_store,
             frames,
             signed,
-            engine.ctx.tensor_specs(),
+            engine.ctx.round_tensor_specs(round),
             self._s.runtime.deltas,
             stage_as=region if engine.folds_on_arrival else None,
         )
@@ -387,7 +387,8 @@ class UploadService:
             region=region,
             federation=self._s.config.federation,
             base_hash=working.params_hash,
-            tensors=ctx.tensor_specs(),
+            tensors=ctx.round_tensor_specs(round),
+            scope=ctx.round_scope(round),
             codec=ctx.spec.codec,
             datasets=ctx.spec.regions[region],
             jurisdiction=ctx.jurisdictions.get(region),

@@ -23,7 +23,7 @@ from torch import Tensor
 
 from geofed.artifact_bundle import BundleError, split_bundle
 from geofed.codec import CodecError, decode
-from geofed.deltas import DeltaError, apply_update
+from geofed.deltas import DeltaError, apply_partial_update
 from geofed.manifest import Manifest, ManifestError, SignedManifest, verify_chunks
 from geofed.params import parameters_vector_hash
 from geofed.pki import TrustBundle
@@ -117,7 +117,10 @@ def apply_verified_update(
 ) -> tuple[Params, str]:
     """θ_{r+1} = θ_r + û and its hash, checked against the update's base and parameters hashes.
 
-    ``round_`` and ``params_hash`` say which θ ``params`` is.
+    ``round_`` and ``params_hash`` say which θ ``params`` is. An update that names only
+    some of θ's tensors (a streaming round's fragment, :mod:`geofed.fragments`) adds to
+    those and keeps every other tensor bit for bit (:func:`geofed.deltas.apply_partial_update`);
+    one naming a tensor θ does not have is refused.
     """
     manifest = update.manifest
     where = f"update {manifest.job}/{manifest.round}"
@@ -126,7 +129,7 @@ def apply_verified_update(
     if manifest.base_hash != params_hash:
         raise ArtifactRefused(f"{where} has base_hash {manifest.base_hash}, θ is {params_hash}")
     try:
-        result = apply_update(params, update.tensors)
+        result = apply_partial_update(params, update.tensors)
     except DeltaError as exc:
         raise ArtifactRefused(f"{where}: {exc}") from None
     found = parameters_vector_hash(result)

@@ -2,7 +2,8 @@
 
 A region forms its pseudo-gradient with :func:`pseudo_gradient`; the coordinator forms the
 update it publishes with :func:`update_to_publish` and keeps what encoding lost with
-:func:`feedback_residual`; everyone reconstructs θ_{r+1} with :func:`apply_update`. Each is
+:func:`feedback_residual`; everyone reconstructs θ_{r+1} with :func:`apply_update` (or, for an
+update that names only some of θ's tensors, :func:`apply_partial_update`). Each is
 one correctly rounded elementwise fp32 operation per tensor (no fused multiply-add), so the
 result does not depend on the machine, the thread count or the SIMD width; the coordinator
 and the regional agents must import these definitions rather than restate them.
@@ -19,6 +20,7 @@ from torch import Tensor
 __all__ = [
     "DeltaError",
     "all_finite",
+    "apply_partial_update",
     "apply_update",
     "feedback_residual",
     "pseudo_gradient",
@@ -72,6 +74,31 @@ def pseudo_gradient(base: Mapping[str, Tensor], local: Mapping[str, Tensor]) -> 
 def apply_update(params: Mapping[str, Tensor], update: Mapping[str, Tensor]) -> dict[str, Tensor]:
     """Return ``params + update`` (θ_r + û): the one op every party uses to reconstruct θ_{r+1}."""
     return _elementwise("apply_update", params, update, torch.add)
+
+
+def apply_partial_update(
+    params: Mapping[str, Tensor], update: Mapping[str, Tensor]
+) -> dict[str, Tensor]:
+    """Return θ with ``update`` added to the tensors it names, every other tensor as it was.
+
+    An update of a streaming round names one fragment of θ (:mod:`geofed.fragments`); one
+    that names every tensor gives the bits of :func:`apply_update`. The named tensors are
+    added with the same op, the others are the very same tensors (never written to), and
+    the result keeps θ's order. :class:`DeltaError` when the update names a tensor θ does
+    not have, or none at all.
+    """
+    unknown = [name for name in update if name not in params]
+    if unknown:
+        raise DeltaError(
+            f"apply_partial_update: the update names tensors the parameters do not have: "
+            f"{sorted(unknown)[:5]}"
+        )
+    if not update:
+        raise DeltaError("apply_partial_update: the update names no tensor")
+    added = _elementwise(
+        "apply_partial_update", {name: params[name] for name in update}, update, torch.add
+    )
+    return {name: added.get(name, tensor) for name, tensor in params.items()}
 
 
 def update_to_publish(

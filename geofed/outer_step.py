@@ -17,6 +17,9 @@ and two roundings in its portable kernel, so bit-identity across restarts assume
 torch build and CPU capability (``torch.backends.cpu.get_cpu_capability()``); thread count
 does not matter.
 
+An ``overlap: streaming`` job steps one fragment of the model per round
+(:meth:`OuterOptimizer.step_subset`): the other tensors' momentum waits for their turn.
+
 In the shared core because a region replays it too (:mod:`geofed.eager_start`); the
 coordinator takes it from :mod:`coordinator.outer_optimizer`.
 """
@@ -159,8 +162,38 @@ class OuterOptimizer:
         are not mutated and previously returned state tensors are never written to; on
         bad input :class:`OuterOptimizerError` is raised and the state is unchanged.
         """
-        cfg = self._config
         _check_tensors(params, pseudo_grad, self._buffers)
+        targets, buffers = self._targets(params, pseudo_grad)
+        self._buffers = buffers
+        self._steps += 1
+        return targets
+
+    def step_subset(
+        self, params: Mapping[str, Tensor], pseudo_grad: Mapping[str, Tensor]
+    ) -> dict[str, Tensor]:
+        """:meth:`step` for some of the model's tensors only (a streaming round's fragment).
+
+        ``params`` and ``pseudo_grad`` name the same tensors; their momentum buffers move
+        (each starts at its first step), every other buffer is kept as it is, and the step
+        count counts this step like any other (it counts rounds, which set the warm-up's
+        momentum). The fragment's buffers must all exist or none (a fragment's tensors are
+        always stepped together); otherwise, or on any bad input, :class:`OuterOptimizerError`
+        and the state is unchanged.
+        """
+        if not params:
+            raise OuterOptimizerError("a partial outer step needs at least one tensor")
+        held = {name: buf for name, buf in self._buffers.items() if name in params}
+        _check_tensors(params, pseudo_grad, held)
+        targets, buffers = self._targets(params, pseudo_grad)
+        self._buffers = {**self._buffers, **buffers}
+        self._steps += 1
+        return targets
+
+    def _targets(
+        self, params: Mapping[str, Tensor], pseudo_grad: Mapping[str, Tensor]
+    ) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
+        """The targets of ``params`` and their new momentum buffers (state untouched)."""
+        cfg = self._config
         momentum = cfg.momentum_at(self._steps)
         targets: dict[str, Tensor] = {}
         buffers: dict[str, Tensor] = {}
@@ -176,9 +209,7 @@ class OuterOptimizer:
                 if momentum != 0.0:
                     direction = grad.add(buf, alpha=momentum)
             targets[name] = param.add(direction, alpha=-cfg.lr)
-        self._buffers = buffers
-        self._steps += 1
-        return targets
+        return targets, buffers
 
     def state_dict(self) -> dict[str, Any]:
         """Return the state to persist: config, step count and momentum buffers.

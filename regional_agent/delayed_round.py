@@ -16,6 +16,12 @@ step the ranks wait for the round's start marker (still honouring a stop and a c
 load S as they load θ (rank 0 reads it, each rank takes its shard under FSDP) and keep it
 as the snapshot; a marker without S (the agent had no estimate) keeps the local start.
 
+Under ``overlap: streaming`` the instruction's ``fold`` names the tensors θ changed in
+(the previous round's fragment): S holds only those (1/F of the model), only those are
+loaded from θ and corrected, and every other tensor keeps its local progress untouched.
+Evaluating θ there takes the whole θ for the evaluation, and puts the other tensors back
+afterwards (a copy of them held only meanwhile).
+
 A cancel (the agent will not use the round) or a θ that cannot be read ends the round
 without a result; the caller drops the rank's state, so the next round resumes from the
 regional checkpoint of round r, as a restarted group does.
@@ -37,7 +43,7 @@ from geofed.training_config import TrainingConfig
 from regional_agent.base_evaluation import evaluate_base
 from regional_agent.handoff import BaseReady, HandoffDir, RoundInstruction, StartReady
 from regional_agent.job_state import read_base
-from regional_agent.overlap import add_progress, progress_in_place, take_snapshot
+from regional_agent.overlap import add_progress, progress_in_place, select, take_snapshot
 from regional_agent.parallelism import ParallelModel
 
 log = logging.getLogger(__name__)
@@ -77,7 +83,11 @@ class DelayedFold:
         self._evaluate = evaluate
         self._group = group
         self._rank = dist.get_rank()
-        self._snapshot: dict[str, torch.Tensor] = take_snapshot(local_tensors(parallel))
+        #: The tensors folded in (``streaming``: θ changed only these); None: all.
+        self._names = instruction.fold
+        self._snapshot: dict[str, torch.Tensor] = take_snapshot(
+            local_tensors(parallel), self._names
+        )
         #: Set once θ is folded in: its hash (rank 0; "" elsewhere), its metrics, the step.
         self.base_hash = ""
         self.base_path = ""  # the file θ_round was folded in from
@@ -166,8 +176,9 @@ class DelayedFold:
         self._parallel.load_full_state(start)
         del start
         with torch.no_grad():
-            for name, tensor in local_tensors(self._parallel).items():
-                self._snapshot[name].copy_(tensor.detach())
+            tensors = local_tensors(self._parallel)
+            for name, saved in self._snapshot.items():
+                saved.copy_(tensors[name].detach())
         self.started_from_estimate = True
         log.info(
             "job %s round %d: starting from the eager estimate S %s (%.3f s waited for it)",
@@ -237,12 +248,19 @@ class DelayedFold:
             self.failure = error or "rank 0 could not read θ"
             return
         started = time.monotonic()
-        progress = progress_in_place(self._snapshot, local_tensors(self._parallel))
-        self._parallel.load_full_state(base)
+        names = self._names
+        progress = progress_in_place(self._snapshot, select(local_tensors(self._parallel), names))
+        if names is None:
+            self._parallel.load_full_state(base)
+            if ready.evaluate_base:
+                self.base_eval = self._evaluate()
+        elif ready.evaluate_base:
+            self._evaluate_whole(base, names)
+        else:
+            # θ changed only in these; the others keep y (strict=False leaves them be).
+            self._parallel.load_full_state(None if base is None else select(base, names))
         del base
-        if ready.evaluate_base:
-            self.base_eval = self._evaluate()
-        add_progress(local_tensors(self._parallel), progress)
+        add_progress(select(local_tensors(self._parallel), names), progress)
         self._snapshot = {}
         self.folded_at_step = step
         log.info(
@@ -253,6 +271,22 @@ class DelayedFold:
             self._instruction.inner_steps,
             time.monotonic() - started,
         )
+
+    def _evaluate_whole(
+        self, base: Mapping[str, torch.Tensor] | None, names: tuple[str, ...]
+    ) -> None:
+        """Load the whole θ, evaluate it, and put back the tensors outside ``names``."""
+        kept = {
+            name: tensor.detach().clone()
+            for name, tensor in local_tensors(self._parallel).items()
+            if name not in names
+        }
+        self._parallel.load_full_state(base)
+        self.base_eval = self._evaluate()
+        with torch.no_grad():
+            tensors = local_tensors(self._parallel)
+            for name, saved in kept.items():
+                tensors[name].copy_(saved)
 
 
 def evaluator(

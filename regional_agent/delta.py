@@ -127,17 +127,38 @@ def encode_delta(
 
 
 def seal_worker_delta(
-    base: Mapping[str, Tensor], quantized: QuantizedTensors, codec: CodecParams
+    base: Mapping[str, Tensor],
+    quantized: QuantizedTensors,
+    codec: CodecParams,
+    names: Sequence[str] | None = None,
 ) -> EncodedStream:
     """Frame the delta rank 0 quantized (:mod:`regional_agent.device_delta`), once it is
-    checked to be a float32 delta of ``base``'s tensors in the announced ``codec``."""
+    checked to be a float32 delta of ``base``'s tensors in the announced ``codec``.
+
+    ``names`` (``overlap: streaming``: the round's fragment): the delta must hold exactly
+    those tensors of ``base``, in that order; None: every tensor of ``base``.
+    """
     if quantized.codec != codec:
         raise UnusableDelta(f"the workers quantized with {quantized.codec}, not {codec}")
     layouts = {spec.name: spec for spec in quantized.specs}
-    if set(layouts) != set(base):
-        names = sorted(set(layouts) ^ set(base))
-        raise UnusableDelta(f"the workers' delta and θ differ in tensors {names}")
-    for name, tensor in base.items():
+    if names is None:
+        if set(layouts) != set(base):
+            differ = sorted(set(layouts) ^ set(base))
+            raise UnusableDelta(f"the workers' delta and θ differ in tensors {differ}")
+        expected: Sequence[str] = list(base)
+    else:
+        unknown = [name for name in names if name not in base]
+        if unknown:
+            raise UnusableDelta(f"the round's tensors {unknown} are not in θ")
+        held = [spec.name for spec in quantized.specs]
+        if held != list(names):
+            raise UnusableDelta(
+                f"the workers' delta holds the tensors {held}, the round asks for exactly "
+                f"{list(names)}, in that order"
+            )
+        expected = names
+    for name in expected:
+        tensor = base[name]
         spec = layouts[name]
         if spec.dtype != "float32" or spec.shape != tuple(tensor.shape):
             raise UnusableDelta(

@@ -8,6 +8,11 @@ codes and scales reach the host. The residual the round leaves is written to the
 residual file for the agent, and kept on the device: when the agent's residual file
 still names it (the same id), the next round reads nothing from disk.
 
+A request that names some tensors (``overlap: streaming``: the round's fragment) gets a
+delta of those alone, in that order: Δ[n] = θ_round[n] - θ_local[n]. Only their residual
+is used and replaced (a tensor without one starts from zero); the residual of every other
+tensor is carried unchanged, so the residual file keeps every tensor that has one.
+
 A residual whose tensors no longer fit the model (another task, another shape) is
 dropped, with a warning, as the agent's own error feedback would refuse it.
 """
@@ -62,9 +67,13 @@ def quantize_round_delta(
     if not isinstance(base, Mapping) or set(base) != set(local):
         names = sorted(set(base) ^ set(local)) if isinstance(base, Mapping) else []
         raise UnusableDelta(f"θ at {base_path} and the trained state differ in {names}")
+    wanted = tuple(local) if request.names is None else request.names
+    unknown = [name for name in wanted if name not in local]
+    if unknown:
+        raise UnusableDelta(f"the delta request names tensors the model lacks: {unknown}")
     delta: dict[str, torch.Tensor] = {}
-    for name, trained in local.items():
-        start = base[name]
+    for name in wanted:
+        trained, start = local[name], base[name]
         if start.shape != trained.shape:
             raise UnusableDelta(
                 f"{name!r}: θ has shape {tuple(start.shape)}, the trained state "
@@ -73,7 +82,10 @@ def quantize_round_delta(
         out = start.to(device=device, dtype=torch.float32, copy=True)
         delta[name] = out.sub_(trained.detach().to(torch.float32))
     del base
-    residual = _residual_for(request, job, delta, kept, device)
+    # The whole model's shapes: a partial request's residual may name any of them.
+    shapes = {name: tensor.shape for name, tensor in local.items()}
+    residual = _residual_for(request, job, shapes, kept, device)
+    used = None if residual is None else _for_delta(residual, delta)
     generator = None
     if request.codec.stochastic_rounding:
         generator = rounding_generator(job, round_, region, device)
@@ -82,21 +94,40 @@ def quantize_round_delta(
         request.codec,
         chunk_elements=request.chunk_elements,
         generator=generator,
-        residual=residual,
+        residual=used,
     )
-    del delta
+    del delta, used
+    if request.names is not None and residual is not None:
+        # The other tensors' residual waits, unchanged, for their own round.
+        merged = {**residual, **after}
+        after = {name: merged[name] for name in local if name in merged}
     id_ = write_residual(residual_path, round_, after)
     return quantized, DeviceResidual(job, id_, after)
+
+
+def _for_delta(
+    residual: Mapping[str, torch.Tensor], delta: Mapping[str, torch.Tensor]
+) -> dict[str, torch.Tensor]:
+    """The residual of exactly ``delta``'s tensors: zero for a tensor that has none yet
+    (under streaming a fragment's first round)."""
+    return {
+        name: residual[name] if name in residual else torch.zeros_like(tensor)
+        for name, tensor in delta.items()
+    }
 
 
 def _residual_for(
     request: DeltaRequest,
     job: str,
-    delta: Mapping[str, torch.Tensor],
+    shapes: Mapping[str, torch.Size],
     kept: DeviceResidual | None,
     device: torch.device,
 ) -> dict[str, torch.Tensor] | None:
-    """The agent's residual on ``device``: the kept one when its file still names it."""
+    """The agent's residual on ``device``: the kept one when its file still names it.
+
+    A request for every tensor needs a residual of exactly the model's tensors; one that
+    names some takes a residual of any of them (the others' are carried).
+    """
     path = Path(request.feedback)
     if kept is not None and kept.job == job and read_residual_id(path) == kept.id:
         residual = kept.tensors
@@ -105,10 +136,11 @@ def _residual_for(
         if read is None:
             return None
         residual = {name: tensor.to(device) for name, tensor in read.tensors.items()}
+    partial = request.names is not None
     unfit = sorted(
         name
-        for name in set(residual) | set(delta)
-        if name not in residual or name not in delta or residual[name].shape != delta[name].shape
+        for name in set(residual) | (set() if partial else set(shapes))
+        if name not in residual or name not in shapes or residual[name].shape != shapes[name]
     )
     if unfit:
         log.warning(

@@ -98,6 +98,27 @@ def _require_metrics(what: str, value: object) -> Mapping[str, float]:
     return value
 
 
+def _require_names(what: str, value: object) -> tuple[str, ...]:
+    """A non-empty tuple of distinct tensor names."""
+    if not isinstance(value, tuple) or not value:
+        raise InvalidHandoffData(f"{what} must be a non-empty tuple of names, got {value!r}")
+    for name in value:
+        _require_str(f"{what} entry", name)
+    if len(set(value)) != len(value):
+        repeated = sorted({name for name in value if value.count(name) > 1})
+        raise InvalidHandoffData(f"{what} repeats {repeated}")
+    return value
+
+
+def _names_from_json(what: str, value: object) -> tuple[str, ...] | None:
+    """Names as a JSON file records them (a list), or None."""
+    if value is None:
+        return None
+    if not isinstance(value, list):
+        raise InvalidHandoffData(f"{what} must be a list of names, got {value!r}")
+    return _require_names(what, tuple(value))
+
+
 def _flat_json(record: DataclassInstance) -> bytes:
     """A flat record's file content: the format, then its fields."""
     return json.dumps({"format": FORMAT_VERSION, **asdict(record)}, sort_keys=True).encode()
@@ -135,15 +156,22 @@ class DeltaRequest:
     ``codec`` in chunks of ``chunk_elements`` where rank 0 holds the parameters (its
     accelerator, when it has one); the residual this leaves is written to the round's
     residual file, which the agent keeps only if the coordinator accepts the delta.
+
+    ``names``: the tensors the delta holds, in this order (``overlap: streaming``: the
+    round's fragment, :mod:`geofed.fragments`); None: every federated tensor. The residual
+    of the other tensors is carried unchanged into the round's residual file.
     """
 
     codec: CodecParams
     feedback: str
     chunk_elements: int = DEFAULT_CHUNK_ELEMENTS
+    names: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.codec, CodecParams):
             raise InvalidHandoffData(f"delta.codec must be CodecParams, got {self.codec!r}")
+        if self.names is not None:
+            _require_names("delta.names", self.names)
         _require_str("delta.feedback", self.feedback)
         if not Path(self.feedback).is_absolute():
             raise InvalidHandoffData(
@@ -157,15 +185,18 @@ class DeltaRequest:
     @staticmethod
     def parse(data: object) -> DeltaRequest:
         """The request as an instruction file records it (:func:`dataclasses.asdict`)."""
-        if not isinstance(data, Mapping) or set(data) != {"codec", "feedback", "chunk_elements"}:
+        required = {"codec", "feedback", "chunk_elements"}
+        # names: written by agents that know it; a request without it names every tensor.
+        if not isinstance(data, Mapping) or not required <= set(data) <= required | {"names"}:
             raise InvalidHandoffData(
-                f"delta must hold codec, feedback and chunk_elements, got {data!r}"
+                f"delta must hold codec, feedback and chunk_elements (names optional), got {data!r}"
             )
         try:
             codec = _CODEC.validate_python(data["codec"])
         except ValidationError as exc:
             raise InvalidHandoffData(f"delta.codec: {exc.errors(include_url=False)}") from None
-        return DeltaRequest(codec, data["feedback"], data["chunk_elements"])
+        names = _names_from_json("delta.names", data.get("names"))
+        return DeltaRequest(codec, data["feedback"], data["chunk_elements"], names)
 
 
 _CODEC: TypeAdapter[CodecParams] = TypeAdapter(CodecParams)
@@ -193,6 +224,12 @@ class RoundInstruction:
 
     ``delta``: rank 0 hands over the quantized delta (:class:`DeltaRequest`) rather than
     the trained parameters (None).
+
+    ``overlap`` ``streaming`` rounds are delayed rounds that synchronize one fragment of
+    the model (:mod:`geofed.fragments`): the delta request names the round's fragment
+    (always given: such a round never hands over its parameters), and a speculative
+    round's ``fold`` names the tensors θ_round changed (the previous round's fragment):
+    only those are folded in, every other tensor keeps its local progress.
     """
 
     job: str
@@ -212,6 +249,7 @@ class RoundInstruction:
     base_pending: bool = False
     start: str = "local"
     delta: DeltaRequest | None = None
+    fold: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
         try:
@@ -244,18 +282,33 @@ class RoundInstruction:
             raise InvalidHandoffData(f"training must be a TrainingConfig, got {self.training!r}")
         if not isinstance(self.evaluate_base, bool):
             raise InvalidHandoffData(f"evaluate_base must be a bool, got {self.evaluate_base!r}")
-        if self.overlap not in ("none", "delayed"):
-            raise InvalidHandoffData(f"overlap must be none or delayed, got {self.overlap!r}")
+        if self.overlap not in ("none", "delayed", "streaming"):
+            raise InvalidHandoffData(
+                f"overlap must be none, delayed or streaming, got {self.overlap!r}"
+            )
         if not isinstance(self.base_pending, bool):
             raise InvalidHandoffData(f"base_pending must be a bool, got {self.base_pending!r}")
-        if self.base_pending and self.overlap != "delayed":
-            raise InvalidHandoffData("base_pending is for rounds of an overlap: delayed job")
+        if self.base_pending and self.overlap == "none":
+            raise InvalidHandoffData(
+                "base_pending is for rounds of an overlap: delayed or streaming job"
+            )
         if self.start not in ("local", "eager"):
             raise InvalidHandoffData(f"start must be local or eager, got {self.start!r}")
         if self.start == "eager" and not self.base_pending:
             raise InvalidHandoffData("start eager is for a delayed round (base_pending)")
         if self.delta is not None and not isinstance(self.delta, DeltaRequest):
             raise InvalidHandoffData(f"delta must be a DeltaRequest, got {self.delta!r}")
+        if self.overlap == "streaming" and (self.delta is None or self.delta.names is None):
+            raise InvalidHandoffData(
+                "an overlap: streaming round hands over the delta of its fragment: "
+                "it needs a delta request naming the fragment's tensors"
+            )
+        if self.fold is not None:
+            _require_names("fold", self.fold)
+            if self.overlap != "streaming" or not self.base_pending:
+                raise InvalidHandoffData(
+                    "fold is for the speculative rounds (base_pending) of an overlap: streaming job"
+                )
         if self.total_steps is None:
             if self.training.lr_schedule.kind != "constant":
                 raise InvalidHandoffData(
@@ -284,6 +337,8 @@ class RoundInstruction:
                 fields["training"] = _training(fields["training"])
             if fields.get("delta") is not None:
                 fields["delta"] = DeltaRequest.parse(fields["delta"])
+            if "fold" in fields:
+                fields["fold"] = _names_from_json("fold", fields["fold"])
             return cls(**fields)
         except (ValueError, TypeError) as exc:
             raise InvalidHandoffData(f"{source}: {exc}") from None
@@ -303,7 +358,16 @@ def _training(data: object) -> TrainingConfig:
 _INSTRUCTION_FIELDS = tuple(RoundInstruction.__dataclass_fields__)
 # Written by every agent that knows them; an instruction without them trains as before.
 _INSTRUCTION_OPTIONAL = frozenset(
-    {"training", "total_steps", "evaluate_base", "overlap", "base_pending", "start", "delta"}
+    {
+        "training",
+        "total_steps",
+        "evaluate_base",
+        "overlap",
+        "base_pending",
+        "start",
+        "delta",
+        "fold",
+    }
 )
 
 

@@ -13,23 +13,54 @@ the round's delta is formed against θ_{r+1} exactly as in serial mode. (It is t
 into the model, in place, between the two halves.) Tensor by tensor: under FSDP each rank
 corrects its own shard.
 
+``overlap: streaming`` (Streaming DiLoCo) is the same schedule, with round r synchronizing
+only fragment r mod F of the model (:func:`round_names`): θ_{r+1} differs from θ_r in
+that fragment alone, so the fold touches only its tensors (the speculative instruction's
+``fold``, the snapshot S holds only them)::
+
+    y[n] ← θ_{r+1}[n] + (y[n] - S[n])    for n in round r's fragment
+
+and every other tensor keeps its local progress until its own fragment's round. A round
+that is not speculative (round 0, after a resync, a restart, a cancelled speculation)
+loads θ_r whole, so it loses the progress of the fragments not yet synchronized.
+
 Nothing here does I/O: the workers (:mod:`regional_agent.delayed_round`) and the agent
 (:mod:`regional_agent.overlap_pipeline`) call these functions and act on their answers.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from dataclasses import replace
 
 import torch
 
+from geofed.fragments import fragment_plan
 from regional_agent.handoff import RoundInstruction
 
+#: The overlap modes whose regions train the next round ahead of its θ.
+SPECULATIVE = ("delayed", "streaming")
 
-def take_snapshot(params: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """S: a detached copy of every tensor, on its own device (one model copy)."""
+
+def select(
+    params: Mapping[str, torch.Tensor], names: Sequence[str] | None
+) -> dict[str, torch.Tensor]:
+    """The tensors ``names`` names (all of them: None), in that order; a name ``params``
+    lacks raises :class:`ValueError`."""
+    if names is None:
+        return dict(params)
+    missing = [name for name in names if name not in params]
+    if missing:
+        raise ValueError(f"the model has no tensors {missing}")
+    return {name: params[name] for name in names}
+
+
+def take_snapshot(
+    params: Mapping[str, torch.Tensor], names: Sequence[str] | None = None
+) -> dict[str, torch.Tensor]:
+    """S: a detached copy of every tensor (or of those ``names`` names), on its own device."""
     with torch.no_grad():
-        return {name: tensor.detach().clone() for name, tensor in params.items()}
+        return {name: tensor.detach().clone() for name, tensor in select(params, names).items()}
 
 
 def progress_in_place(
@@ -55,8 +86,15 @@ def apply_correction(
     params: Mapping[str, torch.Tensor],
     theta: Mapping[str, torch.Tensor],
     snapshot: dict[str, torch.Tensor],
+    fold: Sequence[str] | None = None,
 ) -> None:
-    """y ← θ + (y - S) in place, tensor by tensor; ``snapshot`` is consumed (holds y - S)."""
+    """y ← θ + (y - S) in place, tensor by tensor; ``snapshot`` is consumed (holds y - S).
+
+    ``fold`` (streaming): only those tensors are corrected, ``snapshot`` holds only them,
+    and ``theta`` needs only them; every other tensor of ``params`` is left as it is.
+    """
+    params = select(params, fold)
+    theta = select(theta, fold) if fold is not None else theta
     _same_names(theta, params)
     progress = progress_in_place(snapshot, params)
     with torch.no_grad():
@@ -79,18 +117,39 @@ def _same_names(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor]) ->
 # -- decisions ---------------------------------------------------------------------------
 
 
+def round_names(
+    overlap: str,
+    fragments: int | None,
+    theta: Mapping[str, torch.Tensor],
+    round_: int,
+) -> tuple[str, ...] | None:
+    """The tensors round ``round_`` synchronizes: under ``streaming`` its fragment of
+    ``theta``'s tensors (:func:`geofed.fragments.fragment_plan` over their shapes, names in
+    θ's order); None (every tensor) otherwise. Raises
+    :class:`~geofed.fragments.FragmentError` when θ cannot be split in ``fragments``."""
+    if overlap != "streaming":
+        return None
+    if fragments is None:
+        raise ValueError("an overlap: streaming announcement must say its fragments")
+    shapes = {name: tuple(tensor.shape) for name, tensor in theta.items()}
+    return fragment_plan(shapes, fragments).names(round_)
+
+
 def speculate_next(overlap: str, round_: int, total_rounds: int | None) -> bool:
     """Whether the region starts round ``round_ + 1`` as soon as round ``round_`` trained.
 
     Not after the job's last round: there is no θ to fold in.
     """
-    if overlap != "delayed":
+    if overlap not in SPECULATIVE:
         return False
     return total_rounds is None or round_ + 1 < total_rounds
 
 
 def next_instruction(
-    trained: RoundInstruction, promised_base: str, start: str = "local"
+    trained: RoundInstruction,
+    promised_base: str,
+    start: str = "local",
+    names: tuple[str, ...] | None = None,
 ) -> RoundInstruction:
     """The speculative instruction of the round after ``trained``.
 
@@ -98,7 +157,15 @@ def next_instruction(
     ``start`` ``eager``, from the estimate S the agent hands them) and wait for θ at
     ``promised_base`` (the file the agent will write once it has synced it). Whether θ
     is evaluated is decided when it arrives (the base-ready marker says).
+
+    Under ``streaming`` ``names`` is the next round's fragment (what its delta holds),
+    and the round folds in only ``trained``'s fragment (what θ changes in).
     """
+    delta, fold = trained.delta, None
+    if trained.overlap == "streaming":
+        if names is None or delta is None or delta.names is None:
+            raise ValueError("a streaming round's successor needs both rounds' fragments")
+        fold, delta = delta.names, replace(delta, names=names)
     return RoundInstruction(
         job=trained.job,
         round=trained.round + 1,
@@ -113,22 +180,29 @@ def next_instruction(
         training=trained.training,
         total_steps=trained.total_steps,
         evaluate_base=False,
-        overlap="delayed",
+        overlap="streaming" if trained.overlap == "streaming" else "delayed",
         base_pending=True,
         start=start,
-        delta=trained.delta,
+        delta=delta,
+        fold=fold,
     )
 
 
 def speculation_unusable(
-    speculative: RoundInstruction, wanted: RoundInstruction, *, resync: bool
+    speculative: RoundInstruction,
+    wanted: RoundInstruction,
+    *,
+    resync: bool,
+    fold: tuple[str, ...] | None = None,
 ) -> str | None:
     """Why the speculative round cannot stand for ``wanted`` (the serial instruction the
     announcement asks for), or None when its steps count.
 
     The speculative round must train exactly what the serial one would (same data shard,
-    schedule, task, training settings) from the θ file it promised; after a resync the
-    region starts from the announced θ, as a serial round does.
+    schedule, task, training settings, delta request: under streaming the same fragment)
+    from the θ file it promised, and fold in exactly the tensors θ changed in (``fold``:
+    the previous round's fragment under streaming; None: every tensor); after a resync
+    the region starts from the announced θ, as a serial round does.
     """
     if resync:
         return "the region resyncs its parameters"
@@ -136,13 +210,24 @@ def speculation_unusable(
         return f"it is round {speculative.round} of {speculative.job}, not the announced one"
     if speculative.base_params != wanted.base_params:
         return f"θ is at {wanted.base_params}, not at the promised {speculative.base_params}"
-    ignored = {"base_params", "evaluate_base", "overlap", "base_pending", "start"}
+    if speculative.overlap != wanted.overlap and "streaming" in (
+        speculative.overlap,
+        wanted.overlap,
+    ):
+        return f"the job's overlap is {wanted.overlap}, not {speculative.overlap}"
+    if speculative.fold != fold:
+        return f"it folds in {_listed(speculative.fold)}, θ changed in {_listed(fold)}"
+    ignored = {"base_params", "evaluate_base", "overlap", "base_pending", "start", "fold"}
     for name in RoundInstruction.__dataclass_fields__:
         if name in ignored:
             continue
         if getattr(speculative, name) != getattr(wanted, name):
             return f"the announced round changed {name}"
     return None
+
+
+def _listed(names: tuple[str, ...] | None) -> str:
+    return "every tensor" if names is None else f"the tensors {list(names)}"
 
 
 def keeps_speculation(

@@ -15,6 +15,11 @@ Under ``overlap_start: eager`` :meth:`DelayedRounds.speculate` then computes S, 
 estimate the workers start round r+1 from, in a thread, and hands it over
 (:mod:`regional_agent.eager_start`); the workers wait for it before their first step.
 
+Under ``overlap: streaming`` the same, fragment by fragment: round r+1's instruction
+names its own fragment in its delta request and folds in only round r's (``fold``), the
+tensors θ_{r+1} changed in; :meth:`DelayedRounds.train` uses it only if both are the
+ones the announced round's θ gives.
+
 Otherwise the speculative round is cancelled (a cancel file the workers check between
 steps; they answer with the round's error marker and drop its steps) and the announced
 round is trained serially from θ, with the optimizer state and data cursor of the
@@ -65,14 +70,16 @@ class DelayedRounds:
         *,
         result: RoundResult | None = None,
         job: JobDirectory | None = None,
+        names: tuple[str, ...] | None = None,
     ) -> None:
         """Start round ``trained.round + 1`` now, if the job overlaps and has one more;
         from the eager estimate when the job asks for it (and ``result`` and ``job`` say
-        what it is made from)."""
+        what it is made from). ``names``: the next round's fragment (``streaming``)."""
         if not speculate_next(announcement.overlap, trained.round, announcement.total_rounds):
             return
         outer = announcement.outer_optimizer
-        if announcement.overlap_start != "eager" or outer is None or job is None:
+        eager_job = announcement.overlap == "delayed" and announcement.overlap_start == "eager"
+        if not eager_job or outer is None or job is None:
             result = None
         eager = result is not None
         handoff = self._workers.handoff
@@ -85,7 +92,9 @@ class DelayedRounds:
             if not (eager and waiting):
                 return
         else:
-            spec = next_instruction(trained, str(promised), "eager" if eager else "local")
+            spec = next_instruction(
+                trained, str(promised), "eager" if eager else "local", names=names
+            )
             await asyncio.to_thread(handoff.write_instruction, spec)
             log.info("job %s: round %d started ahead of θ_%d", spec.job, spec.round, spec.round)
         if result is not None and outer is not None and job is not None:
@@ -102,9 +111,12 @@ class DelayedRounds:
                 result.delta,
             )
 
-    async def train(self, wanted: RoundInstruction, base_hash: str) -> RoundResult | None:
+    async def train(
+        self, wanted: RoundInstruction, base_hash: str, fold: tuple[str, ...] | None = None
+    ) -> RoundResult | None:
         """The result of the speculative round that stands for ``wanted``, or None: train
-        ``wanted`` serially (any other speculative round is cancelled first)."""
+        ``wanted`` serially (any other speculative round is cancelled first). ``fold``:
+        the tensors θ changed in since the round before (``streaming``; None: all)."""
         handoff = self._workers.handoff
         job, round_ = wanted.job, wanted.round
         spec = await self._speculative(job, round_)
@@ -116,7 +128,7 @@ class DelayedRounds:
         done = await asyncio.to_thread(handoff.read_completed, job, round_)
         if done is not None:
             return done
-        reason = speculation_unusable(spec, wanted, resync=False)
+        reason = speculation_unusable(spec, wanted, resync=False, fold=fold)
         if reason is not None:
             await self._cancel(job, round_, reason)
             return None

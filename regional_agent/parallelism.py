@@ -104,7 +104,9 @@ class ParallelModel:
         Only rank 0 passes ``state``, checked first with
         :func:`geofed.params.check_federated_state`; it is broadcast one tensor at a time
         and each rank keeps its own part. Tensors outside the federated state (complex
-        RoPE tables, integer buffers) keep what ``build_model`` gave them.
+        RoPE tables, integer buffers) keep what ``build_model`` gave them. A ``state``
+        naming some federated tensors (a streaming fold) loads those; the others keep
+        their values, bit for bit (each is loaded from itself).
         """
         given: dict[str, Any] = {}
         if state is not None and dist.get_rank() == 0:

@@ -61,13 +61,14 @@ from regional_agent.delta import (
 from regional_agent.drain import RoundPosition
 from regional_agent.handoff import DeltaRequest, RoundInstruction, RoundResult
 from regional_agent.metrics import AgentMetrics
+from regional_agent.overlap import SPECULATIVE, round_names
 from regional_agent.overlap_pipeline import DelayedRounds
 from regional_agent.residency import ExportGate
 from regional_agent.round_timeline import Phase, Timeline
 from regional_agent.schedule import Progress, judge_lost_delta, judge_rollback
 from regional_agent.state import AgentState, DeltaMeta, JobDirectory, SpooledDelta, StateError
 from regional_agent.status import StatusReporter
-from regional_agent.sync import ResyncFailed, Synced, Synchronizer
+from regional_agent.sync import Params, ResyncFailed, Synced, Synchronizer
 from regional_agent.uploader import BaseMismatch, RoundClosed, Uploader, UploadRefused
 from regional_agent.worker_group import RoundFailed, WorkerGroup
 
@@ -118,6 +119,33 @@ def round_timings(train_s: float, encode_s: float) -> dict[str, float]:
 
 class RetryLater(Exception):
     """The round may still succeed; try it again after a pause (the message says why)."""
+
+
+@dataclass(frozen=True, slots=True)
+class RoundFragments:
+    """The tensors a round deals in (``overlap: streaming``; all None otherwise): its
+    delta's (``names``), the next round's (``next_names``), and those θ changed in since
+    the round before (``fold``, None for round 0)."""
+
+    names: tuple[str, ...] | None = None
+    next_names: tuple[str, ...] | None = None
+    fold: tuple[str, ...] | None = None
+
+    @classmethod
+    def of(cls, announcement: RoundAnnouncement, theta: Params) -> RoundFragments:
+        """Raises :class:`~geofed.fragments.FragmentError` when θ cannot be split."""
+        if announcement.overlap != "streaming":
+            return cls()
+        overlap, fragments, round_ = (
+            announcement.overlap,
+            announcement.fragments,
+            announcement.round,
+        )
+        return cls(
+            names=round_names(overlap, fragments, theta, round_),
+            next_names=round_names(overlap, fragments, theta, round_ + 1),
+            fold=round_names(overlap, fragments, theta, round_ - 1) if round_ > 0 else None,
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -287,11 +315,15 @@ class RoundPipeline:
         self._status.update(
             "training", **where, params_hash=base_hash, detail=f"{announcement.inner_steps} steps"
         )
-        instruction = self._instruction(announcement, job, synced)
+        try:
+            fragments = RoundFragments.of(announcement, synced.params)
+        except ValueError as exc:  # FragmentError: the model cannot be split as announced
+            return RoundEnd("failed", str(exc), params_hash=base_hash)
+        instruction = self._instruction(announcement, job, synced, fragments.names)
         try:
             with self._metrics.training(), self._phase(announcement, "train"):
                 result = await self._delayed_result(
-                    announcement, instruction, base_hash
+                    announcement, instruction, base_hash, fragments.fold
                 ) or await self._workers.run_round(instruction, self._train_timeout_s)
         except RoundFailed as exc:
             return RoundEnd("failed", str(exc), params_hash=base_hash)
@@ -315,6 +347,7 @@ class RoundPipeline:
             job.params_path(announcement.round + 1),
             result=result,
             job=job,
+            names=fragments.next_names,
         )
         self._count_trained(announcement.job, announcement.round, summary.mean_loss)
         if summary.stats is not None:
@@ -348,8 +381,16 @@ class RoundPipeline:
             residual: ErrorFeedback | Path
             if result.delta is not None and result.residual is not None:
                 # Quantized by rank 0, with its error feedback: only framing is left.
-                stream = seal_worker_delta(synced.params, result.delta, announcement.codec)
+                stream = seal_worker_delta(
+                    synced.params, result.delta, announcement.codec, fragments.names
+                )
                 residual = result.residual
+            elif fragments.names is not None:
+                # Every streaming instruction asks for the fragment's delta; parameters
+                # would be encoded whole, which the coordinator refuses.
+                raise UnusableDelta(
+                    "the workers handed over parameters, not the delta of the round's fragment"
+                )
             else:  # a result holding the trained parameters
                 generator = None
                 if announcement.codec.stochastic_rounding:
@@ -380,8 +421,14 @@ class RoundPipeline:
         return delta
 
     def _instruction(
-        self, announcement: RoundAnnouncement, job: JobDirectory, synced: Synced
+        self,
+        announcement: RoundAnnouncement,
+        job: JobDirectory,
+        synced: Synced,
+        names: tuple[str, ...] | None = None,
     ) -> RoundInstruction:
+        """The serial instruction of the announced round; ``names``: the tensors its delta
+        holds (the round's fragment under streaming; None: all)."""
         region_index, num_regions = announcement.data_shard(self._region.name)
         return RoundInstruction(
             job=announcement.job,
@@ -403,7 +450,7 @@ class RoundPipeline:
                 announcement.round,
                 announcement.participants,
             ).evaluate,
-            delta=DeltaRequest(announcement.codec, str(job.feedback_path)),
+            delta=DeltaRequest(announcement.codec, str(job.feedback_path), names=names),
         )
 
     async def _deliver(
@@ -530,12 +577,16 @@ class RoundPipeline:
         await self._delayed.settle(announcement, resync=resync, spooled=spooled)
 
     async def _delayed_result(
-        self, announcement: RoundAnnouncement, instruction: RoundInstruction, base_hash: str
+        self,
+        announcement: RoundAnnouncement,
+        instruction: RoundInstruction,
+        base_hash: str,
+        fold: tuple[str, ...] | None = None,
     ) -> RoundResult | None:
         """The result of the round trained ahead of θ, when one stands for this round."""
-        if announcement.overlap != "delayed":
+        if announcement.overlap not in SPECULATIVE:
             return None
-        return await self._delayed.train(instruction, base_hash)
+        return await self._delayed.train(instruction, base_hash, fold)
 
     async def _workers_idle(self) -> None:
         """Wait until the worker group has no instruction in hand (bounded by the train

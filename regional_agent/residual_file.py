@@ -6,7 +6,9 @@ writes next to a quantized delta (``round-<r>.residual.pt``), which the agent mo
 its spool unread. The body is ``{"format", "round", "id", "feedback"}``; ``feedback`` is
 :meth:`geofed.codec.ErrorFeedback.state_dict`'s form, and ``id`` names this residual so
 that rank 0 can tell, without reading its tensors, whether the file the agent holds is
-the one it still has on its device (:func:`read_residual_id`).
+the one it still has on its device (:func:`read_residual_id`). Under ``overlap:
+streaming`` a residual may name only some of the model's tensors (those whose fragment
+has been sent); each round replaces its fragment's and carries the others'.
 """
 
 from __future__ import annotations

@@ -40,7 +40,9 @@ A delayed round (``overlap: delayed``, the instruction's ``base_pending``) goes 
 the parameters the group holds at the end of the round before and folds θ in when the
 agent has it (:mod:`regional_agent.delayed_round`); a group that does not hold them (just
 restarted, or another job in between: parked jobs keep no parameters) waits for θ and
-trains the round serially.
+trains the round serially. Under ``overlap: streaming`` the delta holds only the round's
+fragment (the request's ``names``) and a speculative round folds in only the tensors its
+``fold`` names; a serial round loads θ whole, as under ``delayed``.
 
 Every idle poll and every training step starts with a tiny all-reduce (gloo, on the
 CPU) of each rank's stop wish (stop file, SIGTERM/SIGINT/SIGHUP, launcher gone), so

@@ -62,9 +62,9 @@ Sha256Hex = Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{64}$")]
 Text = Annotated[str, StringConstraints(max_length=4096)]
 RoundNumber = Annotated[int, Field(ge=0, lt=2**63)]
 
-Overlap = Literal["none", "delayed"]
-#: The overlap modes a job may ask for (``streaming`` is not implemented).
-OVERLAP_MODES: tuple[str, ...] = ("none", "delayed")
+Overlap = Literal["none", "delayed", "streaming"]
+#: The overlap modes a job may ask for.
+OVERLAP_MODES: tuple[str, ...] = ("none", "delayed", "streaming")
 #: Where a delayed round starts: the region's own parameters, or the eager estimate.
 OverlapStart = Literal["local", "eager"]
 
@@ -101,7 +101,10 @@ class RoundAnnouncement(_Message):
     next θ in when it comes (the protocol between regions and coordinator is the same).
     ``overlap_start`` ``eager`` makes it start instead from an estimate of the next θ
     (:mod:`geofed.eager_start`), for which it needs the job's ``outer_optimizer``;
-    announcements that lack them start from the region's own parameters.
+    announcements that lack them start from the region's own parameters. ``streaming``
+    overlaps as ``delayed`` does and round r synchronizes only fragment ``r mod
+    fragments`` of the model (:mod:`geofed.fragments`): the delta and the update of the
+    round name only that fragment's tensors.
     """
 
     type: Literal["round_announcement"] = "round_announcement"
@@ -126,6 +129,8 @@ class RoundAnnouncement(_Message):
     evaluation: EvaluationConfig = Field(default_factory=EvaluationConfig)
     overlap: Overlap = "none"
     overlap_start: OverlapStart = "local"
+    #: F, the number of fragments a ``streaming`` job's model is split into; None otherwise.
+    fragments: int | None = Field(default=None, ge=1, le=1024)
     #: The job's outer optimizer config; sent with ``overlap_start: eager`` only.
     outer_optimizer: OuterOptimizerConfig | None = None
     #: The job's regions, as its spec lists them: a region's data shard is its place among

@@ -14,6 +14,8 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from geofed.control.messages import OVERLAP_MODES
+
 if TYPE_CHECKING:
     from geofed.wanspec import WanLink
 
@@ -59,9 +61,10 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     )
     parser.add_argument(
         "--overlap",
-        choices=("none", "delayed"),
+        choices=OVERLAP_MODES,
         default=None,
-        help="the job's overlap mode (default: the job spec's own default)",
+        help="the job's overlap mode (default: the job spec's own default); streaming "
+        "splits the model into the job spec's default fragments",
     )
     parser.add_argument(
         "--task-options",

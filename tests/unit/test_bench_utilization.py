@@ -29,13 +29,22 @@ def test_defaults_scale_the_reference_link() -> None:
     assert utilization.settings_from(["--big"]).sizes == ("s", "m", "l", "xl")
 
 
-def test_modes_the_job_spec_refuses_are_reported_not_run() -> None:
+def test_every_mode_the_job_spec_accepts_is_available() -> None:
     modes = utilization.overlap_modes(["none", "delayed-eager", "streaming"])
-    assert modes["none"]["available"]
-    assert modes["delayed-eager"]["available"]
+    assert all(mode["available"] for mode in modes.values())
     assert utilization.MODE_FIELDS["delayed-eager"]["overlap_start"] == "eager"
-    assert not modes["streaming"]["available"]
-    assert modes["streaming"]["detail"].startswith("not available: overlap")
+
+
+def test_a_mode_the_job_spec_refuses_is_reported_not_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A mode whose fields the spec refuses (here: streaming with eager starts).
+    monkeypatch.setitem(
+        utilization.MODE_FIELDS,
+        "streaming-eager",
+        {"overlap": "streaming", "overlap_start": "eager"},
+    )
+    modes = utilization.overlap_modes(["streaming-eager"])
+    assert not modes["streaming-eager"]["available"]
+    assert "needs overlap delayed" in modes["streaming-eager"]["detail"]
 
 
 def _round(number: int, start: float) -> RoundTimeline:

@@ -202,10 +202,13 @@ def test_instructions_carry_the_overlap_fields_through_json() -> None:
 
 
 def test_bad_overlap_fields_are_refused() -> None:
-    with pytest.raises(InvalidHandoffData, match="overlap must be none or delayed"):
-        replace(TRAINED, overlap="streaming")
+    with pytest.raises(InvalidHandoffData, match="overlap must be none, delayed or streaming"):
+        replace(TRAINED, overlap="sometimes")
     with pytest.raises(InvalidHandoffData, match="base_pending is for rounds"):
         replace(TRAINED, overlap="none", base_pending=True)
+    # A streaming round always hands over its fragment's delta.
+    with pytest.raises(InvalidHandoffData, match="naming the fragment's tensors"):
+        replace(TRAINED, overlap="streaming")
 
 
 def test_summaries_carry_the_delayed_round_measurements() -> None:
@@ -295,16 +298,6 @@ def test_the_job_spec_takes_none_and_delayed() -> None:
     assert parse_job_spec(SPEC, "job.yaml").overlap == "none"
     assert parse_job_spec(SPEC + "overlap: delayed\n", "job.yaml").overlap == "delayed"
     assert parse_job_spec(SPEC + "overlap: none\n", "job.yaml").overlap == "none"
-
-
-def test_the_job_spec_refuses_streaming_as_not_available_yet() -> None:
-    with pytest.raises(JobSpecError) as caught:
-        parse_job_spec(SPEC + "overlap: streaming\n", "job.yaml")
-    (problem,) = caught.value.problems
-    assert "job.yaml:9" in problem
-    assert "overlap" in problem
-    assert "'streaming'" in problem
-    assert "not available yet" in problem
 
 
 @pytest.mark.parametrize("value", ["sometimes", "1", "[delayed]"])

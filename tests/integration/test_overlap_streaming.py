@@ -1,0 +1,142 @@
+"""``overlap: streaming`` in a real federation (embedded broker, coordinator and two agents as
+processes, mutual TLS, real worker groups).
+
+What it proves: each round's published update names only the fragment ``r mod F`` of the
+model, every other tensor of θ_{r+1} is θ_r's bit for bit, regions train ahead of θ as
+under ``delayed`` and still end every round on exactly the coordinator's θ; and a worker
+killed with SIGKILL in the middle of a speculative round costs only that round's
+speculative steps (plus the local progress of fragments not synchronized since).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from coordinator.artifacts import Location, find_entry
+from coordinator.checkpoints import INDEX_NAME, EntryKind
+from geofed.fragments import fragment_plan
+from geofed.manifest import SignedManifest
+from tests.integration.test_overlap_delayed import ahead, opened_at, speculating, workers_dir
+from tests.support.federation import FederationRun
+from tests.support.observe import (
+    WAIT_S,
+    audit_entries,
+    check_same_parameters,
+    observed_federation,
+    poll,
+)
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+REGIONS = ("eu-west", "us-east")
+ROUNDS = 3
+INNER_STEPS = 12
+FRAGMENTS = 2
+
+
+def configure(name: str, data: dict[str, Any]) -> None:
+    """A streaming job in two fragments; two workers in eu-west (DDP), one in us-east."""
+    if name == "job":
+        data["overlap"] = "streaming"
+        data["fragments"] = FRAGMENTS
+    if name == "agent-us-east":
+        data["workers"]["count"] = 1
+
+
+def update_tensors(fed: FederationRun, round_: int) -> list[str]:
+    """The tensor names the signed manifest of update ``round_`` lists, read from the
+    coordinator's checkpoint location on disk."""
+    (index,) = fed.work.rglob(f"jobs/{fed.job}/{INDEX_NAME}")
+    location = Location.open("ckpt", "", None, index.parent.parent.parent)
+    entry = find_entry(location, fed.job, EntryKind.UPDATE, round_)
+    assert entry is not None, f"update {round_} is not stored"
+    signed = SignedManifest.from_bytes(location.path_of(entry.manifest_digest).read_bytes())
+    return [tensor.name for tensor in signed.manifest.tensors]
+
+
+def held_theta(fed: FederationRun, region: str, round_: int) -> dict[str, torch.Tensor]:
+    path = fed.work / "agents" / region / "jobs" / fed.job / "params" / f"round-{round_}.pt"
+    state: dict[str, torch.Tensor] = torch.load(path, weights_only=True)
+    return state
+
+
+async def test_streaming_rounds_publish_one_fragment_each_and_agree_with_the_coordinator(
+    tmp_path: Path,
+) -> None:
+    async with observed_federation(
+        tmp_path, regions=REGIONS, rounds=ROUNDS, inner_steps=INNER_STEPS, customize=configure
+    ) as (fed, observer):
+        final = await fed.wait_completed(timeout_s=WAIT_S)
+        entries = await audit_entries(fed, job=fed.job, verify=True)
+        check_same_parameters(
+            fed, observer, ROUNDS, {region: set(range(ROUNDS)) for region in REGIONS}
+        )
+        trained_ahead = {region: ahead(fed, region) for region in REGIONS}
+        published = {r: update_tensors(fed, r) for r in range(ROUNDS)}
+        # The agent keeps θ of the last rounds: the last two versions differ only where
+        # the last round's fragment is.
+        before, after = (
+            held_theta(fed, "eu-west", ROUNDS - 2),
+            held_theta(fed, "eu-west", ROUNDS - 1),
+        )
+
+    assert final["round"] == ROUNDS
+    announced = [a for a in observer.announcements if a.job == fed.job]
+    assert all((a.overlap, a.fragments) == ("streaming", FRAGMENTS) for a in announced)
+    accepts = sorted((e.round, e.region) for e in entries if e.action == "delta.accept")
+    assert accepts == [(r, g) for r in range(ROUNDS) for g in sorted(REGIONS)]
+
+    plan = fragment_plan({name: tuple(t.shape) for name, t in after.items()}, FRAGMENTS)
+    for round_, names in published.items():
+        assert names == list(plan.names(round_)), round_
+    assert set(published[0]).isdisjoint(published[1])
+    assert set(published[0]) | set(published[1]) == set(after)
+    moved = {name for name in after if not torch.equal(after[name], before[name])}
+    assert moved
+    assert moved <= set(plan.names(ROUNDS - 2)), moved
+
+    for region, rounds in trained_ahead.items():
+        # Round 0 starts from θ_0; every later round was started from the local parameters.
+        assert sorted(rounds) == list(range(1, ROUNDS)), (region, rounds)
+        for round_, (started_at, fold_step) in rounds.items():
+            assert started_at < opened_at(observer, round_), (region, round_)
+            assert 1 <= fold_step <= INNER_STEPS, (region, round_, fold_step)
+
+
+async def test_a_worker_killed_in_a_streaming_round_costs_only_its_speculative_steps(
+    tmp_path: Path,
+) -> None:
+    victim, killed_round = "eu-west", 1
+    async with observed_federation(
+        tmp_path, regions=REGIONS, rounds=ROUNDS, inner_steps=INNER_STEPS, customize=configure
+    ) as (fed, observer):
+        await poll(
+            fed,
+            lambda: speculating(fed, victim, killed_round),
+            f"{victim} to train round {killed_round} ahead of θ",
+            timeout_s=WAIT_S,
+        )
+        rank0 = json.loads((workers_dir(fed, victim) / "ranks" / "rank-0.json").read_text())
+        os.kill(rank0["pid"], signal.SIGKILL)
+        final = await fed.wait_completed(timeout_s=WAIT_S)
+        entries = await audit_entries(fed, job=fed.job, verify=True)
+        check_same_parameters(
+            fed, observer, ROUNDS, {region: set(range(ROUNDS)) for region in REGIONS}
+        )
+        trained_ahead = ahead(fed, victim)
+        rank_log = (workers_dir(fed, victim) / "logs" / "rank-0.log").read_text()
+
+    assert final["round"] == ROUNDS
+    accepts = sorted((e.round, e.region) for e in entries if e.action == "delta.accept")
+    assert accepts == [(r, g) for r in range(ROUNDS) for g in sorted(REGIONS)]
+    assert f"resumed from the regional checkpoint of round {killed_round - 1}" in rank_log
+    assert f"job {fed.job} round {killed_round}: θ came; training from it" in rank_log
+    assert killed_round not in trained_ahead
+    assert killed_round + 1 in trained_ahead

@@ -1,0 +1,155 @@
+"""Applying an update that names some of θ's tensors (a streaming round's fragment).
+
+Everyone who applies a global update goes through
+:func:`geofed.artifact_check.apply_verified_update`: the named tensors get the update
+added, every other tensor stays bit for bit, a name θ does not have is refused, and the
+result must still hash to the manifest's ``parameters_hash``.
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+
+import pytest
+import torch
+
+from geofed.artifact_bundle import pack_bundle
+from geofed.artifact_check import (
+    ArtifactRefused,
+    VerifiedArtifact,
+    apply_verified_update,
+    verify_artifact,
+)
+from geofed.codec import decode, encode_stream
+from geofed.codec_params import CodecParams
+from geofed.deltas import DeltaError, apply_partial_update, apply_update
+from geofed.manifest import ArtifactProvenance, build_manifest, sign_manifest
+from geofed.params import parameters_vector_hash
+from geofed.pki import TrustBundle
+from geofed.types import ArtifactKind
+from tests.support.pki import Federation, make_federation
+
+INT8 = CodecParams(scheme="int8", block_size=32, zstd_level=1)
+
+
+def _theta() -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(0)
+    return {
+        "embed": torch.randn(10, 6, generator=gen),
+        "layer.weight": torch.randn(6, 6, generator=gen),
+        "layer.bias": torch.randn(6, generator=gen),
+        "head": torch.randn(3, 6, generator=gen),
+    }
+
+
+def _update(names: tuple[str, ...], seed: int = 1) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    theta = _theta()
+    return {name: 0.01 * torch.randn(theta[name].shape, generator=gen) for name in names}
+
+
+def test_a_partial_update_adds_to_its_tensors_and_keeps_the_others() -> None:
+    theta = _theta()
+    update = _update(("layer.bias", "embed"))
+    result = apply_partial_update(theta, update)
+    assert list(result) == list(theta)  # θ's order, whatever the update's
+    for name in ("layer.bias", "embed"):
+        assert torch.equal(result[name], torch.add(theta[name], update[name]))
+    for name in ("layer.weight", "head"):
+        assert result[name] is theta[name]
+    # Nothing was written to.
+    assert all(torch.equal(theta[name], _theta()[name]) for name in theta)
+
+
+def test_a_partial_update_naming_every_tensor_is_the_full_update() -> None:
+    theta = _theta()
+    update = _update(tuple(theta))
+    partial, full = apply_partial_update(theta, update), apply_update(theta, update)
+    assert parameters_vector_hash(partial) == parameters_vector_hash(full)
+
+
+def test_a_partial_update_refuses_unknown_names_and_no_names_and_wrong_shapes() -> None:
+    theta = _theta()
+    with pytest.raises(DeltaError, match=r"do not have: \['ghost'\]"):
+        apply_partial_update(theta, {**_update(("head",)), "ghost": torch.zeros(2)})
+    with pytest.raises(DeltaError, match="names no tensor"):
+        apply_partial_update(theta, {})
+    with pytest.raises(DeltaError, match=r"'head' has shapes \(3, 6\) and \(6, 3\)"):
+        apply_partial_update(theta, {"head": torch.zeros(6, 3)})
+
+
+@pytest.fixture(scope="module")
+def fed(tmp_path_factory: pytest.TempPathFactory) -> Federation:
+    return make_federation(tmp_path_factory.mktemp("fed"))
+
+
+def _verified(
+    fed: Federation,
+    update: dict[str, torch.Tensor],
+    base_hash: str,
+    parameters_hash: str,
+) -> VerifiedArtifact:
+    """``update`` published as round 4's signed update, downloaded and verified."""
+    coordinator = fed.coordinator()
+    stream = encode_stream(update, INT8, chunk_elements=32)
+    now = datetime.now(UTC)
+    manifest = build_manifest(
+        kind=ArtifactKind.GLOBAL_UPDATE,
+        job="job-1",
+        round=4,
+        producer=coordinator.identity,
+        stream=stream,
+        provenance=(ArtifactProvenance(region="eu-west", jurisdiction="EU", datasets=("a",)),),
+        created_at=now,
+        base_round=4,
+        base_hash=base_hash,
+        parameters_hash=parameters_hash,
+        tokens=10,
+    )
+    cred = coordinator.credential
+    signed = sign_manifest(manifest, cred.private_key, cred.certificate)
+    data = pack_bundle(signed.to_bytes(), stream.frames())
+    bundle: TrustBundle = fed.bundle()
+    return verify_artifact(
+        data, bundle, kind=ArtifactKind.GLOBAL_UPDATE, job="job-1", round_=4, now=now
+    )
+
+
+def test_a_verified_partial_update_gives_the_published_parameters(fed: Federation) -> None:
+    theta = _theta()
+    base = parameters_vector_hash(theta)
+    update = _update(("layer.weight", "head"))
+    # What the coordinator publishes: θ_r plus the decoded update, hashed over all of θ.
+    stream = encode_stream(update, INT8, chunk_elements=32)
+    published = apply_partial_update(theta, decode(stream.frames()))
+    verified = _verified(fed, update, base, parameters_vector_hash(published))
+    assert [t.name for t in verified.manifest.tensors] == ["layer.weight", "head"]
+
+    result, found = apply_verified_update(theta, 4, base, verified)
+
+    assert found == parameters_vector_hash(published)
+    assert all(torch.equal(result[name], published[name]) for name in theta)
+    assert result["embed"] is theta["embed"]
+    assert result["layer.bias"] is theta["layer.bias"]
+
+
+def test_a_verified_update_naming_a_tensor_theta_lacks_is_refused(fed: Federation) -> None:
+    theta = _theta()
+    base = parameters_vector_hash(theta)
+    update = {**_update(("head",)), "ghost.weight": torch.zeros(4)}
+    verified = _verified(fed, update, base, base)
+    with pytest.raises(ArtifactRefused, match=r"update job-1/4: .*do not have: \['ghost.weight'\]"):
+        apply_verified_update(theta, 4, base, verified)
+
+
+def test_a_partial_update_whose_result_does_not_hash_as_declared_is_refused(
+    fed: Federation,
+) -> None:
+    theta = _theta()
+    base = parameters_vector_hash(theta)
+    # The declared hash is θ_r's own: the update would change nothing, but it does.
+    verified = _verified(fed, _update(("embed",)), base, base)
+    with pytest.raises(ArtifactRefused, match=r"parameters hash \w+, the manifest says"):
+        apply_verified_update(theta, 4, base, verified)
+    with pytest.raises(ArtifactRefused, match="has base_hash"):
+        apply_verified_update(theta, 4, "cd" * 32, verified)
