@@ -339,8 +339,10 @@ class JobSpec(_Section):
     @model_validator(mode="before")
     @classmethod
     def _streaming_fragments_default(cls, data: object) -> object:
+        # An explicit null means the default too: a streaming job always has its F.
         if isinstance(data, dict) and data.get("overlap") == "streaming":
-            return {"fragments": DEFAULT_FRAGMENTS, **data}
+            if data.get("fragments") is None:
+                return {**data, "fragments": DEFAULT_FRAGMENTS}
         return data
 
     @model_validator(mode="after")

@@ -28,7 +28,10 @@ from pydantic import (
     JsonValue,
     StringConstraints,
     TypeAdapter,
+    SerializationInfo,
+    SerializerFunctionWrapHandler,
     ValidationError,
+    model_serializer,
     model_validator,
 )
 
@@ -145,6 +148,25 @@ class RoundAnnouncement(_Message):
         default_factory=dict
     )
     shards: int | None = Field(default=None, ge=1, lt=2**31)
+
+    @model_validator(mode="after")
+    def _fragments_with_streaming(self) -> RoundAnnouncement:
+        if (self.overlap == "streaming") != (self.fragments is not None):
+            raise ValueError(
+                f"fragments ({self.fragments}) is for overlap streaming only and streaming "
+                f"needs it (overlap is {self.overlap!r})"
+            )
+        return self
+
+    @model_serializer(mode="wrap")
+    def _without_absent_fragments(
+        self, handler: SerializerFunctionWrapHandler, info: SerializationInfo
+    ) -> dict[str, Any]:
+        # Left out unless streaming, so agents that predate the key read every other job.
+        data: dict[str, Any] = handler(self)
+        if data.get("fragments", 0) is None:
+            del data["fragments"]
+        return data
 
     def data_shard(self, region: str) -> tuple[int, int]:
         """``region``'s data shard: its slot in the job's assignment, and the slot count.

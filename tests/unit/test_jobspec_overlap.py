@@ -61,3 +61,8 @@ def test_the_job_spec_refuses_unknown_overlap_modes(value: str) -> None:
     problem = _problem(f"overlap: {value}\n")
     assert "job.yaml:9" in problem
     assert "overlap must be one of none, delayed, streaming" in problem
+
+
+def test_an_explicit_null_fragments_means_the_default() -> None:
+    spec = parse_job_spec(SPEC + "overlap: streaming\nfragments: ~\n", "job.yaml")
+    assert spec.fragments == DEFAULT_FRAGMENTS
