@@ -107,6 +107,7 @@ def publication_step(
     codec: CodecParams,
     *,
     names: Sequence[str] | None = None,
+    own_steps: int | None = None,
     phase: Callable[[str], AbstractContextManager[object]] = _unmeasured,
 ) -> PublicationStep:
     """Apply the outer step to θ_r and encode the update; inputs are not modified.
@@ -116,6 +117,8 @@ def publication_step(
     (:meth:`OuterOptimizer.step_subset`), the update and the new residual cover only
     them (the residual of every other tensor is carried as it is) and every other tensor
     of θ_{r+1} is θ_r's. None: every tensor of θ_r, as ``mean`` must then name.
+    ``own_steps``: the outer steps those tensors took before, which set the momentum
+    warm-up (:meth:`JobPublishing.own_steps`).
 
     Each step named in :data:`PUBLICATION_PHASES` runs inside ``phase(name)``, so that a
     caller can measure the steps of the very computation the daemon runs (the
@@ -129,7 +132,7 @@ def publication_step(
         if names is None:
             target = optimizer.step(params, mean)
         else:
-            target = optimizer.step_subset(stepped, mean)
+            target = optimizer.step_subset(stepped, mean, own_steps=own_steps)
     with phase("encode_update"):
         intended = update_to_publish(stepped, target, carried)
         del target
@@ -267,6 +270,11 @@ class JobPublishing:
             return dict(self.specs)
         return {name: self.specs[name] for name in plan.names(round_)}
 
+    def own_steps(self, round_: int) -> int | None:
+        """The outer steps round ``round_``'s fragment took before it (it steps once every
+        F rounds), which set its momentum warm-up; None: all of θ steps every round."""
+        return None if self.plan is None else round_ // self.plan.count
+
     def round_names(self, round_: int) -> tuple[str, ...] | None:
         """The tensors round ``round_`` steps when it is a fragment; None: all of θ."""
         return None if self.plan is None else tuple(self.round_specs(round_))
@@ -338,6 +346,7 @@ def publish_round(
         state.residual,
         job.codec,
         names=job.round_names(state.version),
+        own_steps=job.own_steps(state.version),
     )
     flagged = combined.flagged
     del combined

@@ -163,38 +163,49 @@ class OuterOptimizer:
         bad input :class:`OuterOptimizerError` is raised and the state is unchanged.
         """
         _check_tensors(params, pseudo_grad, self._buffers)
-        targets, buffers = self._targets(params, pseudo_grad)
+        targets, buffers = self._targets(params, pseudo_grad, self._steps)
         self._buffers = buffers
         self._steps += 1
         return targets
 
     def step_subset(
-        self, params: Mapping[str, Tensor], pseudo_grad: Mapping[str, Tensor]
+        self,
+        params: Mapping[str, Tensor],
+        pseudo_grad: Mapping[str, Tensor],
+        *,
+        own_steps: int | None = None,
     ) -> dict[str, Tensor]:
         """:meth:`step` for some of the model's tensors only (a streaming round's fragment).
 
         ``params`` and ``pseudo_grad`` name the same tensors; their momentum buffers move
         (each starts at its first step), every other buffer is kept as it is, and the step
-        count counts this step like any other (it counts rounds, which set the warm-up's
-        momentum). The fragment's buffers must all exist or none (a fragment's tensors are
-        always stepped together); otherwise, or on any bad input, :class:`OuterOptimizerError`
-        and the state is unchanged.
+        count counts this step like any other (it counts rounds). ``own_steps``: the outer
+        steps these tensors took before (a fragment's, which steps once every F rounds),
+        which set the warm-up's momentum instead of the step count, so the warm-up ramps
+        over each tensor's own steps. The fragment's buffers must all exist or none (a
+        fragment's tensors are always stepped together); otherwise, or on any bad input,
+        :class:`OuterOptimizerError` and the state is unchanged.
         """
         if not params:
             raise OuterOptimizerError("a partial outer step needs at least one tensor")
         held = {name: buf for name, buf in self._buffers.items() if name in params}
         _check_tensors(params, pseudo_grad, held)
-        targets, buffers = self._targets(params, pseudo_grad)
+        if own_steps is not None and own_steps < 0:
+            raise OuterOptimizerError(f"own_steps must be >= 0, got {own_steps}")
+        targets, buffers = self._targets(
+            params, pseudo_grad, self._steps if own_steps is None else own_steps
+        )
         self._buffers = {**self._buffers, **buffers}
         self._steps += 1
         return targets
 
     def _targets(
-        self, params: Mapping[str, Tensor], pseudo_grad: Mapping[str, Tensor]
+        self, params: Mapping[str, Tensor], pseudo_grad: Mapping[str, Tensor], steps: int
     ) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
-        """The targets of ``params`` and their new momentum buffers (state untouched)."""
+        """The targets of ``params`` after ``steps`` earlier steps and their new momentum
+        buffers (state untouched)."""
         cfg = self._config
-        momentum = cfg.momentum_at(self._steps)
+        momentum = cfg.momentum_at(steps)
         targets: dict[str, Tensor] = {}
         buffers: dict[str, Tensor] = {}
         for name, param in params.items():

@@ -500,3 +500,31 @@ def test_a_subset_step_refuses_half_known_fragments_and_nothing() -> None:
         optimizer.step(theta, _grad(theta, tuple(theta), 2))
     assert optimizer.state_dict()["steps"] == before["steps"] == 1
     assert list(optimizer.state_dict()["momentum_buffers"]) == list(FIRST)
+
+
+def test_the_warm_up_ramps_over_a_fragments_own_steps() -> None:
+    theta = _params(0)
+    config = OuterOptimizerConfig(lr=0.5, momentum=0.8, momentum_warmup_rounds=4)
+    optimizer = OuterOptimizer(config)
+    optimizer.step_subset({n: theta[n] for n in FIRST}, _grad(theta, FIRST, 1))
+    grad = _grad(theta, SECOND, 2)
+    # The second fragment's first step, in round 1: its own first step, so μ = 0 (plain
+    # SGD), not the μ = 0.2 of the job's second round.
+    own = OuterOptimizer.from_state_dict(optimizer.state_dict())
+    first = own.step_subset({n: theta[n] for n in SECOND}, grad, own_steps=0)
+    by_round = OuterOptimizer.from_state_dict(optimizer.state_dict())
+    counted = by_round.step_subset({n: theta[n] for n in SECOND}, grad)
+    for name in SECOND:
+        assert torch.equal(first[name], theta[name] - 0.5 * grad[name])
+        assert torch.allclose(counted[name], theta[name] - 0.5 * 1.2 * grad[name])
+    with pytest.raises(OuterOptimizerError, match="own_steps must be >= 0"):
+        own.step_subset({n: theta[n] for n in SECOND}, grad, own_steps=-1)
+
+
+def test_a_streaming_round_warms_up_over_the_fragments_own_steps(world: World) -> None:
+    publishing = world.ctx.publishing
+    assert publishing.plan is not None
+    fragments = publishing.plan.count
+    assert [publishing.own_steps(r) for r in range(2 * fragments + 1)] == [
+        r // fragments for r in range(2 * fragments + 1)
+    ]
