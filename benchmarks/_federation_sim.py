@@ -40,6 +40,16 @@ Two corrections of that rule can be measured (both off by default):
   S is then that start, and the fold is as above. The math is the regional agent's own
   (:mod:`geofed.eager_start`).
 
+With ``overlap="streaming"`` (Streaming DiLoCo on top of the above) the model's tensors are
+split into ``fragments`` F (:func:`geofed.fragments.fragment_plan`, the daemons' split) and
+round r synchronizes fragment r mod F only: each region's Δ_r names that fragment's tensors
+(the error-feedback residual of the others carried over unchanged), the coordinator combines
+and steps only those (the momentum buffers and update residual of the others kept) and
+publishes an update that names only them, so every other tensor of θ_{r+1} is θ_r's. A
+region folds that fragment alone one round late, y[n] ← y[n] + (θ_{r+1}[n] - S[n]) for its
+tensors n (S holds only them); the other tensors train on locally until their own round.
+Each tensor is thus synchronized every F rounds; F = 1 is ``delayed``, bit for bit.
+
 An ``attack`` makes the last region hostile: it trains honestly, then sends its delta
 multiplied by :data:`ATTACK_FACTORS` (through the agent's own encoding), claiming its
 honest tokens.
@@ -64,15 +74,16 @@ from coordinator.outer_round import publication_step
 from coordinator.robust_aggregation import combine
 from geofed.codec import EncodedStream, ErrorFeedback, decode, decode_pieces
 from geofed.codec_params import CodecParams, Scheme
-from geofed.deltas import apply_update
+from geofed.deltas import apply_partial_update
 from geofed.eager_start import OuterReplica
+from geofed.fragments import FragmentError, FragmentPlan, fragment_plan
 from geofed.params import load_federated_state, parameters_vector_hash, state_to_fp32
 from geofed.task import DataShard, Task
 from regional_agent.delta import EncodedDelta, encode_delta
 
 Method = Literal["sync", "diloco"]
 Attack = Literal["none", "scaled", "sign_flipped"]
-Overlap = Literal["none", "delayed"]
+Overlap = Literal["none", "delayed", "streaming"]
 DelayedStart = Literal["local", "global", "eager"]
 
 #: What a hostile region multiplies its honest delta by.
@@ -109,6 +120,7 @@ class RunSpec:
     arrival_fraction: float = 1.0
     fold_mix: float = 1.0
     delayed_start: DelayedStart = "local"
+    fragments: int | None = None
 
     def __post_init__(self) -> None:
         for what in ("regions", "workers", "rounds", "inner_steps"):
@@ -122,10 +134,21 @@ class RunSpec:
             )
         if not 0.0 <= self.fold_mix <= 1.0:
             raise SimulationError(f"fold_mix must be in [0, 1], got {self.fold_mix}")
+        if (self.overlap == "streaming") != (self.fragments is not None):
+            raise SimulationError(
+                f"fragments is set exactly with overlap 'streaming', got overlap "
+                f"{self.overlap!r} and fragments {self.fragments}"
+            )
+        if self.fragments is not None and self.fragments < 1:
+            raise SimulationError(f"fragments must be >= 1, got {self.fragments}")
+        if self.overlap == "streaming" and self.delayed_start != "local":
+            raise SimulationError(
+                f"delayed_start {self.delayed_start!r} is not available with overlap 'streaming'"
+            )
 
     @property
     def arrival_step(self) -> int:
-        """Inner steps of a round trained before θ_r arrives, under ``overlap="delayed"``."""
+        """Inner steps of a round trained before θ_r arrives, under ``delayed``/``streaming``."""
         return round(self.arrival_fraction * self.inner_steps)
 
     @property
@@ -162,6 +185,8 @@ class RunResult:
     comm_s: float = 0.0
     eval_s: float = 0.0
     wall_s: float = 0.0
+    # The global parameters at the end: the coordinator's θ (the model under ``sync``).
+    params: dict[str, torch.Tensor] = field(default_factory=dict)
 
     @property
     def final_val_loss(self) -> float:
@@ -241,15 +266,33 @@ class SimCoordinator:
         self._specs = {name: tuple(t.shape) for name, t in self.params.items()}
         self._aggregation = aggregation or AggregationConfig()
 
-    def close_round(self, deltas: Mapping[str, tuple[int, EncodedDelta]]) -> EncodedStream:
-        """Fold the encoded deltas (region -> tokens, delta) in, step, return the update."""
+    def close_round(
+        self,
+        deltas: Mapping[str, tuple[int, EncodedDelta]],
+        names: Sequence[str] | None = None,
+        own_steps: int | None = None,
+    ) -> EncodedStream:
+        """Fold the encoded deltas (region -> tokens, delta) in, step, return the update.
+
+        ``names``: a streaming round's fragment, stepped as the daemon steps it
+        (:func:`publication_step` with ``names`` and ``own_steps``: only those tensors,
+        their momentum buffers and residual move, and the update names only them); None:
+        the whole model.
+        """
+        specs = self._specs if names is None else {name: self._specs[name] for name in names}
         sources = {
             region: (float(tokens), functools.partial(decode_pieces, delta.frames))
             for region, (tokens, delta) in deltas.items()
         }
-        mean = combine(self._specs, sources, self._aggregation).delta
+        mean = combine(specs, sources, self._aggregation).delta
         publication = publication_step(
-            self.params, mean, self._optimizer_state, self._residual, self._codec
+            self.params,
+            mean,
+            self._optimizer_state,
+            self._residual,
+            self._codec,
+            names=names,
+            own_steps=own_steps,
         )
         self.params = publication.params
         self._optimizer_state = publication.optimizer_state
@@ -311,6 +354,7 @@ def simulate(task: Task[Any], spec: RunSpec) -> RunResult:
                 task, model, optimizer, every_shard, spec.warmup_steps, spec.warmup_steps, result, 0
             )
         _run_rounds(task, spec, model, optimizer, shards, result)
+    result.params = state_to_fp32(model)
     result.wall_s = time.perf_counter() - started
     return result
 
@@ -325,6 +369,7 @@ def _run_rounds(
 ) -> None:
     codec = CodecParams(scheme=spec.scheme)
     coordinator = SimCoordinator(state_to_fp32(global_model), spec.outer, codec, spec.aggregation)
+    plan = _plan(spec, coordinator.params)
     hostile = spec.regions - 1 if spec.attack != "none" else None
     warm_state = warm_optimizer.state_dict() if spec.warmup_steps else None
     models: list[nn.Module] = []
@@ -339,7 +384,8 @@ def _run_rounds(
         models.append(model)
         optimizers.append(optimizer)
     feedback = [ErrorFeedback() for _ in range(spec.regions)]
-    # Under overlap="delayed", where each region started its current round (S).
+    # Under delayed/streaming, where each region started its current round (S), on the
+    # tensors the late update will fold (a streaming round's fragment).
     snapshots: list[dict[str, torch.Tensor] | None] = [None] * spec.regions
     # Under delayed_start="eager": each region's last raw delta, and what every region
     # knows of the outer optimizer (the same for all, so kept once).
@@ -351,6 +397,7 @@ def _run_rounds(
         if spec.delayed_start == "eager" and previous_base is not None:
             replica.observe(previous_base, base)
         previous_base = base
+        names = tuple(base) if plan is None else plan.names(round_)
         deltas: dict[str, tuple[int, EncodedDelta]] = {}
         for index, (model, optimizer) in enumerate(zip(models, optimizers, strict=True)):
             tick = time.perf_counter()
@@ -369,24 +416,29 @@ def _run_rounds(
             result.train_s += time.perf_counter() - tick
             tick = time.perf_counter()
             local = state_to_fp32(model)
-            if spec.overlap == "delayed":
+            if spec.overlap != "none":
                 start = delayed_start(spec, base, local, last_deltas[index], replica)
                 if start is not local:
                     load_federated_state(model, start)
-                snapshots[index] = start
+                snapshots[index] = {name: start[name] for name in names}
                 if spec.delayed_start == "eager":
                     last_deltas[index] = {name: base[name] - local[name] for name in base}
+            sent = {name: base[name] for name in names}
+            local = {name: local[name] for name in names}
             if index == hostile:
                 factor = ATTACK_FACTORS[spec.attack]
                 # Δ = θ_r - local, so this local makes the agent's encoding send factor x Δ.
-                local = {name: base[name] + factor * (local[name] - base[name]) for name in base}
-            encoded = encode_delta(base, local, feedback[index], codec)
+                local = {name: sent[name] + factor * (local[name] - sent[name]) for name in sent}
+            encoded = encode_delta(sent, local, feedback[index], codec)
             # Every delta is delivered here, so the region takes its new residual at once.
             feedback[index] = encoded.feedback
             deltas[region_name(index)] = (tokens, encoded)
             result.comm_s += time.perf_counter() - tick
         tick = time.perf_counter()
-        update = coordinator.close_round(deltas)
+        if plan is None:
+            update = coordinator.close_round(deltas)
+        else:
+            update = coordinator.close_round(deltas, names, round_ // plan.count)
         _check_reconstruction(base, update, coordinator.params, round_)
         result.comm_s += time.perf_counter() - tick
         _count_bytes(result, [delta for _, delta in deltas.values()], update)
@@ -401,13 +453,28 @@ def _apply_late_update(
     mix: float = 1.0,
 ) -> None:
     """y ← θ + a·(y - S): move a region that trained on from S onto θ, keeping a of its
-    progress since S. a = 1 is computed as y + (θ - S), the simulator's original form."""
-    current = state_to_fp32(model)
-    if mix == 1.0:
-        folded = {name: current[name] + (params[name] - snapshot[name]) for name in current}
-    else:
-        folded = {name: params[name] + mix * (current[name] - snapshot[name]) for name in current}
+    progress since S. a = 1 is computed as y + (θ - S), the simulator's original form.
+
+    Only the tensors ``snapshot`` holds are folded (under streaming, the fragment of the
+    round whose θ arrived); every other tensor keeps its local value.
+    """
+    folded = state_to_fp32(model)
+    for name, start in snapshot.items():
+        if mix == 1.0:
+            folded[name] = folded[name] + (params[name] - start)
+        else:
+            folded[name] = params[name] + mix * (folded[name] - start)
     load_federated_state(model, folded)
+
+
+def _plan(spec: RunSpec, params: Mapping[str, torch.Tensor]) -> FragmentPlan | None:
+    """The fragments of a streaming run, split as the daemons split the model (θ's order)."""
+    if spec.fragments is None:
+        return None
+    try:
+        return fragment_plan({name: tuple(t.shape) for name, t in params.items()}, spec.fragments)
+    except FragmentError as exc:
+        raise SimulationError(f"{spec.name}: {exc}") from None
 
 
 def delayed_start(
@@ -447,8 +514,9 @@ def _check_reconstruction(
     coordinator_params: Mapping[str, torch.Tensor],
     round_: int,
 ) -> None:
-    """A region's θ_r + decode(update) must hash equal to the coordinator's θ_{r+1}."""
-    region_params = apply_update(base, decode(update.frames()))
+    """A region's θ_r + decode(update) must hash equal to the coordinator's θ_{r+1} (an
+    update that names a fragment adds to its tensors and keeps the others)."""
+    region_params = apply_partial_update(base, decode(update.frames()))
     if parameters_vector_hash(region_params) != parameters_vector_hash(coordinator_params):
         raise SimulationError(f"round {round_}: a region's reconstruction differs from θ_(r+1)")
 

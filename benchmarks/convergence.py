@@ -7,7 +7,8 @@ validation loss, WAN bytes (encoded, and their fp32 equivalent) and wall time pe
 configuration, with the spread over seeds, and checks them against DESIGN's targets.
 
     python -m benchmarks.convergence [--regions 3] [--rounds 12] [--inner-steps 25]
-        [--seeds 2] [--workers 1] [--threads 1] [--smoke] [--out PATH] [--note TEXT]
+        [--seeds 2] [--workers 1] [--threads 1] [--fragments 4] [--smoke] [--out PATH]
+        [--note TEXT]
     python -m benchmarks.convergence --sweep [--sweep-h 10,25,50,100] [--warm-start-steps N]
     python -m benchmarks.convergence --robust [--regions 5] [--rounds 6] [--inner-steps 10]
     python -m benchmarks.convergence --outer-sweep [--sweep-lr 0.3,0.5,0.7,1.0]
@@ -26,7 +27,11 @@ it saves when one region sends its delta scaled or sign-flipped, and writes
 and momentum warm-up on one seed, picks the lowest final loss, and confirms it against
 plain averaging on other seeds, and writes ``outer_sweep.json``. The main table also has
 rows for ``overlap: delayed`` (the one-step delayed outer update; see
-:mod:`benchmarks._federation_sim`). ``--overlap-sweep`` measures corrections of the
+:mod:`benchmarks._federation_sim`) and ``overlap: streaming`` with ``--fragments`` F: once
+with rounds of H steps (each tensor synchronized every F·H steps) and once with rounds of
+about H/F steps (each tensor synchronized about every H steps, as ``none`` at H: Streaming
+DiLoCo's setting; once more with no delay, to tell the fragments' cost from the delay's),
+all at the same tokens as every other row. ``--overlap-sweep`` measures corrections of the
 delayed fold (the mix a, the start of a round, then the outer optimizer) against
 ``overlap: none`` at equal tokens: chosen on one seed over every arrival time, confirmed on
 others, and writes ``overlap_sweep.json``. Figures go to ``--out`` (JSON) and the same
@@ -91,12 +96,24 @@ MAIN_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
 
 #: The overlap rows' reference: the same outer optimizer and codec without overlap.
 OVERLAP_CONFIGS = ("delayed_end", "delayed_half")
+#: The streaming rows (see :func:`main_configs`), compared with the same reference.
+STREAMING_CONFIGS = ("streaming_same_h", "streaming_h_over_f", "streaming_h_over_f_no_delay")
 OVERLAP_NOTE = (
     "Overlap: `none` is the DiLoCo fp32 row (a region waits for θ_(r+1) before its next "
     "inner phase). `delayed`: a region trains on from its own parameters and applies "
     "θ_(r+1) - (its parameters when it sent Δ_r) when θ_(r+1) arrives, at the end of the "
     "inner phase (communication that takes a whole phase: the worst case the mode accepts "
-    "without waiting) or half-way. `streaming` is not implemented, so it has no row."
+    "without waiting) or half-way. `streaming` (Streaming DiLoCo): delayed, and round r "
+    "synchronizes only fragment r mod F of the model's tensors (geofed.fragments): the "
+    "deltas, the outer step and the update cover those tensors, a region folds only them "
+    "when θ_(r+1) arrives (at the end of the next inner phase unless the row says "
+    "otherwise) and trains the others on locally. With rounds of H steps each tensor is "
+    "synchronized every F·H steps; with rounds of about H/F steps (F times as many rounds, "
+    "each moving about 1/F of the model) about every H steps, as `none` does; that setting "
+    "runs once more with θ arriving before the next phase's first step (no delay), which "
+    "separates what the fragments cost from what the delay costs. Every row sees the same "
+    "tokens. The final loss is that of the coordinator's θ: under streaming, the last F-1 "
+    "rounds' fragments hold up to F-1 rounds of local progress that θ never receives."
 )
 
 #: The outer configurations a sweep confirms its choice against, on the other seeds.
@@ -133,6 +150,7 @@ class Settings:
     robust: bool
     outer_sweep: bool
     overlap_sweep: bool
+    fragments: int
     sweep_mix: tuple[float, ...]
     sweep_start: tuple[DelayedStart, ...]
     arrivals: tuple[float, ...]
@@ -217,6 +235,9 @@ def parse_args(argv: Sequence[str] | None) -> Settings:
     parser.add_argument("--inner-steps", type=int, help="inner steps H (default 25; smoke 3)")
     parser.add_argument("--seeds", type=int, help="seeds 0..N-1 (default 2; smoke 1)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
+    parser.add_argument(
+        "--fragments", type=int, default=4, help="F of the overlap streaming rows (default 4)"
+    )
     parser.add_argument("--smoke", action="store_true", help="a run of a few seconds")
     parser.add_argument("--sweep", action="store_true", help="H and warm-start sweep instead")
     parser.add_argument(
@@ -273,6 +294,8 @@ def parse_args(argv: Sequence[str] | None) -> Settings:
         value = getattr(args, name)
         if value is not None and value < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+    if not 2 <= args.fragments <= 64:
+        parser.error(f"--fragments must be in 2..64 (1 is overlap delayed), got {args.fragments}")
     warm = args.warm_start_steps if args.warm_start_steps is not None else total // 3
     if not 0 <= warm < total:
         parser.error(f"--warm-start-steps must be in [0, {total}), got {warm}")
@@ -321,6 +344,7 @@ def parse_args(argv: Sequence[str] | None) -> Settings:
         robust=args.robust,
         outer_sweep=args.outer_sweep,
         overlap_sweep=args.overlap_sweep,
+        fragments=args.fragments,
         sweep_mix=sweep_mix,
         sweep_start=args.sweep_start or (("local", "eager") if smoke else DELAYED_STARTS),
         arrivals=arrivals,
@@ -361,12 +385,64 @@ def _spec(settings: Settings, name: str, inner_steps: int, rounds: int) -> RunSp
     )
 
 
+def streaming_round_steps(inner_steps: int, fragments: int, total_steps: int) -> int:
+    """Inner steps of a streaming round that synchronizes each tensor about every
+    ``inner_steps`` steps: the divisor of ``total_steps`` nearest H/F (the smaller one on a
+    tie), so that the run sees the same tokens as every other."""
+    target = inner_steps / fragments
+    divisors = [d for d in range(1, total_steps + 1) if total_steps % d == 0]
+    return min(divisors, key=lambda d: (abs(d - target), d))
+
+
+def main_configs(settings: Settings) -> dict[str, tuple[str, dict[str, Any]]]:
+    """:data:`MAIN_CONFIGS` and the streaming rows for ``settings``' H and F."""
+    fragments, h = settings.fragments, settings.inner_steps
+    total = settings.rounds * h
+    short = streaming_round_steps(h, fragments, total)
+    streaming: dict[str, Any] = {
+        "method": "diloco",
+        "scheme": "fp32",
+        "overlap": "streaming",
+        "fragments": fragments,
+        "arrival_fraction": 1.0,
+    }
+    approx = "" if short * fragments == h else "about "
+    return {
+        **MAIN_CONFIGS,
+        "streaming_same_h": (
+            f"DiLoCo fp32, overlap streaming F={fragments}, {settings.rounds} rounds of H={h} "
+            f"steps (each tensor synced every {fragments * h} steps; θ arrives at the end of "
+            "the next inner phase)",
+            streaming,
+        ),
+        "streaming_h_over_f": (
+            f"DiLoCo fp32, overlap streaming F={fragments}, {total // short} rounds of {short} "
+            f"steps, {approx}H/F (each tensor synced every {fragments * short} steps; θ "
+            "arrives at the end of the next inner phase)",
+            {**streaming, "inner_steps": short, "rounds": total // short},
+        ),
+        # What the fragments cost without any delay, to tell the two costs apart.
+        "streaming_h_over_f_no_delay": (
+            f"DiLoCo fp32, overlap streaming F={fragments}, {total // short} rounds of {short} "
+            f"steps, {approx}H/F (each tensor synced every {fragments * short} steps; θ "
+            "arrives before the next inner phase's first step: no delay)",
+            {
+                **streaming,
+                "inner_steps": short,
+                "rounds": total // short,
+                "arrival_fraction": 0.0,
+            },
+        ),
+    }
+
+
 def run_main(task: CharLMTask, settings: Settings) -> dict[str, list[RunResult]]:
     """Run every main configuration for every seed (seeds outermost, so load drifts even out)."""
-    results: dict[str, list[RunResult]] = {name: [] for name in MAIN_CONFIGS}
+    configs = main_configs(settings)
+    results: dict[str, list[RunResult]] = {name: [] for name in configs}
     warm_up(task, _spec(settings, "sync", settings.inner_steps, settings.rounds))
     for seed in range(settings.seeds):
-        for name, (_, fields) in MAIN_CONFIGS.items():
+        for name, (_, fields) in configs.items():
             spec = replace(
                 _spec(settings, name, settings.inner_steps, settings.rounds), seed=seed, **fields
             )
@@ -492,6 +568,9 @@ def config_summary(label: str, results: list[RunResult], model_bytes: int) -> di
         summary["outer"] = spec.outer.model_dump()
         summary["overlap"] = spec.overlap
         summary["arrival_fraction"] = spec.arrival_fraction if spec.overlap != "none" else None
+        if spec.fragments is not None:
+            summary["fragments"] = spec.fragments
+            summary["tensor_synced_every_steps"] = spec.fragments * spec.inner_steps
         summary["wan"] = {
             "simulated": True,
             "bytes_up": up,
@@ -590,6 +669,43 @@ def targets(configs: dict[str, Any], runs: dict[str, list[RunResult]]) -> list[d
                 "comparison": comparison,
             }
         )
+    for name in STREAMING_CONFIGS:
+        if name not in runs:
+            continue
+        spec = runs[name][0].spec
+        what = (
+            f"overlap streaming (F={spec.fragments}, rounds of {spec.inner_steps} steps, each "
+            f"tensor synced every {(spec.fragments or 1) * spec.inner_steps} steps, θ arrives "
+            f"after {spec.arrival_fraction:.0%} of the next inner phase)"
+        )
+        for reference, label in (
+            ("diloco_fp32", "overlap none"),
+            ("delayed_end", "overlap delayed (rounds of H steps, θ at the end of the phase)"),
+        ):
+            if reference not in runs:
+                continue
+            comparison = compare(runs, name, reference)
+            checks.append(
+                {
+                    "name": f"{what} final loss vs {label} at equal tokens (reported)",
+                    "measured": f"{comparison['mean_relative_difference']:+.2%} "
+                    f"({_spread_text(comparison)})",
+                    "value": comparison["mean_relative_difference"],
+                    "met": None,
+                    "comparison": comparison,
+                }
+            )
+        peak = configs[name]["wan"]["bytes_per_round_per_region"]
+        whole = configs["diloco_fp32"]["wan"]["bytes_per_round_per_region"]
+        checks.append(
+            {
+                "name": f"{what} WAN bytes per round per region vs overlap none (reported)",
+                "measured": f"{peak / whole:.4f} of overlap none's ({peak:,.0f} vs {whole:,.0f}; "
+                f"1/F = {1 / (spec.fragments or 1):.4f})",
+                "value": peak / whole,
+                "met": None,
+            }
+        )
     comparison = compare(runs, "diloco_fp32", "fedavg")
     checks.append(
         {
@@ -617,7 +733,11 @@ def targets(configs: dict[str, Any], runs: dict[str, list[RunResult]]) -> list[d
 
 
 def curve_table(runs: dict[str, list[RunResult]]) -> list[dict[str, Any]]:
-    """Mean validation loss over seeds at each step every configuration was evaluated."""
+    """Mean validation loss over seeds at each step the first configuration was evaluated.
+
+    A configuration evaluated on another grid (rounds of another length) shows its last
+    evaluation at or before the step; ``evaluated_at`` then names the step it was taken at.
+    """
     by_config: dict[str, dict[int, tuple[int, list[float]]]] = {
         name: {p.step: (p.tokens, []) for p in results[0].curve} for name, results in runs.items()
     }
@@ -625,13 +745,18 @@ def curve_table(runs: dict[str, list[RunResult]]) -> list[dict[str, Any]]:
         for result in results:
             for point in result.curve:
                 by_config[name][point.step][1].append(point.val_loss)
-    steps = sorted(set.intersection(*(set(points) for points in by_config.values())))
     first = next(iter(by_config.values()))
     rows: list[dict[str, Any]] = []
-    for step in steps:
+    for step in sorted(first):
         row: dict[str, Any] = {"step": step, "tokens": first[step][0]}
+        earlier: dict[str, int] = {}
         for name, points in by_config.items():
-            row[name] = _mean(points[step][1])
+            at = max(s for s in points if s <= step)
+            row[name] = _mean(points[at][1])
+            if at != step:
+                earlier[name] = at
+        if earlier:
+            row["evaluated_at"] = earlier
         rows.append(row)
     return rows
 
@@ -1023,27 +1148,38 @@ def render_main(report: dict[str, Any]) -> str:
         "DiLoCo rows use the outer optimizer's defaults: "
         f"{_outer_cell(report['settings']['outer_optimizer'])} (see outer_sweep.md).",
         "",
-        "| config | final val loss (mean ± std) | vs sync | WAN bytes up+down "
-        "| fp32 equivalent | ratio | wall s (train / comm / eval) |",
-        "|---|---|---|---|---|---|---|",
+        "`vs none` (overlap rows): the relative difference of final loss to the DiLoCo fp32 "
+        "row (overlap none), mean over seeds, and per seed.",
+        "",
+        "| config | final val loss (mean ± std) | vs sync | vs none | WAN bytes up+down "
+        "| per round per region | fp32 equivalent | ratio | wall s (train / comm / eval) |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for c in configs.values():
         vs_sync = c.get("vs_sync")
+        vs_none = c.get("vs_none")
         wan = c["wan"]
         if wan["simulated"]:
             moved = f"{wan['bytes_up'] + wan['bytes_down']:,.0f}"
+            per_round = f"{wan['bytes_per_round_per_region']:,.0f}"
             fp32 = f"{wan['fp32_bytes_equivalent']:,.0f}"
             ratio = f"{wan['ratio']:.4f}"
         else:
-            moved, fp32, ratio = (
+            moved, per_round, fp32, ratio = (
                 "(not simulated)",
+                "",
                 f"{wan['allreduce_fp32_bytes_equivalent']:,}",
                 "",
             )
+        none_cell = ""
+        if vs_none:
+            per_seed = ", ".join(f"{x:+.2%}" for x in vs_none["per_seed_relative_difference"])
+            none_cell = f"{vs_none['mean_relative_difference']:+.2%} ({per_seed})"
         lines.append(
             f"| {c['label']} | {_loss_cell(c['final_val_loss'])} | "
             + (f"{vs_sync['mean_relative_difference']:+.2%}" if vs_sync else "")
-            + f" | {moved} | {fp32} | {ratio} | {c['wall_s']['mean']:.0f} "
+            + f" | {none_cell} | {moved} | {per_round} | {fp32} | {ratio} | "
+            f"{c['wall_s']['mean']:.0f} "
             f"({c['train_s']:.0f} / {c['comm_s']:.1f} / {c['eval_s']:.1f}) |"
         )
     lines += targets_table(report["targets"])
@@ -1052,11 +1188,17 @@ def render_main(report: dict[str, Any]) -> str:
         "",
         "## Validation loss by training length (mean over seeds)",
         "",
+        "A value evaluated at an earlier step (rounds of another length) says at which.",
+        "",
         "| step | tokens | " + " | ".join(names) + " |",
         "|---|---|" + "---|" * len(names),
     ]
     for row in report["curve"]:
-        cells = " | ".join(f"{row[name]:.4f}" for name in names)
+        earlier = row.get("evaluated_at", {})
+        cells = " | ".join(
+            f"{row[name]:.4f}" + (f" (at {earlier[name]})" if name in earlier else "")
+            for name in names
+        )
         lines.append(f"| {row['step']} | {row['tokens']:,} | {cells} |")
     return "\n".join(lines) + "\n"
 
@@ -1168,7 +1310,7 @@ def build_report(
 ) -> dict[str, Any]:
     model = task.build_model()
     params = sum(p.numel() for p in model.parameters())
-    labels = {name: label for name, (label, _) in MAIN_CONFIGS.items()}
+    labels = {name: label for name, (label, _) in main_configs(settings).items()}
     report: dict[str, Any] = {
         "benchmark": "convergence_sweep"
         if settings.sweep
@@ -1194,6 +1336,7 @@ def build_report(
             if settings.outer_sweep or settings.overlap_sweep
             else list(range(settings.seeds)),
             "torch_threads": settings.threads,
+            "fragments": settings.fragments,
             "smoke": settings.smoke,
             "outer_optimizer": OuterOptimizerConfig().model_dump(),
             "codec": "geofed.codec defaults (block 128, bf16 scales, zstd level 1), "
@@ -1223,6 +1366,8 @@ def build_report(
     for name, summary in report["configs"].items():
         if name != "sync":
             summary["vs_sync"] = compare(runs, name, "sync")
+        if summary.get("overlap") in ("delayed", "streaming") and "diloco_fp32" in runs:
+            summary["vs_none"] = compare(runs, name, "diloco_fp32")
     if settings.sweep:
         report["settings"]["sweep_h"] = list(settings.sweep_h)
         report["settings"]["warm_start_steps"] = settings.warm_start_steps

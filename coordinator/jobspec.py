@@ -340,9 +340,9 @@ class JobSpec(_Section):
     @classmethod
     def _streaming_fragments_default(cls, data: object) -> object:
         # An explicit null means the default too: a streaming job always has its F.
-        if isinstance(data, dict) and data.get("overlap") == "streaming":
-            if data.get("fragments") is None:
-                return {**data, "fragments": DEFAULT_FRAGMENTS}
+        streaming = isinstance(data, dict) and data.get("overlap") == "streaming"
+        if streaming and isinstance(data, dict) and data.get("fragments") is None:
+            return {**data, "fragments": DEFAULT_FRAGMENTS}
         return data
 
     @model_validator(mode="after")

@@ -14,8 +14,9 @@ up to ``download_window`` artifacts of the chain at once (agent config
 artifact is one streamed GET that resumes with ``Range`` after a drop.
 
 With :class:`~regional_agent.metrics.AgentMetrics` it counts the bytes downloaded (as
-they arrive, failed downloads included), the float32 size of every verified update or
-snapshot it applies, and each completed resync.
+they arrive, failed downloads included), the float32 size of the tensors every verified
+update or snapshot it applies carries (a streaming round's update carries only its
+fragment, a snapshot all of θ), and each completed resync.
 """
 
 from __future__ import annotations
@@ -152,13 +153,13 @@ class Synchronizer:
         url = announcement.update_url
         if held is not None and url is not None and held[0].round == target.round - 1:
             try:
-                params, version, scheme = await self._update(announcement, url, held)
+                params, version, counted = await self._update(announcement, url, held)
             except (ArtifactRejected, HttpError) as exc:
                 refused = str(exc)
                 log.warning("refused the update to θ_%d (%s); resyncing", target.round, exc)
             else:
                 if version == target:
-                    self._applied(scheme, _fp32_bytes(params))
+                    self._applied(counted)
                     return Synced(params, version, "update")
                 refused = f"update gives θ hash {version.hash}, announced {target.hash}"
                 log.warning("%s; resyncing", refused)
@@ -167,8 +168,8 @@ class Synchronizer:
 
     async def _update(
         self, announcement: RoundAnnouncement, url: str, held: tuple[ParamsVersion, Params]
-    ) -> tuple[Params, ParamsVersion, str]:
-        """θ after the announced update, its version, and the update's codec scheme."""
+    ) -> tuple[Params, ParamsVersion, Counted]:
+        """θ after the announced update, its version, and what the update counts for."""
         data = await self._client.download(
             url,
             what=f"update {announcement.job}/{held[0].round}",
@@ -177,7 +178,7 @@ class Synchronizer:
         version, params = held
         limit = 4 * sum(t.numel() for t in params.values())
 
-        def verify_and_apply() -> tuple[Params, ParamsVersion, str]:
+        def verify_and_apply() -> tuple[Params, ParamsVersion, Counted]:
             update = verify_artifact(
                 data,
                 current(self._bundle),
@@ -193,7 +194,7 @@ class Synchronizer:
                     f"update {announcement.job}/{version.round}: manifest digest {digest}, "
                     f"the announcement says {announcement.update_digest}"
                 )
-            return (*apply_verified_update(params, version, update), update.manifest.codec.scheme)
+            return (*apply_verified_update(params, version, update), Counted.of(update))
 
         return await asyncio.to_thread(verify_and_apply)
 
@@ -223,7 +224,7 @@ class Synchronizer:
         """θ of ``target`` from the latest checkpoint: its snapshot, then its updates."""
         answer = await self._client.request("GET", ApiPaths.latest_checkpoint(job))
         snapshot, updates = _chain(answer.json(), job, target.round)
-        applied: list[tuple[str, int]] = []  # counted once the chain reaches θ_r
+        applied: list[Counted] = []  # counted once the chain reaches θ_r
         # Up to download_window artifacts of the chain travel at once; each is still
         # verified and applied in the chain's order, as it would be one at a time.
         fetches = [
@@ -237,16 +238,16 @@ class Synchronizer:
         try:
             async with Prefetch(fetches, self._download_window) as downloads:
                 data = await downloads.next()
-                params, version, scheme = await asyncio.to_thread(
+                params, version, counted = await asyncio.to_thread(
                     self._verify_snapshot, data, job, snapshot
                 )
-                applied.append((scheme, _fp32_bytes(params)))
+                applied.append(counted)
                 for part in updates:
                     data = await downloads.next()
-                    params, version, scheme = await asyncio.to_thread(
+                    params, version, counted = await asyncio.to_thread(
                         self._verify_and_apply, data, job, part, params, version
                     )
-                    applied.append((scheme, _fp32_bytes(params)))
+                    applied.append(counted)
         except ArtifactRejected as exc:
             raise ResyncFailed(f"resync of {job} to θ_{target.round}: {exc}") from exc
         if version != target:
@@ -254,8 +255,8 @@ class Synchronizer:
                 f"resync of {job}: the checkpoint gives θ_{version.round} with hash "
                 f"{version.hash}, the round announced θ_{target.round} with hash {target.hash}"
             )
-        for scheme, fp32_bytes in applied:
-            self._applied(scheme, fp32_bytes)
+        for counted in applied:
+            self._applied(counted)
         if self._metrics is not None:
             self._metrics.resynced(job)
         return params, version
@@ -272,17 +273,17 @@ class Synchronizer:
             return None
         return lambda count: metrics.downloaded(kind, count)
 
-    def _applied(self, scheme: str, fp32_bytes: int) -> None:
+    def _applied(self, counted: Counted) -> None:
         if self._metrics is None:
             return
         try:
-            self._metrics.download_applied(scheme, fp32_bytes)
+            self._metrics.download_applied(counted.scheme, counted.fp32_bytes)
         except MetricsError as exc:  # a scheme the catalogue lacks: θ is fine, the count not
             log.warning("applied download not counted: %s", exc)
 
     def _verify_snapshot(
         self, data: bytes, job: str, part: ChainPart
-    ) -> tuple[Params, ParamsVersion, str]:
+    ) -> tuple[Params, ParamsVersion, Counted]:
         snapshot = verify_artifact(
             data,
             current(self._bundle),
@@ -292,11 +293,11 @@ class Synchronizer:
             now=self._clock(),
         )
         part.check_digest(snapshot)
-        return (*snapshot_params(snapshot), snapshot.manifest.codec.scheme)
+        return (*snapshot_params(snapshot), Counted.of(snapshot))
 
     def _verify_and_apply(
         self, data: bytes, job: str, part: ChainPart, params: Params, version: ParamsVersion
-    ) -> tuple[Params, ParamsVersion, str]:
+    ) -> tuple[Params, ParamsVersion, Counted]:
         update = verify_artifact(
             data,
             current(self._bundle),
@@ -307,7 +308,20 @@ class Synchronizer:
             max_decoded_bytes=4 * sum(t.numel() for t in params.values()),
         )
         part.check_digest(update)
-        return (*apply_verified_update(params, version, update), update.manifest.codec.scheme)
+        return (*apply_verified_update(params, version, update), Counted.of(update))
+
+
+@dataclass(frozen=True, slots=True)
+class Counted:
+    """What an applied download stands for: its codec scheme and the float32 size of the
+    tensors it carries (only those it names, so a streaming update counts its fragment)."""
+
+    scheme: str
+    fp32_bytes: int
+
+    @classmethod
+    def of(cls, artifact: VerifiedArtifact) -> Counted:
+        return cls(artifact.manifest.codec.scheme, _fp32_bytes(artifact.tensors))
 
 
 @dataclass(frozen=True, slots=True)

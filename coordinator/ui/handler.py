@@ -87,7 +87,14 @@ async def status_page(request: web.Request) -> web.Response:
         view = services.control.regions.get(entry["region"])
         if view is not None:
             entry.setdefault("agent_version", view.status.agent_version)
-    fp32 = {engine.job: engine.ctx.fp32_bytes for engine in request.app[JOBS].engines()}
+    engines = list(request.app[JOBS].engines())
+    fp32 = {engine.job: engine.ctx.fp32_bytes for engine in engines}
+    # A streaming round's delta is its fragment: each round has its own size.
+    round_fp32 = {
+        engine.job: engine.ctx.round_fp32_bytes
+        for engine in engines
+        if engine.ctx.spec.overlap == "streaming"
+    }
     follower = request.app[FOLLOWER]
     async with follower.lock:
         head = await follower.catch_up(services.db)
@@ -100,6 +107,7 @@ async def status_page(request: web.Request) -> web.Response:
             digest=follower.digest,
             audit_head=head,
             fp32_bytes=fp32,
+            round_fp32_bytes=round_fp32,
             refresh_s=refresh,
         )
         render = render_main if part == "main" else render_page

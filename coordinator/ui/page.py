@@ -13,7 +13,7 @@ import base64
 import hashlib
 import json
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from html import escape
@@ -118,8 +118,10 @@ class PageFacts:
     """Everything the page shows, gathered by the handler.
 
     ``regions`` and ``jobs`` are the bodies of ``GET /v1/regions`` and ``GET /v1/jobs``
-    (whatever fields they carry); ``fp32_bytes`` is a job's delta size as fp32;
-    ``audit_head`` the newest seq in the log (the digest may still be catching up).
+    (whatever fields they carry); ``fp32_bytes`` is a job's model size as fp32 (every
+    round's delta size unless the job streams); ``round_fp32_bytes`` maps a streaming
+    job's round r to its delta size as fp32 (the round's fragment); ``audit_head`` the
+    newest seq in the log (the digest may still be catching up).
     """
 
     federation: str
@@ -131,6 +133,7 @@ class PageFacts:
     audit_head: int
     fp32_bytes: Mapping[str, int] = field(default_factory=dict)
     refresh_s: int = 5
+    round_fp32_bytes: Mapping[str, Callable[[int], int]] = field(default_factory=dict)
 
 
 def render_page(facts: PageFacts) -> str:
@@ -158,7 +161,9 @@ def render_main(facts: PageFacts) -> str:
     for job in facts.jobs:
         name = str(job.get("job", ""))
         history = facts.digest.jobs.get(name) or JobHistory(name)
-        parts.append(_job_detail(job, history, facts.fp32_bytes.get(name)))
+        parts.append(
+            _job_detail(job, history, facts.fp32_bytes.get(name), facts.round_fp32_bytes.get(name))
+        )
     parts.append(_audit_section(facts))
     return "".join(parts)
 
@@ -270,7 +275,12 @@ def _jobs_section(facts: PageFacts) -> str:
 _EVENTS_TITLE: Final = "Job events (admission, refusals, failures, exports, pruning)"
 
 
-def _job_detail(job: Mapping[str, Any], history: JobHistory, fp32_bytes: int | None) -> str:
+def _job_detail(
+    job: Mapping[str, Any],
+    history: JobHistory,
+    fp32_bytes: int | None,
+    round_fp32_bytes: Callable[[int], int] | None,
+) -> str:
     name = str(job.get("job", ""))
     val_points = [
         (float(e["round"]), float(e["value"]))
@@ -300,7 +310,7 @@ def _job_detail(job: Mapping[str, Any], history: JobHistory, fp32_bytes: int | N
     return (
         f'<section class="job" id="job-{escape(name)}"><h2>Job {text(name)}</h2>'
         f'<div class="charts">{val_chart}{train_chart}</div>'
-        f"{_wan(history, fp32_bytes)}{_timeline(history)}{_snapshot(history)}"
+        f"{_wan(history, fp32_bytes, round_fp32_bytes)}{_timeline(history)}{_snapshot(history)}"
         f"{_events('Recent policy decisions', history.policy, 'policy')}"
         f"{_events(_EVENTS_TITLE, history.events, 'events')}"
         "</section>"
@@ -315,15 +325,45 @@ def _mib(size: float) -> str:
     return f"{size / 2**20:.2f} MiB"
 
 
-def _wan(history: JobHistory, fp32_bytes: int | None) -> str:
+def _wan(
+    history: JobHistory, fp32_bytes: int | None, round_fp32_bytes: Callable[[int], int] | None
+) -> str:
     if not history.deltas:
         return '<p class="wan muted">WAN: no delta accepted yet.</p>'
     line = f"{history.deltas} deltas uploaded, {_mib(history.uploaded_bytes)}"
-    if fp32_bytes:
-        fp32 = fp32_bytes * history.deltas
-        ratio = fp32 / history.uploaded_bytes if history.uploaded_bytes else math.inf
-        line += f" against {_mib(fp32)} as fp32: {ratio:.2f} times fewer bytes"
+    if round_fp32_bytes is not None:
+        line += _rounds_against_fp32(history, round_fp32_bytes)
+    elif fp32_bytes:
+        line += _against_fp32(fp32_bytes * history.deltas, history.uploaded_bytes)
     return f'<p class="wan">WAN (regions to coordinator): {escape(line)}</p>'
+
+
+def _rounds_against_fp32(history: JobHistory, round_fp32_bytes: Callable[[int], int]) -> str:
+    """The fp32 comparison when rounds differ in size (a streaming job's fragments).
+
+    Each delta counts its own round's size, so only the rounds the digest keeps can be
+    summed: over all of them when they hold every accepted delta, else over those rounds.
+    """
+    kept = [(number, facts.accepted) for number, facts in history.rounds.items()]
+    deltas = sum(len(accepted) for _, accepted in kept)
+    fp32 = sum(len(accepted) * round_fp32_bytes(number) for number, accepted in kept)
+    if deltas == history.deltas:
+        return _against_fp32(fp32, history.uploaded_bytes)
+    if not deltas:
+        return ""
+    uploaded = sum(a.size for _, accepted in kept for a in accepted.values())
+    first, last = min(history.rounds), max(history.rounds)
+    return (
+        f"; rounds {first} to {last}: {deltas} deltas, {_mib(uploaded)}"
+        f"{_against_fp32(fp32, uploaded)}"
+    )
+
+
+def _against_fp32(fp32: int, uploaded: int) -> str:
+    if not fp32:
+        return ""
+    ratio = fp32 / uploaded if uploaded else math.inf
+    return f" against {_mib(fp32)} as fp32: {ratio:.2f} times fewer bytes"
 
 
 def _region_bars(number: int, region: str, accepted: Accepted, done: float) -> list[Bar]:

@@ -42,10 +42,15 @@ def test_convergence_smoke_reports_every_config(tmp_path: Path) -> None:
         "fedavg",
         "delayed_end",
         "delayed_half",
+        "streaming_same_h",
+        "streaming_h_over_f",
+        "streaming_h_over_f_no_delay",
     }
     assert report["configs"]["delayed_end"]["overlap"] == "delayed"
     assert report["configs"]["delayed_half"]["arrival_fraction"] == 0.5
     assert report["configs"]["diloco_fp32"]["overlap"] == "none"
+    assert report["configs"]["streaming_same_h"]["fragments"] == 4
+    assert report["configs"]["streaming_h_over_f"]["rounds"] == 6  # 1-step rounds, about H/F
     settings = report["settings"]
     tokens = {c["tokens"] for c in report["configs"].values()}
     assert len(tokens) == 1, "every configuration must see the same tokens"
@@ -55,7 +60,7 @@ def test_convergence_smoke_reports_every_config(tmp_path: Path) -> None:
         assert abs(config["initial_val_loss"] - LN_256) < 0.3, name
         assert 0.5 < loss["mean"] < config["initial_val_loss"], name
         assert config["wall_s"]["mean"] > 0
-        assert len(config["runs"][0]["curve"]) == settings["rounds"] + 1
+        assert len(config["runs"][0]["curve"]) == (config["rounds"] or settings["rounds"]) + 1
     ratios = {s: report["configs"][f"diloco_{s}"]["wan"]["ratio"] for s in ("fp32", "int8", "int4")}
     assert 0.5 < ratios["fp32"] <= 1.01
     assert 0.2 < ratios["int8"] < 0.3

@@ -148,17 +148,22 @@ async def test_a_streaming_round_hands_its_fragment_and_folds_only_the_last_one(
 
 
 @on_module_loop
-async def test_a_fold_during_the_round_keeps_the_progress_of_every_tensor(region: Region) -> None:
+@pytest.mark.parametrize("parallelism", ["ddp", "fsdp"])
+async def test_a_fold_during_the_round_keeps_the_progress_of_every_tensor(
+    region: Region, parallelism: str
+) -> None:
     """θ_1 comes mid-round and equals y_0 on fragment 0: the fold changes nothing, so the
     round trains what a serial round from y_0 (every tensor) trains; a fold of the whole
-    θ_1 would have thrown fragment 1 back to θ_0."""
-    training = TrainingConfig()
+    θ_1 would have thrown fragment 1 back to θ_0. Nothing is evaluated, so the workers
+    load only the fragment they fold."""
+    training = TrainingConfig(parallelism=parallelism)  # type: ignore[arg-type]
     fragment0, fragment1 = PLAN.names(0), PLAN.names(1)
-    reference0 = await region.plain("plain-mid", 0, region.base0, training)
-    y0 = save_state(region.workdir / "plain-mid-1.pt", reference0.params)
-    reference1 = await region.plain("plain-mid", 1, y0, training)
+    plain = f"plain-mid-{parallelism}"
+    reference0 = await region.plain(plain, 0, region.base0, training)
+    y0 = save_state(region.workdir / f"{plain}-1.pt", reference0.params)
+    reference1 = await region.plain(plain, 1, y0, training)
 
-    job = "streaming-mid"
+    job = f"streaming-mid-{parallelism}"
     first = region.streaming(job, training)
     await region.group.run_round(first, 60)
     theta1, theta1_hash = region.theta1(job, {n: reference0.params[n] for n in fragment0})

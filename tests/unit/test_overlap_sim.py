@@ -1,4 +1,5 @@
-"""The simulator's corrections of the delayed fold: the mix a and the start of a round."""
+"""The simulator's overlap modes: corrections of the delayed fold (the mix a and the start of
+a round) and streaming (one fragment of the model per round)."""
 
 from __future__ import annotations
 
@@ -10,15 +11,20 @@ import torch
 from benchmarks._federation_sim import (
     RunResult,
     RunSpec,
+    SimCoordinator,
     SimulationError,
     _apply_late_update,
     delayed_start,
     simulate,
 )
 from coordinator.outer_optimizer import OuterOptimizer, OuterOptimizerConfig
+from geofed.codec import ErrorFeedback
+from geofed.codec_params import CodecParams
 from geofed.eager_start import OuterReplica
 from geofed.examples.charlm import CharLMOptions, CharLMTask
-from geofed.params import state_to_fp32
+from geofed.fragments import FragmentPlan, fragment_plan
+from geofed.params import parameters_vector_hash, state_to_fp32
+from regional_agent.delta import encode_delta
 
 AVERAGE = OuterOptimizerConfig(kind="average")
 
@@ -126,3 +132,140 @@ def test_eager_estimate_swaps_the_own_previous_delta_for_the_fresh_one() -> None
 def test_run_spec_refuses_a_mix_outside_zero_one(mix: float) -> None:
     with pytest.raises(SimulationError, match="fold_mix must be in"):
         RunSpec("x", "diloco", 2, 1, 1, 1, 0, overlap="delayed", fold_mix=mix)
+
+
+# -- overlap: streaming --------------------------------------------------------------
+
+
+def _streaming(fragments: int, **fields: object) -> RunSpec:
+    return _delayed(overlap="streaming", fragments=fragments, **fields)
+
+
+def _plan(task: CharLMTask, fragments: int) -> FragmentPlan:
+    theta = state_to_fp32(task.build_model(seed=0))
+    return fragment_plan({name: tuple(t.shape) for name, t in theta.items()}, fragments)
+
+
+def _changed(before: dict[str, torch.Tensor], after: dict[str, torch.Tensor]) -> set[str]:
+    assert list(before) == list(after)
+    return {name for name in before if not torch.equal(before[name], after[name])}
+
+
+def test_a_streaming_round_changes_only_its_fragment_of_theta(task: CharLMTask) -> None:
+    plan = _plan(task, 3)
+    theta0 = state_to_fp32(task.build_model(seed=0))
+    one = simulate(task, _streaming(3, rounds=1))
+    assert _changed(theta0, one.params) == set(plan.names(0))
+    two = simulate(task, _streaming(3, rounds=2))
+    # Round 1 steps fragment 1 only: fragment 0 keeps round 0's bits, fragment 2 θ_0's.
+    assert _changed(one.params, two.params) == set(plan.names(1))
+    assert _changed(theta0, two.params) == set(plan.names(0)) | set(plan.names(1))
+
+
+def test_streaming_deltas_and_updates_carry_only_the_fragment(task: CharLMTask) -> None:
+    plan = _plan(task, 2)
+    theta0 = state_to_fp32(task.build_model(seed=0))
+    spec = _streaming(2, rounds=3, regions=2)
+    run = simulate(task, spec)
+    sizes = [4 * sum(theta0[name].numel() for name in plan.names(r)) for r in range(3)]
+    assert run.fp32_bytes_up == spec.regions * sum(sizes)
+    assert run.fp32_bytes_down == spec.regions * sum(sizes)
+    assert sum(sizes) < 3 * 4 * sum(t.numel() for t in theta0.values())
+
+
+def test_one_fragment_streaming_is_delayed_bit_for_bit(task: CharLMTask) -> None:
+    for fields in ({}, {"arrival_fraction": 0.5, "fold_mix": 0.5, "scheme": "int8"}):
+        delayed = simulate(task, _delayed(**fields))
+        streaming = simulate(task, _streaming(1, **fields))
+        assert _losses(streaming) == _losses(delayed)
+        assert (streaming.bytes_up, streaming.bytes_down) == (delayed.bytes_up, delayed.bytes_down)
+        assert parameters_vector_hash(streaming.params) == parameters_vector_hash(delayed.params)
+    # More fragments is another run.
+    assert _losses(simulate(task, _streaming(2)))[-1] != _losses(simulate(task, _delayed()))[-1]
+
+
+def test_tensors_outside_the_fragment_train_on_locally(task: CharLMTask) -> None:
+    # One region under plain averaging with θ arriving before the first step: each fold
+    # puts the fragment back where the region had it, so the region trains exactly as
+    # if alone, and the last round's fragment of θ is its model after every step. A fold
+    # that reset the other tensors to θ (stale by up to F - 1 rounds) would not be.
+    one: dict[str, object] = {"regions": 1, "outer": AVERAGE, "arrival_fraction": 0.0}
+    rounds = 4
+    streaming = simulate(task, _streaming(2, rounds=rounds, **one))
+    alone = simulate(task, _delayed(overlap="none", method="sync", rounds=rounds, **one))
+    plan = _plan(task, 2)
+    for name in plan.names(rounds - 1):
+        assert torch.allclose(streaming.params[name], alone.params[name], atol=1e-5), name
+    stale = set(plan.names(rounds - 2))
+    assert any(not torch.allclose(streaming.params[n], alone.params[n]) for n in stale)
+
+
+def test_the_fold_replaces_only_the_snapshot_tensors(task: CharLMTask) -> None:
+    model = task.build_model(seed=0)
+    local = state_to_fp32(model)
+    names = list(local)
+    theta = {name: t + 1.0 for name, t in local.items()}
+    snapshot = {names[0]: local[names[0]] - 0.5}
+    _apply_late_update(model, theta, snapshot)
+    after = state_to_fp32(model)
+    assert torch.equal(after[names[0]], local[names[0]] + (theta[names[0]] - snapshot[names[0]]))
+    for name in names[1:]:
+        assert torch.equal(after[name], local[name])
+
+
+def test_a_fragment_round_keeps_the_other_buffers_and_residuals() -> None:
+    generator = torch.Generator().manual_seed(0)
+    theta = {"a": torch.randn(300, generator=generator), "b": torch.randn(200, generator=generator)}
+    codec = CodecParams(scheme="int8")
+    coordinator = SimCoordinator(theta, OuterOptimizerConfig(momentum_warmup_rounds=0), codec)
+
+    def round_(names: tuple[str, ...]) -> None:
+        base = {name: coordinator.params[name] for name in names}
+        local = {name: t - torch.randn(t.shape, generator=generator) for name, t in base.items()}
+        coordinator.close_round(
+            {"r": (1, encode_delta(base, local, ErrorFeedback(), codec))}, names
+        )
+
+    round_(("a",))
+    state = coordinator._optimizer_state
+    assert set(state["momentum_buffers"]) == {"a"}
+    assert state["steps"] == 1
+    assert coordinator._residual is not None
+    assert set(coordinator._residual) == {"a"}
+    assert torch.equal(coordinator.params["b"], theta["b"])
+    buffer_a, residual_a, theta_a = (
+        state["momentum_buffers"]["a"],
+        coordinator._residual["a"],
+        coordinator.params["a"],
+    )
+    round_(("b",))
+    state = coordinator._optimizer_state
+    assert set(state["momentum_buffers"]) == {"a", "b"}
+    assert state["steps"] == 2
+    assert torch.equal(state["momentum_buffers"]["a"], buffer_a)
+    assert torch.equal(coordinator._residual["a"], residual_a)
+    assert torch.equal(coordinator.params["a"], theta_a)
+    assert not torch.equal(coordinator.params["b"], theta["b"])
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"overlap": "streaming"}, "fragments is set exactly with overlap 'streaming'"),
+        ({"overlap": "delayed", "fragments": 2}, "fragments is set exactly"),
+        ({"overlap": "streaming", "fragments": 0}, "fragments must be >= 1"),
+        (
+            {"overlap": "streaming", "fragments": 2, "delayed_start": "eager"},
+            "not available with overlap 'streaming'",
+        ),
+    ],
+)
+def test_run_spec_refuses_bad_streaming_settings(fields: dict[str, object], message: str) -> None:
+    with pytest.raises(SimulationError, match=message):
+        RunSpec("x", "diloco", 2, 1, 1, 1, 0, **fields)  # type: ignore[arg-type]
+
+
+def test_more_fragments_than_tensors_is_refused(task: CharLMTask) -> None:
+    tensors = len(state_to_fp32(task.build_model(seed=0)))
+    with pytest.raises(SimulationError, match="cannot be split into"):
+        simulate(task, _streaming(tensors + 1, rounds=1))

@@ -9,12 +9,13 @@ from typing import Any
 
 from coordinator.audit import (
     GENESIS_HASH,
+    AuditEntry,
     AuditEvent,
     AuditVerdict,
     chained_entry,
     validated_fields,
 )
-from coordinator.ui.history import AuditDigest
+from coordinator.ui.history import MAX_ROUNDS, AuditDigest
 from coordinator.ui.page import CONTENT_SECURITY_POLICY, PageFacts, render_main, render_page
 
 NOW = 1_700_000_100.0
@@ -208,3 +209,77 @@ def test_a_regions_round_is_split_into_what_it_reported() -> None:
     # An agent that reports nothing: one bar until acceptance, as before.
     silent = Accepted(at=0.0, size=1, tokens=1, train_loss=None)
     assert [(b.kind, b.end) for b in _region_bars(2, "eu-west", silent, 9.0)] == [("work", 9.0)]
+
+
+MIB = 2**20
+
+
+def _accepted(rounds: range, regions: tuple[str, ...], size: int) -> AuditDigest:
+    """A digest of every region's accepted delta (``size`` bytes) in each of ``rounds``."""
+    entries: list[AuditEntry] = []
+    prev = GENESIS_HASH
+    for number in rounds:
+        for region in regions:
+            event = AuditEvent(
+                actor="spiffe://fed/coordinator/main",
+                action="delta.accept",
+                verdict=AuditVerdict.ALLOW,
+                job="llm",
+                round=number,
+                region=region,
+                details={"size": size, "tokens": 1, "train_loss": 1.0},
+            )
+            entry = chained_entry(validated_fields(event), len(entries) + 1, prev, NOW)
+            entries.append(entry)
+            prev = entry.hash
+    digest = AuditDigest()
+    digest.fold(entries)
+    return digest
+
+
+def _wan_line(facts: PageFacts) -> str:
+    page = render_main(facts)
+    start = page.index('<p class="wan">')
+    return page[start : page.index("</p>", start)]
+
+
+def test_the_wan_line_counts_a_whole_model_per_delta_without_fragments() -> None:
+    digest = _accepted(range(2), ("eu-west", "us-east"), MIB)
+    line = _wan_line(_facts(digest=digest, fp32_bytes={"llm": 4 * MIB}))
+    assert line.endswith(
+        "4 deltas uploaded, 4.00 MiB against 16.00 MiB as fp32: 4.00 times fewer bytes"
+    )
+
+
+def test_the_wan_line_counts_each_streaming_delta_as_its_rounds_fragment() -> None:
+    # F = 2: even rounds carry 3 MiB of θ's 4 MiB as fp32, odd rounds the other 1 MiB.
+    digest = _accepted(range(3), ("eu-west", "us-east"), MIB // 2)
+    line = _wan_line(
+        _facts(
+            digest=digest,
+            fp32_bytes={"llm": 4 * MIB},
+            round_fp32_bytes={"llm": lambda r: (3 * MIB, MIB)[r % 2]},
+        )
+    )
+    # 2 deltas of 3, 1 and 3 MiB, not 6 whole models of 4 MiB.
+    assert line.endswith(
+        "6 deltas uploaded, 3.00 MiB against 14.00 MiB as fp32: 4.67 times fewer bytes"
+    )
+
+
+def test_past_the_kept_rounds_a_streaming_wan_line_compares_the_kept_rounds_only() -> None:
+    rounds = MAX_ROUNDS + 2  # the digest forgets rounds 0 and 1
+    digest = _accepted(range(rounds), ("eu-west",), MIB // 4)
+    line = _wan_line(
+        _facts(
+            digest=digest,
+            fp32_bytes={"llm": 4 * MIB},
+            round_fp32_bytes={"llm": lambda r: (3 * MIB, MIB)[r % 2]},
+        )
+    )
+    kept = MAX_ROUNDS // 2 * 4 * MIB  # 500 even and 500 odd rounds of rounds 2..1001
+    assert line.endswith(
+        f"{rounds} deltas uploaded, {rounds / 4:.2f} MiB; rounds 2 to {rounds - 1}: "
+        f"{MAX_ROUNDS} deltas, {MAX_ROUNDS / 4:.2f} MiB against {kept / MIB:.2f} MiB as fp32: "
+        "8.00 times fewer bytes"
+    )
