@@ -12,7 +12,6 @@ import pytest
 import torch
 
 from benchmarks._federation_sim import RunSpec, delayed_start
-from coordinator.jobspec import JobSpecError, parse_job_spec
 from coordinator.records import announcement
 from geofed.codec_params import CodecParams
 from geofed.control import RoundAnnouncement
@@ -358,30 +357,7 @@ def test_start_markers_and_files_go_with_their_round(tmp_path: Path) -> None:
     assert not handoff.start_params_path("job-a", 4).exists()
 
 
-# -- job spec and announcement ---------------------------------------------------------
-
-SPEC = """\
-job: tiny
-task:
-  spec: tests.support.tiny_task:TinyTask
-regions:
-  eu-west: [eu-parliament-proceedings]
-rounds: 3
-inner_steps: 2
-checkpoint_storage: [eu-ckpt]
-"""
-
-
-def test_the_job_spec_takes_overlap_start_with_delayed_only() -> None:
-    assert parse_job_spec(SPEC, "job.yaml").overlap_start == "local"
-    eager = parse_job_spec(SPEC + "overlap: delayed\noverlap_start: eager\n", "job.yaml")
-    assert eager.overlap_start == "eager"
-    with pytest.raises(JobSpecError) as caught:
-        parse_job_spec(SPEC + "overlap_start: eager\n", "job.yaml")
-    assert "overlap_start" in str(caught.value)
-    assert "needs overlap delayed" in str(caught.value)
-    with pytest.raises(JobSpecError, match="overlap_start"):
-        parse_job_spec(SPEC + "overlap: delayed\noverlap_start: global\n", "job.yaml")
+# -- the announcement -------------------------------------------------------------------
 
 
 def _announce(**extra: object) -> RoundAnnouncement:

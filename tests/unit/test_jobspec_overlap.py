@@ -66,3 +66,11 @@ def test_the_job_spec_refuses_unknown_overlap_modes(value: str) -> None:
 def test_an_explicit_null_fragments_means_the_default() -> None:
     spec = parse_job_spec(SPEC + "overlap: streaming\nfragments: ~\n", "job.yaml")
     assert spec.fragments == DEFAULT_FRAGMENTS
+
+
+def test_overlap_start_eager_needs_delayed() -> None:
+    assert parse_job_spec(SPEC, "job.yaml").overlap_start == "local"
+    eager = parse_job_spec(SPEC + "overlap: delayed\noverlap_start: eager\n", "job.yaml")
+    assert eager.overlap_start == "eager"
+    assert "needs overlap delayed" in _problem("overlap_start: eager\n")
+    assert "overlap_start" in _problem("overlap: delayed\noverlap_start: global\n")

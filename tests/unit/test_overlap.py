@@ -9,7 +9,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from coordinator.jobspec import JobSpecError, parse_job_spec
 from geofed.control import RoundAnnouncement
 from regional_agent.handoff import (
     BaseReady,
@@ -278,32 +277,3 @@ def test_announcements_carry_the_overlap_mode() -> None:
     assert plain.overlap == "none"
     delayed = RoundAnnouncement.model_validate_json(json.dumps({**fields, "overlap": "delayed"}))
     assert delayed.overlap == "delayed"
-
-
-# -- the job spec -------------------------------------------------------------------
-
-SPEC = """\
-job: tiny
-task:
-  spec: tests.support.tiny_task:TinyTask
-regions:
-  eu-west: [eu-parliament-proceedings]
-rounds: 3
-inner_steps: 2
-checkpoint_storage: [eu-ckpt]
-"""
-
-
-def test_the_job_spec_takes_none_and_delayed() -> None:
-    assert parse_job_spec(SPEC, "job.yaml").overlap == "none"
-    assert parse_job_spec(SPEC + "overlap: delayed\n", "job.yaml").overlap == "delayed"
-    assert parse_job_spec(SPEC + "overlap: none\n", "job.yaml").overlap == "none"
-
-
-@pytest.mark.parametrize("value", ["sometimes", "1", "[delayed]"])
-def test_the_job_spec_refuses_unknown_overlap_modes(value: str) -> None:
-    with pytest.raises(JobSpecError) as caught:
-        parse_job_spec(SPEC + f"overlap: {value}\n", "job.yaml")
-    (problem,) = caught.value.problems
-    assert "job.yaml:9" in problem
-    assert "overlap must be one of none, delayed" in problem
