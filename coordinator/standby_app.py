@@ -35,7 +35,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any, Final, Protocol, TypeVar
 
-from aiohttp import web
+from aiohttp import hdrs, web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from pydantic import ValidationError
 
@@ -407,9 +407,25 @@ def create_standby_app(
             await reads.close()
 
     app.cleanup_ctx.append(lifecycle)
+    app.on_response_prepare.append(_close_after)
     app.add_routes(routes)
     app.router.add_route("*", "/{tail:.*}", _refuse)
     return app
+
+
+async def _close_after(request: web.Request, response: web.StreamResponse) -> None:
+    """Every standby answer closes its connection.
+
+    When the standby starts leading, the full app takes over the address; a client (a
+    load balancer's health check, say) must not go on talking to the standby's app over a
+    kept-alive connection, which would answer 503 ``standby`` until it idled out. A
+    connection accepted just before the switch and still in its TLS handshake is not
+    among those the standby's server closes, so closing after every answer is what
+    guarantees the next request reaches the app that serves the address now.
+    """
+    # The hook runs after the headers are made: say it too, or the client reuses it.
+    response.force_close()
+    response.headers[hdrs.CONNECTION] = "close"
 
 
 def _postgres_reader(runtime: Runtime) -> Callable[[], Store]:

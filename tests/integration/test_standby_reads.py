@@ -115,6 +115,14 @@ async def test_everything_else_is_refused_naming_the_leader(
     assert response.status == 403
 
 
+async def test_every_answer_closes_its_connection(standby: TestClient[Any, Any]) -> None:
+    # Once it leads, the address is the full app's: no client keeps the standby's app.
+    for path, caller in [("/readyz", "observer/grafana"), ("/v1/jobs/tiny", "operator/alice")]:
+        response = await standby.get(path, headers=who(caller))
+        await response.read()
+        assert response.headers.get("Connection", "").lower() == "close", (path, response.headers)
+
+
 async def test_metrics_say_it_stands_by_and_whom_it_sees_leading(
     standby: TestClient[Any, Any],
 ) -> None:
