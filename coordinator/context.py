@@ -18,6 +18,8 @@ from typing import Any
 
 from torch import Tensor
 
+from coordinator.config import CoordinatorConfig
+from coordinator.delta_checks import DeltaExpectation
 from coordinator.jobspec import JobSpec
 from coordinator.outer_round import JobPublishing, fp32_bytes
 from coordinator.runtime import Runtime
@@ -90,6 +92,30 @@ class JobContext:
         return (
             f"the tensors round {round_} synchronizes (fragment {index} of F={plan.count}, "
             "numbered from 0)"
+        )
+
+    def delta_expectation(
+        self, config: CoordinatorConfig, round_: int, region: str, base_hash: str
+    ) -> DeltaExpectation:
+        """What ``region``'s delta for round ``round_`` (trained from θ ``base_hash``) must
+        be, under the coordinator's ``config`` limits."""
+        spec, limits = self.spec, config.limits
+        return DeltaExpectation(
+            job=self.job,
+            round=round_,
+            region=region,
+            federation=config.federation,
+            base_hash=base_hash,
+            tensors=self.round_tensor_specs(round_),
+            scope=self.round_scope(round_),
+            codec=spec.codec,
+            datasets=spec.regions[region],
+            jurisdiction=self.jurisdictions.get(region),
+            max_upload_bytes=limits.max_upload_bytes,
+            max_chunk_bytes=limits.max_chunk_bytes,
+            training=spec.training,
+            max_tokens=spec.aggregation.token_bound(spec.inner_steps),
+            refuse_code_of=spec.task.spec if spec.code_mismatch == "refuse" else None,
         )
 
     def region_endpoint(self, region: str) -> Endpoint:

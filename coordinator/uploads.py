@@ -379,25 +379,7 @@ class UploadService:
         working = engine.working
         if working is None:
             raise Unavailable(f"job {engine.job} is starting; retry shortly")
-        ctx = engine.ctx
-        limits = self._s.config.limits
-        return DeltaExpectation(
-            job=engine.job,
-            round=round,
-            region=region,
-            federation=self._s.config.federation,
-            base_hash=working.params_hash,
-            tensors=ctx.round_tensor_specs(round),
-            scope=ctx.round_scope(round),
-            codec=ctx.spec.codec,
-            datasets=ctx.spec.regions[region],
-            jurisdiction=ctx.jurisdictions.get(region),
-            max_upload_bytes=limits.max_upload_bytes,
-            max_chunk_bytes=limits.max_chunk_bytes,
-            training=ctx.spec.training,
-            max_tokens=ctx.spec.aggregation.token_bound(ctx.spec.inner_steps),
-            refuse_code_of=ctx.spec.task.spec if ctx.spec.code_mismatch == "refuse" else None,
-        )
+        return engine.ctx.delta_expectation(self._s.config, round, region, working.params_hash)
 
     async def _open_upload(
         self, engine: JobEngine, round: int, region: str

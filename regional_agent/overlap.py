@@ -35,7 +35,7 @@ from dataclasses import replace
 
 import torch
 
-from geofed.fragments import fragment_plan
+from geofed.fragments import FragmentPlan, fragment_plan
 from regional_agent.handoff import RoundInstruction
 
 #: The overlap modes whose regions train the next round ahead of its θ.
@@ -117,6 +117,21 @@ def _same_names(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor]) ->
 # -- decisions ---------------------------------------------------------------------------
 
 
+def theta_fragments(
+    overlap: str, fragments: int | None, theta: Mapping[str, torch.Tensor]
+) -> FragmentPlan | None:
+    """Under ``streaming`` the split of ``theta``'s tensors into ``fragments``
+    (:func:`geofed.fragments.fragment_plan` over their shapes, names in θ's order); None
+    (every round synchronizes every tensor) otherwise. Raises
+    :class:`~geofed.fragments.FragmentError` when θ cannot be split in ``fragments``."""
+    if overlap != "streaming":
+        return None
+    if fragments is None:
+        raise ValueError("an overlap: streaming announcement must say its fragments")
+    shapes = {name: tuple(tensor.shape) for name, tensor in theta.items()}
+    return fragment_plan(shapes, fragments)
+
+
 def round_names(
     overlap: str,
     fragments: int | None,
@@ -124,15 +139,9 @@ def round_names(
     round_: int,
 ) -> tuple[str, ...] | None:
     """The tensors round ``round_`` synchronizes: under ``streaming`` its fragment of
-    ``theta``'s tensors (:func:`geofed.fragments.fragment_plan` over their shapes, names in
-    θ's order); None (every tensor) otherwise. Raises
-    :class:`~geofed.fragments.FragmentError` when θ cannot be split in ``fragments``."""
-    if overlap != "streaming":
-        return None
-    if fragments is None:
-        raise ValueError("an overlap: streaming announcement must say its fragments")
-    shapes = {name: tuple(tensor.shape) for name, tensor in theta.items()}
-    return fragment_plan(shapes, fragments).names(round_)
+    ``theta``'s tensors (:func:`theta_fragments`); None (every tensor) otherwise."""
+    plan = theta_fragments(overlap, fragments, theta)
+    return None if plan is None else plan.names(round_)
 
 
 def speculate_next(overlap: str, round_: int, total_rounds: int | None) -> bool:

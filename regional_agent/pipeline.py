@@ -61,7 +61,7 @@ from regional_agent.delta import (
 from regional_agent.drain import RoundPosition
 from regional_agent.handoff import DeltaRequest, RoundInstruction, RoundResult
 from regional_agent.metrics import AgentMetrics
-from regional_agent.overlap import SPECULATIVE, round_names
+from regional_agent.overlap import SPECULATIVE, theta_fragments
 from regional_agent.overlap_pipeline import DelayedRounds
 from regional_agent.residency import ExportGate
 from regional_agent.round_timeline import Phase, Timeline
@@ -134,17 +134,14 @@ class RoundFragments:
     @classmethod
     def of(cls, announcement: RoundAnnouncement, theta: Params) -> RoundFragments:
         """Raises :class:`~geofed.fragments.FragmentError` when θ cannot be split."""
-        if announcement.overlap != "streaming":
+        plan = theta_fragments(announcement.overlap, announcement.fragments, theta)
+        if plan is None:
             return cls()
-        overlap, fragments, round_ = (
-            announcement.overlap,
-            announcement.fragments,
-            announcement.round,
-        )
+        round_ = announcement.round
         return cls(
-            names=round_names(overlap, fragments, theta, round_),
-            next_names=round_names(overlap, fragments, theta, round_ + 1),
-            fold=round_names(overlap, fragments, theta, round_ - 1) if round_ > 0 else None,
+            names=plan.names(round_),
+            next_names=plan.names(round_ + 1),
+            fold=plan.names(round_ - 1) if round_ > 0 else None,
         )
 
 

@@ -9,34 +9,24 @@ with SIGKILL in the middle of such a round costs only that round's speculative s
 
 from __future__ import annotations
 
-import json
-import os
-import re
-import signal
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.support.federation import FederationRun
 from tests.support.observe import (
     WAIT_S,
-    ControlObserver,
     audit_entries,
     check_same_parameters,
     observed_federation,
-    poll,
 )
+from tests.support.overlap_run import ahead, kill_rank0_ahead_of_theta, opened_at, workers_dir
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 REGIONS = ("eu-west", "us-east")
 ROUNDS = 3
 INNER_STEPS = 12
-_AHEAD = re.compile(
-    r"job (\S+) round (\d+): trained ahead of θ \(started at ([0-9.]+), "
-    r"θ folded in before step (\d+) of (\d+)"
-)
 
 
 def configure(name: str, data: dict[str, Any]) -> None:
@@ -45,25 +35,6 @@ def configure(name: str, data: dict[str, Any]) -> None:
         data["overlap"] = "delayed"
     if name == "agent-us-east":
         data["workers"]["count"] = 1
-
-
-def ahead(fed: FederationRun, region: str) -> dict[int, tuple[float, int]]:
-    """Round -> (training start, fold step) of the rounds the region trained ahead of θ."""
-    text = (fed.work / "logs" / f"agent-{region}.log").read_text(errors="replace")
-    return {
-        int(m.group(2)): (float(m.group(3)), int(m.group(4)))
-        for m in _AHEAD.finditer(text)
-        if m.group(1) == fed.job
-    }
-
-
-def opened_at(observer: ControlObserver, round_: int) -> float:
-    """When the coordinator announced round ``round_`` open: θ_round exists from then."""
-    return min(
-        a.sent_at.timestamp()
-        for a in observer.announcements
-        if a.state == "open" and a.round == round_
-    )
 
 
 async def test_delayed_rounds_train_ahead_of_theta_and_agree_with_the_coordinator(
@@ -92,23 +63,6 @@ async def test_delayed_rounds_train_ahead_of_theta_and_agree_with_the_coordinato
             assert 1 <= fold_step <= INNER_STEPS, (region, round_, fold_step)
 
 
-def workers_dir(fed: FederationRun, region: str) -> Path:
-    return fed.work / "agents" / region / "workers"
-
-
-def speculating(fed: FederationRun, region: str, round_: int) -> bool:
-    """The region's workers hold round ``round_``'s speculative instruction, unanswered."""
-    jobs = workers_dir(fed, region) / "jobs" / fed.job
-    try:
-        instruction = json.loads((jobs / f"round-{round_}.instruction.json").read_text())
-    except (FileNotFoundError, ValueError):
-        return False
-    return bool(instruction.get("base_pending")) and not (
-        (jobs / f"round-{round_}.done.json").exists()
-        or (jobs / f"round-{round_}.base.json").exists()
-    )
-
-
 async def test_a_worker_killed_in_a_delayed_round_costs_only_its_speculative_steps(
     tmp_path: Path,
 ) -> None:
@@ -116,14 +70,7 @@ async def test_a_worker_killed_in_a_delayed_round_costs_only_its_speculative_ste
     async with observed_federation(
         tmp_path, regions=REGIONS, rounds=ROUNDS, inner_steps=INNER_STEPS, customize=configure
     ) as (fed, observer):
-        await poll(
-            fed,
-            lambda: speculating(fed, victim, killed_round),
-            f"{victim} to train round {killed_round} ahead of θ",
-            timeout_s=WAIT_S,
-        )
-        rank0 = json.loads((workers_dir(fed, victim) / "ranks" / "rank-0.json").read_text())
-        os.kill(rank0["pid"], signal.SIGKILL)
+        await kill_rank0_ahead_of_theta(fed, victim, killed_round)
         final = await fed.wait_completed(timeout_s=WAIT_S)
         entries = await audit_entries(fed, job=fed.job, verify=True)
         check_same_parameters(

@@ -10,9 +10,6 @@ round's speculative steps (and the local progress of fragments not synchronized 
 
 from __future__ import annotations
 
-import json
-import os
-import signal
 from pathlib import Path
 from typing import Any
 
@@ -23,15 +20,14 @@ from coordinator.artifacts import Location, find_entry
 from coordinator.checkpoints import INDEX_NAME, EntryKind
 from geofed.fragments import fragment_plan
 from geofed.manifest import SignedManifest
-from tests.integration.test_overlap_delayed import ahead, opened_at, speculating, workers_dir
 from tests.support.federation import FederationRun
 from tests.support.observe import (
     WAIT_S,
     audit_entries,
     check_same_parameters,
     observed_federation,
-    poll,
 )
+from tests.support.overlap_run import ahead, kill_rank0_ahead_of_theta, opened_at, workers_dir
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -74,14 +70,7 @@ async def test_streaming_rounds_publish_one_fragment_each_and_survive_a_killed_w
     async with observed_federation(
         tmp_path, regions=REGIONS, rounds=ROUNDS, inner_steps=INNER_STEPS, customize=configure
     ) as (fed, observer):
-        await poll(
-            fed,
-            lambda: speculating(fed, victim, killed_round),
-            f"{victim} to train round {killed_round} ahead of θ",
-            timeout_s=WAIT_S,
-        )
-        rank0 = json.loads((workers_dir(fed, victim) / "ranks" / "rank-0.json").read_text())
-        os.kill(rank0["pid"], signal.SIGKILL)
+        await kill_rank0_ahead_of_theta(fed, victim, killed_round)
         final = await fed.wait_completed(timeout_s=WAIT_S)
         entries = await audit_entries(fed, job=fed.job, verify=True)
         check_same_parameters(

@@ -160,23 +160,8 @@ def _signed(
 
 
 def _expectation(world: World, region: str, round_: int, base_hash: str) -> DeltaExpectation:
-    """As the upload path builds it (``coordinator.uploads``)."""
-    ctx = world.ctx
-    limits = world.runtime.config.limits
-    return DeltaExpectation(
-        job=ctx.job,
-        round=round_,
-        region=region,
-        federation=world.runtime.config.federation,
-        base_hash=base_hash,
-        tensors=ctx.round_tensor_specs(round_),
-        codec=ctx.spec.codec,
-        datasets=ctx.spec.regions[region],
-        jurisdiction=ctx.jurisdictions.get(region),
-        max_upload_bytes=limits.max_upload_bytes,
-        max_chunk_bytes=limits.max_chunk_bytes,
-        scope=ctx.round_scope(round_),
-    )
+    """As the upload path builds it."""
+    return world.ctx.delta_expectation(world.runtime.config, round_, region, base_hash)
 
 
 def _refusal(signed: SignedManifest, expect: DeltaExpectation) -> ApiError:
