@@ -11,7 +11,9 @@ Besides the required methods, a task may override optional hooks that tell the r
 workers how to train it well on accelerators: :meth:`Task.fsdp_units` (which blocks
 FSDP2 shards separately), :meth:`Task.checkpoint_units` (which blocks recompute their
 activations in backward), :meth:`Task.flops_per_token` (for the utilisation estimate)
-and :meth:`Task.on_step` (the region's global inner step). ``docs/tasks.md`` walks
+and :meth:`Task.on_step` (the region's global inner step), and
+:meth:`Task.init_non_federated` (lets a model with non-federated buffers be built on the
+``meta`` device). ``docs/tasks.md`` walks
 through a complete task.
 
 Importing a task runs the named module's code; only operators can submit jobs, the
@@ -150,6 +152,20 @@ class Task(ABC, Generic[BatchT]):
         """
         del model
         return ()
+
+    def init_non_federated(self, model: nn.Module) -> None:
+        """Fill the tensors θ does not carry, in a model built on the ``meta`` device.
+
+        The region's workers build the model with ``torch.device("meta")`` (no storage),
+        shard it, allocate each rank's part with ``to_empty`` and load θ into it; only the
+        non-federated tensors (a complex RoPE table, an integer counter) then still need
+        values, and this hook computes them in place on the model's device. A model
+        without such tensors needs nothing. The default raises
+        :class:`NotImplementedError`: a model that has such tensors is then built whole
+        on the host, as before, and the worker logs that it did.
+        """
+        del model
+        raise NotImplementedError
 
     def checkpoint_units(self, model: nn.Module) -> Sequence[nn.Module]:
         """Return the submodules whose activations are recomputed in backward.

@@ -19,7 +19,7 @@
                                       #   visible GPU on nccl, 2 on gloo
       backend: auto                   # auto | gloo | nccl
       env: {NCCL_SOCKET_IFNAME: eth0} # extra environment for the workers
-      env_passthrough: ["NCCL_*"]     # the agent's variables passed to every node's workers
+      env_passthrough: ["NCCL_*", GLOO_SOCKET_IFNAME]  # agent variables for the workers
       launcher: local                 # local | slurm
       nnodes: 1                       # nodes; local with > 1: rdzv_endpoint and rdzv_id
       slurm: {rdzv_port: 29400}       # slurm: rdzv_port, partition, time_limit, extra_args
@@ -170,9 +170,9 @@ class WorkersConfig(ConfigSection):
         default=None, min_length=1, description="this node's address as the others reach it"
     )
     env_passthrough: tuple[str, ...] = Field(
-        default=("NCCL_*",),
+        default=("NCCL_*", "GLOO_SOCKET_IFNAME"),
         description="the agent's own variables (names, or PREFIX* patterns) given to the "
-        "workers of every node, e.g. NCCL_IB_HCA, NCCL_SOCKET_IFNAME",
+        "workers of every node, e.g. NCCL_IB_HCA, NCCL_SOCKET_IFNAME, GLOO_SOCKET_IFNAME",
     )
     slurm: SlurmConfig = Field(default_factory=SlurmConfig)
     backend: Literal["auto", "gloo", "nccl"] = Field(

@@ -1,8 +1,9 @@
 """The inner training loop of one round on one rank: H optimizer steps from the data cursor.
 
 Each optimizer step takes ``training.grad_accumulation`` micro-batches; each
-micro-batch's loss is scaled by ``1/accumulation`` and its gradient synchronised only on
-the step's last one (``no_sync`` under DDP, FSDP2's ``set_requires_gradient_sync``).
+micro-batch's loss is scaled by ``1/accumulation``. Under DDP its gradient is synchronised
+only on the step's last one (``no_sync``); under FSDP every micro-batch reduce-scatters,
+so the accumulated gradient stays sharded (:meth:`ParallelModel.gradient_sync`).
 Before the step the learning rate is set from the schedule at the region's inner step
 over the whole job (:func:`geofed.lr_schedule.job_step`), which the task also hears
 (:meth:`~geofed.task.Task.on_step`); the gradient's global norm is clipped when the job

@@ -1,9 +1,10 @@
 """A region's inner training state for one job on one rank: built, resumed, made ready.
 
 :meth:`JobState.build` does what a rank can do alone: import the task, build the model
-on the device, make its checkpointed modules recompute, and take the data cursor, last
-round and inner optimizer state from the job's own regional checkpoint (a job parked
-while another trained resumes from it exactly). :meth:`JobState.ready` then does
+(on the ``meta`` device where the task allows: :mod:`regional_agent.model_build`), make
+its checkpointed modules recompute, and take the data cursor, last round and inner
+optimizer state from the job's own regional checkpoint (a job parked while another
+trained resumes from it exactly). :meth:`JobState.ready` then does
 the collectives, once per state: wrap the model for the job's parallelism, build the
 optimizer and load the checkpoint's optimizer state into it. The split lets the ranks
 agree that every one of them got through the first part before any enters a collective
@@ -13,7 +14,7 @@ its peers would never join. :func:`read_base` is rank 0's share of a round's sta
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,6 +27,7 @@ from geofed.task import Task, load_task
 from geofed.training_config import TrainingConfig
 from regional_agent.activation_checkpointing import checkpoint_activations, checkpointed_modules
 from regional_agent.handoff import RegionalCheckpoint, RoundInstruction
+from regional_agent.model_build import build_model
 from regional_agent.parallelism import ParallelModel, wrap
 
 log = logging.getLogger(__name__)
@@ -47,6 +49,9 @@ class JobState:
     cursor: int
     last_round: int | None
     resume_optimizer: dict[str, Any] | None
+    #: Set while ``model`` is on the meta device: fills what θ does not carry once
+    #: :meth:`ready` has allocated the shards (:mod:`regional_agent.model_build`).
+    materialize: Callable[[nn.Module], None] | None = None
     parallel: ParallelModel | None = None
     optimizer: torch.optim.Optimizer | None = None
     #: The round whose trained parameters the model holds (None until one is trained
@@ -64,13 +69,16 @@ class JobState:
         own; another job's is never resumed from) (no collectives)."""
         job, training = instruction.job, instruction.training
         task = load_task(instruction.task, instruction.task_options)
-        model = task.build_model(seed=instruction.seed).to(device)
+        built = build_model(task, instruction.seed, device)
+        level = logging.INFO if built.materialize is not None else logging.WARNING
+        log.log(level, "job %s: %s", job, built.reason)
+        model = built.model
         if training.activation_checkpointing:
             checkpoint_activations(checkpointed_modules(task, model))
         units = tuple(task.fsdp_units(model)) if training.parallelism == "fsdp" else ()
         if checkpoint is None or checkpoint.job != job:
             log.info("job %s: fresh regional state", job)
-            return cls(job, training, task, model, units, 0, None, None)
+            return cls(job, training, task, model, units, 0, None, None, built.materialize)
         if checkpoint.parallelism != training.parallelism:
             raise ValueError(
                 f"the regional checkpoint of job {job} holds {checkpoint.parallelism} "
@@ -91,6 +99,7 @@ class JobState:
             checkpoint.cursor,
             checkpoint.last_round,
             checkpoint.optimizer_state,
+            built.materialize,
         )
 
     def serves(self, instruction: RoundInstruction) -> bool:
@@ -103,8 +112,14 @@ class JobState:
             return self.parallel, self.optimizer
         training = self.training
         parallel = wrap(
-            self.model, training.parallelism, training.precision, device, self.fsdp_units
+            self.model,
+            training.parallelism,
+            training.precision,
+            device,
+            self.fsdp_units,
+            self.materialize,
         )
+        self.materialize = None
         optimizer = self.task.build_optimizer(parallel.model.parameters())
         # Every rank records the task's base rates now: under FSDP a state loaded from
         # rank 0 fills only the param-group keys each rank already has.

@@ -21,7 +21,8 @@ a restarted group of another size loads it too, and loaded back by broadcast fro
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Mapping, Sequence
+import itertools
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
@@ -36,7 +37,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
-from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
@@ -66,14 +67,15 @@ class ParallelModel:
     comm: CommTimer | None = None
 
     def gradient_sync(self, enabled: bool) -> AbstractContextManager[object]:
-        """The context of one micro-batch's forward and backward; without sync, the
-        gradients accumulate locally until the step's last micro-batch."""
-        if enabled:
-            return contextlib.nullcontext()
-        if isinstance(self.module, DistributedDataParallel):
+        """The context of one micro-batch's forward and backward.
+
+        DDP without sync accumulates the gradients locally until the step's last
+        micro-batch. FSDP reduce-scatters every micro-batch whatever ``enabled`` says:
+        skipping it would keep an unsharded fp32 gradient of the whole model on every rank
+        until the step's end.
+        """
+        if not enabled and isinstance(self.module, DistributedDataParallel):
             return self.module.no_sync()
-        if isinstance(self.module, FSDPModule):
-            return _fsdp_without_sync(self.module)
         return contextlib.nullcontext()
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
@@ -177,25 +179,32 @@ def wrap(
     precision: Precision,
     device: torch.device,
     fsdp_units: Sequence[nn.Module] = (),
+    materialize: Callable[[nn.Module], None] | None = None,
 ) -> ParallelModel:
-    """Wrap ``model`` (already on ``device``) for the region's parallelism (a collective)."""
+    """Wrap ``model`` for the region's parallelism (a collective).
+
+    ``model`` is on ``device``, or on the ``meta`` device with ``materialize`` given:
+    then its storage is allocated on ``device`` only after sharding (each rank allocates
+    its shards, never the whole model) and ``materialize`` fills the tensors θ does not
+    carry; the federated ones are loaded from θ before any use.
+    """
+    on_meta = any(t.is_meta for t in itertools.chain(model.parameters(), model.buffers()))
+    if on_meta and materialize is None:
+        raise ValueError("a model on the meta device needs a materialize function")
     if parallelism == "fsdp":
         policy = mixed_precision_policy(precision)
         for unit in fsdp_units:
             fully_shard(unit, mp_policy=policy)
         fully_shard(model, mp_policy=policy)  # the same module, now an FSDPModule too
+        if on_meta and materialize is not None:
+            model.to_empty(device=device)
+            materialize(model)
         return ParallelModel("fsdp", model, model)
+    if on_meta and materialize is not None:
+        model.to_empty(device=device)
+        materialize(model)
     device_ids = [device.index] if device.type == "cuda" else None
     ddp = DistributedDataParallel(model, device_ids=device_ids)
     comm = CommTimer(device)
     comm.attach(ddp)
     return ParallelModel("ddp", model, ddp, comm)
-
-
-@contextlib.contextmanager
-def _fsdp_without_sync(module: FSDPModule) -> Iterator[None]:
-    module.set_requires_gradient_sync(False)
-    try:
-        yield
-    finally:
-        module.set_requires_gradient_sync(True)

@@ -175,7 +175,12 @@ class RoundRunner:
         self._residual: DeviceResidual | None = None
         # Control messages (stop votes, instructions, errors) travel over gloo on the CPU,
         # so checking for a stop every step never synchronises a GPU stream.
-        self._control = dist.new_group(backend="gloo") if device.type == "cuda" else None
+        # An explicit timeout: a group made without one waits torch's default 30 minutes.
+        self._control = (
+            dist.new_group(backend="gloo", timeout=timedelta(seconds=settings.collective_timeout_s))
+            if device.type == "cuda"
+            else None
+        )
 
     def serve(self) -> None:
         if self._rank == 0:

@@ -1,8 +1,8 @@
 """A model with a complex64 persistent buffer trains through the real worker group.
 
 The llama ``tiny`` preset registers its rotary table ``freqs_cis`` (complex64) as a
-persistent buffer: θ_0 leaves it out, the ranks rebuild it, train two rounds from the
-federated state alone, and publish float32 parameters without it; under FSDP2 in bf16
+persistent buffer: θ_0 leaves it out, the ranks build the model on the meta device and
+recompute the table (``init_non_federated``), train two rounds from the federated state alone, and publish float32 parameters without it; under FSDP2 in bf16
 with its blocks checkpointed too.
 """
 
@@ -99,6 +99,10 @@ async def test_a_complex_buffer_model_trains_rounds(group: WorkerGroup, tmp_path
     checkpoint = group.handoff.read_checkpoint("llama")
     assert checkpoint is not None
     assert (checkpoint.job, checkpoint.last_round) == ("llama", 1)
+    # Every rank built the model without storage and allocated only what it holds.
+    for rank in (0, 1):
+        log = group.handoff.rank_log_path(rank).read_text()
+        assert "job llama: LlamaTask: built on the meta device" in log
 
 
 @on_module_loop

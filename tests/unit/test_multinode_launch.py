@@ -225,7 +225,10 @@ def test_workers_config_selects_and_shapes_the_launcher(
     local = load_config(write(tmp_path, federation)).workers
     assert isinstance(make_launcher(local, tmp_path / "w", environ={}), LocalElasticLauncher)
     assert local.nnodes == 1
-    assert local.env_passthrough == ("NCCL_*",)
+    # gloo's interface choice reaches every node's workers by default, as NCCL's does.
+    assert local.env_passthrough == ("NCCL_*", "GLOO_SOCKET_IFNAME")
+    passed = passthrough_env({"GLOO_SOCKET_IFNAME": "eth1", "HOME": "/root"}, local.env_passthrough)
+    assert passed == {"GLOO_SOCKET_IFNAME": "eth1"}
 
 
 @pytest.mark.parametrize(

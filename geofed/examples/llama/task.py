@@ -11,7 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from torch import nn
 
 from geofed.examples.charlm.data import VOCAB_SIZE, ByteCorpusTask
-from geofed.examples.llama.model import Llama, LlamaConfig
+from geofed.examples.llama.model import Llama, LlamaConfig, rotary_table
 from geofed.examples.llama.presets import PRESETS, PresetName
 from geofed.params import unwrap_model
 
@@ -67,7 +67,10 @@ class LlamaOptions(BaseModel):
 class LlamaTask(ByteCorpusTask):
     """Next-byte prediction with a Llama-style decoder, data split by region as charlm's.
 
-    Each transformer block is an FSDP unit and an activation-checkpointing unit.
+    Each transformer block is an FSDP unit and an activation-checkpointing unit; the
+    embedding and the output head are FSDP units too (unless tied). The model builds on
+    the ``meta`` device: its one non-federated tensor, the RoPE table, is recomputed by
+    :meth:`init_non_federated`.
     """
 
     Options = LlamaOptions
@@ -83,7 +86,22 @@ class LlamaTask(ByteCorpusTask):
             return Llama(self.config)
 
     def fsdp_units(self, model: nn.Module) -> Sequence[nn.Module]:
-        return tuple(_llama(model).layers)
+        llama = _llama(model)
+        if llama.output is None:
+            # Tied: the head reads the embedding's weight outside the embedding's own
+            # forward, so both stay in the root unit.
+            return tuple(llama.layers)
+        # The embedding and the head are the largest tensors: units of their own, so
+        # each is gathered only around its own forward and backward.
+        return (llama.tok_embeddings, *llama.layers, llama.output)
+
+    def init_non_federated(self, model: nn.Module) -> None:
+        llama = _llama(model)
+        config = llama.config
+        # Computed on the host, as build_model does, so every device holds the same bits.
+        table = rotary_table(config.head_dim, config.max_seq_len, config.rope_theta)
+        with torch.no_grad():
+            llama.freqs_cis.copy_(table)
 
     def checkpoint_units(self, model: nn.Module) -> Sequence[nn.Module]:
         return tuple(_llama(model).layers)
