@@ -200,6 +200,13 @@ class WorkersConfig(ConfigSection):
     )
     start_timeout_s: float = Field(default=300.0, gt=0, allow_inf_nan=False)
     collective_timeout_s: float = Field(default=600.0, gt=0, allow_inf_nan=False)
+    regional_checkpoint_every: StrictInt = Field(
+        default=4,
+        ge=1,
+        le=1 << 20,
+        description="rounds between saves of the inner optimizer state (sharded, each rank "
+        "its part); the group also saves when it parks a job and when it stops",
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -254,6 +261,7 @@ class WorkersConfig(ConfigSection):
             env={**passed, **self.env},
             num_threads=self.num_threads,
             collective_timeout_s=self.collective_timeout_s,
+            regional_checkpoint_every=self.regional_checkpoint_every,
             cwd=cwd,
             nnodes=self.nnodes,
             rdzv_endpoint=self.rdzv_endpoint,

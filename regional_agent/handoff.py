@@ -14,7 +14,10 @@ moment and pick up where the other left off::
     jobs/<job>/round-<r>.cancel             agent -> workers: drop the delayed round r
     jobs/<job>/round-<r>.start.pt           agent -> workers: S, where an eager round r starts
     jobs/<job>/round-<r>.start.json         agent -> workers, written last: S is ready
-    jobs/<job>/regional-checkpoint.pt       rank 0: the job's inner optimizer state + cursor
+    jobs/<job>/regional-checkpoint.json     rank 0, every round: the job's last round, data
+                                            cursor, and which optimizer state is saved
+    jobs/<job>/optimizer-round-<r>/         every rank its part (DCP): the inner optimizer
+                                            state at the end of round r
     jobs/<job>/inner-checkpoint.pt          rank 0: a round's inner state at a mid-round stop
     ranks/rank-<n>.json                     each rank: pid, launch id, restart count
     logs/rank-<n>.log, logs/launcher.log    worker and launcher output
@@ -22,8 +25,11 @@ moment and pick up where the other left off::
 
 Results, checkpoints, markers and instructions are written temp + fsync + rename; a
 result exists only once its done marker does. The regional checkpoint is per job, so jobs
-that share the group never resume from each other's state; a checkpoint left at the old
-single-file place (``regional-checkpoint.pt`` at the root) is moved to its job's place by
+that share the group never resume from each other's state: a small record written with
+every round, and the sharded optimizer state it names, saved every few rounds
+(:mod:`regional_agent.optimizer_checkpoint`). A whole-state checkpoint of the format
+before (``regional-checkpoint.pt``, per job or at the root) is still read and resumed
+from; one at the old single-file place is moved to its job's place by
 :meth:`HandoffDir.migrate_legacy_checkpoint`. Progress and rank status files are
 advisory and only renamed into place (whole, not durable). All functions here block on
 disk I/O; asyncio callers run them in a thread.
@@ -37,7 +43,7 @@ import math
 import os
 import re
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar, get_args
@@ -51,6 +57,7 @@ from geofed.codec_params import CodecParams
 from geofed.fsutil import AtomicFile, atomic_write_bytes, replace_durably
 from geofed.training_config import Parallelism, TrainingConfig
 from geofed.types import validate_name
+from regional_agent.optimizer_checkpoint import optimizer_dir, read_whole, remove_others
 from regional_agent.training_stats import TrainingStats
 
 if TYPE_CHECKING:
@@ -59,6 +66,8 @@ if TYPE_CHECKING:
 FORMAT_VERSION = 1
 _T = TypeVar("_T")
 _CHECKPOINT_NAME = "regional-checkpoint.pt"
+_RECORD_NAME = "regional-checkpoint.json"
+_RECORD_FORMAT = 2
 _INNER_CHECKPOINT_NAME = "inner-checkpoint.pt"
 _ROUND_FILE_RE = re.compile(r"^round-(\d+)\.instruction\.json$")
 
@@ -543,28 +552,81 @@ class RoundResult:
 class RegionalCheckpoint:
     """The region's inner training state at the end of ``last_round`` of ``job``.
 
-    ``optimizer_state`` is the whole inner optimizer state, as ``parallelism`` keys it:
-    under ``ddp`` the optimizer's ``state_dict()`` (identical on every rank), under
-    ``fsdp`` the shards gathered by parameter name (see
-    :mod:`regional_agent.parallelism`); checkpoints written before FSDP existed are
-    ``ddp``. ``cursor`` is the data step (micro-batch) index the next round starts at.
+    ``cursor`` is the data step (micro-batch) index the next round starts at.
+    ``optimizer_round`` names the round whose inner optimizer state is saved, sharded,
+    in :meth:`HandoffDir.optimizer_path` (None: none is saved yet); it may be older than
+    ``last_round`` (the state is saved every few rounds), and a group resuming from it
+    then trains with that older optimizer state and this cursor.
+
+    ``optimizer_state`` is set only for a checkpoint of the format before, which held
+    the whole state, as ``parallelism`` keys it: under ``ddp`` the optimizer's
+    ``state_dict()``, under ``fsdp`` the shards gathered by parameter name; checkpoints
+    written before FSDP existed are ``ddp``.
     """
 
     job: str
     last_round: int
     cursor: int
     world_size: int
-    optimizer_state: dict[str, Any] = field(repr=False)
+    optimizer_state: dict[str, Any] | None = field(default=None, repr=False)
     parallelism: Parallelism = "ddp"
+    optimizer_round: int | None = None
 
     def __post_init__(self) -> None:
         if self.parallelism not in get_args(Parallelism):
             raise InvalidHandoffData(
                 f"parallelism must be one of {get_args(Parallelism)}, got {self.parallelism!r}"
             )
+        if self.optimizer_round is not None and not (0 <= self.optimizer_round <= self.last_round):
+            raise InvalidHandoffData(
+                f"optimizer_round {self.optimizer_round} is not a round up to last_round "
+                f"{self.last_round}"
+            )
+        if self.optimizer_round is not None and self.optimizer_state is not None:
+            raise InvalidHandoffData("a checkpoint holds a whole or a sharded optimizer state")
 
+    def record(self) -> bytes:
+        """The record's JSON (the sharded optimizer state stays in its own directory)."""
+        if self.optimizer_state is not None:
+            raise InvalidHandoffData("a whole optimizer state is no longer written")
+        return json.dumps(
+            {
+                "format": _RECORD_FORMAT,
+                "job": self.job,
+                "last_round": self.last_round,
+                "cursor": self.cursor,
+                "world_size": self.world_size,
+                "parallelism": self.parallelism,
+                "optimizer_round": self.optimizer_round,
+            },
+            sort_keys=True,
+        ).encode()
 
-_CHECKPOINT_FIELDS = tuple(RegionalCheckpoint.__dataclass_fields__)
+    @classmethod
+    def from_record(cls, raw: bytes, source: str) -> RegionalCheckpoint:
+        """Parse :meth:`record`'s JSON; :class:`InvalidHandoffData` names what is wrong."""
+        try:
+            body = json.loads(raw)
+        except ValueError as exc:
+            raise InvalidHandoffData(f"{source}: not JSON: {exc}") from None
+        if not isinstance(body, dict) or body.get("format") != _RECORD_FORMAT:
+            raise InvalidHandoffData(f"{source}: not a format-{_RECORD_FORMAT} regional checkpoint")
+        try:
+            optimizer_round = body["optimizer_round"]
+            return cls(
+                job=validate_name("job", body["job"]),
+                last_round=_require_int("last_round", body["last_round"], 0),
+                cursor=_require_int("cursor", body["cursor"], 0),
+                world_size=_require_int("world_size", body["world_size"], 1),
+                parallelism=body["parallelism"],
+                optimizer_round=None
+                if optimizer_round is None
+                else _require_int("optimizer_round", optimizer_round, 0),
+            )
+        except KeyError as exc:
+            raise InvalidHandoffData(f"{source}: missing {exc.args[0]}") from None
+        except ValueError as exc:
+            raise InvalidHandoffData(f"{source}: {exc}") from None
 
 
 @dataclass(frozen=True, slots=True)
@@ -638,8 +700,16 @@ class HandoffDir:
         return self._round_path(job, round_, "start.json")
 
     def checkpoint_path(self, job: str) -> Path:
-        """``job``'s regional checkpoint, beside its round files."""
+        """``job``'s regional checkpoint record, beside its round files."""
+        return self.job_dir(job) / _RECORD_NAME
+
+    def whole_checkpoint_path(self, job: str) -> Path:
+        """Where a whole-state checkpoint of the format before is kept for ``job``."""
         return self.job_dir(job) / _CHECKPOINT_NAME
+
+    def optimizer_path(self, job: str, round_: int) -> Path:
+        """The sharded inner optimizer state of ``job`` at the end of ``round_``."""
+        return optimizer_dir(self.job_dir(job), round_)
 
     def inner_checkpoint_path(self, job: str) -> Path:
         """The inner state of ``job``'s round stopped mid-way (see
@@ -925,7 +995,8 @@ class HandoffDir:
         return pruned
 
     def forget_job(self, job: str) -> None:
-        """Drop ``job``'s round files, its regional and inner checkpoints (a legacy one too).
+        """Drop ``job``'s round files, its regional checkpoint (record, saved optimizer
+        states, a whole-state or legacy one too) and inner checkpoint.
 
         File by file, never the directory: the worker scans it while idle. A worker whose
         in-memory state is past a round asked again, and that finds no regional checkpoint,
@@ -941,6 +1012,8 @@ class HandoffDir:
         self.prune_rounds(job, sys.maxsize)
         self.inner_checkpoint_path(job).unlink(missing_ok=True)
         self.checkpoint_path(job).unlink(missing_ok=True)
+        self.whole_checkpoint_path(job).unlink(missing_ok=True)
+        self.remove_optimizer_states(job)
         legacy = self.legacy_checkpoint_path
         try:
             owner = self._load_checkpoint(legacy)
@@ -953,25 +1026,54 @@ class HandoffDir:
     # -- regional checkpoint -------------------------------------------------------------
 
     def write_checkpoint(self, checkpoint: RegionalCheckpoint) -> None:
-        """Atomically replace the regional checkpoint of ``checkpoint.job``."""
+        """Atomically replace the regional checkpoint record of ``checkpoint.job``.
+
+        A whole-state checkpoint of the format before goes once the record is durable.
+        """
         path = self.checkpoint_path(checkpoint.job)
         path.parent.mkdir(parents=True, exist_ok=True)
-        # Field by field, not asdict(): that would deep-copy every optimizer tensor.
-        body: dict[str, Any] = {"format": FORMAT_VERSION}
-        body.update((name, getattr(checkpoint, name)) for name in _CHECKPOINT_FIELDS)
-        with AtomicFile(path) as f:
-            torch.save(body, f)
+        atomic_write_bytes(path, checkpoint.record())
+        self.whole_checkpoint_path(checkpoint.job).unlink(missing_ok=True)
 
     def has_checkpoint(self, job: str) -> bool:
-        return self.checkpoint_path(job).is_file()
+        return self.checkpoint_path(job).is_file() or self.whole_checkpoint_path(job).is_file()
 
     def read_checkpoint(self, job: str) -> RegionalCheckpoint | None:
-        """``job``'s regional checkpoint, or None if it has none."""
+        """``job``'s regional checkpoint (its record, else a whole-state one), or None."""
         path = self.checkpoint_path(job)
-        checkpoint = self._load_checkpoint(path)
+        try:
+            raw = path.read_bytes()
+        except FileNotFoundError:
+            path = self.whole_checkpoint_path(job)
+            checkpoint = self._load_checkpoint(path)
+        except OSError as exc:
+            raise InvalidHandoffData(f"{path}: unreadable regional checkpoint: {exc}") from None
+        else:
+            checkpoint = RegionalCheckpoint.from_record(raw, str(path))
         if checkpoint is not None and checkpoint.job != job:
             raise InvalidHandoffData(f"{path}: holds the state of job {checkpoint.job!r}")
         return checkpoint
+
+    def remove_optimizer_states(self, job: str, keep: Collection[int | None] = ()) -> None:
+        """Remove ``job``'s saved optimizer states but those of the rounds in ``keep``
+        (this node's files)."""
+        remove_others(self.job_dir(job), keep)
+
+    def read_optimizer_state(self, job: str) -> dict[str, Any] | None:
+        """``job``'s saved inner optimizer state, whole, in this process (for inspection).
+
+        None when its checkpoint names none. Holds the whole state in memory: never on a
+        path that scales with the model.
+        """
+        checkpoint = self.read_checkpoint(job)
+        if checkpoint is None:
+            return None
+        if checkpoint.optimizer_state is not None:
+            return checkpoint.optimizer_state
+        if checkpoint.optimizer_round is None:
+            return None
+        path = self.optimizer_path(job, checkpoint.optimizer_round)
+        return read_whole(path, self.job_dir(job) / f".{path.name}.whole.tmp")
 
     def migrate_legacy_checkpoint(self) -> str | None:
         """Move a checkpoint at the old single-file place to its job's place, once.
@@ -987,15 +1089,16 @@ class HandoffDir:
         checkpoint = self._load_checkpoint(legacy)
         if checkpoint is None:
             return None
-        target = self.checkpoint_path(checkpoint.job)
-        if target.exists():
+        if self.has_checkpoint(checkpoint.job):
             legacy.unlink(missing_ok=True)
         else:
+            target = self.whole_checkpoint_path(checkpoint.job)
             target.parent.mkdir(parents=True, exist_ok=True)
             replace_durably(legacy, target)
         return checkpoint.job
 
     def _load_checkpoint(self, path: Path) -> RegionalCheckpoint | None:
+        """A whole-state checkpoint of the format before, or None if there is none."""
         try:
             # Mapped, not read: a rank that does not load the optimizer state (FSDP ranks
             # other than 0) never pages it in.

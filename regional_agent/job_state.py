@@ -16,9 +16,11 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from geofed.lr_schedule import apply_lr
@@ -28,6 +30,7 @@ from geofed.training_config import TrainingConfig
 from regional_agent.activation_checkpointing import checkpoint_activations, checkpointed_modules
 from regional_agent.handoff import RegionalCheckpoint, RoundInstruction
 from regional_agent.model_build import build_model
+from regional_agent.optimizer_checkpoint import load_optimizer
 from regional_agent.parallelism import ParallelModel, wrap
 
 log = logging.getLogger(__name__)
@@ -49,6 +52,11 @@ class JobState:
     cursor: int
     last_round: int | None
     resume_optimizer: dict[str, Any] | None
+    """A whole optimizer state (a checkpoint of the format before) until :meth:`ready`."""
+    #: The sharded optimizer state :meth:`ready` loads (None: none, or loaded).
+    resume_optimizer_path: Path | None = None
+    #: The round whose optimizer state the job's checkpoint holds (None: none yet).
+    saved_optimizer_round: int | None = None
     #: Set while ``model`` is on the meta device: fills what θ does not carry once
     #: :meth:`ready` has allocated the shards (:mod:`regional_agent.model_build`).
     materialize: Callable[[nn.Module], None] | None = None
@@ -64,6 +72,7 @@ class JobState:
         instruction: RoundInstruction,
         device: torch.device,
         checkpoint: RegionalCheckpoint | None,
+        optimizer_path: Callable[[str, int], Path] | None = None,
     ) -> JobState:
         """A fresh state for ``instruction``'s job, resumed from ``checkpoint`` (the job's
         own; another job's is never resumed from) (no collectives)."""
@@ -78,17 +87,25 @@ class JobState:
         units = tuple(task.fsdp_units(model)) if training.parallelism == "fsdp" else ()
         if checkpoint is None or checkpoint.job != job:
             log.info("job %s: fresh regional state", job)
-            return cls(job, training, task, model, units, 0, None, None, built.materialize)
+            return cls(
+                job, training, task, model, units, 0, None, None, None, None, built.materialize
+            )
         if checkpoint.parallelism != training.parallelism:
             raise ValueError(
                 f"the regional checkpoint of job {job} holds {checkpoint.parallelism} "
                 f"optimizer state; the job trains with {training.parallelism}"
             )
+        saved = checkpoint.optimizer_round
         log.info(
-            "job %s: resumed from the regional checkpoint of round %d (data step %d)",
+            "job %s: resumed from the regional checkpoint of round %d (data step %d; %s)",
             job,
             checkpoint.last_round,
             checkpoint.cursor,
+            "whole optimizer state"
+            if checkpoint.optimizer_state is not None
+            else "no optimizer state saved"
+            if saved is None
+            else f"optimizer state of round {saved}",
         )
         return cls(
             job,
@@ -99,6 +116,8 @@ class JobState:
             checkpoint.cursor,
             checkpoint.last_round,
             checkpoint.optimizer_state,
+            None if saved is None or optimizer_path is None else optimizer_path(job, saved),
+            saved,
             built.materialize,
         )
 
@@ -106,8 +125,11 @@ class JobState:
         """Whether this state trains ``instruction`` (same job, same training section)."""
         return (self.job, self.training) == (instruction.job, instruction.training)
 
-    def ready(self, device: torch.device) -> tuple[ParallelModel, torch.optim.Optimizer]:
-        """The wrapped model and its optimizer, made on the first call (collectives)."""
+    def ready(
+        self, device: torch.device, group: dist.ProcessGroup | None = None
+    ) -> tuple[ParallelModel, torch.optim.Optimizer]:
+        """The wrapped model and its optimizer, made on the first call (collectives; the
+        sharded optimizer state is read over ``group``)."""
         if self.parallel is not None and self.optimizer is not None:
             return self.parallel, self.optimizer
         training = self.training
@@ -120,13 +142,13 @@ class JobState:
             self.materialize,
         )
         self.materialize = None
-        optimizer = self.task.build_optimizer(parallel.model.parameters())
-        # Every rank records the task's base rates now: under FSDP a state loaded from
-        # rank 0 fills only the param-group keys each rank already has.
-        apply_lr(optimizer, 1.0)
+        optimizer = self._fresh_optimizer(parallel)
         if self.resume_optimizer is not None:
             parallel.load_optimizer_state(optimizer, self.resume_optimizer)
             self.resume_optimizer = None
+        elif self.resume_optimizer_path is not None:
+            optimizer = self._load_sharded(parallel, optimizer, self.resume_optimizer_path, group)
+            self.resume_optimizer_path = None
         self.parallel, self.optimizer = parallel, optimizer
         log.info(
             "job %s: %s, %s compute, on %s",
@@ -136,6 +158,39 @@ class JobState:
             device,
         )
         return parallel, optimizer
+
+    def _fresh_optimizer(self, parallel: ParallelModel) -> torch.optim.Optimizer:
+        optimizer = self.task.build_optimizer(parallel.model.parameters())
+        # Every rank records the task's base rates now: under FSDP a state loaded from
+        # rank 0 fills only the param-group keys each rank already has.
+        apply_lr(optimizer, 1.0)
+        return optimizer
+
+    def _load_sharded(
+        self,
+        parallel: ParallelModel,
+        optimizer: torch.optim.Optimizer,
+        path: Path,
+        group: dist.ProcessGroup | None,
+    ) -> torch.optim.Optimizer:
+        """``optimizer`` with the state saved at ``path``; a fresh one if it cannot be read.
+
+        A failure is met on every rank alike, so every rank starts afresh together, as
+        after a crash before the first save.
+        """
+        try:
+            load_optimizer(parallel.model, optimizer, path, group)
+        except Exception as exc:
+            log.warning(
+                "job %s: cannot load the inner optimizer state at %s (%s: %s); starting it afresh",
+                self.job,
+                path,
+                type(exc).__name__,
+                exc,
+            )
+            self.saved_optimizer_round = None
+            return self._fresh_optimizer(parallel)
+        return optimizer
 
 
 @dataclass(frozen=True, slots=True)

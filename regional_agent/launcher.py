@@ -138,9 +138,14 @@ class WorkerSettings:
     poll_interval_s: float = 0.05
     progress_interval_s: float = 0.5
     collective_timeout_s: float = 600.0
+    regional_checkpoint_every: int = 4
 
     def __post_init__(self) -> None:
         resolve_backend(self.backend)
+        if isinstance(self.regional_checkpoint_every, bool) or self.regional_checkpoint_every < 1:
+            raise LauncherConfigError(
+                f"regional_checkpoint_every must be >= 1, got {self.regional_checkpoint_every!r}"
+            )
         if isinstance(self.num_threads, bool) or self.num_threads < 1:
             raise LauncherConfigError(f"num_threads must be >= 1, got {self.num_threads!r}")
         _positive("poll_interval_s", self.poll_interval_s)
@@ -161,6 +166,8 @@ class WorkerSettings:
             repr(self.progress_interval_s),
             "--collective-timeout-s",
             repr(self.collective_timeout_s),
+            "--regional-checkpoint-every",
+            str(self.regional_checkpoint_every),
         ]
 
     @classmethod
@@ -173,6 +180,7 @@ class WorkerSettings:
         parser.add_argument("--poll-interval-s", type=float, default=0.05)
         parser.add_argument("--progress-interval-s", type=float, default=0.5)
         parser.add_argument("--collective-timeout-s", type=float, default=600.0)
+        parser.add_argument("--regional-checkpoint-every", type=int, default=4)
         args = parser.parse_args(argv)
         try:
             return cls(
@@ -182,6 +190,7 @@ class WorkerSettings:
                 poll_interval_s=args.poll_interval_s,
                 progress_interval_s=args.progress_interval_s,
                 collective_timeout_s=args.collective_timeout_s,
+                regional_checkpoint_every=args.regional_checkpoint_every,
             )
         except LauncherConfigError as exc:
             parser.error(str(exc))
@@ -248,6 +257,8 @@ class LocalLauncherConfig:
     progress_interval_s: float = 0.5
     collective_timeout_s: float = 600.0
     """torch.distributed timeout; bounds how long a rank waits for a hung peer."""
+    regional_checkpoint_every: int = 4
+    """Rounds between saves of the inner optimizer state (the head node's ranks decide)."""
     monitor_interval_s: float = 0.1
     shutdown_timeout_s: int = 20
     """How long the elastic launcher lets workers exit after SIGTERM before SIGKILL (left
@@ -331,6 +342,7 @@ class LocalElasticLauncher(Launcher):
             poll_interval_s=config.poll_interval_s,
             progress_interval_s=config.progress_interval_s,
             collective_timeout_s=config.collective_timeout_s,
+            regional_checkpoint_every=config.regional_checkpoint_every,
         )
         self._proc: subprocess.Popen[bytes] | None = None
         self._launch_id: str | None = None

@@ -103,6 +103,7 @@ from regional_agent.inner_loop import RankTotals, RoundPlan, region_stats, train
 from regional_agent.job_state import BaseParams, JobState, read_base
 from regional_agent.launch_spec import head_first_ranks, is_head_node
 from regional_agent.launcher import LAUNCH_ID_ENV, WorkerSettings
+from regional_agent.optimizer_checkpoint import save_due, save_optimizer
 from regional_agent.parallelism import ParallelModel
 
 log = logging.getLogger("regional_agent.worker")
@@ -190,6 +191,8 @@ class RoundRunner:
             stop, has_work = self._agree(self._wants_stop(), pending is not None)
             if stop:
                 log.info("stopping: %s", self._stop_reason() or "asked by another rank")
+                if self._state is not None:
+                    self._park(self._state, "the group stops")
                 return
             if not has_work:
                 time.sleep(self._settings.poll_interval_s)
@@ -263,6 +266,8 @@ class RoundRunner:
         checkpoint: RegionalCheckpoint | None = None
         checkpoint_error: str | None = None
         if held is None or not held.serves(instruction):
+            if held is not None:
+                self._park(held, f"job {job} is next")
             checkpoint, checkpoint_error = self._shared_checkpoint(job)
         # First what each rank does alone, so that a failure is agreed on before any rank
         # enters a collective its peers would never join.
@@ -284,7 +289,9 @@ class RoundRunner:
         if instruction.base_pending:
             # Every rank holds the same state, so every rank takes the same branch.
             if self._holds_previous_round(state, instruction):
-                parallel, optimizer = state.ready(self._device)  # made: no collective
+                parallel, optimizer = state.ready(
+                    self._device, self._control
+                )  # made: no collective
                 try:
                     fold = DelayedFold(
                         self._handoff,
@@ -318,7 +325,7 @@ class RoundRunner:
         # met by all of them at the same point.
         error = None
         try:
-            parallel, optimizer = state.ready(self._device)
+            parallel, optimizer = state.ready(self._device, self._control)
             parallel.load_full_state(None if base is None else base.state)
         except Exception as exc:
             log.exception("cannot load job %s round %d", job, round_)
@@ -477,7 +484,9 @@ class RoundRunner:
             # included, rather than when the allocator happens to need them.
             gc.collect()
             torch.cuda.empty_cache()
-        self._state = JobState.build(instruction, self._device, checkpoint)
+        self._state = JobState.build(
+            instruction, self._device, checkpoint, self._handoff.optimizer_path
+        )
         return self._state
 
     def _shared_checkpoint(self, job: str) -> tuple[RegionalCheckpoint | None, str | None]:
@@ -497,7 +506,7 @@ class RoundRunner:
                 log.exception("cannot read the regional checkpoint of job %s", job)
                 error = f"{type(exc).__name__}: {exc}"
             sent = checkpoint
-            if sent is not None and sent.parallelism == "fsdp":
+            if sent is not None and sent.parallelism == "fsdp" and sent.optimizer_state:
                 sent = replace(sent, optimizer_state={})
             box[0] = (sent, error)
         dist.broadcast_object_list(box, src=0, group=self._control)
@@ -643,7 +652,6 @@ class RoundRunner:
         # Collectives under FSDP: every rank takes part, rank 0 receives the whole.
         request = instruction.delta
         params = parallel.full_state() if request is None else parallel.local_state()
-        optimizer_state = parallel.optimizer_state(optimizer)
         delta: QuantizedTensors | None = None
         failure: str | None = None
         if params is not None and request is not None:  # rank 0
@@ -663,7 +671,10 @@ class RoundRunner:
                     instruction.job, instruction.round, failure or "rank 0 failed"
                 )
             return
-        if params is not None and optimizer_state is not None:  # rank 0
+        # The optimizer state is saved sharded, every few rounds; the record rank 0
+        # writes names the one saved last.
+        self._save_optimizer_if_due(state, parallel, optimizer, instruction.round)
+        if params is not None:  # rank 0
             summary = RoundSummary(
                 job=instruction.job,
                 round=instruction.round,
@@ -689,12 +700,91 @@ class RoundRunner:
                 last_round=instruction.round,
                 cursor=cursor,
                 world_size=self._world_size,
-                optimizer_state=optimizer_state,
                 parallelism=state.training.parallelism,
+                optimizer_round=state.saved_optimizer_round,
             )
             self._publish(summary, params if delta is None else None, checkpoint, totals, delta)
         state.cursor, state.last_round = cursor, instruction.round
         state.local_round = instruction.round
+
+    def _save_optimizer_if_due(
+        self,
+        state: JobState,
+        parallel: ParallelModel,
+        optimizer: torch.optim.Optimizer,
+        round_: int,
+    ) -> None:
+        """Save the optimizer state of ``round_`` when rank 0's cadence says so (a
+        collective; only rank 0's settings count, so every rank decides alike)."""
+        decision = save_due(
+            round_, state.saved_optimizer_round, self._settings.regional_checkpoint_every
+        )
+        (due,) = self._agree(self._rank == 0 and decision.save)
+        if due:
+            self._save_optimizer(state, parallel, optimizer, round_, decision.reason)
+
+    def _save_optimizer(
+        self,
+        state: JobState,
+        parallel: ParallelModel,
+        optimizer: torch.optim.Optimizer,
+        round_: int,
+        why: str,
+    ) -> bool:
+        """Save ``state``'s optimizer state as of the end of ``round_``, every rank its
+        part (a collective); False when it failed (on every rank: the checkpoint named so
+        far stays)."""
+        started = time.monotonic()
+        try:
+            # Every other round's directory (an unnamed, unfinished one) goes first; the
+            # one the record names stays until a newer one is named.
+            self._handoff.remove_optimizer_states(state.job, (state.saved_optimizer_round, round_))
+            save_optimizer(
+                parallel.model,
+                optimizer,
+                self._handoff.optimizer_path(state.job, round_),
+                self._control,
+            )
+        except Exception:
+            log.exception(
+                "job %s: cannot save the inner optimizer state of round %d", state.job, round_
+            )
+            return False
+        state.saved_optimizer_round = round_
+        log.info(
+            "job %s: inner optimizer state of round %d saved in %.2f s (%s)",
+            state.job,
+            round_,
+            time.monotonic() - started,
+            why,
+        )
+        return True
+
+    def _park(self, state: JobState, why: str) -> None:
+        """Save ``state``'s optimizer state if its checkpoint holds an older one, and name
+        it in the record (a collective): a parked or stopped job loses nothing."""
+        parallel, optimizer = state.parallel, state.optimizer
+        round_ = state.last_round
+        if parallel is None or optimizer is None or round_ is None:
+            return
+        if state.saved_optimizer_round == round_:
+            return
+        if not self._save_optimizer(state, parallel, optimizer, round_, why):
+            return
+        if self._rank == 0:
+            try:
+                self._handoff.write_checkpoint(
+                    RegionalCheckpoint(
+                        job=state.job,
+                        last_round=round_,
+                        cursor=state.cursor,
+                        world_size=self._world_size,
+                        parallelism=state.training.parallelism,
+                        optimizer_round=round_,
+                    )
+                )
+            except OSError:
+                log.exception("job %s: cannot write the regional checkpoint", state.job)
 
     def _resume(
         self,

@@ -86,6 +86,11 @@ def keep_for_reference(workers: Path, reference: Path) -> RoundInstruction:
     shutil.copyfile(instruction.base_params, base)
     copy.job_dir(JOB).mkdir(parents=True)
     shutil.copyfile(handoff.checkpoint_path(JOB), copy.checkpoint_path(JOB))
+    record = handoff.read_checkpoint(JOB)
+    assert record is not None
+    assert record.optimizer_round is not None  # saved with the first round
+    saved = handoff.optimizer_path(JOB, record.optimizer_round)
+    shutil.copytree(saved, copy.optimizer_path(JOB, record.optimizer_round))
     # The residual the round's delta starts from: the agent's, as round 0 left it.
     assert instruction.delta is not None
     feedback = reference / "feedback.pt"

@@ -2,12 +2,15 @@
 
 The llama ``tiny`` preset registers its rotary table ``freqs_cis`` (complex64) as a
 persistent buffer: θ_0 leaves it out, the ranks build the model on the meta device and
-recompute the table (``init_non_federated``), train two rounds from the federated state alone, and publish float32 parameters without it; under FSDP2 in bf16
-with its blocks checkpointed too.
+recompute the table (``init_non_federated``), train two rounds from the federated state
+alone, and publish float32 parameters without it; under FSDP2 in bf16 with its blocks
+checkpointed too.
 """
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -125,3 +128,45 @@ async def test_a_complex_buffer_model_trains_sharded_in_bf16(
     assert result.summary.base_params_hash == parameters_vector_hash(theta0)
     assert result.summary.params_hash == parameters_vector_hash(result.params)
     assert any(not torch.equal(result.params[k], theta0[k]) for k in theta0)
+
+
+@on_module_loop
+async def test_a_group_killed_between_optimizer_saves_resumes_with_the_older_state(
+    group: WorkerGroup, tmp_path: Path
+) -> None:
+    """At the default cadence the sharded optimizer state is saved at the first round and
+    then every 4; a crash in between costs the optimizer state since that save, never the
+    data cursor or a round."""
+    task = load_task(LLAMA, OPTIONS)
+    base = tmp_path / "theta0.pt"
+    torch.save(initial_parameters(task, seed=5), base)
+    training = TrainingConfig.model_validate({"parallelism": "fsdp"})
+    for round_ in range(3):
+        await group.run_round(_instruction(round_, base, "cadence", training), 60)
+    record = group.handoff.read_checkpoint("cadence")
+    assert record is not None
+    assert (record.last_round, record.cursor, record.optimizer_round) == (2, 3 * STEPS, 0)
+    saved = sorted(p.name for p in group.handoff.job_dir("cadence").glob("optimizer-round-*"))
+    assert saved == ["optimizer-round-0"]
+
+    restarts = group.restart_count
+    (rank1,) = [s for s in group.handoff.read_rank_statuses() if s.rank == 1]
+    os.kill(rank1.pid, signal.SIGKILL)
+    third = await group.run_round(_instruction(3, base, "cadence", training), 120)
+    fourth = await group.run_round(_instruction(4, base, "cadence", training), 60)
+
+    assert group.restart_count > restarts
+    assert (third.summary.cursor, fourth.summary.cursor) == (4 * STEPS, 5 * STEPS)
+    assert all(torch.isfinite(t).all() for t in fourth.params.values())
+    log = group.handoff.rank_log_path(0).read_text()
+    assert (
+        f"job cadence: resumed from the regional checkpoint of round 2 (data step {3 * STEPS}; "
+        "optimizer state of round 0)" in log
+    )
+    record = group.handoff.read_checkpoint("cadence")
+    assert record is not None
+    assert record.optimizer_round == 4  # 4 rounds after the last save
+    optimizer_state = group.handoff.read_optimizer_state("cadence")
+    assert optimizer_state is not None
+    # Rounds 0, 3 and 4 stepped this state; rounds 1 and 2's steps went with the crash.
+    assert optimizer_state["state"]["tok_embeddings.weight"]["step"].item() == 3 * STEPS

@@ -163,7 +163,9 @@ async def test_accumulation_clipping_and_schedule_match_a_replay(region: Group) 
     checkpoint = region.handoff.read_checkpoint("tuned")
     assert checkpoint is not None
     assert checkpoint.parallelism == "ddp"
-    group = checkpoint.optimizer_state["param_groups"][0]
+    optimizer_state = region.handoff.read_optimizer_state("tuned")
+    assert optimizer_state is not None
+    group = optimizer_state["param_groups"][0]
     assert group["initial_lr"] == 1e-2
     assert math.isclose(group["lr"], scheduled_lr(1), rel_tol=1e-12)
     assert scheduled_lr(1) < scheduled_lr(0)
@@ -185,12 +187,16 @@ async def test_fsdp_trains_the_same_rounds_as_ddp(region: Group) -> None:
     checkpoint = region.handoff.read_checkpoint("tuned-fsdp")
     assert checkpoint is not None
     assert (checkpoint.job, checkpoint.parallelism) == ("tuned-fsdp", "fsdp")
-    # Gathered whole, keyed by parameter name: loadable by a group of any size.
-    assert set(checkpoint.optimizer_state["state"]) == set(region.theta0)
-    assert checkpoint.optimizer_state["state"]["0.weight"]["exp_avg"].shape == (16, 8)
-    assert math.isclose(
-        checkpoint.optimizer_state["param_groups"][0]["lr"], scheduled_lr(1), rel_tol=1e-12
-    )
+    # Saved by each rank, its shard, keyed by parameter name: loadable by a group of any
+    # size; read back whole here.
+    assert checkpoint.optimizer_round == 1
+    saved = sorted(p.name for p in region.handoff.optimizer_path("tuned-fsdp", 1).iterdir())
+    assert saved == [".metadata", "__0_0.distcp", "__1_0.distcp"]
+    optimizer_state = region.handoff.read_optimizer_state("tuned-fsdp")
+    assert optimizer_state is not None
+    assert set(optimizer_state["state"]) == set(region.theta0)
+    assert optimizer_state["state"]["0.weight"]["exp_avg"].shape == (16, 8)
+    assert math.isclose(optimizer_state["param_groups"][0]["lr"], scheduled_lr(1), rel_tol=1e-12)
 
 
 @on_module_loop
@@ -222,10 +228,10 @@ async def test_fsdp_worker_killed_mid_round_resumes_state_and_schedule_exactly(
     checkpoint = region.handoff.read_checkpoint("fsdp-crash")
     assert checkpoint is not None
     assert checkpoint.last_round == ROUNDS - 1
+    optimizer_state = region.handoff.read_optimizer_state("fsdp-crash")
+    assert optimizer_state is not None
     assert math.isclose(
-        checkpoint.optimizer_state["param_groups"][0]["lr"],
-        scheduled_lr(ROUNDS - 1),
-        rel_tol=1e-12,
+        optimizer_state["param_groups"][0]["lr"], scheduled_lr(ROUNDS - 1), rel_tol=1e-12
     )
 
 

@@ -21,6 +21,7 @@ from regional_agent.handoff import (
     RoundProgress,
     RoundSummary,
 )
+from regional_agent.optimizer_checkpoint import load_optimizer, save_optimizer
 
 INSTRUCTION = RoundInstruction(
     job="job-a",
@@ -239,13 +240,16 @@ def test_checkpoint_keeps_optimizer_state_exactly(tmp_path: Path) -> None:
         optimizer.step()
     handoff = HandoffDir(tmp_path)
     assert handoff.read_checkpoint("job-a") is None
-    handoff.write_checkpoint(RegionalCheckpoint("job-a", 5, 300, 2, optimizer.state_dict()))
+    save_optimizer(model, optimizer, handoff.optimizer_path("job-a", 5))
+    handoff.write_checkpoint(RegionalCheckpoint("job-a", 5, 300, 2, optimizer_round=5))
 
     loaded = handoff.read_checkpoint("job-a")
     assert loaded is not None
     assert (loaded.job, loaded.last_round, loaded.cursor, loaded.world_size) == ("job-a", 5, 300, 2)
-    restored = torch.optim.AdamW(torch.nn.Linear(3, 2).parameters(), lr=0.1)
-    restored.load_state_dict(loaded.optimizer_state)
+    assert loaded.optimizer_round == 5
+    other = torch.nn.Linear(3, 2)
+    restored = torch.optim.AdamW(other.parameters(), lr=0.1)
+    load_optimizer(other, restored, handoff.optimizer_path("job-a", 5))
     for index, state in optimizer.state_dict()["state"].items():
         for key, value in state.items():
             assert torch.equal(restored.state_dict()["state"][index][key], value)
@@ -256,9 +260,14 @@ def test_corrupt_checkpoint_is_an_error_not_a_fresh_start(tmp_path: Path) -> Non
     handoff = HandoffDir(tmp_path)
     handoff.checkpoint_path("job-a").parent.mkdir(parents=True)
     handoff.checkpoint_path("job-a").write_bytes(b"garbage")
+    with pytest.raises(InvalidHandoffData, match="not JSON"):
+        handoff.read_checkpoint("job-a")
+    handoff.checkpoint_path("job-a").unlink()
+    # A whole-state checkpoint of the format before, damaged.
+    handoff.whole_checkpoint_path("job-a").write_bytes(b"garbage")
     with pytest.raises(InvalidHandoffData, match="unreadable regional checkpoint"):
         handoff.read_checkpoint("job-a")
-    torch.save({"format": 1, "job": "job-a"}, handoff.checkpoint_path("job-a"))
+    torch.save({"format": 1, "job": "job-a"}, handoff.whole_checkpoint_path("job-a"))
     with pytest.raises(InvalidHandoffData, match="last_round"):
         handoff.read_checkpoint("job-a")
 

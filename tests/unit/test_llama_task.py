@@ -153,8 +153,13 @@ def test_hooks_name_the_blocks_and_count_flops(tiny: LlamaTask) -> None:
     model = tiny.build_model()
     assert isinstance(model, Llama)
     blocks = list(model.layers)
-    assert list(tiny.fsdp_units(model)) == blocks
+    # The embedding and the untied head are units of their own, each block another.
+    assert list(tiny.fsdp_units(model)) == [model.tok_embeddings, *blocks, model.output]
     assert list(tiny.checkpoint_units(model)) == blocks
+    tied = LlamaTask(LlamaOptions(tie_embeddings=True))
+    tied_model = tied.build_model()
+    assert isinstance(tied_model, Llama)
+    assert list(tied.fsdp_units(tied_model)) == list(tied_model.layers)
     config: LlamaConfig = tiny.config
     dense = count_parameters(model) - 256 * config.dim
     expected = 6 * dense + 12 * config.n_layers * config.dim * 32

@@ -1,5 +1,6 @@
 """Regional checkpoints are per job: where they live, parking and restoring a job's state,
-removal when the job is forgotten, and the checkpoint of the old one-per-region place."""
+removal when the job is forgotten, the sharded optimizer state a record names, and the
+whole-state checkpoints of the format before (per job, and at the old one-per-region place)."""
 
 from __future__ import annotations
 
@@ -8,18 +9,19 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch import nn
 
 from regional_agent.handoff import HandoffDir, InvalidHandoffData, RegionalCheckpoint
 from regional_agent.job_state import JobState
+from regional_agent.optimizer_checkpoint import save_due, save_optimizer
+from tests.support.tiny_task import TinyTask
 from tests.unit.test_handoff import INSTRUCTION, PARAMS, SUMMARY
 
 CPU = torch.device("cpu")
 
 
-def trained_optimizer(steps: int) -> dict[str, object]:
-    """The tiny task's AdamW state after ``steps`` steps (a real state dict to restore)."""
-    from tests.support.tiny_task import TinyTask
-
+def trained_optimizer(steps: int) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """The tiny task's model and AdamW after ``steps`` steps (a real state to restore)."""
     task = TinyTask()
     model = task.build_model(seed=1)
     optimizer = task.build_optimizer(model.parameters())
@@ -27,36 +29,102 @@ def trained_optimizer(steps: int) -> dict[str, object]:
         optimizer.zero_grad()
         model(torch.ones(2, 8)).pow(2).sum().backward()
         optimizer.step()
-    return optimizer.state_dict()
+    return model, optimizer
 
 
-def checkpoint(job: str, last_round: int, cursor: int, steps: int = 1) -> RegionalCheckpoint:
-    return RegionalCheckpoint(job, last_round, cursor, 2, trained_optimizer(steps))
+def checkpoint(
+    handoff: HandoffDir, job: str, last_round: int, cursor: int, steps: int = 1
+) -> RegionalCheckpoint:
+    """Job ``job``'s checkpoint as a group writes it: the optimizer state of ``last_round``
+    saved (one process here) and the record naming it."""
+    model, optimizer = trained_optimizer(steps)
+    save_optimizer(model, optimizer, handoff.optimizer_path(job, last_round))
+    written = RegionalCheckpoint(job, last_round, cursor, 2, optimizer_round=last_round)
+    handoff.write_checkpoint(written)
+    return written
+
+
+def whole(job: str, last_round: int, cursor: int, steps: int = 1) -> RegionalCheckpoint:
+    """A whole-state checkpoint of the format before."""
+    _, optimizer = trained_optimizer(steps)
+    return RegionalCheckpoint(job, last_round, cursor, 2, optimizer.state_dict())
+
+
+def steps_of(handoff: HandoffDir, job: str) -> int:
+    """The AdamW step count of ``job``'s saved optimizer state (either format)."""
+    state = handoff.read_optimizer_state(job)
+    assert state is not None
+    by_name = state["state"]
+    entry = by_name["0.weight"] if "0.weight" in by_name else by_name[0]
+    return int(entry["step"].item())
 
 
 def test_each_job_has_its_own_checkpoint_beside_its_round_files(tmp_path: Path) -> None:
     handoff = HandoffDir(tmp_path)
-    assert handoff.checkpoint_path("alpha") == tmp_path / "jobs/alpha/regional-checkpoint.pt"
+    assert handoff.checkpoint_path("alpha") == tmp_path / "jobs/alpha/regional-checkpoint.json"
+    assert handoff.optimizer_path("alpha", 3) == tmp_path / "jobs/alpha/optimizer-round-3"
     with pytest.raises(ValueError, match="job"):
         handoff.checkpoint_path("../alpha")  # named as a job directory is: never a path
-    handoff.write_checkpoint(checkpoint("alpha", 3, 120, steps=4))
-    handoff.write_checkpoint(checkpoint("beta", 0, 40, steps=1))
+    checkpoint(handoff, "alpha", 3, 120, steps=4)
+    checkpoint(handoff, "beta", 0, 40, steps=1)
 
     alpha, beta = handoff.read_checkpoint("alpha"), handoff.read_checkpoint("beta")
     assert alpha is not None
     assert beta is not None
-    assert (alpha.job, alpha.last_round, alpha.cursor) == ("alpha", 3, 120)
+    assert (alpha.job, alpha.last_round, alpha.cursor, alpha.optimizer_round) == (
+        "alpha",
+        3,
+        120,
+        3,
+    )
     assert (beta.job, beta.last_round, beta.cursor) == ("beta", 0, 40)
-    assert alpha.optimizer_state["state"][0]["step"].item() == 4
-    assert beta.optimizer_state["state"][0]["step"].item() == 1
+    assert alpha.optimizer_state is None  # the record holds no tensor
+    assert (steps_of(handoff, "alpha"), steps_of(handoff, "beta")) == (4, 1)
     assert handoff.read_checkpoint("gamma") is None
     assert (handoff.has_checkpoint("alpha"), handoff.has_checkpoint("gamma")) == (True, False)
     assert not handoff.legacy_checkpoint_path.exists()
 
 
+def test_a_record_names_an_older_optimizer_state_or_none(tmp_path: Path) -> None:
+    handoff = HandoffDir(tmp_path)
+    checkpoint(handoff, "alpha", 3, 120, steps=4)
+    handoff.write_checkpoint(RegionalCheckpoint("alpha", 5, 200, 2, optimizer_round=3))
+    later = handoff.read_checkpoint("alpha")
+    assert later is not None
+    assert (later.last_round, later.cursor, later.optimizer_round) == (5, 200, 3)
+    assert steps_of(handoff, "alpha") == 4
+    handoff.write_checkpoint(RegionalCheckpoint("beta", 0, 40, 2))
+    assert handoff.read_optimizer_state("beta") is None
+    with pytest.raises(InvalidHandoffData, match="optimizer_round 6 is not a round up to"):
+        RegionalCheckpoint("alpha", 5, 200, 2, optimizer_round=6)
+    with pytest.raises(InvalidHandoffData, match="no longer written"):
+        handoff.write_checkpoint(whole("alpha", 6, 240))
+
+
+@pytest.mark.parametrize(
+    ("raw", "error"),
+    [
+        (b"{", "not JSON"),
+        (b'{"format": 1}', "not a format-2 regional checkpoint"),
+        (
+            b'{"format": 2, "job": "alpha", "last_round": -1, "cursor": 0, "world_size": 1,'
+            b' "parallelism": "ddp", "optimizer_round": null}',
+            "last_round",
+        ),
+        (b'{"format": 2, "job": "alpha"}', "missing"),
+    ],
+)
+def test_a_malformed_record_is_refused_saying_why(tmp_path: Path, raw: bytes, error: str) -> None:
+    handoff = HandoffDir(tmp_path)
+    handoff.checkpoint_path("alpha").parent.mkdir(parents=True)
+    handoff.checkpoint_path("alpha").write_bytes(raw)
+    with pytest.raises(InvalidHandoffData, match=error):
+        handoff.read_checkpoint("alpha")
+
+
 def test_a_checkpoint_holding_another_jobs_state_is_refused(tmp_path: Path) -> None:
     handoff = HandoffDir(tmp_path)
-    handoff.write_checkpoint(checkpoint("beta", 0, 40))
+    checkpoint(handoff, "beta", 0, 40)
     handoff.checkpoint_path("alpha").parent.mkdir(parents=True)
     handoff.checkpoint_path("beta").rename(handoff.checkpoint_path("alpha"))
     with pytest.raises(InvalidHandoffData, match="holds the state of job 'beta'"):
@@ -68,7 +136,7 @@ def test_the_checkpoint_is_no_round_file(tmp_path: Path) -> None:
     handoff.write_instruction(INSTRUCTION)
     handoff.write_result(SUMMARY, PARAMS)
     handoff.write_done(SUMMARY)
-    handoff.write_checkpoint(checkpoint("job-a", 3, 200))
+    checkpoint(handoff, "job-a", 3, 200)
     later = replace(INSTRUCTION, round=4)
     handoff.write_instruction(later)
     assert handoff.pending_instruction() == ("job-a", 4)
@@ -81,8 +149,8 @@ def test_forgetting_a_job_removes_its_checkpoint_only(tmp_path: Path) -> None:
     handoff.write_instruction(INSTRUCTION)
     handoff.write_result(SUMMARY, PARAMS)
     handoff.write_done(SUMMARY)
-    handoff.write_checkpoint(checkpoint("job-a", 3, 200))
-    handoff.write_checkpoint(checkpoint("job-b", 1, 80))
+    checkpoint(handoff, "job-a", 3, 200)
+    checkpoint(handoff, "job-b", 1, 80)
 
     handoff.forget_job("job-a")
     assert not handoff.has_checkpoint("job-a")
@@ -91,32 +159,41 @@ def test_forgetting_a_job_removes_its_checkpoint_only(tmp_path: Path) -> None:
     kept = handoff.read_checkpoint("job-b")
     assert kept is not None
     assert kept.last_round == 1
+    assert steps_of(handoff, "job-b") == 1
     handoff.forget_job("never-ran")  # nothing to remove is fine
 
 
-def legacy(handoff: HandoffDir, ckpt: RegionalCheckpoint) -> None:
-    """A checkpoint where groups kept the region's single one."""
-    body = {"format": 1, **{name: getattr(ckpt, name) for name in ckpt.__dataclass_fields__}}
-    torch.save(body, handoff.legacy_checkpoint_path)
+def legacy(handoff: HandoffDir, ckpt: RegionalCheckpoint, path: Path | None = None) -> None:
+    """A whole-state checkpoint of the format before: by default where groups kept the
+    region's single one."""
+    fields = ("job", "last_round", "cursor", "world_size", "optimizer_state", "parallelism")
+    body = {"format": 1, **{name: getattr(ckpt, name) for name in fields}}
+    target = handoff.legacy_checkpoint_path if path is None else path
+    target.parent.mkdir(parents=True, exist_ok=True)
+    torch.save(body, target)
 
 
 def test_a_legacy_checkpoint_moves_to_its_jobs_place_once(tmp_path: Path) -> None:
     handoff = HandoffDir(tmp_path)
-    legacy(handoff, checkpoint("alpha", 2, 90, steps=3))
+    legacy(handoff, whole("alpha", 2, 90, steps=3))
 
     assert handoff.migrate_legacy_checkpoint() == "alpha"
     assert not handoff.legacy_checkpoint_path.exists()
     moved = handoff.read_checkpoint("alpha")
     assert moved is not None
     assert (moved.last_round, moved.cursor) == (2, 90)
-    assert moved.optimizer_state["state"][0]["step"].item() == 3
+    assert steps_of(handoff, "alpha") == 3
     assert handoff.migrate_legacy_checkpoint() is None  # once
+    # The job's next record replaces the whole-state file.
+    handoff.write_checkpoint(RegionalCheckpoint("alpha", 3, 100, 2))
+    assert not handoff.whole_checkpoint_path("alpha").exists()
+    assert handoff.read_optimizer_state("alpha") is None
 
 
 def test_a_legacy_checkpoint_never_replaces_the_jobs_own(tmp_path: Path) -> None:
     handoff = HandoffDir(tmp_path)
-    handoff.write_checkpoint(checkpoint("alpha", 5, 200))
-    legacy(handoff, checkpoint("alpha", 2, 90))
+    checkpoint(handoff, "alpha", 5, 200)
+    legacy(handoff, whole("alpha", 2, 90))
 
     assert handoff.migrate_legacy_checkpoint() == "alpha"
     assert not handoff.legacy_checkpoint_path.exists()
@@ -139,7 +216,7 @@ def test_an_unreadable_legacy_checkpoint_is_left_alone_until_a_job_is_forgotten(
 
 def test_forgetting_a_job_removes_a_legacy_checkpoint_of_that_job_only(tmp_path: Path) -> None:
     handoff = HandoffDir(tmp_path)
-    legacy(handoff, checkpoint("beta", 1, 40))
+    legacy(handoff, whole("beta", 1, 40))
     handoff.forget_job("alpha")
     assert handoff.legacy_checkpoint_path.exists()
     handoff.forget_job("beta")
@@ -154,20 +231,50 @@ def test_switching_jobs_parks_one_and_restores_the_other_from_its_own_checkpoint
     handoff = HandoffDir(tmp_path)
     alpha_round = replace(INSTRUCTION, job="alpha", round=3)
     beta_round = replace(INSTRUCTION, job="beta", round=1, seed=9)
-    handoff.write_checkpoint(checkpoint("alpha", 2, 120, steps=6))
-    handoff.write_checkpoint(checkpoint("beta", 0, 40, steps=2))
+    checkpoint(handoff, "alpha", 2, 120, steps=6)
+    handoff.write_checkpoint(RegionalCheckpoint("alpha", 4, 200, 2, optimizer_round=2))
+    legacy(handoff, whole("beta", 0, 40, steps=2), handoff.whole_checkpoint_path("beta"))
+    path = handoff.optimizer_path
 
     states = []
     for instruction in (alpha_round, beta_round, alpha_round):
-        state = JobState.build(instruction, CPU, handoff.read_checkpoint(instruction.job))
+        state = JobState.build(instruction, CPU, handoff.read_checkpoint(instruction.job), path)
         states.append(state)
     alpha, beta, alpha_again = states
-    assert (alpha.job, alpha.last_round, alpha.cursor) == ("alpha", 2, 120)
+    assert (alpha.job, alpha.last_round, alpha.cursor) == ("alpha", 4, 200)
     assert (beta.job, beta.last_round, beta.cursor) == ("beta", 0, 40)
     assert (alpha_again.last_round, alpha_again.cursor) == (alpha.last_round, alpha.cursor)
-    for state, steps in ((alpha, 6), (beta, 2), (alpha_again, 6)):
-        assert state.resume_optimizer is not None
-        assert state.resume_optimizer["state"][0]["step"].item() == steps
+    for state in (alpha, alpha_again):
+        # The record's cursor and round, the optimizer state of the round it names.
+        assert (state.resume_optimizer, state.saved_optimizer_round) == (None, 2)
+        assert state.resume_optimizer_path == handoff.optimizer_path("alpha", 2)
+    assert beta.resume_optimizer is not None
+    assert beta.resume_optimizer["state"][0]["step"].item() == 2
+    assert beta.resume_optimizer_path is None
 
-    fresh = JobState.build(replace(INSTRUCTION, job="gamma"), CPU, handoff.read_checkpoint("gamma"))
+    gamma = replace(INSTRUCTION, job="gamma")
+    fresh = JobState.build(gamma, CPU, handoff.read_checkpoint("gamma"), path)
     assert (fresh.last_round, fresh.cursor, fresh.resume_optimizer) == (None, 0, None)
+    assert (fresh.resume_optimizer_path, fresh.saved_optimizer_round) == (None, None)
+
+
+def test_the_optimizer_state_is_saved_first_then_every_few_rounds() -> None:
+    first = save_due(0, None, every=4)
+    assert first.save
+    assert first.reason == "no inner optimizer state is saved yet"
+    assert [save_due(r, 0, every=4).save for r in range(1, 6)] == [False, False, False, True, True]
+    assert save_due(2, 0, every=4).reason == "2 of 4 rounds since the last save"
+    assert save_due(7, 3, every=4).reason == "4 rounds since the last save (every 4)"
+    assert all(save_due(r, r - 1, every=1).save for r in range(1, 4))
+
+
+def test_only_the_named_optimizer_states_are_kept(tmp_path: Path) -> None:
+    handoff = HandoffDir(tmp_path)
+    for round_ in (1, 3, 5):
+        checkpoint(handoff, "alpha", round_, 10 * round_)
+    checkpoint(handoff, "beta", 2, 20)
+    handoff.remove_optimizer_states("alpha", (3, None))
+    assert sorted(p.name for p in handoff.job_dir("alpha").glob("optimizer-*")) == [
+        "optimizer-round-3"
+    ]
+    assert handoff.optimizer_path("beta", 2).is_dir()  # another job's are its own

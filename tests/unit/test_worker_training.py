@@ -108,15 +108,16 @@ def test_fsdp_policy_computes_in_bf16_and_reduces_in_fp32() -> None:
 
 def test_regional_checkpoint_records_its_parallelism(tmp_path: Path) -> None:
     handoff = HandoffDir(tmp_path)
-    handoff.write_checkpoint(RegionalCheckpoint("job-a", 1, 40, 2, {"state": {}}, "fsdp"))
+    handoff.write_checkpoint(RegionalCheckpoint("job-a", 1, 40, 2, parallelism="fsdp"))
     loaded = handoff.read_checkpoint("job-a")
     assert loaded is not None
     assert loaded.parallelism == "fsdp"
-    # Written before the field existed: DDP's optimizer state_dict().
+    # A whole-state checkpoint written before the field existed: DDP's state_dict().
+    handoff.checkpoint_path("job-a").unlink()
     torch.save(
         {"format": 1, "job": "job-a", "last_round": 1, "cursor": 40, "world_size": 2,
          "optimizer_state": {"state": {}}},
-        handoff.checkpoint_path("job-a"),
+        handoff.whole_checkpoint_path("job-a"),
     )  # fmt: skip
     old = handoff.read_checkpoint("job-a")
     assert old is not None

@@ -1,0 +1,153 @@
+"""The inner optimizer state of a regional checkpoint: sharded, each rank writing its part.
+
+Every rank saves its own shards of the inner optimizer state with
+``torch.distributed.checkpoint`` (DCP) into ``optimizer-round-<r>/`` beside the job's
+regional checkpoint record (:class:`~regional_agent.handoff.RegionalCheckpoint`); nothing
+is gathered to rank 0. Under DDP, where every rank holds the same state, DCP writes each
+tensor once. A checkpoint exists once its ``.metadata`` does (DCP writes it last, by
+rename), and counts once the record names its round: rank 0 writes the record after the
+save, and the directories the record does not name are removed before the next save, so
+a crash at any point leaves a record naming a complete checkpoint.
+
+Loading reshards: a group of another size, or restarted, loads what it holds from the
+same files. The ranks of a region of several nodes write and read their parts under the
+same path on their own node; resuming the optimizer exactly across nodes needs that path
+on a shared filesystem (without one, a rank that cannot read a part fails the load on
+every rank and the state starts afresh, as after a crash between checkpoints).
+
+:func:`save_due` is the pure cadence: a save at the first round, then every
+``training.regional_checkpoint_every`` rounds; the worker also saves when it parks a job
+for another and when the group stops, so only a crash costs inner optimizer state.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+import shutil
+import warnings
+from collections.abc import Collection, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+from torch.distributed.checkpoint.state_dict import (
+    get_optimizer_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
+
+_DIR_RE = re.compile(r"optimizer-round-(\d+)")
+METADATA = ".metadata"
+
+
+@dataclass(frozen=True, slots=True)
+class SaveDecision:
+    """Whether to save the optimizer state at the end of a round, and why."""
+
+    save: bool
+    reason: str
+
+
+def save_due(round_: int, saved_round: int | None, every: int) -> SaveDecision:
+    """Whether the optimizer state of round ``round_`` is to be saved.
+
+    ``saved_round`` is the round whose state the current checkpoint holds (None: none).
+    """
+    if saved_round is None:
+        return SaveDecision(True, "no inner optimizer state is saved yet")
+    behind = round_ - saved_round
+    if behind >= every:
+        return SaveDecision(True, f"{behind} rounds since the last save (every {every})")
+    return SaveDecision(False, f"{behind} of {every} rounds since the last save")
+
+
+def optimizer_dir(job_dir: Path, round_: int) -> Path:
+    """Where the optimizer state of ``round_`` is saved, in a job's hand-off directory."""
+    return job_dir / f"optimizer-round-{round_}"
+
+
+def saved_rounds(job_dir: Path) -> list[int]:
+    """The rounds whose optimizer state directories exist under ``job_dir`` (any state)."""
+    if not job_dir.is_dir():
+        return []
+    found = (_DIR_RE.fullmatch(entry.name) for entry in job_dir.iterdir())
+    return sorted(int(m.group(1)) for m in found if m is not None)
+
+
+def is_complete(path: Path) -> bool:
+    """Whether a DCP checkpoint at ``path`` was finished (its metadata is written last)."""
+    return (path / METADATA).is_file()
+
+
+def remove_others(job_dir: Path, keep: Collection[int | None]) -> None:
+    """Remove the optimizer state directories of ``job_dir`` but those of the rounds in
+    ``keep`` (this node's files)."""
+    for round_ in saved_rounds(job_dir):
+        if round_ not in keep:
+            # Ranks sharing a filesystem remove the same directories: a race, not an error.
+            shutil.rmtree(optimizer_dir(job_dir, round_), ignore_errors=True)
+
+
+def save_optimizer(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    path: Path,
+    group: dist.ProcessGroup | None = None,
+) -> None:
+    """Save this rank's part of ``optimizer``'s state into ``path`` (a collective; one
+    process alone when no process group is initialized)."""
+    state = get_optimizer_state_dict(model, optimizer)
+    with _alone_is_meant():
+        dcp_save(
+            {"optimizer": state},
+            checkpoint_id=path,
+            process_group=group,
+            no_dist=not dist.is_initialized(),
+        )
+
+
+def load_optimizer(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    path: Path,
+    group: dist.ProcessGroup | None = None,
+) -> None:
+    """Load the state saved at ``path`` into ``optimizer``, each rank its part (a collective).
+
+    A failure is raised on every rank alike (DCP gathers each rank's errors); the
+    optimizer may then be partly loaded, so the caller builds a fresh one.
+    """
+    state = {"optimizer": get_optimizer_state_dict(model, optimizer)}
+    with _alone_is_meant():
+        dcp_load(state, checkpoint_id=path, process_group=group, no_dist=not dist.is_initialized())
+    set_optimizer_state_dict(model, optimizer, state["optimizer"])
+
+
+@contextlib.contextmanager
+def _alone_is_meant() -> Iterator[None]:
+    """Silence DCP's warning that it runs in one process: without a group, that is meant."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
+def read_whole(path: Path, scratch: Path) -> dict[str, object]:
+    """The whole optimizer state saved at ``path``, unsharded, in this process (no group).
+
+    For inspection and tests: it holds the whole state in memory. ``scratch`` is a file
+    path the conversion may write (removed after).
+    """
+    try:
+        dcp_to_torch_save(path, scratch)
+        whole = torch.load(scratch, map_location="cpu", weights_only=True)
+    finally:
+        scratch.unlink(missing_ok=True)
+    state = whole["optimizer"]
+    if not isinstance(state, dict):
+        raise TypeError(f"{path}: not an optimizer state")
+    return state
