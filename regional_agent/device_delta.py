@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 from geofed.codec import QuantizedTensors, quantize_tensors
+from geofed.codec.tensors import TensorLayout
 from regional_agent.delta import UnusableDelta, rounding_generator
 from regional_agent.handoff import DeltaRequest
 from regional_agent.residual_file import read_residual, read_residual_id, write_residual
@@ -62,58 +63,114 @@ def quantize_round_delta(
     Raises :class:`~regional_agent.delta.UnusableDelta` when θ_round and the trained
     state do not match, and the codec's errors on non-finite values.
     """
-    device = _device_of(local)
-    base = torch.load(base_path, map_location="cpu", weights_only=True, mmap=True)
-    if not isinstance(base, Mapping) or set(base) != set(local):
-        names = sorted(set(base) ^ set(local)) if isinstance(base, Mapping) else []
-        raise UnusableDelta(f"θ at {base_path} and the trained state differ in {names}")
-    wanted = tuple(local) if request.names is None else request.names
-    unknown = [name for name in wanted if name not in local]
-    if unknown:
-        raise UnusableDelta(f"the delta request names tensors the model lacks: {unknown}")
-    delta: dict[str, torch.Tensor] = {}
-    for name in wanted:
-        trained, start = local[name], base[name]
+    quantizer = RoundDeltaQuantizer(
+        request,
+        job=job,
+        round_=round_,
+        region=region,
+        base_path=base_path,
+        shapes={name: tensor.shape for name, tensor in local.items()},
+        device=_device_of(local),
+        kept=kept,
+    )
+    for name in quantizer.wanted:
+        quantizer.add(name, local[name])
+    return quantizer.finish(residual_path)
+
+
+class RoundDeltaQuantizer:
+    """A round's delta quantized tensor by tensor, as the trained tensors come (rank 0).
+
+    Built with the model's federated shapes, it checks θ_round's file against them and
+    takes the residual; :meth:`add` gets each tensor of :attr:`wanted` in that order (a
+    sharded model gathers one tensor at a time, so no full copy of the model is ever
+    held) and quantizes Δ = θ_round - θ_local plus its residual at once; :meth:`finish`
+    writes the residual the round leaves. The payloads are those of quantizing every
+    tensor in one call: chunks never span tensors, and stochastic rounding draws from
+    one generator in the same order.
+    """
+
+    def __init__(
+        self,
+        request: DeltaRequest,
+        *,
+        job: str,
+        round_: int,
+        region: str,
+        base_path: str,
+        shapes: Mapping[str, torch.Size],
+        device: torch.device,
+        kept: DeviceResidual | None,
+    ) -> None:
+        self._request, self._job, self._round, self._device = request, job, round_, device
+        self._shapes = dict(shapes)
+        self._base_path = base_path
+        self._base = torch.load(base_path, map_location="cpu", weights_only=True, mmap=True)
+        base = self._base
+        if not isinstance(base, Mapping) or set(base) != set(shapes):
+            names = sorted(set(base) ^ set(shapes)) if isinstance(base, Mapping) else []
+            raise UnusableDelta(f"θ at {base_path} and the trained state differ in {names}")
+        self.wanted: tuple[str, ...] = tuple(shapes) if request.names is None else request.names
+        unknown = [name for name in self.wanted if name not in shapes]
+        if unknown:
+            raise UnusableDelta(f"the delta request names tensors the model lacks: {unknown}")
+        # The whole model's shapes: a partial request's residual may name any of them.
+        self._residual = _residual_for(request, job, shapes, kept, device)
+        self._generator = (
+            rounding_generator(job, round_, region, device)
+            if request.codec.stochastic_rounding
+            else None
+        )
+        self._specs: list[TensorLayout] = []
+        self._payloads: list[torch.Tensor] = []
+        self._after: dict[str, torch.Tensor] = {}
+        self._next = 0
+
+    def add(self, name: str, trained: torch.Tensor) -> None:
+        """Quantize the delta of ``name``, the next tensor of :attr:`wanted`."""
+        if self._next >= len(self.wanted) or self.wanted[self._next] != name:
+            raise UnusableDelta(f"{name!r} is not the next tensor of the delta")
+        self._next += 1
+        start = self._base[name]
         if start.shape != trained.shape:
             raise UnusableDelta(
                 f"{name!r}: θ has shape {tuple(start.shape)}, the trained state "
                 f"{tuple(trained.shape)}"
             )
-        out = start.to(device=device, dtype=torch.float32, copy=True)
-        delta[name] = out.sub_(trained.detach().to(torch.float32))
-    del base
-    # The whole model's shapes: a partial request's residual may name any of them.
-    shapes = {name: tensor.shape for name, tensor in local.items()}
-    residual = _residual_for(request, job, shapes, kept, device)
-    used = None if residual is None else _for_delta(residual, delta)
-    generator = None
-    if request.codec.stochastic_rounding:
-        generator = rounding_generator(job, round_, region, device)
-    quantized, after = quantize_tensors(
-        delta,
-        request.codec,
-        chunk_elements=request.chunk_elements,
-        generator=generator,
-        residual=used,
-    )
-    del delta, used
-    if request.names is not None and residual is not None:
-        # The other tensors' residual waits, unchanged, for their own round.
-        merged = {**residual, **after}
-        after = {name: merged[name] for name in local if name in merged}
-    id_ = write_residual(residual_path, round_, after)
-    return quantized, DeviceResidual(job, id_, after)
+        delta = start.to(device=self._device, dtype=torch.float32, copy=True)
+        delta.sub_(trained.detach().to(device=self._device, dtype=torch.float32))
+        residual = None
+        if self._residual is not None:
+            # A tensor without a residual yet (under streaming, its fragment's first
+            # round) starts from zero.
+            own = self._residual.get(name)
+            residual = {name: torch.zeros_like(delta) if own is None else own}
+        quantized, after = quantize_tensors(
+            {name: delta},
+            self._request.codec,
+            chunk_elements=self._request.chunk_elements,
+            generator=self._generator,
+            residual=residual,
+        )
+        self._specs.extend(quantized.specs)
+        self._payloads.extend(quantized.payloads)
+        self._after.update(after)
 
-
-def _for_delta(
-    residual: Mapping[str, torch.Tensor], delta: Mapping[str, torch.Tensor]
-) -> dict[str, torch.Tensor]:
-    """The residual of exactly ``delta``'s tensors: zero for a tensor that has none yet
-    (under streaming a fragment's first round)."""
-    return {
-        name: residual[name] if name in residual else torch.zeros_like(tensor)
-        for name, tensor in delta.items()
-    }
+    def finish(self, residual_path: Path) -> tuple[QuantizedTensors, DeviceResidual]:
+        """The round's quantized delta; its residual written to ``residual_path``."""
+        if self._next != len(self.wanted):
+            raise UnusableDelta(f"the delta holds {self._next} of its {len(self.wanted)} tensors")
+        quantized = QuantizedTensors(
+            self._specs, self._request.codec, self._request.chunk_elements, self._payloads
+        )
+        after = self._after
+        if self._request.names is not None and self._residual is not None:
+            # The other tensors' residual waits, unchanged, for their own round.
+            merged = {**self._residual, **after}
+            after = {name: merged[name] for name in self._shapes if name in merged}
+        del self._base
+        id_ = write_residual(residual_path, self._round, after)
+        return quantized, DeviceResidual(self._job, id_, after)
 
 
 def _residual_for(

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
@@ -141,6 +141,20 @@ class ParallelModel:
         if dist.get_rank() != 0:
             return None
         return {name: tensor.detach() for name, tensor in federated_state(self.model).items()}
+
+    def gathered(self, names: Sequence[str]) -> Iterator[tuple[str, torch.Tensor]]:
+        """Each named federated tensor whole, one at a time, in ``names``' order.
+
+        Under FSDP every tensor is all-gathered (a collective per tensor: every rank
+        iterates the same names to the end), so no rank ever holds more than one whole
+        tensor beyond its shards; under DDP the replica's own tensors (no copy).
+        """
+        state = federated_state(self.model)
+        for name in names:
+            tensor = state[name]
+            if isinstance(tensor, DTensor):
+                tensor = tensor.full_tensor()
+            yield name, tensor.detach()
 
     def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any] | None:
         """The whole inner optimizer state on rank 0 (for the regional checkpoint).

@@ -73,11 +73,16 @@ from torch.distributed.distributed_c10d import PrefixStore
 from torch.distributed.rendezvous import rendezvous
 
 from geofed.codec import QuantizedTensors
-from geofed.params import check_federated_state, parameters_vector_hash
+from geofed.params import check_federated_state, federated_state, parameters_vector_hash
 from geofed.task import DataShard
 from regional_agent.base_evaluation import evaluate_base
 from regional_agent.delayed_round import DelayedFold, evaluator
-from regional_agent.device_delta import DeviceResidual, payloads_hash, quantize_round_delta
+from regional_agent.device_delta import (
+    DeviceResidual,
+    RoundDeltaQuantizer,
+    payloads_hash,
+    quantize_round_delta,
+)
 from regional_agent.handoff import (
     BaseReady,
     DeltaRequest,
@@ -651,18 +656,29 @@ class RoundRunner:
         cursor = state.cursor + totals.micro_batches
         # Collectives under FSDP: every rank takes part, rank 0 receives the whole.
         request = instruction.delta
-        params = parallel.full_state() if request is None else parallel.local_state()
+        streamed = request is not None and parallel.kind == "fsdp"
+        params: Mapping[str, torch.Tensor] | None = None
+        if request is None:
+            params = parallel.full_state()
+        elif not streamed:
+            params = parallel.local_state()
         delta: QuantizedTensors | None = None
         failure: str | None = None
-        if params is not None and request is not None:  # rank 0
+        if request is not None:
             base_path = (fold.base_path if fold is not None else "") or instruction.base_params
-            try:
-                delta = self._quantize(request, instruction, base_path, params)
-            except Exception as exc:
-                log.exception(
-                    "job %s round %d: cannot quantize the delta", instruction.job, instruction.round
-                )
-                failure = f"cannot hand over the delta: {type(exc).__name__}: {exc}"
+            if streamed:
+                # The sharded model is gathered one tensor at a time as rank 0 quantizes.
+                delta, failure = self._quantize_streamed(request, instruction, base_path, parallel)
+            elif params is not None:  # rank 0
+                try:
+                    delta = self._quantize(request, instruction, base_path, params)
+                except Exception as exc:
+                    log.exception(
+                        "job %s round %d: cannot quantize the delta",
+                        instruction.job,
+                        instruction.round,
+                    )
+                    failure = f"cannot hand over the delta: {type(exc).__name__}: {exc}"
         (failed,) = self._agree(failure is not None)
         if failed:
             self._state = None  # as a diverged round: resume from the last checkpoint
@@ -674,7 +690,7 @@ class RoundRunner:
         # The optimizer state is saved sharded, every few rounds; the record rank 0
         # writes names the one saved last.
         self._save_optimizer_if_due(state, parallel, optimizer, instruction.round)
-        if params is not None:  # rank 0
+        if self._rank == 0:
             summary = RoundSummary(
                 job=instruction.job,
                 round=instruction.round,
@@ -683,9 +699,9 @@ class RoundRunner:
                 mean_loss=mean_loss,
                 cursor=cursor,
                 base_params_hash=base_hash,
-                params_hash=parameters_vector_hash(params)
-                if delta is None
-                else payloads_hash(delta),
+                params_hash=payloads_hash(delta)
+                if delta is not None
+                else parameters_vector_hash(params or {}),
                 world_size=self._world_size,
                 train_seconds=time.monotonic() - started,
                 base_eval=base_eval,
@@ -938,6 +954,65 @@ class RoundRunner:
             time.monotonic() - started,
         )
         return delta
+
+    def _quantize_streamed(
+        self,
+        request: DeltaRequest,
+        instruction: RoundInstruction,
+        base_path: str,
+        parallel: ParallelModel,
+    ) -> tuple[QuantizedTensors | None, str | None]:
+        """The round's quantized delta from a sharded model, gathered tensor by tensor
+        (collectives: every rank gathers every tensor, whatever rank 0 met, so none is
+        left waiting); rank 0's delta, or why it has none."""
+        started = time.monotonic()
+        shapes = {name: t.shape for name, t in federated_state(parallel.model).items()}
+        names = tuple(shapes) if request.names is None else request.names
+        quantizer: RoundDeltaQuantizer | None = None
+        failure: str | None = None
+        delta: QuantizedTensors | None = None
+        where = f"job {instruction.job} round {instruction.round}"
+        if self._rank == 0:
+            try:
+                quantizer = RoundDeltaQuantizer(
+                    request,
+                    job=instruction.job,
+                    round_=instruction.round,
+                    region=instruction.region,
+                    base_path=base_path,
+                    shapes=shapes,
+                    device=self._device,
+                    kept=self._residual,
+                )
+            except Exception as exc:
+                log.exception("%s: cannot quantize the delta", where)
+                failure = f"cannot hand over the delta: {type(exc).__name__}: {exc}"
+        for name, whole in parallel.gathered([n for n in names if n in shapes]):
+            if quantizer is not None and failure is None:
+                try:
+                    quantizer.add(name, whole)
+                except Exception as exc:
+                    log.exception("%s: cannot quantize the delta", where)
+                    failure = f"cannot hand over the delta: {type(exc).__name__}: {exc}"
+            del whole
+        if quantizer is not None and failure is None:
+            try:
+                delta, self._residual = quantizer.finish(
+                    self._handoff.residual_path(instruction.job, instruction.round)
+                )
+            except Exception as exc:
+                log.exception("%s: cannot quantize the delta", where)
+                failure = f"cannot hand over the delta: {type(exc).__name__}: {exc}"
+        if delta is not None:
+            log.info(
+                "%s: delta quantized on %s, gathered tensor by tensor (%s, %.1f MB) in %.3f s",
+                where,
+                self._device,
+                request.codec.scheme,
+                sum(p.numel() for p in delta.payloads) / 1e6,
+                time.monotonic() - started,
+            )
+        return delta, failure
 
     def _publish(
         self,

@@ -183,3 +183,25 @@ async def test_an_unreadable_residual_fails_the_round_and_changes_nothing(
     again = await region.quantized(11, base)
     assert again.delta is not None
     assert again.summary.cursor == first.summary.cursor + STEPS
+
+
+@on_module_loop
+async def test_under_fsdp_a_failed_quantization_leaves_no_rank_waiting(region: Region) -> None:
+    """Rank 0 quantizes as the ranks gather tensor by tensor: when it cannot, every rank
+    still gathers the rest, the round fails on all of them, and it trains again."""
+    region.feedback.unlink(missing_ok=True)
+    base = save_state(region.workdir / "theta-g0.pt", TinyTask().build_model(seed=3).state_dict())
+    first = await region.quantized(0, base, FSDP, "gathered")
+    region.accept(first)
+    kept = region.feedback.read_bytes()
+    region.feedback.write_bytes(b"not a residual")
+    with pytest.raises(RoundFailed, match="cannot hand over the delta: ResidualFileError"):
+        await region.quantized(1, base, FSDP, "gathered")
+    assert not region.handoff.residual_path("gathered", 1).exists()
+    region.feedback.write_bytes(kept)
+    again = await region.quantized(1, base, FSDP, "gathered")
+    assert again.delta is not None
+    assert again.summary.cursor == first.summary.cursor + STEPS
+    log = region.handoff.rank_log_path(0).read_text()
+    assert "job gathered round 1: delta quantized on cpu, gathered tensor by tensor" in log
+    region.feedback.unlink()
