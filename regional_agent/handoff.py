@@ -18,7 +18,10 @@ moment and pick up where the other left off::
                                             cursor, and which optimizer state is saved
     jobs/<job>/optimizer-round-<r>/         every rank its part (DCP): the inner optimizer
                                             state at the end of round r
-    jobs/<job>/inner-checkpoint.pt          rank 0: a round's inner state at a mid-round stop
+    jobs/<job>/inner-checkpoint.pt          rank 0, last: a round stopped mid-way (its step,
+                                            each rank's RNG states and totals)
+    jobs/<job>/inner-checkpoint/            every rank its part (DCP): that round's
+                                            parameters and optimizer state
     ranks/rank-<n>.json                     each rank: pid, launch id, restart count
     logs/rank-<n>.log, logs/launcher.log    worker and launcher output
     stop                                    agent -> workers: finish and exit 0
@@ -42,6 +45,7 @@ import json
 import math
 import os
 import re
+import shutil
 import sys
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import asdict, dataclass, field
@@ -654,6 +658,11 @@ class RankStatus:
     state: str
 
 
+def inner_tensors_dir(path: Path) -> Path:
+    """Where the sharded tensors of the inner checkpoint file at ``path`` are saved."""
+    return path.with_suffix("")
+
+
 class HandoffDir:
     """The hand-off files of one worker group, rooted at ``root``."""
 
@@ -1011,6 +1020,7 @@ class HandoffDir:
                     entry.unlink(missing_ok=True)
         self.prune_rounds(job, sys.maxsize)
         self.inner_checkpoint_path(job).unlink(missing_ok=True)
+        shutil.rmtree(inner_tensors_dir(self.inner_checkpoint_path(job)), ignore_errors=True)
         self.checkpoint_path(job).unlink(missing_ok=True)
         self.whole_checkpoint_path(job).unlink(missing_ok=True)
         self.remove_optimizer_states(job)

@@ -1,13 +1,15 @@
 """A round's inner state, kept when the worker group stops mid-round, and resumed from.
 
 A worker group stopped at a step boundary (the agent's stop, the end of a drain on a
-spot notice, SIGTERM) keeps the round's inner state at that step in the job's
-``inner-checkpoint.pt`` beside its regional checkpoint (rank 0 writes it, temp + fsync +
-rename, mode 0600): the parameters and the inner optimizer state (whole, as the regional
-checkpoint keeps them), the step within the round, and each rank's RNG states and
-running totals (micro-batches, tokens, loss sum, times). The data cursor and the learning
-rate follow from the step: batches are a function of the data step, the schedule of the
-round and step, and a step boundary has no gradient accumulation in flight.
+spot notice, SIGTERM) keeps the round's inner state at that step beside the job's
+regional checkpoint: the parameters and the inner optimizer state saved sharded, every
+rank its own part (:func:`save_inner_tensors`, into the ``inner-checkpoint/`` directory,
+:func:`~regional_agent.handoff.inner_tensors_dir`), then, last, ``inner-checkpoint.pt``
+(rank 0, temp + fsync + rename, mode 0600): the step within the round, and each rank's
+RNG states and running totals (micro-batches, tokens, loss sum, times). No rank gathers
+the model. The data cursor and the learning rate follow from the step: batches are a
+function of the data step, the schedule of the round and step, and a step boundary has
+no gradient accumulation in flight.
 
 The file names the round it belongs to (:class:`RoundIdentity`: job, round, the hash of
 the base θ, a digest of the instruction's training-relevant fields, the group's size and
@@ -15,23 +17,35 @@ the regional state the round started from). :func:`resume_verdict` is the pure d
 made when the group is next asked for a round: resume only that very round, else
 discard the file and say why. Only rounds trained serially from θ keep one: a delayed
 round (``overlap: delayed``) started from parameters a restarted group no longer holds.
-Blocking disk I/O; rank 0 only.
+Blocking disk I/O; the file functions are rank 0's, the tensor functions collectives.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import shutil
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
 
 from geofed.fsutil import AtomicFile
-from regional_agent.handoff import RoundInstruction
+from geofed.params import is_federated
+from regional_agent.handoff import RoundInstruction, inner_tensors_dir
 from regional_agent.inner_loop import RankTotals
+from regional_agent.optimizer_checkpoint import load_sharded, save_sharded
 
 __all__ = [
     "FORMAT_VERSION",
@@ -42,12 +56,16 @@ __all__ = [
     "RoundIdentity",
     "discard_inner_checkpoint",
     "instruction_digest",
+    "load_inner_tensors",
     "read_inner_checkpoint",
     "resume_verdict",
+    "save_inner_tensors",
     "write_inner_checkpoint",
 ]
 
-FORMAT_VERSION = 1
+#: Format 1 held the whole parameters and optimizer state in the file; such a file is
+#: discarded (its round trains from its start).
+FORMAT_VERSION = 2
 # What a re-sent instruction may change without changing what the round trains: where
 # θ is on disk (its hash is compared instead) and whether θ is evaluated first.
 _NOT_TRAINING = frozenset({"base_params", "evaluate_base"})
@@ -98,8 +116,6 @@ class InnerCheckpoint:
     identity: RoundIdentity
     step: int
     inner_steps: int
-    params: dict[str, torch.Tensor] = field(repr=False)
-    optimizer_state: dict[str, Any] = field(repr=False)
     ranks: tuple[RankInner, ...] = field(repr=False)
 
 
@@ -140,28 +156,66 @@ def resume_verdict(
 
 
 def discard_inner_checkpoint(path: Path) -> None:
-    """Remove the inner checkpoint at ``path`` and any temp file a killed writer left."""
+    """Remove the inner checkpoint at ``path``, its tensors, and any temp file a killed
+    writer left (the file first: without it the tensors are never read)."""
     path.unlink(missing_ok=True)
     for stale in path.parent.glob(f".{path.name}.*.tmp"):
         stale.unlink(missing_ok=True)
+    shutil.rmtree(inner_tensors_dir(path), ignore_errors=True)
+
+
+def save_inner_tensors(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    path: Path,
+    group: dist.ProcessGroup | None = None,
+) -> None:
+    """Save the federated parameters and the optimizer state, every rank its own shards,
+    into :func:`~regional_agent.handoff.inner_tensors_dir` of ``path`` (a collective)."""
+    save_sharded(_training_state(model, optimizer), inner_tensors_dir(path), group)
+
+
+def load_inner_tensors(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    path: Path,
+    group: dist.ProcessGroup | None = None,
+) -> None:
+    """Load what :func:`save_inner_tensors` saved into the model and optimizer (a
+    collective; a failure is met on every rank alike)."""
+    state = _training_state(model, optimizer)
+    load_sharded(state, inner_tensors_dir(path), group)
+    set_model_state_dict(model, state["model"], options=StateDictOptions(strict=False))
+    set_optimizer_state_dict(model, optimizer, state["optimizer"])
+
+
+def _training_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    # The federated tensors (each rank's shards under FSDP); θ does not carry the rest.
+    model_state = {
+        name: value
+        for name, value in get_model_state_dict(model).items()
+        if isinstance(value, torch.Tensor) and is_federated(value)
+    }
+    return {
+        "model": model_state,
+        "optimizer": get_optimizer_state_dict(model, optimizer),
+    }
 
 
 def write_inner_checkpoint(path: Path, checkpoint: InnerCheckpoint) -> None:
-    """Atomically and durably replace ``path`` with ``checkpoint``, owner-only."""
+    """Atomically and durably replace ``path`` with ``checkpoint``, owner-only (the
+    tensors it names are saved first, by :func:`save_inner_tensors`)."""
     body: dict[str, Any] = {
         "format": FORMAT_VERSION,
         "identity": asdict(checkpoint.identity),
         "step": checkpoint.step,
         "inner_steps": checkpoint.inner_steps,
-        "params": checkpoint.params,
-        "optimizer_state": checkpoint.optimizer_state,
         "ranks": [
             {"cpu_rng": r.cpu_rng, "cuda_rng": r.cuda_rng, "totals": asdict(r.totals)}
             for r in checkpoint.ranks
         ],
     }
     path.parent.mkdir(parents=True, exist_ok=True)
-    discard_inner_checkpoint(path)  # a stale file of another round, a killed write's temp
     with AtomicFile(path, private=True) as f:
         torch.save(body, f)
 
@@ -190,20 +244,13 @@ def _parse(body: object) -> InnerCheckpoint:
     for name in ("job", "base_hash", "instruction"):
         if not isinstance(getattr(identity, name), str):
             raise TypeError(f"identity.{name} is not a string")
-    params, optimizer_state = body["params"], body["optimizer_state"]
-    if not isinstance(params, dict) or not all(
-        isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in params.items()
-    ):
-        raise ValueError("params must map names to tensors")
-    if not isinstance(optimizer_state, dict):
-        raise TypeError("optimizer_state is not a state dict")
     ranks = tuple(_rank(entry) for entry in body["ranks"])
     if len(ranks) != identity.world_size:
         raise ValueError(f"{len(ranks)} ranks' states for a group of {identity.world_size}")
     step, inner_steps = body["step"], body["inner_steps"]
     if not isinstance(step, int) or not isinstance(inner_steps, int):
         raise TypeError("step and inner_steps must be integers")
-    return InnerCheckpoint(identity, step, inner_steps, params, optimizer_state, ranks)
+    return InnerCheckpoint(identity, step, inner_steps, ranks)
 
 
 def _rank(entry: Mapping[str, Any]) -> RankInner:

@@ -29,10 +29,12 @@ import warnings
 from collections.abc import Collection, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from torch.distributed.checkpoint.state_dict import (
     get_optimizer_state_dict,
@@ -93,22 +95,60 @@ def remove_others(job_dir: Path, keep: Collection[int | None]) -> None:
             shutil.rmtree(optimizer_dir(job_dir, round_), ignore_errors=True)
 
 
+class ShardedCheckpointError(Exception):
+    """A sharded save or load failed (on every rank alike); the message says where.
+
+    DCP raises ``CheckpointException``, a ``BaseException``: converted here so that a
+    failed checkpoint is a failed step, never a crashed worker.
+    """
+
+
+def _first_line(exc: CheckpointException) -> str:
+    """The gist of a DCP failure: each rank's error, one line each."""
+    failures = getattr(exc, "failures", None)
+    if isinstance(failures, dict) and failures:
+        parts = []
+        for rank, failure in sorted(failures.items()):
+            error = failure[0] if isinstance(failure, tuple) else failure
+            text = str(error).splitlines()[0] if str(error) else ""
+            parts.append(f"rank {rank}: {type(error).__name__}: {text}")
+        return "; ".join(parts)
+    return str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+
+
+def save_sharded(state: dict[str, Any], path: Path, group: dist.ProcessGroup | None = None) -> None:
+    """Save ``state`` (each rank its own shards of it) into ``path`` (a collective; one
+    process alone when no process group is initialized)."""
+    try:
+        with _alone_is_meant():
+            dcp_save(
+                state, checkpoint_id=path, process_group=group, no_dist=not dist.is_initialized()
+            )
+    except CheckpointException as exc:
+        raise ShardedCheckpointError(f"cannot save {path}: {_first_line(exc)}") from exc
+
+
+def load_sharded(state: dict[str, Any], path: Path, group: dist.ProcessGroup | None = None) -> None:
+    """Load what :func:`save_sharded` saved at ``path`` into ``state``'s tensors, in place
+    (a collective). A failure is raised on every rank alike, as
+    :class:`ShardedCheckpointError`: DCP gathers each rank's errors."""
+    try:
+        with _alone_is_meant():
+            dcp_load(
+                state, checkpoint_id=path, process_group=group, no_dist=not dist.is_initialized()
+            )
+    except CheckpointException as exc:
+        raise ShardedCheckpointError(f"cannot load {path}: {_first_line(exc)}") from exc
+
+
 def save_optimizer(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
     path: Path,
     group: dist.ProcessGroup | None = None,
 ) -> None:
-    """Save this rank's part of ``optimizer``'s state into ``path`` (a collective; one
-    process alone when no process group is initialized)."""
-    state = get_optimizer_state_dict(model, optimizer)
-    with _alone_is_meant():
-        dcp_save(
-            {"optimizer": state},
-            checkpoint_id=path,
-            process_group=group,
-            no_dist=not dist.is_initialized(),
-        )
+    """Save this rank's part of ``optimizer``'s state into ``path`` (a collective)."""
+    save_sharded({"optimizer": get_optimizer_state_dict(model, optimizer)}, path, group)
 
 
 def load_optimizer(
@@ -119,12 +159,11 @@ def load_optimizer(
 ) -> None:
     """Load the state saved at ``path`` into ``optimizer``, each rank its part (a collective).
 
-    A failure is raised on every rank alike (DCP gathers each rank's errors); the
-    optimizer may then be partly loaded, so the caller builds a fresh one.
+    A failure is raised on every rank alike; the optimizer may then be partly loaded, so
+    the caller builds a fresh one.
     """
     state = {"optimizer": get_optimizer_state_dict(model, optimizer)}
-    with _alone_is_meant():
-        dcp_load(state, checkpoint_id=path, process_group=group, no_dist=not dist.is_initialized())
+    load_sharded(state, path, group)
     set_optimizer_state_dict(model, optimizer, state["optimizer"])
 
 

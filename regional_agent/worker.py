@@ -73,7 +73,7 @@ from torch.distributed.distributed_c10d import PrefixStore
 from torch.distributed.rendezvous import rendezvous
 
 from geofed.codec import QuantizedTensors
-from geofed.params import check_federated_state, federated_state, parameters_vector_hash
+from geofed.params import federated_state, parameters_vector_hash
 from geofed.task import DataShard
 from regional_agent.base_evaluation import evaluate_base
 from regional_agent.delayed_round import DelayedFold, evaluator
@@ -100,8 +100,10 @@ from regional_agent.inner_checkpoint import (
     RoundIdentity,
     discard_inner_checkpoint,
     instruction_digest,
+    load_inner_tensors,
     read_inner_checkpoint,
     resume_verdict,
+    save_inner_tensors,
     write_inner_checkpoint,
 )
 from regional_agent.inner_loop import RankTotals, RoundPlan, region_stats, train_round
@@ -816,24 +818,21 @@ class RoundRunner:
         :class:`_ResumeFailed` when loading it failed: the round's error marker says why,
         and the file is gone, so the round is trained from its start when asked again.
         """
-        box: list[tuple[int, tuple[RankInner, ...], dict[str, object] | None] | None] = [None]
-        checkpoint: InnerCheckpoint | None = None
+        box: list[tuple[int, tuple[RankInner, ...]] | None] = [None]
+        path = self._handoff.inner_checkpoint_path(identity.job)
         if self._rank == 0:
-            checkpoint = self._inner_checkpoint(identity, instruction.inner_steps, parallel)
+            checkpoint = self._inner_checkpoint(identity, instruction.inner_steps)
             if checkpoint is not None:
-                # Under FSDP rank 0's optimizer state is broadcast by the load itself.
-                shared = None if parallel.kind == "fsdp" else checkpoint.optimizer_state
-                box[0] = (checkpoint.step, checkpoint.ranks, shared)
+                box[0] = (checkpoint.step, checkpoint.ranks)
         dist.broadcast_object_list(box, src=0, group=self._control)
         if box[0] is None:
             return None
-        step, ranks, shared = box[0]
+        step, ranks = box[0]
         mine = ranks[self._rank]
         error: str | None = None
         try:
-            parallel.load_full_state(None if checkpoint is None else checkpoint.params)
-            optimizer_state = checkpoint.optimizer_state if checkpoint is not None else shared
-            parallel.load_optimizer_state(optimizer, optimizer_state or {})
+            # Every rank reads its own shards: nothing passes through rank 0.
+            load_inner_tensors(parallel.model, optimizer, path, self._control)
             torch.set_rng_state(mine.cpu_rng)
             if self._device.type == "cuda" and mine.cuda_rng is not None:
                 torch.cuda.set_rng_state(mine.cuda_rng, self._device)
@@ -843,23 +842,20 @@ class RoundRunner:
         problems = self._problems(error)
         if problems:
             if self._rank == 0:
-                discard_inner_checkpoint(self._handoff.inner_checkpoint_path(identity.job))
+                discard_inner_checkpoint(path)
             self._refused(instruction, problems)
             raise _ResumeFailed
         return step, mine.totals
 
     def _inner_checkpoint(
-        self, identity: RoundIdentity, inner_steps: int, parallel: ParallelModel
+        self, identity: RoundIdentity, inner_steps: int
     ) -> InnerCheckpoint | None:
         """The job's inner checkpoint if it resumes this round; else discarded (rank 0)."""
         path = self._handoff.inner_checkpoint_path(identity.job)
         where = f"job {identity.job} round {identity.round}"
         try:
             checkpoint = read_inner_checkpoint(path)
-            if checkpoint is not None:
-                # The load is not strict (it keeps what a missing entry had): check first.
-                check_federated_state(parallel.model, checkpoint.params)
-        except (InvalidInnerCheckpoint, ValueError, OSError) as exc:
+        except (InvalidInnerCheckpoint, OSError) as exc:
             log.warning("%s: discarding the inner checkpoint: %s", where, exc)
             discard_inner_checkpoint(path)
             return None
@@ -882,10 +878,8 @@ class RoundRunner:
         step: int,
         so_far: RankTotals,
     ) -> None:
-        """Keep the state of a round stopped before ``step`` for the restart (collectives;
-        rank 0 writes it)."""
-        params = parallel.full_state()
-        optimizer_state = parallel.optimizer_state(optimizer)
+        """Keep the state of a round stopped before ``step`` for the restart (collectives:
+        every rank saves its shards, then rank 0 writes the file that names them)."""
         mine = RankInner(
             cpu_rng=torch.get_rng_state(),
             cuda_rng=torch.cuda.get_rng_state(self._device)
@@ -895,35 +889,37 @@ class RoundRunner:
         )
         ranks: list[RankInner | None] = [None] * self._world_size
         dist.all_gather_object(ranks, mine, group=self._control)
-        if params is None or optimizer_state is None:  # not rank 0
-            return
         path = self._handoff.inner_checkpoint_path(identity.job)
+        if self._rank == 0:
+            discard_inner_checkpoint(path)  # a stale one of another round, a killed write's
+        self._agree(False)  # nobody writes before the stale files are gone
         try:
-            write_inner_checkpoint(
-                path,
-                InnerCheckpoint(
-                    identity=identity,
-                    step=step,
-                    inner_steps=inner_steps,
-                    params=params,
-                    optimizer_state=optimizer_state,
-                    ranks=tuple(r for r in ranks if r is not None),
-                ),
-            )
+            save_inner_tensors(parallel.model, optimizer, path, self._control)
+            if self._rank == 0:
+                write_inner_checkpoint(
+                    path,
+                    InnerCheckpoint(
+                        identity=identity,
+                        step=step,
+                        inner_steps=inner_steps,
+                        ranks=tuple(r for r in ranks if r is not None),
+                    ),
+                )
         except Exception:
             # The round is then trained from its start next time, as without one.
             log.exception(
                 "job %s round %d: cannot keep the inner state", identity.job, identity.round
             )
             return
-        log.info(
-            "job %s round %d: stopped before step %d of %d; kept the inner state in %s",
-            identity.job,
-            identity.round,
-            step,
-            inner_steps,
-            path,
-        )
+        if self._rank == 0:
+            log.info(
+                "job %s round %d: stopped before step %d of %d; kept the inner state in %s",
+                identity.job,
+                identity.round,
+                step,
+                inner_steps,
+                path,
+            )
 
     def _quantize(
         self,

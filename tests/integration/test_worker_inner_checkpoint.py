@@ -194,7 +194,7 @@ async def test_a_round_stopped_mid_way_resumes_bit_identically_and_only_itself(
 def unloadable(
     inst: RoundInstruction, base: Path, *, after_round: int, cursor: int
 ) -> InnerCheckpoint:
-    """Inner state that names ``inst``'s round exactly but whose optimizer state is empty."""
+    """Inner state that names ``inst``'s round exactly but whose tensors were never saved."""
     theta = torch.load(base, weights_only=True)
     identity = RoundIdentity(
         job=inst.job,
@@ -207,8 +207,7 @@ def unloadable(
     )
     totals = RankTotals(5, 20, 1.0, 0.01, math.nan, 0.1)
     rank = RankInner(torch.get_rng_state(), None, totals)
-    empty: dict[str, object] = {"state": {}, "param_groups": []}
-    return InnerCheckpoint(identity, 5, inst.inner_steps, theta, empty, (rank, rank))
+    return InnerCheckpoint(identity, 5, inst.inner_steps, (rank, rank))
 
 
 SHARDED = TrainingConfig(

@@ -15,9 +15,12 @@ from regional_agent.inner_checkpoint import (
     InvalidInnerCheckpoint,
     RankInner,
     RoundIdentity,
+    discard_inner_checkpoint,
     instruction_digest,
+    load_inner_tensors,
     read_inner_checkpoint,
     resume_verdict,
+    save_inner_tensors,
     write_inner_checkpoint,
 )
 from regional_agent.inner_loop import RankTotals
@@ -110,8 +113,6 @@ def checkpoint() -> InnerCheckpoint:
         identity=IDENTITY,
         step=40,
         inner_steps=100,
-        params={"w": torch.arange(6, dtype=torch.float32).reshape(2, 3)},
-        optimizer_state={"state": {0: {"step": torch.tensor(340.0)}}, "param_groups": []},
         ranks=(
             RankInner(torch.get_rng_state(), None, totals),
             RankInner(torch.get_rng_state(), None, replace(totals, tokens=161)),
@@ -127,8 +128,6 @@ def test_the_file_round_trips_exactly_and_is_owner_only(tmp_path: Path) -> None:
     read = read_inner_checkpoint(path)
     assert read is not None
     assert (read.identity, read.step, read.inner_steps) == (IDENTITY, 40, 100)
-    assert torch.equal(read.params["w"], written.params["w"])
-    assert read.optimizer_state["state"][0]["step"].item() == 340.0
     assert [r.totals.tokens for r in read.ranks] == [160, 161]
     assert read.ranks[0].totals.loss_sum == 12.345678901234567
     assert torch.equal(read.ranks[1].cpu_rng, written.ranks[1].cpu_rng)
@@ -144,11 +143,42 @@ def test_a_corrupt_or_malformed_file_is_refused_with_its_path(tmp_path: Path) ->
     write_inner_checkpoint(path, replace(written, ranks=written.ranks[:1]))
     with pytest.raises(InvalidInnerCheckpoint, match="1 ranks' states for a group of 2"):
         read_inner_checkpoint(path)
+    # A file of the format before (the whole tensors inside) is not resumed from.
+    torch.save({"format": 1, "params": {}}, path)
+    with pytest.raises(InvalidInnerCheckpoint, match="not a format-2 inner checkpoint"):
+        read_inner_checkpoint(path)
+
+
+def test_the_tensors_are_saved_sharded_and_loaded_exactly(tmp_path: Path) -> None:
+    """One process here; the worker group's ranks each save and load their own shards."""
+    path = HandoffDir(tmp_path).inner_checkpoint_path("llm")
+    model = torch.nn.Linear(3, 2)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    for _ in range(3):
+        optimizer.zero_grad()
+        model(torch.randn(4, 3)).pow(2).sum().backward()
+        optimizer.step()
+    save_inner_tensors(model, optimizer, path)
+    write_inner_checkpoint(path, checkpoint())
+    assert (tmp_path / "jobs/llm/inner-checkpoint/.metadata").is_file()
+    other = torch.nn.Linear(3, 2)
+    restored = torch.optim.AdamW(other.parameters(), lr=0.1)
+    load_inner_tensors(other, restored, path)
+    assert torch.equal(other.weight, model.weight)
+    assert torch.equal(other.bias, model.bias)
+    mine, theirs = restored.state_dict()["state"], optimizer.state_dict()["state"]
+    assert all(torch.equal(mine[0][k], v) for k, v in theirs[0].items())
+    discard_inner_checkpoint(path)
+    assert not path.exists()
+    assert not (tmp_path / "jobs/llm/inner-checkpoint").exists()
 
 
 def test_forgetting_the_job_removes_its_inner_checkpoint(tmp_path: Path) -> None:
     handoff = HandoffDir(tmp_path)
     path = handoff.inner_checkpoint_path("llm")
+    layer = torch.nn.Linear(2, 2)
+    save_inner_tensors(layer, torch.optim.SGD(layer.parameters(), lr=0.1), path)
     write_inner_checkpoint(path, checkpoint())
     handoff.forget_job("llm")
     assert not path.exists()
+    assert not path.with_suffix("").exists()

@@ -13,7 +13,12 @@ from torch import nn
 
 from regional_agent.handoff import HandoffDir, InvalidHandoffData, RegionalCheckpoint
 from regional_agent.job_state import JobState
-from regional_agent.optimizer_checkpoint import save_due, save_optimizer
+from regional_agent.optimizer_checkpoint import (
+    ShardedCheckpointError,
+    load_optimizer,
+    save_due,
+    save_optimizer,
+)
 from tests.support.tiny_task import TinyTask
 from tests.unit.test_handoff import INSTRUCTION, PARAMS, SUMMARY
 
@@ -278,3 +283,15 @@ def test_only_the_named_optimizer_states_are_kept(tmp_path: Path) -> None:
         "optimizer-round-3"
     ]
     assert handoff.optimizer_path("beta", 2).is_dir()  # another job's are its own
+
+
+def test_a_missing_or_torn_optimizer_state_fails_as_an_error_saying_where(tmp_path: Path) -> None:
+    """DCP's own failure is a BaseException; it arrives as an ordinary, named error."""
+    model, optimizer = trained_optimizer(1)
+    missing = tmp_path / "optimizer-round-3"
+    with pytest.raises(ShardedCheckpointError, match=f"cannot load {missing}: rank 0: "):
+        load_optimizer(model, optimizer, missing)
+    save_optimizer(model, optimizer, missing)
+    (missing / ".metadata").write_bytes(b"torn")
+    with pytest.raises(ShardedCheckpointError, match="cannot load"):
+        load_optimizer(model, optimizer, missing)
