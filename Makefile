@@ -58,6 +58,7 @@ bench: $(STAMP) system-deps
 	$(PY) -m benchmarks.transfer
 	$(PY) -m benchmarks.utilization
 	$(PY) -m benchmarks.scheduling
+	$(PY) -m benchmarks.scale
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
