@@ -23,7 +23,7 @@ from torch import Tensor
 
 from geofed.artifact_bundle import BundleError, split_bundle
 from geofed.codec import CodecError, decode
-from geofed.deltas import DeltaError, apply_partial_update
+from geofed.deltas import DeltaError, add_update_in_place, apply_partial_update
 from geofed.manifest import Manifest, ManifestError, SignedManifest, verify_chunks
 from geofed.params import parameters_vector_hash
 from geofed.pki import TrustBundle
@@ -113,7 +113,12 @@ def _frames(manifest: Manifest, stream: bytes, what: str) -> list[bytes]:
 
 
 def apply_verified_update(
-    params: Mapping[str, Tensor], round_: int, params_hash: str, update: VerifiedArtifact
+    params: Mapping[str, Tensor],
+    round_: int,
+    params_hash: str,
+    update: VerifiedArtifact,
+    *,
+    in_place: bool = False,
 ) -> tuple[Params, str]:
     """θ_{r+1} = θ_r + û and its hash, checked against the update's base and parameters hashes.
 
@@ -121,6 +126,10 @@ def apply_verified_update(
     some of θ's tensors (a streaming round's fragment, :mod:`geofed.fragments`) adds to
     those and keeps every other tensor bit for bit (:func:`geofed.deltas.apply_partial_update`);
     one naming a tensor θ does not have is refused.
+
+    ``in_place``: ``params`` is the caller's own dict, and θ_{r+1} is built in it (the
+    update's tensors consumed as they are added: no second copy of θ); after a refusal
+    of the result's hash it holds θ_r plus the update, and is not to be used.
     """
     manifest = update.manifest
     where = f"update {manifest.job}/{manifest.round}"
@@ -129,7 +138,13 @@ def apply_verified_update(
     if manifest.base_hash != params_hash:
         raise ArtifactRefused(f"{where} has base_hash {manifest.base_hash}, θ is {params_hash}")
     try:
-        result = apply_partial_update(params, update.tensors)
+        if in_place:
+            if not isinstance(params, dict):
+                raise TypeError("an update applied in place needs the caller's own dict")
+            add_update_in_place(params, update.tensors)
+            result = params
+        else:
+            result = apply_partial_update(params, update.tensors)
     except DeltaError as exc:
         raise ArtifactRefused(f"{where}: {exc}") from None
     found = parameters_vector_hash(result)

@@ -12,7 +12,7 @@ and the regional agents must import these definitions rather than restate them.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, MutableMapping
 
 import torch
 from torch import Tensor
@@ -99,6 +99,36 @@ def apply_partial_update(
         "apply_partial_update", {name: params[name] for name in update}, update, torch.add
     )
     return {name: added.get(name, tensor) for name, tensor in params.items()}
+
+
+def add_update_in_place(params: MutableMapping[str, Tensor], update: dict[str, Tensor]) -> None:
+    """``params`` += ``update`` for the tensors ``update`` names, consuming ``update``.
+
+    The bits of :func:`apply_partial_update` (the same add), without a second copy of θ:
+    each named tensor of ``params`` is written in place, and each update tensor is dropped
+    once added, so ``update`` is empty afterwards. Everything is checked before any
+    tensor is written (:class:`DeltaError`, as :func:`apply_partial_update` raises it).
+    """
+    unknown = [name for name in update if name not in params]
+    if unknown:
+        raise DeltaError(
+            f"add_update_in_place: the update names tensors the parameters do not have: "
+            f"{sorted(unknown)[:5]}"
+        )
+    if not update:
+        raise DeltaError("add_update_in_place: the update names no tensor")
+    for name, b in update.items():
+        a = params[name]
+        if a.dtype != torch.float32 or b.dtype != torch.float32:
+            raise DeltaError(f"add_update_in_place: tensor {name!r} must be float32 on both sides")
+        if a.shape != b.shape:
+            raise DeltaError(
+                f"add_update_in_place: tensor {name!r} has shapes {tuple(a.shape)} and "
+                f"{tuple(b.shape)}"
+            )
+    with torch.no_grad():
+        for name in list(update):
+            params[name].add_(update.pop(name))
 
 
 def update_to_publish(

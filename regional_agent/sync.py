@@ -103,10 +103,15 @@ def verify_artifact(
 def apply_verified_update(
     params: Mapping[str, Tensor], version: ParamsVersion, update: VerifiedArtifact
 ) -> tuple[Params, ParamsVersion]:
-    """θ_{r+1} = θ_r + û, checked against the update's base and parameters hashes."""
+    """θ_{r+1} = θ_r + û, checked against the update's base and parameters hashes.
+
+    Built in ``params`` itself (the agent's own θ, read for this round) and consuming the
+    update's tensors, so the agent never holds two copies of θ; after a refusal
+    ``params`` is not θ_r any more, and a resync follows.
+    """
     try:
         result, found = artifact_check.apply_verified_update(
-            params, version.round, version.hash, update
+            params, version.round, version.hash, update, in_place=True
         )
     except ArtifactRefused as exc:
         raise ArtifactRejected(str(exc)) from None
@@ -145,7 +150,12 @@ class Synchronizer:
     async def sync(
         self, announcement: RoundAnnouncement, held: tuple[ParamsVersion, Params] | None
     ) -> Synced:
-        """θ_r for ``announcement``, from ``held`` (version and tensors) when it can be."""
+        """θ_r for ``announcement``, from ``held`` (version and tensors) when it can be.
+
+        ``held``'s tensors are the caller's to give: an update is applied into them in
+        place (the agent never holds two copies of θ), so they are θ_r only if this
+        returns by ``update``.
+        """
         target = ParamsVersion(announcement.base_round, announcement.base_hash)
         if held is not None and held[0].hash == target.hash:
             return Synced(held[1], target, "held")
@@ -194,7 +204,8 @@ class Synchronizer:
                     f"update {announcement.job}/{version.round}: manifest digest {digest}, "
                     f"the announcement says {announcement.update_digest}"
                 )
-            return (*apply_verified_update(params, version, update), Counted.of(update))
+            counted = Counted.of(update)  # before the update's tensors are consumed
+            return (*apply_verified_update(params, version, update), counted)
 
         return await asyncio.to_thread(verify_and_apply)
 
@@ -308,7 +319,8 @@ class Synchronizer:
             max_decoded_bytes=4 * sum(t.numel() for t in params.values()),
         )
         part.check_digest(update)
-        return (*apply_verified_update(params, version, update), Counted.of(update))
+        counted = Counted.of(update)  # before the update's tensors are consumed
+        return (*apply_verified_update(params, version, update), counted)
 
 
 @dataclass(frozen=True, slots=True)

@@ -256,11 +256,16 @@ def assert_same(left: Params, right: Params) -> None:
         assert torch.equal(left[name], right[name]), name
 
 
+def owned(params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A copy of ``params`` to give the synchronizer, which applies updates into it."""
+    return {name: tensor.clone() for name, tensor in params.items()}
+
+
 async def test_apply_update_and_resync_reconstruct_identical_theta(
     chain: Chain, synchronizer: Synchronizer, served: tuple[FakeCoordinatorFiles, str]
 ) -> None:
     fake = served[0]
-    held = (ParamsVersion(1, chain.hashes[1]), chain.thetas[1])
+    held = (ParamsVersion(1, chain.hashes[1]), owned(chain.thetas[1]))
     by_update = await synchronizer.sync(announce(chain, 2), held)
     by_resync = await synchronizer.sync(announce(chain, 2), None)
     assert by_update.method == "update"
@@ -268,6 +273,8 @@ async def test_apply_update_and_resync_reconstruct_identical_theta(
     assert by_update.version == by_resync.version == ParamsVersion(2, chain.hashes[2])
     assert_same(by_update.params, by_resync.params)
     assert_same(by_update.params, chain.thetas[2])
+    # Built in the held tensors themselves: no second copy of θ.
+    assert all(by_update.params[n] is t for n, t in held[1].items())
     assert fake.hits[f"/v1/jobs/{JOB}/rounds/1/update"] == 1
     assert fake.hits["/artifacts/snapshot-0"] == 1
 
@@ -337,7 +344,7 @@ async def test_tampered_update_is_refused_and_triggers_a_resync(
     fake.files[f"/v1/jobs/{JOB}/rounds/1/update"] = tamper(chain, federation)
     announcement = announce(chain, 2)
     synced = await synchronizer.sync(
-        announcement, (ParamsVersion(1, chain.hashes[1]), chain.thetas[1])
+        announcement, (ParamsVersion(1, chain.hashes[1]), owned(chain.thetas[1]))
     )
     assert synced.method == "resync"
     assert synced.refused is not None
@@ -351,7 +358,7 @@ async def test_update_whose_digest_differs_from_the_announcement_is_refused(
 ) -> None:
     synced = await synchronizer.sync(
         announce(chain, 2, update_digest="ab" * 32),
-        (ParamsVersion(1, chain.hashes[1]), chain.thetas[1]),
+        (ParamsVersion(1, chain.hashes[1]), owned(chain.thetas[1])),
     )
     assert synced.method == "resync"
     assert synced.refused is not None

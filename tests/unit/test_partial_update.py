@@ -22,7 +22,7 @@ from geofed.artifact_check import (
 )
 from geofed.codec import decode, encode_stream
 from geofed.codec_params import CodecParams
-from geofed.deltas import DeltaError, apply_partial_update, apply_update
+from geofed.deltas import DeltaError, add_update_in_place, apply_partial_update, apply_update
 from geofed.manifest import ArtifactProvenance, build_manifest, sign_manifest
 from geofed.params import parameters_vector_hash
 from geofed.pki import TrustBundle
@@ -153,3 +153,29 @@ def test_a_partial_update_whose_result_does_not_hash_as_declared_is_refused(
         apply_verified_update(theta, 4, base, verified)
     with pytest.raises(ArtifactRefused, match="has base_hash"):
         apply_verified_update(theta, 4, "cd" * 32, verified)
+
+
+def test_an_update_added_in_place_gives_the_same_bits_and_consumes_the_update() -> None:
+    gen = torch.Generator().manual_seed(3)
+    theta = {"a": torch.randn(5, 3, generator=gen), "b": torch.randn(7, generator=gen)}
+    update = {"b": torch.randn(7, generator=gen) * 1e-3}
+    expected = apply_partial_update(theta, update)
+    held = {name: tensor.clone() for name, tensor in theta.items()}
+    untouched = held["a"]
+    add_update_in_place(held, update)
+    assert update == {}  # each tensor dropped once added
+    assert held["a"] is untouched
+    for name, tensor in expected.items():
+        assert torch.equal(held[name], tensor), name
+
+
+def test_an_update_that_does_not_fit_writes_nothing() -> None:
+    theta = {"a": torch.zeros(4), "b": torch.zeros(3)}
+    bad = {"a": torch.ones(4), "b": torch.ones(2)}
+    with pytest.raises(DeltaError, match="'b' has shapes"):
+        add_update_in_place(theta, bad)
+    assert torch.equal(theta["a"], torch.zeros(4))  # checked before anything is written
+    with pytest.raises(DeltaError, match="names tensors the parameters do not have"):
+        add_update_in_place(theta, {"c": torch.ones(1)})
+    with pytest.raises(DeltaError, match="must be float32"):
+        add_update_in_place(theta, {"a": torch.ones(4, dtype=torch.float64)})

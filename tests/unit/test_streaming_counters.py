@@ -157,7 +157,7 @@ async def test_an_applied_partial_update_counts_only_its_fragment(
     chain: Chain, synchronizer: tuple[Synchronizer, CollectorRegistry]
 ) -> None:
     sync, registry = synchronizer
-    held = (ParamsVersion(0, chain.hashes[0]), dict(THETA))
+    held = (ParamsVersion(0, chain.hashes[0]), {n: t.clone() for n, t in THETA.items()})
     assert fp32_size(FRAGMENT) < fp32_size(THETA)
     synced = await sync.sync(round_1(chain), held)
     assert synced.method == "update"
