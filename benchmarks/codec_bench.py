@@ -61,7 +61,9 @@ SCHEMES: tuple[Scheme, ...] = ("fp32", "int8", "int4")
 POLICIES: tuple[CompressionPolicy, ...] = ("zstd", "none", "auto")
 LAYER_ELEMENTS = 1 << 22  # synthetic deltas are cut into "layers" of 4M parameters
 GB = 1e9
-TARGET_GBPS = 1.0  # DESIGN: int8 encode + decode >= 1 GB/s of fp32 per core
+# int8 encode + decode >= 1.5 GB/s of fp32 per core: framing, zstd and hashing may cost
+# no more than the quantization (the design asked for 1 GB/s).
+TARGET_GBPS = 1.5
 
 
 def parse_size(text: str) -> int:
@@ -503,7 +505,7 @@ def markdown(results: dict[str, Any]) -> str:
 
 
 def targets(throughput: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """DESIGN: int8 encode + decode >= 1 GB/s of fp32 per core (one thread, default policy)."""
+    """int8 encode + decode >= TARGET_GBPS of fp32 per core (one thread, default policy)."""
     checks = []
     for data in DATASETS:
         rows = [

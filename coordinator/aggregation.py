@@ -6,6 +6,12 @@ the sum (1x model) plus one reusable scratch copy (1x) that makes a region's
 contribution all-or-nothing; :meth:`WeightedSum.mean` frees the scratch before it
 allocates its result, so the peak stays at 2x model size.
 
+:func:`aggregate` decodes several regions at once on a thread pool (sha256, zstd and
+torch release the GIL) while it folds them, one at a time and in order, into the sum. Each
+region decoded at once holds a staged copy instead of the scratch, so its peak is
+``1 + ahead`` x model, ``ahead`` bounded by the CPUs and the free memory
+(:func:`regions_at_once`; 1 keeps the 2x of :meth:`WeightedSum.add_region`).
+
 fp32 accumulation suffices: a region's decoded delta carries int8/int4 quantization
 error of at least 2^-8 of its block's range, while summing R regions in fp32 adds about
 R x 2^-24 relative error.
@@ -24,12 +30,19 @@ spool instead (after a restart): the same bits either way.
 
 from __future__ import annotations
 
+import functools
+import os
+from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 from torch import Tensor
+
+from coordinator.executors import side_by_side, usable_cpus
+from geofed.codec.host_threads import one_thread
 
 # The delta arithmetic lives in geofed.deltas, shared with the regional agents; it is
 # re-exported here for the coordinator's callers.
@@ -55,6 +68,7 @@ __all__ = [
     "check_piece",
     "feedback_residual",
     "pseudo_gradient",
+    "regions_at_once",
     "update_to_publish",
 ]
 
@@ -173,10 +187,10 @@ class WeightedSum:
         return float(weight)
 
     def _fold(self, region: str, factor: float, staged: StagedDelta) -> None:
-        # mul then add, each correctly rounded: no fused multiply-add whose use would
-        # depend on the CPU the coordinator restarts on.
-        for name, total in self._sum.items():
-            total.add_(staged.values[name].mul_(factor))
+        # Parts of about FOLD_PART elements fold on every usable CPU, each on one thread:
+        # the same elementwise ops whatever the split, so the same bits.
+        parts = _fold_parts(self._sum, staged.values)
+        side_by_side([functools.partial(_fold_part, part, factor) for part in parts])
         self._weights[region] = factor
 
     def take_mean(self) -> dict[str, Tensor]:
@@ -195,6 +209,36 @@ class WeightedSum:
         self._scratch = None  # keep the peak at 2x model size while the result is built
         total = self.total_weight
         return {n: self._sum[n].div(total).reshape(s) for n, s in self._shapes.items()}
+
+
+#: Elements of one fold job (4 MiB of the sum and as much of the delta).
+FOLD_PART = 1 << 20
+
+_Part = list[tuple[Tensor, Tensor]]
+
+
+def _fold_parts(sums: Mapping[str, Tensor], values: Mapping[str, Tensor]) -> list[_Part]:
+    """(sum slice, delta slice) pairs cut and packed into jobs of about FOLD_PART elements."""
+    parts: list[_Part] = [[]]
+    size = 0
+    for name, total in sums.items():
+        for start in range(0, total.numel(), FOLD_PART):
+            stop = min(start + FOLD_PART, total.numel())
+            if size and size + stop - start > FOLD_PART:
+                parts.append([])
+                size = 0
+            parts[-1].append((total[start:stop], values[name][start:stop]))
+            size += stop - start
+    return parts
+
+
+def _fold_part(part: _Part, factor: float) -> None:
+    """``total += delta * factor`` for each pair of ``part``, on the calling thread alone."""
+    with one_thread():
+        for total, delta in part:
+            # mul then add, each correctly rounded: no fused multiply-add whose use would
+            # depend on the CPU the coordinator restarts on.
+            total.add_(delta.mul_(factor))
 
 
 @dataclass(frozen=True, slots=True)
@@ -237,11 +281,16 @@ class DeltaStager:
         self._check_finite = check_finite
 
     def add(self, piece: PieceLike) -> None:
-        """Copy one checked piece into place (:func:`check_piece`)."""
-        name, offset, count, values = check_piece(
-            self._region, piece, self._sizes, check_finite=self._check_finite
-        )
-        self._buffers[name][offset : offset + count].copy_(values)
+        """Copy one checked piece into place (:func:`check_piece`).
+
+        On the calling thread alone, like the decoding that made the piece: regions and
+        uploads are staged side by side on their own threads.
+        """
+        with one_thread():
+            name, offset, count, values = check_piece(
+                self._region, piece, self._sizes, check_finite=self._check_finite
+            )
+            self._buffers[name][offset : offset + count].copy_(values)
         self._spans[name].append((offset, count))
 
     def finish(self) -> StagedDelta:
@@ -300,17 +349,25 @@ def check_coverage(region: str, name: str, size: int, spans: list[tuple[int, int
 
 PieceSource = Callable[[], Iterable[PieceLike]]
 
+#: The share of the free memory that regions decoded ahead may take.
+AHEAD_MEMORY_SHARE = 0.5
+
 
 def aggregate(
     specs: Mapping[str, tuple[int, ...]],
     sources: Mapping[str, tuple[float, PieceSource]],
     order: Sequence[str] | None = None,
+    *,
+    workers: int | None = None,
 ) -> dict[str, Tensor]:
     """Return the weighted mean of ``sources`` (region -> (weight, piece source)).
 
     Regions are added in sorted name order unless ``order`` (a permutation of the
-    sources, e.g. the recorded arrival order) is given. Each source is called once, when
-    its turn comes, so only one region's pieces are decoded at a time.
+    sources, e.g. the recorded arrival order) is given. Each source is called once. Up
+    to ``workers`` regions (by default :func:`regions_at_once`) are decoded and staged at
+    once on a thread pool, and each is folded into the sum in its turn, so the result is
+    the same bits whatever ``workers`` is; with 1, each source is called when its turn
+    comes, on the calling thread.
     """
     sequence = sorted(sources) if order is None else list(order)
     if sorted(sequence) != sorted(sources):
@@ -318,7 +375,65 @@ def aggregate(
             f"order {sequence} is not a permutation of the sources {sorted(sources)}"
         )
     total = WeightedSum(specs)
-    for region in sequence:
-        weight, source = sources[region]
-        total.add_region(region, weight, source())
+    ahead = regions_at_once(len(sequence), total.nbytes) if workers is None else workers
+    if ahead <= 1 or len(sequence) <= 1:
+        for region in sequence:
+            weight, source = sources[region]
+            total.add_region(region, weight, source())
+        return total.mean()
+    shapes = {name: tuple(shape) for name, shape in specs.items()}
+    spare: list[dict[str, Tensor]] = []  # staged buffers already folded, to reuse
+
+    def stage(region: str, buffers: dict[str, Tensor] | None) -> StagedDelta:
+        stager = DeltaStager(region, shapes, buffers=buffers)
+        for piece in sources[region][1]():
+            stager.add(piece)
+        return stager.finish()
+
+    pending: deque[tuple[str, Future[StagedDelta]]] = deque()
+    upcoming = iter(sequence)
+    pool = ThreadPoolExecutor(min(ahead, len(sequence)), thread_name_prefix="geofed-aggregate")
+    try:
+        for region in upcoming:
+            pending.append((region, pool.submit(stage, region, None)))
+            if len(pending) == ahead:
+                break
+        while pending:
+            region, future = pending.popleft()
+            staged = future.result()
+            total.add_staged(region, sources[region][0], staged)
+            spare.append(staged.values)
+            following = next(upcoming, None)
+            if following is not None:
+                pending.append((following, pool.submit(stage, following, spare.pop())))
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+    spare.clear()
     return total.mean()
+
+
+def regions_at_once(regions: int, model_bytes: int) -> int:
+    """How many regions :func:`aggregate` decodes at once by default: one per usable CPU,
+    as long as their staged copies fit in :data:`AHEAD_MEMORY_SHARE` of the available
+    memory."""
+    fit = regions
+    available = available_memory()
+    if available is not None and model_bytes > 0:
+        fit = int(available * AHEAD_MEMORY_SHARE) // model_bytes
+    return max(1, min(regions, usable_cpus(), fit))
+
+
+def available_memory() -> int | None:
+    """Bytes of memory available without swapping (Linux ``MemAvailable``, which counts
+    reclaimable page cache, else the free pages); None where neither is known."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, OSError, ValueError):
+        return None

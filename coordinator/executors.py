@@ -2,8 +2,9 @@
 
 - ``store``: one thread for every state-store call (SQLite wants one writer; the store's
   calls are short and serialised anyway).
-- ``compute``: a small pool for codec and torch work (decoding, aggregation, encoding);
-  torch releases the GIL in its kernels.
+- ``compute``: a pool for codec and torch work (decoding, aggregation, encoding), one
+  thread per usable CPU (:func:`usable_cpus`) by default: sha256, zstd and torch release
+  the GIL, so the deltas of a round's regions are verified and decoded side by side.
 - ``files``: a pool for file I/O (spooling chunks with fsync, serving blob metadata).
 - ``parse``: one thread for parsing and validating request bodies (job specs), so a
   hostile body never runs on the event loop, bodies are parsed one at a time, and they
@@ -22,21 +23,61 @@ from __future__ import annotations
 import asyncio
 import functools
 import multiprocessing
-from collections.abc import Callable
+import os
+import threading
+from collections.abc import Callable, Sequence
 from concurrent.futures import Executor, ProcessPoolExecutor, ThreadPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from typing import ParamSpec, TypeVar
 
-__all__ = ["Executors"]
+__all__ = ["Executors", "side_by_side", "usable_cpus"]
 
 P = ParamSpec("P")
 T = TypeVar("T")
 
 
+def usable_cpus() -> int:
+    """The CPUs this process may run on (its affinity mask where the OS has one)."""
+    if hasattr(os, "sched_getaffinity"):
+        return max(1, len(os.sched_getaffinity(0)))
+    return os.cpu_count() or 1
+
+
+_cpu_pool: ThreadPoolExecutor | None = None
+_cpu_pool_lock = threading.Lock()
+
+
+def side_by_side(jobs: Sequence[Callable[[], None]]) -> None:
+    """Run ``jobs`` on a process-wide pool of one thread per usable CPU; wait for all.
+
+    Blocking, for work already off the event loop that splits into independent parts
+    (torch releases the GIL). A job must not call this itself: the pool could fill up
+    with jobs waiting for their parts. The first error is raised once all have ended.
+    """
+    global _cpu_pool
+    if len(jobs) <= 1:
+        for job in jobs:
+            job()
+        return
+    with _cpu_pool_lock:
+        if _cpu_pool is None:
+            _cpu_pool = ThreadPoolExecutor(usable_cpus(), thread_name_prefix="geofed-cpu")
+        pool = _cpu_pool
+    futures = [pool.submit(job) for job in jobs]
+    for future in futures:
+        future.exception()  # wait for every part before raising any error
+    for future in futures:
+        future.result()
+
+
 class Executors:
     """The coordinator's thread pools (see the module docstring)."""
 
-    def __init__(self, *, compute_threads: int = 2, file_threads: int = 4) -> None:
+    def __init__(self, *, compute_threads: int | None = None, file_threads: int = 4) -> None:
+        """``compute_threads``: the compute pool's size; by default one per usable CPU,
+        and at least 2 so a long publication never holds up every upload's verification."""
+        if compute_threads is None:
+            compute_threads = max(2, usable_cpus())
         self._store = ThreadPoolExecutor(1, thread_name_prefix="geofed-store")
         self._compute = ThreadPoolExecutor(compute_threads, thread_name_prefix="geofed-compute")
         self._files = ThreadPoolExecutor(file_threads, thread_name_prefix="geofed-files")

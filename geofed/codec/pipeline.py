@@ -60,10 +60,14 @@ class Pipeline:
     """Runs chunk jobs inline (one worker) or on a thread pool, collecting results in order.
 
     At most ``2 * workers`` jobs are in flight, which bounds the payloads held in memory.
+    The pool starts with the second job: a stream of one chunk seals it inline, without
+    paying for threads it cannot use.
     """
 
     def __init__(self, workers: int) -> None:
-        self._pool = ThreadPoolExecutor(workers, "geofed-codec") if workers > 1 else None
+        self._workers = workers
+        self._pool: ThreadPoolExecutor | None = None
+        self._first: tuple[ChunkSlot, Callable[[], Sealed], Callable[..., None]] | None = None
         self._limit = 2 * workers
         self._pending: deque[tuple[ChunkSlot, Future[Sealed], Callable[..., None]]] = deque()
 
@@ -73,9 +77,17 @@ class Pipeline:
         job: Callable[[], Sealed],
         done: Callable[[ChunkSlot, Sealed], None],
     ) -> None:
-        if self._pool is None:
+        if self._workers == 1:
             done(slot, job())
             return
+        if self._pool is None:
+            if self._first is None:
+                self._first = (slot, job, done)
+                return
+            self._pool = ThreadPoolExecutor(self._workers, "geofed-codec")
+            first_slot, first_job, first_done = self._first
+            self._first = None
+            self._pending.append((first_slot, self._pool.submit(first_job), first_done))
         self._pending.append((slot, self._pool.submit(job), done))
         while len(self._pending) >= self._limit:
             self._collect_one()
@@ -90,9 +102,14 @@ class Pipeline:
     def __exit__(self, kind: object, error: object, traceback: object) -> None:
         try:
             if error is None:
+                if self._first is not None:
+                    slot, job, done = self._first
+                    self._first = None
+                    done(slot, job())
                 while self._pending:
                     self._collect_one()
         finally:
+            self._first = None
             for _, future, _ in self._pending:
                 future.cancel()
             if self._pool is not None:

@@ -14,12 +14,14 @@ float32's range at the same two bytes. Rounding the scale up keeps every code wi
 ``[-qmax, qmax]``.
 
 Speed: a handful of in-place ops on reused buffers, on the slice's own device; only the
-finished payload (scales and codes) is copied to the host. On the CPU the passes over the
-elements run in tiles of ``tile_elements`` (128K: 512 KiB of float32, so that the
-rounding and packing passes work in cache, not memory) while the per-block scale math
-runs once per slice, since eager per-op overhead (a few us) outweighs the arithmetic on
-small tiles: on a 2-core Xeon, 128K tiles quantized about 1.3x faster than whole 1M-element
-chunks and 32K tiles 1.4x slower. A torch.compile'd kernel was about 1.3x faster than
+finished payload (scales and codes) is copied to the host. On the CPU they run on the
+calling thread alone (:mod:`geofed.codec.host_threads`; parallelism comes from chunks
+processed side by side), and the passes over the elements run in tiles of
+``tile_elements`` (128K: 512 KiB of float32, so that the rounding and packing passes
+work in cache, not memory) while the per-block scale math runs once per slice, since
+eager per-op overhead (a few us) outweighs the arithmetic on small tiles: on a 2-core
+Xeon, 128K tiles quantized about 1.3x faster than whole 1M-element chunks and 32K tiles
+1.4x slower. A torch.compile'd kernel was about 1.3x faster than
 these ops but took 24 s to compile and needs a C++ compiler at run time. Slices of at
 most ``SMALL_ELEMENTS`` (biases, norms) go through a numpy twin of the same arithmetic,
 whose per-call overhead is about half of torch's; the two give the same bytes and
@@ -40,6 +42,7 @@ import numpy as np
 import torch
 
 from geofed.codec.errors import CorruptChunk, EncodeError, NonFiniteValue
+from geofed.codec.host_threads import one_thread
 from geofed.codec.layout import SCALE_BYTES, num_blocks, payload_size
 from geofed.codec_params import Scheme
 
@@ -97,6 +100,19 @@ class BlockCodec:
         Raises :class:`NonFiniteValue` on NaN/Inf and :class:`EncodeError` on magnitudes
         too large to quantize, naming ``label`` and the first offending element.
         """
+        if flat.device.type != "cpu":
+            return self._encode(flat, label, generator, reuse_buffer, residual_out)
+        with one_thread():
+            return self._encode(flat, label, generator, reuse_buffer, residual_out)
+
+    def _encode(
+        self,
+        flat: torch.Tensor,
+        label: str,
+        generator: torch.Generator | None,
+        reuse_buffer: bool,
+        residual_out: torch.Tensor | None,
+    ) -> torch.Tensor:
         if self.scheme == "fp32":
             payload = self._encode_fp32(flat, label)
             if residual_out is not None:
@@ -292,6 +308,12 @@ class BlockCodec:
         Raises :class:`CorruptChunk` naming ``label`` on a non-finite value or a scale out
         of range.
         """
+        with one_thread():
+            return self._decode(payload, count, label, out)
+
+    def _decode(
+        self, payload: torch.Tensor, count: int, label: str, out: torch.Tensor | None
+    ) -> torch.Tensor:
         if self.scheme == "fp32":
             values = payload.view(torch.float32)
             if count and not math.isfinite(

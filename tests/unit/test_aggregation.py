@@ -1,14 +1,19 @@
 """Streaming weighted aggregation of region deltas and the shared delta arithmetic."""
 
 import random
+import threading
+import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from coordinator.aggregation import AggregationError, WeightedSum, aggregate
+from coordinator import aggregation
+from coordinator.aggregation import AggregationError, WeightedSum, aggregate, regions_at_once
+from coordinator.executors import usable_cpus
 from geofed.deltas import (
     DeltaError,
     apply_update,
@@ -157,8 +162,79 @@ def test_aggregate_calls_each_source_once_in_turn() -> None:
 
         return produce
 
-    aggregate(SPECS, {r: (1.0, source(r)) for r in ["zz", "mm", "aa"]})
+    aggregate(SPECS, {r: (1.0, source(r)) for r in ["zz", "mm", "aa"]}, workers=1)
     assert calls == ["aa", "mm", "zz"]
+
+
+@pytest.mark.parametrize("workers", [2, 3, 8])
+def test_regions_decoded_at_once_give_the_same_bits(workers: int) -> None:
+    regions = [f"r{i}" for i in range(7)]
+    deltas = {r: delta(i) for i, r in enumerate(regions)}
+    arrival = ["r3", "r0", "r6", "r1", "r5", "r2", "r4"]
+    sources = {r: (1.0 + i / 7, source(deltas[r], chunk=5)) for i, r in enumerate(regions)}
+    one_at_a_time = aggregate(SPECS, sources, arrival, workers=1)
+    assert_bit_identical(aggregate(SPECS, sources, arrival, workers=workers), one_at_a_time)
+    assert_bit_identical(aggregate(SPECS, sources, arrival), one_at_a_time)
+
+
+def test_aggregate_decodes_at_most_workers_regions_at_once() -> None:
+    lock = threading.Lock()
+    both_first = threading.Barrier(2, timeout=10)  # breaks unless the first two overlap
+    running = peak = 0
+    calls: list[str] = []
+
+    def source(index: int):
+        def produce():
+            nonlocal running, peak
+            with lock:
+                calls.append(f"r{index}")
+                running += 1
+                peak = max(peak, running)
+            if index < 2:
+                both_first.wait()
+            time.sleep(0.005)
+            out = pieces(delta(index))
+            with lock:
+                running -= 1
+            return out
+
+        return produce
+
+    aggregate(SPECS, {f"r{i}": (1.0, source(i)) for i in range(6)}, workers=2)
+    assert sorted(calls) == [f"r{i}" for i in range(6)]  # each source called once
+    assert peak == 2
+
+
+def test_a_failing_region_decoded_ahead_fails_the_aggregate() -> None:
+    def broken():
+        yield from pieces(delta(2))[:3]
+        raise RuntimeError("frame 4 failed its hash check")
+
+    sources = {"aa": (1.0, source(delta(1))), "bb": (1.0, broken), "cc": (1.0, source(delta(3)))}
+    with pytest.raises(RuntimeError, match="frame 4"):
+        aggregate(SPECS, sources, workers=3)
+    sources["bb"] = (1.0, lambda: _with_bad_piece("gap"))
+    with pytest.raises(AggregationError, match=r"region 'bb', tensor 'w': elements \[16, 24\)"):
+        aggregate(SPECS, sources, workers=3)
+
+
+def test_regions_at_once_is_bounded_by_regions_cpus_and_memory(monkeypatch) -> None:
+    assert regions_at_once(1, 4) == 1
+    assert 1 <= regions_at_once(64, 4) <= min(64, usable_cpus())
+    assert regions_at_once(64, 1 << 62) == 1  # no room for a staged copy: one at a time
+    monkeypatch.setattr(aggregation, "usable_cpus", lambda: 16)
+    monkeypatch.setattr(aggregation, "available_memory", lambda: 10 << 30)
+    assert regions_at_once(8, 1 << 30) == 5  # half of 10 GiB holds five 1 GiB copies
+    assert regions_at_once(8, 1 << 20) == 8
+    monkeypatch.setattr(aggregation, "available_memory", lambda: None)
+    assert regions_at_once(32, 1 << 30) == 16
+
+
+def test_available_memory_is_known_on_linux() -> None:
+    available = aggregation.available_memory()
+    if Path("/proc/meminfo").exists():
+        assert available is not None
+        assert available > 0
 
 
 def _with_bad_piece(kind: str) -> list[FakePiece]:
@@ -365,3 +441,34 @@ def test_published_update_with_error_feedback_keeps_everyone_in_sync() -> None:
         torch.testing.assert_close(
             applied, intended_total[n] - residual[n].double(), rtol=0, atol=1e-5
         )
+
+
+def test_fold_parts_cover_every_element_once_in_bounded_jobs(monkeypatch) -> None:
+    monkeypatch.setattr(aggregation, "FOLD_PART", 10)
+    sums = {n: torch.zeros(k) for n, k in [("a", 25), ("b", 3), ("c", 0), ("d", 7), ("e", 10)]}
+    values = {n: torch.arange(t.numel(), dtype=torch.float32) for n, t in sums.items()}
+    parts = aggregation._fold_parts(sums, values)
+    assert all(sum(total.numel() for total, _ in part) <= 10 for part in parts)
+    for part in parts:
+        for total, delta in part:
+            total += 1
+            assert total.shape == delta.shape
+    assert all(bool((t == 1).all()) for t in sums.values())  # each element exactly once
+    assert len(parts) == 5  # 10 | 10 | 5+3 | 7 | 10
+
+
+def test_folding_in_many_parts_gives_the_same_bits(monkeypatch) -> None:
+    specs = {"w": (1000, 37), "b": (37,), "s": ()}
+    deltas = {r: delta(i, specs) for i, r in enumerate(["aa", "bb", "cc"])}
+    sources = {r: (1.0 + i / 3, source(deltas[r], chunk=999)) for i, r in enumerate(deltas)}
+    whole = aggregate(specs, sources, workers=1)
+    monkeypatch.setattr(aggregation, "FOLD_PART", 1000)
+    assert_bit_identical(aggregate(specs, sources, workers=1), whole)
+    assert_bit_identical(aggregate(specs, sources, workers=3), whole)
+    # The reference arithmetic: mul then add, in region order, then one division.
+    expected = {n: torch.zeros(s) for n, s in specs.items()}
+    for i, r in enumerate(["aa", "bb", "cc"]):
+        for n in specs:
+            expected[n] += deltas[r][n] * (1.0 + i / 3)
+    total = sum(1.0 + i / 3 for i in range(3))
+    assert_bit_identical(whole, {n: t / total for n, t in expected.items()})
