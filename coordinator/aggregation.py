@@ -36,7 +36,7 @@ from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Final, Protocol
 
 import torch
 from torch import Tensor
@@ -412,15 +412,20 @@ def aggregate(
     return total.mean()
 
 
+#: Regions decoded at once by default: with the running sum, 3 model-sized copies at most.
+MAX_REGIONS_AT_ONCE: Final = 2
+
+
 def regions_at_once(regions: int, model_bytes: int) -> int:
     """How many regions :func:`aggregate` decodes at once by default: one per usable CPU,
-    as long as their staged copies fit in :data:`AHEAD_MEMORY_SHARE` of the available
-    memory."""
+    at most :data:`MAX_REGIONS_AT_ONCE` (the sum and the staged copies stay within 3x the
+    model, whatever the number of regions), as long as their staged copies fit in
+    :data:`AHEAD_MEMORY_SHARE` of the available memory."""
     fit = regions
     available = available_memory()
     if available is not None and model_bytes > 0:
         fit = int(available * AHEAD_MEMORY_SHARE) // model_bytes
-    return max(1, min(regions, usable_cpus(), fit))
+    return max(1, min(regions, usable_cpus(), fit, MAX_REGIONS_AT_ONCE))
 
 
 def available_memory() -> int | None:

@@ -220,14 +220,18 @@ def test_a_failing_region_decoded_ahead_fails_the_aggregate() -> None:
 
 def test_regions_at_once_is_bounded_by_regions_cpus_and_memory(monkeypatch) -> None:
     assert regions_at_once(1, 4) == 1
-    assert 1 <= regions_at_once(64, 4) <= min(64, usable_cpus())
+    assert 1 <= regions_at_once(64, 4) <= min(64, usable_cpus(), 2)
     assert regions_at_once(64, 1 << 62) == 1  # no room for a staged copy: one at a time
     monkeypatch.setattr(aggregation, "usable_cpus", lambda: 16)
     monkeypatch.setattr(aggregation, "available_memory", lambda: 10 << 30)
-    assert regions_at_once(8, 1 << 30) == 5  # half of 10 GiB holds five 1 GiB copies
-    assert regions_at_once(8, 1 << 20) == 8
+    # With the running sum, never more than 3 model-sized copies, whatever the regions.
+    assert regions_at_once(8, 1 << 20) == 2
+    assert regions_at_once(8, 6 << 30) == 1  # half of 10 GiB holds no 6 GiB copy
+    monkeypatch.setattr(aggregation, "usable_cpus", lambda: 1)
+    assert regions_at_once(32, 1 << 20) == 1
     monkeypatch.setattr(aggregation, "available_memory", lambda: None)
-    assert regions_at_once(32, 1 << 30) == 16
+    monkeypatch.setattr(aggregation, "usable_cpus", lambda: 16)
+    assert regions_at_once(32, 1 << 30) == 2
 
 
 def test_available_memory_is_known_on_linux() -> None:
