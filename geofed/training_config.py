@@ -12,7 +12,9 @@ setting silently left at its default.
 .. code-block:: yaml
 
     training:
-      parallelism: fsdp                # ddp (default) | fsdp (FSDP2, sharded state)
+      parallelism: fsdp                # ddp (default) | fsdp (FSDP2, sharded state) |
+                                       #   hsdp (sharded in groups, replicated across them)
+      # hsdp_shard_ranks: 8            # hsdp: ranks per shard group (default: a node's)
       precision: bf16                  # fp32 (default) | bf16 compute, fp32 exchanged
       grad_clip_norm: 1.0              # optional: clip the global gradient norm
       grad_accumulation: 4             # micro-batches per optimizer step (default 1)
@@ -31,11 +33,24 @@ from pydantic import Field, StrictBool, StrictFloat, StrictInt, model_validator
 
 from geofed.config_sections import ConfigSection
 
-__all__ = ["LrSchedule", "Parallelism", "Precision", "ScheduleKind", "TrainingConfig"]
+__all__ = [
+    "LrSchedule",
+    "Parallelism",
+    "Precision",
+    "ScheduleKind",
+    "TrainingConfig",
+    "is_sharded",
+]
 
-Parallelism = Literal["ddp", "fsdp"]
+Parallelism = Literal["ddp", "fsdp", "hsdp"]
 Precision = Literal["fp32", "bf16"]
 ScheduleKind = Literal["constant", "warmup_cosine"]
+
+
+def is_sharded(parallelism: str) -> bool:
+    """Whether ``parallelism`` shards parameters, gradients and optimizer state (FSDP2,
+    with or without a replicate dimension)."""
+    return parallelism in ("fsdp", "hsdp")
 
 
 class LrSchedule(ConfigSection):
@@ -73,7 +88,12 @@ class TrainingConfig(ConfigSection):
     parallelism: Parallelism = Field(
         default="ddp",
         description="'ddp': replicated parameters, all-reduced gradients; 'fsdp': FSDP2 "
-        "with sharded parameters, gradients and optimizer state",
+        "with sharded parameters, gradients and optimizer state; 'hsdp': FSDP2 sharded "
+        "within groups of hsdp_shard_ranks ranks and replicated across the groups",
+    )
+    hsdp_shard_ranks: Annotated[StrictInt, Field(ge=1, le=1 << 16)] | None = Field(
+        default=None,
+        description="hsdp only: the ranks each shard group spans; default: a node's ranks",
     )
     precision: Precision = Field(
         default="fp32",
@@ -93,7 +113,19 @@ class TrainingConfig(ConfigSection):
         description="learning-rate factor by the region's inner step over the whole job",
     )
 
+    @model_validator(mode="after")
+    def _shard_ranks_for_hsdp(self) -> TrainingConfig:
+        if self.hsdp_shard_ranks is not None and self.parallelism != "hsdp":
+            raise ValueError("hsdp_shard_ranks applies to parallelism: hsdp only")
+        return self
+
     def record(self) -> dict[str, Any]:
-        """The JSON form, as job specs, announcements and manifests carry it."""
+        """The JSON form, as job specs, announcements and manifests carry it.
+
+        ``hsdp_shard_ranks`` appears only when set, so the record of every job that does
+        not use it reads as it did before the key existed.
+        """
         data: dict[str, Any] = self.model_dump(mode="json")
+        if data["hsdp_shard_ranks"] is None:
+            del data["hsdp_shard_ranks"]
         return data

@@ -14,8 +14,10 @@ its peers would never join. :func:`read_base` is rank 0's share of a round's sta
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +28,7 @@ from torch import nn
 from geofed.lr_schedule import apply_lr
 from geofed.params import check_federated_state, parameters_vector_hash
 from geofed.task import Task, load_task
-from geofed.training_config import TrainingConfig
+from geofed.training_config import TrainingConfig, is_sharded
 from regional_agent.activation_checkpointing import checkpoint_activations, checkpointed_modules
 from regional_agent.handoff import RegionalCheckpoint, RoundInstruction
 from regional_agent.model_build import build_model
@@ -84,7 +86,7 @@ class JobState:
         model = built.model
         if training.activation_checkpointing:
             checkpoint_activations(checkpointed_modules(task, model))
-        units = tuple(task.fsdp_units(model)) if training.parallelism == "fsdp" else ()
+        units = tuple(task.fsdp_units(model)) if is_sharded(training.parallelism) else ()
         if checkpoint is None or checkpoint.job != job:
             log.info("job %s: fresh regional state", job)
             return cls(
@@ -126,10 +128,14 @@ class JobState:
         return (self.job, self.training) == (instruction.job, instruction.training)
 
     def ready(
-        self, device: torch.device, group: dist.ProcessGroup | None = None
+        self,
+        device: torch.device,
+        group: dist.ProcessGroup | None = None,
+        timeout: timedelta = timedelta(minutes=10),
     ) -> tuple[ParallelModel, torch.optim.Optimizer]:
         """The wrapped model and its optimizer, made on the first call (collectives; the
-        sharded optimizer state is read over ``group``)."""
+        sharded optimizer state is read over ``group``; process groups made here wait
+        ``timeout`` for a peer)."""
         if self.parallel is not None and self.optimizer is not None:
             return self.parallel, self.optimizer
         training = self.training
@@ -140,6 +146,8 @@ class JobState:
             device,
             self.fsdp_units,
             self.materialize,
+            training.hsdp_shard_ranks or _node_ranks(),
+            timeout,
         )
         self.materialize = None
         optimizer = self._fresh_optimizer(parallel)
@@ -191,6 +199,12 @@ class JobState:
             self.saved_optimizer_round = None
             return self._fresh_optimizer(parallel)
         return optimizer
+
+
+def _node_ranks() -> int | None:
+    """The ranks of this rank's node, as the elastic launcher says (None outside one)."""
+    raw = os.environ.get("LOCAL_WORLD_SIZE")
+    return int(raw) if raw is not None and raw.isdigit() and int(raw) > 0 else None
 
 
 @dataclass(frozen=True, slots=True)

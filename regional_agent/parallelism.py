@@ -25,6 +25,7 @@ import itertools
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -37,12 +38,13 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from geofed.params import federated_state, state_to_fp32
-from geofed.training_config import Parallelism, Precision
+from geofed.training_config import Parallelism, Precision, is_sharded
 from regional_agent.comm_timer import CommTimer
 from regional_agent.precision import mixed_precision_policy
 
@@ -121,7 +123,7 @@ class ParallelModel:
         A collective under FSDP (each parameter gathered in turn); rank 0 copies its
         replica under DDP.
         """
-        if self.kind == "fsdp":
+        if is_sharded(self.kind):
             full = get_model_state_dict(self.model, options=_TO_RANK0)
             if dist.get_rank() != 0:
                 return None
@@ -136,7 +138,7 @@ class ParallelModel:
         step changes them). FSDP: the gathered fp32 CPU copy of :meth:`full_state` (a
         collective).
         """
-        if self.kind == "fsdp":
+        if is_sharded(self.kind):
             return self.full_state()
         if dist.get_rank() != 0:
             return None
@@ -162,7 +164,7 @@ class ParallelModel:
         DDP: the optimizer's own ``state_dict()`` (every rank holds the same). FSDP: the
         shards gathered into one state keyed by parameter name (a collective).
         """
-        if self.kind == "fsdp":
+        if is_sharded(self.kind):
             full = get_optimizer_state_dict(self.model, optimizer, options=_TO_RANK0)
             return dict(full) if dist.get_rank() == 0 else None
         return optimizer.state_dict() if dist.get_rank() == 0 else None
@@ -175,7 +177,7 @@ class ParallelModel:
         DDP: every rank loads the state it read. FSDP: rank 0's state is broadcast
         and each rank keeps its shard (a collective; the other ranks' copies are unused).
         """
-        if self.kind == "fsdp":
+        if is_sharded(self.kind):
             given = dict(state) if dist.get_rank() == 0 else {}
             set_optimizer_state_dict(
                 self.model,
@@ -187,6 +189,28 @@ class ParallelModel:
         optimizer.load_state_dict(dict(state))
 
 
+def hsdp_mesh(device: torch.device, shard_ranks: int, timeout: timedelta) -> DeviceMesh:
+    """The 2-D mesh of HSDP: shard groups of ``shard_ranks`` consecutive ranks (a node's,
+    by default), replicated across the groups (a collective). Its process groups wait
+    ``timeout`` for a peer, as the group's own do, not torch's default 30 minutes."""
+    world = dist.get_world_size()
+    if shard_ranks < 1 or world % shard_ranks:
+        raise ValueError(
+            f"hsdp: shard groups of {shard_ranks} ranks do not divide the group's {world} ranks"
+        )
+    backend = dist.get_backend()
+    # The backends' option classes are not in torch's type stubs.
+    kind: Any = dist.ProcessGroupNCCL if backend == "nccl" else dist.ProcessGroupGloo
+    options = kind.Options() if backend == "nccl" else kind._Options()
+    options._timeout = timeout
+    return init_device_mesh(
+        device.type,
+        (world // shard_ranks, shard_ranks),
+        mesh_dim_names=("replicate", "shard"),
+        backend_override={"replicate": (backend, options), "shard": (backend, options)},
+    )
+
+
 def wrap(
     model: nn.Module,
     parallelism: Parallelism,
@@ -194,8 +218,14 @@ def wrap(
     device: torch.device,
     fsdp_units: Sequence[nn.Module] = (),
     materialize: Callable[[nn.Module], None] | None = None,
+    shard_ranks: int | None = None,
+    timeout: timedelta = timedelta(minutes=10),
 ) -> ParallelModel:
     """Wrap ``model`` for the region's parallelism (a collective).
+
+    ``hsdp`` shards within groups of ``shard_ranks`` ranks (:func:`hsdp_mesh`; default:
+    every rank, which is ``fsdp``) and replicates across them: the gradients are
+    reduce-scattered inside a group and all-reduced between groups.
 
     ``model`` is on ``device``, or on the ``meta`` device with ``materialize`` given:
     then its storage is allocated on ``device`` only after sharding (each rank allocates
@@ -205,15 +235,19 @@ def wrap(
     on_meta = any(t.is_meta for t in itertools.chain(model.parameters(), model.buffers()))
     if on_meta and materialize is None:
         raise ValueError("a model on the meta device needs a materialize function")
-    if parallelism == "fsdp":
+    if is_sharded(parallelism):
         policy = mixed_precision_policy(precision)
+        mesh = None
+        if parallelism == "hsdp":
+            shard = dist.get_world_size() if shard_ranks is None else shard_ranks
+            mesh = hsdp_mesh(device, shard, timeout)
         for unit in fsdp_units:
-            fully_shard(unit, mp_policy=policy)
-        fully_shard(model, mp_policy=policy)  # the same module, now an FSDPModule too
+            fully_shard(unit, mesh=mesh, mp_policy=policy)
+        fully_shard(model, mesh=mesh, mp_policy=policy)  # the same module, an FSDPModule too
         if on_meta and materialize is not None:
             model.to_empty(device=device)
             materialize(model)
-        return ParallelModel("fsdp", model, model)
+        return ParallelModel(parallelism, model, model)
     if on_meta and materialize is not None:
         model.to_empty(device=device)
         materialize(model)

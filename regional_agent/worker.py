@@ -75,6 +75,7 @@ from torch.distributed.rendezvous import rendezvous
 from geofed.codec import QuantizedTensors
 from geofed.params import federated_state, parameters_vector_hash
 from geofed.task import DataShard
+from geofed.training_config import is_sharded
 from regional_agent.base_evaluation import evaluate_base
 from regional_agent.delayed_round import DelayedFold, evaluator
 from regional_agent.device_delta import (
@@ -176,6 +177,7 @@ class RoundRunner:
         self._settings = settings
         self._device = device
         self._stop_reason = stop_reason
+        self._timeout = timedelta(seconds=settings.collective_timeout_s)
         self._rank = dist.get_rank()
         self._world_size = dist.get_world_size()
         self._state: JobState | None = None
@@ -296,9 +298,8 @@ class RoundRunner:
         if instruction.base_pending:
             # Every rank holds the same state, so every rank takes the same branch.
             if self._holds_previous_round(state, instruction):
-                parallel, optimizer = state.ready(
-                    self._device, self._control
-                )  # made: no collective
+                # Made already: no collective.
+                parallel, optimizer = state.ready(self._device, self._control, self._timeout)
                 try:
                     fold = DelayedFold(
                         self._handoff,
@@ -332,7 +333,7 @@ class RoundRunner:
         # met by all of them at the same point.
         error = None
         try:
-            parallel, optimizer = state.ready(self._device, self._control)
+            parallel, optimizer = state.ready(self._device, self._control, self._timeout)
             parallel.load_full_state(None if base is None else base.state)
         except Exception as exc:
             log.exception("cannot load job %s round %d", job, round_)
@@ -513,7 +514,7 @@ class RoundRunner:
                 log.exception("cannot read the regional checkpoint of job %s", job)
                 error = f"{type(exc).__name__}: {exc}"
             sent = checkpoint
-            if sent is not None and sent.parallelism == "fsdp" and sent.optimizer_state:
+            if sent is not None and is_sharded(sent.parallelism) and sent.optimizer_state:
                 sent = replace(sent, optimizer_state={})
             box[0] = (sent, error)
         dist.broadcast_object_list(box, src=0, group=self._control)
@@ -658,7 +659,7 @@ class RoundRunner:
         cursor = state.cursor + totals.micro_batches
         # Collectives under FSDP: every rank takes part, rank 0 receives the whole.
         request = instruction.delta
-        streamed = request is not None and parallel.kind == "fsdp"
+        streamed = request is not None and is_sharded(parallel.kind)
         params: Mapping[str, torch.Tensor] | None = None
         if request is None:
             params = parallel.full_state()

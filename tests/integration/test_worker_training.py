@@ -50,6 +50,10 @@ SCHEDULE = LrSchedule(kind="warmup_cosine", warmup_steps=8, min_lr_ratio=0.1)
 # Clipped at a norm the tiny task's gradients exceed, so clipping changes every step.
 TUNED = TrainingConfig(grad_accumulation=2, grad_clip_norm=0.05, lr_schedule=SCHEDULE)
 TUNED_FSDP = TUNED.model_copy(update={"parallelism": "fsdp"})
+# Shard groups of one rank, replicated across the two: HSDP's replicate dimension at work.
+TUNED_HSDP = TrainingConfig.model_validate(
+    {**TUNED.record(), "parallelism": "hsdp", "hsdp_shard_ranks": 1}
+)
 LLAMA = "geofed.examples.llama:LlamaTask"
 LLAMA_OPTIONS = {
     "dim": 32,
@@ -197,6 +201,28 @@ async def test_fsdp_trains_the_same_rounds_as_ddp(region: Group) -> None:
     assert set(optimizer_state["state"]) == set(region.theta0)
     assert optimizer_state["state"]["0.weight"]["exp_avg"].shape == (16, 8)
     assert math.isclose(optimizer_state["param_groups"][0]["lr"], scheduled_lr(1), rel_tol=1e-12)
+
+
+@on_module_loop
+async def test_hsdp_trains_the_same_rounds_as_ddp(region: Group) -> None:
+    ddp = [region.handoff.read_completed("tuned", r) for r in range(2)]
+    hsdp = await region.rounds("tuned-hsdp", 2, TUNED_HSDP)
+
+    for hybrid, replicated in zip(hsdp, ddp, strict=True):
+        assert replicated is not None
+        assert_states_close(hybrid.params, replicated.params, rtol=1e-5, atol=1e-6)
+        assert (hybrid.summary.tokens, hybrid.summary.cursor) == (
+            replicated.summary.tokens,
+            replicated.summary.cursor,
+        )
+    checkpoint = region.handoff.read_checkpoint("tuned-hsdp")
+    assert checkpoint is not None
+    assert (checkpoint.parallelism, checkpoint.optimizer_round) == ("hsdp", 1)
+    optimizer_state = region.handoff.read_optimizer_state("tuned-hsdp")
+    assert optimizer_state is not None
+    assert optimizer_state["state"]["0.weight"]["exp_avg"].shape == (16, 8)
+    log = region.handoff.rank_log_path(0).read_text()
+    assert "job tuned-hsdp: hsdp, fp32 compute, on cpu" in log
 
 
 @on_module_loop

@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
-from geofed.training_config import LrSchedule, TrainingConfig
+from geofed.training_config import LrSchedule, TrainingConfig, is_sharded
 
 
 def test_defaults_train_as_before() -> None:
@@ -43,7 +43,9 @@ def test_the_json_form_round_trips() -> None:
 @pytest.mark.parametrize(
     ("data", "where", "reason"),
     [
-        ({"parallelism": "zero3"}, "parallelism", "'ddp' or 'fsdp'"),
+        ({"parallelism": "zero3"}, "parallelism", "'ddp', 'fsdp' or 'hsdp'"),
+        ({"hsdp_shard_ranks": 2}, "", "applies to parallelism: hsdp only"),
+        ({"parallelism": "hsdp", "hsdp_shard_ranks": 0}, "hsdp_shard_ranks", "greater than"),
         ({"precision": "fp16"}, "precision", "'fp32' or 'bf16'"),
         ({"grad_clip_norm": 0}, "grad_clip_norm", "greater than 0"),
         ({"grad_clip_norm": float("inf")}, "grad_clip_norm", "finite"),
@@ -77,6 +79,15 @@ def test_bad_values_and_unknown_keys_are_refused(
     assert any(".".join(map(str, e["loc"])).endswith(where) for e in errors), errors
     messages = " ".join(e["msg"] for e in errors)
     assert reason in messages, messages
+
+
+def test_hsdp_shards_in_groups_and_is_a_sharded_kind() -> None:
+    hsdp = TrainingConfig.model_validate({"parallelism": "hsdp", "hsdp_shard_ranks": 8})
+    assert (hsdp.parallelism, hsdp.hsdp_shard_ranks) == ("hsdp", 8)
+    assert TrainingConfig.model_validate({"parallelism": "hsdp"}).hsdp_shard_ranks is None
+    assert [is_sharded(kind) for kind in ("ddp", "fsdp", "hsdp")] == [False, True, True]
+    assert hsdp.record()["hsdp_shard_ranks"] == 8
+    assert TrainingConfig.model_validate(hsdp.record()) == hsdp
 
 
 def test_the_section_is_frozen() -> None:
