@@ -29,7 +29,15 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, StrictBool, StrictFloat, StrictInt, model_validator
+from pydantic import (
+    Field,
+    SerializerFunctionWrapHandler,
+    StrictBool,
+    StrictFloat,
+    StrictInt,
+    model_serializer,
+    model_validator,
+)
 
 from geofed.config_sections import ConfigSection
 
@@ -120,12 +128,15 @@ class TrainingConfig(ConfigSection):
         return self
 
     def record(self) -> dict[str, Any]:
-        """The JSON form, as job specs, announcements and manifests carry it.
-
-        ``hsdp_shard_ranks`` appears only when set, so the record of every job that does
-        not use it reads as it did before the key existed.
-        """
+        """The JSON form, as job specs, announcements and manifests carry it."""
         data: dict[str, Any] = self.model_dump(mode="json")
-        if data["hsdp_shard_ranks"] is None:
-            del data["hsdp_shard_ranks"]
+        return data
+
+    @model_serializer(mode="wrap")
+    def _without_unset_hsdp(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        # hsdp_shard_ranks appears only when set: every other job's section, wherever it
+        # is written (specs, announcements, manifests), reads as before the key existed.
+        data: dict[str, Any] = handler(self)
+        if data.get("hsdp_shard_ranks") is None:
+            data.pop("hsdp_shard_ranks", None)
         return data

@@ -102,7 +102,7 @@ def test_timestamps_are_normalised_to_utc_and_naive_ones_refused() -> None:
         ({"unknown": 1}, "Extra inputs are not permitted"),
         ({"total_rounds": 0}, "greater than or equal to 1"),
         ({"total_rounds": None}, "a warmup_cosine schedule needs total_rounds"),
-        ({"training": {"parallelism": "zero3"}}, "'ddp' or 'fsdp'"),
+        ({"training": {"parallelism": "zero3"}}, "'ddp', 'fsdp' or 'hsdp'"),
         ({"training": {"precison": "bf16"}}, "Extra inputs are not permitted"),
         ({"regions": ("eu-west", "eu-west", "us-east")}, "regions lists a region twice"),
         ({"regions": ("eu-west",)}, r"participants \['us-east'\] are not among"),

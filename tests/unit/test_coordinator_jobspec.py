@@ -181,7 +181,8 @@ def test_average_means_plain_averaging() -> None:
         (SPEC + "round: 3\n", "job.yaml:11: round: unknown key; allowed keys: job, task"),
         (
             SPEC + "training: {parallelism: ddp, precison: bf16}\n",
-            "job.yaml:11: training.precison: unknown key; allowed keys: parallelism, precision,",
+            "job.yaml:11: training.precison: unknown key; allowed keys: parallelism, "
+            "hsdp_shard_ranks, precision,",
         ),
         (
             SPEC + TRAINING.replace("warmup_steps: 2,", "warmup_steps: 2, cycles: 3,"),
@@ -189,7 +190,7 @@ def test_average_means_plain_averaging() -> None:
         ),
         (
             SPEC + "training: {parallelism: zero3}\n",
-            "job.yaml:11: training.parallelism: Input should be 'ddp' or 'fsdp'",
+            "job.yaml:11: training.parallelism: Input should be 'ddp', 'fsdp' or 'hsdp'",
         ),
         (
             SPEC + "training: {precision: fp16}\n",
