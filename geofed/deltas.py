@@ -56,14 +56,30 @@ def _elementwise(
     out: dict[str, Tensor] = {}
     for name, a in left.items():
         b = right[name]
-        if a.dtype != torch.float32 or b.dtype != torch.float32:
-            raise DeltaError(f"{what}: tensor {name!r} must be float32 on both sides")
-        if a.shape != b.shape:
-            raise DeltaError(
-                f"{what}: tensor {name!r} has shapes {tuple(a.shape)} and {tuple(b.shape)}"
-            )
+        _check_pair(what, name, a, b)
         out[name] = op(a, b)
     return out
+
+
+def _check_pair(what: str, name: str, a: Tensor, b: Tensor) -> None:
+    """Refuse two tensors of one name that an elementwise op cannot combine."""
+    if a.dtype != torch.float32 or b.dtype != torch.float32:
+        raise DeltaError(f"{what}: tensor {name!r} must be float32 on both sides")
+    if a.shape != b.shape:
+        raise DeltaError(
+            f"{what}: tensor {name!r} has shapes {tuple(a.shape)} and {tuple(b.shape)}"
+        )
+
+
+def _check_names(what: str, params: Mapping[str, Tensor], update: Mapping[str, Tensor]) -> None:
+    """Refuse an update that names a tensor θ lacks, or none at all."""
+    unknown = [name for name in update if name not in params]
+    if unknown:
+        raise DeltaError(
+            f"{what}: the update names tensors the parameters do not have: {sorted(unknown)[:5]}"
+        )
+    if not update:
+        raise DeltaError(f"{what}: the update names no tensor")
 
 
 def pseudo_gradient(base: Mapping[str, Tensor], local: Mapping[str, Tensor]) -> dict[str, Tensor]:
@@ -87,14 +103,7 @@ def apply_partial_update(
     the result keeps θ's order. :class:`DeltaError` when the update names a tensor θ does
     not have, or none at all.
     """
-    unknown = [name for name in update if name not in params]
-    if unknown:
-        raise DeltaError(
-            f"apply_partial_update: the update names tensors the parameters do not have: "
-            f"{sorted(unknown)[:5]}"
-        )
-    if not update:
-        raise DeltaError("apply_partial_update: the update names no tensor")
+    _check_names("apply_partial_update", params, update)
     added = _elementwise(
         "apply_partial_update", {name: params[name] for name in update}, update, torch.add
     )
@@ -109,23 +118,9 @@ def add_update_in_place(params: MutableMapping[str, Tensor], update: dict[str, T
     once added, so ``update`` is empty afterwards. Everything is checked before any
     tensor is written (:class:`DeltaError`, as :func:`apply_partial_update` raises it).
     """
-    unknown = [name for name in update if name not in params]
-    if unknown:
-        raise DeltaError(
-            f"add_update_in_place: the update names tensors the parameters do not have: "
-            f"{sorted(unknown)[:5]}"
-        )
-    if not update:
-        raise DeltaError("add_update_in_place: the update names no tensor")
+    _check_names("add_update_in_place", params, update)
     for name, b in update.items():
-        a = params[name]
-        if a.dtype != torch.float32 or b.dtype != torch.float32:
-            raise DeltaError(f"add_update_in_place: tensor {name!r} must be float32 on both sides")
-        if a.shape != b.shape:
-            raise DeltaError(
-                f"add_update_in_place: tensor {name!r} has shapes {tuple(a.shape)} and "
-                f"{tuple(b.shape)}"
-            )
+        _check_pair("add_update_in_place", name, params[name], b)
     with torch.no_grad():
         for name in list(update):
             params[name].add_(update.pop(name))

@@ -26,7 +26,7 @@ import contextlib
 import re
 import shutil
 import warnings
-from collections.abc import Collection, Iterator
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -119,26 +119,28 @@ def _first_line(exc: CheckpointException) -> str:
 def save_sharded(state: dict[str, Any], path: Path, group: dist.ProcessGroup | None = None) -> None:
     """Save ``state`` (each rank its own shards of it) into ``path`` (a collective; one
     process alone when no process group is initialized)."""
-    try:
-        with _alone_is_meant():
-            dcp_save(
-                state, checkpoint_id=path, process_group=group, no_dist=not dist.is_initialized()
-            )
-    except CheckpointException as exc:
-        raise ShardedCheckpointError(f"cannot save {path}: {_first_line(exc)}") from exc
+    _dcp("save", dcp_save, state, path, group)
 
 
 def load_sharded(state: dict[str, Any], path: Path, group: dist.ProcessGroup | None = None) -> None:
     """Load what :func:`save_sharded` saved at ``path`` into ``state``'s tensors, in place
     (a collective). A failure is raised on every rank alike, as
     :class:`ShardedCheckpointError`: DCP gathers each rank's errors."""
+    _dcp("load", dcp_load, state, path, group)
+
+
+def _dcp(
+    verb: str,
+    call: Callable[..., object],
+    state: dict[str, Any],
+    path: Path,
+    group: dist.ProcessGroup | None,
+) -> None:
     try:
         with _alone_is_meant():
-            dcp_load(
-                state, checkpoint_id=path, process_group=group, no_dist=not dist.is_initialized()
-            )
+            call(state, checkpoint_id=path, process_group=group, no_dist=not dist.is_initialized())
     except CheckpointException as exc:
-        raise ShardedCheckpointError(f"cannot load {path}: {_first_line(exc)}") from exc
+        raise ShardedCheckpointError(f"cannot {verb} {path}: {_first_line(exc)}") from exc
 
 
 def save_optimizer(

@@ -1,21 +1,24 @@
-"""Data parallelism inside a region: a model wrapped for DDP or FSDP2, and its full state.
+"""Data parallelism inside a region: a model wrapped for DDP, FSDP2 or HSDP, and its state.
 
-:func:`wrap` turns a job's bare model into a :class:`ParallelModel` on every rank:
+:func:`wrap` turns a job's bare model (on its device, or on the ``meta`` device:
+:mod:`regional_agent.model_build`) into a :class:`ParallelModel` on every rank:
 
 - ``ddp``: replicated parameters and optimizer state, gradients all-reduced
   (``DistributedDataParallel``);
 - ``fsdp``: FSDP2 (``fully_shard``) on each unit the task declares
   (:meth:`~geofed.task.Task.fsdp_units`), then the root: parameters, gradients and the
-  optimizer state are sharded across the ranks.
+  optimizer state are sharded across the ranks;
+- ``hsdp``: the same on a 2-D mesh (:func:`hsdp_mesh`): sharded within groups of ranks,
+  replicated across the groups.
 
-The federation sees neither wrapper. What comes in (the round's base θ) and what goes
-out (the trained parameters, the inner optimizer state of the regional checkpoint) is
-the *full* state, held by rank 0 alone: rank 0 reads θ and broadcasts it tensor by
-tensor (:meth:`ParallelModel.load_full_state`), so N ranks never hold N copies in host
-memory; the trained fp32 parameters are gathered to rank 0 the same way
-(:meth:`ParallelModel.full_state`). The inner optimizer state is saved whole by rank 0
-(:meth:`ParallelModel.optimizer_state`); under FSDP it is gathered by parameter name, so
-a restarted group of another size loads it too, and loaded back by broadcast from rank 0.
+The federation sees none of the wrappers. What comes in (the round's base θ) is the
+*full* state, held by rank 0 alone: rank 0 reads θ and broadcasts it tensor by tensor
+(:meth:`ParallelModel.load_full_state`), each rank keeping its part. What goes out is
+read one tensor at a time (:meth:`ParallelModel.gathered`), so no rank holds a whole
+copy of a sharded model; the inner optimizer state is saved by each rank, its own shards
+(:mod:`regional_agent.optimizer_checkpoint`). :meth:`ParallelModel.full_state` gathers the whole
+to rank 0, for an instruction without a delta request; a whole optimizer state of the
+format before is loaded by broadcast from rank 0 (:meth:`ParallelModel.load_optimizer_state`).
 """
 
 from __future__ import annotations
@@ -34,7 +37,6 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
-    get_optimizer_state_dict,
     set_model_state_dict,
     set_optimizer_state_dict,
 )
@@ -131,19 +133,6 @@ class ParallelModel:
             return state_to_fp32(federated_state(tensors))
         return state_to_fp32(self.model) if dist.get_rank() == 0 else None
 
-    def local_state(self) -> dict[str, torch.Tensor] | None:
-        """The trained federated state on rank 0 where it is cheapest to read; None elsewhere.
-
-        DDP: the replica's own tensors on its device (no copy: read them before the next
-        step changes them). FSDP: the gathered fp32 CPU copy of :meth:`full_state` (a
-        collective).
-        """
-        if is_sharded(self.kind):
-            return self.full_state()
-        if dist.get_rank() != 0:
-            return None
-        return {name: tensor.detach() for name, tensor in federated_state(self.model).items()}
-
     def gathered(self, names: Sequence[str]) -> Iterator[tuple[str, torch.Tensor]]:
         """Each named federated tensor whole, one at a time, in ``names``' order.
 
@@ -157,17 +146,6 @@ class ParallelModel:
             if isinstance(tensor, DTensor):
                 tensor = tensor.full_tensor()
             yield name, tensor.detach()
-
-    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any] | None:
-        """The whole inner optimizer state on rank 0 (for the regional checkpoint).
-
-        DDP: the optimizer's own ``state_dict()`` (every rank holds the same). FSDP: the
-        shards gathered into one state keyed by parameter name (a collective).
-        """
-        if is_sharded(self.kind):
-            full = get_optimizer_state_dict(self.model, optimizer, options=_TO_RANK0)
-            return dict(full) if dist.get_rank() == 0 else None
-        return optimizer.state_dict() if dist.get_rank() == 0 else None
 
     def load_optimizer_state(
         self, optimizer: torch.optim.Optimizer, state: Mapping[str, Any]

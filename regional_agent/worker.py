@@ -78,12 +78,7 @@ from geofed.task import DataShard
 from geofed.training_config import is_sharded
 from regional_agent.base_evaluation import evaluate_base
 from regional_agent.delayed_round import DelayedFold, evaluator
-from regional_agent.device_delta import (
-    DeviceResidual,
-    RoundDeltaQuantizer,
-    payloads_hash,
-    quantize_round_delta,
-)
+from regional_agent.device_delta import DeviceResidual, RoundDeltaQuantizer, payloads_hash
 from regional_agent.handoff import (
     BaseReady,
     DeltaRequest,
@@ -657,31 +652,16 @@ class RoundRunner:
             self._control,
         )
         cursor = state.cursor + totals.micro_batches
-        # Collectives under FSDP: every rank takes part, rank 0 receives the whole.
+        # Collectives under FSDP: every rank takes part.
         request = instruction.delta
-        streamed = request is not None and is_sharded(parallel.kind)
         params: Mapping[str, torch.Tensor] | None = None
-        if request is None:
-            params = parallel.full_state()
-        elif not streamed:
-            params = parallel.local_state()
         delta: QuantizedTensors | None = None
         failure: str | None = None
-        if request is not None:
+        if request is None:
+            params = parallel.full_state()  # rank 0 receives the whole
+        else:
             base_path = (fold.base_path if fold is not None else "") or instruction.base_params
-            if streamed:
-                # The sharded model is gathered one tensor at a time as rank 0 quantizes.
-                delta, failure = self._quantize_streamed(request, instruction, base_path, parallel)
-            elif params is not None:  # rank 0
-                try:
-                    delta = self._quantize(request, instruction, base_path, params)
-                except Exception as exc:
-                    log.exception(
-                        "job %s round %d: cannot quantize the delta",
-                        instruction.job,
-                        instruction.round,
-                    )
-                    failure = f"cannot hand over the delta: {type(exc).__name__}: {exc}"
+            delta, failure = self._quantize(request, instruction, base_path, parallel)
         (failed,) = self._agree(failure is not None)
         if failed:
             self._state = None  # as a diverged round: resume from the last checkpoint
@@ -927,41 +907,12 @@ class RoundRunner:
         request: DeltaRequest,
         instruction: RoundInstruction,
         base_path: str,
-        local: Mapping[str, torch.Tensor],
-    ) -> QuantizedTensors:
-        """The round's quantized delta (rank 0); its residual is written and kept."""
-        started = time.monotonic()
-        delta, self._residual = quantize_round_delta(
-            request,
-            job=instruction.job,
-            round_=instruction.round,
-            region=instruction.region,
-            base_path=base_path,
-            local=local,
-            residual_path=self._handoff.residual_path(instruction.job, instruction.round),
-            kept=self._residual,
-        )
-        log.info(
-            "job %s round %d: delta quantized on %s (%s, %.1f MB) in %.3f s",
-            instruction.job,
-            instruction.round,
-            next(iter(local.values())).device if local else "cpu",
-            request.codec.scheme,
-            sum(p.numel() for p in delta.payloads) / 1e6,
-            time.monotonic() - started,
-        )
-        return delta
-
-    def _quantize_streamed(
-        self,
-        request: DeltaRequest,
-        instruction: RoundInstruction,
-        base_path: str,
         parallel: ParallelModel,
     ) -> tuple[QuantizedTensors | None, str | None]:
-        """The round's quantized delta from a sharded model, gathered tensor by tensor
-        (collectives: every rank gathers every tensor, whatever rank 0 met, so none is
-        left waiting); rank 0's delta, or why it has none."""
+        """The round's quantized delta, quantized by rank 0 tensor by tensor as each comes:
+        from the replica's own tensors under DDP, all-gathered one at a time from the
+        shards under FSDP/HSDP (collectives: every rank gathers every tensor, whatever rank
+        0 met, so none is left waiting). Rank 0's delta, or why it has none."""
         started = time.monotonic()
         shapes = {name: t.shape for name, t in federated_state(parallel.model).items()}
         names = tuple(shapes) if request.names is None else request.names
@@ -1002,7 +953,7 @@ class RoundRunner:
                 failure = f"cannot hand over the delta: {type(exc).__name__}: {exc}"
         if delta is not None:
             log.info(
-                "%s: delta quantized on %s, gathered tensor by tensor (%s, %.1f MB) in %.3f s",
+                "%s: delta quantized on %s, tensor by tensor (%s, %.1f MB) in %.3f s",
                 where,
                 self._device,
                 request.codec.scheme,
