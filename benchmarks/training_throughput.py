@@ -62,6 +62,7 @@ from benchmarks._machine import describe_machine, machine_line, targets_table
 from benchmarks._report import publish
 from geofed.examples.llama import PRESETS, LlamaOptions
 from geofed.fsutil import atomic_write_bytes
+from geofed.params import federated_state
 from geofed.task import DataShard, Task
 from geofed.training_config import Parallelism, Precision, TrainingConfig
 from regional_agent.flops import flops_utilisation, peak_flops
@@ -329,6 +330,10 @@ def measure(
     flops_per_token = state.task.flops_per_token(state.model)
     parameters = sum(p.numel() for p in state.model.parameters())
     parallel, optimizer = state.ready(device)
+    # As a round's θ is: the ranks built the model without storage (meta), rank 0 holds θ_0.
+    theta0 = federated_state(state.task.build_model(seed=first.seed)) if rank == 0 else None
+    parallel.load_full_state(theta0)
+    del theta0
     batches = state.task.batches(_shard(rank, world))
     rounds = settings.repeats + (1 if settings.warmup else 0)
     total_steps = settings.warmup + settings.repeats * settings.steps
