@@ -45,7 +45,7 @@ from geofed.fsutil import AtomicFile
 from geofed.params import is_federated
 from regional_agent.handoff import RoundInstruction, inner_tensors_dir
 from regional_agent.inner_loop import RankTotals
-from regional_agent.optimizer_checkpoint import load_sharded, save_sharded
+from regional_agent.optimizer_checkpoint import FROM_RANK0, load_sharded, save_sharded
 
 __all__ = [
     "FORMAT_VERSION",
@@ -169,10 +169,15 @@ def save_inner_tensors(
     optimizer: torch.optim.Optimizer,
     path: Path,
     group: dist.ProcessGroup | None = None,
+    *,
+    replicated: bool = False,
 ) -> None:
-    """Save the federated parameters and the optimizer state, every rank its own shards,
-    into :func:`~regional_agent.handoff.inner_tensors_dir` of ``path`` (a collective)."""
-    save_sharded(_training_state(model, optimizer), inner_tensors_dir(path), group)
+    """Save the federated parameters and the optimizer state, every rank its own shards
+    (``replicated``, DDP: rank 0 the whole), into
+    :func:`~regional_agent.handoff.inner_tensors_dir` of ``path`` (a collective)."""
+    others = replicated and dist.is_initialized() and dist.get_rank() != 0
+    state = {} if others else _training_state(model, optimizer)
+    save_sharded(state, inner_tensors_dir(path), group, replicated=replicated)
 
 
 def load_inner_tensors(
@@ -180,9 +185,20 @@ def load_inner_tensors(
     optimizer: torch.optim.Optimizer,
     path: Path,
     group: dist.ProcessGroup | None = None,
+    *,
+    replicated: bool = False,
 ) -> None:
     """Load what :func:`save_inner_tensors` saved into the model and optimizer (a
-    collective; a failure is met on every rank alike)."""
+    collective; a failure is met on every rank alike; ``replicated``: rank 0 reads the
+    whole and broadcasts it, tensor by tensor)."""
+    if replicated and dist.is_initialized():
+        rank0 = dist.get_rank() == 0
+        whole = _training_state(model, optimizer) if rank0 else None
+        load_sharded(whole, inner_tensors_dir(path), group, replicated=True)
+        given = whole if whole is not None else {"model": {}, "optimizer": {}}
+        set_model_state_dict(model, given["model"], options=FROM_RANK0)
+        set_optimizer_state_dict(model, optimizer, given["optimizer"], options=FROM_RANK0)
+        return
     state = _training_state(model, optimizer)
     load_sharded(state, inner_tensors_dir(path), group)
     set_model_state_dict(model, state["model"], options=StateDictOptions(strict=False))

@@ -187,7 +187,13 @@ class JobState:
         after a crash before the first save.
         """
         try:
-            load_optimizer(parallel.model, optimizer, path, group)
+            load_optimizer(
+                parallel.model,
+                optimizer,
+                path,
+                group,
+                replicated=not is_sharded(self.training.parallelism),
+            )
         except Exception as exc:
             log.warning(
                 "job %s: cannot load the inner optimizer state at %s (%s: %s); starting it afresh",

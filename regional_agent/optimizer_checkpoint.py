@@ -1,19 +1,22 @@
 """The inner optimizer state of a regional checkpoint: sharded, each rank writing its part.
 
-Every rank saves its own shards of the inner optimizer state with
+Under FSDP/HSDP every rank saves its own shards of the inner optimizer state with
 ``torch.distributed.checkpoint`` (DCP) into ``optimizer-round-<r>/`` beside the job's
-regional checkpoint record (:class:`~regional_agent.handoff.RegionalCheckpoint`); nothing
-is gathered to rank 0. Under DDP, where every rank holds the same state, DCP writes each
-tensor once. A checkpoint exists once its ``.metadata`` does (DCP writes it last, by
-rename), and counts once the record names its round: rank 0 writes the record after the
-save, and the directories the record does not name are removed before the next save, so
-a crash at any point leaves a record naming a complete checkpoint.
+regional checkpoint record (:class:`~regional_agent.handoff.RegionalCheckpoint`);
+nothing is gathered to rank 0. Under DDP, where every rank holds the same state, rank 0
+writes it alone (no gather either) and, to resume, reads it and broadcasts it tensor by
+tensor, so a region of several nodes needs no shared filesystem for it. A checkpoint
+exists once its ``.metadata`` does (DCP writes it last, by rename), and counts once the
+record names its round: rank 0 writes the record after the save, and the directories the
+record does not name are removed before the next save, so a crash at any point leaves a
+record naming a complete checkpoint.
 
 Loading reshards: a group of another size, or restarted, loads what it holds from the
-same files. The ranks of a region of several nodes write and read their parts under the
-same path on their own node; resuming the optimizer exactly across nodes needs that path
-on a shared filesystem (without one, a rank that cannot read a part fails the load on
-every rank and the state starts afresh, as after a crash between checkpoints).
+same files. Under FSDP/HSDP the ranks of a region of several nodes write and read their
+parts under the same path on their own node; resuming the sharded state exactly across
+nodes needs that path on a shared filesystem (without one, a rank that cannot read a
+part fails the load on every rank and the state starts afresh, as after a crash between
+checkpoints).
 
 :func:`save_due` is the pure cadence: a save at the first round, then every
 ``training.regional_checkpoint_every`` rounds; the worker also saves when it parks a job
@@ -37,14 +40,16 @@ from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
     get_optimizer_state_dict,
     set_optimizer_state_dict,
 )
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
+#: A replicated state rank 0 read, broadcast tensor by tensor, each rank keeping its own.
+FROM_RANK0 = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=False)
 _DIR_RE = re.compile(r"optimizer-round-(\d+)")
-METADATA = ".metadata"
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,11 +86,6 @@ def saved_rounds(job_dir: Path) -> list[int]:
     return sorted(int(m.group(1)) for m in found if m is not None)
 
 
-def is_complete(path: Path) -> bool:
-    """Whether a DCP checkpoint at ``path`` was finished (its metadata is written last)."""
-    return (path / METADATA).is_file()
-
-
 def remove_others(job_dir: Path, keep: Collection[int | None]) -> None:
     """Remove the optimizer state directories of ``job_dir`` but those of the rounds in
     ``keep`` (this node's files)."""
@@ -116,16 +116,46 @@ def _first_line(exc: CheckpointException) -> str:
     return str(exc).splitlines()[0] if str(exc) else type(exc).__name__
 
 
-def save_sharded(state: dict[str, Any], path: Path, group: dist.ProcessGroup | None = None) -> None:
+def save_sharded(
+    state: dict[str, Any],
+    path: Path,
+    group: dist.ProcessGroup | None = None,
+    *,
+    replicated: bool = False,
+) -> None:
     """Save ``state`` (each rank its own shards of it) into ``path`` (a collective; one
-    process alone when no process group is initialized)."""
+    process alone when no process group is initialized).
+
+    ``replicated``: every rank holds the same state (DDP), and rank 0 writes it alone, so
+    resuming it needs no other node's files; the outcome is shared with every rank.
+    """
+    if replicated and dist.is_initialized():
+        _on_rank0(lambda: _dcp("save", dcp_save, state, path, None, alone=True), group)
+        return
     _dcp("save", dcp_save, state, path, group)
 
 
-def load_sharded(state: dict[str, Any], path: Path, group: dist.ProcessGroup | None = None) -> None:
+def load_sharded(
+    state: dict[str, Any] | None,
+    path: Path,
+    group: dist.ProcessGroup | None = None,
+    *,
+    replicated: bool = False,
+) -> None:
     """Load what :func:`save_sharded` saved at ``path`` into ``state``'s tensors, in place
     (a collective). A failure is raised on every rank alike, as
-    :class:`ShardedCheckpointError`: DCP gathers each rank's errors."""
+    :class:`ShardedCheckpointError`: DCP gathers each rank's errors.
+
+    ``replicated``: rank 0 alone reads, into its ``state`` (the others pass None); the
+    caller then broadcasts it from rank 0.
+    """
+    if replicated and dist.is_initialized():
+        if dist.get_rank() == 0 and state is None:
+            raise ValueError("rank 0 reads a replicated state into a template it passes")
+        _on_rank0(lambda: _dcp("load", dcp_load, state or {}, path, None, alone=True), group)
+        return
+    if state is None:
+        raise ValueError("every rank loads its shards into a template it passes")
     _dcp("load", dcp_load, state, path, group)
 
 
@@ -135,12 +165,30 @@ def _dcp(
     state: dict[str, Any],
     path: Path,
     group: dist.ProcessGroup | None,
+    *,
+    alone: bool = False,
 ) -> None:
+    no_dist = alone or not dist.is_initialized()
     try:
         with _alone_is_meant():
-            call(state, checkpoint_id=path, process_group=group, no_dist=not dist.is_initialized())
+            call(state, checkpoint_id=path, process_group=group, no_dist=no_dist)
     except CheckpointException as exc:
         raise ShardedCheckpointError(f"cannot {verb} {path}: {_first_line(exc)}") from exc
+
+
+def _on_rank0(action: Callable[[], None], group: dist.ProcessGroup | None) -> None:
+    """Run ``action`` on rank 0 alone and raise its failure on every rank (a collective)."""
+    box: list[str | None] = [None]
+    if dist.get_rank() == 0:
+        try:
+            action()
+        except ShardedCheckpointError as exc:
+            box[0] = str(exc)
+        except Exception as exc:  # a write that failed before DCP: still every rank's news
+            box[0] = f"{type(exc).__name__}: {exc}"
+    dist.broadcast_object_list(box, src=0, group=group)
+    if box[0] is not None:
+        raise ShardedCheckpointError(box[0])
 
 
 def save_optimizer(
@@ -148,9 +196,16 @@ def save_optimizer(
     optimizer: torch.optim.Optimizer,
     path: Path,
     group: dist.ProcessGroup | None = None,
+    *,
+    replicated: bool = False,
 ) -> None:
-    """Save this rank's part of ``optimizer``'s state into ``path`` (a collective)."""
-    save_sharded({"optimizer": get_optimizer_state_dict(model, optimizer)}, path, group)
+    """Save this rank's part of ``optimizer``'s state into ``path`` (a collective;
+    ``replicated``: rank 0 saves the whole, which every rank holds)."""
+    if replicated and dist.is_initialized() and dist.get_rank() != 0:
+        save_sharded({}, path, group, replicated=True)
+        return
+    state = {"optimizer": get_optimizer_state_dict(model, optimizer)}
+    save_sharded(state, path, group, replicated=replicated)
 
 
 def load_optimizer(
@@ -158,12 +213,23 @@ def load_optimizer(
     optimizer: torch.optim.Optimizer,
     path: Path,
     group: dist.ProcessGroup | None = None,
+    *,
+    replicated: bool = False,
 ) -> None:
-    """Load the state saved at ``path`` into ``optimizer``, each rank its part (a collective).
+    """Load the state saved at ``path`` into ``optimizer``, each rank its part (a
+    collective; ``replicated``: rank 0 reads the whole and broadcasts it, tensor by tensor).
 
     A failure is raised on every rank alike; the optimizer may then be partly loaded, so
     the caller builds a fresh one.
     """
+    if replicated and dist.is_initialized():
+        rank0 = dist.get_rank() == 0
+        state = {"optimizer": get_optimizer_state_dict(model, optimizer)} if rank0 else None
+        load_sharded(state, path, group, replicated=True)
+        set_optimizer_state_dict(
+            model, optimizer, state["optimizer"] if state is not None else {}, options=FROM_RANK0
+        )
+        return
     state = {"optimizer": get_optimizer_state_dict(model, optimizer)}
     load_sharded(state, path, group)
     set_optimizer_state_dict(model, optimizer, state["optimizer"])

@@ -743,6 +743,7 @@ class RoundRunner:
                 optimizer,
                 self._handoff.optimizer_path(state.job, round_),
                 self._control,
+                replicated=not is_sharded(parallel.kind),
             )
         except Exception:
             log.exception(
@@ -813,7 +814,13 @@ class RoundRunner:
         error: str | None = None
         try:
             # Every rank reads its own shards: nothing passes through rank 0.
-            load_inner_tensors(parallel.model, optimizer, path, self._control)
+            load_inner_tensors(
+                parallel.model,
+                optimizer,
+                path,
+                self._control,
+                replicated=not is_sharded(parallel.kind),
+            )
             torch.set_rng_state(mine.cpu_rng)
             if self._device.type == "cuda" and mine.cuda_rng is not None:
                 torch.cuda.set_rng_state(mine.cuda_rng, self._device)
@@ -875,7 +882,13 @@ class RoundRunner:
             discard_inner_checkpoint(path)  # a stale one of another round, a killed write's
         self._agree(False)  # nobody writes before the stale files are gone
         try:
-            save_inner_tensors(parallel.model, optimizer, path, self._control)
+            save_inner_tensors(
+                parallel.model,
+                optimizer,
+                path,
+                self._control,
+                replicated=not is_sharded(parallel.kind),
+            )
             if self._rank == 0:
                 write_inner_checkpoint(
                     path,
