@@ -61,7 +61,6 @@ from geofed.codec_params import CodecParams
 from geofed.fsutil import AtomicFile, atomic_write_bytes, replace_durably
 from geofed.training_config import Parallelism, TrainingConfig
 from geofed.types import validate_name
-from regional_agent.optimizer_checkpoint import optimizer_dir, read_whole, remove_others
 from regional_agent.training_stats import TrainingStats
 
 if TYPE_CHECKING:
@@ -73,6 +72,7 @@ _CHECKPOINT_NAME = "regional-checkpoint.pt"
 _RECORD_NAME = "regional-checkpoint.json"
 _RECORD_FORMAT = 2
 _INNER_CHECKPOINT_NAME = "inner-checkpoint.pt"
+_OPTIMIZER_DIR_RE = re.compile(r"optimizer-round-(\d+)")
 _ROUND_FILE_RE = re.compile(r"^round-(\d+)\.instruction\.json$")
 
 
@@ -718,7 +718,15 @@ class HandoffDir:
 
     def optimizer_path(self, job: str, round_: int) -> Path:
         """The sharded inner optimizer state of ``job`` at the end of ``round_``."""
-        return optimizer_dir(self.job_dir(job), round_)
+        return self.job_dir(job) / f"optimizer-round-{round_}"
+
+    def optimizer_rounds(self, job: str) -> list[int]:
+        """The rounds whose optimizer state directories ``job`` has (finished or not)."""
+        job_dir = self.job_dir(job)
+        if not job_dir.is_dir():
+            return []
+        found = (_OPTIMIZER_DIR_RE.fullmatch(entry.name) for entry in job_dir.iterdir())
+        return sorted(int(m.group(1)) for m in found if m is not None)
 
     def inner_checkpoint_path(self, job: str) -> Path:
         """The inner state of ``job``'s round stopped mid-way (see
@@ -1067,7 +1075,10 @@ class HandoffDir:
     def remove_optimizer_states(self, job: str, keep: Collection[int | None] = ()) -> None:
         """Remove ``job``'s saved optimizer states but those of the rounds in ``keep``
         (this node's files)."""
-        remove_others(self.job_dir(job), keep)
+        for round_ in self.optimizer_rounds(job):
+            if round_ not in keep:
+                # Ranks sharing a filesystem remove the same directories: a race, no error.
+                shutil.rmtree(self.optimizer_path(job, round_), ignore_errors=True)
 
     def read_optimizer_state(self, job: str) -> dict[str, Any] | None:
         """``job``'s saved inner optimizer state, whole, in this process (for inspection).
@@ -1082,6 +1093,10 @@ class HandoffDir:
             return checkpoint.optimizer_state
         if checkpoint.optimizer_round is None:
             return None
+        # Here, not at the top: torch.distributed.checkpoint costs every agent's start
+        # most of a second, and only an inspection needs it.
+        from regional_agent.optimizer_checkpoint import read_whole
+
         path = self.optimizer_path(job, checkpoint.optimizer_round)
         return read_whole(path, self.job_dir(job) / f".{path.name}.whole.tmp")
 

@@ -26,10 +26,8 @@ for another and when the group stops, so only a crash costs inner optimizer stat
 from __future__ import annotations
 
 import contextlib
-import re
-import shutil
 import warnings
-from collections.abc import Callable, Collection, Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -49,7 +47,6 @@ from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 #: A replicated state rank 0 read, broadcast tensor by tensor, each rank keeping its own.
 FROM_RANK0 = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=False)
-_DIR_RE = re.compile(r"optimizer-round-(\d+)")
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,28 +68,6 @@ def save_due(round_: int, saved_round: int | None, every: int) -> SaveDecision:
     if behind >= every:
         return SaveDecision(True, f"{behind} rounds since the last save (every {every})")
     return SaveDecision(False, f"{behind} of {every} rounds since the last save")
-
-
-def optimizer_dir(job_dir: Path, round_: int) -> Path:
-    """Where the optimizer state of ``round_`` is saved, in a job's hand-off directory."""
-    return job_dir / f"optimizer-round-{round_}"
-
-
-def saved_rounds(job_dir: Path) -> list[int]:
-    """The rounds whose optimizer state directories exist under ``job_dir`` (any state)."""
-    if not job_dir.is_dir():
-        return []
-    found = (_DIR_RE.fullmatch(entry.name) for entry in job_dir.iterdir())
-    return sorted(int(m.group(1)) for m in found if m is not None)
-
-
-def remove_others(job_dir: Path, keep: Collection[int | None]) -> None:
-    """Remove the optimizer state directories of ``job_dir`` but those of the rounds in
-    ``keep`` (this node's files)."""
-    for round_ in saved_rounds(job_dir):
-        if round_ not in keep:
-            # Ranks sharing a filesystem remove the same directories: a race, not an error.
-            shutil.rmtree(optimizer_dir(job_dir, round_), ignore_errors=True)
 
 
 class ShardedCheckpointError(Exception):
