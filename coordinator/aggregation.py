@@ -36,7 +36,7 @@ from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Final, Protocol
+from typing import Final, Literal, Protocol
 
 import torch
 from torch import Tensor
@@ -217,14 +217,16 @@ FOLD_PART = 1 << 20
 _Part = list[tuple[Tensor, Tensor]]
 
 
-def _fold_parts(sums: Mapping[str, Tensor], values: Mapping[str, Tensor]) -> list[_Part]:
-    """(sum slice, delta slice) pairs cut and packed into jobs of about FOLD_PART elements."""
+def _fold_parts(
+    sums: Mapping[str, Tensor], values: Mapping[str, Tensor], part_elements: int = FOLD_PART
+) -> list[_Part]:
+    """(sum slice, delta slice) pairs cut and packed into jobs of about ``part_elements``."""
     parts: list[_Part] = [[]]
     size = 0
     for name, total in sums.items():
-        for start in range(0, total.numel(), FOLD_PART):
-            stop = min(start + FOLD_PART, total.numel())
-            if size and size + stop - start > FOLD_PART:
+        for start in range(0, total.numel(), part_elements):
+            stop = min(start + part_elements, total.numel())
+            if size and size + stop - start > part_elements:
                 parts.append([])
                 size = 0
             parts[-1].append((total[start:stop], values[name][start:stop]))
@@ -416,16 +418,24 @@ def aggregate(
 MAX_REGIONS_AT_ONCE: Final = 2
 
 
-def regions_at_once(regions: int, model_bytes: int) -> int:
+def regions_at_once(
+    regions: int,
+    model_bytes: int,
+    *,
+    cpus: int | None = None,
+    available: int | Literal["measure"] | None = "measure",
+) -> int:
     """How many regions :func:`aggregate` decodes at once by default: one per usable CPU,
     at most :data:`MAX_REGIONS_AT_ONCE` (the sum and the staged copies stay within 3x the
     model, whatever the number of regions), as long as their staged copies fit in
-    :data:`AHEAD_MEMORY_SHARE` of the available memory."""
+    :data:`AHEAD_MEMORY_SHARE` of the available memory. ``cpus`` and ``available`` (bytes,
+    None: unknown) are this machine's unless given."""
     fit = regions
-    available = available_memory()
-    if available is not None and model_bytes > 0:
-        fit = int(available * AHEAD_MEMORY_SHARE) // model_bytes
-    return max(1, min(regions, usable_cpus(), fit, MAX_REGIONS_AT_ONCE))
+    memory = available_memory() if available == "measure" else available
+    if memory is not None and model_bytes > 0:
+        fit = int(memory * AHEAD_MEMORY_SHARE) // model_bytes
+    cpu_count = usable_cpus() if cpus is None else cpus
+    return max(1, min(regions, cpu_count, fit, MAX_REGIONS_AT_ONCE))
 
 
 def available_memory() -> int | None:

@@ -218,20 +218,16 @@ def test_a_failing_region_decoded_ahead_fails_the_aggregate() -> None:
         aggregate(SPECS, sources, workers=3)
 
 
-def test_regions_at_once_is_bounded_by_regions_cpus_and_memory(monkeypatch) -> None:
+def test_regions_at_once_is_bounded_by_regions_cpus_and_memory() -> None:
     assert regions_at_once(1, 4) == 1
     assert 1 <= regions_at_once(64, 4) <= min(64, usable_cpus(), 2)
     assert regions_at_once(64, 1 << 62) == 1  # no room for a staged copy: one at a time
-    monkeypatch.setattr(aggregation, "usable_cpus", lambda: 16)
-    monkeypatch.setattr(aggregation, "available_memory", lambda: 10 << 30)
     # With the running sum, never more than 3 model-sized copies, whatever the regions.
-    assert regions_at_once(8, 1 << 20) == 2
-    assert regions_at_once(8, 6 << 30) == 1  # half of 10 GiB holds no 6 GiB copy
-    monkeypatch.setattr(aggregation, "usable_cpus", lambda: 1)
-    assert regions_at_once(32, 1 << 20) == 1
-    monkeypatch.setattr(aggregation, "available_memory", lambda: None)
-    monkeypatch.setattr(aggregation, "usable_cpus", lambda: 16)
-    assert regions_at_once(32, 1 << 30) == 2
+    assert regions_at_once(8, 1 << 20, cpus=16, available=10 << 30) == 2
+    # Half of 10 GiB holds no 6 GiB copy.
+    assert regions_at_once(8, 6 << 30, cpus=16, available=10 << 30) == 1
+    assert regions_at_once(32, 1 << 20, cpus=1, available=10 << 30) == 1
+    assert regions_at_once(32, 1 << 30, cpus=16, available=None) == 2
 
 
 def test_available_memory_is_known_on_linux() -> None:
@@ -447,11 +443,10 @@ def test_published_update_with_error_feedback_keeps_everyone_in_sync() -> None:
         )
 
 
-def test_fold_parts_cover_every_element_once_in_bounded_jobs(monkeypatch) -> None:
-    monkeypatch.setattr(aggregation, "FOLD_PART", 10)
+def test_fold_parts_cover_every_element_once_in_bounded_jobs() -> None:
     sums = {n: torch.zeros(k) for n, k in [("a", 25), ("b", 3), ("c", 0), ("d", 7), ("e", 10)]}
     values = {n: torch.arange(t.numel(), dtype=torch.float32) for n, t in sums.items()}
-    parts = aggregation._fold_parts(sums, values)
+    parts = aggregation._fold_parts(sums, values, part_elements=10)
     assert all(sum(total.numel() for total, _ in part) <= 10 for part in parts)
     for part in parts:
         for total, delta in part:
@@ -461,12 +456,13 @@ def test_fold_parts_cover_every_element_once_in_bounded_jobs(monkeypatch) -> Non
     assert len(parts) == 5  # 10 | 10 | 5+3 | 7 | 10
 
 
-def test_folding_in_many_parts_gives_the_same_bits(monkeypatch) -> None:
-    specs = {"w": (1000, 37), "b": (37,), "s": ()}
+def test_folding_in_many_parts_gives_the_same_bits() -> None:
+    # Larger than FOLD_PART: the fold is cut into parts folded side by side.
+    specs = {"w": (30000, 37), "b": (37,), "s": ()}
+    assert aggregation.FOLD_PART < 30000 * 37
     deltas = {r: delta(i, specs) for i, r in enumerate(["aa", "bb", "cc"])}
-    sources = {r: (1.0 + i / 3, source(deltas[r], chunk=999)) for i, r in enumerate(deltas)}
+    sources = {r: (1.0 + i / 3, source(deltas[r], chunk=1 << 18)) for i, r in enumerate(deltas)}
     whole = aggregate(specs, sources, workers=1)
-    monkeypatch.setattr(aggregation, "FOLD_PART", 1000)
     assert_bit_identical(aggregate(specs, sources, workers=1), whole)
     assert_bit_identical(aggregate(specs, sources, workers=3), whole)
     # The reference arithmetic: mul then add, in region order, then one division.

@@ -24,8 +24,9 @@ def four_threads() -> Iterator[None]:
         torch.set_num_threads(before)
 
 
-@pytest.mark.skipif(not OPENMP, reason="torch runs without OpenMP here")
 def test_one_thread_limits_the_calling_thread_only(four_threads: None) -> None:
+    # The project installs torch's CPU build, which runs on OpenMP.
+    assert OPENMP, "this torch runs without OpenMP: install the pinned build (make setup)"
     assert _omp_setter() is not None  # torch's OpenMP runtime was found
     inside: list[int] = []
     elsewhere: list[int] = []
