@@ -19,7 +19,11 @@ Figures per parameter are slopes between the sizes (a least-squares line through
 figure against its parameter count), so what a Python process costs whatever the model drops
 out. Bytes written per round are taken between the middle of the second round's inner loop
 and the middle of the last one's (whole rounds in steady state, without the job's start and
-end); the whole run's writes over its rounds are stated too.
+end); the whole run's writes over its rounds are stated too. The job keeps the job spec's
+defaults for ``snapshot_every`` and ``working_state_every`` (10 each), so with at most 10
+rounds no snapshot and no save of the coordinator's working state falls inside that window:
+the coordinator's figure adds them amortized, the bytes of the last working-state save and
+of the last snapshot (their files' sizes after the run) over that interval.
 
 The round's gap is the seconds from a round's last inner step to the next round's first
 (rank 0's ``train_finished_at`` and ``train_started_at``, from each agent's
@@ -56,6 +60,8 @@ import torch
 
 from benchmarks._machine import describe_machine, machine_line
 from benchmarks._report import publish
+from coordinator.checkpoints import CheckpointStore, EntryKind
+from coordinator.jobspec import JobSpec
 from geofed.examples.llama import LlamaOptions, LlamaTask
 from geofed.task import DataShard
 from regional_agent.round_timeline import RoundTimeline, read_timeline
@@ -73,6 +79,13 @@ SIZES: dict[str, dict[str, Any]] = {
     "25m": {"dim": 512, "n_layers": 8, "n_heads": 8, "n_kv_heads": 4, "ffn_dim": 1536, **_SHAPE},
 }  # fmt: skip
 DEFAULT_SIZES = ("0.1m", "25m")
+#: Rounds between the coordinator's saves of its working state and snapshots at the job
+#: spec's defaults (``snapshot_every``, ``working_state_every``).
+SAVE_INTERVAL = min(
+    JobSpec.model_fields["snapshot_every"].default,
+    JobSpec.model_fields["working_state_every"].default,
+)
+
 ROLES = ("rank0", "rank0_extra", "other_rank", "agent", "coordinator")
 ROLE_NAMES = {
     "rank0": "rank 0 peak RSS",
@@ -81,7 +94,7 @@ ROLE_NAMES = {
     "agent": "agent peak RSS",
     "coordinator": "coordinator peak RSS per job",
     "region_writes": "bytes written per round by a region (agent + ranks)",
-    "coordinator_writes": "bytes written per round by the coordinator",
+    "coordinator_writes": "bytes written per round by the coordinator, saves amortized",
 }
 
 
@@ -358,6 +371,8 @@ def _customize(
             workers["backend"] = "gloo"
         elif name == "job":
             data["task"] = {"spec": LLAMA, "options": dict(options)}
+            for key in ("snapshot_every", "working_state_every"):
+                data.pop(key, None)  # the defaults: SAVE_INTERVAL
             training = dict(data.get("training") or {})
             training["parallelism"] = parallelism
             data["training"] = training
@@ -368,8 +383,9 @@ def _customize(
 
 async def run_federation(
     work: Path, settings: Settings, options: dict[str, Any], parallelism: str, world: int
-) -> tuple[dict[str, list[RoundTimeline]], float]:
-    """One federation to the end of its job: each region's timeline and the wall time."""
+) -> tuple[dict[str, list[RoundTimeline]], float, int]:
+    """One federation to the end of its job: each region's timeline, the wall time and
+    the bytes of the coordinator's last working-state save and last snapshot."""
     started = time.monotonic()
     async with running_federation(
         work,
@@ -396,7 +412,23 @@ async def run_federation(
         )
         for region in REGIONS
     }
-    return timelines, wall
+    return timelines, wall, saved_bytes(work, job)
+
+
+def saved_bytes(work: Path, job: str) -> int:
+    """The size of the coordinator's working state left after the job (its last save: the
+    kept deltas are gone by then) and of the job's newest snapshot."""
+    state = sum(
+        f.stat().st_size for f in (work / "coordinator" / "blobs").rglob("*") if f.is_file()
+    )
+    snapshot = 0
+    for root in sorted((work / "checkpoints").iterdir()):
+        store = CheckpointStore(root.name, root)
+        entries = [e for e in store.entries(job) if e.kind is EntryKind.SNAPSHOT]
+        if entries:
+            newest = max(entries, key=lambda e: e.round)
+            snapshot = max(snapshot, sum(store.blobs.size(d) for d in newest.digests()))
+    return state + snapshot
 
 
 # -- figures of one run ---------------------------------------------------------------------
@@ -431,8 +463,11 @@ def run_figures(
     rounds: int,
     tokens_per_step: float,
     inner_steps: int,
+    saves: int = 0,
 ) -> dict[str, Any]:
-    """Per role: peak RSS and bytes written of one run; the round's gap and rank 0's pace."""
+    """Per role: peak RSS and bytes written of one run; the round's gap and rank 0's pace.
+    ``saves``: the bytes of one working-state save and one snapshot, amortized over
+    :data:`SAVE_INTERVAL` rounds into the coordinator's writes per round."""
     by_region: dict[str, dict[str, Any]] = {}
     for region in REGIONS:
         mine = [r for r in records if r.region == region]
@@ -504,7 +539,11 @@ def run_figures(
         "coordinator": max(coordinator_main) if coordinator_main else None,
         "region_writes": most("write_bytes_per_round_steady"),
         "region_writes_whole_run": most("write_bytes_per_round_whole_run"),
-        "coordinator_writes": coordinator_steady,
+        "coordinator_writes": (
+            None if coordinator_steady is None else coordinator_steady + saves / SAVE_INTERVAL
+        ),
+        "coordinator_writes_steady": coordinator_steady,
+        "coordinator_saves": saves,
         "coordinator_writes_whole_run": _written(coordinator) / rounds,
         "gap_s": _median(gaps),
         "rank0_tokens_per_s": _median(paces),
@@ -524,6 +563,8 @@ FIGURES = (
     "region_writes",
     "region_writes_whole_run",
     "coordinator_writes",
+    "coordinator_writes_steady",
+    "coordinator_saves",
     "coordinator_writes_whole_run",
 )
 
@@ -616,7 +657,7 @@ async def measure(settings: Settings) -> dict[str, Any]:
                     sampler = ProcessSampler()
                     try:
                         with sampler:
-                            timelines, wall = await run_federation(
+                            timelines, wall, saves = await run_federation(
                                 Path(tmp), settings, options, parallelism, world
                             )
                     except (AssertionError, RuntimeError, OSError) as exc:
@@ -631,6 +672,7 @@ async def measure(settings: Settings) -> dict[str, Any]:
                     settings.rounds,
                     plain[size]["tokens_per_step"],
                     settings.inner_steps,
+                    saves,
                 )
                 runs[size] = {
                     "task_options": options,
@@ -667,6 +709,7 @@ async def measure(settings: Settings) -> dict[str, Any]:
             "sample_interval_s": SAMPLE_INTERVAL_S,
             "evaluation": "none",
             "codec": "the example job's (int8)",
+            "save_interval_rounds": SAVE_INTERVAL,
             "quick": settings.quick,
             "note": settings.note,
         },
@@ -732,8 +775,15 @@ def render(report: dict[str, Any], before: dict[str, Any] | None = None) -> str:
         for check in config["checks"]:
             figure = check["figure"]
             measured = _b(check["bytes_per_parameter"])
-            if figure in ("region_writes", "coordinator_writes"):
+            if figure == "region_writes":
                 measured += f" ({_b(per.get(figure + '_whole_run'))})"
+            elif figure == "coordinator_writes":
+                measured += (
+                    f" ({_b(per.get('coordinator_writes_steady'))} a round + "
+                    f"{_b(per.get('coordinator_saves'))} every "
+                    f"{settings.get('save_interval_rounds', SAVE_INTERVAL)} rounds; "
+                    f"{_b(per.get(figure + '_whole_run'))})"
+                )
             verdict = {True: "met", False: "NOT met", None: "-"}[check["met"]]
             row = f"| {check['name']} | {check['target']} |"
             if before:
@@ -811,6 +861,16 @@ def _positive(text: str) -> int:
     return value
 
 
+def _rounds(text: str) -> int:
+    value = _positive(text)
+    if value > SAVE_INTERVAL:
+        # Beyond it a save would fall inside the steady-state window and count twice.
+        raise argparse.ArgumentTypeError(
+            f"at most {SAVE_INTERVAL} (the coordinator's save interval), got {value}"
+        )
+    return value
+
+
 def settings_from(argv: Sequence[str] | None) -> Settings:
     parser = argparse.ArgumentParser(
         prog="python -m benchmarks.scale", description=__doc__.split("\n\n")[0]
@@ -820,8 +880,9 @@ def settings_from(argv: Sequence[str] | None) -> Settings:
     )
     parser.add_argument("--parallelism", type=_names(("fsdp", "ddp")), help="default fsdp,ddp")
     parser.add_argument("--world-sizes", type=_ints, help="ranks per region; default 1,2,4")
-    parser.add_argument("--rounds", type=_positive, help="default 4; quick 3 (3 or more for "
-                        "the steady-state writes and the gap)")  # fmt: skip
+    parser.add_argument("--rounds", type=_rounds, help="default 4; quick 3 (3 or more for "
+                        "the steady-state writes and the gap; at most the save interval, "
+                        f"{SAVE_INTERVAL})")  # fmt: skip
     parser.add_argument("--inner-steps", type=_positive, help="default 3; quick 2")
     parser.add_argument(
         "--plain-steps",

@@ -47,7 +47,7 @@ from coordinator.context import JobContext, initial_parameters
 from coordinator.deadline import RoundTiming, next_deadline
 from coordinator.errors import Unavailable
 from coordinator.job_evaluation import JobEvaluation
-from coordinator.job_recovery import recover_rounds
+from coordinator.job_recovery import load_working_state, recover_rounds
 from coordinator.job_regions import membership_of, with_membership
 from coordinator.job_snapshots import JobSnapshots
 from coordinator.job_status import job_status
@@ -454,8 +454,7 @@ class JobEngine:
             if self.working is None:
                 return
         else:
-            params_store = self.ctx.publishing.params_store
-            self.working = await self._s.executors.compute(params_store.load, pointers)
+            self.working = await load_working_state(self._s, self.ctx, pointers)
         found = await recover_rounds(self._s, self.ctx, self.version)
         await self.snapshots.recover()
         if found.last_checkpoint_at is not None:

@@ -9,7 +9,9 @@ round ``version`` itself if it was opened.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import logging
+import time
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from coordinator.checkpoints import CheckpointEntry, EntryKind
@@ -18,8 +20,18 @@ from coordinator.deadline import RoundTiming
 from coordinator.quarantine import Quarantine
 from coordinator.records import RoundRecord
 from coordinator.services import Services
+from coordinator.state_replay import ReplayRound, replay_inputs, replay_rounds
+from coordinator.working_state import WorkingState, read_pointers
 
-__all__ = ["RecoveredRounds", "last_update_digest", "recover_rounds"]
+__all__ = [
+    "RecoveredRounds",
+    "last_update_digest",
+    "load_working_state",
+    "recover_rounds",
+    "replayed_rounds",
+]
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -62,3 +74,43 @@ async def recover_rounds(services: Services, ctx: JobContext, version: int) -> R
     return RecoveredRounds(
         last_update_digest(entries, version), last, tuple(history), quarantine, current
     )
+
+
+async def replayed_rounds(
+    services: Services, ctx: JobContext, start: int, stop: int
+) -> list[ReplayRound]:
+    """What replaying the published rounds ``start`` .. ``stop`` - 1 takes (their deltas
+    and summation order), from the state store; ``ParamsError`` if one is not published."""
+    rounds = []
+    for number in range(start, stop):
+        saved = await services.db.load_round(ctx.job, number)
+        quarantine = services.config.quarantine
+        record = None if saved is None else RoundRecord.from_dict(saved.state, quarantine)
+        receipts = await services.db.list_receipts(ctx.job, number)
+        rounds.append(replay_inputs(number, record, receipts))
+    return rounds
+
+
+async def load_working_state(
+    services: Services, ctx: JobContext, pointers: Mapping[str, str]
+) -> WorkingState:
+    """θ_version's working state: the saved one, with the rounds after it replayed from
+    their kept deltas (:mod:`coordinator.state_replay`); ``ParamsError`` when it cannot
+    be rebuilt exactly."""
+    head = read_pointers(pointers)
+    publishing = ctx.publishing
+    state = await services.executors.compute(publishing.params_store.load, pointers)
+    if state.version == head.version:
+        return state
+    rounds = await replayed_rounds(services, ctx, state.version, head.version)
+    started = time.monotonic()
+    state = await services.executors.compute(replay_rounds, publishing, state, rounds, head)
+    log.info(
+        "job %s: θ_%d rebuilt from the state saved at %d, %d round(s) replayed in %.2f s",
+        ctx.job,
+        head.version,
+        head.saved.version,
+        len(rounds),
+        time.monotonic() - started,
+    )
+    return state

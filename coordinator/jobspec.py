@@ -22,6 +22,9 @@ the line and the key. The spec is stored as submitted, in its validated JSON for
     snapshot_every: 5                  # K: full snapshot every K rounds; or auto: Young/Daly
                                        # within snapshot_min_rounds..snapshot_max_rounds
                                        # (default 1..100; coordinator.snapshot_policy)
+    working_state_every: 10            # the coordinator saves θ, momentum and residual with
+                                       # each snapshot and every n rounds; a restart replays
+                                       # the rounds since from their kept deltas (default 10)
     retention: {keep_snapshots: 3, keep_every: 10}   # default: keep the whole chain
     deadline: {initial_s: 1800, min_s: 600, max_s: 14400}       # adaptive bounds
     checkpoint_storage: [eu-ckpt, us-ckpt]                      # candidates, in preference
@@ -227,6 +230,14 @@ class JobSpec(_Section):
     )
     snapshot_max_rounds: int = Field(
         default=100, ge=1, description="with snapshot_every: auto, the longest interval in rounds"
+    )
+    working_state_every: int = Field(
+        default=10,
+        ge=1,
+        description="the coordinator saves its working state (θ, outer optimizer state, "
+        "residual) every n rounds, with every snapshot and at the last round; a restart "
+        "replays the rounds since the last save from their kept deltas "
+        "(coordinator.state_replay); 1: every round",
     )
     retention: RetentionConfig | None = Field(
         default=None,

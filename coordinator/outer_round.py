@@ -51,7 +51,7 @@ from coordinator.artifacts import Location, Signer, StoredArtifact, store_artifa
 from coordinator.checkpoints import EntryKind
 from coordinator.outer_optimizer import OuterOptimizer
 from coordinator.robust_aggregation import Combined, NormVerdict, combine, folded
-from coordinator.working_state import ParamsStore, WorkingState
+from coordinator.working_state import ParamsStore, Saved, WorkingState, advanced_pointers
 from geofed.blobstore import BlobStore
 from geofed.codec import EncodedStream, Piece, StreamDecoder, decode, encode_stream
 from geofed.codec_params import CodecParams
@@ -74,6 +74,7 @@ __all__ = [
     "publication_step",
     "publish_initial",
     "publish_round",
+    "round_step",
     "store_round",
 ]
 
@@ -305,27 +306,18 @@ class PublishedRound:
     snapshot_s: float | None = None
 
 
-def publish_round(
+def round_step(
     job: JobPublishing,
     state: WorkingState,
     sources: Sequence[DeltaSource],
-    now: datetime,
     *,
     order: Sequence[str] | None = None,
     folded_sum: WeightedSum | None = None,
-    lineage: Mapping[str, JsonValue] | None = None,
-    snapshot: bool | None = None,
-) -> PublishedRound:
-    """Compute and store round ``state.version`` from the accepted ``sources``.
-
-    ``order`` is the order the mean sums regions in (the round's arrival order; default
-    sorted names). ``folded_sum`` is those very regions already summed in that order as
-    they arrived (:mod:`coordinator.round_accumulator`): the deltas are then not decoded
-    again, and the result is the same bits. It is consumed. ``lineage`` is the round's
-    lineage record (:mod:`coordinator.lineage`), signed into the update's manifest.
-    ``snapshot``: whether θ_{r+1} gets a snapshot (:mod:`coordinator.snapshot_policy`);
-    None: when r+1 is a multiple of ``job.snapshot_every``.
-    """
+) -> tuple[PublicationStep, tuple[NormVerdict, ...]]:
+    """Round ``state.version``'s outer step from its accepted ``sources`` summed in
+    ``order`` (see :func:`publish_round`), and the norm check's verdicts. Publishing a
+    round and replaying it after a restart (:mod:`coordinator.state_replay`) both take
+    this step, so they give the same bits."""
     if not sources:
         raise ValueError(f"job {job.job!r} round {state.version}: no delta to aggregate")
     if folded_sum is not None:
@@ -348,8 +340,34 @@ def publish_round(
         names=job.round_names(state.version),
         own_steps=job.own_steps(state.version),
     )
-    flagged = combined.flagged
-    del combined
+    return publication, combined.flagged
+
+
+def publish_round(
+    job: JobPublishing,
+    state: WorkingState,
+    sources: Sequence[DeltaSource],
+    now: datetime,
+    *,
+    order: Sequence[str] | None = None,
+    folded_sum: WeightedSum | None = None,
+    lineage: Mapping[str, JsonValue] | None = None,
+    snapshot: bool | None = None,
+    save_state: bool = True,
+) -> PublishedRound:
+    """Compute and store round ``state.version`` from the accepted ``sources``.
+
+    ``order`` is the order the mean sums regions in (the round's arrival order; default
+    sorted names). ``folded_sum`` is those very regions already summed in that order as
+    they arrived (:mod:`coordinator.round_accumulator`): the deltas are then not decoded
+    again, and the result is the same bits. It is consumed. ``lineage`` is the round's
+    lineage record (:mod:`coordinator.lineage`), signed into the update's manifest.
+    ``snapshot``: whether θ_{r+1} gets a snapshot (:mod:`coordinator.snapshot_policy`);
+    None: when r+1 is a multiple of ``job.snapshot_every``. ``save_state``: whether
+    θ_{r+1}'s working state is saved
+    (:func:`coordinator.snapshot_policy.decide_state_save`).
+    """
+    publication, flagged = round_step(job, state, sources, order=order, folded_sum=folded_sum)
     round_ = state.version
     tokens = sum(source.tokens for source in sources)
     took: list[float] = []
@@ -363,6 +381,7 @@ def publish_round(
             pool,
             lineage=lineage,
             snapshot=snapshot,
+            save_state=save_state,
             on_snapshot=took.append,
         )
     return PublishedRound(
@@ -390,6 +409,7 @@ def store_round(
     *,
     lineage: Mapping[str, JsonValue] | None = None,
     snapshot: bool | None = None,
+    save_state: bool = True,
     on_snapshot: Callable[[float], None] | None = None,
 ) -> tuple[WorkingState, dict[str, str], StoredArtifact, StoredArtifact | None]:
     """Store what round ``state.version`` published: θ_{r+1}'s working state, the signed
@@ -399,12 +419,15 @@ def store_round(
     The writes are independent, a model's size each: with ``pool`` (3 threads) the
     working state's three blobs are written side by side with θ_{r+1}'s hash and the
     chain's update and snapshot. ``snapshot`` is as in :func:`publish_round`;
-    ``on_snapshot`` is told the wall seconds the snapshot took.
+    ``on_snapshot`` is told the wall seconds the snapshot took. Without ``save_state``
+    (and when ``state`` knows its saved version) only the version pointers move.
     """
     round_ = state.version
-    saving = job.params_store.begin_save(
-        round_ + 1, publication.params, publication.optimizer_state, publication.residual, pool
-    )
+    saving = None
+    if save_state or state.saved is None:
+        saving = job.params_store.begin_save(
+            round_ + 1, publication.params, publication.optimizer_state, publication.residual, pool
+        )
     new_hash = parameters_vector_hash(publication.params)
     manifest = build_manifest(
         kind=ArtifactKind.GLOBAL_UPDATE,
@@ -436,13 +459,20 @@ def store_round(
         stored_snapshot = store_snapshot(job, round_ + 1, publication.params, new_hash, now)
         if on_snapshot is not None:
             on_snapshot(time.monotonic() - started)
-    pointers = saving.pointers(new_hash)
+    if saving is not None:
+        pointers = saving.pointers(new_hash)
+        saved = Saved(round_ + 1, new_hash)
+    else:
+        assert state.saved is not None
+        saved = state.saved
+        pointers = advanced_pointers(round_ + 1, new_hash, saved)
     new_state = WorkingState(
         version=round_ + 1,
         params=publication.params,
         params_hash=new_hash,
         optimizer_state=publication.optimizer_state,
         residual=publication.residual,
+        saved=saved,
     )
     return new_state, pointers, update, stored_snapshot
 

@@ -34,6 +34,7 @@ from pydantic import JsonValue
 from coordinator.audit import AuditEvent, AuditVerdict, format_time
 from coordinator.config import PublicationRetryConfig
 from coordinator.context import JobContext
+from coordinator.job_recovery import replayed_rounds
 from coordinator.job_snapshots import JobSnapshots
 from coordinator.lineage import ContributionLog, round_record
 from coordinator.outer_round import DeltaSource, PublishedRound, publish_round
@@ -42,10 +43,11 @@ from coordinator.retention import plan_retention
 from coordinator.round_accumulator import RoundAccumulator
 from coordinator.round_state import RoundState
 from coordinator.services import Services
+from coordinator.snapshot_policy import decide_state_save
 from coordinator.spool import Spool
 from coordinator.store import Receipt
 from coordinator.transactions import record_publication
-from coordinator.working_state import POINTERS, WorkingState
+from coordinator.working_state import ParamsError, WorkingState, read_pointers
 from geofed.blobstore import BlobStore
 
 __all__ = [
@@ -159,13 +161,14 @@ def publication_details(published: PublishedRound, rs: RoundState, location: str
 
 
 def discard_inputs(
-    spool_dir: Path, deltas: BlobStore, job: str, round: int, sources: Iterable[DeltaSource]
+    spool_dir: Path, deltas: BlobStore, job: str, round: int, digests: Iterable[str]
 ) -> None:
-    """A published round's deltas and abandoned uploads are no longer needed (blocking)."""
+    """A published round's abandoned uploads, and the deltas ``digests`` (those no saved
+    working state needs to replay any more), are no longer needed (blocking)."""
     try:
         Spool(spool_dir).discard_round(job, round)
-        for source in sources:
-            deltas.delete(source.blob_digest)
+        for digest in digests:
+            deltas.delete(digest)
     except OSError as exc:
         log.warning("job %s round %d: cannot discard its spooled deltas: %s", job, round, exc)
 
@@ -213,13 +216,22 @@ class RoundPublisher:
         await faults.reached("aggregate", state_dir, job, round_)
         lineage = await self._lineage(round_, receipts, rs.included)
         snapshot = self._snapshots.decide(rs)
+        save = decide_state_save(
+            round_ + 1,
+            None if working.saved is None else working.saved.version,
+            snapshot=snapshot.take,
+            last=round_ + 1 >= self._ctx.spec.rounds,
+            every=self._ctx.spec.working_state_every,
+        )
         log.info(
-            "job %s round %d: θ_%d %s: %s",
+            "job %s round %d: θ_%d %s: %s; working state %s: %s",
             job,
             round_,
             round_ + 1,
             "snapshotted" if snapshot.take else "not snapshotted",
             snapshot.reason,
+            "saved" if save.take else "not saved",
+            save.reason,
         )
         started = time.monotonic()
         try:
@@ -233,6 +245,7 @@ class RoundPublisher:
                 folded_sum=folded_sum,
                 lineage=lineage,
                 snapshot=snapshot.take,
+                save_state=save.take,
             )
         except Exception as exc:
             raise PublicationFailed(exc) from exc
@@ -241,6 +254,16 @@ class RoundPublisher:
             self._snapshots.stored(round_ + 1, published.snapshot_s)
         await faults.reached("publish", state_dir, job, round_)
         return ComputedRound(published, sources, elapsed)
+
+    async def _kept_deltas(self, old_pointers: Mapping[str, str], round_: int) -> list[str]:
+        """The deltas kept for replay of the rounds from the previously saved state up to
+        ``round_`` (excluded)."""
+        try:
+            since = read_pointers(old_pointers).saved.version
+        except ParamsError:
+            return []  # no state saved before (θ_0's is): nothing was kept
+        rounds = await replayed_rounds(self._s, self._ctx, since, round_)
+        return [digest for replayed in rounds for digest in replayed.digests]
 
     async def _lineage(
         self, round_: int, receipts: Sequence[Receipt], included: Sequence[str]
@@ -286,12 +309,20 @@ class RoundPublisher:
     async def finish(
         self, record: RoundRecord, computed: ComputedRound, old_pointers: Mapping[str, str]
     ) -> None:
-        """After the commit: drop the old working state and the inputs, count, announce."""
+        """After the commit: drop what the saved working state no longer needs (the older
+        state, the deltas of the rounds up to it) and the round's spooled inputs, count,
+        announce. A round that did not save the state keeps its deltas: a restart replays
+        the round from them (:mod:`coordinator.state_replay`)."""
         job, rs, published = self._ctx.job, record.state, computed.published
         round_ = rs.config.round
-        kept = {name: published.pointers[name] for name in POINTERS}
-        params_store = self._ctx.publishing.params_store
-        await self._s.executors.files(params_store.delete, old_pointers, kept)
+        runtime = self._s.runtime
+        saved = published.state.saved
+        replayable: list[str] = []
+        if saved is not None and saved.version == round_ + 1:
+            params_store = self._ctx.publishing.params_store
+            await self._s.executors.files(params_store.delete, old_pointers, published.pointers)
+            replayable = await self._kept_deltas(old_pointers, round_)
+            replayable += [source.blob_digest for source in computed.sources]
         if record.publication_failures:
             log.info(
                 "job %s round %d published after %d failed attempt(s)",
@@ -299,9 +330,8 @@ class RoundPublisher:
                 round_,
                 record.publication_failures,
             )
-        runtime = self._s.runtime
         await self._s.executors.files(
-            discard_inputs, runtime.spool_dir, runtime.deltas, job, round_, computed.sources
+            discard_inputs, runtime.spool_dir, runtime.deltas, job, round_, replayable
         )
         contributions = ContributionLog(self._s.config.state_dir / "lineage")
         await self._s.executors.files(contributions.discard_round, job, round_)

@@ -41,6 +41,7 @@ __all__ = [
     "SnapshotSettings",
     "SnapshotStats",
     "decide_snapshot",
+    "decide_state_save",
     "load_stats",
     "next_snapshot_round",
     "plan_interval",
@@ -235,6 +236,31 @@ def decide_snapshot(version: int, last_round: int | None, plan: SnapshotPlan) ->
         )
     return SnapshotDecision(
         False, f"{since} round(s) since the snapshot of round {last_round}, below {every}"
+    )
+
+
+def decide_state_save(
+    version: int, saved: int | None, *, snapshot: bool, last: bool, every: int
+) -> SnapshotDecision:
+    """Whether the coordinator saves θ_version's working state (θ, the outer optimizer
+    state, the residual: three model-sized blobs) as it publishes it, and why.
+
+    It does with every snapshot, at the job's last round, and once ``every`` rounds
+    (the job's ``working_state_every``) passed since the saved version ``saved`` (None:
+    not known: save). Otherwise a restart replays the rounds since ``saved`` from their
+    kept deltas (:mod:`coordinator.state_replay`), at most ``every`` - 1 of them.
+    """
+    if saved is None:
+        return SnapshotDecision(True, "no saved working state known")
+    if snapshot:
+        return SnapshotDecision(True, "saved with the snapshot")
+    if last:
+        return SnapshotDecision(True, "the job's last round")
+    since = version - saved
+    if since >= every:
+        return SnapshotDecision(True, f"{since} round(s) since the state saved at {saved}")
+    return SnapshotDecision(
+        False, f"{since} round(s) since the state saved at {saved}, below {every}"
     )
 
 

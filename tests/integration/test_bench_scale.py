@@ -48,6 +48,11 @@ def test_scale_quick_reports_every_role(tmp_path: Path) -> None:
         for name in ("rank0", "other_rank", "agent", "coordinator"):
             assert 50 * 2**20 < figures[name] < 4 * 2**30, name
         assert figures["region_writes"] > 0
+        # One working-state save (θ, momentum, residual) and one snapshot: 16 B a parameter.
+        assert figures["coordinator_saves"] > 16 * run["parameters"]
+        assert figures["coordinator_writes"] == pytest.approx(
+            figures["coordinator_writes_steady"] + figures["coordinator_saves"] / 10
+        )
         assert figures["coordinator_writes"] > 0
         assert figures["gap_s"] > 0
         assert 0 < config["throughput_ratio"][size] < 10

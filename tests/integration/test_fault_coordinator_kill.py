@@ -13,7 +13,10 @@ checkpoint chain, are bit for bit the reference's; round 1 is applied exactly on
 ``round.publish`` audit entry per round, two accepted deltas per round, the job's round
 counter at 3); nothing uncommitted is served while the publication waits for its commit;
 the reference folded every round's deltas as they were accepted, the restarted daemon
-decoded round 1's again in the recorded arrival order, with the same bits.
+decoded round 1's again in the recorded arrival order, with the same bits. θ_1's working
+state was never saved (it is saved with snapshots, every 2 rounds here): each restart
+rebuilt it from θ_0's by replaying round 0 from its kept deltas, and once the job ended
+the blob store holds the last working state alone.
 And a fault point the coordinator does not know stops it with a configuration error.
 """
 
@@ -26,6 +29,7 @@ import pytest
 
 from coordinator.checkpoints import CheckpointStore
 from coordinator.faults import FAULT_ENV
+from geofed.blobstore import FsBlobStore
 from geofed_cli import main
 from tests.support.coordinator import request, write_setup
 from tests.support.coordinator_daemon import (
@@ -92,6 +96,7 @@ async def test_killed_while_aggregating_and_publishing_the_round_is_bit_identica
             await daemon.wait_published(round_)
         killed = await outcome(daemon)
         entries = await daemon.audit()
+        blobs = list(FsBlobStore(daemon.state_dir / "blobs").iter_digests())
 
     # Bit for bit what the uninterrupted coordinator published, round after round.
     for round_ in range(ROUNDS):
@@ -118,6 +123,8 @@ async def test_killed_while_aggregating_and_publishing_the_round_is_bit_identica
         r: "decoded at publication" if r == KILLED_ROUND else "folded on arrival"
         for r in range(ROUNDS)
     }, summation
+    # θ_3, its outer state and residual: no delta kept for a replay, no older state.
+    assert len(blobs) == 3, blobs
     print(
         f"\ncoordinator killed at aggregate and at publish of round {KILLED_ROUND}: "
         f"θ_{KILLED_ROUND + 1} published {recovery_s:.1f} s after the first restart (two "

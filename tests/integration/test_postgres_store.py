@@ -8,6 +8,8 @@ mid-transaction is covered for every implementation in
 
 from __future__ import annotations
 
+import asyncio
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -136,6 +138,11 @@ async def test_a_coordinator_keeps_its_state_in_postgresql_across_a_restart(
             # Restarted on the same database: the job resumes at round 1, the chain verifies.
             async with coordinator(setup) as running:
                 observer = running.session(setup.observer)
+                # Ready once the job's state is read back (θ_1 replayed from θ_0's save).
+                deadline = time.monotonic() + 30
+                while (await request(observer, "GET", "/readyz"))[0] != 200:
+                    assert time.monotonic() < deadline, "the job was not recovered in 30 s"
+                    await asyncio.sleep(0.05)
                 status, job = await request(observer, "GET", "/v1/jobs/tiny")
                 assert (status, job["round"], job["params_hash"]) == (200, 1, second.base_hash)
                 status, audit = await request(observer, "GET", "/v1/audit?limit=1000&verify=1")

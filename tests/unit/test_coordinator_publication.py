@@ -124,7 +124,7 @@ def test_a_published_round_leaves_no_inputs_behind(tmp_path: Path) -> None:
     spool.save_manifest("llm", 4, "eu-west", "ab" * 32, b"manifest")
     kept = deltas.put(b"another round's delta")
     used = deltas.put(b"a delta of round 4")
-    discard_inputs(spool_dir, deltas, "llm", 4, [DeltaSource("eu-west", 1, used)])
+    discard_inputs(spool_dir, deltas, "llm", 4, [used])
     assert spool.load_manifest("llm", 4, "eu-west", "ab" * 32) is None
     assert not deltas.exists(used)
     assert deltas.exists(kept)
@@ -139,6 +139,6 @@ def test_inputs_that_cannot_be_discarded_are_left(
 
     deltas = Stuck(tmp_path / "deltas")
     used = deltas.put(b"a delta")
-    discard_inputs(tmp_path / "spool", deltas, "llm", 4, [DeltaSource("eu-west", 1, used)])
+    discard_inputs(tmp_path / "spool", deltas, "llm", 4, [used])
     assert deltas.exists(used)
     assert "job llm round 4: cannot discard its spooled deltas" in caplog.text
