@@ -23,7 +23,11 @@ end); the whole run's writes over its rounds are stated too. The job keeps the j
 defaults for ``snapshot_every`` and ``working_state_every`` (10 each), so with at most 10
 rounds no snapshot and no save of the coordinator's working state falls inside that window:
 the coordinator's figure adds them amortized, the bytes of the last working-state save and
-of the last snapshot (their files' sizes after the run) over that interval.
+of the last snapshot (their files' sizes after the run) over that interval. A region's
+figure likewise adds its regional checkpoint (the inner optimizer state every rank saves
+every ``workers.regional_checkpoint_every`` rounds, default 4, and when it stops; no such
+save falls inside the window of a 4-round run) amortized: the size of its last one over
+that interval.
 
 The round's gap is the seconds from a round's last inner step to the next round's first
 (rank 0's ``train_finished_at`` and ``train_started_at``, from each agent's
@@ -64,6 +68,7 @@ from coordinator.checkpoints import CheckpointStore, EntryKind
 from coordinator.jobspec import JobSpec
 from geofed.examples.llama import LlamaOptions, LlamaTask
 from geofed.task import DataShard
+from regional_agent.config import WorkersConfig
 from regional_agent.round_timeline import RoundTimeline, read_timeline
 from tests.support.federation import running_federation
 
@@ -85,6 +90,8 @@ SAVE_INTERVAL = min(
     JobSpec.model_fields["snapshot_every"].default,
     JobSpec.model_fields["working_state_every"].default,
 )
+#: Rounds between a region's saves of its inner optimizer state, by default.
+CHECKPOINT_INTERVAL: int = WorkersConfig.model_fields["regional_checkpoint_every"].default
 
 ROLES = ("rank0", "rank0_extra", "other_rank", "agent", "coordinator")
 ROLE_NAMES = {
@@ -93,7 +100,7 @@ ROLE_NAMES = {
     "other_rank": "any other rank",
     "agent": "agent peak RSS",
     "coordinator": "coordinator peak RSS per job",
-    "region_writes": "bytes written per round by a region (agent + ranks)",
+    "region_writes": "bytes written per round by a region (agent + ranks), checkpoints amortized",
     "coordinator_writes": "bytes written per round by the coordinator, saves amortized",
 }
 
@@ -383,9 +390,10 @@ def _customize(
 
 async def run_federation(
     work: Path, settings: Settings, options: dict[str, Any], parallelism: str, world: int
-) -> tuple[dict[str, list[RoundTimeline]], float, int]:
-    """One federation to the end of its job: each region's timeline, the wall time and
-    the bytes of the coordinator's last working-state save and last snapshot."""
+) -> tuple[dict[str, list[RoundTimeline]], float, int, dict[str, int]]:
+    """One federation to the end of its job: each region's timeline, the wall time, the
+    bytes of the coordinator's last working-state save and last snapshot, and those of
+    each region's last regional checkpoint."""
     started = time.monotonic()
     async with running_federation(
         work,
@@ -412,7 +420,21 @@ async def run_federation(
         )
         for region in REGIONS
     }
-    return timelines, wall, saved_bytes(work, job)
+    saves = {region: checkpoint_bytes(work / "agents" / region, job) for region in REGIONS}
+    return timelines, wall, saved_bytes(work, job), saves
+
+
+def checkpoint_bytes(agent_dir: Path, job: str) -> int:
+    """The size of the region's newest regional checkpoint of ``job`` (every rank's part
+    of the inner optimizer state), as its worker group left it."""
+    newest: tuple[int, Path] | None = None
+    for path in agent_dir.rglob(f"jobs/{job}/optimizer-round-*"):
+        round_ = int(path.name.removeprefix("optimizer-round-"))
+        if path.is_dir() and (newest is None or round_ > newest[0]):
+            newest = (round_, path)
+    if newest is None:
+        return 0
+    return sum(f.stat().st_size for f in newest[1].rglob("*") if f.is_file())
 
 
 def saved_bytes(work: Path, job: str) -> int:
@@ -464,10 +486,13 @@ def run_figures(
     tokens_per_step: float,
     inner_steps: int,
     saves: int = 0,
+    checkpoints: dict[str, int] | None = None,
 ) -> dict[str, Any]:
     """Per role: peak RSS and bytes written of one run; the round's gap and rank 0's pace.
     ``saves``: the bytes of one working-state save and one snapshot, amortized over
-    :data:`SAVE_INTERVAL` rounds into the coordinator's writes per round."""
+    :data:`SAVE_INTERVAL` rounds into the coordinator's writes per round; ``checkpoints``:
+    each region's regional checkpoint, amortized over :data:`CHECKPOINT_INTERVAL` rounds
+    into its writes."""
     by_region: dict[str, dict[str, Any]] = {}
     for region in REGIONS:
         mine = [r for r in records if r.region == region]
@@ -492,6 +517,7 @@ def run_figures(
             for e in entries[1:]
             if e.worker is not None and e.worker.seconds > 0
         ]
+        checkpoint = (checkpoints or {}).get(region, 0)
         by_region[region] = {
             "rank0_peak_rss": max(rank0) if rank0 else None,
             "other_rank_peak_rss": max(others) if others else None,
@@ -501,6 +527,10 @@ def run_figures(
             "write_bytes": _written(mine),
             "write_bytes_per_round_whole_run": _written(mine) / rounds,
             "write_bytes_per_round_steady": steady,
+            "checkpoint_bytes": checkpoint,
+            "write_bytes_per_round": (
+                None if steady is None else steady + checkpoint / CHECKPOINT_INTERVAL
+            ),
             "rounds_recorded": len(entries),
             "gaps_s": gaps,
             "rank0_tokens_per_s_rounds": paces,
@@ -537,7 +567,9 @@ def run_figures(
         "agent": most("agent_peak_rss"),
         "launcher": most("launcher_peak_rss"),
         "coordinator": max(coordinator_main) if coordinator_main else None,
-        "region_writes": most("write_bytes_per_round_steady"),
+        "region_writes": most("write_bytes_per_round"),
+        "region_writes_steady": most("write_bytes_per_round_steady"),
+        "region_checkpoint": most("checkpoint_bytes"),
         "region_writes_whole_run": most("write_bytes_per_round_whole_run"),
         "coordinator_writes": (
             None if coordinator_steady is None else coordinator_steady + saves / SAVE_INTERVAL
@@ -561,6 +593,8 @@ FIGURES = (
     "launcher",
     "coordinator",
     "region_writes",
+    "region_writes_steady",
+    "region_checkpoint",
     "region_writes_whole_run",
     "coordinator_writes",
     "coordinator_writes_steady",
@@ -657,7 +691,7 @@ async def measure(settings: Settings) -> dict[str, Any]:
                     sampler = ProcessSampler()
                     try:
                         with sampler:
-                            timelines, wall, saves = await run_federation(
+                            timelines, wall, saves, checkpoints = await run_federation(
                                 Path(tmp), settings, options, parallelism, world
                             )
                     except (AssertionError, RuntimeError, OSError) as exc:
@@ -673,6 +707,7 @@ async def measure(settings: Settings) -> dict[str, Any]:
                     plain[size]["tokens_per_step"],
                     settings.inner_steps,
                     saves,
+                    checkpoints,
                 )
                 runs[size] = {
                     "task_options": options,
@@ -710,6 +745,7 @@ async def measure(settings: Settings) -> dict[str, Any]:
             "evaluation": "none",
             "codec": "the example job's (int8)",
             "save_interval_rounds": SAVE_INTERVAL,
+            "checkpoint_interval_rounds": CHECKPOINT_INTERVAL,
             "quick": settings.quick,
             "note": settings.note,
         },
@@ -750,8 +786,11 @@ def render(report: dict[str, Any], before: dict[str, Any] | None = None) -> str:
         f"{', '.join(settings['sizes'])}. Peak RSS (VmHWM) and write_bytes of every process "
         f"from /proc every {settings['sample_interval_s']} s; figures per parameter are the "
         "slope between the sizes, so a process's fixed cost drops out. Writes per round: "
-        "between the middle of round 1's inner loop and the last round's (steady state); "
-        "the whole run over its rounds in brackets; a region's writes are its agent's, its "
+        "between the middle of round 1's inner loop and the last round's (steady state), "
+        "plus what is saved only every few rounds, amortized: a region's regional checkpoint "
+        "(its last one's size over its interval), the coordinator's working state and "
+        "snapshot (over theirs); in brackets the steady state, the saves, and the whole run "
+        "over its rounds. A region's writes are its agent's, its "
         "elastic launcher's and its ranks'. Each figure is the largest region's (and rank's).",
     ]
     if settings["quick"]:
@@ -776,7 +815,12 @@ def render(report: dict[str, Any], before: dict[str, Any] | None = None) -> str:
             figure = check["figure"]
             measured = _b(check["bytes_per_parameter"])
             if figure == "region_writes":
-                measured += f" ({_b(per.get(figure + '_whole_run'))})"
+                measured += (
+                    f" ({_b(per.get('region_writes_steady'))} a round + "
+                    f"{_b(per.get('region_checkpoint'))} every "
+                    f"{settings.get('checkpoint_interval_rounds', CHECKPOINT_INTERVAL)} rounds; "
+                    f"{_b(per.get(figure + '_whole_run'))})"
+                )
             elif figure == "coordinator_writes":
                 measured += (
                     f" ({_b(per.get('coordinator_writes_steady'))} a round + "

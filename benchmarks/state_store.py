@@ -37,7 +37,6 @@ from coordinator.audit import AuditEvent, AuditVerdict
 from coordinator.chunk_commit import ChunkWrite, record_chunks
 from coordinator.postgres_lease import PostgresLease
 from coordinator.postgres_store import PostgresStore
-from coordinator.spool import StagedChunk
 from coordinator.sqlite_store import SqliteStore
 from coordinator.store import Store
 from coordinator.transactions import (
@@ -75,7 +74,6 @@ def one_round(store: Store, job: str, round_: int, regions: int, chunks: int) ->
                     index,
                     sha256_hex(f"{manifest}/{index}".encode()),
                     400_000,
-                    StagedChunk(Path("unused"), Path("unused")),
                 )
                 for index in range(first, min(chunks, first + BATCH))
             ]

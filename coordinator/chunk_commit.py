@@ -1,12 +1,12 @@
-"""Making received frames durable in shared commits (the chunk step of an upload).
+"""Recording received frames in shared commits (the chunk step of an upload).
 
-A chunk PUT is answered only once its frame is durable: the frame's file fsync'd and in
-place in the spool, and its row committed in SQLite (the manifest step answers which
-frames a region need not send again from those rows, so a row must never outlive its
-file). :class:`ChunkCommitter` runs the last two steps for every frame that arrives
-together as one batch (:mod:`coordinator.group_commit`): the renames and one directory
-fsync in the file pool, then every row in one store transaction (one WAL fsync). The
-frames' own writes and fsyncs run before, in parallel, one per request.
+A chunk PUT is answered only once its frame is durable: written at its offset of the
+upload's stream file and fdatasync'd (:meth:`coordinator.spool.Spool.write_chunk`, in
+parallel, one per request), then its row committed in the state store (the manifest
+step answers which frames a region need not send again from those rows, so a row must
+never be committed before its frame is durable). :class:`ChunkCommitter` records every
+frame that arrives together as one batch (:mod:`coordinator.group_commit`): every row in
+one store transaction (one WAL fsync).
 """
 
 from __future__ import annotations
@@ -15,9 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from coordinator.async_store import AsyncStore
-from coordinator.executors import Executors
 from coordinator.group_commit import CommitStats, GroupCommit
-from coordinator.spool import Spool, StagedChunk
 from coordinator.store import ConflictError, InvalidValue, MissingRecord, Store
 
 __all__ = ["COMMIT_WINDOW_S", "ChunkCommitter", "ChunkWrite", "record_chunks"]
@@ -31,7 +29,7 @@ MAX_BATCH = 64
 
 @dataclass(frozen=True, slots=True)
 class ChunkWrite:
-    """A frame checked against its manifest record and staged (written, fsync'd)."""
+    """A frame checked against its manifest record and durable in the stream file."""
 
     job: str
     round: int
@@ -40,7 +38,6 @@ class ChunkWrite:
     index: int
     digest: str
     size: int
-    staged: StagedChunk
 
 
 def record_chunks(store: Store, writes: Sequence[ChunkWrite]) -> list[Exception | None]:
@@ -65,18 +62,16 @@ def record_chunks(store: Store, writes: Sequence[ChunkWrite]) -> list[Exception 
 
 
 class ChunkCommitter:
-    """Makes staged frames durable, several per commit (see the module docstring)."""
+    """Records durable frames, several per commit (see the module docstring)."""
 
     def __init__(
         self,
         db: AsyncStore,
-        executors: Executors,
         *,
         window_s: float = COMMIT_WINDOW_S,
         max_batch: int = MAX_BATCH,
     ) -> None:
         self._db = db
-        self._executors = executors
         self._group: GroupCommit[ChunkWrite, None] = GroupCommit(
             self._commit, window_s=window_s, max_batch=max_batch
         )
@@ -86,11 +81,8 @@ class ChunkCommitter:
         return self._group.stats
 
     async def commit(self, write: ChunkWrite) -> None:
-        """Return once ``write`` is durable (or raise why it is not)."""
+        """Return once ``write`` is recorded (or raise why it is not)."""
         await self._group.submit(write)
 
     async def _commit(self, batch: Sequence[ChunkWrite]) -> list[BaseException | None]:
-        placed = await self._executors.files(Spool.publish_chunks, [w.staged for w in batch])
-        durable = [w for w, error in zip(batch, placed, strict=True) if error is None]
-        recorded = iter(await self._db.run(record_chunks, durable) if durable else [])
-        return [error if error is not None else next(recorded) for error in placed]
+        return list(await self._db.run(record_chunks, batch))

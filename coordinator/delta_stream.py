@@ -12,9 +12,11 @@ worker thread.
 
 from __future__ import annotations
 
+import hashlib
 import math
 from collections.abc import Iterator
 from datetime import UTC, datetime
+from pathlib import Path
 
 from coordinator.aggregation import AggregationError, DeltaStager, StagedDelta, all_finite
 from coordinator.delta_checks import DeltaExpectation, check_delta_manifest, verify_signature
@@ -53,8 +55,12 @@ def verify_and_store(
     blobs: FsBlobStore,
     *,
     stage_as: str | None = None,
+    adopt: Path | None = None,
 ) -> tuple[str, int, StagedDelta | None]:
     """Decode the stream once while copying it into ``blobs``; return (digest, size, staged).
+
+    ``adopt``: the file ``frames`` are read from, which, once they all passed, becomes the
+    blob itself (:meth:`FsBlobStore.adopt`) instead of being copied.
 
     Checks every frame against the manifest, the header's tensors and codec against the
     manifest and the job, every decoded value for finiteness, and the decoded size
@@ -102,7 +108,14 @@ def verify_and_store(
             staged.append(stager.finish())  # before the blob is kept: all or nothing
 
     try:
-        digest = blobs.put_stream(checked())
+        if adopt is None:
+            digest = blobs.put_stream(checked())
+        else:
+            hasher = hashlib.sha256()
+            for frame in checked():
+                hasher.update(frame)
+            digest = hasher.hexdigest()
+            blobs.adopt(adopt, digest)
     except DigestMismatch as exc:
         raise BadRequest(str(exc), "corrupt_chunk") from None
     except DecodedSizeExceeded as exc:

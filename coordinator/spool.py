@@ -1,14 +1,14 @@
 """The durable spool of delta uploads in progress.
 
 One directory per open upload, ``<root>/<job>/<round>/<region>/<manifest digest>/``,
-holding the signed manifest and each received frame (``chunk-<index>``), every file
-written temp + fsync + rename and every new directory fsynced into its parent, so a
-chunk acknowledged to a region survives a crash. Frames are written in two steps so that
-concurrent ones share the directory fsync: :meth:`Spool.stage_chunk` writes and fsyncs a
-temp file (in parallel, one per request), :meth:`Spool.publish_chunks` renames a batch
-into place and fsyncs each directory once. Once the delta is accepted its stream
-lives in the blob store and the region's spool directory is removed. Blocking: call from
-a worker thread. Path parts are validated names and digests, never raw client text.
+holding the signed manifest and the stream itself (``stream``): the file is created empty
+with the manifest (file and directory fsynced), and each received frame is written at its
+offset (the sizes of the frames before it, from the manifest) and fdatasync'd before it is
+acknowledged, so a chunk acknowledged to a region survives a crash; frames arriving
+together are written in parallel, each at its own place. Once the delta is checked, the
+file itself becomes the delta's blob (:meth:`geofed.blobstore.FsBlobStore.adopt`, a
+rename): the stream is written once. Blocking: call from a worker thread. Path parts are
+validated names and digests, never raw client text.
 """
 
 from __future__ import annotations
@@ -16,24 +16,16 @@ from __future__ import annotations
 import os
 import shutil
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 from geofed.blobstore import validate_digest
-from geofed.fsutil import atomic_write_bytes, create_temp, fsync_dir
+from geofed.fsutil import atomic_write_bytes, fsync_dir
 from geofed.types import validate_name
 
-__all__ = ["Spool", "StagedChunk"]
+__all__ = ["Spool"]
 
 _MANIFEST = "manifest"
-
-
-@dataclass(frozen=True, slots=True)
-class StagedChunk:
-    """A frame written and fsync'd under a temp name, not yet in place."""
-
-    temp: Path
-    final: Path
+_STREAM = "stream"
 
 
 class Spool:
@@ -52,7 +44,14 @@ class Spool:
         return self._root / job / str(round) / region / digest
 
     def save_manifest(self, job: str, round: int, region: str, digest: str, data: bytes) -> None:
+        """Keep the upload's manifest, and create its empty stream file unless it exists (a
+        manifest sent again keeps the frames already received)."""
         directory = self._make(self.upload_dir(job, round, region, digest))
+        stream = directory / _STREAM
+        if not stream.exists():
+            fd = os.open(stream, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+            os.close(fd)
+        # Its directory is fsynced with the manifest's rename, the stream's entry with it.
         atomic_write_bytes(directory / _MANIFEST, data, private=True)
 
     def load_manifest(self, job: str, round: int, region: str, digest: str) -> bytes | None:
@@ -62,52 +61,37 @@ class Spool:
         except FileNotFoundError:
             return None
 
-    def stage_chunk(
-        self, job: str, round: int, region: str, digest: str, index: int, data: bytes
-    ) -> StagedChunk:
-        """Write ``data`` to a temp file beside its frame's place and fsync it."""
-        directory = self._make(self.upload_dir(job, round, region, digest))
-        fd, temp = create_temp(directory, f"chunk-{index}", private=True)
+    def stream_path(self, job: str, round: int, region: str, digest: str) -> Path:
+        """The upload's stream file (its frames at their offsets)."""
+        return self.upload_dir(job, round, region, digest) / _STREAM
+
+    def write_chunk(
+        self, job: str, round: int, region: str, digest: str, offset: int, data: bytes
+    ) -> None:
+        """Write a frame at ``offset`` of the upload's stream and make it durable;
+        ``FileNotFoundError`` when the upload is gone (its manifest was never kept, or the
+        upload was finished or discarded meanwhile)."""
+        if offset < 0:
+            raise ValueError(f"offset must be >= 0, got {offset}")
+        path = self.stream_path(job, round, region, digest)
+        fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
         try:
-            with os.fdopen(fd, "wb") as file:
-                file.write(data)
-                file.flush()
-                os.fsync(file.fileno())
-        except BaseException:
-            temp.unlink(missing_ok=True)
-            raise
-        return StagedChunk(temp, directory / f"chunk-{index}")
+            view = memoryview(data)
+            while view:
+                written = os.pwrite(fd, view, offset)
+                view, offset = view[written:], offset + written
+            os.fdatasync(fd)
+        finally:
+            os.close(fd)
 
-    @staticmethod
-    def publish_chunks(staged: Sequence[StagedChunk]) -> list[OSError | None]:
-        """Rename staged frames into place, then fsync each directory once.
-
-        One outcome per frame: None once it is durable in place, else the error (its
-        upload directory vanished, the disk failed).
-        """
-        outcomes: list[OSError | None] = []
-        directories: dict[Path, list[int]] = {}
-        for position, chunk in enumerate(staged):
-            try:
-                chunk.temp.replace(chunk.final)
-            except OSError as exc:
-                outcomes.append(exc)
-                continue
-            outcomes.append(None)
-            directories.setdefault(chunk.final.parent, []).append(position)
-        for directory, members in directories.items():
-            try:
-                fsync_dir(directory)
-            except OSError as exc:
-                for position in members:
-                    outcomes[position] = exc
-        return outcomes
-
-    def frames(self, job: str, round: int, region: str, digest: str, count: int) -> Iterator[bytes]:
-        """The spooled frames 0..count-1 in order, one file at a time."""
-        directory = self.upload_dir(job, round, region, digest)
-        for index in range(count):
-            yield (directory / f"chunk-{index}").read_bytes()
+    def frames(
+        self, job: str, round: int, region: str, digest: str, sizes: Sequence[int]
+    ) -> Iterator[bytes]:
+        """The spooled frames of ``sizes`` in order, read one at a time (a frame never
+        received reads short or as zeros: its digest check refuses it)."""
+        with self.stream_path(job, round, region, digest).open("rb") as file:
+            for size in sizes:
+                yield file.read(size)
 
     def discard(self, job: str, round: int, region: str) -> None:
         """Remove every spooled upload of a region for a round."""

@@ -44,7 +44,7 @@ from coordinator.jobs import JobManager
 from coordinator.lineage import note_delta
 from coordinator.residency import delta_upload
 from coordinator.services import Services
-from coordinator.spool import Spool, StagedChunk
+from coordinator.spool import Spool
 from coordinator.store import MAX_STORED_INT, Receipt
 from coordinator.transactions import ROUND_TIMINGS, DeltaOffer, open_upload, upload_pointer
 from geofed.artifact_bundle import HEADER_SIZE, BundleError, manifest_length
@@ -81,7 +81,7 @@ class UploadService:
         self._s = services
         self._jobs = jobs
         self._spool = Spool(services.runtime.spool_dir)
-        self.chunks = ChunkCommitter(services.db, services.executors)
+        self.chunks = ChunkCommitter(services.db)
         self._manifests: OrderedDict[str, SignedManifest] = OrderedDict()
 
     # -- the public steps (each counts and audits its refusals) ---------------------
@@ -273,7 +273,9 @@ class UploadService:
         record = signed.manifest.chunks[index]
         job = engine.job
 
-        def check_and_stage() -> tuple[str, StagedChunk]:
+        offset = sum(chunk.size for chunk in signed.manifest.chunks[:index])
+
+        def check_and_write() -> str:
             actual = hashlib.sha256(data).hexdigest()
             if len(data) != record.size or not hmac.compare_digest(actual, record.sha256):
                 raise BadRequest(
@@ -281,14 +283,13 @@ class UploadService:
                     f"records {record.size} bytes with sha256 {record.sha256}",
                     "corrupt_chunk",
                 )
-            return actual, self._spool.stage_chunk(job, round, region, digest, index, data)
+            self._spool.write_chunk(job, round, region, digest, offset, data)
+            return actual
 
-        actual, staged = await self._s.executors.files(check_and_stage)
+        actual = await self._s.executors.files(check_and_write)
         # Answered only once the commit covering this frame (and any arriving with it)
-        # has made it durable: in place, directory fsync'd, row committed.
-        await self.chunks.commit(
-            ChunkWrite(job, round, region, digest, index, actual, len(data), staged)
-        )
+        # has recorded it: the frame is durable in the stream file already.
+        await self.chunks.commit(ChunkWrite(job, round, region, digest, index, actual, len(data)))
         self._s.metrics.received_bytes.labels(kind=ArtifactKind.MODEL_DELTA.value).inc(len(data))
         return {"index": index}
 
@@ -316,7 +317,8 @@ class UploadService:
                 "incomplete",
                 {"missing": missing[:1000]},
             )
-        frames = self._spool.frames(job, round, region, digest, len(signed.manifest.chunks))
+        sizes = [chunk.size for chunk in signed.manifest.chunks]
+        frames = self._spool.frames(job, round, region, digest, sizes)
         stream_digest, size, staged = await self._s.executors.compute(
             verify_and_store,
             frames,
@@ -324,6 +326,7 @@ class UploadService:
             engine.ctx.round_tensor_specs(round),
             self._s.runtime.deltas,
             stage_as=region if engine.folds_on_arrival else None,
+            adopt=self._spool.stream_path(job, round, region, digest),
         )
         await note_delta(self._s, job, engine.ctx.spec.task.spec, region, digest, signed.manifest)
         tokens = signed.manifest.tokens or 0

@@ -14,6 +14,7 @@ Blocking by design; asyncio daemons call it through a thread.
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import io
 import logging
@@ -238,6 +239,32 @@ class FsBlobStore:
 
     def put_written(self, write: Callable[[BinaryIO], object]) -> str:
         return self._put_hashed(write, None)
+
+    def adopt(self, path: Path, digest: str) -> None:
+        """Make the file at ``path`` the blob ``digest`` by renaming it into the store: its
+        bytes are written once. The caller hashed the file as it read it, and nothing
+        writes to it any more. A blob already stored intact is kept and the file removed;
+        across filesystems the file is copied (and checked against ``digest``) instead.
+        The file is gone afterwards."""
+        dest = self.path_of(digest)
+        if self._is_intact(dest, digest):
+            path.unlink(missing_ok=True)
+            return
+        self._make_dir(dest.parent)
+        try:
+            path.chmod(0o600 if self._private else 0o644)
+            replace_durably(path, dest)
+        except FileNotFoundError:
+            # Another request finishing the same upload moved it first.
+            if not self._is_intact(dest, digest):
+                raise
+        except OSError as exc:
+            if exc.errno != errno.EXDEV:
+                raise
+            with path.open("rb") as file:
+                parts = iter(lambda: file.read(self._chunk_size), b"")
+                self.put_stream(parts, expected_digest=digest)
+            path.unlink(missing_ok=True)
 
     def _put_hashed(self, write: Callable[[BinaryIO], object], expected_digest: str | None) -> str:
         if expected_digest is not None:

@@ -48,8 +48,14 @@ def test_scale_quick_reports_every_role(tmp_path: Path) -> None:
         for name in ("rank0", "other_rank", "agent", "coordinator"):
             assert 50 * 2**20 < figures[name] < 4 * 2**30, name
         assert figures["region_writes"] > 0
-        # One working-state save (θ, momentum, residual) and one snapshot: 16 B a parameter.
-        assert figures["coordinator_saves"] > 16 * run["parameters"]
+        # The inner optimizer state (AdamW: 8 B a parameter), amortized over its interval.
+        assert figures["region_checkpoint"] > 8 * run["parameters"] / 2
+        assert figures["region_writes"] == pytest.approx(
+            figures["region_writes_steady"] + figures["region_checkpoint"] / 4
+        )
+        # One working-state save (θ, momentum, residual: 12 B a parameter) and one
+        # snapshot (up to 4 B, zstd may shave a little).
+        assert figures["coordinator_saves"] > 12 * run["parameters"]
         assert figures["coordinator_writes"] == pytest.approx(
             figures["coordinator_writes_steady"] + figures["coordinator_saves"] / 10
         )

@@ -25,6 +25,7 @@ import asyncio
 import contextlib
 import json
 import re
+import sqlite3
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -62,9 +63,15 @@ DEADLINE_S = 30
 
 
 def spooled_frames(fed: FederationRun, region: str, round_: int) -> set[int]:
-    """Indices of the frames of ``region``'s round-``round_`` upload the coordinator holds."""
-    root = fed.work / "coordinator" / "spool" / fed.job / str(round_) / region
-    return {int(p.name.removeprefix("chunk-")) for p in root.glob("*/chunk-*")}
+    """Indices of the frames of ``region``'s round-``round_`` upload the coordinator holds
+    (durable in its spool and recorded: the rows of its state store)."""
+    uri = f"file:{fed.work / 'coordinator' / 'coordinator.db'}?mode=ro"
+    with contextlib.closing(sqlite3.connect(uri, uri=True, timeout=5)) as db:
+        rows = db.execute(
+            "SELECT chunk_index FROM upload_chunks WHERE job_id = ? AND round = ? AND region = ?",
+            (fed.job, round_, region),
+        ).fetchall()
+    return {int(index) for (index,) in rows}
 
 
 def agent_spool(fed: FederationRun, region: str, round_: int) -> Path:

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import hashlib
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -13,6 +15,7 @@ from coordinator.group_commit import Batches, GroupCommit
 from coordinator.spool import Spool
 from coordinator.sqlite_store import SqliteStore
 from coordinator.store import ConflictError
+from geofed.blobstore import FsBlobStore
 
 DIGEST = "a" * 64
 
@@ -151,39 +154,81 @@ async def test_a_cancelled_caller_does_not_withdraw_its_item() -> None:
     assert gone.cancelled()
 
 
+SIZES = (100, 7, 100)
+
+
+def _spooled(tmp_path: Path) -> Spool:
+    spool = Spool(tmp_path / "spool")
+    spool.save_manifest("tiny", 3, "eu-west", DIGEST, b"manifest")
+    return spool
+
+
 def _write(spool: Spool, index: int, data: bytes) -> ChunkWrite:
-    staged = spool.stage_chunk("tiny", 3, "eu-west", DIGEST, index, data)
-    return ChunkWrite("tiny", 3, "eu-west", DIGEST, index, "b" * 63 + str(index), len(data), staged)
+    spool.write_chunk("tiny", 3, "eu-west", DIGEST, sum(SIZES[:index]), data)
+    return ChunkWrite("tiny", 3, "eu-west", DIGEST, index, "b" * 63 + str(index), len(data))
 
 
-def test_staged_frames_appear_only_when_published(tmp_path: Path) -> None:
-    spool = Spool(tmp_path / "spool")
-    writes = [_write(spool, i, bytes([i]) * 100) for i in range(3)]
-    directory = spool.upload_dir("tiny", 3, "eu-west", DIGEST)
-    assert not any((directory / f"chunk-{i}").exists() for i in range(3))
-    assert spool.publish_chunks([w.staged for w in writes]) == [None, None, None]
-    assert list(spool.frames("tiny", 3, "eu-west", DIGEST, 3)) == [
-        bytes([i]) * 100 for i in range(3)
-    ]
-    assert sorted(p.name for p in directory.iterdir()) == ["chunk-0", "chunk-1", "chunk-2"]
+def test_frames_land_at_their_offsets_in_any_order(tmp_path: Path) -> None:
+    spool = _spooled(tmp_path)
+    frames = [bytes([i + 1]) * size for i, size in enumerate(SIZES)]
+    with ThreadPoolExecutor(3) as pool:
+        list(pool.map(lambda i: _write(spool, i, frames[i]), (2, 0, 1)))
+    assert list(spool.frames("tiny", 3, "eu-west", DIGEST, SIZES)) == frames
+    stream = spool.stream_path("tiny", 3, "eu-west", DIGEST)
+    assert stream.read_bytes() == b"".join(frames)
+    assert stream.stat().st_mode & 0o777 == 0o600
+    # The manifest sent again keeps what was received.
+    spool.save_manifest("tiny", 3, "eu-west", DIGEST, b"manifest")
+    assert stream.read_bytes() == b"".join(frames)
 
 
-def test_a_frame_whose_upload_vanished_fails_alone(tmp_path: Path) -> None:
-    spool = Spool(tmp_path / "spool")
-    kept = _write(spool, 0, b"x" * 10)
-    lost = _write(spool, 1, b"y" * 10)
-    lost.staged.temp.unlink()  # as if its upload directory was discarded meanwhile
-    outcomes = spool.publish_chunks([kept.staged, lost.staged])
-    assert outcomes[0] is None
-    assert isinstance(outcomes[1], FileNotFoundError)
+def test_a_frame_never_received_reads_short_or_as_zeros(tmp_path: Path) -> None:
+    spool = _spooled(tmp_path)
+    _write(spool, 0, b"x" * 100)
+    assert list(spool.frames("tiny", 3, "eu-west", DIGEST, SIZES)) == [b"x" * 100, b"", b""]
+    _write(spool, 2, b"z" * 100)
+    assert list(spool.frames("tiny", 3, "eu-west", DIGEST, SIZES))[1] == bytes(7)
+
+
+def test_a_frame_whose_upload_vanished_is_refused(tmp_path: Path) -> None:
+    spool = _spooled(tmp_path)
+    spool.discard("tiny", 3, "eu-west")  # as if the upload was finished meanwhile
+    with pytest.raises(FileNotFoundError):
+        _write(spool, 1, b"y" * 7)
+    with pytest.raises(ValueError, match="offset must be >= 0"):
+        spool.write_chunk("tiny", 3, "eu-west", DIGEST, -1, b"y")
+
+
+def test_the_stream_file_becomes_the_blob(tmp_path: Path) -> None:
+    spool = _spooled(tmp_path)
+    for i, size in enumerate(SIZES):
+        _write(spool, i, bytes([i]) * size)
+    stream = spool.stream_path("tiny", 3, "eu-west", DIGEST)
+    content = stream.read_bytes()
+    digest = hashlib.sha256(content).hexdigest()
+    blobs = FsBlobStore(tmp_path / "blobs")
+    inode = stream.stat().st_ino
+    blobs.adopt(stream, digest)
+    assert not stream.exists()
+    assert blobs.get(digest) == content
+    assert blobs.path_of(digest).stat().st_ino == inode  # renamed, not copied
+    # A second request finishing the same upload finds it stored: nothing to do.
+    blobs.adopt(stream, digest)
+    assert blobs.get(digest) == content
+    # A copy of the same bytes is dropped, the stored blob kept.
+    again = tmp_path / "again"
+    again.write_bytes(content)
+    blobs.adopt(again, digest)
+    assert not again.exists()
+    assert blobs.path_of(digest).stat().st_ino == inode
 
 
 def test_rows_commit_together_and_a_conflicting_one_fails_alone(tmp_path: Path) -> None:
     store = SqliteStore(tmp_path / "state.db")
     store.create_job("tiny", {}, "running")
-    spool = Spool(tmp_path / "spool")
+    spool = _spooled(tmp_path)
     store.record_upload_chunk("tiny", 3, "eu-west", DIGEST, 1, "c" * 64, 10)
-    writes = [_write(spool, i, b"z" * 10) for i in range(3)]
+    writes = [_write(spool, i, b"z" * SIZES[i]) for i in range(3)]
     outcomes = record_chunks(store, writes)
     assert outcomes[0] is None
     assert outcomes[2] is None
