@@ -42,6 +42,7 @@ from datetime import datetime
 from functools import cached_property
 from typing import Any, Final
 
+import torch
 from pydantic import JsonValue
 from torch import Tensor
 
@@ -55,7 +56,7 @@ from coordinator.working_state import ParamsStore, Saved, WorkingState, advanced
 from geofed.blobstore import BlobStore
 from geofed.codec import EncodedStream, Piece, StreamDecoder, decode, encode_stream
 from geofed.codec_params import CodecParams
-from geofed.deltas import apply_partial_update, apply_update, feedback_residual, update_to_publish
+from geofed.deltas import apply_update, feedback_residual, update_to_publish
 from geofed.fragments import FragmentPlan, fragment_plan
 from geofed.manifest import ArtifactProvenance, build_manifest
 from geofed.params import parameters_vector_hash
@@ -110,6 +111,7 @@ def publication_step(
     names: Sequence[str] | None = None,
     own_steps: int | None = None,
     phase: Callable[[str], AbstractContextManager[object]] = _unmeasured,
+    consume_mean: bool = False,
 ) -> PublicationStep:
     """Apply the outer step to θ_r and encode the update; inputs are not modified.
 
@@ -119,14 +121,18 @@ def publication_step(
     them (the residual of every other tensor is carried as it is) and every other tensor
     of θ_{r+1} is θ_r's. None: every tensor of θ_r, as ``mean`` must then name.
     ``own_steps``: the outer steps those tensors took before, which set the momentum
-    warm-up (:meth:`JobPublishing.own_steps`).
+    warm-up (:meth:`JobPublishing.own_steps`). ``consume_mean``: ``mean`` (a dict the
+    caller hands over) is emptied once the step has used it, so its tensors are freed
+    before the update is encoded.
 
     Each step named in :data:`PUBLICATION_PHASES` runs inside ``phase(name)``, so that a
     caller can measure the steps of the very computation the daemon runs (the
-    round-overhead benchmark times them and takes their peak memory).
+    round-overhead benchmark times them and takes their peak memory); ``decode_update``
+    decodes the update piece by piece and applies each piece as it comes.
     """
-    # Each intermediate is dropped as soon as the next one exists: the round's peak memory
-    # is what the coordinator must provision, so nothing outlives its use.
+    # Each intermediate is dropped as soon as the next one exists, and the step's own
+    # intermediates are reused in place: the round's peak memory is what the coordinator
+    # must provision. Every in-place op is the out-of-place op's, so the bits are the same.
     stepped, carried = (params, residual) if names is None else _restricted(params, residual, names)
     with phase("outer_step"):
         optimizer = OuterOptimizer.from_state_dict(optimizer_state)
@@ -134,27 +140,81 @@ def publication_step(
             target = optimizer.step(params, mean)
         else:
             target = optimizer.step_subset(stepped, mean, own_steps=own_steps)
+        if consume_mean and isinstance(mean, dict):
+            mean.clear()
     with phase("encode_update"):
-        intended = update_to_publish(stepped, target, carried)
+        # The targets are the step's own new tensors: the update is formed in them.
+        intended = _update_in_place(stepped, target, carried)
         del target
         stream = encode_stream(intended, codec)
     with phase("decode_update"):
-        decoded = decode(stream.frames())
-    with phase("apply"):
-        new_residual = feedback_residual(intended, decoded)
+        # θ_{r+1} = θ_r + û and e' = intended - û, piece by piece: û is never held whole.
+        added, new_residual = _apply_pieces(stepped, intended, stream)
         del intended
+    with phase("apply"):
         if names is None:
-            new_params = apply_update(params, decoded)
+            new_params = added
         else:
-            new_params = apply_partial_update(params, decoded)
+            new_params = {name: added.get(name, tensor) for name, tensor in params.items()}
             new_residual = _merged_residual(params, residual, new_residual)
-        del decoded
+        del added
     return PublicationStep(
         params=new_params,
         stream=stream,
         residual=new_residual,
         optimizer_state=optimizer.state_dict(),
     )
+
+
+def _update_in_place(
+    params: Mapping[str, Tensor], target: dict[str, Tensor], residual: Mapping[str, Tensor] | None
+) -> dict[str, Tensor]:
+    """:func:`geofed.deltas.update_to_publish` formed in ``target``'s own tensors (new
+    tensors of the outer step, never θ's: checked), which it returns."""
+    for name, tensor in target.items():
+        base = params[name]
+        if tensor.data_ptr() == base.data_ptr() or tensor.dtype != base.dtype:
+            # Not expected of the outer step; fall back to the shared op.
+            return update_to_publish(params, target, residual)
+    for name, tensor in target.items():
+        tensor.sub_(params[name])
+        if residual is not None:
+            tensor.add_(residual[name])
+    return target
+
+
+def _apply_pieces(
+    params: Mapping[str, Tensor], intended: dict[str, Tensor], stream: EncodedStream
+) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
+    """Decode ``stream`` (the update û of ``intended``) piece by piece: each piece is added
+    to θ's slice into θ_{r+1} (:func:`geofed.deltas.apply_update`'s add) and taken off
+    ``intended``'s slice in place (:func:`geofed.deltas.feedback_residual`'s subtraction),
+    which becomes the new residual. Returns θ_{r+1}'s tensors of the update, in
+    ``intended``'s order, and the residual."""
+    if any(params[name].dtype != torch.float32 for name in intended):
+        # Decoded values are float32: other dtypes go through the shared whole-tensor ops.
+        decoded = decode(stream.frames())
+        residual = feedback_residual(intended, decoded)
+        return apply_update({name: params[name] for name in intended}, decoded), residual
+    added = {name: torch.empty_like(params[name]) for name in intended}
+    flat_params = {name: params[name].reshape(-1) for name in intended}
+    flat_added = {name: tensor.view(-1) for name, tensor in added.items()}
+    flat_intended = {name: tensor.view(-1) for name, tensor in intended.items()}
+    covered = dict.fromkeys(intended, 0)
+    decoder = StreamDecoder()
+    for frame in stream.frames():
+        for piece in decoder.feed(frame):
+            if piece.name not in covered:
+                raise ValueError(f"the update decodes a tensor {piece.name!r} it does not carry")
+            part = slice(piece.offset, piece.offset + piece.count)
+            torch.add(flat_params[piece.name][part], piece.values, out=flat_added[piece.name][part])
+            flat_intended[piece.name][part].sub_(piece.values)
+            covered[piece.name] += piece.count
+    decoder.finish()
+    short = [name for name, count in covered.items() if count != intended[name].numel()]
+    if short:
+        raise ValueError(f"the update does not cover tensors {short[:5]} whole")
+    return added, intended
 
 
 def _restricted(
@@ -339,6 +399,7 @@ def round_step(
         job.codec,
         names=job.round_names(state.version),
         own_steps=job.own_steps(state.version),
+        consume_mean=True,
     )
     return publication, combined.flagged
 

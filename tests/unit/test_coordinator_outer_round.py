@@ -34,7 +34,7 @@ from geofed.artifact_bundle import split_bundle
 from geofed.blobstore import BlobStore, FsBlobStore
 from geofed.codec import decode, encode_stream
 from geofed.codec_params import CodecParams
-from geofed.deltas import apply_update, pseudo_gradient
+from geofed.deltas import apply_update, feedback_residual, pseudo_gradient, update_to_publish
 from geofed.manifest import ArtifactProvenance, SignedManifest
 from geofed.params import parameters_vector_hash
 from geofed.pki import TrustBundle
@@ -123,6 +123,42 @@ def test_update_reconstructs_the_coordinators_parameters_bit_for_bit() -> None:
         torch.equal(second.params[n], apply_update(first.params, received2)[n]) for n in theta
     )
     assert second.optimizer_state["steps"] == 2
+
+
+def test_the_step_in_place_gives_the_bits_of_the_shared_ops_and_keeps_its_inputs() -> None:
+    theta = _params(0)
+    mean = pseudo_gradient(theta, _local(theta, 5))
+    optimizer = OuterOptimizer(OuterOptimizerConfig(lr=0.7, momentum=0.9))
+    first = publication_step(theta, mean, optimizer.state_dict(), None, INT8)
+    kept = {
+        "theta": {n: t.clone() for n, t in first.params.items()},
+        "residual": {n: t.clone() for n, t in first.residual.items()},
+        "mean": {n: t.clone() for n, t in mean.items()},
+    }
+    handed = dict(mean)
+    second = publication_step(
+        first.params, handed, first.optimizer_state, first.residual, INT8, consume_mean=True
+    )
+    assert handed == {}  # consumed once the step used it
+    # The same computation with the shared, out-of-place ops of geofed.deltas.
+    reference = OuterOptimizer.from_state_dict(first.optimizer_state)
+    target = reference.step(kept["theta"], kept["mean"])
+    intended = update_to_publish(kept["theta"], target, kept["residual"])
+    assert second.stream.to_bytes() == encode_stream(intended, INT8).to_bytes()
+    decoded = decode(second.stream.frames())
+    expected_residual = feedback_residual(intended, decoded)
+    expected_params = apply_update(kept["theta"], decoded)
+    for name in theta:
+        assert torch.equal(second.params[name], expected_params[name])
+        assert torch.equal(second.residual[name], expected_residual[name])
+        # Inputs untouched: the previous state and the caller's mean.
+        assert torch.equal(first.params[name], kept["theta"][name])
+        assert torch.equal(first.residual[name], kept["residual"][name])
+        assert torch.equal(mean[name], kept["mean"][name])
+    moved = second.optimizer_state["momentum_buffers"]
+    assert all(
+        not torch.equal(moved[n], first.optimizer_state["momentum_buffers"][n]) for n in theta
+    )
 
 
 def test_lossless_codec_leaves_no_residual() -> None:
