@@ -56,7 +56,6 @@ from benchmarks._machine import describe_machine, machine_line, targets_table
 from benchmarks._memory import current_rss_bytes, peak_rss_bytes, reset_peak_rss
 from benchmarks._report import publish
 from coordinator.aggregation import DeltaStager, StagedDelta, WeightedSum
-from coordinator.artifacts import Location, Signer
 from coordinator.outer_optimizer import OuterOptimizer, OuterOptimizerConfig
 from coordinator.outer_round import (
     PUBLICATION_PHASES,
@@ -68,14 +67,13 @@ from coordinator.outer_round import (
     publish_initial,
     store_round,
 )
-from coordinator.working_state import ParamsStore, WorkingState
+from coordinator.working_state import WorkingState
 from geofed.blobstore import BlobStore, FsBlobStore
 from geofed.codec import decode, encode_stream
 from geofed.codec_params import SCHEMES, CodecParams, Scheme
 from geofed.examples.charlm.model import CharTransformer
-from geofed.manifest import ArtifactProvenance
 from geofed.params import federated_state, parameters_vector_hash
-from tests.support.pki import make_federation
+from tests.support.publishing import job_publishing
 
 RESULTS = Path(__file__).resolve().parent / "results"
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -166,24 +164,9 @@ def naive_mean(
 
 def publishing(root: Path, shapes: Shapes, codec: CodecParams, job: str) -> JobPublishing:
     """A job's checkpoint location and working-state store on the local disk, signing with
-    a coordinator certificate of a throw-away CA (made with the test suite's PKI helper)."""
-    coordinator = make_federation(root / "pki", "bench").coordinator()
-    blobs = FsBlobStore(root / "state" / "blobs")
-    return JobPublishing(
-        job=job,
-        codec=codec,
-        snapshot_every=1,  # the round that also writes a snapshot: the worst case
-        provenance=(ArtifactProvenance(region="region-00", jurisdiction="EU", datasets=("d",)),),
-        specs=dict(shapes),
-        location=Location.open("bench-ckpt", "EU", "region-00", root / "ckpt"),
-        signer=Signer(
-            coordinator.identity,
-            coordinator.credential.certificate,
-            coordinator.credential.private_key,
-        ),
-        params_store=ParamsStore(blobs),
-        deltas=blobs,
-    )
+    a coordinator certificate of a throw-away CA (made with the test suite's PKI helper).
+    Every round also writes a snapshot: the worst case."""
+    return job_publishing(root, shapes, codec, job=job, snapshot_every=1)
 
 
 @dataclass

@@ -17,7 +17,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from coordinator.artifacts import Location, Signer
 from coordinator.checkpoints import EntryKind
 from coordinator.outer_optimizer import OuterOptimizer, OuterOptimizerConfig
 from coordinator.outer_round import (
@@ -29,7 +28,7 @@ from coordinator.outer_round import (
     publish_initial,
     publish_round,
 )
-from coordinator.working_state import ParamsStore, WorkingState
+from coordinator.working_state import WorkingState
 from geofed.artifact_bundle import split_bundle
 from geofed.blobstore import BlobStore, FsBlobStore
 from geofed.codec import decode, encode_stream
@@ -40,6 +39,7 @@ from geofed.params import parameters_vector_hash
 from geofed.pki import TrustBundle
 from geofed.types import ArtifactKind
 from tests.support.pki import make_federation
+from tests.support.publishing import job_publishing
 
 NOW = datetime.now(UTC)
 
@@ -194,27 +194,19 @@ def test_phase_hook_sees_every_step_in_order_and_changes_nothing() -> None:
 
 def _publishing(tmp_path: Path, snapshot_every: int = 2) -> tuple[JobPublishing, TrustBundle]:
     fed = make_federation(tmp_path / "fed")
-    coordinator = fed.coordinator()
-    deltas = FsBlobStore(tmp_path / "state" / "blobs")
-    signer = Signer(
-        coordinator.identity,
-        coordinator.credential.certificate,
-        coordinator.credential.private_key,
+    provenance = (
+        ArtifactProvenance(region="eu-west", jurisdiction="EU", datasets=("eu-a",)),
+        ArtifactProvenance(region="us-east", jurisdiction="US", datasets=("us-b",)),
     )
-    return JobPublishing(
-        job="job-1",
-        codec=INT8,
+    job = job_publishing(
+        tmp_path,
+        _shapes(_params(0)),
+        INT8,
         snapshot_every=snapshot_every,
-        provenance=(
-            ArtifactProvenance(region="eu-west", jurisdiction="EU", datasets=("eu-a",)),
-            ArtifactProvenance(region="us-east", jurisdiction="US", datasets=("us-b",)),
-        ),
-        specs=_shapes(_params(0)),
-        location=Location.open("eu-ckpt", "EU", "eu-west", tmp_path / "ckpt"),
-        signer=signer,
-        params_store=ParamsStore(deltas),
-        deltas=deltas,
-    ), fed.bundle()
+        provenance=provenance,
+        federation=fed,
+    )
+    return job, fed.bundle()
 
 
 def test_published_round_is_signed_stored_and_reproducible(tmp_path: Path) -> None:

@@ -14,7 +14,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from coordinator.artifacts import Location, Signer
 from coordinator.outer_optimizer import OuterOptimizer, OuterOptimizerConfig
 from coordinator.outer_round import DeltaSource, JobPublishing, publish_initial, publish_round
 from coordinator.quarantine import Quarantine, QuarantineConfig
@@ -25,16 +24,13 @@ from coordinator.state_replay import ReplayRound, replay_inputs, replay_rounds
 from coordinator.store import Receipt
 from coordinator.working_state import (
     ParamsError,
-    ParamsStore,
     WorkingState,
     read_pointers,
 )
-from geofed.blobstore import FsBlobStore
 from geofed.codec import encode_stream
 from geofed.codec_params import CodecParams
 from geofed.deltas import pseudo_gradient
-from geofed.manifest import ArtifactProvenance
-from tests.support.pki import make_federation
+from tests.support.publishing import job_publishing
 
 INT8 = CodecParams(scheme="int8", block_size=32, zstd_level=1)
 REGIONS = (("us-east", 300), ("eu-west", 100))
@@ -50,24 +46,8 @@ def _params() -> dict[str, torch.Tensor]:
 
 
 def _publishing(tmp_path: Path) -> JobPublishing:
-    fed = make_federation(tmp_path / "fed")
-    coordinator = fed.coordinator()
-    blobs = FsBlobStore(tmp_path / "state" / "blobs")
-    return JobPublishing(
-        job="job-1",
-        codec=INT8,
-        snapshot_every=100,
-        provenance=(ArtifactProvenance(region="eu-west", jurisdiction="EU", datasets=("a",)),),
-        specs={name: tuple(t.shape) for name, t in _params().items()},
-        location=Location.open("eu-ckpt", "EU", "eu-west", tmp_path / "ckpt"),
-        signer=Signer(
-            coordinator.identity,
-            coordinator.credential.certificate,
-            coordinator.credential.private_key,
-        ),
-        params_store=ParamsStore(blobs),
-        deltas=blobs,
-    )
+    shapes = {name: tuple(t.shape) for name, t in _params().items()}
+    return job_publishing(tmp_path, shapes, INT8, snapshot_every=100)
 
 
 def _round_deltas(job: JobPublishing, state: WorkingState) -> ReplayRound:
