@@ -28,9 +28,11 @@ from prometheus_client import CollectorRegistry
 
 from coordinator import api_admin, api_data, api_export, api_lineage
 from coordinator.async_store import AsyncStore
+from coordinator.audit import AuditEvent, AuditVerdict
 from coordinator.auth import header_identity_middleware, refuse_identity_header_middleware
 from coordinator.control import ControlPlane
-from coordinator.errors import ApiError
+from coordinator.cross_site import cross_site_refusal
+from coordinator.errors import ApiError, Forbidden
 from coordinator.executors import Executors
 from coordinator.http_server import error_code
 from coordinator.jobs import JobManager
@@ -42,9 +44,15 @@ from coordinator.services import Services
 from coordinator.store_backends import open_state_store
 from coordinator.ui import handler as status_page
 from coordinator.uploads import UploadService
-from geofed.pki.httpauth import RefusalHook, identity_middleware
+from geofed.pki.httpauth import PEER_IDENTITY, RefusalHook, identity_middleware
 
-__all__ = ["INSECURE_BANNER", "create_app", "error_middleware", "identity_middlewares"]
+__all__ = [
+    "INSECURE_BANNER",
+    "create_app",
+    "cross_site_middleware",
+    "error_middleware",
+    "identity_middlewares",
+]
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +83,28 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
             {"error": "internal", "message": "internal error; see the coordinator's log"},
             status=500,
         )
+
+
+@web.middleware
+async def cross_site_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Refuse, 403 ``cross_site`` and audited, a mutating request another site's page may
+    have made a browser send (:func:`coordinator.cross_site.cross_site_refusal`)."""
+    reason = cross_site_refusal(request.method, request.headers, request.scheme, request.host)
+    if reason is None:
+        return await handler(request)
+    actor = request.get(PEER_IDENTITY) or f"unverified peer {request.remote}"
+    log.warning("refused %s %s from %s: %s", request.method, request.path, actor, reason)
+    services = request.app.get(SERVICES)
+    if services is not None:
+        await services.db.append_audit(
+            AuditEvent(
+                actor=actor,
+                action="request.cross_site",
+                verdict=AuditVerdict.DENY,
+                details={"method": request.method, "path": request.path, "reason": reason},
+            )
+        )
+    raise Forbidden(f"refused {reason}", "cross_site")
 
 
 def identity_middlewares(
@@ -108,7 +138,11 @@ def create_app(
     config = runtime.config
     limits = config.limits
     app = web.Application(
-        middlewares=[error_middleware, *identity_middlewares(runtime, api_data.refused_peer)],
+        middlewares=[
+            error_middleware,
+            *identity_middlewares(runtime, api_data.refused_peer),
+            cross_site_middleware,
+        ],
         client_max_size=max(limits.max_manifest_bytes, limits.max_job_spec_bytes) + 4096,
         # A connection without a complete request (unfinished headers included) for
         # request_s is closed, so no client holds one open for long.

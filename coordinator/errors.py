@@ -34,6 +34,7 @@ CODES: Final = frozenset(
         "codec_mismatch",
         "tokens_out_of_bounds",
         "forbidden",
+        "cross_site",
         "bad_signature",
         "producer_mismatch",
         "untrusted_certificate",

@@ -220,7 +220,7 @@ async def test_two_agents_train_a_job_through_an_agent_crash(tmp_path: Path) -> 
                 await watcher.until(ready, 90, "both agents to start their worker groups")
                 operator = running.session(setup.operator)
                 spec = job_yaml(JOB, rounds=3, extra=TRAINING_YAML)
-                async with operator.post("/v1/jobs", data=spec) as answer:
+                async with operator.post("/v1/jobs", data=spec.encode()) as answer:
                     assert answer.status == 201, await answer.text()
 
                 # us-east dies (SIGKILL: no goodbye) right after delivering round 0, and

@@ -142,7 +142,7 @@ async def test_a_spot_notice_finishes_the_round_in_the_grace_or_stops_at_a_step(
 
                 await watcher.until(ready, 90, "both agents to start their worker groups")
                 operator = running.session(setup.operator)
-                async with operator.post("/v1/jobs", data=SLOW_JOB) as answer:
+                async with operator.post("/v1/jobs", data=SLOW_JOB.encode()) as answer:
                     assert answer.status == 201, await answer.text()
                 await watcher.until(
                     lambda: all(delivered(watcher, r, 0) for r in REGIONS), 90, "round 0"

@@ -397,6 +397,11 @@ class FakeRegion:
 async def request(
     session: aiohttp.ClientSession, method: str, path: str, **kwargs: Any
 ) -> tuple[int, dict[str, Any]]:
+    """One request and its JSON answer. A ``str`` body (a job spec) goes as YAML: aiohttp
+    would label it ``text/plain``, which the coordinator refuses as a page's form post."""
+    if isinstance(kwargs.get("data"), str):
+        kwargs["data"] = kwargs["data"].encode("utf-8")
+        kwargs["headers"] = {"Content-Type": "application/yaml", **kwargs.get("headers", {})}
     async with session.request(method, path, **kwargs) as response:
         body = await response.json(content_type=None)
         return response.status, body
