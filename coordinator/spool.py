@@ -43,16 +43,19 @@ class Spool:
             raise ValueError(f"round must be >= 0, got {round}")
         return self._root / job / str(round) / region / digest
 
-    def save_manifest(self, job: str, round: int, region: str, digest: str, data: bytes) -> None:
+    def save_manifest(self, job: str, round: int, region: str, digest: str, data: bytes) -> bool:
         """Keep the upload's manifest, and create its empty stream file unless it exists (a
-        manifest sent again keeps the frames already received)."""
+        manifest sent again keeps the frames already received); True when the file was
+        created now, so that no frame of the upload is on disk."""
         directory = self._make(self.upload_dir(job, round, region, digest))
         stream = directory / _STREAM
-        if not stream.exists():
+        created = not stream.exists()
+        if created:
             fd = os.open(stream, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
             os.close(fd)
         # Its directory is fsynced with the manifest's rename, the stream's entry with it.
         atomic_write_bytes(directory / _MANIFEST, data, private=True)
+        return created
 
     def load_manifest(self, job: str, round: int, region: str, digest: str) -> bytes | None:
         path = self.upload_dir(job, round, region, digest) / _MANIFEST

@@ -109,18 +109,22 @@ def record_job_change(
 
 
 def open_upload(
-    store: Store, job: str, round: int, region: str, manifest_digest: str
+    store: Store, job: str, round: int, region: str, manifest_digest: str, *, fresh: bool = False
 ) -> dict[int, str]:
     """Point the region's open upload at this manifest; return its frames received so far.
 
     An upload of another manifest for the same round is forgotten (its frames with it);
-    the same manifest again resumes where it stopped.
+    the same manifest again resumes where it stopped, unless ``fresh``: the spool holds
+    none of its frames (its stream file was made anew), so the rows of frames recorded
+    before are forgotten too.
     """
     pointer = upload_pointer(round, region)
     with store.transaction():
         previous = store.get_pointer(job, pointer)
         if previous and previous != manifest_digest:
             store.clear_upload(job, round, region, previous)
+        if fresh:
+            store.clear_upload(job, round, region, manifest_digest)
         store.set_pointer(job, pointer, manifest_digest)
     return store.uploaded_chunks(job, round, region, manifest_digest)
 

@@ -241,8 +241,10 @@ class UploadService:
         if accepted is not None:
             again = accepted_again(accepted, digest, job=job, round=round, region=region)
             return {"state": "accepted", "receipt": receipt_json(again)}
-        await self._s.executors.files(self._spool.save_manifest, job, round, region, digest, body)
-        received = await self._s.db.run(open_upload, job, round, region, digest)
+        fresh = await self._s.executors.files(
+            self._spool.save_manifest, job, round, region, digest, body
+        )
+        received = await self._s.db.run(open_upload, job, round, region, digest, fresh=fresh)
         self._remember(digest, signed)
         return {
             "state": "open",
@@ -283,7 +285,13 @@ class UploadService:
                     f"records {record.size} bytes with sha256 {record.sha256}",
                     "corrupt_chunk",
                 )
-            self._spool.write_chunk(job, round, region, digest, offset, data)
+            try:
+                self._spool.write_chunk(job, round, region, digest, offset, data)
+            except FileNotFoundError:
+                raise NotFound(
+                    f"the open upload of {region} for round {round} lost its spooled stream: "
+                    "PUT its manifest again"
+                ) from None
             return actual
 
         actual = await self._s.executors.files(check_and_write)
@@ -319,15 +327,25 @@ class UploadService:
             )
         sizes = [chunk.size for chunk in signed.manifest.chunks]
         frames = self._spool.frames(job, round, region, digest, sizes)
-        stream_digest, size, staged = await self._s.executors.compute(
-            verify_and_store,
-            frames,
-            signed,
-            engine.ctx.round_tensor_specs(round),
-            self._s.runtime.deltas,
-            stage_as=region if engine.folds_on_arrival else None,
-            adopt=self._spool.stream_path(job, round, region, digest),
-        )
+        try:
+            stream_digest, size, staged = await self._s.executors.compute(
+                verify_and_store,
+                frames,
+                signed,
+                engine.ctx.round_tensor_specs(round),
+                self._s.runtime.deltas,
+                stage_as=region if engine.folds_on_arrival else None,
+                adopt=self._spool.stream_path(job, round, region, digest),
+            )
+        except FileNotFoundError:
+            # Another commit of the same upload took the stream first, or it was lost.
+            accepted = await self._s.db.receipt(job, round, region)
+            if accepted is not None and accepted.manifest_digest == digest:
+                return {"state": "accepted", "receipt": receipt_json(accepted)}
+            raise NotFound(
+                f"the open upload of {region} for round {round} lost its spooled stream: "
+                "PUT its manifest again"
+            ) from None
         await note_delta(self._s, job, engine.ctx.spec.task.spec, region, digest, signed.manifest)
         tokens = signed.manifest.tokens or 0
         offer = DeltaOffer(

@@ -222,3 +222,36 @@ async def test_a_round_below_quorum_is_extended_then_retried_keeping_its_deltas(
             await announcements.until(round=1, state="open", timeout_s=10, job="retried")
             failed = 'geofed_rounds_failed_total{job="retried"}'
             assert await metric_value(running, operator, failed) >= 1.0
+
+
+async def test_an_upload_whose_spooled_stream_is_lost_is_sent_again_whole(
+    tmp_path: Path,
+) -> None:
+    async with EmbeddedBroker() as broker, Announcements(broker.port) as announcements:
+        setup = write_setup(tmp_path, broker.port)
+        async with coordinator(setup) as running:
+            base = await _job_open(running, announcements)
+            eu = running.region("eu-west")
+            manifest, stream = eu.delta("tiny", 0, base, seed=1)
+            frames = list(stream.frames())
+            assert len(frames) >= 3
+            path = eu.path("tiny", 0)
+            status, body = await request(eu.session, "PUT", path + "/manifest", data=manifest)
+            assert (status, body["received"]) == (200, []), body
+            status, body = await request(eu.session, "PUT", f"{path}/chunks/0", data=frames[0])
+            assert status == 200, body
+
+            # The spooled stream is lost (a replaced disk, a hand's rm) while frame 0 is
+            # recorded as received.
+            spool = setup.root / "state" / "spool" / "tiny" / "0" / "eu-west"
+            [lost] = spool.glob("*/stream")
+            lost.unlink()
+            status, body = await request(eu.session, "PUT", f"{path}/chunks/1", data=frames[1])
+            assert (status, body["error"]) == (404, "not_found"), body
+            assert "lost its spooled stream: PUT its manifest again" in body["message"]
+            # Offered again, no frame counts as received any more: all of them go again.
+            status, body = await request(eu.session, "PUT", path + "/manifest", data=manifest)
+            assert (status, body["received"]) == (200, []), body
+            status, body = await eu.three_step("tiny", 0, manifest, stream)
+            assert (status, body["state"]) == (200, "accepted"), body
+            assert not list(spool.glob("*/stream"))  # it became the delta's blob
