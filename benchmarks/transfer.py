@@ -152,7 +152,11 @@ async def _open_job(fed: Federation, name: str) -> dict[str, Any]:
     """Submit a copy of the job named ``name``; its status once round 0 collects deltas."""
     spec = {**fed.job, "job": name}
     status, body = await _json(
-        fed.operator, "POST", f"{fed.base_url}/v1/jobs", data=yaml.safe_dump(spec)
+        fed.operator,
+        "POST",
+        f"{fed.base_url}/v1/jobs",
+        data=yaml.safe_dump(spec).encode(),
+        headers={"Content-Type": "application/yaml"},
     )
     if status != 201:
         raise RuntimeError(f"job {name} refused: {status} {body}")

@@ -9,12 +9,9 @@ and audited. Files are served with HTTP ``Range`` support so a download resumes.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 from aiohttp import web
-from aiohttp.abc import AbstractStreamWriter
 
 from coordinator.api_admin import int_query, visible_engine
 from coordinator.artifacts import chain_at, find_entry
@@ -22,12 +19,12 @@ from coordinator.auth import caller
 from coordinator.checkpoints import CheckpointEntry, EntryKind
 from coordinator.engine import JobEngine
 from coordinator.errors import ApiError, BadRequest, Forbidden, NotFound
+from coordinator.file_response import BoundedFile
 from coordinator.keys import SERVICES, UPLOADS
 from coordinator.residency import region_download
 from geofed.api_paths import ApiPaths
 from geofed.blobstore import InvalidDigest, validate_digest
 from geofed.pki.errors import CertificateRefused
-from geofed.timeouts import wait_for
 from geofed.types import Identity, InvalidName, Role, validate_name
 
 __all__ = ["refused_peer", "routes"]
@@ -212,32 +209,9 @@ async def _serve(
         if status == 200:
             services.metrics.fp32_equivalent_bytes.labels(direction="sent").inc(fp32)
 
-    return _CountedFile(
+    return BoundedFile(
         ctx.publishing.location.path_of(entry.payload_digest),
-        sent,
         services.config.timeouts.download_s,
         headers={"Content-Type": "application/octet-stream"},
+        on_sent=sent,
     )
-
-
-class _CountedFile(web.FileResponse):
-    """A file response (``Range`` included) that reports what it sent, within a time limit."""
-
-    def __init__(
-        self,
-        path: Path,
-        on_sent: Callable[[int, int], None],
-        timeout_s: float,
-        headers: dict[str, str],
-    ) -> None:
-        super().__init__(path, headers=headers)
-        self._on_sent = on_sent
-        self._timeout_s = timeout_s
-
-    async def prepare(self, request: web.BaseRequest) -> AbstractStreamWriter | None:
-        # A client that stops reading would hold the connection forever; download_s bounds it.
-        writer = await wait_for(
-            super().prepare(request), self._timeout_s, f"sending {request.path}"
-        )
-        self._on_sent(self.status, self.content_length or 0)
-        return writer

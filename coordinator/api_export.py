@@ -36,11 +36,11 @@ from coordinator.auth import require_role
 from coordinator.bodies import read_limited
 from coordinator.checkpoints import CheckpointEntry
 from coordinator.errors import BadRequest, NotFound
+from coordinator.file_response import BoundedFile
 from coordinator.keys import SERVICES
 from coordinator.residency import policy_denied
 from geofed.api_paths import ApiPaths
 from geofed.blobstore import InvalidDigest, validate_digest
-from geofed.timeouts import wait_for
 from geofed.types import ArtifactKind, Identity, InvalidName, Role, validate_name
 from policies import Endpoint, PolicySet, Transfer
 from policies.destinations import validate_jurisdiction
@@ -218,12 +218,12 @@ async def export_artifact(request: web.Request) -> web.StreamResponse:
         raise NotFound(f"export {key} of job {engine.job} grants {identity} no artifact {digest}")
     services = request.app[SERVICES]
     path = engine.ctx.publishing.location.path_of(digest)
-    response = web.FileResponse(path, headers={"Content-Type": "application/octet-stream"})
-    # A client that stops reading would hold the connection forever; download_s bounds it.
-    await wait_for(
-        response.prepare(request), services.config.timeouts.download_s, f"sending {request.path}"
+    # Prepared by aiohttp, within download_s (a client that stops reading is let go).
+    return BoundedFile(
+        path,
+        services.config.timeouts.download_s,
+        headers={"Content-Type": "application/octet-stream"},
     )
-    return response
 
 
 async def _json_body(request: web.Request) -> dict[str, Any]:
