@@ -217,3 +217,9 @@ async def test_export_rebuilds_the_published_model(tmp_path: Path) -> None:
         assert "refused" in refused.stderr, refused.stderr
         assert "global_update" in refused.stderr, refused.stderr
         assert not tampered.exists()
+
+        # The exports it served left no traceback in the coordinator's log (a response
+        # prepared twice would log an AssertionError for every artifact sent).
+        daemon = next(c for c in fed.children.children if c.name == "coordinator")
+        log = daemon.log_file.read_text(errors="replace")
+        assert "Traceback" not in log, daemon.log_tail(60)
