@@ -38,7 +38,7 @@ from pydantic import (
 from geofed.codec_params import CodecParams
 from geofed.control.errors import MessageError
 from geofed.evaluation_config import EvaluationConfig
-from geofed.outer_step import OuterOptimizerConfig
+from geofed.outer_step_config import OuterOptimizerConfig
 from geofed.training_config import TrainingConfig
 from geofed.types import validate_name
 
