@@ -127,6 +127,10 @@ class ChaosReport:
         }
 
 
+#: Audit verdicts of an action that took place (``coordinator.audit.AuditVerdict``).
+_DONE: Final = frozenset({"allow", "ok"})
+
+
 def judge_chaos(
     job: str,
     regions: Sequence[str],
@@ -146,7 +150,9 @@ def judge_chaos(
     published: dict[int, list[Mapping[str, Any]]] = {}
     accepted: set[tuple[int, str]] = set()
     for entry in audit:
-        if entry.get("job") != job or entry.get("verdict") != "ok":
+        # The coordinator records an acceptance as a decision ("allow") and a publication
+        # as an operation ("ok"); a refusal or a failure is neither.
+        if entry.get("job") != job or entry.get("verdict") not in _DONE:
             continue
         if entry.get("action") == "round.publish":
             published.setdefault(int(entry["round"]), []).append(entry.get("details") or {})

@@ -1,4 +1,5 @@
-"""``geofed demo --chaos``: the plan, the verdict, and finding a region's workers (pure)."""
+"""``geofed demo --chaos``: the plan, the verdict (also on an audit log the coordinator's own
+transactions wrote), and finding a region's workers."""
 
 from __future__ import annotations
 
@@ -7,6 +8,10 @@ from typing import Any
 
 import pytest
 
+from coordinator.sqlite_store import SqliteStore
+from coordinator.transactions import DeltaOffer, accept_delta, record_publication
+from geofed.blobstore import sha256_hex
+from geofed.types import Identity, Role
 from geofed_cli.demo.chaos import FAULTS, InjectedFault, judge_chaos, plan_chaos, worker_pids
 
 
@@ -31,7 +36,8 @@ def test_the_faults_are_spread_over_the_job_one_of_each() -> None:
 def _entry(action: str, round_: int, region: str | None = None, **details: Any) -> dict[str, Any]:
     return {
         "action": action,
-        "verdict": "ok",
+        # As the coordinator records them: an acceptance is a decision, a publication done.
+        "verdict": "allow" if action == "delta.accept" else "ok",
         "job": "j",
         "round": round_,
         "region": region,
@@ -109,3 +115,40 @@ def test_a_regions_workers_are_found_by_descent_not_by_session(tmp_path: Path) -
     assert worker_pids(100, proc) == [111, 112]
     assert worker_pids(200, proc) == [211]
     assert worker_pids(999, proc) == []
+
+
+def _offer(region: str, round_: int) -> DeltaOffer:
+    actor = Identity("acme", Role.REGION, region)
+    manifest = sha256_hex(f"{region}/{round_}".encode())
+    return DeltaOffer(region, round_, manifest, sha256_hex(manifest.encode()), 1, 100, 2.0, actor)
+
+
+def test_a_delta_accepted_and_never_published_is_reported_from_a_real_audit_log(
+    tmp_path: Path,
+) -> None:
+    """The audit log as the coordinator's own transactions write it, in SQLite."""
+    store = SqliteStore(tmp_path / "state.db")
+    store.create_job("j", {}, "running")
+    coordinator = Identity("acme", Role.COORDINATOR, "main")
+    for region in ("eu-west", "us-east"):
+        accept_delta(store, "j", _offer(region, 0), {"phase": "collecting"}, "quorum")
+    details = {"included": ["eu-west", "us-east"], "params_hash": "a" * 64}
+    record_publication(
+        store, "j", 0, {"phase": "published"}, {"version": "1"},
+        completed=False, actor=coordinator, details=details,
+    )  # fmt: skip
+    # Round 1: eu-west's delta is accepted, then the round is never published.
+    accept_delta(store, "j", _offer("eu-west", 1), {"phase": "collecting"}, "quorum")
+    audit = [entry.to_dict() for entry in store.audit_entries(0, 1000, "j")]
+    store.close()
+    assert {(e["action"], e["verdict"]) for e in audit} == {
+        ("delta.accept", "allow"),
+        ("round.publish", "ok"),
+    }
+    statuses = [
+        {"region": "eu-west", "job": "j", "round": 1, "params_hash": "a" * 64},
+        {"region": "us-east", "job": "j", "round": 1, "params_hash": "a" * 64},
+    ]
+    report = judge_chaos("j", ["eu-west", "us-east"], audit, statuses, [])
+    assert report.lost == ["eu-west's accepted delta of round 1: never published"]
+    assert report.regions_agree
