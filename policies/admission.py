@@ -22,7 +22,7 @@ from policies.destinations import Endpoint
 from policies.placement import JobPlacement, StorageLocation
 from policies.policy_set import PolicySet
 from policies.provenance import Provenance
-from policies.transfer import Transfer, decide_transfer
+from policies.transfer import Transfer, decide_transfer, no_policy
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,7 +46,11 @@ def admit_job(policies: PolicySet, placement: JobPlacement) -> Admission:
     coordinator = Endpoint.coordinator(placement.coordinator_jurisdiction)
     for region, datasets in placement.regions.items():
         here = Endpoint.of_region(region, policies.jurisdiction_of(region))
-        decisions.extend(_dataset_checks(policies, here, datasets))
+        if region not in policies:
+            # Said first and alone: its datasets' checks would only echo it.
+            decisions.append(Decision.of(f"training in region {region}", [no_policy(region)]))
+        else:
+            decisions.extend(_dataset_checks(policies, here, datasets))
         # The region itself contributes (its deltas carry its training), whatever data it uses.
         local = Provenance.of({region: ()}).union(_provenance_of(policies, datasets))
         provenance = provenance.union(local)

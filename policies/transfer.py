@@ -46,19 +46,20 @@ def _verdicts(policies: PolicySet, transfer: Transfer) -> Iterator[Verdict]:
     for region, datasets in transfer.provenance.contributions:
         loaded = policies.get(region)
         if loaded is None:
-            yield _no_policy(region, "contributing region")
+            yield no_policy(region, "contributing region")
             continue
         yield from _region_verdicts(policies, loaded, transfer, datasets, contributed=True)
     source_region = transfer.source.region
     if source_region is not None and source_region not in transfer.provenance.region_names:
         loaded = policies.get(source_region)
         if loaded is None:
-            yield _no_policy(source_region, "source region")
+            yield no_policy(source_region, "source region")
         else:
             yield from _region_verdicts(policies, loaded, transfer, frozenset(), contributed=False)
 
 
-def _no_policy(region: str, role: str) -> Verdict:
+def no_policy(region: str, role: str = "region") -> Verdict:
+    """The verdict on ``region`` (in ``role``), which no loaded policy covers: denied."""
     return Verdict(
         False,
         RuleRef(f"{region}:no-policy"),

@@ -473,3 +473,15 @@ def test_more_contributors_never_loosen_a_decision(
 
     if allowed(smaller | extra):
         assert allowed(smaller)
+
+
+def test_a_region_without_a_policy_is_named_first_not_its_datasets(federation: PolicySet) -> None:
+    regions = {"mars": ["us-public-domain-books", "eu-cat-pictures"]}
+    admission = admit_job(federation, JobPlacement.build(regions, "EU", [US_CKPT]))
+    assert not admission.admitted
+    first = admission.denials[0]
+    assert first.subject == "training in region mars"
+    assert [v.reason for v in first.verdicts] == [
+        "no policy is loaded for region mars; default is deny"
+    ]
+    assert not [d for d in admission.decisions if d.subject.startswith("processing of dataset")]
