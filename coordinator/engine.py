@@ -207,12 +207,14 @@ class JobEngine:
         """Take regions the manager has already stored: at once when no round of the
         current version was opened yet, else at the next round boundary. True: at once."""
         self.membership = membership
-        if self._round_opened():
+        if self.round_opened():
             return False
         self._apply(membership)
         return True
 
-    def _round_opened(self) -> bool:
+    def round_opened(self) -> bool:
+        """Whether a round of the current version was opened (a change of regions then
+        waits for the next round boundary)."""
         rs = self.round_state
         return rs is not None and rs.config.round == self.version
 
@@ -505,7 +507,7 @@ class JobEngine:
     def _round_membership(self) -> Membership:
         """The regions the round of the current version opened on (they stay its regions
         whatever joins or leaves meanwhile); the job's own when none is open."""
-        if not self._round_opened() or self.record is None:
+        if not self.round_opened() or self.record is None:
             return self.membership
         config = self.record.state.config
         if config.shards is None or config.shard_count is None:

@@ -495,10 +495,15 @@ class JobManager:
             )
             at_once = engine.adopt(decision.membership)
             in_progress = None if at_once else engine.version
-        log.info("job %s: %s by %s", job, decision.reason, actor)
-        await self._s.control.event(
-            "job.regions", job=job, region=change.region, detail=decision.reason
-        )
+            # When it takes effect is the engine's to say, as it adopts the change.
+            reason = decision.reason + (
+                ", now (no round of the current version was open)"
+                if at_once
+                else f", from the next round boundary (round {in_progress} in progress keeps "
+                "its participants)"
+            )
+        log.info("job %s: %s by %s", job, reason, actor)
+        await self._s.control.event("job.regions", job=job, region=change.region, detail=reason)
         if engine.ctx.spec.needs is not None:
             self._request_pass(f"job {job}: {change.action} {change.region}")
         return {
@@ -508,7 +513,7 @@ class JobManager:
             "slot": decision.slot,
             "effective": "now" if at_once else "next_round",
             "round_in_progress": in_progress,  # keeps its participants
-            "reason": decision.reason,
+            "reason": reason,
             "shards": engine.status()["shards"],
         }
 

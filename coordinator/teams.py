@@ -63,15 +63,21 @@ def submission_refusal(identity: Identity, team: str, admins: Collection[str]) -
 def management_refusal(
     identity: Identity, action: str, job: str, team: str, admins: Collection[str]
 ) -> str | None:
-    """Why ``identity`` may not ``action`` job ``job`` of ``team``, or None when it may."""
+    """Why ``identity`` may not ``action`` job ``job`` of ``team``, or None when it may.
+    ``action`` is an audit action's verb (``pause``, ``regions``, ...)."""
     if is_admin(identity, admins):
         return None
+    doing = _PHRASES.get(action, f"{action} job {job}").format(job=job)
     if action in ADMIN_ONLY:
-        return f"{identity} may not {action} job {job}: only an admin may"
+        return f"{identity} may not {doing}: only an admin may"
     own = operator_team(identity)
     if team == own:
         return None
     return (
-        f"{identity} belongs to team {own} and may not {action} job {job} of team {team}; "
+        f"{identity} belongs to team {own} and may not {doing} of team {team}; "
         f"operators of team {team} or an admin may"
     )
+
+
+#: How a refusal says the actions whose verb is not a sentence's verb.
+_PHRASES: Final = {"regions": "change the regions of job {job}"}

@@ -215,8 +215,7 @@ def decide_change(
             )
         after = membership.joined(region, change.datasets)
         return ChangeDecision(
-            f"region {region} joins {job} on data shard {slot} of {membership.slots} "
-            f"from the next round boundary",
+            f"region {region} joins {job} on data shard {slot} of {membership.slots}",
             after,
             slot=slot,
         )
@@ -238,8 +237,7 @@ def decide_change(
             )
         slot = membership.assignment[region]
         return ChangeDecision(
-            f"region {region} leaves {job} at the next round boundary; data shard {slot} is "
-            "free for a later joiner",
+            f"region {region} leaves {job}; data shard {slot} is free for a later joiner",
             membership.left(region),
             slot=slot,
         )

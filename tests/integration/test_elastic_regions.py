@@ -100,6 +100,9 @@ async def test_regions_join_and_leave_a_running_job(tmp_path: Path) -> None:
         assert joined.returncode == 0, joined.stderr
         answer = json.loads(joined.stdout)
         assert "joins" in answer["reason"], answer
+        # The reason says when it takes effect, as "effective" does.
+        when = {"now": ", now (", "next_round": ", from the next round boundary ("}
+        assert when[answer["effective"]] in answer["reason"], answer
         assert answer["slot"] == 2, answer
         kept = answer["round_in_progress"]
         assert kept is None or kept >= before["round"], answer

@@ -38,6 +38,12 @@ def test_operator_team(name: str, team: str) -> None:
         ("vision--alice", "preempt", "vision", "only an admin may"),
         ("lead", "cancel", "vision", None),
         ("lead", "preempt", "nlp", None),
+        (
+            "ops",
+            "regions",
+            "vision",
+            "may not change the regions of job j of team vision; operators of team vision",
+        ),
     ],
 )
 def test_management(name: str, action: str, team: str, refused: str | None) -> None:
