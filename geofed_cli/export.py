@@ -37,6 +37,7 @@ from geofed_cli.jobs import (
     UsageError,
     _connection_arguments,
     _setting,
+    version_number,
 )
 
 _JURISDICTION_ENV = "GEOFED_JURISDICTION"
@@ -55,7 +56,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     export.add_argument("--out", type=Path, required=True, help="the checkpoint file to write")
     export.add_argument(
         "--round",
-        type=int,
+        type=version_number,
         default=None,
         help="the version θ_N to export (default: the newest published)",
     )

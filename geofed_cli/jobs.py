@@ -134,14 +134,24 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     status.set_defaults(handler=_overview)
 
 
-def _positive_int(text: str) -> int:
+def _whole_number(text: str, least: int) -> int:
     try:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    if value < least:
+        raise argparse.ArgumentTypeError(f"must be at least {least}, got {value}")
     return value
+
+
+def _positive_int(text: str) -> int:
+    return _whole_number(text, 1)
+
+
+def version_number(text: str) -> int:
+    """An argparse type for a version θ_N: a whole number, 0 or more (a usage error, exit
+    2, otherwise)."""
+    return _whole_number(text, 0)
 
 
 def _connection_arguments(parser: argparse.ArgumentParser) -> None:

@@ -14,7 +14,7 @@ import sys
 from typing import Any, TextIO
 
 from geofed.api_paths import ApiPaths
-from geofed_cli.jobs import _connection_arguments, show
+from geofed_cli.jobs import _connection_arguments, show, version_number
 
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -27,7 +27,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     )
     lineage.add_argument("job", metavar="JOB", help="job id")
     lineage.add_argument(
-        "--round", type=int, default=None, help="the version θ_N (default: the newest)"
+        "--round", type=version_number, default=None, help="the version θ_N (default: the newest)"
     )
     _connection_arguments(lineage)
     lineage.set_defaults(handler=_lineage)
@@ -79,4 +79,26 @@ def print_lineage(body: dict[str, Any], out: TextIO) -> None:
         )
     for key in ("codec", "training", "outer_optimizer", "aggregation"):
         if record.get(key) is not None:
-            print(f"  {key}: {record[key]}", file=out)
+            print(f"  {key}: {readable(record[key])}", file=out)
+
+
+def readable(value: Any) -> str:
+    """A setting as a person reads it: ``key value`` pairs, nested ones in parentheses,
+    lists comma-separated (never a Python repr)."""
+    if isinstance(value, dict):
+        if not value:
+            return "none"
+        parts = []
+        for key, item in value.items():
+            shown = readable(item)
+            parts.append(
+                f"{key} ({shown})" if isinstance(item, dict) and item else f"{key} {shown}"
+            )
+        return ", ".join(parts)
+    if isinstance(value, list | tuple):
+        return "[" + ", ".join(readable(item) for item in value) + "]"
+    if value is None:
+        return "none"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    return str(value)

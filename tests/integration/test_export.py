@@ -139,6 +139,9 @@ async def test_export_rebuilds_the_published_model(tmp_path: Path) -> None:
         assert text.returncode == 0, text.stderr
         assert text.stdout.startswith(f"job {job} θ_1: made by round 0"), text.stdout
         assert "eu-west (EU; datasets" in text.stdout
+        codec = next(line for line in text.stdout.splitlines() if line.startswith("  codec: "))
+        assert "scheme int8" in codec, codec  # read as a person reads it, not a Python repr
+        assert "{'" not in text.stdout, text.stdout
 
         # torch, to the operator's own jurisdiction (the default destination).
         pt_file = tmp_path / "model.pt"
