@@ -88,8 +88,10 @@ class DeadlineConfig(BaseModel):
         """Refuse a minimum deadline that a single permitted upload could outlast."""
         if not self.min_s > timeouts.upload_s:
             raise DeadlineError(
-                f"deadline min_s ({self.min_s:g}) must be greater than upload_s "
-                f"({timeouts.upload_s:g})"
+                f"deadline min_s ({self.min_s:g}) must be greater than the coordinator's "
+                f"timeouts.upload_s ({timeouts.upload_s:g}): a round must outlast one upload; "
+                "raise the job's deadline.min_s (and initial_s) or lower timeouts.upload_s "
+                "in the coordinator's config"
             )
 
 

@@ -120,7 +120,9 @@ def test_config_validation(fields, needle) -> None:
 def test_config_checked_against_the_timeouts() -> None:
     DeadlineConfig().check_against(Timeouts())
     with pytest.raises(
-        DeadlineError, match=r"deadline min_s \(120\) must be greater than upload_s \(300\)"
+        DeadlineError,
+        match=r"deadline min_s \(120\) must be greater than the coordinator's "
+        r"timeouts\.upload_s \(300\): .* lower timeouts\.upload_s in the coordinator's config",
     ):
         CONFIG.check_against(Timeouts())
 
