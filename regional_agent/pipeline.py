@@ -66,7 +66,14 @@ from regional_agent.overlap_pipeline import DelayedRounds
 from regional_agent.residency import ExportGate
 from regional_agent.round_timeline import Phase, Timeline
 from regional_agent.schedule import Progress, judge_lost_delta, judge_rollback
-from regional_agent.state import AgentState, DeltaMeta, JobDirectory, SpooledDelta, StateError
+from regional_agent.state import (
+    AgentState,
+    DeltaMeta,
+    JobDirectory,
+    ProgressDamaged,
+    SpooledDelta,
+    StateError,
+)
 from regional_agent.status import StatusReporter
 from regional_agent.sync import Params, ResyncFailed, Synced, Synchronizer
 from regional_agent.uploader import BaseMismatch, RoundClosed, Uploader, UploadRefused
@@ -227,6 +234,7 @@ class RoundPipeline:
         try:
             if resync:
                 await _blocking(job.forget_params)
+            await self._repair_progress(job, announcement)
             await _blocking(job.recover)
             await self._settle_speculation(job, announcement, resync)
             await self._follow_rollback(job, announcement)
@@ -499,6 +507,34 @@ class RoundPipeline:
         sent = f"{report.chunks_sent} chunks, {report.bytes_sent} bytes sent"
         return end(
             "accepted", f"delta accepted ({sent}{', resumed' if report.attempts > 1 else ''})"
+        )
+
+    async def _repair_progress(self, job: JobDirectory, announcement: RoundAnnouncement) -> None:
+        """Rebuild a damaged progress record from what the coordinator holds: the announced
+        round delivered when it holds this region's delta of it, else nothing recorded
+        (a delta spooled for the round is then offered again, or the round trained)."""
+        try:
+            await _blocking(job.uploaded_round)
+        except ProgressDamaged as exc:
+            damage = str(exc)
+        else:
+            return
+        try:
+            delivered = await self._sync.delivered(announcement.job, announcement.round)
+        except HttpError as exc:
+            if exc.status >= 500:
+                raise RetryLater(str(exc)) from exc
+            raise StateError(f"{damage}; the coordinator cannot say what it holds: {exc}") from exc
+        await _blocking(job.forget_progress)
+        held = delivered is not None and self._region.name in delivered
+        if held:
+            await _blocking(job.promote, announcement.round)
+        log.warning(
+            "job %s: %s; rebuilt from the coordinator, which %s this region's delta of round %d",
+            job.job,
+            damage,
+            "holds" if held else "does not hold",
+            announcement.round,
         )
 
     async def _follow_rollback(self, job: JobDirectory, announcement: RoundAnnouncement) -> None:

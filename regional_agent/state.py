@@ -60,6 +60,10 @@ class StateError(Exception):
     """The regional state on disk is unreadable or inconsistent; the message names the file."""
 
 
+class ProgressDamaged(StateError):
+    """A job's progress record is unreadable; what the coordinator holds can rebuild it."""
+
+
 @dataclass(frozen=True, slots=True)
 class ParamsVersion:
     """Which global parameters are held: θ of ``round`` with hash ``hash``."""
@@ -340,14 +344,25 @@ class JobDirectory:
         self.discard_spool(round_)
 
     def uploaded_round(self) -> int | None:
-        """The last round whose delta the coordinator accepted, if any."""
-        data = _read_json(self.root / "progress.json")
+        """The last round whose delta the coordinator accepted, if any;
+        :class:`ProgressDamaged` when its record is unreadable."""
+        try:
+            data = _read_json(self.root / "progress.json")
+        except StateError as exc:
+            raise ProgressDamaged(str(exc)) from None
         if data is None:
             return None
         value = data.get("uploaded_round")
         if not isinstance(value, int) or isinstance(value, bool):
-            raise StateError(f"{self.root / 'progress.json'}: uploaded_round is {value!r}")
+            raise ProgressDamaged(f"{self.root / 'progress.json'}: uploaded_round is {value!r}")
         return value
+
+    def forget_progress(self) -> None:
+        """Drop the progress record (a damaged one, before it is rebuilt)."""
+        path = self.root / "progress.json"
+        if path.exists():
+            path.unlink()
+            fsync_dir(self.root)
 
     def progress(self) -> tuple[ParamsVersion | None, int | None]:
         """The θ held and the last round delivered, as recorded."""

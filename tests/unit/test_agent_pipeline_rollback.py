@@ -1,4 +1,5 @@
-"""The round pipeline asks the coordinator before it counts a delivered round as done."""
+"""The round pipeline asks the coordinator before it counts a delivered round as done, and
+rebuilds a damaged progress record from what the coordinator holds."""
 
 from __future__ import annotations
 
@@ -116,3 +117,36 @@ async def test_a_delta_the_restored_coordinator_lost_is_delivered_again(
     assert "stopped here" in end.detail, end
     assert AgentState(tmp_path).job(JOB).progress() == (None, None)
     assert f"coordinator rolled back from round {ROUND} to {ROUND}" in caplog.text
+
+
+def damage_progress(root: Path) -> None:
+    (root / "jobs" / JOB / "progress.json").write_bytes(b'{"uploaded_round": 3')  # cut short
+
+
+async def test_a_damaged_progress_record_is_rebuilt_from_the_coordinators_receipt(
+    tmp_path: Path, credentials: Credentials, policies: PolicySet, caplog: pytest.LogCaptureFixture
+) -> None:
+    delivered_round(tmp_path)
+    damage_progress(tmp_path)
+    fake = Coordinator(delivered={REGION})
+    end = await pipeline(tmp_path, credentials, policies, fake).run(announce(JOB, ROUND))
+    assert end.outcome == "accepted", end
+    assert fake.calls[0] == "delivered"
+    assert AgentState(tmp_path).job(JOB).uploaded_round() == ROUND
+    assert "progress.json: not JSON" in caplog.text
+    assert f"which holds this region's delta of round {ROUND}" in caplog.text
+
+
+async def test_a_damaged_progress_record_without_a_receipt_runs_the_round(
+    tmp_path: Path, credentials: Credentials, policies: PolicySet, caplog: pytest.LogCaptureFixture
+) -> None:
+    delivered_round(tmp_path)
+    damage_progress(tmp_path)
+    fake = Coordinator(delivered={"us-east"})
+    end = await pipeline(tmp_path, credentials, policies, fake).run(announce(JOB, ROUND))
+    # Nothing recorded any more: the round is trained again (here: stopped at its sync).
+    assert fake.calls[0] == "delivered"
+    assert "sync" in fake.calls
+    assert "stopped here" in end.detail, end
+    assert AgentState(tmp_path).job(JOB).uploaded_round() is None
+    assert f"which does not hold this region's delta of round {ROUND}" in caplog.text
