@@ -242,7 +242,7 @@ class RoundPipeline:
             if uploaded is not None and uploaded >= announcement.round:
                 return RoundEnd("accepted", f"the delta of round {announcement.round} was accepted")
             await self._settle_stale_spools(job, announcement.round)
-            spooled = await _blocking(job.read_spool, announcement.round)
+            spooled = await self._checked_spool(job, announcement.round)
             if spooled is None:
                 produced = await self._produce(job, announcement)
                 if isinstance(produced, RoundEnd):
@@ -508,6 +508,26 @@ class RoundPipeline:
         return end(
             "accepted", f"delta accepted ({sent}{', resumed' if report.attempts > 1 else ''})"
         )
+
+    async def _checked_spool(self, job: JobDirectory, round_: int) -> SpooledDelta | None:
+        """The delta spooled for ``round_``, checked frame by frame against its signed
+        manifest before it is offered again; a damaged one is dropped (the round's delta
+        is then made again) rather than sent for the coordinator to refuse."""
+        try:
+            spooled = await _blocking(job.read_spool, round_)
+            if spooled is not None:
+                await _blocking(spooled.verify)
+        except StateError as exc:
+            log.warning(
+                "job %s round %d: the spooled delta is damaged (%s); dropped, the round's "
+                "delta is made again",
+                job.job,
+                round_,
+                exc,
+            )
+            await _blocking(job.discard_spool, round_)
+            return None
+        return spooled
 
     async def _repair_progress(self, job: JobDirectory, announcement: RoundAnnouncement) -> None:
         """Rebuild a damaged progress record from what the coordinator holds: the announced

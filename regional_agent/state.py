@@ -42,7 +42,7 @@ from torch import Tensor
 
 from geofed.codec import ErrorFeedback, ErrorFeedbackError
 from geofed.fsutil import AtomicFile, atomic_write_bytes, fsync_dir, replace_durably
-from geofed.manifest import ManifestError, SignedManifest
+from geofed.manifest import ManifestError, SignedManifest, verify_chunk
 from geofed.params import parameters_vector_hash
 from geofed.types import validate_name
 from regional_agent.residual_file import residual_body
@@ -116,6 +116,17 @@ class SpooledDelta:
         if len(data) != chunks[index].size:
             raise StateError(f"{self.stream_path}: truncated at frame {index}")
         return data
+
+    def verify(self) -> None:
+        """Check every frame against the signed manifest (blocking, one frame at a time);
+        :class:`StateError` naming the first that differs."""
+        manifest = self.manifest.manifest
+        with self.stream_path.open("rb") as f:
+            for index, record in enumerate(manifest.chunks):
+                try:
+                    verify_chunk(manifest, index, f.read(record.size))
+                except ManifestError as exc:
+                    raise StateError(f"{self.stream_path}: {exc}") from None
 
 
 class JobDirectory:

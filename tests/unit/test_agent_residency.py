@@ -176,3 +176,24 @@ async def test_a_spooled_delta_is_checked_again_before_it_is_uploaded(
     assert "train" not in recorder.calls
     assert AgentState(tmp_path).job("llm").spooled_rounds() == []
     assert denials(metrics) == refusals
+
+
+async def test_a_damaged_spooled_delta_is_made_again_not_sent(
+    tmp_path: Path, credentials: Credentials, policies: PolicySet, caplog: pytest.LogCaptureFixture
+) -> None:
+    spool_delta(tmp_path, credentials, 1)
+    stream = AgentState(tmp_path).job("llm").spool_dir(1) / "stream.bin"
+    data = bytearray(stream.read_bytes())
+    data[len(data) // 2] ^= 0x01  # one bit flipped on disk since it was spooled
+    stream.write_bytes(bytes(data))
+    recorder = Recorder()
+    rounds, _ = pipeline(tmp_path, credentials, policies, OWN_DATASETS, recorder)
+    end = await rounds.run(announce(round_=1))
+    # Checked against its manifest first: dropped, and the round goes on to make its
+    # delta again (here it stops at the sync).
+    assert "upload" not in recorder.calls
+    assert recorder.calls == ["sync"]
+    assert "stopped here" in end.detail, end
+    assert AgentState(tmp_path).job("llm").spooled_rounds() == []
+    assert "the spooled delta is damaged" in caplog.text
+    assert "sha256" in caplog.text
