@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import ctypes
 import logging
 import math
 import os
@@ -50,6 +49,7 @@ from typing import Literal
 
 import torch
 
+from geofed.parent_death import die_with_parent
 from regional_agent.handoff import HandoffDir
 from regional_agent.launch_spec import (
     HEAD_NODE_ENV,
@@ -87,7 +87,6 @@ _RESERVED_ENV = frozenset(
     }
 )
 _KILL_WAIT_S = 10.0
-_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 # The elastic launcher's options, by hyphenated name; spelled per the installed torch.
 _FLAGS = (
     Flag("nnodes"),
@@ -431,7 +430,7 @@ class LocalElasticLauncher(Launcher):
                     env=self.environment(launch_id),
                     cwd=self._config.cwd,
                     start_new_session=True,
-                    preexec_fn=_die_with_parent(os.getpid()),
+                    preexec_fn=die_with_parent(os.getpid()),
                 )
             except OSError as exc:
                 raise LauncherError(f"cannot start the elastic launcher: {exc}") from exc
@@ -542,27 +541,6 @@ def _spell_flags(options: frozenset[str]) -> FlagSpelling:
                 name,
             )
     return spelling
-
-
-def _die_with_parent(parent: int) -> Callable[[], None] | None:
-    """A ``preexec_fn`` asking the kernel for SIGTERM when ``parent`` dies (Linux only).
-
-    ``prctl`` is looked up here, before the fork: the child only calls it.
-    """
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        prctl = ctypes.CDLL(None, use_errno=True).prctl
-    except (OSError, AttributeError):
-        return None
-
-    def in_child() -> None:
-        prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-        # The parent may have died between fork and prctl: then nobody would signal.
-        if os.getppid() != parent:
-            os._exit(1)
-
-    return in_child
 
 
 def _free_port() -> int:

@@ -9,8 +9,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import signal
 import sys
 import tempfile
+from collections.abc import Coroutine
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -131,11 +133,23 @@ def _run(args: argparse.Namespace) -> int:
         chaos=args.chaos,
     )
     try:
-        asyncio.run(run_demo(options, echo=lambda line: print(line, flush=True)))
+        asyncio.run(_stoppable(run_demo(options, echo=lambda line: print(line, flush=True))))
     except (DemoFailed, DemoConfigError, ChildFailed) as err:
         print(f"error: {err}", file=sys.stderr)
         return EXIT_FAILED
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, asyncio.CancelledError):
         print("interrupted; the demo's processes were stopped", file=sys.stderr)
         return EXIT_FAILED
     return EXIT_OK
+
+
+async def _stoppable(demo: Coroutine[Any, Any, object]) -> None:
+    """Run ``demo``, which SIGTERM stops as Ctrl-C does: its federation is stopped in order."""
+    task = asyncio.current_task()
+    assert task is not None
+    loop = asyncio.get_running_loop()
+    loop.add_signal_handler(signal.SIGTERM, task.cancel)
+    try:
+        await demo
+    finally:
+        loop.remove_signal_handler(signal.SIGTERM)

@@ -26,6 +26,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Self
 
+from geofed.parent_death import die_with_parent
 from geofed_cli.demo.supervisor import RestartPolicy
 
 log = logging.getLogger(__name__)
@@ -66,6 +67,8 @@ class Child:
                 stderr=asyncio.subprocess.STDOUT,
                 env=self.env,
                 start_new_session=True,
+                # Killed with the demo, even by SIGKILL: no daemon outlives it.
+                preexec_fn=die_with_parent(os.getpid()),
             )
         log.debug("started %s (pid %d): %s", self.name, self._proc.pid, " ".join(self.args))
 
