@@ -8,10 +8,12 @@ from pathlib import Path
 import pytest
 
 from geofed.artifact_bundle import pack_bundle
+from geofed.codec import EncodedStream
 from geofed.codec_params import CodecParams
 from geofed.control.broker import EmbeddedBroker
 from tests.support.coordinator import (
     Announcements,
+    FakeRegion,
     Running,
     coordinator,
     job_yaml,
@@ -29,6 +31,20 @@ async def _job_open(running: Running, announcements: Announcements) -> str:
     )
     assert status == 201, body
     return (await announcements.until(round=0, state="open")).base_hash
+
+
+async def _upload_opened(
+    running: Running, announcements: Announcements
+) -> tuple[FakeRegion, bytes, EncodedStream, str]:
+    """Job tiny open, and eu-west's upload of its round-0 delta opened (nothing received)."""
+    base = await _job_open(running, announcements)
+    eu = running.region("eu-west")
+    manifest, stream = eu.delta("tiny", 0, base, seed=1)
+    path = eu.path("tiny", 0)
+    status, body = await request(eu.session, "PUT", path + "/manifest", data=manifest)
+    assert (status, body["state"], body["received"]) == (200, "open", []), body
+    assert body["chunks"] == len(list(stream.frames()))
+    return eu, manifest, stream, path
 
 
 async def _audit_actions(running: Running) -> list[tuple[str, str | None, str]]:
@@ -120,14 +136,8 @@ async def test_a_tampered_frame_is_refused_and_the_upload_resumes(tmp_path: Path
     async with EmbeddedBroker() as broker, Announcements(broker.port) as announcements:
         setup = write_setup(tmp_path, broker.port)
         async with coordinator(setup) as running:
-            base = await _job_open(running, announcements)
-            eu = running.region("eu-west")
-            manifest, stream = eu.delta("tiny", 0, base, seed=1)
+            eu, manifest, stream, path = await _upload_opened(running, announcements)
             frames = list(stream.frames())
-            path = eu.path("tiny", 0)
-            status, body = await request(eu.session, "PUT", path + "/manifest", data=manifest)
-            assert (status, body["state"], body["received"]) == (200, "open", [])
-            assert body["chunks"] == len(frames)
             assert await request(eu.session, "PUT", path + "/chunks/0", data=frames[0]) == (
                 200,
                 {"index": 0},
@@ -230,14 +240,9 @@ async def test_an_upload_whose_spooled_stream_is_lost_is_sent_again_whole(
     async with EmbeddedBroker() as broker, Announcements(broker.port) as announcements:
         setup = write_setup(tmp_path, broker.port)
         async with coordinator(setup) as running:
-            base = await _job_open(running, announcements)
-            eu = running.region("eu-west")
-            manifest, stream = eu.delta("tiny", 0, base, seed=1)
+            eu, manifest, stream, path = await _upload_opened(running, announcements)
             frames = list(stream.frames())
             assert len(frames) >= 3
-            path = eu.path("tiny", 0)
-            status, body = await request(eu.session, "PUT", path + "/manifest", data=manifest)
-            assert (status, body["received"]) == (200, []), body
             status, body = await request(eu.session, "PUT", f"{path}/chunks/0", data=frames[0])
             assert status == 200, body
 
