@@ -82,9 +82,9 @@ async def replayed_rounds(
     """What replaying the published rounds ``start`` .. ``stop`` - 1 takes (their deltas
     and summation order), from the state store; ``ParamsError`` if one is not published."""
     rounds = []
+    quarantine = services.config.quarantine
     for number in range(start, stop):
         saved = await services.db.load_round(ctx.job, number)
-        quarantine = services.config.quarantine
         record = None if saved is None else RoundRecord.from_dict(saved.state, quarantine)
         receipts = await services.db.list_receipts(ctx.job, number)
         rounds.append(replay_inputs(number, record, receipts))

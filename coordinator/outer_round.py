@@ -34,7 +34,7 @@ import contextlib
 import functools
 import math
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Executor, ThreadPoolExecutor
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
@@ -52,6 +52,7 @@ from coordinator.artifacts import Location, Signer, StoredArtifact, store_artifa
 from coordinator.checkpoints import EntryKind
 from coordinator.outer_optimizer import OuterOptimizer
 from coordinator.robust_aggregation import Combined, NormVerdict, combine, folded
+from coordinator.store import Receipt
 from coordinator.working_state import ParamsStore, Saved, WorkingState, advanced_pointers
 from geofed.blobstore import BlobStore
 from geofed.codec import EncodedStream, Piece, StreamDecoder, decode, encode_stream
@@ -70,6 +71,7 @@ __all__ = [
     "PublicationStep",
     "PublishedRound",
     "delta_pieces",
+    "delta_sources",
     "fp32_bytes",
     "mean_delta",
     "publication_step",
@@ -77,6 +79,7 @@ __all__ = [
     "publish_round",
     "round_step",
     "store_round",
+    "summation_order",
 ]
 
 #: Snapshots are lossless.
@@ -255,6 +258,18 @@ class DeltaSource:
     region: str
     tokens: int
     blob_digest: str
+
+
+def delta_sources(receipts: Iterable[Receipt], included: Iterable[str]) -> list[DeltaSource]:
+    """The accepted deltas the round aggregates: those of its ``included`` regions."""
+    regions = set(included)
+    return [DeltaSource(r.region, r.tokens, r.blob_digest) for r in receipts if r.region in regions]
+
+
+def summation_order(delivered: Sequence[str], included: Iterable[str]) -> tuple[str, ...]:
+    """The order a round's mean sums its regions in: their arrival order."""
+    regions = set(included)
+    return tuple(region for region in delivered if region in regions)
 
 
 def delta_pieces(blobs: BlobStore, digest: str, max_decoded_bytes: int) -> Iterator[Piece]:

@@ -37,7 +37,13 @@ from coordinator.context import JobContext
 from coordinator.job_recovery import replayed_rounds
 from coordinator.job_snapshots import JobSnapshots
 from coordinator.lineage import ContributionLog, round_record
-from coordinator.outer_round import DeltaSource, PublishedRound, publish_round
+from coordinator.outer_round import (
+    DeltaSource,
+    PublishedRound,
+    delta_sources,
+    publish_round,
+    summation_order,
+)
 from coordinator.records import RoundRecord
 from coordinator.retention import plan_retention
 from coordinator.round_accumulator import RoundAccumulator
@@ -132,12 +138,6 @@ def plan_retry(
     return RetryPlan(round, reason, failures, retry.max_attempts, delay, now + delay)
 
 
-def delta_sources(receipts: Iterable[Receipt], included: Iterable[str]) -> list[DeltaSource]:
-    """The accepted deltas the round aggregates: those of its ``included`` regions."""
-    regions = set(included)
-    return [DeltaSource(r.region, r.tokens, r.blob_digest) for r in receipts if r.region in regions]
-
-
 def publication_details(published: PublishedRound, rs: RoundState, location: str) -> dict[str, Any]:
     """The details of the ``round.publish`` audit entry (``norm_checks``: the deltas the
     norm check clipped or left out, each with its reason; ``order``: the order the mean
@@ -205,7 +205,7 @@ class RoundPublisher:
         round_ = rs.config.round
         receipts = await self._s.db.list_receipts(job, round_)
         sources = delta_sources(receipts, rs.included)
-        order = [region for region in rs.delivered if region in rs.included]
+        order = summation_order(rs.delivered, rs.included)
         folded_sum = None
         if accumulator is not None:
             weights = {source.region: float(source.tokens) for source in sources}

@@ -16,7 +16,13 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from coordinator.outer_round import DeltaSource, JobPublishing, round_step
+from coordinator.outer_round import (
+    DeltaSource,
+    JobPublishing,
+    delta_sources,
+    round_step,
+    summation_order,
+)
 from coordinator.records import RoundRecord
 from coordinator.round_state import RoundPhase
 from coordinator.store import Receipt
@@ -49,16 +55,13 @@ def replay_inputs(
     if record is None or record.state.phase is not RoundPhase.PUBLISHED:
         raise ParamsError(f"round {round_} has no published record to replay")
     included = record.state.included
-    sources = tuple(
-        DeltaSource(r.region, r.tokens, r.blob_digest) for r in receipts if r.region in included
-    )
+    sources = tuple(delta_sources(receipts, included))
     if sorted(s.region for s in sources) != sorted(included):
         raise ParamsError(
             f"round {round_}: receipts of {sorted(s.region for s in sources)}, "
             f"but the round included {sorted(included)}"
         )
-    order = tuple(region for region in record.state.delivered if region in included)
-    return ReplayRound(round_, sources, order)
+    return ReplayRound(round_, sources, summation_order(record.state.delivered, included))
 
 
 def replay_rounds(

@@ -234,8 +234,11 @@ class RoundPipeline:
         try:
             if resync:
                 await _blocking(job.forget_params)
-            await self._repair_progress(job, announcement)
-            await _blocking(job.recover)
+            try:
+                await _blocking(job.recover)
+            except ProgressDamaged as exc:
+                await self._repair_progress(job, announcement, str(exc))
+                await _blocking(job.recover)
             await self._settle_speculation(job, announcement, resync)
             await self._follow_rollback(job, announcement)
             uploaded = await _blocking(job.uploaded_round)
@@ -529,16 +532,13 @@ class RoundPipeline:
             return None
         return spooled
 
-    async def _repair_progress(self, job: JobDirectory, announcement: RoundAnnouncement) -> None:
-        """Rebuild a damaged progress record from what the coordinator holds: the announced
-        round delivered when it holds this region's delta of it, else nothing recorded
-        (a delta spooled for the round is then offered again, or the round trained)."""
-        try:
-            await _blocking(job.uploaded_round)
-        except ProgressDamaged as exc:
-            damage = str(exc)
-        else:
-            return
+    async def _repair_progress(
+        self, job: JobDirectory, announcement: RoundAnnouncement, damage: str
+    ) -> None:
+        """Rebuild a damaged progress record (``damage`` says how) from what the
+        coordinator holds: the announced round delivered when it holds this region's delta
+        of it, else nothing recorded (a delta spooled for the round is then offered again,
+        or the round trained)."""
         try:
             delivered = await self._sync.delivered(announcement.job, announcement.round)
         except HttpError as exc:
