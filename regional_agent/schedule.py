@@ -21,6 +21,9 @@ from datetime import datetime
 from geofed.control import Command, RoundAnnouncement
 from regional_agent.state import ParamsVersion
 
+# Announcements after which an upload under way is left to end on its own.
+_UPLOAD_ENDS_ON_ITS_OWN = frozenset({"closed", "open", "done"})
+
 
 @dataclass(frozen=True, slots=True)
 class Stop:
@@ -61,8 +64,13 @@ class Schedule:
 
         An announcement older than the one kept (an earlier round, or the same round
         sent earlier) is ignored. A newer one for the running job stops the running round
-        when that round is no longer open, unless the round merely closed while its delta
-        is being uploaded: the upload then ends on its own (accepted, or a straggler).
+        when that round is no longer open, unless the round's delta is being uploaded and
+        the round merely closed or moved on (a later round opened, the job is done): the
+        upload then ends on its own, accepted or answered ``round_closed``, and the round
+        reports its outcome. A delta accepted the moment before the coordinator publishes
+        the next round is thus reported, not lost to a cancellation. A pause, a cancel or
+        an earlier round (a coordinator restored from a backup) still stops it: the round
+        must not settle after the rollback forgot it.
 
         An earlier round sent *later* than the one kept is taken: a coordinator never
         announces an earlier round after a later one, unless it was restored from an
@@ -87,8 +95,8 @@ class Schedule:
             return None
         if announcement.round == running.round and announcement.state == "open":
             return None
-        closing = announcement.state == "closed" and announcement.round == running.round
-        if closing and running.uploading:
+        moved_on = announcement.round >= running.round
+        if running.uploading and moved_on and announcement.state in _UPLOAD_ENDS_ON_ITS_OWN:
             return None
         return Stop(job, f"round {announcement.round} is {announcement.state}")
 

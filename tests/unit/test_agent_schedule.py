@@ -66,11 +66,26 @@ def test_jobs_run_in_name_order() -> None:
         (announce(round_=1, state="open", sent_at=T0 + timedelta(minutes=1)), False, False),
         (announce(round_=1, state="closed", sent_at=T0 + timedelta(minutes=1)), False, True),
         (announce(round_=1, state="closed", sent_at=T0 + timedelta(minutes=1)), True, False),
-        (announce(round_=2), True, True),
+        (announce(round_=2), False, True),
+        (announce(round_=2), True, False),
+        (announce(round_=1, state="done", sent_at=T0 + timedelta(minutes=1)), True, False),
         (announce(round_=1, state="paused", sent_at=T0 + timedelta(minutes=1)), True, True),
+        (announce(round_=1, state="cancelled", sent_at=T0 + timedelta(minutes=1)), True, True),
+        (announce(round_=0, sent_at=T0 + timedelta(minutes=1)), True, True),
         (announce(job="other", round_=7, state="closed"), False, False),
     ],
-    ids=["same-round-again", "closed", "closed-while-uploading", "next-round", "paused", "other"],
+    ids=[
+        "same-round-again",
+        "closed",
+        "closed-while-uploading",
+        "next-round",
+        "next-round-while-uploading",
+        "done-while-uploading",
+        "paused",
+        "cancelled",
+        "rolled-back-while-uploading",
+        "other",
+    ],
 )
 def test_when_a_running_round_stops(new: RoundAnnouncement, uploading: bool, stops: bool) -> None:
     schedule = Schedule(REGION)
