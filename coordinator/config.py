@@ -25,6 +25,7 @@ than request_s (60)``). Relative paths are relative to the file's own directory.
     limits: {max_upload_bytes: 2147483648, max_manifest_bytes: 16777216}
     publication_retry: {initial_s: 5, max_s: 300, max_attempts: 10}
     task_modules: [acme_tasks.*]      # task modules jobs may name, besides geofed.examples.*
+                                      #   and geofed.tasks.*
     scheduling: scheduling.yaml       # optional: priority classes and quotas for admission
     admins: [ops-lead]                # optional: operators that manage every team's jobs
     log_level: INFO                   # optional; a reload (SIGHUP) applies a change
@@ -328,7 +329,8 @@ class CoordinatorConfig(ConfigSection):
     publication_retry: PublicationRetryConfig = Field(default_factory=PublicationRetryConfig)
     task_modules: tuple[Annotated[str, AfterValidator(validate_module_pattern)], ...] = Field(
         default=(),
-        description="modules a job's task.spec may name besides geofed.examples.*: "
+        description="modules a job's task.spec may name besides geofed.examples.* and "
+        "geofed.tasks.*: "
         "'package.module' or 'package.*'; a job naming any other module is refused before "
         "anything is imported",
     )

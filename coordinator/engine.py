@@ -754,6 +754,7 @@ class JobEngine:
             outer_optimizer=spec.outer_optimizer,
             assignment=self.applied.assignment,
             shards=self.applied.slots,
+            datasets={r: self.applied.datasets[r] for r in self.applied.assignment},
         )
         await self._s.control.announce(message)
         self._announced = key

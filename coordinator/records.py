@@ -11,7 +11,7 @@ regions when the record was written.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from enum import StrEnum
@@ -112,6 +112,7 @@ def announcement(
     outer_optimizer: OuterOptimizerConfig | None = None,
     assignment: Mapping[str, int] | None = None,
     shards: int | None = None,
+    datasets: Mapping[str, Sequence[str]] | None = None,
 ) -> RoundAnnouncement:
     """The announcement of round ``version`` in ``state``.
 
@@ -157,4 +158,5 @@ def announcement(
         regions=regions,
         assignment=dict(assignment or {}),
         shards=shards if assignment else None,
+        datasets={region: tuple(names) for region, names in (datasets or {}).items()},
     )

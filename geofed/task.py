@@ -28,13 +28,14 @@ import inspect
 import re
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar, Generic, TypeVar, cast
 
 import torch
 from pydantic import BaseModel, ValidationError
 from torch import nn
 
+from geofed.data.location import DatasetLocation
 from geofed.params import count_parameters
 from geofed.types import validate_name
 
@@ -45,7 +46,7 @@ _SPEC_RE = re.compile(rf"^({_IDENT}(?:\.{_IDENT})*):({_IDENT}(?:\.{_IDENT})*)$")
 _MODULE_PATTERN_RE = re.compile(rf"^{_IDENT}(?:\.{_IDENT})*(?:\.\*)?$")
 
 #: Task modules every coordinator may import; its config's ``task_modules`` adds more.
-DEFAULT_TASK_MODULES: tuple[str, ...] = ("geofed.examples.*",)
+DEFAULT_TASK_MODULES: tuple[str, ...] = ("geofed.examples.*", "geofed.tasks.*")
 
 
 class TaskError(Exception):
@@ -66,7 +67,9 @@ class DataShard:
 
     ``region_index`` of ``num_regions`` picks the region's data; ``rank`` of
     ``world_size`` picks the worker's part of it inside the region. ``seed`` fixes the
-    data order, so the batch at a step is the same after a restart.
+    data order, so the batch at a step is the same after a restart. ``datasets``: where
+    the region keeps the datasets the job trains on there (the agent's ``datasets``
+    config), by name; empty for a task with data of its own.
     """
 
     region: str
@@ -75,6 +78,7 @@ class DataShard:
     rank: int
     world_size: int
     seed: int
+    datasets: Mapping[str, DatasetLocation] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         validate_name("region", self.region)
@@ -143,6 +147,15 @@ class Task(ABC, Generic[BatchT]):
         """
         del model
         return {}
+
+    def evaluate_region(self, model: nn.Module, shard: DataShard) -> dict[str, float]:
+        """Return held-out metrics as a region measures them, on its own data (``shard``).
+
+        The region's workers call this (every rank, with its own shard); the coordinator,
+        which holds no region's data, calls :meth:`evaluate`. Default: :meth:`evaluate`.
+        """
+        del shard
+        return self.evaluate(model)
 
     def fsdp_units(self, model: nn.Module) -> Sequence[nn.Module]:
         """Return the submodules FSDP2 shards as units of their own, before the root.

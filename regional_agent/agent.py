@@ -64,9 +64,10 @@ from geofed.control import (
     decode,
 )
 from geofed.control.messages import RegionState
+from geofed.data.location import DatasetLocation
 from geofed.pki import client_ssl_context, mqtt_username
 from policies import PolicySet
-from regional_agent.config import AgentConfig, training_datasets
+from regional_agent.config import AgentConfig, dataset_locations, training_datasets
 from regional_agent.coordinator_client import CoordinatorClient, build_session
 from regional_agent.credentials import Credentials
 from regional_agent.drain import DrainDecision, decide
@@ -135,7 +136,9 @@ class Agent:
         self._ended_jobs: set[str] = set()
         # Ended jobs whose hand-off files (regional checkpoint, last rounds) are to go.
         self._ended_handoff: set[str] = set()
-        self._region = RegionFacts(credentials, policies, training_datasets(config, policies))
+        self._region = RegionFacts(
+            credentials, policies, training_datasets(config, policies), dataset_locations(config)
+        )
         self._topics = Topics(config.federation)
         timeouts = config.timeouts
         status_topic = self._topics.region_status(config.region)
@@ -266,9 +269,15 @@ class Agent:
                 )
         self._stop.set()
 
-    def use_policies(self, policies: PolicySet, datasets: tuple[str, ...]) -> None:
-        """Decide residency under reloaded ``policies`` from the next check on (SIGHUP)."""
-        self._region = RegionFacts(self._credentials, policies, datasets)
+    def use_policies(
+        self,
+        policies: PolicySet,
+        datasets: tuple[str, ...],
+        locations: Mapping[str, DatasetLocation],
+    ) -> None:
+        """Decide residency under reloaded ``policies``, and read the datasets from
+        reloaded ``locations``, from the next round on (SIGHUP)."""
+        self._region = RegionFacts(self._credentials, policies, datasets, locations)
         if self._pipeline is not None:
             self._pipeline.use_region(self._region)
 

@@ -2,7 +2,8 @@
 
 The region already holds θ_r on its device once it was loaded for training, so it
 evaluates there, before the first step, instead of the coordinator evaluating on its CPU
-(:mod:`geofed.evaluation_config` decides when). Every rank runs the task's ``evaluate``:
+(:mod:`geofed.evaluation_config` decides when). Every rank runs the task's
+``evaluate_region`` (on the region's own held-out data where the task has some):
 under FSDP on the sharded root, whose forward all-gathers the shards, so no rank may skip
 it; under DDP on the bare replica, so no collective runs. Rank 0's
 metrics are the region's. The forward runs in eval mode, without gradients, in the
@@ -17,7 +18,7 @@ from typing import Any
 
 import torch
 
-from geofed.task import Task
+from geofed.task import DataShard, Task
 from geofed.training_config import TrainingConfig
 from regional_agent.parallelism import ParallelModel
 from regional_agent.precision import autocast
@@ -28,9 +29,14 @@ log = logging.getLogger(__name__)
 
 
 def evaluate_base(
-    task: Task[Any], parallel: ParallelModel, training: TrainingConfig, device: torch.device
+    task: Task[Any],
+    parallel: ParallelModel,
+    training: TrainingConfig,
+    device: torch.device,
+    shard: DataShard,
 ) -> dict[str, float]:
-    """The task's held-out metrics of the parameters ``parallel`` holds (finite ones only).
+    """The task's held-out metrics of the parameters ``parallel`` holds (finite ones only),
+    as the region measures them on its own data (``shard``: this rank's).
 
     A collective under FSDP: every rank calls it. Metrics that are not finite numbers are
     left out (a manifest carries finite numbers only) and logged.
@@ -41,7 +47,7 @@ def evaluate_base(
     model.eval()
     try:
         with torch.no_grad(), autocast(training.precision, training.parallelism, device):
-            metrics = task.evaluate(model)
+            metrics = task.evaluate_region(model, shard)
     finally:
         model.train(was_training)
     kept: dict[str, float] = {}

@@ -7,6 +7,11 @@
     policy: policies/eu-west.yaml     # the region's own policy, checked before uploads
     datasets: [eu-support-chats]      # optional: the datasets this region trains on
                                       #   (default: every dataset its policy declares)
+    # or, where the job's task reads the region's own files, where each one lives:
+    # datasets:
+    #   eu-support-chats: {path: /data/chats/, format: parquet, text_field: text}
+    #   (format: parquet | jsonl | text | tokens; tokens: dtype uint16 | uint32;
+    #    cache_dir: where text is tokenized once, default <state_dir>/datasets/<name>)
     coordinator_url: https://coordinator.acme.example:8443
     mqtt: {host: mqtt.acme.example, port: 8883, tls: true}
     identity:                         # the region's credential (geofed ca issue)
@@ -59,6 +64,7 @@ from pydantic import (
 from yarl import URL
 
 from geofed.config_sections import ConfigSection, MqttConfig
+from geofed.data.location import DataError, DatasetLocation, dataset_files
 from geofed.located_yaml import KeyPath, LineMap, format_key_path
 from geofed.loopback import is_loopback
 from geofed.reload import LogLevel
@@ -299,8 +305,11 @@ class AgentConfig(ConfigSection):
     federation: Name
     region: Name
     policy: Path = Field(description="the region's policy file")
-    datasets: tuple[Name, ...] | None = Field(
-        default=None, description="datasets trained on here; default: all the policy declares"
+    datasets: dict[Name, DatasetLocation | None] | None = Field(
+        default=None,
+        description="datasets trained on here, a list of names or a mapping of name -> "
+        "where its files are (path, format, text_field, dtype, cache_dir); default: all "
+        "the policy declares, without files",
     )
     coordinator_url: str = Field(description="base URL of the coordinator's HTTP API")
     mqtt: MqttConfig = Field(default_factory=MqttConfig)
@@ -328,11 +337,13 @@ class AgentConfig(ConfigSection):
     def _region(cls, value: str) -> str:
         return validate_name("region", value)
 
-    @field_validator("datasets")
+    @field_validator("datasets", mode="before")
     @classmethod
-    def _datasets(cls, value: tuple[str, ...] | None) -> tuple[str, ...] | None:
-        if value is not None and len(set(value)) != len(value):
-            raise ValueError("a dataset is listed twice")
+    def _datasets(cls, value: object) -> object:
+        if isinstance(value, list | tuple):
+            if len(set(map(str, value))) != len(value):
+                raise ValueError("a dataset is listed twice")
+            return dict.fromkeys(value)
         return value
 
     @field_validator("coordinator_url")
@@ -418,11 +429,19 @@ def _resolve(config: AgentConfig, base: Path) -> AgentConfig:
             "trust_bundle": absolute(config.identity.trust_bundle),
         }
     )
+    state_dir = absolute(config.state_dir)
+    datasets = None
+    if config.datasets is not None:
+        datasets = {
+            name: None if loc is None else loc.resolved(base, state_dir / "datasets" / name)
+            for name, loc in config.datasets.items()
+        }
     return config.model_copy(
         update={
             "policy": absolute(config.policy),
-            "state_dir": absolute(config.state_dir),
+            "state_dir": state_dir,
             "identity": identity,
+            "datasets": datasets,
         }
     )
 
@@ -454,15 +473,22 @@ def _check_files(config: AgentConfig, file: str, lines: LineMap) -> None:
             [problem(("policy",), f"{config.policy} governs {found}, not {config.region}")]
         )
     declared = {d.name for d in policies[config.region].policy.datasets}
-    for index, name in enumerate(config.datasets or ()):
+    listed = ("datasets", 0) in lines.lines
+    for index, (name, location) in enumerate((config.datasets or {}).items()):
+        at: KeyPath = ("datasets", index) if listed else ("datasets", name)
         if name not in declared:
             problems.append(
                 problem(
-                    ("datasets", index),
+                    at,
                     f"{config.region}'s policy declares no dataset {name!r} "
                     f"(it declares {', '.join(sorted(declared)) or 'none'})",
                 )
             )
+        if location is not None:
+            try:
+                dataset_files(location)
+            except DataError as exc:
+                problems.append(problem((*at, "path"), str(exc)))
     try:
         load_credentials(config.identity, config.identity_uri)
     except CredentialsError as exc:
@@ -483,12 +509,18 @@ def training_datasets(config: AgentConfig, policies: PolicySet) -> tuple[str, ..
     return tuple(sorted(d.name for d in policies[config.region].policy.datasets))
 
 
+def dataset_locations(config: AgentConfig) -> dict[str, DatasetLocation]:
+    """Where this region keeps each dataset the config gives files for, by name."""
+    return {name: loc for name, loc in (config.datasets or {}).items() if loc is not None}
+
+
 __all__ = [
     "AgentConfig",
     "AgentConfigError",
     "MetricsConfig",
     "SlurmConfig",
     "WorkersConfig",
+    "dataset_locations",
     "load_config",
     "load_region_policies",
     "training_datasets",

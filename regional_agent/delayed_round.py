@@ -39,6 +39,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from geofed.params import federated_state
+from geofed.task import DataShard
 from geofed.training_config import TrainingConfig
 from regional_agent.base_evaluation import evaluate_base
 from regional_agent.handoff import BaseReady, HandoffDir, RoundInstruction, StartReady
@@ -290,13 +291,19 @@ class DelayedFold:
 
 
 def evaluator(
-    task: Any, parallel: ParallelModel, training: TrainingConfig, device: torch.device, what: str
+    task: Any,
+    parallel: ParallelModel,
+    training: TrainingConfig,
+    device: torch.device,
+    shard: DataShard,
+    what: str,
 ) -> Callable[[], dict[str, float] | None]:
-    """Evaluate the parameters the model holds; None (logged) when the task fails."""
+    """Evaluate the parameters the model holds on ``shard``'s held-out data; None
+    (logged) when the task fails."""
 
     def run() -> dict[str, float] | None:
         try:
-            return evaluate_base(task, parallel, training, device)
+            return evaluate_base(task, parallel, training, device, shard)
         except Exception:
             log.exception("evaluating %s failed", what)
             return None

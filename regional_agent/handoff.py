@@ -58,6 +58,7 @@ from pydantic import TypeAdapter, ValidationError
 from geofed.codec import DEFAULT_CHUNK_ELEMENTS, CodecError, QuantizedTensors
 from geofed.codec.layout import check_chunk_elements
 from geofed.codec_params import CodecParams
+from geofed.data.location import DatasetLocation
 from geofed.fsutil import AtomicFile, atomic_write_bytes, replace_durably
 from geofed.training_config import Parallelism, TrainingConfig
 from geofed.types import validate_name
@@ -263,13 +264,19 @@ class RoundInstruction:
     start: str = "local"
     delta: DeltaRequest | None = None
     fold: tuple[str, ...] | None = None
+    datasets: Mapping[str, DatasetLocation] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         try:
             validate_name("job", self.job)
             validate_name("region", self.region)
+            for name in self.datasets:
+                validate_name("dataset", name)
         except ValueError as exc:
             raise InvalidHandoffData(str(exc)) from None
+        for name, location in self.datasets.items():
+            if not isinstance(location, DatasetLocation):
+                raise InvalidHandoffData(f"dataset {name}'s location is {location!r}")
         _require_int("round", self.round, 0)
         _require_str("base_params", self.base_params)
         if not Path(self.base_params).is_absolute():
@@ -337,6 +344,7 @@ class RoundInstruction:
             **asdict(self),
             "task_options": dict(self.task_options),
             "training": self.training.record(),
+            "datasets": {name: loc.model_dump() for name, loc in self.datasets.items()},
         }
         return json.dumps(body, sort_keys=True, allow_nan=False).encode()
 
@@ -352,6 +360,8 @@ class RoundInstruction:
                 fields["delta"] = DeltaRequest.parse(fields["delta"])
             if "fold" in fields:
                 fields["fold"] = _names_from_json("fold", fields["fold"])
+            if "datasets" in fields:
+                fields["datasets"] = _locations(fields["datasets"])
             return cls(**fields)
         except (ValueError, TypeError) as exc:
             raise InvalidHandoffData(f"{source}: {exc}") from None
@@ -368,6 +378,15 @@ def _training(data: object) -> TrainingConfig:
         raise InvalidHandoffData(problems) from None
 
 
+def _locations(data: object) -> dict[str, DatasetLocation]:
+    if not isinstance(data, Mapping):
+        raise InvalidHandoffData(f"datasets must be a mapping, got {data!r}")
+    try:
+        return {str(name): DatasetLocation.model_validate(loc) for name, loc in data.items()}
+    except ValidationError as exc:
+        raise InvalidHandoffData(f"datasets: {exc}") from None
+
+
 _INSTRUCTION_FIELDS = tuple(RoundInstruction.__dataclass_fields__)
 # Written by every agent that knows them; an instruction without them trains as before.
 _INSTRUCTION_OPTIONAL = frozenset(
@@ -380,6 +399,7 @@ _INSTRUCTION_OPTIONAL = frozenset(
         "start",
         "delta",
         "fold",
+        "datasets",
     }
 )
 

@@ -194,6 +194,7 @@ def next_instruction(
         start=start,
         delta=delta,
         fold=fold,
+        datasets=trained.datasets,
     )
 
 

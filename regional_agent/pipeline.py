@@ -34,14 +34,15 @@ import contextlib
 import logging
 import math
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
 from geofed.codec import CodecError, EncodedStream, ErrorFeedback
 from geofed.control import RoundAnnouncement
+from geofed.data.location import DatasetLocation
 from geofed.evaluation_config import region_evaluates
 from geofed.lineage import Software, local_software
 from geofed.manifest import Manifest
@@ -60,6 +61,7 @@ from regional_agent.delta import (
 )
 from regional_agent.drain import RoundPosition
 from regional_agent.handoff import DeltaRequest, RoundInstruction, RoundResult
+from regional_agent.job_datasets import round_datasets
 from regional_agent.metrics import AgentMetrics
 from regional_agent.overlap import SPECULATIVE, theta_fragments
 from regional_agent.overlap_pipeline import DelayedRounds
@@ -169,6 +171,8 @@ class RegionFacts:
     credentials: Credentials
     policies: PolicySet
     datasets: Sequence[str]
+    #: Where the region keeps the datasets its agent config gives files for.
+    locations: Mapping[str, DatasetLocation] = field(default_factory=dict)
 
     @property
     def name(self) -> str:
@@ -291,6 +295,11 @@ class RoundPipeline:
         if refused is not None:
             # Training a round whose delta could never leave would only waste the round.
             return RoundEnd("refused", refused)
+        data = round_datasets(
+            announcement, self._region.name, self._region.datasets, self._region.locations
+        )
+        if data.refusal is not None:
+            return RoundEnd("refused", data.refusal)
         where = {"job": announcement.job, "round": announcement.round}
         # The hash and loss of an earlier round do not describe this one.
         self._status.update(
@@ -327,7 +336,7 @@ class RoundPipeline:
             fragments = RoundFragments.of(announcement, synced.params)
         except ValueError as exc:  # FragmentError: the model cannot be split as announced
             return RoundEnd("failed", str(exc), params_hash=base_hash)
-        instruction = self._instruction(announcement, job, synced, fragments.names)
+        instruction = self._instruction(announcement, job, synced, data.locations, fragments.names)
         try:
             with self._metrics.training(), self._phase(announcement, "train"):
                 result = await self._delayed_result(
@@ -433,10 +442,12 @@ class RoundPipeline:
         announcement: RoundAnnouncement,
         job: JobDirectory,
         synced: Synced,
+        locations: Mapping[str, DatasetLocation],
         names: tuple[str, ...] | None = None,
     ) -> RoundInstruction:
-        """The serial instruction of the announced round; ``names``: the tensors its delta
-        holds (the round's fragment under streaming; None: all)."""
+        """The serial instruction of the announced round; ``locations``: where its datasets
+        are; ``names``: the tensors its delta holds (the round's fragment under streaming;
+        None: all)."""
         region_index, num_regions = announcement.data_shard(self._region.name)
         return RoundInstruction(
             job=announcement.job,
@@ -459,6 +470,7 @@ class RoundPipeline:
                 announcement.participants,
             ).evaluate,
             delta=DeltaRequest(announcement.codec, str(job.feedback_path), names=names),
+            datasets=dict(locations),
         )
 
     async def _deliver(

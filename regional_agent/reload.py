@@ -24,6 +24,7 @@ from regional_agent.agent import Agent
 from regional_agent.config import (
     AgentConfig,
     AgentConfigError,
+    dataset_locations,
     load_config,
     load_region_policies,
     training_datasets,
@@ -102,7 +103,7 @@ def apply_reload(
         or prepared.bundle is None
     ):
         return prepared.report
-    agent.use_policies(prepared.policies, prepared.datasets)
+    agent.use_policies(prepared.policies, prepared.datasets, dataset_locations(prepared.config))
     if isinstance(credentials.reloading, ReloadingBundle):
         credentials.reloading.replace(prepared.bundle)
     prepared.report.reloaded.append(apply_log_level(prepared.config.log_level, default_log_level))

@@ -145,6 +145,7 @@ def data_shard(instruction: RoundInstruction, rank: int, world_size: int) -> Dat
         rank=rank,
         world_size=world_size,
         seed=instruction.seed,
+        datasets=dict(instruction.datasets),
     )
 
 
@@ -301,7 +302,14 @@ class RoundRunner:
                         instruction,
                         parallel,
                         self._agree,
-                        evaluator(state.task, parallel, state.training, self._device, "θ"),
+                        evaluator(
+                            state.task,
+                            parallel,
+                            state.training,
+                            self._device,
+                            data_shard(instruction, self._rank, self._world_size),
+                            "θ",
+                        ),
                         self._control,
                     )
                 except Exception as exc:  # the snapshot did not fit, say
@@ -417,7 +425,8 @@ class RoundRunner:
             return None
         started = time.monotonic()
         try:
-            metrics = evaluate_base(state.task, parallel, state.training, self._device)
+            shard = data_shard(instruction, self._rank, self._world_size)
+            metrics = evaluate_base(state.task, parallel, state.training, self._device, shard)
         except Exception:
             # The round still trains; only the evaluation of θ_r is lost.
             log.exception("job %s: evaluating θ_%d failed", instruction.job, instruction.round)

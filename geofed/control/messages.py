@@ -60,6 +60,7 @@ def _as_tuple(value: Any) -> Any:
 
 RegionName = Annotated[str, AfterValidator(lambda v: validate_name("region", v))]
 JobName = Annotated[str, AfterValidator(lambda v: validate_name("job", v))]
+DatasetName = Annotated[str, AfterValidator(lambda v: validate_name("dataset", v))]
 UtcDatetime = Annotated[AwareDatetime, AfterValidator(lambda v: v.astimezone(UTC))]
 Sha256Hex = Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{64}$")]
 Text = Annotated[str, StringConstraints(max_length=4096)]
@@ -148,6 +149,10 @@ class RoundAnnouncement(_Message):
         default_factory=dict
     )
     shards: int | None = Field(default=None, ge=1, lt=2**31)
+    #: The datasets each of the job's regions trains on (its spec, and the regions that
+    #: joined it). Empty from coordinators that predate it: a region then reads every
+    #: dataset its agent gives files for.
+    datasets: dict[RegionName, tuple[DatasetName, ...]] = Field(default_factory=dict)
 
     @model_validator(mode="after")
     def _fragments_with_streaming(self) -> RoundAnnouncement:

@@ -7,9 +7,11 @@ from pathlib import Path
 
 import pytest
 
+from geofed.data import DatasetLocation
 from geofed_cli import main as geofed_main
 from regional_agent.config import (
     AgentConfigError,
+    dataset_locations,
     load_config,
     training_datasets,
 )
@@ -221,6 +223,48 @@ def test_training_datasets_default_to_every_declared_dataset(
     )
     chosen = load_config(write(tmp_path, federation, extra="datasets: [eu-support-chats]\n"))
     assert training_datasets(chosen, region_policies(chosen)) == ("eu-support-chats",)
+
+
+def test_datasets_may_say_where_their_files_are(tmp_path: Path, federation: Federation) -> None:
+    (tmp_path / "data" / "chats").mkdir(parents=True)
+    (tmp_path / "data" / "chats" / "a.jsonl").write_text('{"text": "hello"}\n')
+    extra = (
+        "datasets:\n"
+        "  eu-support-chats: {path: data/chats, format: jsonl}\n"
+        "  eu-parliament-proceedings:\n"
+    )
+    config = load_config(write(tmp_path, federation, extra=extra))
+    assert training_datasets(config, region_policies(config)) == (
+        "eu-parliament-proceedings",
+        "eu-support-chats",
+    )
+    # Relative to the config file; tokens cached under the state directory by default.
+    assert dataset_locations(config) == {
+        "eu-support-chats": DatasetLocation(
+            path=str(tmp_path / "data" / "chats"),
+            format="jsonl",
+            cache_dir=str(tmp_path / "state" / "datasets" / "eu-support-chats"),
+        )
+    }
+
+
+def test_a_dataset_whose_files_are_missing_is_named_with_its_line(
+    tmp_path: Path, federation: Federation
+) -> None:
+    extra = (
+        "datasets:\n"
+        "  eu-support-chats: {path: /nowhere/chats, format: parquet}\n"
+        "  us-books: {path: /nowhere/books, format: text, colour: blue}\n"
+    )
+    found = problems(write(tmp_path, federation, extra=extra))
+    [unknown] = found
+    assert "datasets.us-books.colour" in unknown
+    extra = "datasets:\n  eu-support-chats: {path: /nowhere/chats, format: parquet}\n"
+    [problem] = problems(write(tmp_path, federation, extra=extra))
+    assert problem == (
+        f"{tmp_path / 'agent.yaml'}:12: datasets.eu-support-chats.path: "
+        "dataset /nowhere/chats: no such file or directory"
+    )
 
 
 def test_missing_identity_files_are_named(tmp_path: Path, federation: Federation) -> None:

@@ -1,0 +1,189 @@
+"""geofed.tasks.hf:CausalLMTask on tiny Llama, Qwen2 and GPT-2 models saved on the spot:
+pretrained and seeded starts, the meta-device build the workers use, the region's data
+as deterministic batches, the held-out evaluation and the clear errors."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from pydantic import ValidationError
+
+from geofed.data import DataError, DatasetLocation
+from geofed.params import federated_state, load_federated_state
+from geofed.task import DataShard, TaskOptionsError, load_task
+from geofed.tasks.hf_model import HfModelError
+from regional_agent.model_build import build_model
+from tests.support.hf_models import (
+    ARCHITECTURES,
+    VOCAB,
+    save_model,
+    save_tokenizer,
+    stdlib_texts,
+    write_jsonl,
+    write_parquet,
+    write_tokens,
+)
+
+SPEC = "geofed.tasks.hf:CausalLMTask"
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("hf")
+    made = {kind: save_model(root / kind, kind) for kind in ARCHITECTURES}
+    for directory in made.values():
+        save_tokenizer(directory)
+    return made
+
+
+@pytest.fixture(scope="module")
+def text_data(tmp_path_factory: pytest.TempPathFactory) -> dict[str, DatasetLocation]:
+    root = tmp_path_factory.mktemp("data")
+    write_parquet(root / "eu" / "part-0.parquet", stdlib_texts(6, skip=40))
+    write_jsonl(root / "us" / "docs.jsonl", stdlib_texts(6, skip=60), field="body")
+    return {
+        "eu-docs": DatasetLocation(
+            path=str(root / "eu"), format="parquet", cache_dir=str(root / "cache-eu")
+        ),
+        "us-docs": DatasetLocation(
+            path=str(root / "us"),
+            format="jsonl",
+            text_field="body",
+            cache_dir=str(root / "cache-us"),
+        ),
+    }
+
+
+def task_for(model: Path, **options: Any) -> Any:
+    return load_task(SPEC, {"model": str(model), "seq_len": 16, "batch_size": 2, **options})
+
+
+def shard(datasets: dict[str, DatasetLocation], rank: int = 0, world: int = 2) -> DataShard:
+    return DataShard("eu-west", 0, 1, rank, world, seed=3, datasets=datasets)
+
+
+@pytest.mark.parametrize("kind", ARCHITECTURES)
+def test_a_pretrained_start_is_the_directory_s_weights_and_a_random_one_its_seed(
+    models: dict[str, Path], kind: str
+) -> None:
+    import transformers
+
+    saved = transformers.AutoModelForCausalLM.from_pretrained(models[kind])
+    expected = federated_state(saved)
+    pretrained = federated_state(task_for(models[kind]).build_model(seed=0))
+    assert pretrained.keys() == expected.keys()
+    assert all(torch.equal(pretrained[k], expected[k]) for k in expected)
+    random_task = task_for(models[kind], init="random")
+    first = federated_state(random_task.build_model(seed=1))
+    again = federated_state(random_task.build_model(seed=1))
+    other = federated_state(random_task.build_model(seed=2))
+    assert all(torch.equal(first[k], again[k]) for k in first)
+    assert any(not torch.equal(first[k], other[k]) for k in first)
+    assert any(not torch.equal(first[k], expected[k]) for k in first)
+
+
+@pytest.mark.parametrize("kind", ARCHITECTURES)
+def test_the_workers_build_loads_theta_and_computes_the_same_loss(
+    models: dict[str, Path], text_data: dict[str, DatasetLocation], kind: str
+) -> None:
+    task = task_for(models[kind])
+    host = task.build_model(seed=0)
+    theta = {k: v.clone() for k, v in federated_state(host).items()}
+    batch = next(task.batches(shard(text_data), 0))
+    with torch.no_grad():
+        expected = float(task.loss(host, batch))
+    built = build_model(task, 0, torch.device("cpu"))
+    model = built.model
+    if kind == "gpt2":
+        # Its head is its embedding: to_empty would untie them, so it is built whole.
+        assert built.materialize is None
+        assert "one shared parameter" in built.reason
+    else:
+        assert built.materialize is not None, built.reason
+        model.to_empty(device="cpu")
+        built.materialize(model)
+    load_federated_state(model, theta)
+    with torch.no_grad():
+        assert float(task.loss(model, batch)) == expected
+    units = task.fsdp_units(model)
+    layers = task.checkpoint_units(model)
+    assert len(layers) == 2
+    # Untied: the embedding and the head are units of their own.
+    assert len(units) == (2 if kind == "gpt2" else 4)
+    assert task.flops_per_token(model) > 6 * 2 * 64 * 64
+
+
+def test_batches_are_a_function_of_shard_and_step(
+    models: dict[str, Path], text_data: dict[str, DatasetLocation]
+) -> None:
+    task = task_for(models["llama"])
+    stream = task.batches(shard(text_data), 0)
+    first = [next(stream) for _ in range(4)]
+    restarted = task_for(models["llama"]).batches(shard(text_data), 2)
+    assert torch.equal(next(restarted), first[2])
+    other_rank = next(task.batches(shard(text_data, rank=1), 0))
+    assert not torch.equal(other_rank, first[0])
+    assert first[0].shape == (2, 17)
+    assert task.tokens(first[0]) == 32
+    # Each document is followed by EOS (id 0 in the tokenizer) in the packed stream.
+    for location in text_data.values():
+        assert location.cache_dir is not None
+        (cached,) = Path(location.cache_dir).glob("tokens-*.bin")
+        assert int((np.fromfile(cached, dtype=np.uint16) == 0).sum()) == 6
+
+
+def test_the_region_evaluates_on_its_held_out_blocks(
+    models: dict[str, Path], text_data: dict[str, DatasetLocation]
+) -> None:
+    task = task_for(models["qwen2"], val_batches=2)
+    model = task.build_model(seed=0)
+    metrics = task.evaluate_region(model, shard(text_data))
+    assert set(metrics) == {"val_loss", "val_perplexity"}
+    assert metrics == task.evaluate_region(model, shard(text_data, rank=1))
+    assert 0 < metrics["val_loss"] < 10
+    # The coordinator holds no region's data: it has nothing to measure.
+    assert task.evaluate(model) == {}
+    assert task_for(models["qwen2"], val_batches=0).evaluate_region(model, shard(text_data)) == {}
+
+
+def test_token_files_are_read_as_they_are_and_checked_against_the_vocabulary(
+    models: dict[str, Path], tmp_path: Path
+) -> None:
+    write_tokens(tmp_path / "tokens" / "a.bin", 2000)
+    located = {"toks": DatasetLocation(path=str(tmp_path / "tokens"), format="tokens")}
+    task = task_for(models["llama"])
+    batch = next(task.batches(shard(located), 0))
+    assert int(batch.max()) < VOCAB
+    write_tokens(tmp_path / "wide" / "a.bin", 2000, vocab=60000)
+    wide = {"toks": DatasetLocation(path=str(tmp_path / "wide"), format="tokens")}
+    with pytest.raises(DataError, match=f"outside the model's vocabulary of {VOCAB}"):
+        next(task_for(models["llama"]).batches(shard(wide), 0))
+
+
+def test_options_datasets_pick_some_of_the_region_s(
+    models: dict[str, Path], text_data: dict[str, DatasetLocation]
+) -> None:
+    both = next(task_for(models["llama"]).batches(shard(text_data), 0))
+    only_us = next(task_for(models["llama"], datasets=["us-docs"]).batches(shard(text_data), 0))
+    assert not torch.equal(both, only_us)
+    with pytest.raises(DataError, match="dataset ap-docs has no files"):
+        next(task_for(models["llama"], datasets=["ap-docs"]).batches(shard(text_data), 0))
+    with pytest.raises(DataError, match="gives this job no dataset files"):
+        next(task_for(models["llama"]).batches(shard({}), 0))
+
+
+def test_bad_options_and_directories_are_refused_clearly(
+    models: dict[str, Path], tmp_path: Path
+) -> None:
+    with pytest.raises(TaskOptionsError, match="relative"):
+        load_task(SPEC, {"model": "models/llama"})
+    with pytest.raises(TaskOptionsError, match="layers: Extra inputs are not permitted"):
+        load_task(SPEC, {"model": str(models["llama"]), "layers": 3})
+    with pytest.raises(HfModelError, match=r"no config\.json"):
+        load_task(SPEC, {"model": str(tmp_path)}).build_model(seed=0)
+    with pytest.raises(ValidationError):
+        DatasetLocation(path="/x", format="csv")  # type: ignore[arg-type]

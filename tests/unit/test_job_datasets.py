@@ -1,0 +1,67 @@
+"""Which datasets a round reads in a region, the refusal of a job naming one the region does
+not train on, and the locations' way through the announcement and the instruction."""
+
+from __future__ import annotations
+
+import json
+
+from geofed.control import RoundAnnouncement, decode, encode
+from geofed.data import DatasetLocation
+from regional_agent.handoff import RoundInstruction
+from regional_agent.job_datasets import round_datasets
+from regional_agent.worker import data_shard
+from tests.support.agent_schedule import REGION, announce
+
+CHATS = DatasetLocation(path="/data/chats", format="jsonl", cache_dir="/state/datasets/chats")
+BOOKS = DatasetLocation(path="/data/books/*.bin", format="tokens", dtype="uint32")
+HELD = ("eu-books", "eu-chats", "eu-proceedings")
+LOCATED = {"eu-chats": CHATS, "eu-books": BOOKS}
+
+
+def test_a_round_reads_the_datasets_the_job_names_for_the_region() -> None:
+    named = announce(datasets={REGION: ("eu-chats", "eu-proceedings"), "us-east": ("us-web",)})
+    found = round_datasets(named, REGION, HELD, LOCATED)
+    # eu-proceedings has no files here: a task with data of its own needs none.
+    assert found.refusal is None
+    assert dict(found.locations) == {"eu-chats": CHATS}
+
+
+def test_a_coordinator_that_names_no_datasets_gets_every_located_one() -> None:
+    found = round_datasets(announce(), REGION, HELD, LOCATED)
+    assert found.refusal is None
+    assert list(found.locations) == ["eu-books", "eu-chats"]
+
+
+def test_a_job_naming_a_dataset_the_region_does_not_train_on_is_refused() -> None:
+    named = announce(datasets={REGION: ("eu-chats", "eu-secret", "eu-other")})
+    found = round_datasets(named, REGION, HELD, LOCATED)
+    assert found.locations == {}
+    assert found.refusal == (
+        f"job llm trains region {REGION} on eu-other, eu-secret, which this agent does not "
+        "train on (its datasets: eu-books, eu-chats, eu-proceedings)"
+    )
+
+
+def test_the_datasets_travel_in_the_announcement_and_reach_the_workers_shard() -> None:
+    named = announce(datasets={REGION: ("eu-chats",)})
+    assert decode(encode(named), RoundAnnouncement).datasets == {REGION: ("eu-chats",)}
+    instruction = RoundInstruction(
+        job="llm",
+        round=1,
+        base_params="/state/base.pt",
+        inner_steps=5,
+        task="tests.support.tiny_task:TinyTask",
+        task_options={},
+        seed=0,
+        region=REGION,
+        region_index=0,
+        num_regions=2,
+        datasets=LOCATED,
+    )
+    again = RoundInstruction.from_json(instruction.to_json())
+    assert again == instruction
+    assert dict(data_shard(again, 1, 2).datasets) == LOCATED
+    # An agent that predates locations writes none: the workers get none.
+    body = json.loads(instruction.to_json())
+    del body["datasets"]
+    assert RoundInstruction.from_json(json.dumps(body).encode()).datasets == {}
