@@ -200,6 +200,8 @@ async def create_export(request: web.Request) -> web.Response:
             "expires_at": details["expires_at"],
             "snapshot": part(snapshot),
             "updates": [part(update) for update in updates],
+            # What θ is the model of: an export in the model's own format needs it.
+            "task": {"spec": ctx.spec.task.spec, "options": dict(ctx.spec.task.options)},
         },
         status=201,
     )

@@ -12,7 +12,9 @@ Either way every artifact is verified against the federation's trust bundle (``-
 and θ is rebuilt bit for bit (:mod:`geofed.export`); its hash must equal the published
 one. The file is ``safetensors`` (``safetensors.torch.load_file``; the provenance, the
 signed chain and the lineage are JSON in its metadata) or ``torch``
-(``torch.load(f, weights_only=True)`` gives ``{"state_dict", "metadata"}``).
+(``torch.load(f, weights_only=True)`` gives ``{"state_dict", "metadata"}``); ``hf`` writes
+a Hugging Face model directory instead (:mod:`geofed.tasks.hf_export`), from the model
+directory the job's task names (or ``--hf-model``).
 
 Exit codes: 0 written, 1 refused (policy, verification) or unreachable, 2 usage error.
 """
@@ -53,7 +55,12 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "unreachable, 2 usage error.",
     )
     export.add_argument("job", metavar="JOB", help="job id")
-    export.add_argument("--out", type=Path, required=True, help="the checkpoint file to write")
+    export.add_argument(
+        "--out",
+        type=Path,
+        required=True,
+        help="the checkpoint file to write (--format hf: the model directory)",
+    )
     export.add_argument(
         "--round",
         type=version_number,
@@ -61,7 +68,23 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         help="the version θ_N to export (default: the newest published)",
     )
     export.add_argument(
-        "--format", choices=("safetensors", "torch"), default="safetensors", help="file format"
+        "--format",
+        choices=("safetensors", "torch", "hf"),
+        default="safetensors",
+        help="file format; hf: a Hugging Face model directory (config.json, safetensors, "
+        "generation config, tokenizer) that AutoModelForCausalLM.from_pretrained loads",
+    )
+    export.add_argument(
+        "--hf-model",
+        type=Path,
+        help="--format hf: the model directory the job started from (its config.json, "
+        "generation config and tokenizer); default: the job's task options' model",
+    )
+    export.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16", "float16"),
+        default="float32",
+        help="--format hf: the weights' type (float32: θ exactly)",
     )
     export.add_argument(
         "--destination",
@@ -96,7 +119,9 @@ def _export(args: argparse.Namespace) -> int:
                 return EXIT_FAILED
             if isinstance(result, int):
                 return result
-            rebuilt, lineage = result
+            rebuilt, lineage, task = result
+            if args.format == "hf" and args.hf_model is None:
+                args.hf_model = _hf_model_of(task)
     except UsageError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_USAGE
@@ -106,6 +131,8 @@ def _export(args: argparse.Namespace) -> int:
     except OSError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_FAILED
+    if args.format == "hf":
+        return _write_hf(args, rebuilt, destination, lineage)
     return _write(args, rebuilt, destination, lineage)
 
 
@@ -132,7 +159,7 @@ def _destination(args: argparse.Namespace) -> str:
 
 async def _from_coordinator(
     args: argparse.Namespace, trust: Any, destination: str
-) -> tuple[Any, dict[str, Any] | None] | int:
+) -> tuple[Any, dict[str, Any] | None, Any] | int:
     """Ask for the export, download its chain, rebuild; an exit code if refused."""
     from geofed.export import parse_plan, rebuild
 
@@ -145,7 +172,7 @@ async def _from_coordinator(
         bundles = [await session.download(part.url or "") for part in plan.parts]
     rebuilt = await asyncio.to_thread(rebuild, plan, bundles, trust, now=datetime.now(UTC))
     # The lineage comes from the verified chain itself (the last update's signed manifest).
-    return rebuilt, None
+    return rebuilt, None, answer.get("task")
 
 
 def _from_store(args: argparse.Namespace, trust: Any) -> tuple[Any, str | None, None]:
@@ -156,6 +183,8 @@ def _from_store(args: argparse.Namespace, trust: Any) -> tuple[Any, str | None, 
     from geofed.types import ArtifactKind, InvalidName, validate_name
 
     root: Path = args.store
+    if args.format == "hf" and args.hf_model is None:
+        raise UsageError("--format hf with --store needs --hf-model: the job's model directory")
     if not (root / "jobs").is_dir():
         raise UsageError(f"{root} is not a checkpoint location (no jobs/ directory)")
     try:
@@ -237,6 +266,81 @@ def _write(args: argparse.Namespace, rebuilt: Any, destination: str | None, line
             "update(s), every signature and hash verified"
         )
     return EXIT_OK
+
+
+_HF_TASK = "geofed.tasks.hf:CausalLMTask"
+
+
+def _hf_model_of(task: Any) -> Path:
+    """The model directory of a job's task, as the coordinator's export answer names it."""
+    spec = task.get("spec") if isinstance(task, dict) else None
+    options = task.get("options") if isinstance(task, dict) else None
+    model = options.get("model") if isinstance(options, dict) else None
+    if spec != _HF_TASK or not isinstance(model, str):
+        raise UsageError(
+            f"--format hf: the job's task is {spec or 'not named'}, not {_HF_TASK}; name "
+            "the Hugging Face directory whose architecture θ has with --hf-model"
+        )
+    return Path(model)
+
+
+def _write_hf(args: argparse.Namespace, rebuilt: Any, destination: str | None, lineage: Any) -> int:
+    from geofed.export import export_metadata
+    from geofed.tasks.hf_model import HfModelError
+
+    try:
+        from geofed.tasks.hf_export import write_hf_export
+
+        metadata = export_metadata(
+            rebuilt, exported_at=datetime.now(UTC), destination=destination, lineage=lineage
+        )
+        model_dir: Path = args.hf_model
+        written = write_hf_export(
+            args.out,
+            rebuilt.params,
+            model_dir=model_dir,
+            tokenizer_dir=model_dir if _has_tokenizer(model_dir) else None,
+            metadata=metadata,
+            params_hash=rebuilt.params_hash,
+            dtype=args.dtype,
+        )
+    except HfModelError as exc:
+        print(f"error: cannot export {args.job} as a Hugging Face model: {exc}", file=sys.stderr)
+        return EXIT_FAILED
+    except OSError as exc:
+        print(f"error: cannot write {args.out}: {exc}", file=sys.stderr)
+        return EXIT_FAILED
+    summary = {
+        "job": rebuilt.job,
+        "round": rebuilt.round,
+        "parameters_hash": rebuilt.params_hash,
+        "directory": str(args.out),
+        "format": "hf",
+        "architecture": written.architecture,
+        "dtype": written.dtype,
+        "files": list(written.files),
+        "bytes": written.bytes,
+        "missing_keys": list(written.missing_keys),
+        "unexpected_keys": list(written.unexpected_keys),
+        "hash_matches": written.hash_matches,
+        "destination": destination,
+    }
+    if args.json:
+        json.dump(summary, sys.stdout, indent=2, sort_keys=True)
+        print()
+    else:
+        checked = "the published parameters hash" if written.hash_matches else f"{written.dtype}"
+        print(
+            f"exported {rebuilt.job} θ_{rebuilt.round} to {args.out} as a Hugging Face "
+            f"{written.architecture} ({written.dtype}, {written.bytes} bytes: "
+            f"{', '.join(written.files)}); transformers loads it with no missing or "
+            f"unexpected key, and its weights have {checked}"
+        )
+    return EXIT_OK
+
+
+def _has_tokenizer(directory: Path) -> bool:
+    return any((directory / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json"))
 
 
 def _refused(status: int, answer: Any) -> int:

@@ -9,13 +9,9 @@ a local copy of the checkpoint location, a tampered artifact is refused.
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import json
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -29,36 +25,13 @@ from geofed.blobstore import FsBlobStore
 from geofed.manifest import canonical_json
 from geofed.params import parameters_vector_hash
 from geofed.task import load_task
-from tests.support.federation import FederationRun, running_federation
+from tests.support.federation import FederationRun, operator_cli, running_federation
 from tests.support.observe import audit_entries
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 REPO = Path(__file__).resolve().parents[2]
 REGIONS = ("eu-west", "us-east")
-
-
-async def geofed(fed: FederationRun, *args: str, **env: str) -> subprocess.CompletedProcess[str]:
-    """The CLI as the operator runs it (in a thread: the test's loop runs the broker)."""
-    operator = fed.federation.operator
-    environment = {
-        **os.environ,
-        "GEOFED_URL": fed.base,
-        "GEOFED_CERT": str(operator.cert),
-        "GEOFED_KEY": str(operator.key),
-        "GEOFED_TRUST": str(fed.federation.trust_bundle),
-        **env,
-    }
-    return await asyncio.to_thread(
-        subprocess.run,
-        [sys.executable, "-m", "geofed_cli", *args],
-        capture_output=True,
-        text=True,
-        env=environment,
-        cwd=REPO,
-        timeout=120,
-        check=False,
-    )
 
 
 def evaluate(spec: dict[str, Any], state: dict[str, torch.Tensor]) -> float:
@@ -89,7 +62,7 @@ async def test_export_rebuilds_the_published_model(tmp_path: Path) -> None:
 
         # safetensors, to a declared storage location the policies allow.
         st_file = tmp_path / "model.safetensors"
-        done = await geofed(
+        done = await operator_cli(
             fed, "export", job, "--out", str(st_file), "--destination", "storage:eu-ckpt",
             "--json",
         )  # fmt: skip
@@ -115,7 +88,7 @@ async def test_export_rebuilds_the_published_model(tmp_path: Path) -> None:
         ]
 
         # The lineage of θ_3 (made by round 2), signed into the export's own chain.
-        shown = await geofed(fed, "lineage", job, "--json")
+        shown = await operator_cli(fed, "lineage", job, "--json")
         assert shown.returncode == 0, shown.stderr
         served = json.loads(shown.stdout)
         assert served["version"] == 3
@@ -135,7 +108,7 @@ async def test_export_rebuilds_the_published_model(tmp_path: Path) -> None:
             assert entry["software"]["torch"] == torch.__version__
             assert entry["software"]["task"] == lineage["coordinator"]["task"]
             assert entry["code_matches"] is True
-        text = await geofed(fed, "lineage", job, "--round", "1")
+        text = await operator_cli(fed, "lineage", job, "--round", "1")
         assert text.returncode == 0, text.stderr
         assert text.stdout.startswith(f"job {job} θ_1: made by round 0"), text.stdout
         assert "eu-west (EU; datasets" in text.stdout
@@ -145,7 +118,7 @@ async def test_export_rebuilds_the_published_model(tmp_path: Path) -> None:
 
         # torch, to the operator's own jurisdiction (the default destination).
         pt_file = tmp_path / "model.pt"
-        done = await geofed(
+        done = await operator_cli(
             fed, "export", job, "--out", str(pt_file), "--format", "torch",
             GEOFED_JURISDICTION="EU",
         )  # fmt: skip
@@ -165,7 +138,7 @@ async def test_export_rebuilds_the_published_model(tmp_path: Path) -> None:
         )
 
         # An older version, rebuilt from the same chain.
-        done = await geofed(
+        done = await operator_cli(
             fed, "export", job, "--round", "1", "--out", str(tmp_path / "r1.safetensors"),
             "--destination", "jurisdiction:EU", "--json",
         )  # fmt: skip
@@ -176,7 +149,7 @@ async def test_export_rebuilds_the_published_model(tmp_path: Path) -> None:
             assert evaluate(spec, r1) == pytest.approx(history[1]["value"], rel=1e-6)
 
         # eu-west's data may not leave the EU as a whole model: refused, naming the rule.
-        denied = await geofed(
+        denied = await operator_cli(
             fed, "export", job, "--out", str(tmp_path / "us.pt"),
             "--destination", "jurisdiction:US",
         )  # fmt: skip
@@ -202,7 +175,7 @@ async def test_export_rebuilds_the_published_model(tmp_path: Path) -> None:
         copy = tmp_path / "eu-ckpt"
         shutil.copytree(location_root(fed, final["checkpoint_location"]), copy)
         local = tmp_path / "local.safetensors"
-        done = await geofed(fed, "export", job, "--store", str(copy), "--out", str(local))
+        done = await operator_cli(fed, "export", job, "--store", str(copy), "--out", str(local))
         assert done.returncode == 0, done.stderr
         assert parameters_vector_hash(load_file(local)) == final["params_hash"]
 
@@ -215,7 +188,9 @@ async def test_export_rebuilds_the_published_model(tmp_path: Path) -> None:
         data[-10] ^= 0x01
         blob.write_bytes(bytes(data))
         tampered = tmp_path / "tampered.safetensors"
-        refused = await geofed(fed, "export", job, "--store", str(copy), "--out", str(tampered))
+        refused = await operator_cli(
+            fed, "export", job, "--store", str(copy), "--out", str(tampered)
+        )
         assert refused.returncode == 1
         assert "refused" in refused.stderr, refused.stderr
         assert "global_update" in refused.stderr, refused.stderr

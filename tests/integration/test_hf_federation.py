@@ -6,17 +6,23 @@ What it proves: a tiny Llama saved with ``save_pretrained`` is θ_0 bit for bit 
 coordinator reads the directory's weights); each agent's config says where its dataset's
 files are (parquet in eu-west, JSON lines in us-east) and the workers tokenize them into
 a cache under the agent's state directory; the regions evaluate every θ_r on their own
-held-out blocks and the loss falls; every region ends holding the coordinator's θ.
+held-out blocks and the loss falls; every region ends holding the coordinator's θ; and
+``geofed export --format hf`` writes a directory that transformers loads with no missing
+or unexpected key, the published θ and the same logits as geofed's model.
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
-from geofed.params import federated_state, parameters_vector_hash
+from geofed.params import federated_state, load_federated_state, parameters_vector_hash
+from geofed.task import load_task
+from tests.support.federation import operator_cli
 from tests.support.hf_models import (
     save_model,
     save_tokenizer,
@@ -76,6 +82,13 @@ async def test_a_pretrained_hf_model_trains_on_each_region_s_own_files(tmp_path:
             fed, observer, ROUNDS, {region: set(range(ROUNDS)) for region in REGIONS}
         )
         status = await fed.status()
+        out = tmp_path / "export"
+        exported = await operator_cli(
+            fed, "export", fed.job, "--format", "hf", "--out", str(out),
+            "--destination", "storage:eu-ckpt", "--json",
+        )  # fmt: skip
+        assert exported.returncode == 0, exported.stderr
+        summary = json.loads(exported.stdout)
 
     import transformers
 
@@ -89,3 +102,26 @@ async def test_a_pretrained_hf_model_trains_on_each_region_s_own_files(tmp_path:
     for region in REGIONS:
         caches = list((fed.work / "agents" / region / "datasets").glob("*/tokens-*.bin"))
         assert len(caches) == 1, (region, caches)
+    # The export: what transformers loads is θ_ROUNDS, with the same logits as geofed's model.
+    assert summary["round"] == ROUNDS
+    assert summary["hash_matches"] is True
+    assert (summary["missing_keys"], summary["unexpected_keys"]) == ([], [])
+    auto: Any = transformers.AutoModelForCausalLM
+    exported_model, info = auto.from_pretrained(out, output_loading_info=True)
+    assert not info["missing_keys"]
+    assert not info["unexpected_keys"]
+    theta = federated_state(exported_model)
+    assert parameters_vector_hash(theta) == final["params_hash"]
+    task = load_task("geofed.tasks.hf:CausalLMTask", {"model": str(model)})
+    ours = task.build_model(seed=0)
+    load_federated_state(ours, theta)
+    tokens = transformers.AutoTokenizer.from_pretrained(out)(
+        ["def main():\n    return 0\n"], return_tensors="pt"
+    )["input_ids"]
+    ours.eval()
+    exported_model.eval()
+    with torch.no_grad():
+        assert torch.equal(ours(input_ids=tokens).logits, exported_model(input_ids=tokens).logits)
+    provenance = json.loads((out / "geofed_export.json").read_text())
+    assert provenance["job"] == fed.job
+    assert {p["region"] for p in provenance["provenance"]} == set(REGIONS)

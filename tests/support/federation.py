@@ -15,6 +15,8 @@ import ipaddress
 import os
 import signal
 import socket
+import subprocess
+import sys
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
@@ -331,3 +333,29 @@ async def running_federation(
             # The test may have replaced the embedded broker; stop whichever runs now.
             if run._broker is not None and run._broker is not embedded:
                 await run._broker.stop()
+
+
+async def operator_cli(
+    fed: FederationRun, *args: str, **env: str
+) -> subprocess.CompletedProcess[str]:
+    """``geofed ARGS`` as the operator runs it against ``fed`` (in a thread: the test's
+    loop runs the broker)."""
+    operator = fed.federation.operator
+    environment = {
+        **os.environ,
+        "GEOFED_URL": fed.base,
+        "GEOFED_CERT": str(operator.cert),
+        "GEOFED_KEY": str(operator.key),
+        "GEOFED_TRUST": str(fed.federation.trust_bundle),
+        **env,
+    }
+    return await asyncio.to_thread(
+        subprocess.run,
+        [sys.executable, "-m", "geofed_cli", *args],
+        capture_output=True,
+        text=True,
+        env=environment,
+        cwd=REPO,
+        timeout=120,
+        check=False,
+    )
