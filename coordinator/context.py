@@ -49,6 +49,8 @@ class JobContext:
     #: Every region the parameters derive from, with its datasets, when regions left the
     #: job (:mod:`coordinator.job_regions`); None: the spec's regions.
     contributors: Mapping[str, tuple[str, ...]] | None = None
+    #: The task's :meth:`~geofed.task.Task.fingerprint` as this coordinator read it.
+    task_fingerprint: str | None = None
 
     @property
     def job(self) -> str:
@@ -150,6 +152,7 @@ def build_context(spec: JobSpec, runtime: Runtime, location: str) -> JobContext:
     """Load the task and derive the job's tensors; :class:`JobContextError` if unusable."""
     try:
         task = load_task(spec.task.spec, spec.task.options)
+        fingerprint = task.fingerprint()
         params = initial_parameters(task, spec.seed)
     except TaskError as exc:
         raise JobContextError(str(exc)) from None
@@ -197,6 +200,7 @@ def build_context(spec: JobSpec, runtime: Runtime, location: str) -> JobContext:
         jurisdictions={r: j for r, j in jurisdictions.items() if j},
         coordinator_jurisdiction=runtime.config.jurisdiction,
         publishing=publishing,
+        task_fingerprint=fingerprint,
     )
 
 

@@ -755,6 +755,7 @@ class JobEngine:
             assignment=self.applied.assignment,
             shards=self.applied.slots,
             datasets={r: self.applied.datasets[r] for r in self.applied.assignment},
+            task_fingerprint=self.ctx.task_fingerprint,
         )
         await self._s.control.announce(message)
         self._announced = key

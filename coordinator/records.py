@@ -113,6 +113,7 @@ def announcement(
     assignment: Mapping[str, int] | None = None,
     shards: int | None = None,
     datasets: Mapping[str, Sequence[str]] | None = None,
+    task_fingerprint: str | None = None,
 ) -> RoundAnnouncement:
     """The announcement of round ``version`` in ``state``.
 
@@ -159,4 +160,5 @@ def announcement(
         assignment=dict(assignment or {}),
         shards=shards if assignment else None,
         datasets={region: tuple(names) for region, names in (datasets or {}).items()},
+        task_fingerprint=task_fingerprint,
     )

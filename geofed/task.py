@@ -148,6 +148,15 @@ class Task(ABC, Generic[BatchT]):
         del model
         return {}
 
+    def fingerprint(self) -> str | None:
+        """A digest of what the task reads besides its options (a model directory's
+        files), or None when it reads nothing.
+
+        The coordinator takes it when it loads the job and announces it; a region whose
+        workers compute another refuses to train, so every side trains the same model.
+        """
+        return None
+
     def evaluate_region(self, model: nn.Module, shard: DataShard) -> dict[str, float]:
         """Return held-out metrics as a region measures them, on its own data (``shard``).
 

@@ -216,6 +216,9 @@ class DeltaRequest:
 _CODEC: TypeAdapter[CodecParams] = TypeAdapter(CodecParams)
 
 
+_FINGERPRINT_RE = re.compile(r"[0-9a-f]{64}")
+
+
 @dataclass(frozen=True, slots=True)
 class RoundInstruction:
     """Train ``inner_steps`` steps of round ``round`` of ``job`` from ``base_params``.
@@ -238,6 +241,10 @@ class RoundInstruction:
 
     ``delta``: rank 0 hands over the quantized delta (:class:`DeltaRequest`) rather than
     the trained parameters (None).
+
+    ``datasets``: where the region keeps the datasets the round reads, by name;
+    ``task_fingerprint``: the task's fingerprint as the coordinator read it (the workers
+    refuse the round when theirs differs; None: not compared).
 
     ``overlap`` ``streaming`` rounds are delayed rounds that synchronize one fragment of
     the model (:mod:`geofed.fragments`): the delta request names the round's fragment
@@ -265,6 +272,7 @@ class RoundInstruction:
     delta: DeltaRequest | None = None
     fold: tuple[str, ...] | None = None
     datasets: Mapping[str, DatasetLocation] = field(default_factory=dict)
+    task_fingerprint: str | None = None
 
     def __post_init__(self) -> None:
         try:
@@ -277,6 +285,12 @@ class RoundInstruction:
         for name, location in self.datasets.items():
             if not isinstance(location, DatasetLocation):
                 raise InvalidHandoffData(f"dataset {name}'s location is {location!r}")
+        if self.task_fingerprint is not None and not _FINGERPRINT_RE.fullmatch(
+            str(self.task_fingerprint)
+        ):
+            raise InvalidHandoffData(
+                f"task_fingerprint must be 64 hex digits, got {self.task_fingerprint!r}"
+            )
         _require_int("round", self.round, 0)
         _require_str("base_params", self.base_params)
         if not Path(self.base_params).is_absolute():
@@ -400,6 +414,7 @@ _INSTRUCTION_OPTIONAL = frozenset(
         "delta",
         "fold",
         "datasets",
+        "task_fingerprint",
     }
 )
 

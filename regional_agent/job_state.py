@@ -80,6 +80,7 @@ class JobState:
         own; another job's is never resumed from) (no collectives)."""
         job, training = instruction.job, instruction.training
         task = load_task(instruction.task, instruction.task_options)
+        check_fingerprint(task, instruction.task_fingerprint)
         built = build_model(task, instruction.seed, device)
         level = logging.INFO if built.materialize is not None else logging.WARNING
         log.log(level, "job %s: %s", job, built.reason)
@@ -230,3 +231,16 @@ def read_base(model: nn.Module, path: str) -> BaseParams:
         raise ValueError(f"{path} is not a state dict of named tensors")
     check_federated_state(model, base)
     return BaseParams(base, parameters_vector_hash(base))
+
+
+def check_fingerprint(task: Task[Any], announced: str | None) -> None:
+    """Raise :class:`ValueError` when ``task`` reads other files than the coordinator's
+    (its :meth:`~geofed.task.Task.fingerprint` is not ``announced``)."""
+    if announced is None:
+        return
+    here = task.fingerprint()
+    if here != announced:
+        raise ValueError(
+            f"the task's files here are not the coordinator's (fingerprint {here} here, "
+            f"{announced} announced): give every region the same model directory"
+        )

@@ -195,6 +195,7 @@ def next_instruction(
         delta=delta,
         fold=fold,
         datasets=trained.datasets,
+        task_fingerprint=trained.task_fingerprint,
     )
 
 

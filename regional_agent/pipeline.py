@@ -471,6 +471,7 @@ class RoundPipeline:
             ).evaluate,
             delta=DeltaRequest(announcement.codec, str(job.feedback_path), names=names),
             datasets=dict(locations),
+            task_fingerprint=announcement.task_fingerprint,
         )
 
     async def _deliver(

@@ -153,6 +153,9 @@ class RoundAnnouncement(_Message):
     #: joined it). Empty from coordinators that predate it: a region then reads every
     #: dataset its agent gives files for.
     datasets: dict[RegionName, tuple[DatasetName, ...]] = Field(default_factory=dict)
+    #: The task's fingerprint as the coordinator read it (:meth:`geofed.task.Task.fingerprint`):
+    #: a region whose workers read another refuses to train. None: the task reads no files.
+    task_fingerprint: str | None = Field(default=None, pattern=r"^[0-9a-f]{64}$")
 
     @model_validator(mode="after")
     def _fragments_with_streaming(self) -> RoundAnnouncement:

@@ -118,6 +118,16 @@ class CausalLMTask(Task[torch.Tensor]):
             attn_implementation=self.options.attn_implementation,
         )
 
+    def fingerprint(self) -> str:
+        """The model directory's config, its weights (a pretrained start) and the
+        tokenizer's files, hashed: every region must read the coordinator's."""
+        tokenizer = Path(self.options.tokenizer or self.options.model)
+        return hf_model.directory_fingerprint(
+            self._model_dir,
+            tokenizer if tokenizer.is_dir() else None,
+            weights=self.options.init == "pretrained",
+        )
+
     def build_optimizer(self, params: Iterable[torch.Tensor]) -> torch.optim.Optimizer:
         o = self.options
         return torch.optim.AdamW(

@@ -9,6 +9,7 @@ the ``hf`` extra is told how to get it.
 
 from __future__ import annotations
 
+import hashlib
 import importlib
 from collections.abc import Sequence
 from pathlib import Path
@@ -24,6 +25,7 @@ __all__ = [
     "HfModelError",
     "build_causal_lm",
     "decoder_layers",
+    "directory_fingerprint",
     "fill_rotary_buffers",
     "flops_per_token",
     "load_config",
@@ -167,3 +169,58 @@ def flops_per_token(model: nn.Module, seq_len: int) -> float:
     layers = int(getattr(config, "num_hidden_layers", 0) or 0)
     hidden = int(getattr(config, "hidden_size", 0) or 0)
     return float(6.0 * dense + 12.0 * layers * hidden * seq_len)
+
+
+# Files that decide what a model directory builds and holds; README, licences and the
+# like do not. Tokenizer files decide how text becomes tokens.
+_WEIGHT_SUFFIXES = (".safetensors", ".bin")
+_WEIGHT_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
+_TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+)
+_HASHED: dict[tuple[str, int, int], str] = {}
+_READ_BYTES = 8 << 20
+
+
+def directory_fingerprint(model_dir: Path, tokenizer_dir: Path | None, *, weights: bool) -> str:
+    """sha256 over the files that decide the model: ``config.json``, the weights when
+    ``weights`` (a pretrained start), and the tokenizer's files, each as its name and its
+    content's sha256 (kept per process by path, size and mtime: weights are hashed once)."""
+    config = model_dir / "config.json"
+    if not config.is_file():
+        raise HfModelError(f"{model_dir} is not a Hugging Face model directory: no config.json")
+    files = [("model", config)]
+    if weights:
+        found = sorted(
+            p
+            for p in model_dir.iterdir()
+            if p.is_file() and (p.suffix in _WEIGHT_SUFFIXES or p.name in _WEIGHT_INDEXES)
+        )
+        if not found:
+            raise HfModelError(f"{model_dir} holds no weights (*.safetensors) to start from")
+        files.extend(("weights", p) for p in found)
+    if tokenizer_dir is not None:
+        named = (tokenizer_dir / name for name in _TOKENIZER_FILES)
+        files.extend(("tokenizer", p) for p in named if p.is_file())
+    total = hashlib.sha256()
+    for role, path in files:
+        total.update(f"{role}/{path.name}\0{_file_sha256(path)}\n".encode())
+    return total.hexdigest()
+
+
+def _file_sha256(path: Path) -> str:
+    stat = path.stat()
+    key = (str(path.resolve()), stat.st_size, stat.st_mtime_ns)
+    known = _HASHED.get(key)
+    if known is None:
+        digest = hashlib.sha256()
+        with path.open("rb") as file:
+            while chunk := file.read(_READ_BYTES):
+                digest.update(chunk)
+        known = _HASHED[key] = digest.hexdigest()
+    return known

@@ -95,6 +95,8 @@ async def test_a_pretrained_hf_model_trains_on_each_region_s_own_files(tmp_path:
     saved = transformers.AutoModelForCausalLM.from_pretrained(model)
     opened = {a.round: a.base_hash for a in observer.announcements if a.state == "open"}
     assert opened[0] == parameters_vector_hash(federated_state(saved))
+    fingerprint = load_task("geofed.tasks.hf:CausalLMTask", {"model": str(model)}).fingerprint()
+    assert {a.task_fingerprint for a in observer.announcements} == {fingerprint}
     assert final["round"] == ROUNDS
     history = {row["round"]: row["value"] for row in status["val_loss_history"]}
     assert sorted(history) == list(range(ROUNDS)), history

@@ -4,6 +4,7 @@ as deterministic batches, the held-out evaluation and the clear errors."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +17,7 @@ from geofed.data import DataError, DatasetLocation
 from geofed.params import federated_state, load_federated_state
 from geofed.task import DataShard, TaskOptionsError, load_task
 from geofed.tasks.hf_model import HfModelError
+from regional_agent.job_state import check_fingerprint
 from regional_agent.model_build import build_model
 from tests.support.hf_models import (
     ARCHITECTURES,
@@ -187,3 +189,37 @@ def test_bad_options_and_directories_are_refused_clearly(
         load_task(SPEC, {"model": str(tmp_path)}).build_model(seed=0)
     with pytest.raises(ValidationError):
         DatasetLocation(path="/x", format="csv")  # type: ignore[arg-type]
+
+
+def test_the_fingerprint_follows_the_files_that_decide_the_model(tmp_path: Path) -> None:
+    model = save_tokenizer(save_model(tmp_path / "m", "llama"))
+    pretrained = task_for(model)
+    first = pretrained.fingerprint()
+    assert len(first) == 64
+    assert task_for(model).fingerprint() == first
+    # A file that decides nothing changes nothing.
+    (model / "README.md").write_text("notes")
+    assert task_for(model).fingerprint() == first
+    random_start = task_for(model, init="random").fingerprint()
+    weights = model / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 1
+    weights.write_bytes(bytes(data))
+    changed = task_for(model).fingerprint()
+    assert changed != first
+    # A seeded start reads the config and the tokenizer, not the weights.
+    assert task_for(model, init="random").fingerprint() == random_start
+    config = json.loads((model / "config.json").read_text())
+    config["rope_theta"] = 1234.0
+    (model / "config.json").write_text(json.dumps(config))
+    assert task_for(model, init="random").fingerprint() != random_start
+
+
+def test_workers_refuse_a_task_whose_files_are_not_the_coordinator_s(
+    models: dict[str, Path],
+) -> None:
+    task = task_for(models["gpt2"])
+    check_fingerprint(task, None)
+    check_fingerprint(task, task.fingerprint())
+    with pytest.raises(ValueError, match="the task's files here are not the coordinator's"):
+        check_fingerprint(task, "0" * 64)
