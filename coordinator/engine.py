@@ -184,6 +184,7 @@ class JobEngine:
             error=self.last_error,
             quarantined=self.quarantined(),
             record=self.record,
+            evaluation=self._evaluation.metrics,
         )
         body.update(self.scheduling)
         body["preempting"] = self.preempting  # why it stops at its next boundary, if it does

@@ -23,6 +23,8 @@ import functools
 import io
 import json
 import logging
+import math
+import re
 from collections.abc import Coroutine, Mapping
 from typing import Any, Final, Literal
 
@@ -38,15 +40,20 @@ from geofed.task import Task, load_task
 
 __all__ = [
     "FINAL_EVALUATION_WAIT_S",
+    "MAX_METRICS",
+    "METRICS_POINTER",
     "VAL_HISTORY_POINTER",
     "VAL_LOSS_POINTER",
     "JobEvaluation",
     "evaluate_in_process",
     "evaluate_params",
     "format_history",
+    "format_metrics",
     "format_val_loss",
+    "kept_metrics",
     "newest",
     "parse_history",
+    "parse_metrics",
     "parse_val_loss",
 ]
 
@@ -54,6 +61,12 @@ log = logging.getLogger(__name__)
 
 VAL_LOSS_POINTER: Final = "val_loss"
 VAL_HISTORY_POINTER: Final = "val_loss_history"
+#: Every metric of the newest evaluated parameters: ``{"round", "values"}`` as JSON.
+METRICS_POINTER: Final = "eval_metrics"
+#: At most this many of a task's metrics are kept, each name of this form: the gauge's
+#: label values stay few and printable whatever a task or a region reports.
+MAX_METRICS: Final = 32
+_METRIC_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_.:-]{0,63}")
 #: How long a finished job waits for the evaluation of its last parameters.
 FINAL_EVALUATION_WAIT_S: Final = 600.0
 
@@ -113,6 +126,28 @@ def parse_history(text: str) -> dict[int, float]:
     return {int(k): float(v) for k, v in json.loads(text).items()}
 
 
+def kept_metrics(metrics: Mapping[str, float]) -> dict[str, float]:
+    """The metrics a job keeps of an evaluation: finite numbers under plain names, the
+    first :data:`MAX_METRICS` in name order."""
+    kept = {
+        name: float(value)
+        for name, value in sorted(metrics.items())
+        if _METRIC_NAME.fullmatch(name) and math.isfinite(float(value))
+    }
+    return dict(list(kept.items())[:MAX_METRICS])
+
+
+def format_metrics(version: int, metrics: Mapping[str, float]) -> str:
+    """The :data:`METRICS_POINTER` value."""
+    return json.dumps({"round": version, "values": dict(sorted(metrics.items()))})
+
+
+def parse_metrics(text: str) -> tuple[int, dict[str, float]]:
+    """(version, metrics) from a :data:`METRICS_POINTER` value."""
+    body = json.loads(text)
+    return int(body["round"]), {str(k): float(v) for k, v in body["values"].items()}
+
+
 def newest(
     current: tuple[int, float] | None, version: int, loss: float
 ) -> tuple[int, float] | None:
@@ -135,6 +170,8 @@ class JobEvaluation:
         self.val_loss: tuple[int, float] | None = None
         #: The validation loss of every evaluated version.
         self.history: dict[int, float] = {}
+        #: Every metric of the newest evaluated version (:func:`kept_metrics`), if any.
+        self.metrics: tuple[int, dict[str, float]] | None = None
         self._tasks: set[asyncio.Task[None]] = set()
         #: Versions the coordinator is evaluating now.
         self._evaluating: set[int] = set()
@@ -148,6 +185,10 @@ class JobEvaluation:
         history = pointers.get(VAL_HISTORY_POINTER)
         if history:
             self.history = parse_history(history)
+        metrics = pointers.get(METRICS_POINTER)
+        if metrics:
+            self.metrics = parse_metrics(metrics)
+            self._metric_gauges(self.metrics[1])
 
     def later(self, state: WorkingState) -> None:
         """Evaluate θ_version of ``state`` in the background, if the coordinator should."""
@@ -213,6 +254,7 @@ class JobEvaluation:
     ) -> None:
         job = self._ctx.job
         self._s.metrics.evaluations.labels(job=job, where=where).inc()
+        await self._keep_metrics(version, kept_metrics(metrics))
         loss = metrics.get("val_loss")
         if loss is None:
             return
@@ -226,6 +268,22 @@ class JobEvaluation:
         await self._s.db.set_pointer(job, VAL_HISTORY_POINTER, format_history(self.history))
         if val_loss is not None:
             await self._s.db.set_pointer(job, VAL_LOSS_POINTER, format_val_loss(*val_loss))
+
+    async def _keep_metrics(self, version: int, metrics: dict[str, float]) -> None:
+        """The newest version's metrics replace the ones shown (an older version's
+        evaluation finishing late changes nothing)."""
+        if not metrics or (self.metrics is not None and self.metrics[0] > version):
+            return
+        self.metrics = (version, metrics)
+        self._metric_gauges(metrics)
+        await self._s.db.set_pointer(
+            self._ctx.job, METRICS_POINTER, format_metrics(version, metrics)
+        )
+
+    def _metric_gauges(self, metrics: Mapping[str, float]) -> None:
+        gauge = self._s.metrics.global_evaluation_metric
+        for name, value in metrics.items():
+            gauge.labels(job=self._ctx.job, metric=name).set(value)
 
     def _gauge(self, loss: float) -> None:
         self._s.metrics.global_validation_loss.labels(job=self._ctx.job).set(loss)

@@ -25,12 +25,14 @@ def job_status(
     error: str,
     quarantined: Mapping[str, str],
     record: RoundRecord | None,
+    evaluation: tuple[int, Mapping[str, float]] | None = None,
 ) -> dict[str, Any]:
     """The status JSON of a job at round ``version`` of ``rounds``.
 
     ``regions`` maps each region to its datasets, ``val_loss`` is the newest evaluated
-    (round, loss), ``quarantined`` the regions held back now with why, and ``record``
-    the current round's record; an empty ``error`` is shown as null.
+    (round, loss), ``evaluation`` the newest evaluated round's every metric,
+    ``quarantined`` the regions held back now with why, and ``record`` the current
+    round's record; an empty ``error`` is shown as null.
     """
     body: dict[str, Any] = {
         "job": job,
@@ -45,6 +47,11 @@ def job_status(
     }
     if val_loss is not None:
         body["global_val_loss"] = {"round": val_loss[0], "value": val_loss[1]}
+    body["evaluation"] = (
+        None
+        if evaluation is None
+        else {"round": evaluation[0], "metrics": dict(sorted(evaluation[1].items()))}
+    )
     body["val_loss_history"] = [
         {"round": number, "value": value} for number, value in sorted(val_history.items())
     ]

@@ -107,6 +107,13 @@ GLOBAL_VALIDATION_LOSS = MetricSpec(
     "Validation loss of the latest global parameters.",
     ("job",),
 )
+GLOBAL_EVALUATION_METRIC = MetricSpec(
+    "geofed_global_evaluation_metric",
+    "gauge",
+    "Every metric the task's evaluation gave the latest evaluated global parameters "
+    "(val_loss, accuracy, perplexity, ...), by name.",
+    ("job", "metric"),
+)
 EVALUATIONS = MetricSpec(
     "geofed_evaluations_total",
     "counter",
@@ -211,6 +218,7 @@ CATALOGUE: Final[tuple[MetricSpec, ...]] = (
     REGION_UP,
     REGION_QUARANTINED,
     GLOBAL_VALIDATION_LOSS,
+    GLOBAL_EVALUATION_METRIC,
     EVALUATIONS,
     REGION_TRAIN_LOSS,
     LAST_CHECKPOINT,
@@ -256,6 +264,7 @@ class CoordinatorMetrics:
         self.region_up = gauge(REGION_UP, registry)
         self.region_quarantined = gauge(REGION_QUARANTINED, registry)
         self.global_validation_loss = gauge(GLOBAL_VALIDATION_LOSS, registry)
+        self.global_evaluation_metric = gauge(GLOBAL_EVALUATION_METRIC, registry)
         self.evaluations = counter(EVALUATIONS, registry)
         self.region_train_loss = gauge(REGION_TRAIN_LOSS, registry)
         self.last_checkpoint = gauge(LAST_CHECKPOINT, registry)

@@ -47,9 +47,11 @@ from coordinator.errors import BadRequest, Unavailable
 from coordinator.executors import Executors
 from coordinator.http_server import CoordinatorRunner
 from coordinator.job_evaluation import (
+    METRICS_POINTER,
     VAL_HISTORY_POINTER,
     VAL_LOSS_POINTER,
     parse_history,
+    parse_metrics,
     parse_val_loss,
 )
 from coordinator.job_regions import effective_spec, membership_of
@@ -166,6 +168,7 @@ def job_view(
     )
     val_loss = pointers.get(VAL_LOSS_POINTER)
     history = pointers.get(VAL_HISTORY_POINTER)
+    metrics = pointers.get(METRICS_POINTER)
     quarantined: dict[str, str] = {}
     if current is not None and not state.final:
         verdicts = (current.quarantine.status(r, version, now) for r in spec.region_names)
@@ -183,6 +186,7 @@ def job_view(
         error="",
         quarantined=quarantined,
         record=current,
+        evaluation=parse_metrics(metrics) if metrics else None,
     )
     body["updated_at"] = record.updated_at
     if with_spec:

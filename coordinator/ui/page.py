@@ -238,6 +238,18 @@ def _job_field(job: Mapping[str, Any], keys: Sequence[str]) -> Any:
     return None
 
 
+def _evaluation(value: Any) -> str:
+    """A job's newest evaluation as "θ_N: name value, ..." (every metric its task gave)."""
+    if not isinstance(value, Mapping) or not isinstance(value.get("metrics"), Mapping):
+        return text(None)
+    metrics = ", ".join(
+        f"{name} {float(number):.4g}"
+        for name, number in sorted(value["metrics"].items())
+        if _finite(number)
+    )
+    return text(f"θ_{value.get('round')}: {metrics}")
+
+
 def _extra(value: Any) -> str:
     """A scheduling field; a queue place (``{"position", "reason", ...}``) as "#N: why"."""
     if isinstance(value, Mapping) and "position" in value:
@@ -251,7 +263,10 @@ def _jobs_section(facts: PageFacts) -> str:
         for label, keys in _JOB_EXTRAS
         if any(_job_field(job, keys) is not None for job in facts.jobs)
     ]
+    evaluated = any(isinstance(job.get("evaluation"), Mapping) for job in facts.jobs)
     headers = ["job", "state", "round", "global val loss", *(label for label, _ in extras)]
+    if evaluated:
+        headers.append("latest evaluation")
     headers.append("error")
     rows = []
     for job in facts.jobs:
@@ -266,6 +281,7 @@ def _jobs_section(facts: PageFacts) -> str:
                 f"{text(job.get('round'))} / {text(job.get('rounds'))}",
                 text(value),
                 *(_extra(_job_field(job, keys)) for _, keys in extras),
+                *([_evaluation(job.get("evaluation"))] if evaluated else []),
                 text(job.get("error")),
             ]
         )

@@ -106,6 +106,9 @@ class DemoSummary:
     restarts: dict[str, int] = field(default_factory=dict)
     #: ``--chaos``: what was injected, what was lost, whether the regions agree.
     chaos: dict[str, Any] | None = None
+    #: Every metric of the newest evaluated parameters (``{"round", "metrics"}``), as the
+    #: job's status shows it.
+    evaluation: dict[str, Any] | None = None
 
     @property
     def compression_ratio(self) -> float | None:
@@ -408,6 +411,7 @@ async def _follow(
         job_state=state,
         wall_seconds=time.monotonic() - started,
         rounds=records,
+        evaluation=status.get("evaluation"),
     )
 
 

@@ -82,6 +82,7 @@ async def test_a_pretrained_hf_model_trains_on_each_region_s_own_files(tmp_path:
             fed, observer, ROUNDS, {region: set(range(ROUNDS)) for region in REGIONS}
         )
         status = await fed.status()
+        metrics_text = await fed.metrics_text()
         out = tmp_path / "export"
         exported = await operator_cli(
             fed, "export", fed.job, "--format", "hf", "--out", str(out),
@@ -101,6 +102,13 @@ async def test_a_pretrained_hf_model_trains_on_each_region_s_own_files(tmp_path:
     history = {row["round"]: row["value"] for row in status["val_loss_history"]}
     assert sorted(history) == list(range(ROUNDS)), history
     assert history[ROUNDS - 1] < history[0], history
+    # Every metric the task gives reaches the job's status and /metrics, not only the loss.
+    newest = status["evaluation"]
+    assert newest["round"] == ROUNDS - 1
+    assert set(newest["metrics"]) == {"val_loss", "val_perplexity"}
+    assert newest["metrics"]["val_loss"] == history[ROUNDS - 1]
+    gauge = f'geofed_global_evaluation_metric{{job="{fed.job}",metric="val_perplexity"}}'
+    assert gauge in metrics_text
     for region in REGIONS:
         caches = list((fed.work / "agents" / region / "datasets").glob("*/tokens-*.bin"))
         assert len(caches) == 1, (region, caches)

@@ -4,6 +4,7 @@ parameters the coordinator evaluates itself (in its evaluation process, never th
 from __future__ import annotations
 
 import dataclasses
+import math
 from types import SimpleNamespace
 from typing import Any, cast
 
@@ -12,12 +13,17 @@ from prometheus_client import CollectorRegistry
 
 from coordinator.context import initial_parameters
 from coordinator.job_evaluation import (
+    MAX_METRICS,
+    METRICS_POINTER,
     JobEvaluation,
     evaluate_params,
     format_history,
+    format_metrics,
     format_val_loss,
+    kept_metrics,
     newest,
     parse_history,
+    parse_metrics,
     parse_val_loss,
 )
 from coordinator.jobspec import parse_job_spec
@@ -165,3 +171,32 @@ async def test_nobody_evaluates_under_where_none() -> None:
     await evaluation.finish()
     assert services.executors.calls == []
     assert evaluation.history == {}
+
+
+async def test_every_metric_of_the_newest_evaluation_is_kept_shown_and_restored() -> None:
+    evaluation, services = _evaluation()
+    evaluation.record(1, {"val_loss": 3.0, "accuracy": 0.5, "bad name!": 1.0, "nan": math.nan})
+    evaluation.record(0, {"val_loss": 4.0, "accuracy": 0.25})  # older, reported late
+    await evaluation.finish()
+    assert evaluation.metrics == (1, {"accuracy": 0.5, "val_loss": 3.0})
+    assert parse_metrics(services.db.values[METRICS_POINTER]) == evaluation.metrics
+    sample = services.metrics.registry.get_sample_value
+    labels = {"job": "tiny", "metric": "accuracy"}
+    assert sample("geofed_global_evaluation_metric", labels) == 0.5
+    assert sample("geofed_global_evaluation_metric", {**labels, "metric": "bad name!"}) is None
+    # A metric-only evaluation (no val_loss) is kept too; the loss stays as it was.
+    evaluation.record(2, {"accuracy": 0.75})
+    await evaluation.finish()
+    assert evaluation.metrics == (2, {"accuracy": 0.75})
+    assert evaluation.val_loss == (1, 3.0)
+    restored, _ = _evaluation()
+    restored.restore(services.db.values)
+    assert restored.metrics == (2, {"accuracy": 0.75})
+    assert format_metrics(2, {"b": 1.0, "a": 2.0}) == '{"round": 2, "values": {"a": 2.0, "b": 1.0}}'
+
+
+def test_a_task_reporting_many_metrics_keeps_the_first_in_name_order() -> None:
+    many = {f"m{i:03d}": float(i) for i in range(100)}
+    kept = kept_metrics(many)
+    assert len(kept) == MAX_METRICS
+    assert list(kept) == [f"m{i:03d}" for i in range(MAX_METRICS)]

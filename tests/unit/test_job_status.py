@@ -42,6 +42,7 @@ def test_a_job_before_its_first_round() -> None:
         "regions": {"eu-west": ["news"], "us-east": ["web", "books"]},
         "global_val_loss": None,
         "error": None,
+        "evaluation": None,
         "val_loss_history": [],
         "quarantined": {},
     }

@@ -133,6 +133,17 @@ def test_capacity_priority_and_team_appear_when_present() -> None:
         assert shown in page, shown
 
 
+def test_a_jobs_newest_evaluation_shows_every_metric_of_its_task() -> None:
+    assert "latest evaluation" not in render_main(_facts())
+    job = {
+        **_facts().jobs[0],
+        "evaluation": {"round": 3, "metrics": {"val_loss": 2.25, "val_perplexity": 9.4877}},
+    }
+    page = render_main(_facts(jobs=[job]))
+    assert "latest evaluation" in page
+    assert "θ_3: val_loss 2.25, val_perplexity 9.488" in page
+
+
 def test_hostile_strings_are_shown_never_run() -> None:
     digest = _digest({"reason": HOSTILE, HOSTILE: HOSTILE}, actor=f"unverified {HOSTILE}")
     facts = _facts(
