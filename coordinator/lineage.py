@@ -74,6 +74,7 @@ class ContributionLog:
             "software": None
             if manifest.software is None
             else manifest.software.model_dump(mode="json"),
+            "data_fingerprints": manifest.data_fingerprints,
         }
         path = self._path(job, manifest.round, region)
         path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
@@ -135,11 +136,21 @@ def round_record(
                 receipt.tokens,
                 software,
                 code_mismatch(region, software, ours.task) is None,
+                _fingerprints(entry)
+                if entry.get("delta_manifest") == receipt.manifest_digest
+                else None,
             )
         )
     return round_lineage(
         job=job, round_=round_, spec=spec, coordinator=ours, contributors=contributors
     )
+
+
+def _fingerprints(entry: Mapping[str, Any]) -> dict[str, str] | None:
+    found = entry.get("data_fingerprints")
+    if not isinstance(found, dict):
+        return None
+    return {str(name): str(value) for name, value in found.items()}
 
 
 @dataclass(frozen=True, slots=True)

@@ -149,6 +149,8 @@ class DeltaOffer:
     base_eval: Mapping[str, float] | None = None
     #: What the region reported of its round with the commit (:data:`ROUND_TIMINGS`).
     timings: Mapping[str, float] | None = None
+    #: The region's fingerprint of each dataset it trained on, from its manifest.
+    data_fingerprints: Mapping[str, str] | None = None
 
 
 def accept_delta(
@@ -185,6 +187,11 @@ def accept_delta(
                     # and uploaded: the status page's curves and timeline.
                     "train_loss": offer.train_loss,
                     **({"timings": dict(offer.timings)} if offer.timings else {}),
+                    **(
+                        {"data_fingerprints": dict(offer.data_fingerprints)}
+                        if offer.data_fingerprints
+                        else {}
+                    ),
                     "reason": reason,
                 },
             )

@@ -359,6 +359,7 @@ class UploadService:
             timings={k: metrics[k] for k in ROUND_TIMINGS if k in metrics and metrics[k] >= 0},
             actor=actor,
             base_eval=signed.manifest.base_eval,
+            data_fingerprints=signed.manifest.data_fingerprints,
         )
         receipt = await engine.accept(offer, staged)
         del staged  # folded, or not needed: one model of fp32 per commit in flight

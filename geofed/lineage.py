@@ -156,8 +156,10 @@ def contributor(
     tokens: int,
     software: Software | None,
     code_matches: bool,
+    data_fingerprints: Mapping[str, str] | None = None,
 ) -> dict[str, JsonValue]:
-    """One contributing region's entry of a lineage record."""
+    """One contributing region's entry of a lineage record; ``data_fingerprints``: each
+    dataset's fingerprint as the region's delta manifest gave it (never a path)."""
     return {
         "region": region,
         "jurisdiction": jurisdiction,
@@ -166,6 +168,7 @@ def contributor(
         "tokens": tokens,
         "software": None if software is None else software.model_dump(mode="json"),
         "code_matches": code_matches,
+        "data_fingerprints": None if data_fingerprints is None else dict(data_fingerprints),
     }
 
 

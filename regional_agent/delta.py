@@ -91,6 +91,8 @@ class DeltaOrigin:
     training: TrainingConfig | None = None  # the job's training section, as announced
     base_eval: Mapping[str, float] | None = None  # the region's metrics of θ_base_round
     software: Software | None = None  # what trained it (geofed.lineage.local_software)
+    #: Each dataset it trained on, fingerprinted (geofed.data.fingerprint), by name.
+    data_fingerprints: Mapping[str, str] | None = None
 
 
 def rounding_generator(
@@ -190,6 +192,7 @@ def delta_manifest(origin: DeltaOrigin, stream: EncodedStream, *, now: datetime)
         training=origin.training,
         base_eval=origin.base_eval,
         software=origin.software,
+        data_fingerprints=origin.data_fingerprints,
     )
 
 

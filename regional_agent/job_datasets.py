@@ -19,8 +19,10 @@ __all__ = ["RoundDatasets", "round_datasets"]
 
 @dataclass(frozen=True, slots=True)
 class RoundDatasets:
-    """The round's dataset locations by name, or why the region cannot train it."""
+    """The datasets the round trains on (``names``: its deltas' provenance), where those
+    with files are, or why the region cannot train it."""
 
+    names: tuple[str, ...]
     locations: Mapping[str, DatasetLocation]
     refusal: str | None = None
 
@@ -35,17 +37,20 @@ def round_datasets(
 
     ``held``: the datasets this region trains on; ``locations``: where those with files
     live. A coordinator that does not name datasets (it predates them) gets every
-    located dataset. A named dataset without a location is not an error here: a task
-    with data of its own needs none, and one that reads files says which it lacks.
+    dataset held, and every located one. A named dataset without a location is not an
+    error here: a task with data of its own needs none, and one that reads files says
+    which it lacks.
     """
     named = announcement.datasets.get(region) if announcement.datasets else None
     if named is None:
-        return RoundDatasets(dict(sorted(locations.items())))
+        return RoundDatasets(tuple(sorted(held)), dict(sorted(locations.items())))
     missing = sorted(set(named) - set(held))
     if missing:
         return RoundDatasets(
+            (),
             {},
             f"job {announcement.job} trains region {region} on {', '.join(missing)}, which "
             f"this agent does not train on (its datasets: {', '.join(sorted(held)) or 'none'})",
         )
-    return RoundDatasets({name: locations[name] for name in sorted(named) if name in locations})
+    chosen = tuple(sorted(named))
+    return RoundDatasets(chosen, {name: locations[name] for name in chosen if name in locations})

@@ -42,7 +42,8 @@ from typing import Any, Literal, TypeVar
 
 from geofed.codec import CodecError, EncodedStream, ErrorFeedback
 from geofed.control import RoundAnnouncement
-from geofed.data.location import DatasetLocation
+from geofed.data.fingerprint import dataset_fingerprint
+from geofed.data.location import DataError, DatasetLocation
 from geofed.evaluation_config import region_evaluates
 from geofed.lineage import Software, local_software
 from geofed.manifest import Manifest
@@ -90,6 +91,17 @@ _IDLE_POLL_S = 0.2
 
 
 T = TypeVar("T")
+
+
+def _fingerprints(locations: Mapping[str, DatasetLocation]) -> dict[str, str] | None:
+    """Each located dataset's fingerprint (what the region says of it off the region)."""
+    if not locations:
+        return None
+    try:
+        return {name: dataset_fingerprint(loc) for name, loc in sorted(locations.items())}
+    except DataError as exc:
+        log.warning("no dataset fingerprint: %s", exc)
+        return None
 
 
 def _software(task_spec: str) -> Software | None:
@@ -386,10 +398,11 @@ class RoundPipeline:
             tokens=summary.tokens,
             producer=self._region.credentials.identity,
             jurisdiction=self._region.jurisdiction,
-            datasets=self._region.datasets,
+            datasets=data.names,
             training=announcement.training,
             base_eval=summary.base_eval,
             software=await _blocking(_software, announcement.task),
+            data_fingerprints=await _blocking(_fingerprints, data.locations),
         )
         meta = DeltaMeta(train_loss=summary.mean_loss, tokens=summary.tokens, params_hash=base_hash)
 

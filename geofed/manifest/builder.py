@@ -67,6 +67,7 @@ def build_manifest(
     base_eval: Mapping[str, float] | None = None,
     software: Software | None = None,
     lineage: Mapping[str, JsonValue] | None = None,
+    data_fingerprints: Mapping[str, str] | None = None,
 ) -> Manifest:
     """The manifest of ``stream``: its codec, its tensors, one chunk record per frame."""
     chunks = chunk_records(stream.frames())
@@ -92,4 +93,5 @@ def build_manifest(
         software=software,
         lineage=None if lineage is None else dict(lineage),
         base_eval=None if base_eval is None else dict(base_eval),
+        data_fingerprints=None if data_fingerprints is None else dict(data_fingerprints),
     )

@@ -10,8 +10,8 @@ package does not import the codec.
 The canonical form (:meth:`Manifest.canonical_bytes`) is JSON with sorted keys, no
 whitespace, UTF-8; it is what gets signed and what :meth:`Manifest.digest` hashes. Fields
 added to format 1 after manifests were first signed (``training``, ``base_eval``,
-``software``, ``lineage``) are left out of it while unset, so a manifest signed before
-they existed still verifies.
+``software``, ``lineage``, ``data_fingerprints``) are left out of it while unset, so a
+manifest signed before they existed still verifies.
 """
 
 from __future__ import annotations
@@ -57,7 +57,10 @@ Label = Annotated[StrictStr, Field(pattern=r"^[!-~]{1,512}$")]
 MetricName = Annotated[StrictStr, Field(pattern=r"^[A-Za-z_][A-Za-z0-9_.]{0,63}$")]
 FiniteNumber = Annotated[float, Strict(), Field(allow_inf_nan=False)]
 #: Fields added to format 1 later: omitted from the wire and canonical forms while None.
-_LATER_OPTIONAL: Final = frozenset({"training", "base_eval", "software", "lineage"})
+_LATER_OPTIONAL: Final = frozenset(
+    {"training", "base_eval", "software", "lineage", "data_fingerprints"}
+)
+DatasetName = Annotated[StrictStr, Field(pattern=r"^[a-z0-9][a-z0-9-]{0,62}$")]
 
 
 class _Record(BaseModel):
@@ -129,6 +132,11 @@ class Manifest(_Record):
     )
     lineage: dict[str, JsonValue] | None = Field(
         default=None, description="a global update's lineage record (geofed.lineage)"
+    )
+    data_fingerprints: Annotated[dict[DatasetName, Sha256Hex], Field(max_length=64)] | None = Field(
+        default=None,
+        description="a delta's region's fingerprint of each dataset it trained on "
+        "(geofed.data.fingerprint: never a path or content)",
     )
 
     @field_validator("kind")

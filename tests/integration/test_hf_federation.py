@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 import torch
 
+from geofed.data import DatasetLocation, dataset_fingerprint
 from geofed.params import federated_state, load_federated_state, parameters_vector_hash
 from geofed.task import load_task
 from tests.support.federation import operator_cli
@@ -30,7 +31,12 @@ from tests.support.hf_models import (
     write_jsonl,
     write_parquet,
 )
-from tests.support.observe import WAIT_S, check_same_parameters, observed_federation
+from tests.support.observe import (
+    WAIT_S,
+    audit_entries,
+    check_same_parameters,
+    observed_federation,
+)
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -83,6 +89,8 @@ async def test_a_pretrained_hf_model_trains_on_each_region_s_own_files(tmp_path:
         )
         status = await fed.status()
         metrics_text = await fed.metrics_text()
+        lineage = await fed.get(f"/v1/jobs/{fed.job}/lineage")
+        entries = await audit_entries(fed, job=fed.job, verify=True)
         out = tmp_path / "export"
         exported = await operator_cli(
             fed, "export", fed.job, "--format", "hf", "--out", str(out),
@@ -112,6 +120,23 @@ async def test_a_pretrained_hf_model_trains_on_each_region_s_own_files(tmp_path:
     for region in REGIONS:
         caches = list((fed.work / "agents" / region / "datasets").glob("*/tokens-*.bin"))
         assert len(caches) == 1, (region, caches)
+    # Each region's data is named off the region by its fingerprint only: in the signed
+    # lineage of the last version and in the audit log of every accepted delta.
+    expected = {
+        region: {
+            dataset: dataset_fingerprint(
+                DatasetLocation.model_validate(located[region]).resolved(Path("/"), Path("/"))
+            )
+            for dataset in status["regions"][region]
+        }
+        for region in REGIONS
+    }
+    contributors = lineage["lineage"]["contributors"]
+    assert {c["region"]: c["data_fingerprints"] for c in contributors} == expected
+    accepted = [e for e in entries if e.action == "delta.accept"]
+    assert len(accepted) == ROUNDS * len(REGIONS)
+    assert all(e.details["data_fingerprints"] == expected[str(e.region)] for e in accepted)
+    assert str(tmp_path) not in json.dumps([e.details for e in accepted])
     # The export: what transformers loads is θ_ROUNDS, with the same logits as geofed's model.
     assert summary["round"] == ROUNDS
     assert summary["hash_matches"] is True

@@ -115,6 +115,8 @@ def test_a_round_record_names_each_delta_and_what_trained_it(tmp_path: Path) -> 
         "tokens": 4096,
         "software": ours.model_dump(mode="json"),
         "code_matches": True,
+        # What the region says of its data: a fingerprint, never a path.
+        "data_fingerprints": {"c4-eu": "5e" * 32},
     }
     # us-east's logged entry is of another delta than the accepted one: no software.
     assert us["region"] == "us-east"

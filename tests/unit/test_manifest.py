@@ -128,6 +128,7 @@ TAMPERS: dict[str, Callable[[dict[str, Any]], None]] = {
     "base_eval": _set(("base_eval", "val_loss"), 2.25),
     "software": _set(("software", "task", "fingerprint"), "34" * 32),
     "lineage": _set(("lineage", "contributors", 0, "tokens"), 8192),
+    "data_fingerprints": _set(("data_fingerprints", "c4-eu"), "6f" * 32),
 }
 
 
