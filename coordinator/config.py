@@ -24,6 +24,7 @@ than request_s (60)``). Relative paths are relative to the file's own directory.
                round_deadline_s: 1800}
     limits: {max_upload_bytes: 2147483648, max_manifest_bytes: 16777216}
     publication_retry: {initial_s: 5, max_s: 300, max_attempts: 10}
+    import_dirs: [/srv/models]        # exported models a job's init_from.path may name
     task_modules: [acme_tasks.*]      # task modules jobs may name, besides geofed.examples.*
                                       #   and geofed.tasks.*
     scheduling: scheduling.yaml       # optional: priority classes and quotas for admission
@@ -334,6 +335,11 @@ class CoordinatorConfig(ConfigSection):
         "'package.module' or 'package.*'; a job naming any other module is refused before "
         "anything is imported",
     )
+    import_dirs: tuple[Path, ...] = Field(
+        default=(),
+        description="directories whose exported models a job's init_from.path may name "
+        "(default: none, files are not imported)",
+    )
     scheduling: Path | None = Field(
         default=None,
         description="scheduling file: priority classes, ageing, team quotas "
@@ -427,6 +433,7 @@ class CoordinatorConfig(ConfigSection):
             "state_dir": fix(self.state_dir),
             "policies_dir": fix(self.policies_dir),
             "scheduling": fix(self.scheduling) if self.scheduling is not None else None,
+            "import_dirs": tuple(fix(path) for path in self.import_dirs),
             "storage": tuple(s.model_copy(update={"path": fix(s.path)}) for s in self.storage),
         }
         return self.model_copy(update=update)

@@ -12,7 +12,7 @@ and the size limits all take it from there.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -136,6 +136,18 @@ class JobContext:
         return Provenance.of(dict(regions))
 
 
+def with_inherited(
+    spec: JobSpec, regions: Mapping[str, Sequence[str]]
+) -> dict[str, tuple[str, ...]]:
+    """``regions`` (region -> datasets) with what the job's ``init_from`` source derives
+    from: everything the job publishes derives from both."""
+    merged = {region: set(datasets) for region, datasets in regions.items()}
+    inherited = spec.init_from.provenance if spec.init_from is not None else None
+    for region, datasets in (inherited or {}).items():
+        merged.setdefault(region, set()).update(datasets)
+    return {region: tuple(sorted(merged[region])) for region in sorted(merged)}
+
+
 def initial_parameters(task: Task[Any], seed: int) -> dict[str, Tensor]:
     """θ_0: the federated state of the task's model for the job's seed, float32 on CPU.
 
@@ -163,16 +175,15 @@ def build_context(spec: JobSpec, runtime: Runtime, location: str) -> JobContext:
             f"task {spec.task.spec!r} failed: {type(exc).__name__}: {exc}"
         ) from exc
     shapes = {name: tuple(tensor.shape) for name, tensor in params.items()}
-    jurisdictions = {
-        region: runtime.policies.jurisdiction_of(region) or "" for region in spec.regions
-    }
+    derived = with_inherited(spec, spec.regions)
+    jurisdictions = {region: runtime.policies.jurisdiction_of(region) or "" for region in derived}
     provenance = tuple(
         ArtifactProvenance(
             region=region,
             jurisdiction=jurisdictions[region] or "unknown",
-            datasets=tuple(sorted(spec.regions[region])),
+            datasets=derived[region],
         )
-        for region in sorted(spec.regions)
+        for region in derived
     )
     publishing = JobPublishing(
         job=spec.job,
@@ -201,6 +212,7 @@ def build_context(spec: JobSpec, runtime: Runtime, location: str) -> JobContext:
         coordinator_jurisdiction=runtime.config.jurisdiction,
         publishing=publishing,
         task_fingerprint=fingerprint,
+        contributors=derived if spec.init_from is not None else None,
     )
 
 

@@ -35,6 +35,8 @@ from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
 from typing import Any, assert_never
 
+from torch import Tensor
+
 from coordinator.acceptance import accepted_again, refusal
 from coordinator.admission_records import (
     PREEMPTING_POINTER,
@@ -46,11 +48,13 @@ from coordinator.audit import AuditEvent, AuditVerdict
 from coordinator.context import JobContext, initial_parameters
 from coordinator.deadline import RoundTiming, next_deadline
 from coordinator.errors import Unavailable
+from coordinator.init_source import InitError, check_shapes, load_initial
 from coordinator.job_evaluation import JobEvaluation
 from coordinator.job_recovery import load_working_state, recover_rounds
 from coordinator.job_regions import membership_of, with_membership
 from coordinator.job_snapshots import JobSnapshots
 from coordinator.job_status import job_status
+from coordinator.jobspec import InitFrom
 from coordinator.outer_optimizer import OuterOptimizer
 from coordinator.outer_round import publish_initial
 from coordinator.publication import PublicationFailed, RoundPublisher
@@ -479,7 +483,12 @@ class JobEngine:
         if not await self._storage_allowed(0):
             return
         spec = self.ctx.spec
-        params = await self._s.executors.compute(initial_parameters, self.ctx.task, spec.seed)
+        if spec.init_from is not None:
+            params = await self._initial_from(spec.init_from)
+            if params is None:
+                return
+        else:
+            params = await self._s.executors.compute(initial_parameters, self.ctx.task, spec.seed)
         optimizer = OuterOptimizer(spec.outer_optimizer)
         state, pointers, snapshot = await self._s.executors.compute(
             publish_initial, self.ctx.publishing, params, optimizer, datetime.now(UTC)
@@ -493,6 +502,26 @@ class JobEngine:
         self.working = state
         self._s.metrics.last_checkpoint.labels(job=self.job).set(time.time())
         self._evaluation.later(state)  # θ_0, when the coordinator is the one to evaluate it
+
+    async def _initial_from(self, source: InitFrom) -> dict[str, Tensor] | None:
+        """θ_0 read again from the source the submission verified, and checked to be the
+        same (its hash) and a model of the job's task; None when not (the job fails)."""
+        runtime = self._s.runtime
+        location = runtime.locations.get(source.location) if source.location else None
+        try:
+            state = await self._s.executors.files(
+                load_initial,
+                source,
+                job_location=location,
+                job_version=source.round,
+                import_dirs=self._s.config.import_dirs,
+                trust=runtime.bundle,
+            )
+            check_shapes(state, self.ctx.shapes)
+        except InitError as exc:
+            await self._fail_job(str(exc))
+            return None
+        return state.params
 
     async def _storage_allowed(self, round: int) -> bool:
         """May this job's checkpoints go to its location? The job fails if not."""

@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from coordinator.audit import AuditEvent, AuditVerdict
-from coordinator.context import JobContext
+from coordinator.context import JobContext, with_inherited
 from coordinator.jobspec import JobSpec
 from coordinator.scheduling.elastic import Membership
 from coordinator.store import Store
@@ -82,7 +82,7 @@ def with_membership(
 ) -> JobContext:
     """``ctx`` (built from the submitted ``spec``) for the job on ``membership``'s regions:
     every contributor, departed ones too, stays in the provenance of what it publishes."""
-    contributors = dict(membership.datasets)
+    contributors = with_inherited(spec, membership.datasets)
     jurisdictions = {region: policies.jurisdiction_of(region) or "" for region in contributors}
     provenance = tuple(
         ArtifactProvenance(

@@ -45,6 +45,7 @@ from coordinator.context import JobContext, JobContextError, build_context
 from coordinator.deadline import DeadlineError
 from coordinator.engine import JobEngine
 from coordinator.errors import ApiError, BadRequest, Conflict, Forbidden, NotFound, Unavailable
+from coordinator.init_source import InitError, load_initial
 from coordinator.job_regions import record_region_change
 from coordinator.jobspec import JobSpec, JobSpecError, parse_job_spec, parse_stored_spec
 from coordinator.records import JobState
@@ -252,6 +253,7 @@ class JobManager:
         async with self._submitting:
             if spec.job in self._engines or spec.job in self._unavailable:
                 raise Conflict(f"job {spec.job} already exists", "already_exists")
+            spec = await self._resolve_init(spec)
             admission = self._admit(spec)
             await self._record_admission(spec, admission, actor)
             if not admission.admitted:
@@ -301,6 +303,43 @@ class JobManager:
             "decisions": len(admission.decisions),
             **engine.scheduling,
         }
+
+    async def _resolve_init(self, spec: JobSpec) -> JobSpec:
+        """The spec with its ``init_from`` source read, verified and recorded: the round it
+        names, θ_0's hash and what the source derives from (400 when it cannot be)."""
+        source = spec.init_from
+        if source is None:
+            return spec
+        location = version = None
+        if source.job is not None:
+            engine = self._engines.get(source.job)
+            if engine is not None and engine.working is not None:
+                location, version = engine.ctx.publishing.location, engine.version
+        try:
+            state = await self._s.executors.files(
+                load_initial,
+                source,
+                job_location=location,
+                job_version=version,
+                import_dirs=self._s.config.import_dirs,
+                trust=self._s.runtime.bundle,
+            )
+        except InitError as exc:
+            raise BadRequest(f"job {spec.job}: {exc}") from None
+        recorded = source.model_copy(
+            update={
+                "round": version
+                if source.job is not None and source.round is None
+                else source.round,
+                "params_hash": state.params_hash,
+                "provenance": state.provenance,
+                "location": None if location is None else location.name,
+            }
+        )
+        log.info(
+            "job %s: θ_0 from %s (parameters hash %s)", spec.job, state.source, state.params_hash
+        )
+        return spec.model_copy(update={"init_from": recorded})
 
     async def _check_team(self, spec: JobSpec, actor: Identity) -> JobSpec:
         """The spec with its team (the submitter's when it names none); 403 ``forbidden``
@@ -361,8 +400,11 @@ class JobManager:
             )
             for name in spec.checkpoint_storage
         ]
+        inherited = spec.init_from.provenance if spec.init_from is not None else None
         try:
-            placement = JobPlacement.build(spec.regions, self._s.config.jurisdiction, candidates)
+            placement = JobPlacement.build(
+                spec.regions, self._s.config.jurisdiction, candidates, inherited=inherited
+            )
         except PlacementError as exc:
             raise BadRequest(f"job placement: {exc}") from None
         admission = admit_job(runtime.policies, placement)

@@ -28,6 +28,9 @@ the line and the key. The spec is stored as submitted, in its validated JSON for
     retention: {keep_snapshots: 3, keep_every: 10}   # default: keep the whole chain
     deadline: {initial_s: 1800, min_s: 600, max_s: 14400}       # adaptive bounds
     checkpoint_storage: [eu-ckpt, us-ckpt]                      # candidates, in preference
+    init_from: {job: llm-base, round: 40}   # optional θ_0: a version of another job, or
+                                       # {path: FILE} an export under import_dirs; verified,
+                                       # and its provenance joins the job's (admission)
     training:                          # how regions train (geofed.training_config)
       parallelism: ddp                 # or fsdp
       precision: fp32                  # or bf16
@@ -171,6 +174,43 @@ class TaskSpec(_Section):
         return value
 
 
+class InitFrom(_Section):
+    """Where θ_0 comes from instead of the task's ``build_model`` (``init_from``)."""
+
+    job: JobId | None = Field(default=None, description="a job of this coordinator")
+    round: int | None = Field(
+        default=None, ge=0, lt=2**31, description="with job: its version θ_round; default newest"
+    )
+    path: str | None = Field(
+        default=None,
+        min_length=1,
+        max_length=4096,
+        description="a geofed export (file, or --format hf directory) under the coordinator's "
+        "import_dirs",
+    )
+    params_hash: str | None = Field(
+        default=None,
+        pattern=r"^[0-9a-f]{64}$",
+        description="the parameters hash θ_0 must have; the coordinator records it",
+    )
+    provenance: dict[RegionName, tuple[DatasetName, ...]] | None = Field(
+        default=None,
+        description="what the source derives from: recorded by the coordinator at submission",
+    )
+    location: StorageName | None = Field(
+        default=None,
+        description="with job: where its checkpoints are; recorded by the coordinator",
+    )
+
+    @model_validator(mode="after")
+    def _one_source(self) -> InitFrom:
+        if (self.job is None) == (self.path is None):
+            raise ValueError("init_from names either a job (job, round) or a path")
+        if self.round is not None and self.job is None:
+            raise ValueError("init_from.round goes with init_from.job")
+        return self
+
+
 class NeedSpec(_Section):
     """What a job needs in one region: GPUs (of a kind, with memory) and/or worker slots."""
 
@@ -250,6 +290,11 @@ class JobSpec(_Section):
     )
     checkpoint_storage: tuple[StorageName, ...] = Field(
         min_length=1, description="candidate storage locations, in order of preference"
+    )
+    init_from: InitFrom | None = Field(
+        default=None,
+        description="θ_0 from a version of another job or an exported model, verified; the "
+        "job inherits what that derives from (default: the task's build_model)",
     )
     training: TrainingConfig = Field(
         default_factory=TrainingConfig,
@@ -468,9 +513,20 @@ def parse_job_spec(text: str, file: str) -> JobSpec:
     except PolicyLoadError as yaml_error:
         document = _as_json(text, file, yaml_error)
     try:
-        return validate_document(JobSpec, document, file)
+        spec = validate_document(JobSpec, document, file)
     except PolicyLoadError as exc:
         raise JobSpecError([str(problem) for problem in exc.problems]) from None
+    recorded = [
+        key
+        for key in ("provenance", "location")
+        if spec.init_from is not None and getattr(spec.init_from, key) is not None
+    ]
+    if recorded:
+        line = document.lines.line_of(("init_from", recorded[0]))
+        raise JobSpecError(
+            [f"{file}:{line}: init_from.{recorded[0]}: recorded by the coordinator, not submitted"]
+        )
+    return spec
 
 
 def parse_stored_spec(data: object) -> JobSpec:

@@ -176,11 +176,12 @@ async def _from_coordinator(
 
 
 def _from_store(args: argparse.Namespace, trust: Any) -> tuple[Any, str | None, None]:
-    from coordinator.artifacts import Location, chain_at
+    from coordinator.artifacts import Location
     from coordinator.checkpoints import CheckpointError, CheckpointStore
+    from coordinator.init_source import rebuild_version
     from geofed.blobstore import FsBlobStore
-    from geofed.export import ChainPart, ExportError, plan_parts, rebuild
-    from geofed.types import ArtifactKind, InvalidName, validate_name
+    from geofed.export import ExportError
+    from geofed.types import InvalidName, validate_name
 
     root: Path = args.store
     if args.format == "hf" and args.hf_model is None:
@@ -201,23 +202,7 @@ def _from_store(args: argparse.Namespace, trust: Any) -> tuple[Any, str | None, 
     if newest is None:
         raise ExportError(f"{root} holds no checkpoint of job {args.job}")
     round_ = newest if args.round is None else args.round
-    chain = chain_at(location, args.job, round_)
-    if chain is None:
-        raise ExportError(f"{root} holds no restorable chain of θ_{round_} of {args.job}")
-    snapshot, updates = chain
-    parts = [
-        ChainPart(
-            ArtifactKind.GLOBAL_CHECKPOINT if entry is snapshot else ArtifactKind.GLOBAL_UPDATE,
-            entry.round,
-            entry.payload_digest,
-            entry.manifest_digest,
-        )
-        for entry in (snapshot, *updates)
-    ]
-    plan = plan_parts(args.job, round_, parts, None)
-    bundles = (blobs.path_of(part.payload_digest).read_bytes() for part in plan.parts)
-    rebuilt = rebuild(plan, bundles, trust, now=datetime.now(UTC))
-    return rebuilt, args.destination, None
+    return rebuild_version(location, args.job, round_, trust), args.destination, None
 
 
 def _write(args: argparse.Namespace, rebuilt: Any, destination: str | None, lineage: Any) -> int:

@@ -42,7 +42,8 @@ class Admission:
 def admit_job(policies: PolicySet, placement: JobPlacement) -> Admission:
     """Decide whether ``placement`` is admissible under ``policies`` (pure, no I/O)."""
     decisions: list[Decision] = []
-    provenance = Provenance.of({})
+    # Initial parameters from another job or an export carry what they derive from.
+    provenance = Provenance.of({r: tuple(d) for r, d in placement.inherited.items()})
     coordinator = Endpoint.coordinator(placement.coordinator_jurisdiction)
     for region, datasets in placement.regions.items():
         here = Endpoint.of_region(region, policies.jurisdiction_of(region))

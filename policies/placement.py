@@ -62,6 +62,9 @@ class JobPlacement:
     regions: Mapping[str, frozenset[str]]
     coordinator_jurisdiction: str
     checkpoint_storage: tuple[StorageLocation, ...] = field(default=())
+    #: What the job's initial parameters already derive from (its ``init_from``): region
+    #: -> datasets; the job's global artifacts carry it as well as its own regions'.
+    inherited: Mapping[str, frozenset[str]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not self.regions:
@@ -88,11 +91,14 @@ class JobPlacement:
         regions: Mapping[str, Iterable[str]],
         coordinator_jurisdiction: str,
         checkpoint_storage: Iterable[StorageLocation] = (),
+        *,
+        inherited: Mapping[str, Iterable[str]] | None = None,
     ) -> JobPlacement:
         return cls(
             {region: frozenset(datasets) for region, datasets in regions.items()},
             coordinator_jurisdiction,
             tuple(checkpoint_storage),
+            {region: frozenset(sets) for region, sets in (inherited or {}).items()},
         )
 
 

@@ -485,3 +485,22 @@ def test_a_region_without_a_policy_is_named_first_not_its_datasets(federation: P
         "no policy is loaded for region mars; default is deny"
     ]
     assert not [d for d in admission.decisions if d.subject.startswith("processing of dataset")]
+
+
+def test_initial_parameters_bring_the_provenance_of_what_they_derive_from(
+    federation: PolicySet,
+) -> None:
+    us_only = {"us-east": ["us-public-domain-books"]}
+    assert admit_job(federation, JobPlacement.build(us_only, "EU", [US_CKPT])).admitted
+    # θ_0 from a job trained on EU chats: its checkpoints may not go to US storage.
+    inherited = {"eu-west": ["eu-support-chats"]}
+    admission = admit_job(
+        federation, JobPlacement.build(us_only, "EU", [US_CKPT], inherited=inherited)
+    )
+    assert not admission.admitted
+    rules = {v.rule.rule_id for d in admission.denials for v in d.verdicts if not v.allowed}
+    assert "eu-west:exports.global_checkpoint[1]" in rules
+    with_eu_storage = JobPlacement.build(us_only, "EU", [EU_CKPT, US_CKPT], inherited=inherited)
+    assert [s.name for s in admit_job(federation, with_eu_storage).checkpoint_storage] == [
+        "eu-ckpt"
+    ]
