@@ -37,6 +37,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from torch import nn
 
 from geofed.data import DataError, batch_indices, validation_batches
+from geofed.data.prefetch import prefetched
 from geofed.task import DataShard, Task
 from geofed.tasks import hf_model
 from geofed.tasks.hf_data import RegionBlocks, Tokenizer, load_tokenizer, region_blocks
@@ -71,6 +72,9 @@ class CausalLMOptions(BaseModel):
     beta2: float = Field(default=0.95, ge=0, lt=1)
     val_fraction: float = Field(default=0.05, ge=0, lt=0.5)
     val_batches: int = Field(default=4, ge=0, le=10_000)
+    prefetch: int = Field(
+        default=2, ge=0, le=64, description="batches read ahead in a background thread"
+    )
     attn_implementation: Literal["sdpa", "eager"] = "sdpa"
     seed: int = Field(default=0, ge=0, lt=2**63)
 
@@ -135,7 +139,14 @@ class CausalLMTask(Task[torch.Tensor]):
         )
 
     def batches(self, shard: DataShard, start_step: int = 0) -> Iterator[torch.Tensor]:
-        region = self._region(shard)
+        """The shard's batches from ``start_step`` on, read ahead in a background thread
+        (``prefetch``), in the same order as without."""
+        region = self._region(shard)  # here, not in the thread: a data error is raised at once
+        return prefetched(self._batches(region, shard, start_step), self.options.prefetch)
+
+    def _batches(
+        self, region: RegionBlocks, shard: DataShard, start_step: int
+    ) -> Iterator[torch.Tensor]:
         size = self.options.batch_size
         step = start_step
         while True:

@@ -130,3 +130,29 @@ def test_the_spec_names_one_source_and_never_its_recorded_provenance() -> None:
         }
     )
     assert parse_stored_spec(json.loads(json.dumps(recorded.to_json()))) == recorded
+
+
+def test_a_hugging_face_export_directory_is_a_source(tmp_path: Path, trust: TrustBundle) -> None:
+    from geofed.params import federated_state
+    from geofed.task import load_task
+    from geofed.tasks.hf_export import write_hf_export
+    from tests.support.hf_models import save_model
+
+    model_dir = save_model(tmp_path / "model", "qwen2")
+    task = load_task("geofed.tasks.hf:CausalLMTask", {"model": str(model_dir)})
+    theta = federated_state(task.build_model(seed=0))
+    write_hf_export(
+        tmp_path / "imports" / "qwen",
+        theta,
+        model_dir=model_dir,
+        tokenizer_dir=None,
+        metadata={**metadata(theta), "job": "base"},
+        params_hash=parameters_vector_hash(theta),
+    )
+    state = load(InitFrom(path=str(tmp_path / "imports" / "qwen")), [tmp_path / "imports"], trust)
+    assert state.params_hash == parameters_vector_hash(theta)
+    assert state.provenance == {"eu-west": ("eu-support-chats",)}
+    check_shapes(state, {name: tuple(t.shape) for name, t in theta.items()})
+    (tmp_path / "imports" / "plain").mkdir()
+    with pytest.raises(InitError, match=r"no geofed_export\.json: not a geofed export"):
+        load(InitFrom(path=str(tmp_path / "imports" / "plain")), [tmp_path / "imports"], trust)
