@@ -28,6 +28,8 @@ from geofed.timeouts import Timeouts
 __all__ = ["DeadlineConfig", "DeadlineError", "RoundTiming", "next_deadline"]
 
 _MAD_TO_SIGMA = 1.4826
+#: The longest round deadline a job may set: 30 days.
+MAX_DEADLINE_S = 30 * 86400.0
 
 
 class DeadlineError(ValueError):
@@ -57,10 +59,18 @@ class DeadlineConfig(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     initial_s: float = Field(
-        default=1800.0, gt=0, allow_inf_nan=False, description="Used until enough samples exist."
+        default=1800.0,
+        gt=0,
+        le=MAX_DEADLINE_S,
+        allow_inf_nan=False,
+        description="Used until enough samples exist.",
     )
-    min_s: float = Field(default=600.0, gt=0, allow_inf_nan=False, description="Lower bound.")
-    max_s: float = Field(default=14400.0, gt=0, allow_inf_nan=False, description="Upper bound.")
+    min_s: float = Field(
+        default=600.0, gt=0, le=MAX_DEADLINE_S, allow_inf_nan=False, description="Lower bound."
+    )
+    max_s: float = Field(
+        default=14400.0, gt=0, le=MAX_DEADLINE_S, allow_inf_nan=False, description="Upper bound."
+    )
     k: float = Field(default=3.0, ge=0, allow_inf_nan=False, description="MAD multiplier.")
     min_slack_ratio: float = Field(
         default=0.25,
@@ -68,8 +78,10 @@ class DeadlineConfig(BaseModel):
         allow_inf_nan=False,
         description="Slack of at least this fraction of the median, for when all agree.",
     )
-    window_rounds: int = Field(default=10, ge=1, description="How many recent rounds count.")
-    min_samples: int = Field(default=3, ge=1, description="Samples needed to adapt.")
+    window_rounds: int = Field(
+        default=10, ge=1, le=10_000, description="How many recent rounds count."
+    )
+    min_samples: int = Field(default=3, ge=1, le=10_000, description="Samples needed to adapt.")
     straggler_fraction: float = Field(
         default=0.2, ge=0, le=1, description="Above this share of stragglers, grow."
     )

@@ -61,7 +61,7 @@ shares its regions' workers with the other jobs there.
 from __future__ import annotations
 
 import json
-from typing import Annotated, Literal
+from typing import Annotated, Final, Literal
 
 from pydantic import (
     AfterValidator,
@@ -150,6 +150,12 @@ TeamName = Annotated[str, AfterValidator(_team)]
 RegionName = Annotated[str, AfterValidator(_region)]
 DatasetName = Annotated[str, AfterValidator(_dataset)]
 StorageName = Annotated[str, AfterValidator(_storage)]
+
+
+#: The most rounds, and inner steps per round, a job may ask for: far beyond any run,
+#: well inside what the state store's integers and an exact float step count hold.
+MAX_ROUNDS: Final = 10_000_000
+MAX_INNER_STEPS: Final = 10_000_000
 
 
 class _Section(BaseModel):
@@ -241,7 +247,7 @@ class JobSpec(_Section):
         min_length=1, description="region -> datasets it trains on"
     )
     min_regions: int | None = Field(
-        default=None, ge=1, description="quorum at the deadline; default: every region"
+        default=None, ge=1, le=10_000, description="quorum at the deadline; default: every region"
     )
     max_regions: int | None = Field(
         default=None,
@@ -250,8 +256,8 @@ class JobSpec(_Section):
         description="the most regions the job may run on once regions join it (its number "
         "of data shards, fixed at submission); default: the regions listed",
     )
-    rounds: int = Field(ge=1, description="outer rounds")
-    inner_steps: int = Field(ge=1, description="local steps per round (H)")
+    rounds: int = Field(ge=1, le=MAX_ROUNDS, description="outer rounds")
+    inner_steps: int = Field(ge=1, le=MAX_INNER_STEPS, description="local steps per round (H)")
     seed: int = Field(default=0, ge=0, lt=2**63)
     codec: CodecParams = Field(
         default_factory=CodecParams,
@@ -266,14 +272,21 @@ class JobSpec(_Section):
         "(coordinator.snapshot_policy), within snapshot_min_rounds..snapshot_max_rounds",
     )
     snapshot_min_rounds: int = Field(
-        default=1, ge=1, description="with snapshot_every: auto, the shortest interval in rounds"
+        default=1,
+        ge=1,
+        le=MAX_ROUNDS,
+        description="with snapshot_every: auto, the shortest interval in rounds",
     )
     snapshot_max_rounds: int = Field(
-        default=100, ge=1, description="with snapshot_every: auto, the longest interval in rounds"
+        default=100,
+        ge=1,
+        le=MAX_ROUNDS,
+        description="with snapshot_every: auto, the longest interval in rounds",
     )
     working_state_every: int = Field(
         default=10,
         ge=1,
+        le=MAX_ROUNDS,
         description="the coordinator saves its working state (θ, outer optimizer state, "
         "residual) every n rounds, with every snapshot and at the last round; a restart "
         "replays the rounds since the last save from their kept deltas "
@@ -286,7 +299,10 @@ class JobSpec(_Section):
     )
     deadline: DeadlineConfig = Field(default_factory=DeadlineConfig)
     max_round_attempts: int = Field(
-        default=3, ge=1, description="tries of a round that fails below quorum before the job fails"
+        default=3,
+        ge=1,
+        le=1000,
+        description="tries of a round that fails below quorum before the job fails",
     )
     checkpoint_storage: tuple[StorageName, ...] = Field(
         min_length=1, description="candidate storage locations, in order of preference"
@@ -363,9 +379,11 @@ class JobSpec(_Section):
     def _interval_or_auto(cls, value: object) -> object:
         if value == "auto":
             return value
-        if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
+        if isinstance(value, int) and not isinstance(value, bool) and 1 <= value <= MAX_ROUNDS:
             return value
-        raise ValueError(f"snapshot_every must be a whole number >= 1 or auto; got {value!r}")
+        raise ValueError(
+            f"snapshot_every must be a whole number in 1..{MAX_ROUNDS} or auto; got {value!r}"
+        )
 
     @field_validator("snapshot_max_rounds")
     @classmethod

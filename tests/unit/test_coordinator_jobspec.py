@@ -156,6 +156,27 @@ def test_average_means_plain_averaging() -> None:
     [
         (SPEC + "min_regions: 3\n", "job.yaml:1: (document): min_regions (3) exceeds the 2"),
         (SPEC.replace("rounds: 3", "rounds: 0"), "job.yaml:8: rounds: Input should be greater"),
+        # Sizes no job has are refused at submission, not stored to fail later.
+        (
+            SPEC.replace("rounds: 3", "rounds: 100000000000000000000000"),
+            "job.yaml:8: rounds: Input should be less than or equal to 10000000",
+        ),
+        (
+            SPEC.replace("inner_steps: 2", "inner_steps: 4611686018427387904"),
+            "job.yaml:9: inner_steps: Input should be less than or equal to 10000000",
+        ),
+        (
+            SPEC + "max_round_attempts: 10000000000000000000000\n",
+            "job.yaml:11: max_round_attempts: Input should be less than or equal to 1000",
+        ),
+        (
+            SPEC + "snapshot_every: 100000000000\n",
+            "job.yaml:11: snapshot_every: snapshot_every must be a whole number in 1..10000000",
+        ),
+        (
+            SPEC + "deadline: {max_s: 1e300}\n",
+            "job.yaml:11: deadline.max_s: Input should be less than or equal to 2592000",
+        ),
         (
             SPEC.replace("[us-public-domain-books]", "[]"),
             "job.yaml:5: regions: region us-east is assigned no datasets",

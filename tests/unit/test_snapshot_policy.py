@@ -69,7 +69,7 @@ def test_a_spec_stays_fixed_at_10_unless_it_says_auto() -> None:
     ("extra", "expected"),
     [
         ("snapshot_every: often\n", "job.yaml:10: snapshot_every: "),
-        ("snapshot_every: 0\n", "snapshot_every must be a whole number >= 1 or auto"),
+        ("snapshot_every: 0\n", "snapshot_every must be a whole number in 1..10000000 or auto"),
         ("snapshot_every: true\n", "snapshot_every: "),
         ("snapshot_min_rounds: 0\n", "job.yaml:10: snapshot_min_rounds: "),
         (
