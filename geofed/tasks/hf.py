@@ -36,7 +36,7 @@ import torch.nn.functional as F  # noqa: N812 -- the conventional torch alias
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from torch import nn
 
-from geofed.data import DataError, batch_indices, validation_batches
+from geofed.data import DataError, DatasetLocation, batch_indices, validation_batches
 from geofed.data.prefetch import prefetched
 from geofed.task import DataShard, Task
 from geofed.tasks import hf_model
@@ -101,7 +101,7 @@ class CausalLMTask(Task[torch.Tensor]):
     def __init__(self, options: CausalLMOptions) -> None:
         self.options = options
         self._model_dir = Path(options.model)
-        self._regions: dict[tuple[str, ...], RegionBlocks] = {}
+        self._regions: dict[tuple[tuple[str, DatasetLocation | None], ...], RegionBlocks] = {}
 
     @cached_property
     def config(self) -> Any:
@@ -208,11 +208,14 @@ class CausalLMTask(Task[torch.Tensor]):
 
     def _region(self, shard: DataShard) -> RegionBlocks:
         names = self.options.datasets
-        key = tuple(sorted(shard.datasets)) if names is None else tuple(sorted(names))
+        chosen = tuple(sorted(shard.datasets)) if names is None else tuple(sorted(names))
+        # Keyed by where the data is, not only its names: a dataset moved (a reload of the
+        # agent config) or another region's in this process is other data.
+        key = tuple((name, shard.datasets.get(name)) for name in chosen)
         found = self._regions.get(key)
         if found is None:
             locations = dict(shard.datasets)
-            texts = any(locations[n].format != "tokens" for n in key if n in locations)
+            texts = any(locations[n].format != "tokens" for n in chosen if n in locations)
             found = region_blocks(
                 locations,
                 names,

@@ -223,3 +223,14 @@ def test_workers_refuse_a_task_whose_files_are_not_the_coordinator_s(
     check_fingerprint(task, task.fingerprint())
     with pytest.raises(ValueError, match="the task's files here are not the coordinator's"):
         check_fingerprint(task, "0" * 64)
+
+
+def test_the_same_dataset_name_elsewhere_is_other_data(
+    models: dict[str, Path], text_data: dict[str, DatasetLocation]
+) -> None:
+    task = task_for(models["llama"])
+    eu = {"docs": text_data["eu-docs"]}
+    us = {"docs": text_data["us-docs"]}
+    model = task.build_model(seed=0)
+    assert not torch.equal(next(task.batches(shard(eu), 0)), next(task.batches(shard(us), 0)))
+    assert task.evaluate_region(model, shard(eu)) != task.evaluate_region(model, shard(us))
