@@ -24,7 +24,7 @@ from torch import Tensor
 from coordinator.artifacts import Location, chain_at
 from coordinator.jobspec import InitFrom
 from geofed.export import ChainPart, ExportError, Rebuilt, plan_parts, rebuild
-from geofed.params import parameters_vector_hash
+from geofed.params import parameters_vector_hash, shapes_mismatch
 from geofed.pki import TrustBundle
 from geofed.types import ArtifactKind
 
@@ -132,15 +132,9 @@ def load_initial(
 def check_shapes(state: InitialState, shapes: Mapping[str, tuple[int, ...]]) -> None:
     """Raise :class:`InitError` unless θ_0 has exactly the task model's tensors."""
     given = {name: tuple(t.shape) for name, t in state.params.items()}
-    if given == dict(shapes):
-        return
-    missing = sorted(set(shapes) - set(given))
-    extra = sorted(set(given) - set(shapes))
-    resized = sorted(n for n in set(shapes) & set(given) if shapes[n] != given[n])
-    raise InitError(
-        f"init_from: {state.source} is not a model of this job's task: it lacks "
-        f"{missing[:5]}, has {extra[:5]} besides, and {resized[:5]} differ in shape"
-    )
+    differs = shapes_mismatch(shapes, given)
+    if differs is not None:
+        raise InitError(f"init_from: {state.source} is not a model of this job's task: {differs}")
 
 
 def _from_file(path: Path) -> InitialState:

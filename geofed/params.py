@@ -71,6 +71,19 @@ def count_parameters(model: nn.Module) -> int:
     return sum(p.numel() for p in unwrap_model(model).parameters())
 
 
+def shapes_mismatch(
+    expected: Mapping[str, tuple[int, ...]], given: Mapping[str, tuple[int, ...]]
+) -> str | None:
+    """How ``given`` (name -> shape) differs from ``expected``, the first few of each kind
+    named; None when they are the same."""
+    if dict(expected) == dict(given):
+        return None
+    missing = sorted(set(expected) - set(given))
+    extra = sorted(set(given) - set(expected))
+    resized = sorted(n for n in set(expected) & set(given) if expected[n] != given[n])
+    return f"it lacks {missing[:5]}, has {extra[:5]} besides, and {resized[:5]} differ in shape"
+
+
 def check_federated_state(model: nn.Module, state: Mapping[str, torch.Tensor]) -> None:
     """Raise :class:`ValueError` unless ``state`` holds exactly the model's federated tensors.
 

@@ -25,7 +25,12 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
-from geofed.params import federated_state, load_federated_state, parameters_vector_hash
+from geofed.params import (
+    federated_state,
+    load_federated_state,
+    parameters_vector_hash,
+    shapes_mismatch,
+)
 from geofed.tasks.hf_model import (
     HfModelError,
     fill_rotary_buffers,
@@ -126,17 +131,11 @@ def _loads_back(transformers: Any, directory: Path, params_hash: str | None) -> 
 
 def _check_names(model: torch.nn.Module, params: Mapping[str, Tensor], model_dir: Path) -> None:
     expected = {name: tuple(t.shape) for name, t in federated_state(model).items()}
-    given = {name: tuple(t.shape) for name, t in params.items()}
-    if expected == given:
-        return
-    missing = sorted(set(expected) - set(given))
-    unexpected = sorted(set(given) - set(expected))
-    shapes = sorted(n for n in set(expected) & set(given) if expected[n] != given[n])
-    raise HfModelError(
-        f"θ is not the model of {model_dir}/config.json ({type(model).__name__}): "
-        f"it lacks {missing[:5]}, has {unexpected[:5]} besides, and {shapes[:5]} differ "
-        "in shape"
-    )
+    differs = shapes_mismatch(expected, {name: tuple(t.shape) for name, t in params.items()})
+    if differs is not None:
+        raise HfModelError(
+            f"θ is not the model of {model_dir}/config.json ({type(model).__name__}): {differs}"
+        )
 
 
 def _save_generation_config(transformers: Any, model_dir: Path, out: Path) -> None:

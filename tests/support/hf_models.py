@@ -49,35 +49,24 @@ def model_config(kind: str, *, vocab: int = VOCAB) -> Any:
     """A two-layer config of architecture ``kind`` (``ARCHITECTURES``)."""
     import transformers
 
-    if kind == "llama":
-        return transformers.LlamaConfig(
-            vocab_size=vocab,
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            max_position_embeddings=256,
-            eos_token_id=0,
-            bos_token_id=0,
-        )
-    if kind == "qwen2":
-        return transformers.Qwen2Config(
-            vocab_size=vocab,
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            max_position_embeddings=256,
-            eos_token_id=0,
-            bos_token_id=0,
-        )
     if kind == "gpt2":
         return transformers.GPT2Config(
             vocab_size=vocab, n_embd=64, n_layer=2, n_head=4, n_positions=256, eos_token_id=0
         )
-    raise ValueError(kind)
+    decoders = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config}
+    if kind not in decoders:
+        raise ValueError(kind)
+    return decoders[kind](
+        vocab_size=vocab,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        eos_token_id=0,
+        bos_token_id=0,
+    )
 
 
 def save_model(directory: Path, kind: str = "llama", *, seed: int = 7) -> Path:
