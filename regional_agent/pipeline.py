@@ -273,6 +273,12 @@ class RoundPipeline:
             return await self._deliver(job, announcement, spooled)
         except (TransportError, Timeout) as exc:
             raise RetryLater(str(exc)) from exc
+        except OSError as exc:
+            # The region's own disk: full, or a file removed under the agent. The daemon
+            # stays up; what the round left half-written is freed, and it is tried again
+            # after a back-off (a full disk may be emptied meanwhile).
+            await self._free_round(job, announcement.round, exc)
+            raise RetryLater(f"local storage: {exc}") from exc
         except (CoordinatorError, UnusableDelta, CodecError, StateError) as exc:
             # The coordinator is not who it should be (or answers nonsense), the trained
             # parameters cannot form a delta (shapes, NaN), or the regional state is
@@ -537,6 +543,16 @@ class RoundPipeline:
         return end(
             "accepted", f"delta accepted ({sent}{', resumed' if report.attempts > 1 else ''})"
         )
+
+    async def _free_round(self, job: JobDirectory, round_: int, error: OSError) -> None:
+        """Drop the round's spooled delta after ``error`` unless it is whole and checks
+        out: it is made again on the next try (a full disk gets its room back now)."""
+        log.warning("job %s round %d: local storage failed: %s", job.job, round_, error)
+        with contextlib.suppress(OSError, StateError):
+            if await self._checked_spool(job, round_) is not None:
+                return
+        with contextlib.suppress(OSError):
+            await _blocking(job.discard_spool, round_)
 
     async def _checked_spool(self, job: JobDirectory, round_: int) -> SpooledDelta | None:
         """The delta spooled for ``round_``, checked frame by frame against its signed

@@ -12,15 +12,11 @@ their names and every index entry names stored blobs. Each test configures a sma
 from __future__ import annotations
 
 import asyncio
-import errno
 import hashlib
 import itertools
 import json
 import os
-import subprocess
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -43,45 +39,9 @@ from tests.support.coordinator import (
     request,
     wait_collecting,
 )
+from tests.support.disks import ENOSPC_TEXT, PAGE, fill, tmpfs
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
-
-ENOSPC_TEXT = os.strerror(errno.ENOSPC)  # "No space left on device"
-PAGE = 4096  # tmpfs allocates whole pages
-
-
-@contextmanager
-def tmpfs(path: Path, size: str = "1m") -> Iterator[Path]:
-    """A tmpfs of ``size`` mounted on ``path`` for the block (needs root)."""
-    path.mkdir(parents=True)
-    result = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", f"size={size},mode=0700", "tmpfs", str(path)],
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    assert result.returncode == 0, f"cannot mount a tmpfs (root needed): {result.stderr}"
-    try:
-        yield path
-    finally:
-        # Lazy: a failing test may still hold a file open; the mount must not outlive it.
-        subprocess.run(["umount", "--lazy", str(path)], check=True)
-
-
-def fill(directory: Path) -> Path:
-    """Write a file into ``directory`` until its filesystem has no block left."""
-    filler = directory / "filler"
-    block = b"\xa5" * PAGE
-    with filler.open("wb", buffering=0) as file:
-        while True:
-            try:
-                file.write(block)
-            except OSError as exc:
-                if exc.errno != errno.ENOSPC:
-                    raise
-                break
-    assert os.statvfs(directory).f_bavail == 0
-    return filler
 
 
 def visible_problems(root: Path) -> list[str]:
