@@ -17,7 +17,7 @@ from regional_agent.credentials import Credentials
 from regional_agent.delta import DeltaOrigin, delta_manifest, encode_delta, sign_delta
 from regional_agent.handoff import HandoffDir
 from regional_agent.metrics import AgentMetrics
-from regional_agent.pipeline import RegionFacts, RoundPipeline
+from regional_agent.pipeline import RegionFacts, RetryLater, RoundPipeline
 from regional_agent.residency import export_decision
 from regional_agent.state import AgentState, DeltaMeta
 from regional_agent.sync import ResyncFailed
@@ -197,3 +197,26 @@ async def test_a_damaged_spooled_delta_is_made_again_not_sent(
     assert AgentState(tmp_path).job("llm").spooled_rounds() == []
     assert "the spooled delta is damaged" in caplog.text
     assert "sha256" in caplog.text
+
+
+class VanishingSpool(Recorder):
+    """An uploader under which the spooled stream file is removed (a hand's rm, a disk
+    replaced) as it starts reading it."""
+
+    async def upload(self, job: str, delta: Any, *args: Any) -> Any:
+        self.calls.append("upload")
+        delta.stream_path.unlink()
+        return delta.read_frame(0)
+
+
+async def test_a_spool_removed_under_the_upload_is_retried_not_fatal(
+    tmp_path: Path, credentials: Credentials, policies: PolicySet
+) -> None:
+    spool_delta(tmp_path, credentials, 1)
+    recorder = VanishingSpool()
+    rounds, _ = pipeline(tmp_path, credentials, policies, OWN_DATASETS, recorder)
+    with pytest.raises(RetryLater, match=r"local storage: .*No such file or directory"):
+        await rounds.run(announce(round_=1))
+    assert recorder.calls == ["upload"]
+    # What is left of the spool is dropped: the next try makes the delta again.
+    assert AgentState(tmp_path).job("llm").spooled_rounds() == []
