@@ -59,6 +59,7 @@ from coordinator.teams import (
     DEFAULT_TEAM,
     management_refusal,
     operator_team,
+    priority_refusal,
     submission_refusal,
 )
 from coordinator.transactions import LOCATION_POINTER, record_admitted_job, record_job_change
@@ -250,6 +251,7 @@ class JobManager:
         self._check_local(spec)
         self._check_priority(spec)
         spec = await self._check_team(spec, actor)
+        await self._check_team_priority(spec, actor)
         async with self._submitting:
             if spec.job in self._engines or spec.job in self._unavailable:
                 raise Conflict(f"job {spec.job} already exists", "already_exists")
@@ -351,6 +353,21 @@ class JobManager:
             await self._deny(actor, "job.submit", spec.job, refusal)
             raise Forbidden(refusal)
         return spec
+
+    async def _check_team_priority(self, spec: JobSpec, actor: Identity) -> None:
+        """403 ``forbidden`` (audited) when the job's team may not use its priority class."""
+        scheduling = self._scheduling
+        priority = spec.priority or scheduling.default_priority
+        refusal = priority_refusal(
+            actor,
+            spec.team_name,
+            priority,
+            scheduling.team_priorities(spec.team_name),
+            self._s.config.admins,
+        )
+        if refusal is not None:
+            await self._deny(actor, "job.submit", spec.job, refusal)
+            raise Forbidden(refusal)
 
     async def _deny(self, actor: Identity, action: str, job: str, reason: str) -> None:
         """Audit a refused request (a team's boundary) before it is answered 403."""

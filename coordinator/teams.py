@@ -26,6 +26,7 @@ __all__ = [
     "is_admin",
     "management_refusal",
     "operator_team",
+    "priority_refusal",
     "submission_refusal",
 ]
 
@@ -57,6 +58,25 @@ def submission_refusal(identity: Identity, team: str, admins: Collection[str]) -
     return (
         f"{identity} belongs to team {own} and may submit only its jobs, not team {team}'s "
         "(leave team out to submit for your own team; an admin may submit for any team)"
+    )
+
+
+def priority_refusal(
+    identity: Identity,
+    team: str,
+    priority: str,
+    allowed: Collection[str] | None,
+    admins: Collection[str],
+) -> str | None:
+    """Why ``identity`` may not submit a job of ``team`` in class ``priority``, or None:
+    a team's jobs use the classes the scheduling config grants it (``allowed``; None:
+    every class); an admin may use any."""
+    if allowed is None or priority in allowed or is_admin(identity, admins):
+        return None
+    return (
+        f"team {team} may not submit jobs of priority {priority} (its classes: "
+        f"{', '.join(sorted(allowed)) or 'none'}; the scheduling config's teams.{team}."
+        "priorities)"
     )
 
 

@@ -14,10 +14,12 @@
       snapshot_window_rounds: 1             # never stop a job this close before a snapshot
     teams:
       vision: {concurrent_gpus: 32, gpu_hours: 2000, window_s: 604800}
-      nlp: {concurrent_gpus: 16, weight: 2}
+      nlp: {concurrent_gpus: 16, weight: 2, priorities: [research, best-effort]}
 
-A team not listed has no quota and weight 1. :func:`parse_scheduling_config` reads such
-a file and names file, line and key in every problem.
+A team not listed has no quota and weight 1, and may use every priority class; a team
+with ``priorities`` may submit jobs of those classes only (an admin any).
+:func:`parse_scheduling_config` reads such a file and names file, line and key in every
+problem.
 """
 
 from __future__ import annotations
@@ -76,6 +78,11 @@ class TeamQuota(ConfigSection):
     gpu_hours: StrictFloat | StrictInt | None = Field(default=None, ge=0, allow_inf_nan=False)
     window_s: StrictFloat | StrictInt | None = Field(default=None, gt=0, allow_inf_nan=False)
     weight: StrictFloat | StrictInt = Field(default=1, gt=0, allow_inf_nan=False)
+    priorities: tuple[str, ...] | None = Field(
+        default=None,
+        description="the priority classes the team's jobs may use (a class that preempts is "
+        "a right); unset: every class",
+    )
 
     @model_validator(mode="after")
     def _hours_need_a_window(self) -> Self:
@@ -136,7 +143,21 @@ class SchedulingConfig(ConfigSection):
                 f"default_priority {self.default_priority!r} is not one of the priority "
                 f"classes ({', '.join(sorted(self.priorities))})"
             )
+        for team, quota in self.teams.items():
+            unknown = sorted(set(quota.priorities or ()) - set(self.priorities))
+            if unknown:
+                raise ValueError(
+                    f"teams.{team}.priorities names {', '.join(unknown)}, not priority "
+                    f"classes ({', '.join(sorted(self.priorities))})"
+                )
         return self
+
+    def team_priorities(self, team: str) -> frozenset[str] | None:
+        """The priority classes ``team``'s jobs may use; None: every class."""
+        quota = self.teams.get(team)
+        if quota is None or quota.priorities is None:
+            return None
+        return frozenset(quota.priorities)
 
     def priority_of(self, name: str) -> int:
         """The number of priority class ``name``; an unknown class is an error."""

@@ -87,7 +87,10 @@ async def test_a_job_over_its_team_quota_waits_and_other_teams_may_not_touch_it(
 ) -> None:
     async with EmbeddedBroker() as broker:
         setup = write_setup(tmp_path, broker.port)
-        _configure(setup, "teams:\n  vision: {concurrent_gpus: 4}\n")
+        _configure(
+            setup,
+            "teams:\n  vision: {concurrent_gpus: 4}\n  nlp: {priorities: [research]}\n",
+        )
         await _report_gpus(broker.port)
         alice = setup.fed.operator("vision--alice")
         bob = setup.fed.operator("nlp--bob")
@@ -128,6 +131,12 @@ async def test_a_job_over_its_team_quota_waits_and_other_teams_may_not_touch_it(
             )
             assert status == 403, body
             assert "may submit only its jobs, not team vision's" in body["message"]
+            # Nor use a class its team is not granted (production would preempt others).
+            status, body = await request(
+                as_bob, "POST", "/v1/jobs", data=job_yaml("five", extra="priority: production\n")
+            )
+            assert status == 403, body
+            assert "team nlp may not submit jobs of priority production" in body["message"]
             # Preempting is for admins: not even the job's own team.
             status, body = await request(as_alice, "POST", "/v1/jobs/one/preempt")
             assert status == 403, body
@@ -141,6 +150,7 @@ async def test_a_job_over_its_team_quota_waits_and_other_teams_may_not_touch_it(
             assert denied == [
                 ("nlp--bob", "job.cancel", "three"),
                 ("nlp--bob", "job.submit", "four"),
+                ("nlp--bob", "job.submit", "five"),
                 ("vision--alice", "job.preempt", "one"),
             ]
             _, three = await request(as_alice, "GET", "/v1/jobs/three")
@@ -202,7 +212,10 @@ async def test_submit_with_priority_and_team_and_preempt_from_the_command_line(
 ) -> None:
     async with EmbeddedBroker() as broker:
         setup = write_setup(tmp_path, broker.port)
-        _configure(setup, "teams:\n  vision: {concurrent_gpus: 4}\n")
+        _configure(
+            setup,
+            "teams:\n  vision: {concurrent_gpus: 4}\n  nlp: {priorities: [research]}\n",
+        )
         await _report_gpus(broker.port)
         lead = setup.fed.operator("lead")
         alice = setup.fed.operator("vision--alice")

@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from coordinator.teams import management_refusal, operator_team, submission_refusal
+from coordinator.config import ConfigError
+from coordinator.scheduling.config import parse_scheduling_config
+from coordinator.teams import (
+    management_refusal,
+    operator_team,
+    priority_refusal,
+    submission_refusal,
+)
 from geofed.types import Identity, Role
 
 ADMINS = ("lead",)
@@ -71,3 +78,36 @@ def test_an_admin_name_only_counts_for_an_operator() -> None:
 )
 def test_submission(name: str, team: str, allowed: bool) -> None:
     assert (submission_refusal(_op(name), team, ADMINS) is None) is allowed
+
+
+@pytest.mark.parametrize(
+    ("name", "priority", "allowed"),
+    [
+        ("nlp--bob", "research", True),
+        ("nlp--bob", "production", False),  # a preempting class is a right, not a choice
+        ("lead", "production", True),  # an admin may use any
+    ],
+)
+def test_a_team_uses_the_priority_classes_granted_to_it(
+    name: str, priority: str, allowed: bool
+) -> None:
+    granted = frozenset({"research", "best-effort"})
+    refusal = priority_refusal(_op(name), "nlp", priority, granted, ADMINS)
+    assert (refusal is None) is allowed
+    if refusal is not None:
+        assert refusal == (
+            "team nlp may not submit jobs of priority production (its classes: best-effort, "
+            "research; the scheduling config's teams.nlp.priorities)"
+        )
+    assert priority_refusal(_op(name), "nlp", "production", None, ADMINS) is None
+
+
+def test_a_team_may_be_granted_only_known_classes() -> None:
+    config = parse_scheduling_config(
+        "teams:\n  nlp: {priorities: [research]}\n  vision: {}\n", "scheduling.yaml"
+    )
+    assert config.team_priorities("nlp") == frozenset({"research"})
+    assert config.team_priorities("vision") is None
+    assert config.team_priorities("unlisted") is None
+    with pytest.raises(ConfigError, match=r"teams\.nlp\.priorities names urgent, not priority"):
+        parse_scheduling_config("teams:\n  nlp: {priorities: [urgent]}\n", "scheduling.yaml")
