@@ -147,6 +147,8 @@ class TimelineBook:
         self._open: dict[tuple[str, int], _Open] = {}
         #: job -> the newest round already over (written out): late marks are dropped.
         self._over: dict[str, int] = {}
+        #: (job, round, phase) -> when the phase began, for the phases under way.
+        self._active: dict[tuple[str, int, str], float] = {}
 
     def _entry(self, job: str, round_: int) -> _Open:
         key = (job, round_)
@@ -160,31 +162,31 @@ class TimelineBook:
         return found
 
     def record(self, job: str, round_: int, phase: Phase, start: float, end: float) -> None:
-        """Add ``[start, end]`` to ``phase``; repeated pieces add up (a retry)."""
+        """Add ``[start, end]`` to ``phase``; repeated pieces add up (a retry). A round
+        already over (written out) takes no more pieces."""
         if phase not in PHASES:
             raise ValueError(f"unknown phase {phase!r}; expected one of {', '.join(PHASES)}")
-        entry = self._entry(job, round_)
-        seconds = max(0.0, end - start)
-        found = entry.phases.get(phase)
-        if found is None:
-            entry.phases[phase] = Interval(start, max(start, end), seconds)
-        else:
-            entry.phases[phase] = Interval(
-                min(found.start, start), max(found.end, end), found.seconds + seconds
-            )
+        if round_ <= self._over.get(job, -1):
+            return
+        _add(self._entry(job, round_), phase, start, end)
 
     @contextmanager
     def phase(self, job: str, round_: int, phase: Phase) -> Iterator[None]:
-        """Time the enclosed block as ``phase`` of the round, however it ends."""
+        """Time the enclosed block as ``phase`` of the round, however it ends. A round
+        that is over while the phase goes on (its upload finishing after the next round
+        was announced) keeps the phase until then."""
         start = self._clock()
+        key = (job, round_, phase)
+        self._active[key] = start
         try:
             yield
         finally:
+            self._active.pop(key, None)
             self.record(job, round_, phase, start, self._clock())
 
     def worker_trained(self, job: str, round_: int, start: float | None, end: float | None) -> None:
         """The worker's inner-loop interval; ignored when the workers did not report it."""
-        if start is None or end is None or end < start:
+        if start is None or end is None or end < start or round_ <= self._over.get(job, -1):
             return
         self._entry(job, round_).worker = Interval(start, end, end - start)
 
@@ -210,6 +212,9 @@ class TimelineBook:
         finished = []
         for key in over:
             entry = self._open.pop(key)
+            for (job_, round_, phase), start in self._active.items():
+                if (job_, round_) == key:
+                    _add(entry, phase, start, now)
             if entry.accepted_at is not None:
                 start = entry.accepted_at
                 entry.phases["wait"] = Interval(start, max(start, now), max(0.0, now - start))
@@ -220,6 +225,18 @@ class TimelineBook:
         if over:
             self._over[job] = max(self._over.get(job, -1), max(key[1] for key in over))
         return finished
+
+
+def _add(entry: _Open, phase: str, start: float, end: float) -> None:
+    """Add ``[start, end]`` to ``entry``'s ``phase`` (pieces add up)."""
+    seconds = max(0.0, end - start)
+    found = entry.phases.get(phase)
+    if found is None:
+        entry.phases[phase] = Interval(start, max(start, end), seconds)
+    else:
+        entry.phases[phase] = Interval(
+            min(found.start, start), max(found.end, end), found.seconds + seconds
+        )
 
 
 def trimmed(lines: Sequence[bytes], max_bytes: int) -> list[bytes]:

@@ -72,6 +72,22 @@ def test_a_round_is_over_when_the_next_one_is_announced() -> None:
     assert book.announced("job-a", 6) == []  # written once
 
 
+def test_an_upload_that_ends_after_the_next_announcement_is_written_once() -> None:
+    clock = FakeClock()
+    book = TimelineBook(clock)
+    with book.phase("job-a", 0, "train"):
+        clock.advance(10)
+    with book.phase("job-a", 0, "upload"):
+        clock.advance(3)
+        # The coordinator accepted the delta and announced round 1 before the answer.
+        (done,) = book.announced("job-a", 1)
+        clock.advance(1)
+    book.accepted("job-a", 0)
+    assert (done.round, done.seconds("upload"), done.seconds("wait")) == (0, 3, 0)
+    # Nothing of round 0 is left to be written again with a later round.
+    assert book.announced("job-a", 2, final=True) == []
+
+
 def test_a_round_never_accepted_has_no_wait_and_a_final_announcement_ends_all() -> None:
     clock = FakeClock()
     book = TimelineBook(clock)
