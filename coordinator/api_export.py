@@ -35,10 +35,11 @@ from coordinator.audit import AuditEvent, AuditVerdict, format_time
 from coordinator.auth import require_role
 from coordinator.bodies import read_limited
 from coordinator.checkpoints import CheckpointEntry
-from coordinator.errors import BadRequest, NotFound
+from coordinator.errors import BadRequest, Forbidden, NotFound
 from coordinator.file_response import BoundedFile
 from coordinator.keys import SERVICES
 from coordinator.residency import policy_denied
+from coordinator.teams import management_refusal
 from geofed.api_paths import ApiPaths
 from geofed.blobstore import InvalidDigest, validate_digest
 from geofed.types import ArtifactKind, Identity, InvalidName, Role, validate_name
@@ -125,6 +126,21 @@ async def create_export(request: web.Request) -> web.Response:
     body = await _json_body(request)
     services = request.app[SERVICES]
     ctx = engine.ctx
+    # A job's model follows its team's rights, as pausing it does: not any operator's.
+    refusal = management_refusal(
+        identity, "export", engine.job, ctx.spec.team_name, services.config.admins
+    )
+    if refusal is not None:
+        await services.db.append_audit(
+            AuditEvent(
+                actor=identity,
+                action="export",
+                verdict=AuditVerdict.DENY,
+                job=engine.job,
+                details={"reason": refusal},
+            )
+        )
+        raise Forbidden(refusal)
     version = engine.version
     requested = body.get("round")
     round_ = version if requested is None else int_query(str(requested), "round", 0)

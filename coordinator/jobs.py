@@ -255,7 +255,7 @@ class JobManager:
         async with self._submitting:
             if spec.job in self._engines or spec.job in self._unavailable:
                 raise Conflict(f"job {spec.job} already exists", "already_exists")
-            spec = await self._resolve_init(spec)
+            spec = await self._resolve_init(spec, actor)
             admission = self._admit(spec)
             await self._record_admission(spec, admission, actor)
             if not admission.admitted:
@@ -306,15 +306,19 @@ class JobManager:
             **engine.scheduling,
         }
 
-    async def _resolve_init(self, spec: JobSpec) -> JobSpec:
+    async def _resolve_init(self, spec: JobSpec, actor: Identity) -> JobSpec:
         """The spec with its ``init_from`` source read, verified and recorded: the round it
-        names, θ_0's hash and what the source derives from (400 when it cannot be)."""
+        names, θ_0's hash and what the source derives from (400 when it cannot be; 403,
+        audited, when the source job's model is another team's)."""
         source = spec.init_from
         if source is None:
             return spec
         location = version = None
         if source.job is not None:
             engine = self._engines.get(source.job)
+            if engine is not None:
+                # Starting from a job's model takes it away as an export does.
+                await self._check_manager(engine, "export", actor)
             if engine is not None and engine.working is not None:
                 location, version = engine.ctx.publishing.location, engine.version
         try:

@@ -100,4 +100,7 @@ def management_refusal(
 
 
 #: How a refusal says the actions whose verb is not a sentence's verb.
-_PHRASES: Final = {"regions": "change the regions of job {job}"}
+_PHRASES: Final = {
+    "regions": "change the regions of job {job}",
+    "export": "take away the model of job {job}",
+}

@@ -137,6 +137,12 @@ async def test_a_job_over_its_team_quota_waits_and_other_teams_may_not_touch_it(
             )
             assert status == 403, body
             assert "team nlp may not submit jobs of priority production" in body["message"]
+            # Nor take its model away: exports follow the job's team.
+            status, body = await request(
+                as_bob, "POST", "/v1/jobs/three/exports", json={"destination": "jurisdiction:EU"}
+            )
+            assert status == 403, body
+            assert "may not take away the model of job three of team vision" in body["message"]
             # Preempting is for admins: not even the job's own team.
             status, body = await request(as_alice, "POST", "/v1/jobs/one/preempt")
             assert status == 403, body
@@ -151,6 +157,7 @@ async def test_a_job_over_its_team_quota_waits_and_other_teams_may_not_touch_it(
                 ("nlp--bob", "job.cancel", "three"),
                 ("nlp--bob", "job.submit", "four"),
                 ("nlp--bob", "job.submit", "five"),
+                ("nlp--bob", "export", "three"),
                 ("vision--alice", "job.preempt", "one"),
             ]
             _, three = await request(as_alice, "GET", "/v1/jobs/three")

@@ -111,3 +111,12 @@ def test_a_team_may_be_granted_only_known_classes() -> None:
     assert config.team_priorities("unlisted") is None
     with pytest.raises(ConfigError, match=r"teams\.nlp\.priorities names urgent, not priority"):
         parse_scheduling_config("teams:\n  nlp: {priorities: [urgent]}\n", "scheduling.yaml")
+
+
+def test_taking_a_model_away_follows_the_job_s_team() -> None:
+    assert management_refusal(_op("vision--alice"), "export", "three", "vision", ADMINS) is None
+    assert management_refusal(_op("lead"), "export", "three", "vision", ADMINS) is None
+    assert management_refusal(_op("nlp--bob"), "export", "three", "vision", ADMINS) == (
+        "spiffe://acme/operator/nlp--bob belongs to team nlp and may not take away the model "
+        "of job three of team vision; operators of team vision or an admin may"
+    )
