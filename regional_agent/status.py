@@ -21,6 +21,7 @@ import asyncio
 import contextlib
 import logging
 import math
+import uuid
 from collections.abc import Callable
 from typing import Any
 
@@ -74,6 +75,10 @@ class StatusReporter:
         self._probed = False
         #: The last status the broker acknowledged (tests and logs read it).
         self.published: RegionStatus | None = None
+        # This run of the agent, and how many statuses it published: the coordinator
+        # orders them by that count, whatever this host's clock says.
+        self._boot = uuid.uuid4().hex
+        self._seq = 0
 
     @property
     def topic(self) -> str:
@@ -90,6 +95,8 @@ class StatusReporter:
             agent_version=AGENT_VERSION,
             worker_restarts=worker_restarts,
             capacity=self._capacity,
+            boot=self._boot,
+            seq=max(self._seq, 1),
             **self._fields,
         )
 
@@ -142,6 +149,7 @@ class StatusReporter:
             self._probed = True
         restarts = await asyncio.to_thread(self._restarts)
         self._restarts_seen = restarts
+        self._seq += 1
         status = self.current(restarts)
         await self._control.publish(
             self._topic, encode(status), retain=True, timeout_s=self._timeout_s

@@ -282,6 +282,11 @@ class RegionStatus(_Message):
     #: What the region offers jobs; None from agents that predate it (and in a Last Will):
     #: the coordinator then treats the region's capacity as unknown, i.e. unlimited.
     capacity: Capacity | None = None
+    #: Which run of the agent sent it (random per start) and its place among that run's
+    #: statuses: receivers order one run's statuses by ``seq``, never by the sender's
+    #: clock. None in a Last Will and from agents that predate them.
+    boot: Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{32}$")] | None = None
+    seq: int | None = Field(default=None, ge=1, lt=2**63)
 
 
 class Command(_Message):

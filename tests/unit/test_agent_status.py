@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any, cast
+
 import pytest
 
 from geofed.control import ControlClient, RegionStatus, Topics, decode
@@ -49,3 +51,25 @@ def test_the_goodbye_is_a_retained_offline_status() -> None:
     assert goodbye.retain
     message = decode(goodbye.payload, RegionStatus)
     assert (message.region, message.state, message.detail) == ("eu-west", "offline", "stopped")
+
+
+class Publishes:
+    """Stands in for the MQTT client (an outer edge): keeps what would be published."""
+
+    def __init__(self) -> None:
+        self.sent: list[RegionStatus] = []
+
+    async def publish(self, topic: str, payload: bytes, **options: object) -> None:
+        self.sent.append(decode(payload, RegionStatus))
+
+
+async def test_each_run_numbers_its_statuses() -> None:
+    first, second = Publishes(), Publishes()
+    for fake in (first, second):
+        status = StatusReporter(cast(Any, fake), TOPICS, "eu-west", interval_s=1.0, timeout_s=1.0)
+        for state in ("online", "training", "uploading"):
+            status.update(state)
+            await status.publish_now()
+    assert [s.seq for s in first.sent] == [1, 2, 3]
+    assert len({s.boot for s in first.sent}) == 1
+    assert {s.boot for s in second.sent} != {s.boot for s in first.sent}

@@ -77,3 +77,40 @@ def test_a_goodbye_is_taken_like_a_will() -> None:
     assert view is not None
     assert not view.up
     assert view.newest_sent_at == START + timedelta(seconds=11)
+
+
+RUN_A, RUN_B = "a" * 32, "b" * 32
+YEAR_S = 365 * 86400.0
+
+
+def numbered(state: RegionState, at_s: float, boot: str, seq: int) -> RegionStatus:
+    return status(state, at_s).model_copy(update={"boot": boot, "seq": seq})
+
+
+def test_a_clock_far_ahead_does_not_pin_the_region() -> None:
+    # A host a year ahead, then its clock corrected: its run's statuses go on by number.
+    view = held_after(numbered("training", YEAR_S, RUN_A, 1))
+    taken, reason = take_status(view, numbered("uploading", 10, RUN_A, 2))
+    assert taken is not None
+    assert taken.status.state == "uploading"
+    assert reason == "the run's next status"
+    # It dies: the Will is taken; its restart (a new run, clock still behind) replaces it.
+    view = held_after(
+        numbered("training", YEAR_S, RUN_A, 1),
+        status("offline", 0),
+        numbered("online", 20, RUN_B, 1),
+    )
+    assert view is not None
+    assert view.up
+    assert (view.boot, view.seq, view.retired) == (RUN_B, 1, (RUN_A,))
+
+
+def test_a_late_status_of_a_run_is_dropped_by_its_number_not_its_clock() -> None:
+    view = held_after(numbered("training", 0, RUN_A, 5), status("offline", 0))
+    kept, reason = take_status(view, numbered("training", YEAR_S, RUN_A, 4))
+    assert kept is None
+    assert reason == "an earlier status of the same agent run: delivered late"
+    view = held_after(numbered("training", 0, RUN_A, 5), numbered("online", 1, RUN_B, 1))
+    kept, reason = take_status(view, numbered("training", YEAR_S, RUN_A, 6))
+    assert kept is None
+    assert reason == "a status of an earlier run of the agent: delivered late"
