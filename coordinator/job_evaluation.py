@@ -36,7 +36,7 @@ from coordinator.services import Services
 from coordinator.working_state import WorkingState
 from geofed.evaluation_config import coordinator_evaluates
 from geofed.params import load_federated_state
-from geofed.task import Task, load_task
+from geofed.task import Task, evaluates_centrally, load_task, load_task_class
 
 __all__ = [
     "FINAL_EVALUATION_WAIT_S",
@@ -196,6 +196,12 @@ class JobEvaluation:
         decision = coordinator_evaluates(spec.evaluation, state.version, spec.rounds)
         if not decision.evaluate:
             log.debug("job %s: θ_%d: %s", self._ctx.job, state.version, decision.reason)
+            return
+        if not evaluates_centrally(load_task_class(spec.task.spec)):
+            # Its metrics come from the regions' own data: nothing to measure here.
+            log.debug(
+                "job %s: θ_%d: the task evaluates on region data only", self._ctx.job, state.version
+            )
             return
         self._evaluating.add(state.version)
         self._background(self._evaluate(state), f"evaluate-{self._ctx.job}-{state.version}")

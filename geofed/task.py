@@ -217,6 +217,13 @@ class Task(ABC, Generic[BatchT]):
         del step
 
 
+def evaluates_centrally(task_class: type[Task[Any]]) -> bool:
+    """Whether a task measures anything without a region's data (it defines ``evaluate``):
+    a task that does not is evaluated by the regions only, and no coordinator builds its
+    model to learn nothing."""
+    return task_class.evaluate is not Task.evaluate
+
+
 def parse_task_spec(spec: str) -> tuple[str, str]:
     """Split ``package.module:Name`` into module and attribute path, checking its shape."""
     if not isinstance(spec, str):

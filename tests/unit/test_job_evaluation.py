@@ -29,7 +29,7 @@ from coordinator.job_evaluation import (
 from coordinator.jobspec import parse_job_spec
 from coordinator.metrics import CoordinatorMetrics
 from coordinator.working_state import WorkingState
-from geofed.task import load_task
+from geofed.task import evaluates_centrally, load_task, load_task_class
 
 
 @pytest.mark.parametrize(("version", "loss"), [(0, 5.25), (12, 0.1 + 0.2), (3, 1e-300)])
@@ -94,8 +94,8 @@ class _InlineEvaluation:
         return fn(*args)
 
 
-def _evaluation(evaluation: str = "") -> tuple[JobEvaluation, Any]:
-    spec = parse_job_spec(JOB_SPEC + evaluation, "job.yaml")
+def _evaluation(evaluation: str = "", job: str = JOB_SPEC) -> tuple[JobEvaluation, Any]:
+    spec = parse_job_spec(job + evaluation, "job.yaml")
     services = SimpleNamespace(
         db=_Pointers(),
         executors=_InlineEvaluation(),
@@ -200,3 +200,16 @@ def test_a_task_reporting_many_metrics_keeps_the_first_in_name_order() -> None:
     kept = kept_metrics(many)
     assert len(kept) == MAX_METRICS
     assert list(kept) == [f"m{i:03d}" for i in range(MAX_METRICS)]
+
+
+async def test_a_task_that_measures_only_on_region_data_is_not_evaluated_here() -> None:
+    assert evaluates_centrally(load_task_class(EVALUATED))
+    assert not evaluates_centrally(load_task_class("geofed.tasks.hf:CausalLMTask"))
+    plain = JOB_SPEC.replace(EVALUATED, "tests.support.tiny_task:TinyTask").replace(
+        "options: {hidden: 8}", "options: {}"
+    )
+    evaluation, services = _evaluation("evaluation: {where: coordinator, every: 1}\n", plain)
+    evaluation.later(_state(0))
+    await evaluation.finish()
+    # No evaluation process was asked to build a model that would measure nothing.
+    assert services.executors.calls == []
