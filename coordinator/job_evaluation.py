@@ -94,6 +94,10 @@ def evaluate_in_process(
     ``params_bytes`` is θ as ``torch.save`` bytes, loaded with ``weights_only``: plain
     tensors never travel through shared memory, so θ in the coordinator stays as it is.
     """
+    # oneDNN builds its kernels in writable-executable memory, which the coordinator's
+    # unit denies (MemoryDenyWriteExecute=yes, inherited by this process): evaluate
+    # without them. This process does nothing else.
+    torch.backends.mkldnn.enabled = False  # type: ignore[assignment]
     params = torch.load(io.BytesIO(params_bytes), weights_only=True)
     metrics = evaluate_params(_task(spec, options_json), seed, params)
     return {str(name): float(value) for name, value in metrics.items()}

@@ -227,12 +227,24 @@ mean = aggregate(specs, {r: (100.0, lambda b=b: decode_pieces(b)) for r, b in st
 optimizer = OuterOptimizer()
 stepped = optimizer.step(optimizer.step(params, mean), mean)
 decode(encode({n: stepped[n] - params[n] for n in params}, scheme="int8"))
+
+# And its evaluation process: the example task's model (GELU) evaluated as it does there.
+import io, json
+from coordinator.context import initial_parameters
+from coordinator.job_evaluation import evaluate_in_process
+from geofed.task import load_task
+example, options = "geofed.examples.charlm:CharLMTask", {"d_model": 32, "n_layers": 1}
+buffer = io.BytesIO()
+torch.save(initial_parameters(load_task(example, options), 0), buffer)
+metrics = evaluate_in_process(example, json.dumps(options), 0, buffer.getvalue())
+assert "val_loss" in metrics, metrics
 print("coordinator tensor work ok")
 """
 
 
 def test_coordinator_tensor_work_needs_no_writable_executable_memory() -> None:
-    """Backs MemoryDenyWriteExecute=yes in the coordinator unit.
+    """Backs MemoryDenyWriteExecute=yes in the coordinator unit, its evaluation process
+    (which inherits it) included.
 
     systemd 252 enforces it with a seccomp filter; Linux >= 6.3 offers the same rule per
     process (PR_SET_MDWE: no mapping both writable and executable, none made executable
