@@ -12,17 +12,13 @@ adding beyond ``max_regions`` are refused, audited, and change nothing. The job 
 
 from __future__ import annotations
 
-import asyncio
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.support.federation import FederationRun, running_federation
+from tests.support.federation import FederationRun, operator_cli, running_federation
 from tests.support.observe import audit_entries
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(300)]
@@ -40,25 +36,6 @@ async def change(fed: FederationRun, job: str, body: dict[str, Any]) -> tuple[in
     url = f"{fed.base}/v1/jobs/{job}/regions"
     async with fed.http.post(url, json=body) as response:
         return response.status, await response.json()
-
-
-def cli(fed: FederationRun, *args: str) -> subprocess.CompletedProcess[str]:
-    operator = fed.federation.operator
-    env = {
-        **os.environ,
-        "GEOFED_URL": fed.base,
-        "GEOFED_CERT": str(operator.cert),
-        "GEOFED_KEY": str(operator.key),
-        "GEOFED_TRUST": str(fed.federation.trust_bundle),
-    }
-    return subprocess.run(
-        [sys.executable, "-m", "geofed", *args],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=60,
-        check=False,
-    )
 
 
 def shards_of(status: dict[str, Any]) -> dict[str, int] | None:
@@ -85,8 +62,7 @@ async def test_regions_join_and_leave_a_running_job(tmp_path: Path) -> None:
 
         # Join, with the CLI. The round in progress keeps its participants.
         before = await fed.status()
-        joined = await asyncio.to_thread(
-            cli,
+        joined = await operator_cli(
             fed,
             "job",
             "regions",
@@ -114,7 +90,7 @@ async def test_regions_join_and_leave_a_running_job(tmp_path: Path) -> None:
         )
         assert shards_of(grown) == {"eu-west": 0, "us-east": 1, "ap-south": 2}, grown
         assert grown["shards"]["assignment"] == {"eu-west": 0, "us-east": 1, "ap-south": 2}
-        shown = await asyncio.to_thread(cli, fed, "job", "status", job)
+        shown = await operator_cli(fed, "job", "status", job)
         assert "ap-south 2, eu-west 0, us-east 1" in shown.stdout, shown.stdout
 
         # Adding a region twice is refused.
@@ -204,5 +180,5 @@ async def test_regions_join_and_leave_a_running_job(tmp_path: Path) -> None:
 
 
 async def cli_cancel(fed: FederationRun, job: str) -> tuple[int, str]:
-    done = await asyncio.to_thread(cli, fed, "job", "cancel", job)
+    done = await operator_cli(fed, "job", "cancel", job)
     return done.returncode, done.stdout + done.stderr
