@@ -247,6 +247,14 @@ class LimitsConfig(ConfigSection):
     max_job_spec_bytes: int = Field(
         default=1 << 20, ge=1024, description="largest job spec body, bytes"
     )
+    max_parameters: int = Field(
+        default=2_000_000_000,
+        ge=1,
+        le=10**15,
+        description="the most parameters a job's model may have: the coordinator holds a "
+        "few float32 copies of it, so a larger one is refused at submission, counted on "
+        "the meta device before anything is allocated",
+    )
 
 
 class PublicationRetryConfig(ConfigSection):

@@ -16,6 +16,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from torch import Tensor
 
 from coordinator.config import CoordinatorConfig
@@ -25,7 +26,7 @@ from coordinator.outer_round import JobPublishing, fp32_bytes
 from coordinator.runtime import Runtime
 from geofed.fragments import FragmentError, round_fragment
 from geofed.manifest import ArtifactProvenance, ManifestTensor
-from geofed.params import state_to_fp32
+from geofed.params import federated_state, state_to_fp32
 from geofed.task import Task, TaskError, load_task
 from policies import Endpoint, Provenance
 
@@ -148,6 +149,28 @@ def with_inherited(
     return {region: tuple(sorted(merged[region])) for region in sorted(merged)}
 
 
+def size_refusal(task: Task[Any], seed: int, max_parameters: int) -> str | None:
+    """Why the task's model is too large for this coordinator, or None. Counted on the
+    meta device, so a model of any size costs nothing to count; a model that cannot be
+    built there is counted when it is built for real."""
+    try:
+        with torch.device("meta"):
+            model = task.build_model(seed=seed)
+    except Exception:  # the task's own code: its real build reports what is wrong
+        return None
+    return _too_large(sum(t.numel() for t in federated_state(model).values()), max_parameters)
+
+
+def _too_large(count: int, max_parameters: int) -> str | None:
+    if count <= max_parameters:
+        return None
+    return (
+        f"its model has {count:,} parameters ({4 * count / 2**30:,.1f} GiB in float32, of "
+        f"which the coordinator holds several copies); this coordinator takes at most "
+        f"{max_parameters:,} (limits.max_parameters in its config)"
+    )
+
+
 def initial_parameters(task: Task[Any], seed: int) -> dict[str, Tensor]:
     """θ_0: the federated state of the task's model for the job's seed, float32 on CPU.
 
@@ -164,16 +187,23 @@ def build_context(spec: JobSpec, runtime: Runtime, location: str) -> JobContext:
     """Load the task and derive the job's tensors; :class:`JobContextError` if unusable."""
     try:
         task = load_task(spec.task.spec, spec.task.options)
+    except Exception as exc:  # the task is the operator's code: report whatever it raised
+        raise _failed(spec, exc) from exc
+    refusal = size_refusal(task, spec.seed, runtime.config.limits.max_parameters)
+    if refusal is not None:
+        raise JobContextError(refusal)
+    try:
         fingerprint = task.fingerprint()
         params = initial_parameters(task, spec.seed)
-    except TaskError as exc:
-        raise JobContextError(str(exc)) from None
     except JobContextError:
         raise
-    except Exception as exc:  # the task is the operator's code: report whatever it raised
-        raise JobContextError(
-            f"task {spec.task.spec!r} failed: {type(exc).__name__}: {exc}"
-        ) from exc
+    except Exception as exc:
+        raise _failed(spec, exc) from exc
+    built = _too_large(
+        sum(t.numel() for t in params.values()), runtime.config.limits.max_parameters
+    )
+    if built is not None:  # a model that could not be counted on the meta device
+        raise JobContextError(built)
     shapes = {name: tuple(tensor.shape) for name, tensor in params.items()}
     derived = with_inherited(spec, spec.regions)
     jurisdictions = {region: runtime.policies.jurisdiction_of(region) or "" for region in derived}
@@ -214,6 +244,14 @@ def build_context(spec: JobSpec, runtime: Runtime, location: str) -> JobContext:
         task_fingerprint=fingerprint,
         contributors=derived if spec.init_from is not None else None,
     )
+
+
+def _failed(spec: JobSpec, exc: Exception) -> JobContextError:
+    """What the task's own code raised, said once: a task error as it is, anything else
+    with the task named."""
+    if isinstance(exc, TaskError):
+        return JobContextError(str(exc))
+    return JobContextError(f"task {spec.task.spec!r} failed: {type(exc).__name__}: {exc}")
 
 
 def _manifest_tensors(shapes: Mapping[str, tuple[int, ...]]) -> tuple[ManifestTensor, ...]:
