@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 import math
 import ssl
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Literal
 
 from coordinator.config import CoordinatorConfig
@@ -74,6 +74,7 @@ class ControlPlane:
         self._dedup = Deduplicator()
         self.regions: dict[str, RegionView] = {}
         self._region_listeners: list[Callable[[str], None]] = []
+        self._refusal_listeners: list[Callable[[str, RegionStatus], Awaitable[None]]] = []
         for region in known_regions:
             metrics.region_up.labels(region=region).set(0)
         metrics.regions_up.set(0)
@@ -89,6 +90,11 @@ class ControlPlane:
         Called in the status handler's task: it must not block.
         """
         self._region_listeners.append(listener)
+
+    def on_region_refusal(self, listener: Callable[[str, RegionStatus], Awaitable[None]]) -> None:
+        """Await ``listener(region, status)`` for each status taken that says the region
+        refused a round itself (a failing listener is logged, the status still taken)."""
+        self._refusal_listeners.append(listener)
 
     async def start(self) -> None:
         """Register the status subscription and the reconnect hook; run ``client.run()`` next."""
@@ -162,5 +168,11 @@ class ControlPlane:
         if before is None or (before.up, before.status.capacity) != (view.up, status.capacity):
             for listener in self._region_listeners:
                 listener(region)
+        if status.refused:
+            for refusal in self._refusal_listeners:
+                try:
+                    await refusal(region, status)
+                except Exception:  # the audit is down, say: the region's status still counts
+                    log.exception("recording %s's refusal failed", region)
         self._metrics.region_up.labels(region=region).set(1 if status.state != "offline" else 0)
         self._metrics.regions_up.set(sum(1 for view in self.regions.values() if view.up))

@@ -49,6 +49,7 @@ from coordinator.init_source import InitError, load_initial
 from coordinator.job_regions import record_region_change
 from coordinator.jobspec import JobSpec, JobSpecError, parse_job_spec, parse_stored_spec
 from coordinator.records import JobState
+from coordinator.region_refusals import RegionRefusals
 from coordinator.scheduling import SchedulingConfig
 from coordinator.scheduling.config import load_scheduling_config
 from coordinator.scheduling.elastic import RegionChange, decide_change, joined_provenance
@@ -137,6 +138,7 @@ class JobManager:
         self._s.control.on_region_change(
             lambda region: self._request_pass(f"region {region} changed (up or capacity)")
         )
+        self._s.control.on_region_refusal(RegionRefusals(self._s.db, self._s.config.federation))
         self._planner = asyncio.create_task(self._plan_on_request(), name="admission")
 
     async def _replay_usage(self, records: Iterable[Any]) -> None:

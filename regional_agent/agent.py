@@ -441,6 +441,7 @@ class Agent:
             params_hash=end.params_hash,
             train_loss=end.train_loss,
             detail=end.detail,
+            refused=end.by_region,
         )
         if state == "error":
             log.error("job %s round %d: %s", job, round_, end.detail)

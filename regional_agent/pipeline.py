@@ -174,6 +174,9 @@ class RoundEnd:
     detail: str
     params_hash: str | None = None
     train_loss: float | None = None
+    #: The region itself refused the round (its own policy, or a dataset it does not
+    #: train on), not the coordinator: its status says so, and the coordinator audits it.
+    by_region: bool = False
 
 
 @dataclass(frozen=True)
@@ -312,12 +315,12 @@ class RoundPipeline:
         refused = self._residency.refusal(announcement.job, announcement.round, "training")
         if refused is not None:
             # Training a round whose delta could never leave would only waste the round.
-            return RoundEnd("refused", refused)
+            return RoundEnd("refused", refused, by_region=True)
         data = round_datasets(
             announcement, self._region.name, self._region.datasets, self._region.locations
         )
         if data.refusal is not None:
-            return RoundEnd("refused", data.refusal)
+            return RoundEnd("refused", data.refusal, by_region=True)
         where = {"job": announcement.job, "round": announcement.round}
         # The hash and loss of an earlier round do not describe this one.
         self._status.update(
@@ -505,7 +508,7 @@ class RoundPipeline:
         refused = self._residency.refusal(announcement.job, announcement.round, "upload")
         if refused is not None:
             await _blocking(job.discard_spool, announcement.round)
-            return end("refused", refused)
+            return RoundEnd("refused", refused, meta.params_hash, meta.train_loss, by_region=True)
         self._status.update(
             "uploading",
             job=announcement.job,

@@ -40,7 +40,7 @@ from geofed.control.messages import RegionState
 log = logging.getLogger(__name__)
 
 AGENT_VERSION = f"geofed-agent/{geofed.__version__}"
-_FIELDS = frozenset({"state", "job", "round", "params_hash", "train_loss", "detail"})
+_FIELDS = frozenset({"state", "job", "round", "params_hash", "train_loss", "detail", "refused"})
 
 Listener = Callable[[RegionStatus], None]
 
@@ -101,11 +101,13 @@ class StatusReporter:
         )
 
     def update(self, state: RegionState, **fields: Any) -> None:
-        """Record a new status; fields not given keep their values, ``detail`` resets."""
+        """Record a new status; fields not given keep their values, ``detail`` and
+        ``refused`` reset."""
         unknown = set(fields) - _FIELDS
         if unknown:
             raise ValueError(f"unknown status fields {sorted(unknown)}")
         detail = fields.pop("detail", "")
+        fields["refused"] = bool(fields.get("refused", False))
         loss = fields.get("train_loss")
         if loss is not None and not math.isfinite(loss):
             # JSON has no NaN; a diverged loss is said in words.

@@ -285,6 +285,10 @@ class RegionStatus(_Message):
     #: Which run of the agent sent it (random per start) and its place among that run's
     #: statuses: receivers order one run's statuses by ``seq``, never by the sender's
     #: clock. None in a Last Will and from agents that predate them.
+    #: The agent itself refused the round ``job``/``round`` names (its own residency
+    #: policy, or a dataset it does not train on); ``detail`` says why. The coordinator
+    #: records each such refusal in its audit log.
+    refused: bool = False
     boot: Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{32}$")] | None = None
     seq: int | None = Field(default=None, ge=1, lt=2**63)
 

@@ -73,3 +73,11 @@ async def test_each_run_numbers_its_statuses() -> None:
     assert [s.seq for s in first.sent] == [1, 2, 3]
     assert len({s.boot for s in first.sent}) == 1
     assert {s.boot for s in second.sent} != {s.boot for s in first.sent}
+
+
+def test_a_refusal_is_said_for_the_status_that_carries_it_only() -> None:
+    status = reporter()
+    status.update("error", job="llm", round=0, refused=True, detail="no such dataset here")
+    assert status.current().refused
+    status.update("online", job="llm")
+    assert not status.current().refused
