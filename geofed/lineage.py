@@ -32,6 +32,7 @@ from typing import Annotated, Any, Final
 from pydantic import BaseModel, ConfigDict, Field, JsonValue, StrictStr
 
 import geofed
+from geofed.canonical_json import canonical_json
 
 __all__ = [
     "LINEAGE_FORMAT",
@@ -143,8 +144,6 @@ def code_mismatch(region: str, theirs: Software | None, ours: TaskCode) -> str |
 
 def spec_hash(spec_json: Mapping[str, Any]) -> str:
     """sha256 of the job spec's canonical JSON (sorted keys, no whitespace)."""
-    from geofed.manifest import canonical_json
-
     return hashlib.sha256(canonical_json(dict(spec_json))).hexdigest()
 
 

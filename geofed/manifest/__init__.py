@@ -1,5 +1,6 @@
 """Signed artifact manifests: per-chunk digests, provenance, producer signature."""
 
+from geofed.canonical_json import canonical_json
 from geofed.manifest.builder import EncodedArtifact, EncodedTensor, build_manifest
 from geofed.manifest.chunks import chunk_records, verify_chunk, verify_chunks
 from geofed.manifest.errors import (
@@ -18,7 +19,6 @@ from geofed.manifest.model import (
     ChunkRecord,
     Manifest,
     ManifestTensor,
-    canonical_json,
 )
 from geofed.manifest.signed import MAX_SIGNED_MANIFEST_BYTES, SignedManifest, sign_manifest
 

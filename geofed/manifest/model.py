@@ -17,7 +17,6 @@ manifest signed before they existed still verifies.
 from __future__ import annotations
 
 import hashlib
-import json
 from datetime import UTC, datetime
 from typing import Annotated, Final, Literal
 
@@ -34,6 +33,7 @@ from pydantic import (
     model_validator,
 )
 
+from geofed.canonical_json import canonical_json
 from geofed.codec_params import CodecParams
 from geofed.lineage import Software
 from geofed.training_config import TrainingConfig
@@ -196,11 +196,3 @@ class Manifest(_Record):
     def digest(self) -> str:
         """SHA-256 hex of the canonical form: the manifest's content address."""
         return hashlib.sha256(self.canonical_bytes()).hexdigest()
-
-
-def canonical_json(value: object) -> bytes:
-    """``value`` as deterministic JSON bytes."""
-    text = json.dumps(
-        value, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False
-    )
-    return text.encode("utf-8")

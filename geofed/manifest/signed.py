@@ -28,13 +28,14 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.hazmat.primitives.serialization import Encoding
 from pydantic import BaseModel, ConfigDict, StrictStr, ValidationError
 
+from geofed.canonical_json import canonical_json
 from geofed.manifest.errors import (
     BadSignature,
     MalformedManifest,
     ProducerMismatch,
     UntrustedSigner,
 )
-from geofed.manifest.model import Manifest, canonical_json
+from geofed.manifest.model import Manifest
 from geofed.pki.errors import CertificateRefused
 from geofed.pki.trust import TrustBundle
 from geofed.pki.verify import certificate_identity, verify_certificate

@@ -5,7 +5,7 @@
 the core and ``policies/``, never the other daemon; ``geofed_cli/`` (the command and the
 demo) anything. Every import counts, including those inside functions and under
 ``if TYPE_CHECKING``: a lazy import is still a dependency. Within a package, no two modules
-import each other at module level.
+import each other at module level, nor in a cycle of any length through lazy imports.
 """
 
 from __future__ import annotations
@@ -160,6 +160,76 @@ def module_level_cycles() -> list[str]:
                     f"{SOURCES[b].relative_to(REPO)}:{back}: imports {a}"
                 )
     return cycles
+
+
+def import_cycles() -> list[list[str]]:
+    """Every set of modules of one package that reach each other through their imports,
+    lazy ones included (a function-level import hides a cycle from the interpreter, not
+    from the design): the strongly connected components of more than one module."""
+    graph: dict[str, set[str]] = {module: set() for module in SOURCES}
+    for module in SOURCES:
+        top = module.split(".")[0]
+        for _, imp in _imports(module):
+            if imp.target != module and _within(imp.target, top) and imp.target in graph:
+                graph[module].add(imp.target)
+    return [sorted(c) for c in _components(graph) if len(c) > 1]
+
+
+def _components(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Tarjan's strongly connected components, iteratively (deep graphs stay in bounds)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+    for root in sorted(graph):
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, successors = work[-1]
+            advanced = False
+            for nxt in successors:
+                if nxt not in index:
+                    index[nxt] = low[nxt] = len(index)
+                    stack.append(nxt)
+                    on_stack.add(nxt)
+                    work.append((nxt, iter(sorted(graph[nxt]))))
+                    advanced = True
+                    break
+                if nxt in on_stack:
+                    low[node] = min(low[node], index[nxt])
+            if advanced:
+                continue
+            work.pop()
+            if work:
+                parent = work[-1][0]
+                low[parent] = min(low[parent], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.append(member)
+                    if member == node:
+                        break
+                found.append(component)
+    return found
+
+
+def test_no_import_cycle_of_any_length() -> None:
+    cycles = import_cycles()
+    assert not cycles, "modules that import each other, lazily or not:\n" + "\n".join(
+        " <-> ".join(cycle) for cycle in cycles
+    )
+
+
+def test_a_cycle_through_a_lazy_import_is_found() -> None:
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert [sorted(c) for c in _components(graph) if len(c) > 1] == [["a", "b", "c"]]
 
 
 @pytest.mark.parametrize("package", sorted(ALLOWED))
