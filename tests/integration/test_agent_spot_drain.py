@@ -34,7 +34,7 @@ from regional_agent.handoff import HandoffDir, RoundInstruction
 from regional_agent.inner_checkpoint import read_inner_checkpoint
 from regional_agent.launcher import LocalElasticLauncher
 from regional_agent.worker_group import WorkerGroup, WorkerGroupConfig
-from tests.integration.test_agent_federation import (
+from tests.support.agent_processes import (
     JOB,
     REGIONS,
     TIMEOUTS,

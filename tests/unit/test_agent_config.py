@@ -10,66 +10,17 @@ import pytest
 from geofed.data import DatasetLocation
 from geofed_cli import main as geofed_main
 from regional_agent.config import (
-    AgentConfigError,
     dataset_locations,
     load_config,
     training_datasets,
 )
 from regional_agent.config import load_region_policies as region_policies
 from regional_agent.credentials import CredentialsError, load_credentials
+from tests.support.agent_configs import POLICIES, credential_dir, federation, problems, write
 from tests.support.pki import Federation, make_federation
 
 REPO = Path(__file__).resolve().parents[2]
-POLICIES = REPO / "configs" / "policies"
-
-
-@pytest.fixture(scope="module")
-def federation(tmp_path_factory: pytest.TempPathFactory) -> Federation:
-    fed = make_federation(tmp_path_factory.mktemp("pki"), "acme")
-    fed.region("eu-west")
-    fed.region("us-east")
-    return fed
-
-
-def credential_dir(fed: Federation, role_name: str) -> Path:
-    return fed.root / "credentials" / f"org-{role_name}"
-
-
-def write(tmp_path: Path, fed: Federation, text: str | None = None, **fields: str) -> Path:
-    values = {
-        "federation": "acme",
-        "region": "eu-west",
-        "policy": str(POLICIES / "eu-west.yaml"),
-        "url": "https://coordinator.acme.example:8443",
-        "mqtt": "{host: mqtt.acme.example, port: 8883}",
-        "cert": str(credential_dir(fed, "region-eu-west") / "cert.pem"),
-        "key": str(credential_dir(fed, "region-eu-west") / "key.pem"),
-        "bundle": str(fed.bundle_file),
-        "extra": "",
-    }
-    values.update(fields)
-    body = text or (
-        "federation: {federation}\n"
-        "region: {region}\n"
-        "policy: {policy}\n"
-        "coordinator_url: {url}\n"
-        "mqtt: {mqtt}\n"
-        "identity:\n"
-        "  cert: {cert}\n"
-        "  key: {key}\n"
-        "  trust_bundle: {bundle}\n"
-        "state_dir: state\n"
-        "{extra}"
-    ).format(**values)
-    path = tmp_path / "agent.yaml"
-    path.write_text(body)
-    return path
-
-
-def problems(path: Path) -> list[str]:
-    with pytest.raises(AgentConfigError) as info:
-        load_config(path)
-    return [str(problem) for problem in info.value.problems]
+__all__ = ["federation"]  # the fixture
 
 
 def test_a_valid_config_loads_with_defaults_and_resolved_paths(

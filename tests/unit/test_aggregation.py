@@ -1,9 +1,7 @@
 """Streaming weighted aggregation of region deltas and the shared delta arithmetic."""
 
-import random
 import threading
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -21,47 +19,7 @@ from geofed.deltas import (
     pseudo_gradient,
     update_to_publish,
 )
-
-SPECS = {"w": (6, 7), "b": (5,), "s": ()}
-
-
-@dataclass(frozen=True)
-class FakePiece:
-    """Stands in for the codec's decoded piece (name, offset, count, values)."""
-
-    name: str
-    offset: int
-    count: int
-    values: torch.Tensor
-
-
-def delta(seed: int, specs=SPECS) -> dict[str, torch.Tensor]:
-    gen = torch.Generator().manual_seed(seed)
-    return {n: torch.randn(s, generator=gen) for n, s in specs.items()}
-
-
-def pieces(tensors: dict[str, torch.Tensor], chunk: int = 8, shuffle_seed: int | None = None):
-    out = []
-    for name, tensor in tensors.items():
-        flat = tensor.reshape(-1)
-        for offset in range(0, flat.numel(), chunk):
-            values = flat[offset : offset + chunk].clone()
-            out.append(FakePiece(name, offset, values.numel(), values))
-    if shuffle_seed is not None:
-        random.Random(shuffle_seed).shuffle(out)
-    return out
-
-
-def source(tensors: dict[str, torch.Tensor], **kwargs):
-    """A piece source as the daemon would pass it: decodes when called."""
-    return lambda: pieces(tensors, **kwargs)
-
-
-def assert_bit_identical(a, b) -> None:
-    assert a.keys() == b.keys()
-    for name in a:
-        assert a[name].shape == b[name].shape
-        assert torch.equal(a[name].view(torch.int32), b[name].view(torch.int32)), name
+from tests.support.aggregation import SPECS, FakePiece, assert_bit_identical, delta, pieces, source
 
 
 def test_weighted_mean_equals_direct_computation() -> None:
@@ -449,9 +407,9 @@ def test_fold_parts_cover_every_element_once_in_bounded_jobs() -> None:
     parts = aggregation._fold_parts(sums, values, part_elements=10)
     assert all(sum(total.numel() for total, _ in part) <= 10 for part in parts)
     for part in parts:
-        for total, delta in part:
+        for total, added in part:
             total += 1
-            assert total.shape == delta.shape
+            assert total.shape == added.shape
     assert all(bool((t == 1).all()) for t in sums.values())  # each element exactly once
     assert len(parts) == 5  # 10 | 10 | 5+3 | 7 | 10
 

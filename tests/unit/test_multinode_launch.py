@@ -29,8 +29,8 @@ from regional_agent.launch_spec import (
 )
 from regional_agent.launcher import LauncherConfigError, LocalElasticLauncher, LocalLauncherConfig
 from regional_agent.slurm_launcher import SlurmLauncher, SlurmOptions
+from tests.support.agent_configs import federation, problems, write
 from tests.support.pki import Federation
-from tests.unit.test_agent_config import federation, problems, write
 
 __all__ = ["federation"]  # the fixture, shared with the agent config tests
 

@@ -271,3 +271,29 @@ def later():
         ("regional_agent.daemon", False),
         ("coordinator.daemon", False),
     ]
+
+
+def test_no_test_module_imports_another_and_the_readme_names_every_support_module() -> None:
+    """What two test modules share lives in tests/support, and tests/README.md says what."""
+    tests = REPO / "tests"
+    importing = []
+    for path in sorted(tests.rglob("test_*.py")):
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom):
+                names = [node.module or ""]
+            elif isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            else:
+                continue
+            for name in names:
+                if any(_within(name, f"tests.{tier}") for tier in ("unit", "integration", "gpu")):
+                    importing.append(f"{path.relative_to(REPO)}:{node.lineno}: imports {name}")
+    assert not importing, "test modules importing test modules:\n" + "\n".join(importing)
+    readme = (tests / "README.md").read_text(encoding="utf-8")
+    unnamed = [
+        path.name
+        for path in sorted((tests / "support").glob("*.py"))
+        if path.name != "__init__.py" and f"`{path.name}`" not in readme
+    ]
+    assert not unnamed, f"tests/README.md does not name {unnamed}"

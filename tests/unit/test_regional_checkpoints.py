@@ -19,8 +19,8 @@ from regional_agent.optimizer_checkpoint import (
     save_due,
     save_optimizer,
 )
+from tests.support.handoff_samples import INSTRUCTION, PARAMS, SUMMARY
 from tests.support.tiny_task import TinyTask
-from tests.unit.test_handoff import INSTRUCTION, PARAMS, SUMMARY
 
 CPU = torch.device("cpu")
 

@@ -14,7 +14,7 @@ from coordinator.robust_aggregation import (
     lockstep,
     region_norm,
 )
-from tests.unit.test_aggregation import SPECS, assert_bit_identical, delta, pieces, source
+from tests.support.aggregation import SPECS, assert_bit_identical, delta, pieces, source
 
 REGIONS = ("aa", "bb", "cc", "dd", "ee")
 
