@@ -11,6 +11,7 @@ import each other at module level, nor in a cycle of any length through lazy imp
 from __future__ import annotations
 
 import ast
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -297,3 +298,35 @@ def test_no_test_module_imports_another_and_the_readme_names_every_support_modul
         if path.name != "__init__.py" and f"`{path.name}`" not in readme
     ]
     assert not unnamed, f"tests/README.md does not name {unnamed}"
+
+
+_REFERENCE = re.compile(r"`((?:[\w.-]+/)*[\w.-]+\.py):([A-Za-z_][\w.]*)`")
+_DIRECTORY = re.compile(r"`((?:[\w.-]+/)+)`")
+
+
+def _defined(path: Path) -> set[str]:
+    """Every function, class and assigned name of ``path``, at any depth."""
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            names.add(node.name)
+        elif isinstance(node, ast.Assign | ast.AnnAssign):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            names.update(t.id for t in targets if isinstance(t, ast.Name))
+    return names
+
+
+def test_every_file_symbol_reference_of_the_docs_exists() -> None:
+    """``path.py:symbol`` in docs/ and the README names a file that defines it; a bare file
+    name is looked up under the directories the same line names before it."""
+    stale = []
+    for doc in [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]:
+        for number, line in enumerate(doc.read_text(encoding="utf-8").splitlines(), 1):
+            for match in _REFERENCE.finditer(line):
+                file, symbol = match.groups()
+                bases = ["", *_DIRECTORY.findall(line[: match.start()])]
+                found = [REPO / base / file for base in bases if (REPO / base / file).is_file()]
+                parts = symbol.split(".")
+                if not found or not any(set(parts) <= _defined(path) for path in found):
+                    stale.append(f"{doc.relative_to(REPO)}:{number}: {file}:{symbol}")
+    assert not stale, "references to nothing:\n" + "\n".join(stale)
