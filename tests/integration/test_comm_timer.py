@@ -7,6 +7,7 @@ within the wall time of the steps.
 
 from __future__ import annotations
 
+import gc
 import os
 import time
 from pathlib import Path
@@ -60,6 +61,11 @@ def _rank(rank: int, port: int, out: str) -> None:
             Path(out) / f"rank-{rank}.pt",
         )
     finally:
+        # The DDP reducers go first, and every rank reaches the teardown before any
+        # leaves, as the worker does: gloo aborts the process when a peer closes the
+        # group under its background threads.
+        gc.collect()
+        dist.barrier()
         dist.destroy_process_group()
 
 

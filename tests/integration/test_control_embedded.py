@@ -319,6 +319,41 @@ async def test_a_connection_cancelled_at_shutdown_ends_without_an_error(
         await server.wait_closed()
 
 
+async def test_stop_is_bounded_when_amqtt_shutdown_hangs(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # Seen on a loaded machine: amqtt's shutdown never finished, and stopping raised, so
+    # a broker restart failed. Here its shutdown is replaced by one that never ends (a
+    # fake of the third-party library, the outer edge): stop still returns within its
+    # timeout, the connected client is disconnected and the port can be bound again.
+    broker = EmbeddedBroker(port=0, timeout_s=1.0)
+    await broker.start()
+    port = broker.port
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(bytes.fromhex("101000044d5154540402003c000461626364"))  # CONNECT "abcd"
+    await writer.drain()
+    assert (await asyncio.wait_for(reader.readexactly(4), 5))[0] == 0x20  # CONNACK
+
+    async def hangs() -> None:
+        await asyncio.Event().wait()
+
+    broker._broker.shutdown = hangs
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    with caplog.at_level(logging.WARNING, logger="geofed.control.broker"):
+        await broker.stop()
+    assert loop.time() - started < 4.0
+    assert "did not finish" in caplog.text
+    assert not broker.running
+    try:
+        assert await asyncio.wait_for(reader.read(), 5) == b""  # disconnected
+    finally:
+        writer.close()
+        await writer.wait_closed()
+    async with EmbeddedBroker(port=port) as again:  # the listener is gone
+        assert again.port == port
+
+
 def test_standalone_broker_process_serves_and_stops_on_sigterm() -> None:
     process = subprocess.Popen(
         [sys.executable, "-m", "geofed.control.broker", "--port", "0"],
