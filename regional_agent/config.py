@@ -211,7 +211,8 @@ class WorkersConfig(ConfigSection):
         ge=1,
         le=1 << 20,
         description="rounds between saves of the inner optimizer state (sharded, each rank "
-        "its part); the group also saves when it parks a job and when it stops",
+        "its part) and of the error-feedback residual's tensors (rank 0 holds it between); "
+        "the group also saves when it parks a job and when it stops",
     )
 
     @model_validator(mode="before")

@@ -4,9 +4,13 @@ quantized where the trained parameters are, with its error feedback there too.
 Δ = θ_round - θ_local is formed on the parameters' device (θ_round read again from its
 immutable file), compensated with the residual the agent kept after its last accepted
 delta, and quantized chunk by chunk (:func:`geofed.codec.quantize_tensors`); only the
-codes and scales reach the host. The residual the round leaves is written to the round's
-residual file for the agent, and kept on the device: when the agent's residual file
-still names it (the same id), the next round reads nothing from disk.
+codes and scales reach the host. The residual the round leaves is kept on the device
+and named in the round's residual file for the agent: written in full only when the
+round saves the regional checkpoint, otherwise a held file naming it
+(:mod:`regional_agent.residual_file`). When the agent's residual file still names it (the
+same id), the next round reads nothing from disk; when it names a residual rank 0 does
+not hold, the one written out at the last park or stop (``held_path``) is read, and with
+none error feedback starts anew, with a warning.
 
 A request that names some tensors (``overlap: streaming``: the round's fragment) gets a
 delta of those alone, in that order: Δ[n] = θ_round[n] - θ_local[n]. Only their residual
@@ -31,18 +35,28 @@ from geofed.codec import QuantizedTensors, quantize_tensors
 from geofed.codec.tensors import TensorLayout
 from regional_agent.delta import UnusableDelta, rounding_generator
 from regional_agent.handoff import DeltaRequest
-from regional_agent.residual_file import read_residual, read_residual_id, write_residual
+from regional_agent.residual_file import (
+    HeldResidual,
+    Residual,
+    read_residual,
+    read_residual_id,
+    write_held_residual,
+    write_residual,
+)
 
 log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
 class DeviceResidual:
-    """The residual a job's last quantized delta left, on rank 0's device."""
+    """The residual a job's last quantized delta left, on rank 0's device; ``written``:
+    its tensors are in a file (the round's, or the job's held one)."""
 
     job: str
+    round: int
     id: str
     tensors: dict[str, torch.Tensor]
+    written: bool
 
 
 def quantize_round_delta(
@@ -55,11 +69,15 @@ def quantize_round_delta(
     local: Mapping[str, torch.Tensor],
     residual_path: Path,
     kept: DeviceResidual | None,
+    held_path: Path | None = None,
+    write_tensors: bool = True,
 ) -> tuple[QuantizedTensors, DeviceResidual]:
-    """Quantize round ``round_``'s delta; write the residual it leaves to ``residual_path``.
+    """Quantize round ``round_``'s delta; name the residual it leaves at ``residual_path``
+    (its tensors written there when ``write_tensors``).
 
     ``local`` is the trained federated state (on rank 0's device, or the host under
-    FSDP); ``kept`` is the residual this rank holds from its previous delta, if any.
+    FSDP); ``kept`` is the residual this rank holds from its previous delta, if any;
+    ``held_path`` the job's residual written out at a park or stop.
     Raises :class:`~regional_agent.delta.UnusableDelta` when θ_round and the trained
     state do not match, and the codec's errors on non-finite values.
     """
@@ -72,10 +90,11 @@ def quantize_round_delta(
         shapes={name: tensor.shape for name, tensor in local.items()},
         device=_device_of(local),
         kept=kept,
+        held_path=held_path,
     )
     for name in quantizer.wanted:
         quantizer.add(name, local[name])
-    return quantizer.finish(residual_path)
+    return quantizer.finish(residual_path, write_tensors=write_tensors)
 
 
 class RoundDeltaQuantizer:
@@ -101,6 +120,7 @@ class RoundDeltaQuantizer:
         shapes: Mapping[str, torch.Size],
         device: torch.device,
         kept: DeviceResidual | None,
+        held_path: Path | None = None,
     ) -> None:
         self._request, self._job, self._round, self._device = request, job, round_, device
         self._shapes = dict(shapes)
@@ -115,7 +135,7 @@ class RoundDeltaQuantizer:
         if unknown:
             raise UnusableDelta(f"the delta request names tensors the model lacks: {unknown}")
         # The whole model's shapes: a partial request's residual may name any of them.
-        self._residual = _residual_for(request, job, shapes, kept, device)
+        self._residual = _residual_for(request, job, shapes, kept, device, held_path)
         self._generator = (
             rounding_generator(job, round_, region, device)
             if request.codec.stochastic_rounding
@@ -156,8 +176,12 @@ class RoundDeltaQuantizer:
         self._payloads.extend(quantized.payloads)
         self._after.update(after)
 
-    def finish(self, residual_path: Path) -> tuple[QuantizedTensors, DeviceResidual]:
-        """The round's quantized delta; its residual written to ``residual_path``."""
+    def finish(
+        self, residual_path: Path, *, write_tensors: bool = True
+    ) -> tuple[QuantizedTensors, DeviceResidual]:
+        """The round's quantized delta and the residual it leaves, named at
+        ``residual_path``: its tensors written there when ``write_tensors``, else a held
+        file (the tensors stay on the device only)."""
         if self._next != len(self.wanted):
             raise UnusableDelta(f"the delta holds {self._next} of its {len(self.wanted)} tensors")
         quantized = QuantizedTensors(
@@ -169,8 +193,11 @@ class RoundDeltaQuantizer:
             merged = {**self._residual, **after}
             after = {name: merged[name] for name in self._shapes if name in merged}
         del self._base
-        id_ = write_residual(residual_path, self._round, after)
-        return quantized, DeviceResidual(self._job, id_, after)
+        if write_tensors:
+            id_ = write_residual(residual_path, self._round, after)
+        else:
+            id_ = write_held_residual(residual_path, self._round)
+        return quantized, DeviceResidual(self._job, self._round, id_, after, write_tensors)
 
 
 def _residual_for(
@@ -179,6 +206,7 @@ def _residual_for(
     shapes: Mapping[str, torch.Size],
     kept: DeviceResidual | None,
     device: torch.device,
+    held_path: Path | None,
 ) -> dict[str, torch.Tensor] | None:
     """The agent's residual on ``device``: the kept one when its file still names it.
 
@@ -190,6 +218,8 @@ def _residual_for(
         residual = kept.tensors
     else:
         read = read_residual(path)
+        if isinstance(read, HeldResidual):
+            read = _written_out(read, held_path, job)
         if read is None:
             return None
         residual = {name: tensor.to(device) for name, tensor in read.tensors.items()}
@@ -207,6 +237,23 @@ def _residual_for(
         )
         return None
     return residual
+
+
+def _written_out(held: HeldResidual, held_path: Path | None, job: str) -> Residual | None:
+    """The residual a held file names, as written out at the last park or stop; None
+    (with a warning) when rank 0 no longer has it anywhere."""
+    found = None if held_path is None else read_residual(held_path)
+    if isinstance(found, Residual) and found.id == held.id:
+        return found
+    log.warning(
+        "job %s: the error-feedback residual of round %d was held by the workers only and "
+        "is gone (the group restarted, or a delta the coordinator did not take replaced "
+        "it); "
+        "starting it anew",
+        job,
+        held.round,
+    )
+    return None
 
 
 def payloads_hash(delta: QuantizedTensors) -> str:

@@ -7,6 +7,9 @@ moment and pick up where the other left off::
     jobs/<job>/round-<r>.result.pt          rank 0: local fp32 parameters, or the quantized
                                             delta (an instruction's ``delta``), + summary
     jobs/<job>/round-<r>.residual.pt        rank 0: the residual the quantized delta leaves
+                                            (its tensors with the regional checkpoint,
+                                            else a held file naming rank 0's copy)
+    jobs/<job>/residual-held.pt             rank 0, at a park or stop: the residual it held
     jobs/<job>/round-<r>.done.json          rank 0, written last: the result exists
     jobs/<job>/round-<r>.error.json         rank 0: the instruction cannot be served
     jobs/<job>/round-<r>.progress.json      rank 0: steps done so far (advisory)
@@ -721,6 +724,10 @@ class HandoffDir:
 
     def residual_path(self, job: str, round_: int) -> Path:
         return self._round_path(job, round_, "residual.pt")
+
+    def held_residual_path(self, job: str) -> Path:
+        """Where rank 0 writes out the residual it held when it parks ``job`` or stops."""
+        return self.job_dir(job) / "residual-held.pt"
 
     def done_path(self, job: str, round_: int) -> Path:
         return self._round_path(job, round_, "done.json")

@@ -9,6 +9,16 @@ that rank 0 can tell, without reading its tensors, whether the file the agent ho
 the one it still has on its device (:func:`read_residual_id`). Under ``overlap:
 streaming`` a residual may name only some of the model's tensors (those whose fragment
 has been sent); each round replaces its fragment's and carries the others'.
+
+Rank 0 writes the residual's tensors only with the regional checkpoint (every
+``regional_checkpoint_every`` rounds): in the rounds between, the file it writes is a
+*held* one, ``{"format", "round", "id", "held": true}``, naming the residual rank 0 keeps
+on its device (:func:`write_held_residual`, read back as a :class:`HeldResidual`), so a
+round writes a few hundred bytes where it wrote 4 per parameter. The agent keeps and
+moves either kind alike. When rank 0 no longer holds the residual a held file names (the
+group restarted, or the coordinator did not take the delta it came with), error feedback
+starts anew; when the group parks the job or stops, rank 0 writes the residual it holds
+in full first (the job's ``residual-held.pt`` in the hand-off directory).
 """
 
 from __future__ import annotations
@@ -50,9 +60,20 @@ def residual_body(round_: int, tensors: Mapping[str, torch.Tensor], id_: str) ->
     }
 
 
-def write_residual(path: Path, round_: int, tensors: Mapping[str, torch.Tensor]) -> str:
-    """Write ``tensors`` (copied to the host as float32) durably, owner-only; its new id."""
-    id_ = uuid.uuid4().hex
+@dataclass(frozen=True, slots=True)
+class HeldResidual:
+    """A held residual file: rank 0 keeps residual ``id`` of ``round`` on its device."""
+
+    round: int
+    id: str
+
+
+def write_residual(
+    path: Path, round_: int, tensors: Mapping[str, torch.Tensor], *, id_: str | None = None
+) -> str:
+    """Write ``tensors`` (copied to the host as float32) durably, owner-only; its id (a new
+    one unless ``id_`` names the residual being written out)."""
+    id_ = uuid.uuid4().hex if id_ is None else id_
     host = {
         name: tensor.detach().to(device="cpu", dtype=torch.float32)
         for name, tensor in tensors.items()
@@ -60,6 +81,15 @@ def write_residual(path: Path, round_: int, tensors: Mapping[str, torch.Tensor])
     path.parent.mkdir(parents=True, exist_ok=True)
     with AtomicFile(path, private=True) as f:
         torch.save(residual_body(round_, host, id_), f)
+    return id_
+
+
+def write_held_residual(path: Path, round_: int) -> str:
+    """Write a held residual file for round ``round_`` durably, owner-only; its new id."""
+    id_ = uuid.uuid4().hex
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with AtomicFile(path, private=True) as f:
+        torch.save({"format": FORMAT_VERSION, "round": round_, "id": id_, "held": True}, f)
     return id_
 
 
@@ -86,15 +116,21 @@ def read_residual_id(path: Path) -> str | None:
     return id_ if isinstance(id_, str) else None
 
 
-def read_residual(path: Path) -> Residual | None:
-    """The residual at ``path`` (None: no file), checked: names map to finite float32
-    tensors. The tensors are memory-mapped; copy them where they are used."""
+def read_residual(path: Path) -> Residual | HeldResidual | None:
+    """The residual at ``path`` (None: no file; a :class:`HeldResidual` for a held file),
+    checked: names map to finite float32 tensors. The tensors are memory-mapped; copy them
+    where they are used."""
     try:
         body = _load(path)
     except FileNotFoundError:
         return None
     feedback = body.get("feedback")
     round_ = body.get("round")
+    if body.get("held") is True:
+        id_ = body.get("id")
+        if isinstance(round_, bool) or not isinstance(round_, int) or not isinstance(id_, str):
+            raise ResidualFileError(f"{path}: a held residual without its round and id")
+        return HeldResidual(round_, id_)
     if not isinstance(feedback, dict) or feedback.get("version") != _FEEDBACK_VERSION:
         raise ResidualFileError(f"{path}: no error-feedback state")
     if isinstance(round_, bool) or not isinstance(round_, int):

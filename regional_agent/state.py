@@ -7,12 +7,13 @@ cursor) in its own hand-off directory. Layout under the state directory::
     jobs/<job>/params/round-<v>.pt      θ_v, a torch.save'd fp32 state dict (immutable)
     jobs/<job>/params/current.json      {"round": v, "hash": ...}: which θ is held, last
     jobs/<job>/feedback.pt              error-feedback residual after the last accepted delta
+                                        (or a held file: rank 0 keeps its tensors)
     jobs/<job>/progress.json            {"uploaded_round": r}: last delta the coordinator took
     jobs/<job>/eager.pt                 overlap_start eager: the outer optimizer's replica and
                                         the last raw delta (:mod:`regional_agent.eager_start`)
     jobs/<job>/spool/round-<r>/         one encoded delta, kept until it is accepted:
         stream.bin                      the codec frames, concatenated
-        residual.pt                     the residual this delta leaves behind
+        residual.pt                     the residual this delta leaves behind (or a held file)
         meta.json                       train loss, tokens, hash of the θ it trained from
         manifest.json                   the signed manifest, written last
 
@@ -241,6 +242,11 @@ class JobDirectory:
         if not path.exists():
             return feedback
         body = _load(path)
+        if body.get("held") is True:
+            # Rank 0 keeps that residual on its device; this agent-side encoding (a result
+            # holding parameters) cannot reach it.
+            log.warning("%s names a residual the workers hold; encoding without it", path)
+            return feedback
         try:
             feedback.load_state_dict(body["feedback"])
         except (KeyError, TypeError, ErrorFeedbackError) as exc:

@@ -108,6 +108,7 @@ from regional_agent.launch_spec import head_first_ranks, is_head_node
 from regional_agent.launcher import LAUNCH_ID_ENV, WorkerSettings
 from regional_agent.optimizer_checkpoint import save_due, save_optimizer
 from regional_agent.parallelism import ParallelModel
+from regional_agent.residual_file import write_residual
 
 log = logging.getLogger("regional_agent.worker")
 
@@ -198,6 +199,7 @@ class RoundRunner:
                 log.info("stopping: %s", self._stop_reason() or "asked by another rank")
                 if self._state is not None:
                     self._park(self._state, "the group stops")
+                self._write_out_residual()
                 return
             if not has_work:
                 time.sleep(self._settings.poll_interval_s)
@@ -670,7 +672,16 @@ class RoundRunner:
             params = parallel.full_state()  # rank 0 receives the whole
         else:
             base_path = (fold.base_path if fold is not None else "") or instruction.base_params
-            delta, failure = self._quantize(request, instruction, base_path, parallel)
+            # The residual's tensors are written with the regional checkpoint: the same
+            # cadence, decided before this round's save below.
+            checkpoint_round = save_due(
+                instruction.round,
+                state.saved_optimizer_round,
+                self._settings.regional_checkpoint_every,
+            ).save
+            delta, failure = self._quantize(
+                request, instruction, base_path, parallel, checkpoint_round
+            )
         (failed,) = self._agree(failure is not None)
         if failed:
             self._state = None  # as a diverged round: resume from the last checkpoint
@@ -769,9 +780,26 @@ class RoundRunner:
         )
         return True
 
+    def _write_out_residual(self) -> None:
+        """Rank 0: write the residual it holds to its job's held file, unless its tensors
+        are in a file already, so that the residual outlives this process."""
+        kept = self._residual
+        if self._rank != 0 or kept is None or kept.written:
+            return
+        path = self._handoff.held_residual_path(kept.job)
+        try:
+            write_residual(path, kept.round, kept.tensors, id_=kept.id)
+        except Exception:
+            log.exception("job %s: cannot write out the error-feedback residual", kept.job)
+            return
+        self._residual = replace(kept, written=True)
+        log.info("job %s: wrote out the residual of round %d to %s", kept.job, kept.round, path)
+
     def _park(self, state: JobState, why: str) -> None:
         """Save ``state``'s optimizer state if its checkpoint holds an older one, and name
-        it in the record (a collective): a parked or stopped job loses nothing."""
+        it in the record (a collective), and write out the residual rank 0 holds: a parked
+        or stopped job loses nothing."""
+        self._write_out_residual()
         parallel, optimizer = state.parallel, state.optimizer
         round_ = state.last_round
         if parallel is None or optimizer is None or round_ is None:
@@ -930,11 +958,14 @@ class RoundRunner:
         instruction: RoundInstruction,
         base_path: str,
         parallel: ParallelModel,
+        write_tensors: bool,
     ) -> tuple[QuantizedTensors | None, str | None]:
         """The round's quantized delta, quantized by rank 0 tensor by tensor as each comes:
         from the replica's own tensors under DDP, all-gathered one at a time from the
         shards under FSDP/HSDP (collectives: every rank gathers every tensor, whatever rank
-        0 met, so none is left waiting). Rank 0's delta, or why it has none."""
+        0 met, so none is left waiting). Rank 0's delta, or why it has none.
+        ``write_tensors``: the residual's tensors go to the round's residual file (a round
+        that saves the regional checkpoint); otherwise only rank 0 holds them."""
         started = time.monotonic()
         shapes = {name: t.shape for name, t in federated_state(parallel.model).items()}
         names = tuple(shapes) if request.names is None else request.names
@@ -953,6 +984,7 @@ class RoundRunner:
                     shapes=shapes,
                     device=self._device,
                     kept=self._residual,
+                    held_path=self._handoff.held_residual_path(instruction.job),
                 )
             except Exception as exc:
                 log.exception("%s: cannot quantize the delta", where)
@@ -968,7 +1000,8 @@ class RoundRunner:
         if quantizer is not None and failure is None:
             try:
                 delta, self._residual = quantizer.finish(
-                    self._handoff.residual_path(instruction.job, instruction.round)
+                    self._handoff.residual_path(instruction.job, instruction.round),
+                    write_tensors=write_tensors,
                 )
             except Exception as exc:
                 log.exception("%s: cannot quantize the delta", where)

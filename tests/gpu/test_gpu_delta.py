@@ -26,7 +26,7 @@ from geofed.params import parameters_vector_hash
 from geofed.training_config import TrainingConfig
 from regional_agent.delta import seal_worker_delta
 from regional_agent.handoff import DeltaRequest, RoundResult
-from regional_agent.residual_file import read_residual
+from regional_agent.residual_file import Residual, read_residual
 from tests.support.gpu import llama_instruction, nccl_group, require_cuda, save_theta0
 
 SEQ_LEN, BATCH = 128, 8
@@ -60,7 +60,7 @@ def check_delta(
     seal_worker_delta(theta, result.delta, CODEC)  # raises on anything the agent refuses
     decoded = dequantize(result.delta)
     residual = read_residual(result.residual)
-    assert residual is not None
+    assert isinstance(residual, Residual)
     assert residual.round == result.summary.round
     assert set(decoded) == set(theta) == set(residual.tensors)
     for name, values in decoded.items():

@@ -28,7 +28,7 @@ from geofed.params import parameters_vector_hash
 from geofed.training_config import TrainingConfig
 from regional_agent.handoff import BaseReady, DeltaRequest, RoundInstruction, RoundResult
 from regional_agent.overlap import next_instruction
-from regional_agent.residual_file import read_residual
+from regional_agent.residual_file import Residual, read_residual
 from tests.support.tiny_task import TinyTask
 from tests.support.worker_group import DelayedRegion, instruction, save_state, wait_for_progress
 
@@ -113,7 +113,7 @@ async def test_a_streaming_round_hands_its_fragment_and_folds_only_the_last_one(
         assert torch.equal(delta0[name], THETA0[name] - reference0.params[name]), name
     assert result0.residual is not None
     residual = read_residual(result0.residual)
-    assert residual is not None
+    assert isinstance(residual, Residual)
     assert set(residual.tensors) == set(fragment0)  # only tensors that were sent
 
     # Round 1, speculative: θ_1 moved fragment 0 (by an offset the test can see) and kept

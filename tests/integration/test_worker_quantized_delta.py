@@ -24,7 +24,7 @@ from geofed.training_config import TrainingConfig
 from regional_agent.delta import encode_delta
 from regional_agent.handoff import DeltaRequest, HandoffDir, RoundResult
 from regional_agent.launcher import LocalElasticLauncher
-from regional_agent.residual_file import read_residual, write_residual
+from regional_agent.residual_file import Residual, read_residual, write_residual
 from regional_agent.worker_group import RoundFailed, WorkerGroup, WorkerGroupConfig
 from tests.support.tiny_task import TinyTask
 from tests.support.worker_group import instruction, launcher_config, save_state
@@ -96,7 +96,7 @@ def worker_encoding(result: RoundResult) -> tuple[bytes, dict[str, torch.Tensor]
     assert result.residual is not None
     assert result.params == {}
     residual = read_residual(result.residual)
-    assert residual is not None
+    assert isinstance(residual, Residual)
     assert residual.round == result.summary.round
     return seal_quantized(result.delta).to_bytes(), residual.tensors
 
@@ -205,3 +205,58 @@ async def test_under_fsdp_a_failed_quantization_leaves_no_rank_waiting(region: R
     log = region.handoff.rank_log_path(0).read_text()
     assert "job gathered round 1: delta quantized on cpu, tensor by tensor" in log
     region.feedback.unlink()
+
+
+@on_module_loop
+async def test_between_checkpoints_rank_zero_holds_the_residual(tmp_path: Path) -> None:
+    """``regional_checkpoint_every: 3``: a round that saves no checkpoint writes a held
+    residual file, not the tensors, and its delta is still the agent's own encoding with
+    the residual the agent holds; a stopped group writes rank 0's copy out and the next
+    group reads it; a delta the coordinator did not take costs the residual."""
+
+    def new_group() -> WorkerGroup:
+        launcher = LocalElasticLauncher(tmp_path, launcher_config(regional_checkpoint_every=3))
+        return WorkerGroup(tmp_path, launcher, WorkerGroupConfig(start_timeout_s=120.0))
+
+    region = Region(tmp_path, HandoffDir(tmp_path), new_group(), tmp_path / "agent" / "feedback.pt")
+    base = save_state(tmp_path / "theta0.pt", TinyTask().build_model(seed=4).state_dict())
+    residual: dict[str, torch.Tensor] | None = None
+    kinds = []
+
+    async def round_(number: int, accepted: bool = True) -> None:
+        nonlocal base, residual
+        # The quantized job first: the plain one parks it only after its delta is out.
+        quantized = await region.quantized(number, base, job="sparse")
+        plain = await region.plain(number, base, job="sparse-plain")
+        want = agent_encoding(base, plain.params, residual)
+        assert quantized.delta is not None
+        assert quantized.residual is not None
+        assert seal_quantized(quantized.delta).to_bytes() == want[0]
+        kinds.append(type(read_residual(quantized.residual)).__name__)
+        if accepted:
+            region.accept(quantized)
+            residual = want[1]
+        base = save_state(tmp_path / f"theta{number + 1}.pt", plain.params)
+
+    await region.group.start()
+    try:
+        for number in range(3):
+            await round_(number)
+    finally:
+        await region.group.stop()
+    region.group = new_group()  # rank 0 reads the residual the old group wrote out
+    await region.group.start()
+    try:
+        await round_(3)
+        await round_(4, accepted=False)
+        residual = None  # the agent's file names round 3's residual: rank 0 has round 4's
+        await round_(5)
+    finally:
+        await region.group.stop()
+    # Round 0 saves the first checkpoint; after that each round parks the job (the plain
+    # one runs between), which saves its optimizer state, so no round is due one again.
+    assert kinds == ["Residual"] + ["HeldResidual"] * 5
+    log = region.handoff.rank_log_path(0).read_text()
+    assert "wrote out the residual of round" in log
+    assert log.count("starting it anew") == 1
+    assert "the error-feedback residual of round 3 was held by the workers only" in log

@@ -35,7 +35,7 @@ from regional_agent.overlap import (
 )
 from regional_agent.overlap_pipeline import DelayedRounds
 from regional_agent.pipeline import RoundFragments
-from regional_agent.residual_file import read_residual, write_residual
+from regional_agent.residual_file import Residual, read_residual, write_residual
 from tests.support.agent_schedule import announce
 
 CODEC = CodecParams(scheme="int8", block_size=16)
@@ -342,7 +342,7 @@ def _quantize(
         kept=None,
     )
     written = read_residual(residual_path)
-    assert written is not None
+    assert isinstance(written, Residual)
     return quantized, {name: t.clone() for name, t in written.tensors.items()}
 
 

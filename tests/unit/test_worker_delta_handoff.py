@@ -10,10 +10,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from geofed.codec import ErrorFeedback, decode, quantize_tensors, seal_quantized
+from geofed.codec import (
+    ErrorFeedback,
+    QuantizedTensors,
+    decode,
+    quantize_tensors,
+    seal_quantized,
+)
 from geofed.codec_params import CodecParams
 from regional_agent.delta import UnusableDelta, encode_delta, seal_worker_delta
-from regional_agent.device_delta import payloads_hash, quantize_round_delta
+from regional_agent.device_delta import DeviceResidual, payloads_hash, quantize_round_delta
 from regional_agent.handoff import (
     DeltaRequest,
     HandoffDir,
@@ -23,9 +29,12 @@ from regional_agent.handoff import (
     RoundSummary,
 )
 from regional_agent.residual_file import (
+    HeldResidual,
+    Residual,
     ResidualFileError,
     read_residual,
     read_residual_id,
+    write_held_residual,
     write_residual,
 )
 from regional_agent.state import DeltaMeta, JobDirectory, StateError
@@ -113,7 +122,7 @@ def test_a_residual_file_reads_back_with_its_id_and_refuses_what_is_not_one(
     assert read_residual_id(path) is None
     id_ = write_residual(path, 7, {"w": torch.ones(2, 2)})
     read = read_residual(path)
-    assert read is not None
+    assert isinstance(read, Residual)
     assert (read.round, read.id) == (7, id_)
     assert torch.equal(read.tensors["w"], torch.ones(2, 2))
     assert read_residual_id(path) == id_
@@ -196,3 +205,101 @@ def test_the_spool_links_the_workers_residual_and_promotes_it(tmp_path: Path) ->
     assert (job.spool_dir(3) / "residual.pt").stat().st_ino == worker_file.stat().st_ino
     job.promote(3)
     assert read_residual_id(job.feedback_path) == id_
+
+
+def test_a_held_residual_file_names_rank_zeros_copy(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    path = tmp_path / "round-4.residual.pt"
+    id_ = write_held_residual(path, 4)
+    assert read_residual(path) == HeldResidual(4, id_)
+    assert read_residual_id(path) == id_
+    assert path.stat().st_size < 2048  # a name, not the tensors
+    assert path.stat().st_mode & 0o077 == 0
+    # The agent's own encoding (a result holding parameters) cannot reach it: none.
+    directory = JobDirectory(tmp_path / "state", "job-a")
+    directory.root.mkdir(parents=True)
+    path.rename(directory.feedback_path)
+    assert directory.load_feedback().residual == {}
+    assert "names a residual the workers hold" in caplog.text
+    torch.save({"format": 1, "round": 4, "held": True}, path)
+    with pytest.raises(ResidualFileError, match="without its round and id"):
+        read_residual(path)
+
+
+def _quantize(
+    tmp_path: Path,
+    round_: int,
+    local: dict[str, torch.Tensor],
+    kept: DeviceResidual | None,
+    *,
+    write_tensors: bool,
+) -> tuple[QuantizedTensors, DeviceResidual]:
+    base = tmp_path / "theta.pt"
+    if not base.exists():
+        torch.save(THETA, base)
+    return quantize_round_delta(
+        DeltaRequest(CODEC, str(tmp_path / "feedback.pt"), 64),
+        job="job-a",
+        round_=round_,
+        region="eu-west",
+        base_path=str(base),
+        local=local,
+        residual_path=tmp_path / f"round-{round_}.residual.pt",
+        kept=kept,
+        held_path=tmp_path / "residual-held.pt",
+        write_tensors=write_tensors,
+    )
+
+
+def test_between_checkpoints_rank_zero_holds_the_residual_and_the_delta_is_the_same(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    ef, kept, local = ErrorFeedback(), None, dict(TRAINED)
+    for round_ in range(3):
+        quantized, kept = _quantize(tmp_path, round_, local, kept, write_tensors=round_ == 0)
+        want = encode_delta(THETA, local, ef, CODEC, chunk_elements=64)
+        assert seal_quantized(quantized).to_bytes() == want.stream.to_bytes()
+        written = read_residual(tmp_path / f"round-{round_}.residual.pt")
+        assert isinstance(written, Residual if round_ == 0 else HeldResidual)
+        assert kept.written is (round_ == 0)
+        ef = want.feedback
+        (tmp_path / f"round-{round_}.residual.pt").replace(tmp_path / "feedback.pt")
+        local = {name: t * 1.01 for name, t in local.items()}
+    assert "starting it anew" not in caplog.text
+
+
+def test_a_held_residual_rank_zero_lost_starts_anew_and_one_written_out_is_read(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    _, kept = _quantize(tmp_path, 0, dict(TRAINED), None, write_tensors=False)
+    (tmp_path / "round-0.residual.pt").replace(tmp_path / "feedback.pt")  # accepted
+    local = {name: t * 1.01 for name, t in TRAINED.items()}
+
+    # Rank 0 restarted: the residual the agent's file names is gone.
+    quantized, _ = _quantize(tmp_path, 1, local, None, write_tensors=False)
+    fresh = encode_delta(THETA, local, ErrorFeedback(), CODEC, chunk_elements=64)
+    assert seal_quantized(quantized).to_bytes() == fresh.stream.to_bytes()
+    assert "residual of round 0 was held by the workers only and is gone" in caplog.text
+
+    # Written out when the group parked the job or stopped: read back, same delta as kept.
+    write_residual(tmp_path / "residual-held.pt", 0, kept.tensors, id_=kept.id)
+    caplog.clear()
+    from_file, _ = _quantize(tmp_path, 1, local, None, write_tensors=False)
+    from_kept, _ = _quantize(tmp_path, 1, local, kept, write_tensors=False)
+    assert seal_quantized(from_file).to_bytes() == seal_quantized(from_kept).to_bytes()
+    assert seal_quantized(from_file).to_bytes() != fresh.stream.to_bytes()
+    assert "starting it anew" not in caplog.text
+
+
+def test_a_delta_the_coordinator_did_not_take_costs_the_held_residual(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    _, kept = _quantize(tmp_path, 0, dict(TRAINED), None, write_tensors=False)
+    (tmp_path / "round-0.residual.pt").replace(tmp_path / "feedback.pt")  # accepted
+    local = {name: t * 1.01 for name, t in TRAINED.items()}
+    _, kept = _quantize(tmp_path, 1, local, kept, write_tensors=False)  # refused: not promoted
+    quantized, _ = _quantize(tmp_path, 2, local, kept, write_tensors=False)
+    fresh = encode_delta(THETA, local, ErrorFeedback(), CODEC, chunk_elements=64)
+    assert seal_quantized(quantized).to_bytes() == fresh.stream.to_bytes()
+    assert "residual of round 0 was held by the workers only" in caplog.text
