@@ -25,9 +25,10 @@ rounds no snapshot and no save of the coordinator's working state falls inside t
 the coordinator's figure adds them amortized, the bytes of the last working-state save and
 of the last snapshot (their files' sizes after the run) over that interval. A region's
 figure likewise adds its regional checkpoint (the inner optimizer state every rank saves
-every ``workers.regional_checkpoint_every`` rounds, default 4, and when it stops; no such
-save falls inside the window of a 4-round run) amortized: the size of its last one over
-that interval.
+every ``workers.regional_checkpoint_every`` rounds, default 4, and when it stops, and the
+error-feedback residual rank 0 writes with it, 4 B per parameter; no such save falls
+inside the window of a 4-round run) amortized: the size of its last one over that
+interval.
 
 The round's gap is the seconds from a round's last inner step to the next round's first
 (rank 0's ``train_finished_at`` and ``train_started_at``, from each agent's
@@ -92,6 +93,8 @@ SAVE_INTERVAL = min(
 )
 #: Rounds between a region's saves of its inner optimizer state, by default.
 CHECKPOINT_INTERVAL: int = WorkersConfig.model_fields["regional_checkpoint_every"].default
+#: The residual's file with the regional checkpoint: float32 per federated parameter.
+RESIDUAL_BYTES_PER_PARAMETER = 4
 
 ROLES = ("rank0", "rank0_extra", "other_rank", "agent", "coordinator")
 ROLE_NAMES = {
@@ -700,6 +703,12 @@ async def measure(settings: Settings) -> dict[str, Any]:
                         runs[size] = {"error": first[:300], "parameters": count}
                         continue
                 records = list(sampler.records.values())
+                # Rank 0 writes the error-feedback residual's tensors (float32, 4 B per
+                # federated parameter) with each regional checkpoint, not every round.
+                checkpoints = {
+                    region: size_ + RESIDUAL_BYTES_PER_PARAMETER * count
+                    for region, size_ in checkpoints.items()
+                }
                 figures = run_figures(
                     records,
                     timelines,
@@ -788,7 +797,8 @@ def render(report: dict[str, Any], before: dict[str, Any] | None = None) -> str:
         "slope between the sizes, so a process's fixed cost drops out. Writes per round: "
         "between the middle of round 1's inner loop and the last round's (steady state), "
         "plus what is saved only every few rounds, amortized: a region's regional checkpoint "
-        "(its last one's size over its interval), the coordinator's working state and "
+        "(its last inner optimizer state's size plus the residual's, 4 B a parameter, over "
+        "its interval), the coordinator's working state and "
         "snapshot (over theirs); in brackets the steady state, the saves, and the whole run "
         "over its rounds. A region's writes are its agent's, its "
         "elastic launcher's and its ranks'. Each figure is the largest region's (and rank's).",
