@@ -27,7 +27,6 @@ one lock, persisted, then announced.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections import deque
@@ -80,6 +79,7 @@ from coordinator.store import MAX_POINTER_VALUE, ConflictError, Receipt
 from coordinator.transactions import DeltaOffer, accept_delta, record_initial, record_job_failure
 from coordinator.working_state import WorkingState
 from geofed.control.messages import AnnouncedPhase
+from geofed.timeouts import wait_event
 
 __all__ = ["DeltaOffer", "JobEngine"]
 
@@ -440,8 +440,7 @@ class JobEngine:
     async def _sleep(self, wake_at: float | None) -> None:
         """Wait until ``wake_at`` (wall clock) or until something wakes the engine."""
         timeout = None if wake_at is None else max(0.0, wake_at - self._s.clock()) + 0.01
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._wake.wait(), timeout)
+        await wait_event(self._wake, timeout)
         self._wake.clear()
 
     # -- recovery and initialisation ------------------------------------------------

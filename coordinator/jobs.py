@@ -22,7 +22,6 @@ is kept for ``GET /v1/jobs/{job}`` and ``GET /v1/queue``.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import Iterable, Mapping
 from datetime import UTC, datetime
@@ -66,6 +65,7 @@ from coordinator.teams import (
 from coordinator.transactions import LOCATION_POINTER, record_admitted_job, record_job_change
 from coordinator.usage import RunLedger
 from geofed.task import task_module_refusal
+from geofed.timeouts import wait_event
 from geofed.types import Identity, InvalidName, validate_name
 from policies import Admission, JobPlacement, PlacementError, StorageLocation, admit_job
 
@@ -294,9 +294,8 @@ class JobManager:
             engine = self._launch(ctx, JobState.QUEUED if queued else JobState.RUNNING)
         if queued:
             await self._replan(f"job {spec.job} submitted")
-        with contextlib.suppress(TimeoutError):
-            # θ_0 and round 0 are usually ready in well under a second; answer then.
-            await asyncio.wait_for(engine.ready.wait(), self._s.config.timeouts.request_s)
+        # θ_0 and round 0 are usually ready in well under a second; answer then.
+        await wait_event(engine.ready, self._s.config.timeouts.request_s)
         self._count_states()
         log.info("job %s admitted; checkpoints in %s", spec.job, location)
         await self._s.control.event("job.admitted", job=spec.job, detail=f"by {actor}")
@@ -692,9 +691,7 @@ class JobManager:
         ``REPLAN_EVERY_S`` while jobs wait (GPU-hour windows slide, waiting jobs age)."""
         while True:
             timeout = REPLAN_EVERY_S if self._queue else None
-            try:
-                await asyncio.wait_for(self._replan_wanted.wait(), timeout)
-            except TimeoutError:
+            if not await wait_event(self._replan_wanted, timeout):
                 self._replan_why["time passed"] = None
             self._replan_wanted.clear()
             why, self._replan_why = "; ".join(self._replan_why), {}

@@ -13,7 +13,6 @@ the event loop.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 import socket
@@ -26,7 +25,7 @@ from coordinator.leader_lease import Fence, LeaseDecision, step_down_reason
 from coordinator.postgres_lease import PostgresLease
 from coordinator.store import StoreFailure
 from geofed.sdnotify import Notifier
-from geofed.timeouts import Timeout, wait_for
+from geofed.timeouts import Timeout, wait_event, wait_for
 
 __all__ = ["Deposed", "Leadership", "holder_name"]
 
@@ -126,8 +125,7 @@ class Leadership:
                 log.info("standby: %s", reason)
                 self._notifier.status(f"standby: {reason}")
                 said = reason
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), self._config.renew_interval_s)
+            await wait_event(stop, self._config.renew_interval_s)
         return None
 
     async def hold(self, deposed: Callable[[str], None]) -> None:

@@ -10,6 +10,12 @@ timeouts live in one model, checked once at load against the order they nest in:
 
 and every network wait in the daemons goes through :func:`wait_for`, which turns an
 expired wait into a :class:`Timeout` that names what was being waited for.
+
+Both helpers here bound a wait with :func:`asyncio.timeout`, never
+:func:`asyncio.wait_for`: on Python 3.11, a task cancelled just as the awaitable
+``asyncio.wait_for`` wraps completes gets its result instead of the cancellation, so a
+loop that waits that way runs on, and whoever cancelled it to shut down waits for ever.
+:func:`wait_event` is the loop's form: wait for an event, or for time to pass.
 """
 
 from __future__ import annotations
@@ -24,7 +30,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 T = TypeVar("T")
 
-__all__ = ["Timeout", "Timeouts", "wait_for"]
+__all__ = ["Timeout", "Timeouts", "wait_event", "wait_for"]
 
 
 class Timeout(TimeoutError):
@@ -129,3 +135,16 @@ async def wait_for(aw: Awaitable[T], timeout_s: float, what: str) -> T:
         if isinstance(exc, Timeout):
             raise  # a nested, shorter wait expired first; keep its name
         raise Timeout(what, timeout_s) from exc
+
+
+async def wait_event(event: asyncio.Event, timeout_s: float | None) -> bool:
+    """Wait until ``event`` is set or ``timeout_s`` seconds pass (None: no limit); whether
+    it is set. A cancellation that arrives as the event is set is never lost."""
+    if event.is_set():
+        return True
+    try:
+        async with asyncio.timeout(timeout_s):
+            await event.wait()
+    except TimeoutError:
+        return event.is_set()
+    return True

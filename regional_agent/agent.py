@@ -42,7 +42,6 @@ restarts) before each scrape.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import random
 from collections.abc import Callable, Coroutine, Mapping
@@ -66,6 +65,7 @@ from geofed.control import (
 from geofed.control.messages import RegionState
 from geofed.data.location import DatasetLocation
 from geofed.pki import client_ssl_context, mqtt_username
+from geofed.timeouts import wait_event
 from policies import PolicySet
 from regional_agent.config import AgentConfig, dataset_locations, training_datasets
 from regional_agent.coordinator_client import CoordinatorClient, build_session
@@ -397,8 +397,7 @@ class Agent:
                 log.info("drained: no round in progress; stopping")
                 return
             await self._forget_ended_jobs()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wakeup.wait(), _WATCH_INTERVAL_S)
+            await wait_event(self._wakeup, _WATCH_INTERVAL_S)
             self._wakeup.clear()
 
     async def _run_round(self, announcement: RoundAnnouncement) -> None:
@@ -449,8 +448,7 @@ class Agent:
     async def _pause(self, delay: float) -> None:
         """Wait ``delay`` seconds, or less if something new arrives."""
         self._wakeup.clear()
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._wakeup.wait(), delay)
+        await wait_event(self._wakeup, delay)
 
     def _stop_running(self, stop: Stop | None) -> None:
         running = self._running

@@ -18,7 +18,6 @@ probed once, off the event loop, before the first publication.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import math
 import uuid
@@ -36,6 +35,7 @@ from geofed.control import (
     encode,
 )
 from geofed.control.messages import RegionState
+from geofed.timeouts import wait_event
 
 log = logging.getLogger(__name__)
 
@@ -161,8 +161,7 @@ class StatusReporter:
     async def run(self) -> None:
         """Publish on every change and every ``interval_s``, until cancelled."""
         while True:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._changed.wait(), self._interval_s)
+            await wait_event(self._changed, self._interval_s)
             self._changed.clear()
             try:
                 await self.publish_now()

@@ -105,7 +105,8 @@ class EmbeddedBroker:
             broker = Broker(config)
             # Its listener, created by start(), hands each accepted connection to this.
             broker.stream_connected = functools.partial(self._serve, broker.stream_connected)
-            await asyncio.wait_for(broker.start(), self._timeout_s)
+            async with asyncio.timeout(self._timeout_s):
+                await broker.start()
         except (AMQTTError, OSError, TimeoutError) as exc:
             raise BrokerError(f"embedded broker could not listen on {self.url}: {exc}") from exc
         self._broker = broker

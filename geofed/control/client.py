@@ -294,7 +294,8 @@ class ControlClient:
 
     async def _run_hook(self, hook: ConnectHook) -> None:
         try:
-            await asyncio.wait_for(hook(), timeout=self._timeout_s * 3)
+            async with asyncio.timeout(self._timeout_s * 3):
+                await hook()
         except Exception:
             log.exception("on-connect hook %r failed", hook)
 
@@ -314,7 +315,8 @@ class ControlClient:
                 continue
             for handler in list(handlers):
                 try:
-                    await asyncio.wait_for(handler(topic.value, payload), self._handler_timeout_s)
+                    async with asyncio.timeout(self._handler_timeout_s):
+                        await handler(topic.value, payload)
                 except TimeoutError:
                     log.error(  # noqa: TRY400 - the timeout's traceback says nothing
                         "handler %r for %s ran past %.1f s", handler, topic, self._handler_timeout_s

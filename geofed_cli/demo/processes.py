@@ -100,13 +100,15 @@ class Child:
         if proc.returncode is None:
             _signal_group(proc.pid, signal.SIGTERM)
             try:
-                await asyncio.wait_for(proc.wait(), deadline_s)
+                async with asyncio.timeout(deadline_s):
+                    await proc.wait()
             except TimeoutError:
                 log.warning("%s did not stop within %.0f s; killing it", self.name, deadline_s)
         # The leader may be gone while workers it started still run: kill the group anyway.
         _signal_group(proc.pid, signal.SIGKILL)
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(proc.wait(), 5.0)
+            async with asyncio.timeout(5.0):
+                await proc.wait()
         return proc.returncode
 
 

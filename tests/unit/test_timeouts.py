@@ -3,13 +3,14 @@
 import asyncio
 import gc
 import warnings
+from pathlib import Path
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
-from geofed.timeouts import Timeout, Timeouts, wait_for
+from geofed.timeouts import Timeout, Timeouts, wait_event, wait_for
 
 
 def test_defaults_nest() -> None:
@@ -159,3 +160,45 @@ async def test_bad_timeout_is_refused_without_leaking_the_coroutine(timeout_s) -
         with pytest.raises(ValueError, match="timeout for upload must be a positive number"):
             await wait_for(asyncio.sleep(0), timeout_s, "upload")
         gc.collect()  # a never-awaited coroutine would warn here
+
+
+async def test_wait_event_says_whether_the_event_came() -> None:
+    event = asyncio.Event()
+    assert await wait_event(event, 0.01) is False
+    asyncio.get_running_loop().call_soon(event.set)
+    assert await wait_event(event, 5.0) is True
+    assert await wait_event(event, None) is True  # already set: at once
+
+
+async def test_a_loop_cancelled_as_its_event_is_set_ends() -> None:
+    # The race that left a coordinator's admission loop running after its shutdown had
+    # cancelled it: the event's waiter finishes in the loop turn the cancellation arrives
+    # in. asyncio.wait_for on Python 3.11 then returns the result instead, the loop goes
+    # round again, and the task never ends.
+    for timeout_s in (None, 10.0):
+        event = asyncio.Event()
+
+        async def loop(event: asyncio.Event = event, timeout_s: float | None = timeout_s) -> None:
+            while True:
+                await wait_event(event, timeout_s)
+                event.clear()
+
+        task = asyncio.create_task(loop())
+        await asyncio.sleep(0)  # waiting now
+        event.set()
+        await asyncio.sleep(0)  # the event's own waiter has run
+        task.cancel()
+        await asyncio.wait([task], timeout=2.0)
+        assert task.cancelled()
+
+
+def test_no_daemon_waits_with_asyncio_wait_for() -> None:
+    root = Path(__file__).resolve().parents[2]
+    offenders = [
+        f"{path.relative_to(root)}:{number}"
+        for package in ("geofed", "geofed_cli", "coordinator", "regional_agent", "policies")
+        for path in sorted((root / package).rglob("*.py"))
+        for number, line in enumerate(path.read_text().splitlines(), 1)
+        if "asyncio.wait_for(" in line
+    ]
+    assert offenders == [], "use geofed.timeouts.wait_for / wait_event or asyncio.timeout"
