@@ -29,8 +29,11 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(VENV)/bin/mypy
 
+# Two workers, one per core of the machine CI runs on; a test module runs whole in one
+# (its module-scoped worker groups and brokers are made once).
+PYTEST_WORKERS ?= 2
 pytest: $(STAMP) system-deps
-	$(VENV)/bin/pytest tests
+	$(VENV)/bin/pytest tests -n $(PYTEST_WORKERS) --dist loadfile
 
 test: lint typecheck pytest
 
