@@ -269,12 +269,17 @@ def test_between_checkpoints_rank_zero_holds_the_residual_and_the_delta_is_the_s
     assert "starting it anew" not in caplog.text
 
 
+def _round_zero_accepted(tmp_path: Path) -> tuple[DeviceResidual, dict[str, torch.Tensor]]:
+    """Round 0 quantized with its residual held, its delta accepted; round 1's trained state."""
+    _, kept = _quantize(tmp_path, 0, dict(TRAINED), None, write_tensors=False)
+    (tmp_path / "round-0.residual.pt").replace(tmp_path / "feedback.pt")
+    return kept, {name: t * 1.01 for name, t in TRAINED.items()}
+
+
 def test_a_held_residual_rank_zero_lost_starts_anew_and_one_written_out_is_read(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    _, kept = _quantize(tmp_path, 0, dict(TRAINED), None, write_tensors=False)
-    (tmp_path / "round-0.residual.pt").replace(tmp_path / "feedback.pt")  # accepted
-    local = {name: t * 1.01 for name, t in TRAINED.items()}
+    kept, local = _round_zero_accepted(tmp_path)
 
     # Rank 0 restarted: the residual the agent's file names is gone.
     quantized, _ = _quantize(tmp_path, 1, local, None, write_tensors=False)
@@ -295,9 +300,7 @@ def test_a_held_residual_rank_zero_lost_starts_anew_and_one_written_out_is_read(
 def test_a_delta_the_coordinator_did_not_take_costs_the_held_residual(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    _, kept = _quantize(tmp_path, 0, dict(TRAINED), None, write_tensors=False)
-    (tmp_path / "round-0.residual.pt").replace(tmp_path / "feedback.pt")  # accepted
-    local = {name: t * 1.01 for name, t in TRAINED.items()}
+    kept, local = _round_zero_accepted(tmp_path)
     _, kept = _quantize(tmp_path, 1, local, kept, write_tensors=False)  # refused: not promoted
     quantized, _ = _quantize(tmp_path, 2, local, kept, write_tensors=False)
     fresh = encode_delta(THETA, local, ErrorFeedback(), CODEC, chunk_elements=64)
