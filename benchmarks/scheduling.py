@@ -54,12 +54,12 @@ from benchmarks._report import publish
 from coordinator.scheduling import (
     AgeingConfig,
     Job,
-    JobState,
     PreemptionConfig,
     Region,
     RegionCapacity,
     RegionNeed,
     SchedulingConfig,
+    SchedulingState,
     TeamQuota,
     TrainingPhase,
     combined_mtbf,
@@ -109,7 +109,7 @@ class Running:
     """A job's simulated progress."""
 
     draw: JobDraw
-    state: JobState = JobState.QUEUED
+    state: SchedulingState = SchedulingState.QUEUED
     placement: tuple[str, ...] = ()
     first_start: float | None = None
     started_at: float | None = None
@@ -145,9 +145,9 @@ class Running:
             min_regions=draw.min_regions,
             state=self.state,
             placement=self.placement,
-            phase=None if self.state is JobState.QUEUED else self.phase(),
+            phase=None if self.state is SchedulingState.QUEUED else self.phase(),
             started_at=self.started_at,
-            claim=self.claim if self.state is JobState.QUEUED else (),
+            claim=self.claim if self.state is SchedulingState.QUEUED else (),
         )
 
 
@@ -306,7 +306,7 @@ def simulate(workload: Workload, policy: str, *, max_days: float = 60) -> dict[s
             event = True
             down_until[region] = now + workload.downtime_s
             for job in jobs.values():
-                if job.state is not JobState.QUEUED and region in job.placement:
+                if job.state is not SchedulingState.QUEUED and region in job.placement:
                     tally.rounds_lost_failure += job.since_snapshot + 1
                     tally.wasted_gpu_s += job.gpu_s_since_snapshot
                     _roll_back(job)
@@ -333,20 +333,20 @@ def simulate(workload: Workload, policy: str, *, max_days: float = 60) -> dict[s
                     tally.wasted_gpu_s += job.gpu_s_since_snapshot
                     _roll_back(job)
                 else:
-                    job.state = JobState.PREEMPTING
+                    job.state = SchedulingState.PREEMPTING
             for wait in decided.waiting:
                 jobs[wait.job].claim = wait.claim
             for admission in decided.admitted:
                 job = jobs[admission.job]
                 job.claim = ()
-                job.state = JobState.RUNNING
+                job.state = SchedulingState.RUNNING
                 job.placement = admission.regions
                 job.started_at = now
                 if job.first_start is None:
                     job.first_start = now
         # Advance every job holding regions by one step.
         for job in jobs.values():
-            if job.state is JobState.QUEUED:
+            if job.state is SchedulingState.QUEUED:
                 continue
             gpu_s = job.draw.gpus * len(job.placement) * STEP_S
             tally.held_gpu_s += gpu_s
@@ -364,16 +364,16 @@ def simulate(workload: Workload, policy: str, *, max_days: float = 60) -> dict[s
                 job.gpu_s_since_snapshot = 0.0
             if job.rounds_done >= job.draw.rounds:
                 job.finished_at = now + STEP_S
-                job.state = JobState.QUEUED
+                job.state = SchedulingState.QUEUED
                 job.placement = ()
-            elif job.state is JobState.PREEMPTING:
+            elif job.state is SchedulingState.PREEMPTING:
                 # At the boundary: the round is published and the regional state saved,
                 # so it resumes from here.
                 lost = lost_rounds(job.as_job(), at_boundary=True)
                 tally.since_snapshot_at_stop.append(job.since_snapshot)
                 tally.rounds_lost_preemption += lost
                 tally.lost_per_preemption.append(lost)
-                job.state = JobState.QUEUED
+                job.state = SchedulingState.QUEUED
                 job.placement = ()
                 job.progress_s = 0.0
         now += STEP_S
@@ -386,7 +386,7 @@ def _roll_back(job: Running) -> None:
     job.since_snapshot = 0
     job.progress_s = 0.0
     job.gpu_s_since_snapshot = 0.0
-    job.state = JobState.QUEUED
+    job.state = SchedulingState.QUEUED
     job.placement = ()
 
 

@@ -8,7 +8,7 @@
 For each world size W, W rank processes form a real process group (gloo on CPU, nccl
 with one GPU per rank when CUDA is present) and train the Llama example
 (:mod:`geofed.examples.llama`, ``--preset``) for every (parallelism, precision) through
-the worker's own code: :meth:`regional_agent.job_state.JobState.build` and ``ready``
+the worker's own code: :meth:`regional_agent.job_state.WorkerJobState.build` and ``ready``
 (which wrap the model with :func:`regional_agent.parallelism.wrap` and build the task's
 optimizer), then :func:`regional_agent.inner_loop.train_round`, whose stop check is the
 worker's per-step stop vote (a one-integer all-reduce). A first round of ``--warmup``
@@ -68,7 +68,7 @@ from geofed.training_config import Parallelism, Precision, TrainingConfig
 from regional_agent.flops import flops_utilisation, peak_flops
 from regional_agent.handoff import RoundInstruction
 from regional_agent.inner_loop import RankTotals, RoundPlan, region_stats, train_round
-from regional_agent.job_state import JobState
+from regional_agent.job_state import WorkerJobState
 
 RESULTS = Path(__file__).resolve().parent / "results"
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -326,7 +326,7 @@ def measure(
     """
     rank, world = dist.get_rank(), dist.get_world_size()
     first = _instruction(settings, parallelism, precision, 0, max(settings.warmup, 1))
-    state = JobState.build(first, device, None)
+    state = WorkerJobState.build(first, device, None)
     flops_per_token = state.task.flops_per_token(state.model)
     parameters = sum(p.numel() for p in state.model.parameters())
     parallel, optimizer = state.ready(device)

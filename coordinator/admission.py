@@ -40,10 +40,10 @@ from coordinator.scheduling import (
     RegionNeed,
     RunInterval,
     SchedulingConfig,
+    SchedulingState,
     TrainingPhase,
     plan,
 )
-from coordinator.scheduling import JobState as SchedState
 from coordinator.scheduling.elastic import join_shortfall
 from geofed.control import Capacity
 
@@ -257,9 +257,9 @@ def _job(facts: JobFacts, unknown: frozenset[str]) -> Job:
     }
     holding = facts.state in HOLDING
     if facts.state is JobState.RUNNING and facts.preempting:
-        state = SchedState.PREEMPTING
+        state = SchedulingState.PREEMPTING
     else:
-        state = SchedState.RUNNING if holding else SchedState.QUEUED
+        state = SchedulingState.RUNNING if holding else SchedulingState.QUEUED
     first = next(iter(needs.values()))
     return Job(
         name=facts.name,

@@ -57,7 +57,7 @@ routes = web.RouteTableDef()
 
 
 @dataclass(frozen=True, slots=True)
-class Grant:
+class AllowedExport:
     """What one allowed export may fetch, by whom, until when."""
 
     holder: str  # SPIFFE URI
@@ -71,12 +71,12 @@ class ExportGrants:
 
     def __init__(self, clock: Callable[[], float] = time.time) -> None:
         self._clock = clock
-        self._grants: dict[str, Grant] = {}
+        self._grants: dict[str, AllowedExport] = {}
 
-    def add(self, holder: Identity, job: str, digests: frozenset[str]) -> tuple[str, Grant]:
+    def add(self, holder: Identity, job: str, digests: frozenset[str]) -> tuple[str, AllowedExport]:
         now = self._clock()
         self._grants = {k: g for k, g in self._grants.items() if g.expires_at > now}
-        grant = Grant(holder.uri, job, digests, now + EXPORT_TTL_S)
+        grant = AllowedExport(holder.uri, job, digests, now + EXPORT_TTL_S)
         key = secrets.token_hex(16)
         self._grants[key] = grant
         return key, grant

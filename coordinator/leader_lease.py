@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import StrEnum
 
-__all__ = ["Fence", "Lease", "LeaseDecision", "Outcome", "decide", "step_down_reason"]
+__all__ = ["Fence", "Lease", "LeaseDecision", "LeaseOutcome", "decide", "step_down_reason"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,7 +40,7 @@ class Fence:
     token: int
 
 
-class Outcome(StrEnum):
+class LeaseOutcome(StrEnum):
     ACQUIRED = "acquired"
     RENEWED = "renewed"
     HELD_ELSEWHERE = "held_elsewhere"
@@ -51,13 +51,13 @@ class Outcome(StrEnum):
 class LeaseDecision:
     """What to do with the row; ``lease`` is the row to write (or the row as found)."""
 
-    outcome: Outcome
+    outcome: LeaseOutcome
     lease: Lease
     reason: str
 
     @property
     def leading(self) -> bool:
-        return self.outcome in (Outcome.ACQUIRED, Outcome.RENEWED)
+        return self.outcome in (LeaseOutcome.ACQUIRED, LeaseOutcome.RENEWED)
 
 
 def decide(
@@ -71,11 +71,11 @@ def decide(
         if current.holder == holder and current.token == held_token:
             if current.expires_at <= now:
                 return LeaseDecision(
-                    Outcome.RENEWED, renewed, "renewed after it expired: nobody took it over"
+                    LeaseOutcome.RENEWED, renewed, "renewed after it expired: nobody took it over"
                 )
-            return LeaseDecision(Outcome.RENEWED, renewed, "renewed")
+            return LeaseDecision(LeaseOutcome.RENEWED, renewed, "renewed")
         return LeaseDecision(
-            Outcome.LOST,
+            LeaseOutcome.LOST,
             current,
             f"lost: {current.holder or 'nobody'} holds token {current.token}, "
             f"this coordinator held token {held_token}",
@@ -87,9 +87,11 @@ def decide(
             if current.holder
             else "first holder"
         )
-        return LeaseDecision(Outcome.ACQUIRED, taken, f"acquired token {taken.token}, {before}")
+        return LeaseDecision(
+            LeaseOutcome.ACQUIRED, taken, f"acquired token {taken.token}, {before}"
+        )
     return LeaseDecision(
-        Outcome.HELD_ELSEWHERE,
+        LeaseOutcome.HELD_ELSEWHERE,
         current,
         f"{current.holder} leads (token {current.token}) for another "
         f"{current.expires_at - now:.1f} s unless it renews",

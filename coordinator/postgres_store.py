@@ -49,7 +49,7 @@ from coordinator.audit import (
     verify_chain,
 )
 from coordinator.leader_lease import Fence
-from coordinator.sql_store import SqlStore
+from coordinator.sql_store import SqlStore, SqlTypes, core_schema
 from coordinator.store import (
     InvalidValue,
     SchemaError,
@@ -87,44 +87,9 @@ class StoreFenced(StoreFailure):
 
 
 _SCHEMA_V1: tuple[str, ...] = (
-    """CREATE TABLE jobs (
-        seq BIGSERIAL UNIQUE,
-        job_id TEXT PRIMARY KEY,
-        spec TEXT NOT NULL,
-        state TEXT NOT NULL,
-        created_at DOUBLE PRECISION NOT NULL,
-        updated_at DOUBLE PRECISION NOT NULL)""",
-    """CREATE TABLE rounds (
-        job_id TEXT NOT NULL REFERENCES jobs (job_id),
-        round BIGINT NOT NULL CHECK (round >= 0),
-        state TEXT NOT NULL,
-        updated_at DOUBLE PRECISION NOT NULL,
-        PRIMARY KEY (job_id, round))""",
-    """CREATE TABLE receipts (
-        job_id TEXT NOT NULL REFERENCES jobs (job_id),
-        round BIGINT NOT NULL CHECK (round >= 0),
-        region TEXT NOT NULL,
-        manifest_digest TEXT NOT NULL,
-        blob_digest TEXT NOT NULL,
-        size BIGINT NOT NULL CHECK (size >= 0),
-        tokens BIGINT NOT NULL CHECK (tokens >= 0),
-        received_at DOUBLE PRECISION NOT NULL,
-        PRIMARY KEY (job_id, round, region))""",
-    """CREATE TABLE upload_chunks (
-        job_id TEXT NOT NULL REFERENCES jobs (job_id),
-        round BIGINT NOT NULL,
-        region TEXT NOT NULL,
-        manifest_digest TEXT NOT NULL,
-        chunk_index BIGINT NOT NULL CHECK (chunk_index >= 0),
-        digest TEXT NOT NULL,
-        size BIGINT NOT NULL CHECK (size >= 0),
-        PRIMARY KEY (job_id, round, region, manifest_digest, chunk_index))""",
-    """CREATE TABLE pointers (
-        job_id TEXT NOT NULL REFERENCES jobs (job_id),
-        name TEXT NOT NULL,
-        value TEXT NOT NULL,
-        updated_at DOUBLE PRECISION NOT NULL,
-        PRIMARY KEY (job_id, name))""",
+    *core_schema(
+        SqlTypes(integer="BIGINT", real="DOUBLE PRECISION", job_seq="seq BIGSERIAL UNIQUE")
+    ),
     """CREATE TABLE audit_log (
         seq BIGINT PRIMARY KEY,
         time TEXT NOT NULL,

@@ -5,8 +5,9 @@
 transaction, conflicts) in portable SQL with ``?`` placeholders. A backend
 (:class:`coordinator.sqlite_store.SqliteStore`, :class:`coordinator.postgres_store.PostgresStore`)
 supplies the connection: :meth:`transaction`, :meth:`_execute`, :meth:`_one`, :meth:`_all`
-(translating the placeholders where it must), the audit log, its schema and how it
-orders jobs by creation (``_JOB_ORDER``).
+(translating the placeholders where it must), the audit log, and how it orders jobs by
+creation (``_JOB_ORDER``). The tables of those records are written here once too
+(:func:`core_schema`), in each database's column types (:class:`SqlTypes`).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import json
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from coordinator.store import (
@@ -36,7 +38,69 @@ from coordinator.store import (
     to_json,
 )
 
-__all__ = ["SqlStore"]
+__all__ = ["SqlStore", "SqlTypes", "core_schema"]
+
+
+@dataclass(frozen=True, slots=True)
+class SqlTypes:
+    """A database's spelling of the column types :func:`core_schema` uses; ``job_seq``:
+    a column that numbers jobs in creation order, where the database has no row id."""
+
+    integer: str
+    real: str
+    job_seq: str = ""
+
+
+_CORE_TABLES: tuple[str, ...] = (
+    """CREATE TABLE jobs ({job_seq}
+        job_id TEXT PRIMARY KEY,
+        spec TEXT NOT NULL,
+        state TEXT NOT NULL,
+        created_at {real} NOT NULL,
+        updated_at {real} NOT NULL)""",
+    """CREATE TABLE rounds (
+        job_id TEXT NOT NULL REFERENCES jobs (job_id),
+        round {integer} NOT NULL CHECK (round >= 0),
+        state TEXT NOT NULL,
+        updated_at {real} NOT NULL,
+        PRIMARY KEY (job_id, round))""",
+    """CREATE TABLE receipts (
+        job_id TEXT NOT NULL REFERENCES jobs (job_id),
+        round {integer} NOT NULL CHECK (round >= 0),
+        region TEXT NOT NULL,
+        manifest_digest TEXT NOT NULL,
+        blob_digest TEXT NOT NULL,
+        size {integer} NOT NULL CHECK (size >= 0),
+        tokens {integer} NOT NULL CHECK (tokens >= 0),
+        received_at {real} NOT NULL,
+        PRIMARY KEY (job_id, round, region))""",
+    """CREATE TABLE upload_chunks (
+        job_id TEXT NOT NULL REFERENCES jobs (job_id),
+        round {integer} NOT NULL,
+        region TEXT NOT NULL,
+        manifest_digest TEXT NOT NULL,
+        chunk_index {integer} NOT NULL CHECK (chunk_index >= 0),
+        digest TEXT NOT NULL,
+        size {integer} NOT NULL CHECK (size >= 0),
+        PRIMARY KEY (job_id, round, region, manifest_digest, chunk_index))""",
+    """CREATE TABLE pointers (
+        job_id TEXT NOT NULL REFERENCES jobs (job_id),
+        name TEXT NOT NULL,
+        value TEXT NOT NULL,
+        updated_at {real} NOT NULL,
+        PRIMARY KEY (job_id, name))""",
+)
+
+
+def core_schema(types: SqlTypes) -> tuple[str, ...]:
+    """The statements that create the jobs, rounds, receipts, upload progress and pointers
+    tables (schema version 1), in ``types``."""
+    job_seq = f"\n        {types.job_seq}," if types.job_seq else ""
+    return tuple(
+        statement.format(integer=types.integer, real=types.real, job_seq=job_seq)
+        for statement in _CORE_TABLES
+    )
+
 
 _RECEIPT_COLUMNS = "job_id, round, region, manifest_digest, blob_digest, size, tokens, received_at"
 

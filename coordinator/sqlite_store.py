@@ -27,7 +27,7 @@ from typing import Any
 
 from coordinator import audit
 from coordinator.audit import AuditEntry, AuditEvent, AuditLog, InvalidAuditEntry, VerifyResult
-from coordinator.sql_store import SqlStore
+from coordinator.sql_store import SqlStore, SqlTypes, core_schema
 from coordinator.store import (
     InvalidValue,
     SchemaError,
@@ -38,43 +38,7 @@ from coordinator.store import (
 DB_FILENAME = "coordinator.db"
 
 _SCHEMA_V1: tuple[str, ...] = (
-    """CREATE TABLE jobs (
-        job_id TEXT PRIMARY KEY,
-        spec TEXT NOT NULL,
-        state TEXT NOT NULL,
-        created_at REAL NOT NULL,
-        updated_at REAL NOT NULL)""",
-    """CREATE TABLE rounds (
-        job_id TEXT NOT NULL REFERENCES jobs (job_id),
-        round INTEGER NOT NULL CHECK (round >= 0),
-        state TEXT NOT NULL,
-        updated_at REAL NOT NULL,
-        PRIMARY KEY (job_id, round))""",
-    """CREATE TABLE receipts (
-        job_id TEXT NOT NULL REFERENCES jobs (job_id),
-        round INTEGER NOT NULL CHECK (round >= 0),
-        region TEXT NOT NULL,
-        manifest_digest TEXT NOT NULL,
-        blob_digest TEXT NOT NULL,
-        size INTEGER NOT NULL CHECK (size >= 0),
-        tokens INTEGER NOT NULL CHECK (tokens >= 0),
-        received_at REAL NOT NULL,
-        PRIMARY KEY (job_id, round, region))""",
-    """CREATE TABLE upload_chunks (
-        job_id TEXT NOT NULL REFERENCES jobs (job_id),
-        round INTEGER NOT NULL,
-        region TEXT NOT NULL,
-        manifest_digest TEXT NOT NULL,
-        chunk_index INTEGER NOT NULL CHECK (chunk_index >= 0),
-        digest TEXT NOT NULL,
-        size INTEGER NOT NULL CHECK (size >= 0),
-        PRIMARY KEY (job_id, round, region, manifest_digest, chunk_index))""",
-    """CREATE TABLE pointers (
-        job_id TEXT NOT NULL REFERENCES jobs (job_id),
-        name TEXT NOT NULL,
-        value TEXT NOT NULL,
-        updated_at REAL NOT NULL,
-        PRIMARY KEY (job_id, name))""",
+    *core_schema(SqlTypes(integer="INTEGER", real="REAL")),
     *audit.SCHEMA_STATEMENTS,
 )
 

@@ -71,8 +71,8 @@ from geofed.types import Identity, InvalidName, Role, validate_name
 
 __all__ = [
     "SERVED_BY",
-    "JobFacts",
     "LeaderView",
+    "StoredJob",
     "create_standby_app",
     "job_view",
     "may_see",
@@ -133,7 +133,7 @@ def may_see(identity: Identity, regions: Mapping[str, Any]) -> bool:
 
 
 @dataclass(frozen=True)
-class JobFacts:
+class StoredJob:
     """What the state store knows of one job: its record, pointers and current round."""
 
     record: JobRecord
@@ -151,7 +151,7 @@ def current_spec(submitted: JobSpec, pointers: Mapping[str, str]) -> JobSpec:
 
 
 def job_view(
-    facts: JobFacts, quarantine: QuarantineConfig, now: float, *, with_spec: bool
+    facts: StoredJob, quarantine: QuarantineConfig, now: float, *, with_spec: bool
 ) -> dict[str, Any]:
     """The job as the leader's ``GET /v1/jobs/{job}`` shows it, from the store alone.
 
@@ -207,7 +207,7 @@ DAMAGED: Final = (ValueError, ValidationError)
 # -- reads, in the store thread ---------------------------------------------------------
 
 
-def read_job(store: Store, job: str) -> JobFacts | None:
+def read_job(store: Store, job: str) -> StoredJob | None:
     """One job's facts (None: no such job); blocking."""
     record = store.get_job(job)
     if record is None:
@@ -217,10 +217,10 @@ def read_job(store: Store, job: str) -> JobFacts | None:
         version = int(pointers.get(VERSION, "0"))
     except ValueError:
         version = 0  # shaping the view reports the damaged pointer
-    return JobFacts(record, pointers, store.load_round(job, version))
+    return StoredJob(record, pointers, store.load_round(job, version))
 
 
-def read_jobs(store: Store) -> list[JobFacts]:
+def read_jobs(store: Store) -> list[StoredJob]:
     """Every job's facts, in the store's order; blocking."""
     found = (read_job(store, record.job_id) for record in store.list_jobs())
     return [facts for facts in found if facts is not None]
@@ -312,7 +312,7 @@ async def _read(request: web.Request, fn: Callable[..., T], *args: str) -> T:
         raise
 
 
-def _view(request: web.Request, facts: JobFacts, *, with_spec: bool) -> dict[str, Any]:
+def _view(request: web.Request, facts: StoredJob, *, with_spec: bool) -> dict[str, Any]:
     """The job's view; a damaged one as the leader lists an unavailable job."""
     standby = request.app[_STANDBY]
     quarantine, now = standby.runtime.config.quarantine, standby.clock()

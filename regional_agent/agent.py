@@ -74,7 +74,7 @@ from regional_agent.drain import DrainDecision, decide
 from regional_agent.launch_backends import make_launcher
 from regional_agent.launcher import Launcher
 from regional_agent.metrics import AgentMetrics
-from regional_agent.pipeline import RegionFacts, RetryLater, RoundEnd, RoundPipeline
+from regional_agent.pipeline import PipelineRegion, RetryLater, RoundEnd, RoundPipeline
 from regional_agent.round_timeline import Timeline
 from regional_agent.schedule import Running, Schedule, Stop
 from regional_agent.state import AgentState
@@ -136,7 +136,7 @@ class Agent:
         self._ended_jobs: set[str] = set()
         # Ended jobs whose hand-off files (regional checkpoint, last rounds) are to go.
         self._ended_handoff: set[str] = set()
-        self._region = RegionFacts(
+        self._region = PipelineRegion(
             credentials, policies, training_datasets(config, policies), dataset_locations(config)
         )
         self._topics = Topics(config.federation)
@@ -277,7 +277,7 @@ class Agent:
     ) -> None:
         """Decide residency under reloaded ``policies``, and read the datasets from
         reloaded ``locations``, from the next round on (SIGHUP)."""
-        self._region = RegionFacts(self._credentials, policies, datasets, locations)
+        self._region = PipelineRegion(self._credentials, policies, datasets, locations)
         if self._pipeline is not None:
             self._pipeline.use_region(self._region)
 

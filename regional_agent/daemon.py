@@ -82,7 +82,7 @@ from regional_agent.config import (
 from regional_agent.credentials import Credentials, CredentialsError, load_credentials
 from regional_agent.metrics import AgentMetrics
 from regional_agent.metrics_server import MetricsServer, MetricsServerError, metrics_server
-from regional_agent.reload import PreparedReload, apply_reload, prepare_reload
+from regional_agent.reload import PreparedAgentReload, apply_reload, prepare_reload
 from regional_agent.status import describe
 
 log = logging.getLogger(__name__)
@@ -159,7 +159,7 @@ async def serve(
     metrics.set_certificate_expiry("identity", credentials.certificate.not_valid_after_utc)
     listener: MetricsServer | None = None
 
-    reloader: Reloader[PreparedReload] | None = None
+    reloader: Reloader[PreparedAgentReload] | None = None
 
     def on_ready() -> None:
         where = f"metrics on {listener.url}" if listener is not None else "metrics disabled"

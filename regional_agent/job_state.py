@@ -1,10 +1,10 @@
 """A region's inner training state for one job on one rank: built, resumed, made ready.
 
-:meth:`JobState.build` does what a rank can do alone: import the task, build the model
+:meth:`WorkerJobState.build` does what a rank can do alone: import the task, build the model
 (on the ``meta`` device where the task allows: :mod:`regional_agent.model_build`), make
 its checkpointed modules recompute, and take the data cursor, last round and inner
 optimizer state from the job's own regional checkpoint (a job parked while another
-trained resumes from it exactly). :meth:`JobState.ready` then does
+trained resumes from it exactly). :meth:`WorkerJobState.ready` then does
 the collectives, once per state: wrap the model for the job's parallelism, build the
 optimizer and load the checkpoint's optimizer state into it. The split lets the ranks
 agree that every one of them got through the first part before any enters a collective
@@ -39,7 +39,7 @@ log = logging.getLogger(__name__)
 
 
 @dataclass
-class JobState:
+class WorkerJobState:
     """The inner training state of one job, identical on every rank.
 
     ``resume_optimizer`` is the regional checkpoint's optimizer state until
@@ -75,7 +75,7 @@ class JobState:
         device: torch.device,
         checkpoint: RegionalCheckpoint | None,
         optimizer_path: Callable[[str, int], Path] | None = None,
-    ) -> JobState:
+    ) -> WorkerJobState:
         """A fresh state for ``instruction``'s job, resumed from ``checkpoint`` (the job's
         own; another job's is never resumed from) (no collectives)."""
         job, training = instruction.job, instruction.training

@@ -180,7 +180,7 @@ class RoundEnd:
 
 
 @dataclass(frozen=True)
-class RegionFacts:
+class PipelineRegion:
     """What the pipeline needs to know about its region."""
 
     credentials: Credentials
@@ -206,7 +206,7 @@ class RoundPipeline:
 
     def __init__(
         self,
-        region: RegionFacts,
+        region: PipelineRegion,
         state: AgentState,
         workers: WorkerGroup,
         synchronizer: Synchronizer,
@@ -242,7 +242,7 @@ class RoundPipeline:
         # (job, round) -> when its training ended (monotonic), while it is being delivered.
         self._trained_at: dict[tuple[str, int], float] = {}
 
-    def use_region(self, region: RegionFacts) -> None:
+    def use_region(self, region: PipelineRegion) -> None:
         """Check residency with ``region``'s reloaded policies from the next question on."""
         self._region = region
         self._residency = ExportGate(region.policies, region.name, region.datasets, self._metrics)

@@ -31,14 +31,14 @@ from regional_agent.config import (
 )
 from regional_agent.credentials import Credentials
 
-__all__ = ["RELOADABLE_KEYS", "PreparedReload", "apply_reload", "prepare_reload"]
+__all__ = ["RELOADABLE_KEYS", "PreparedAgentReload", "apply_reload", "prepare_reload"]
 
 #: Keys of the agent's file a reload applies; any other change needs a restart.
 RELOADABLE_KEYS = frozenset({"policy", "datasets", "log_level"})
 
 
 @dataclass(frozen=True)
-class PreparedReload:
+class PreparedAgentReload:
     """What a reload read and checked; ``report.ok`` says whether it may be applied."""
 
     report: ReloadReport
@@ -50,14 +50,14 @@ class PreparedReload:
 
 def prepare_reload(
     running: AgentConfig, credentials: Credentials, config_path: Path | str
-) -> PreparedReload:
+) -> PreparedAgentReload:
     """Read and check everything a reload would apply; nothing running changes."""
     report = ReloadReport()
     try:
         config = load_config(config_path)
     except AgentConfigError as exc:
         report.refused.extend(str(problem) for problem in exc.problems)
-        return PreparedReload(report)
+        return PreparedAgentReload(report)
     restart = changed_keys(running, config, ignore=RELOADABLE_KEYS)
     if restart:
         report.needs_restart.append(f"{config_path}: {', '.join(restart)} changed")
@@ -65,20 +65,20 @@ def prepare_reload(
         policies = load_region_policies(config)
     except PolicyLoadError as exc:
         report.refused.extend(f"policy: {problem}" for problem in exc.problems)
-        return PreparedReload(report)
+        return PreparedAgentReload(report)
     datasets = training_datasets(config, policies)
     bundle_file = running.identity.trust_bundle
     try:
         bundle = load_trust_bundle(bundle_file)
     except PKIError as exc:
         report.refused.append(f"identity.trust_bundle: {exc}")
-        return PreparedReload(report)
+        return PreparedAgentReload(report)
     if bundle.federation != running.federation:
         report.refused.append(
             f"identity.trust_bundle: {bundle_file} is for federation {bundle.federation!r}, "
             f"not {running.federation!r}"
         )
-        return PreparedReload(report)
+        return PreparedAgentReload(report)
     try:
         if read_certificate(running.identity.cert) != credentials.certificate:
             report.needs_restart.append(f"identity: {running.identity.cert} was replaced")
@@ -89,11 +89,11 @@ def prepare_reload(
     report.reloaded.append(applied)
     if later is not None:
         report.needs_restart.append(later)
-    return PreparedReload(report, config, policies, datasets, bundle)
+    return PreparedAgentReload(report, config, policies, datasets, bundle)
 
 
 def apply_reload(
-    agent: Agent, credentials: Credentials, prepared: PreparedReload, default_log_level: int
+    agent: Agent, credentials: Credentials, prepared: PreparedAgentReload, default_log_level: int
 ) -> ReloadReport:
     """Put a prepared reload in force (on the event loop); a refused one changes nothing."""
     if (

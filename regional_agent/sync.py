@@ -293,7 +293,7 @@ class Synchronizer:
             log.warning("applied download not counted: %s", exc)
 
     def _verify_snapshot(
-        self, data: bytes, job: str, part: ChainPart
+        self, data: bytes, job: str, part: ListedPart
     ) -> tuple[Params, ParamsVersion, Counted]:
         snapshot = verify_artifact(
             data,
@@ -307,7 +307,7 @@ class Synchronizer:
         return (*snapshot_params(snapshot), Counted.of(snapshot))
 
     def _verify_and_apply(
-        self, data: bytes, job: str, part: ChainPart, params: Params, version: ParamsVersion
+        self, data: bytes, job: str, part: ListedPart, params: Params, version: ParamsVersion
     ) -> tuple[Params, ParamsVersion, Counted]:
         update = verify_artifact(
             data,
@@ -337,7 +337,7 @@ class Counted:
 
 
 @dataclass(frozen=True, slots=True)
-class ChainPart:
+class ListedPart:
     """One artifact of a checkpoint chain as ``checkpoints/latest`` lists it."""
 
     round: int
@@ -352,7 +352,7 @@ class ChainPart:
             )
 
     @classmethod
-    def parse(cls, entry: Any) -> ChainPart:
+    def parse(cls, entry: Any) -> ListedPart:
         digest = entry.get("manifest_digest")
         return cls(int(entry["round"]), str(entry["url"]), None if digest is None else str(digest))
 
@@ -361,12 +361,12 @@ def _fp32_bytes(params: Params) -> int:
     return 4 * sum(t.numel() for t in params.values())
 
 
-def _chain(info: Mapping[str, Any], job: str, target: int) -> tuple[ChainPart, list[ChainPart]]:
+def _chain(info: Mapping[str, Any], job: str, target: int) -> tuple[ListedPart, list[ListedPart]]:
     """The snapshot and the updates after it up to θ_target (``checkpoints/latest``)."""
     try:
-        snapshot = ChainPart.parse(info["snapshot"])
+        snapshot = ListedPart.parse(info["snapshot"])
         updates = sorted(
-            (ChainPart.parse(entry) for entry in info.get("updates", [])),
+            (ListedPart.parse(entry) for entry in info.get("updates", [])),
             key=lambda part: part.round,
         )
     except (KeyError, TypeError, ValueError, AttributeError) as exc:

@@ -103,7 +103,7 @@ from regional_agent.inner_checkpoint import (
     write_inner_checkpoint,
 )
 from regional_agent.inner_loop import RankTotals, RoundPlan, region_stats, train_round
-from regional_agent.job_state import BaseParams, JobState, read_base
+from regional_agent.job_state import BaseParams, WorkerJobState, read_base
 from regional_agent.launch_spec import head_first_ranks, is_head_node
 from regional_agent.launcher import LAUNCH_ID_ENV, WorkerSettings
 from regional_agent.optimizer_checkpoint import save_due, save_optimizer
@@ -177,7 +177,7 @@ class RoundRunner:
         self._timeout = timedelta(seconds=settings.collective_timeout_s)
         self._rank = dist.get_rank()
         self._world_size = dist.get_world_size()
-        self._state: JobState | None = None
+        self._state: WorkerJobState | None = None
         # Rank 0: the residual its last quantized delta left, on its device.
         self._residual: DeviceResidual | None = None
         # Control messages (stop votes, instructions, errors) travel over gloo on the CPU,
@@ -350,12 +350,12 @@ class RoundRunner:
         base_eval = self._evaluate_base(state, parallel, instruction)
         self._train(state, parallel, optimizer, instruction, base_hash, base_eval)
 
-    def _holds_previous_round(self, state: JobState, instruction: RoundInstruction) -> bool:
+    def _holds_previous_round(self, state: WorkerJobState, instruction: RoundInstruction) -> bool:
         """Whether this state's model holds the parameters it trained in the round before."""
         return state.parallel is not None and state.local_round == instruction.round - 1
 
     def _await_base(
-        self, state: JobState, instruction: RoundInstruction
+        self, state: WorkerJobState, instruction: RoundInstruction
     ) -> tuple[BaseParams | None, RoundInstruction] | None:
         """Wait for θ of a delayed round the group cannot continue (a collective loop).
 
@@ -420,7 +420,7 @@ class RoundRunner:
         return current != instruction
 
     def _evaluate_base(
-        self, state: JobState, parallel: ParallelModel, instruction: RoundInstruction
+        self, state: WorkerJobState, parallel: ParallelModel, instruction: RoundInstruction
     ) -> dict[str, float] | None:
         """θ_r's held-out metrics, when instructed; every rank takes part, rank 0's count."""
         if not instruction.evaluate_base:
@@ -472,7 +472,7 @@ class RoundRunner:
         instruction: RoundInstruction,
         checkpoint: RegionalCheckpoint | None,
         checkpoint_error: str | None = None,
-    ) -> JobState:
+    ) -> WorkerJobState:
         """The job's state, kept from the last round or built from the job's own regional
         checkpoint (without collectives).
 
@@ -498,7 +498,7 @@ class RoundRunner:
             # included, rather than when the allocator happens to need them.
             gc.collect()
             torch.cuda.empty_cache()
-        self._state = JobState.build(
+        self._state = WorkerJobState.build(
             instruction, self._device, checkpoint, self._handoff.optimizer_path
         )
         return self._state
@@ -528,7 +528,7 @@ class RoundRunner:
         received, error = box[0]
         return (checkpoint if self._rank == 0 else received), error
 
-    def _republish(self, state: JobState, instruction: RoundInstruction) -> None:
+    def _republish(self, state: WorkerJobState, instruction: RoundInstruction) -> None:
         """Answer an instruction the regional state is already past."""
         job, round_ = instruction.job, instruction.round
         if state.last_round == round_ and self._handoff.has_result_file(job, round_):
@@ -545,7 +545,7 @@ class RoundRunner:
 
     def _train(
         self,
-        state: JobState,
+        state: WorkerJobState,
         parallel: ParallelModel,
         optimizer: torch.optim.Optimizer,
         instruction: RoundInstruction,
@@ -728,7 +728,7 @@ class RoundRunner:
 
     def _save_optimizer_if_due(
         self,
-        state: JobState,
+        state: WorkerJobState,
         parallel: ParallelModel,
         optimizer: torch.optim.Optimizer,
         round_: int,
@@ -744,7 +744,7 @@ class RoundRunner:
 
     def _save_optimizer(
         self,
-        state: JobState,
+        state: WorkerJobState,
         parallel: ParallelModel,
         optimizer: torch.optim.Optimizer,
         round_: int,
@@ -795,7 +795,7 @@ class RoundRunner:
         self._residual = replace(kept, written=True)
         log.info("job %s: wrote out the residual of round %d to %s", kept.job, kept.round, path)
 
-    def _park(self, state: JobState, why: str) -> None:
+    def _park(self, state: WorkerJobState, why: str) -> None:
         """Save ``state``'s optimizer state if its checkpoint holds an older one, and name
         it in the record (a collective), and write out the residual rank 0 holds: a parked
         or stopped job loses nothing."""

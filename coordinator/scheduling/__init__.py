@@ -16,7 +16,7 @@ nothing here does I/O. One module per job:
 * :mod:`.elastic`: regions joining and leaving a running job, and their data shard slots.
 """
 
-from coordinator.scheduling.admission import Admission, Blocker, admit
+from coordinator.scheduling.admission import Blocker, CapacityDecision, admit
 from coordinator.scheduling.capacity import Free, Lack, Shortfall, free_capacity, shortfall
 from coordinator.scheduling.checkpoint_interval import (
     SnapshotInterval,
@@ -33,10 +33,10 @@ from coordinator.scheduling.config import (
 )
 from coordinator.scheduling.model import (
     Job,
-    JobState,
     Region,
     RegionCapacity,
     RegionNeed,
+    SchedulingState,
     TrainingPhase,
 )
 from coordinator.scheduling.plan import Plan, Wait, plan
@@ -45,12 +45,11 @@ from coordinator.scheduling.queue import Ranked, effective_priority, queue_order
 from coordinator.scheduling.quota import RunInterval, concurrent_gpus, gpu_hours, quota_refusal
 
 __all__ = [
-    "Admission",
     "AgeingConfig",
     "Blocker",
+    "CapacityDecision",
     "Free",
     "Job",
-    "JobState",
     "Lack",
     "Plan",
     "Preemption",
@@ -61,6 +60,7 @@ __all__ = [
     "RegionNeed",
     "RunInterval",
     "SchedulingConfig",
+    "SchedulingState",
     "Shortfall",
     "SnapshotInterval",
     "TeamQuota",

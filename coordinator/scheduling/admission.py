@@ -18,11 +18,11 @@ from coordinator.scheduling.config import SchedulingConfig
 from coordinator.scheduling.model import Job, Region
 from coordinator.scheduling.quota import quota_refusal
 
-__all__ = ["Admission", "Blocker", "admit"]
+__all__ = ["Blocker", "CapacityDecision", "admit"]
 
 
 class Blocker(StrEnum):
-    """What keeps a job waiting (``Admission.blocker``)."""
+    """What keeps a job waiting (``CapacityDecision.blocker``)."""
 
     NONE = "none"
     CAPACITY = "capacity"  # stopping other jobs could make room
@@ -31,7 +31,7 @@ class Blocker(StrEnum):
 
 
 @dataclass(frozen=True, slots=True)
-class Admission:
+class CapacityDecision:
     """The decision for one job: the regions it gets (empty: it waits) and why."""
 
     job: str
@@ -52,7 +52,7 @@ def admit(
     held: Mapping[str, int],
     hours: Mapping[str, float],
     config: SchedulingConfig,
-) -> Admission:
+) -> CapacityDecision:
     """Decide whether ``job`` starts now and where; ``free`` is what it may use."""
     fitting: list[str] = []
     short: dict[str, Shortfall] = {}
@@ -69,7 +69,7 @@ def admit(
         )
         details = "; ".join(f"{name}: {s.reason}" for name, s in short.items())
         can = f" ({', '.join(fitting)})" if fitting else ""
-        return Admission(
+        return CapacityDecision(
             job.name,
             (),
             f"needs {job.min_regions} region(s) at once, {len(fitting)} can run it now{can}; "
@@ -85,7 +85,7 @@ def admit(
         refusal = quota_refusal(job.team, gpus, held, hours, config)
         if refusal is None:
             fewer = f" (quota allows {count} of {most})" if count < most else ""
-            return Admission(
+            return CapacityDecision(
                 job.name,
                 chosen,
                 f"admitted on {count} region(s): {', '.join(chosen)}{fewer}",
@@ -93,4 +93,4 @@ def admit(
                 short,
             )
     assert refusal is not None  # the loop ran at least once: most >= min_regions
-    return Admission(job.name, (), refusal, Blocker.QUOTA, short)
+    return CapacityDecision(job.name, (), refusal, Blocker.QUOTA, short)

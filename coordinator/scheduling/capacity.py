@@ -10,7 +10,7 @@ from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass
 from enum import StrEnum
 
-from coordinator.scheduling.model import Job, JobState, Region, RegionNeed
+from coordinator.scheduling.model import Job, Region, RegionNeed, SchedulingState
 
 __all__ = ["Free", "Lack", "Shortfall", "free_capacity", "shortfall"]
 
@@ -37,7 +37,7 @@ def free_capacity(
     used_gpus = dict.fromkeys(by_name, 0)
     used_slots = dict.fromkeys(by_name, 0)
     for job in jobs:
-        if job.state is JobState.QUEUED or job.name in released:
+        if job.state is SchedulingState.QUEUED or job.name in released:
             continue
         for name in job.placement:
             if name in by_name:

@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
 
-__all__ = ["Job", "JobState", "Region", "RegionCapacity", "RegionNeed", "TrainingPhase"]
+__all__ = ["Job", "Region", "RegionCapacity", "RegionNeed", "SchedulingState", "TrainingPhase"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,7 +53,7 @@ class RegionNeed:
             raise ValueError("a need asks for at least one GPU or one CPU worker slot")
 
 
-class JobState(StrEnum):
+class SchedulingState(StrEnum):
     QUEUED = "queued"
     RUNNING = "running"
     PREEMPTING = "preempting"  # finishing its round; its regions are released at the boundary
@@ -116,7 +116,7 @@ class Job:
     min_regions: int = 1
     max_regions: int | None = None
     needs: Mapping[str, RegionNeed] = field(default_factory=dict)
-    state: JobState = JobState.QUEUED
+    state: SchedulingState = SchedulingState.QUEUED
     placement: tuple[str, ...] = ()
     phase: TrainingPhase | None = None
     started_at: float | None = None
@@ -129,7 +129,7 @@ class Job:
             raise ValueError(f"job {self.name}: min_regions must be 1..{len(self.regions)}")
         if self.max_regions is not None and self.max_regions < self.min_regions:
             raise ValueError(f"job {self.name}: max_regions is below min_regions")
-        if self.state is not JobState.QUEUED and not self.placement:
+        if self.state is not SchedulingState.QUEUED and not self.placement:
             raise ValueError(f"job {self.name}: a {self.state} job holds regions")
         unknown = set(self.placement) - set(self.regions)
         unknown |= set(self.claim) - set(self.regions)

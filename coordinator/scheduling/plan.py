@@ -21,10 +21,10 @@ import functools
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from coordinator.scheduling.admission import Admission, Blocker, admit
+from coordinator.scheduling.admission import Blocker, CapacityDecision, admit
 from coordinator.scheduling.capacity import Free, Lack, free_capacity
 from coordinator.scheduling.config import SchedulingConfig
-from coordinator.scheduling.model import Job, JobState, Region
+from coordinator.scheduling.model import Job, Region, SchedulingState
 from coordinator.scheduling.preemption import Victim, choose_victims
 from coordinator.scheduling.queue import Ranked, queue_order
 from coordinator.scheduling.quota import RunInterval, concurrent_gpus, team_gpu_hours
@@ -48,7 +48,7 @@ class Plan:
     """What the pass decided: the order considered, admissions, waits and preemptions."""
 
     order: tuple[Ranked, ...]
-    admitted: tuple[Admission, ...]
+    admitted: tuple[CapacityDecision, ...]
     waiting: tuple[Wait, ...]
     preempted: tuple[Victim, ...]
 
@@ -69,7 +69,7 @@ def plan(
     hours = team_gpu_hours(intervals, config, now)
     order = queue_order(jobs, now, held, config)
     held_back: dict[str, dict[str, Free]] = {}  # job -> region -> capacity held for it
-    admitted: list[Admission] = []
+    admitted: list[CapacityDecision] = []
     waiting: list[Wait] = []
     preempted: list[Victim] = []
 
@@ -108,7 +108,7 @@ def plan(
         }
 
     for job in jobs:
-        if job.state is JobState.QUEUED and job.claim:
+        if job.state is SchedulingState.QUEUED and job.claim:
             hold_back(job, job.claim, claim=True)
 
     for ranked in order:
@@ -117,7 +117,7 @@ def plan(
         held_back.pop(job.name, None)
         if decision.admitted:
             working[job.name] = dataclasses.replace(
-                job, state=JobState.RUNNING, placement=decision.regions, started_at=now
+                job, state=SchedulingState.RUNNING, placement=decision.regions, started_at=now
             )
             held[job.team] = held.get(job.team, 0) + working[job.name].gpus_held()
             for where in decision.regions:
@@ -139,7 +139,7 @@ def plan(
             reason = f"{reason}; {choice.reason}"
             for victim in choice.victims:
                 working[victim.job] = dataclasses.replace(
-                    working[victim.job], state=JobState.PREEMPTING
+                    working[victim.job], state=SchedulingState.PREEMPTING
                 )
                 preempted.append(victim)
             if choice.admission is not None and choice.admission.admitted:

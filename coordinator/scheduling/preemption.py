@@ -26,10 +26,10 @@ from __future__ import annotations
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 
-from coordinator.scheduling.admission import Admission, admit
+from coordinator.scheduling.admission import CapacityDecision, admit
 from coordinator.scheduling.capacity import Free
 from coordinator.scheduling.config import SchedulingConfig
-from coordinator.scheduling.model import Job, JobState, Region
+from coordinator.scheduling.model import Job, Region, SchedulingState
 
 __all__ = ["Preemption", "Victim", "choose_victims", "lost_rounds", "victim_refusal"]
 
@@ -54,7 +54,7 @@ class Preemption:
     job: str
     victims: tuple[Victim, ...]
     reason: str
-    admission: Admission | None = None  # what admission would give once they stop
+    admission: CapacityDecision | None = None  # what admission would give once they stop
 
 
 def lost_rounds(job: Job, *, at_boundary: bool) -> int:
@@ -71,7 +71,7 @@ def lost_rounds(job: Job, *, at_boundary: bool) -> int:
 
 def victim_refusal(victim: Job, job: Job, config: SchedulingConfig) -> str | None:
     """Why ``victim`` may not be stopped for ``job`` now, or None when it may."""
-    if victim.state is not JobState.RUNNING:
+    if victim.state is not SchedulingState.RUNNING:
         return f"{victim.name} is {victim.state}"
     gap = config.priority_of(job.priority) - config.priority_of(victim.priority)
     if gap < config.preemption.min_priority_gap:
@@ -104,7 +104,7 @@ def choose_victims(
     """Choose the jobs to stop so that ``job`` can start, or say why none."""
     if not config.preemption.enabled:
         return Preemption(job.name, (), "preemption is off")
-    stopping = frozenset(j.name for j in jobs if j.state is JobState.PREEMPTING)
+    stopping = frozenset(j.name for j in jobs if j.state is SchedulingState.PREEMPTING)
     if stopping:
         pending = admit(job, regions, free_after(stopping), held, hours, config)
         if pending.admitted:
@@ -119,11 +119,11 @@ def choose_victims(
         refusal = victim_refusal(other, job, config)
         if refusal is None:
             candidates.append(other)
-        elif other.state is JobState.RUNNING:
+        elif other.state is SchedulingState.RUNNING:
             refused.append(refusal)
     candidates.sort(key=lambda v: _cost(v, config))
     chosen: list[Job] = []
-    outcome: Admission | None = None
+    outcome: CapacityDecision | None = None
     for victim in candidates:
         chosen.append(victim)
         outcome = _try(job, chosen, stopping, regions, free_after, held, hours, config)
@@ -174,7 +174,7 @@ def _try(
     held: Mapping[str, int],
     hours: Mapping[str, float],
     config: SchedulingConfig,
-) -> Admission:
+) -> CapacityDecision:
     released = {*stopping, *(v.name for v in victims)}
     freed: dict[str, int] = dict(held)
     for victim in victims:

@@ -15,7 +15,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from coordinator.scheduling.config import SchedulingConfig
-from coordinator.scheduling.model import Job, JobState
+from coordinator.scheduling.model import Job, SchedulingState
 
 __all__ = ["Ranked", "effective_priority", "fair_share", "queue_order"]
 
@@ -60,7 +60,7 @@ def queue_order(
             max(0.0, now - job.submitted_at),
         )
         for job in jobs
-        if job.state is JobState.QUEUED
+        if job.state is SchedulingState.QUEUED
     ]
     ranked.sort(
         key=lambda r: (not r.job.claim, -r.effective, r.share, r.job.submitted_at, r.job.name)

@@ -11,7 +11,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from coordinator.scheduling.config import SchedulingConfig
-from coordinator.scheduling.model import Job, JobState
+from coordinator.scheduling.model import Job, SchedulingState
 
 __all__ = ["RunInterval", "concurrent_gpus", "gpu_hours", "quota_refusal", "team_gpu_hours"]
 
@@ -61,7 +61,7 @@ def concurrent_gpus(jobs: Iterable[Job]) -> dict[str, int]:
     """GPUs each team holds now (running and preempting jobs)."""
     held: dict[str, int] = {}
     for job in jobs:
-        if job.state is not JobState.QUEUED:
+        if job.state is not SchedulingState.QUEUED:
             held[job.team] = held.get(job.team, 0) + job.gpus_held()
     return held
 

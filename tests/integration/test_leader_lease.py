@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from coordinator.leader_lease import Outcome
+from coordinator.leader_lease import LeaseOutcome
 from coordinator.postgres_lease import PostgresLease
 from coordinator.postgres_store import PostgresStore, StoreFenced
 from tests.support.stores import B1, B2, JOB, PostgresSpec, with_job
@@ -39,9 +39,9 @@ def test_a_standby_takes_over_an_expired_lease_and_the_old_leaders_writes_are_fe
     first = PostgresLease(spec.dsn, "coordinator-a", ttl_s=TTL)
     second = PostgresLease(spec.dsn, "coordinator-b", ttl_s=TTL)
     try:
-        assert first.attempt().outcome is Outcome.ACQUIRED
+        assert first.attempt().outcome is LeaseOutcome.ACQUIRED
         waiting = second.attempt()
-        assert waiting.outcome is Outcome.HELD_ELSEWHERE
+        assert waiting.outcome is LeaseOutcome.HELD_ELSEWHERE
         assert "coordinator-a" in waiting.reason
         assert first.fence is not None
         assert first.fence.token == 1
@@ -53,7 +53,7 @@ def test_a_standby_takes_over_an_expired_lease_and_the_old_leaders_writes_are_fe
 
         time.sleep(TTL + 0.2)  # the leader stops renewing (it hangs, say)
         taken = second.attempt()
-        assert taken.outcome is Outcome.ACQUIRED
+        assert taken.outcome is LeaseOutcome.ACQUIRED
         assert taken.lease.token == 2
         new = PostgresStore(spec.dsn, fence=second.fence)
 
@@ -66,10 +66,10 @@ def test_a_standby_takes_over_an_expired_lease_and_the_old_leaders_writes_are_fe
 
         # When it asks, it learns it lost; releasing then does not touch the new lease.
         lost = first.attempt()
-        assert lost.outcome is Outcome.LOST
+        assert lost.outcome is LeaseOutcome.LOST
         assert "coordinator-b holds token 2" in lost.reason
         assert first.release() is False
-        assert second.attempt().outcome is Outcome.RENEWED
+        assert second.attempt().outcome is LeaseOutcome.RENEWED
         old.close()
         new.close()
     finally:
@@ -82,7 +82,7 @@ def test_a_released_lease_is_taken_at_once_and_only_one_of_many_acquires(
 ) -> None:
     leases = [PostgresLease(spec.dsn, f"coordinator-{i}", ttl_s=30.0) for i in range(4)]
     try:
-        outcomes: list[Outcome] = [Outcome.LOST] * len(leases)
+        outcomes: list[LeaseOutcome] = [LeaseOutcome.LOST] * len(leases)
         barrier = threading.Barrier(len(leases))
 
         def contend(i: int) -> None:
@@ -95,14 +95,14 @@ def test_a_released_lease_is_taken_at_once_and_only_one_of_many_acquires(
         for thread in threads:
             thread.join()
         assert sorted(outcomes) == sorted(
-            [Outcome.ACQUIRED] + [Outcome.HELD_ELSEWHERE] * (len(leases) - 1)
+            [LeaseOutcome.ACQUIRED] + [LeaseOutcome.HELD_ELSEWHERE] * (len(leases) - 1)
         )
-        leader = outcomes.index(Outcome.ACQUIRED)
+        leader = outcomes.index(LeaseOutcome.ACQUIRED)
         other = leases[(leader + 1) % len(leases)]
-        assert other.attempt().outcome is Outcome.HELD_ELSEWHERE
+        assert other.attempt().outcome is LeaseOutcome.HELD_ELSEWHERE
         assert leases[leader].release() is True
         taken = other.attempt()  # no waiting for the 30 s lease to expire
-        assert taken.outcome is Outcome.ACQUIRED
+        assert taken.outcome is LeaseOutcome.ACQUIRED
         assert taken.lease.token == 2
     finally:
         for lease in leases:
@@ -136,7 +136,7 @@ def test_a_takeover_waits_for_the_old_leaders_transaction_in_progress(
         taken = second.attempt()  # waits for the old leader's commit
         waited = time.monotonic() - started
         writer.join()
-        assert taken.outcome is Outcome.ACQUIRED
+        assert taken.outcome is LeaseOutcome.ACQUIRED
         assert waited >= 0.3, waited
         # What the new leader reads after taking over includes that committed write, and
         # nothing the old leader tries afterwards lands.

@@ -13,7 +13,7 @@ from prometheus_client import CollectorRegistry
 from policies import PolicySet, load_policies
 from regional_agent.credentials import Credentials
 from regional_agent.metrics import AgentMetrics
-from regional_agent.pipeline import RegionFacts, RoundPipeline
+from regional_agent.pipeline import PipelineRegion, RoundPipeline
 from regional_agent.state import AgentState, ParamsVersion
 from regional_agent.sync import ResyncFailed
 from tests.support.agent_credentials import agent_credentials
@@ -82,7 +82,7 @@ def pipeline(
     root: Path, credentials: Credentials, policies: PolicySet, fake: Coordinator
 ) -> RoundPipeline:
     return RoundPipeline(
-        RegionFacts(credentials, policies, ("eu-parliament-proceedings",)),
+        PipelineRegion(credentials, policies, ("eu-parliament-proceedings",)),
         AgentState(root),
         cast(Any, fake),
         cast(Any, fake),

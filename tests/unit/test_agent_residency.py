@@ -17,7 +17,7 @@ from regional_agent.credentials import Credentials
 from regional_agent.delta import DeltaOrigin, delta_manifest, encode_delta, sign_delta
 from regional_agent.handoff import HandoffDir
 from regional_agent.metrics import AgentMetrics
-from regional_agent.pipeline import RegionFacts, RetryLater, RoundPipeline
+from regional_agent.pipeline import PipelineRegion, RetryLater, RoundPipeline
 from regional_agent.residency import export_decision
 from regional_agent.state import AgentState, DeltaMeta
 from regional_agent.sync import ResyncFailed
@@ -79,7 +79,7 @@ def pipeline(
     metrics = AgentMetrics(CollectorRegistry(), REGION)
     recorder.handoff = HandoffDir(root / "workers")
     built = RoundPipeline(
-        RegionFacts(credentials, policies, datasets),
+        PipelineRegion(credentials, policies, datasets),
         AgentState(root),
         cast(Any, recorder),
         cast(Any, recorder),

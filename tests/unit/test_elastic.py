@@ -22,7 +22,7 @@ from coordinator.scheduling.elastic import (
     join_shortfall,
     joined_provenance,
 )
-from coordinator.scheduling.model import Job, JobState, Region, RegionCapacity, RegionNeed
+from coordinator.scheduling.model import Job, Region, RegionCapacity, RegionNeed, SchedulingState
 from geofed.codec_params import CodecParams
 from geofed.control.messages import RoundAnnouncement, decode, encode
 from geofed_cli.jobs import UsageError, region_change_body
@@ -149,7 +149,7 @@ def _holder(cpu: int) -> Job:
         submitted_at=0.0,
         regions=("ap-south",),
         need=RegionNeed(cpu_slots=cpu),
-        state=JobState.RUNNING,
+        state=SchedulingState.RUNNING,
         placement=("ap-south",),
     )
 

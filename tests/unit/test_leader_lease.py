@@ -6,7 +6,7 @@ import pytest
 from pydantic import ValidationError
 
 from coordinator.config import LeaderLeaseConfig, StateStoreConfig
-from coordinator.leader_lease import Lease, Outcome, decide, step_down_reason
+from coordinator.leader_lease import Lease, LeaseOutcome, decide, step_down_reason
 
 TTL = 10.0
 NOBODY = Lease("", 0, 0.0)
@@ -16,23 +16,23 @@ NOBODY = Lease("", 0, 0.0)
     ("current", "holder", "held", "now", "outcome", "token", "expires", "reason"),
     [
         # Nobody ever held it: the first to ask takes token 1.
-        (NOBODY, "a", None, 100.0, Outcome.ACQUIRED, 1, 110.0, "first holder"),
+        (NOBODY, "a", None, 100.0, LeaseOutcome.ACQUIRED, 1, 110.0, "first holder"),
         # Held and unexpired: a standby waits, told whom and for how long.
-        (Lease("a", 1, 105.0), "b", None, 100.0, Outcome.HELD_ELSEWHERE, 1, 105.0, "5.0 s"),
+        (Lease("a", 1, 105.0), "b", None, 100.0, LeaseOutcome.HELD_ELSEWHERE, 1, 105.0, "5.0 s"),
         # Expired: a standby takes it with the next token.
-        (Lease("a", 1, 99.0), "b", None, 100.0, Outcome.ACQUIRED, 2, 110.0, "a's lease"),
+        (Lease("a", 1, 99.0), "b", None, 100.0, LeaseOutcome.ACQUIRED, 2, 110.0, "a's lease"),
         # Exactly at expiry counts as expired.
-        (Lease("a", 1, 100.0), "b", None, 100.0, Outcome.ACQUIRED, 2, 110.0, "expired"),
+        (Lease("a", 1, 100.0), "b", None, 100.0, LeaseOutcome.ACQUIRED, 2, 110.0, "expired"),
         # The leader renews with its token.
-        (Lease("a", 3, 105.0), "a", 3, 100.0, Outcome.RENEWED, 3, 110.0, "renewed"),
+        (Lease("a", 3, 105.0), "a", 3, 100.0, LeaseOutcome.RENEWED, 3, 110.0, "renewed"),
         # Expired but nobody took it: same token, renewed.
-        (Lease("a", 3, 90.0), "a", 3, 100.0, Outcome.RENEWED, 3, 110.0, "nobody took it"),
+        (Lease("a", 3, 90.0), "a", 3, 100.0, LeaseOutcome.RENEWED, 3, 110.0, "nobody took it"),
         # Taken over: a new token in the row, the old leader has lost it.
-        (Lease("b", 4, 105.0), "a", 3, 100.0, Outcome.LOST, 4, 105.0, "b holds token 4"),
+        (Lease("b", 4, 105.0), "a", 3, 100.0, LeaseOutcome.LOST, 4, 105.0, "b holds token 4"),
         # Taken over and released again by the other: still lost (the token moved on).
-        (Lease("b", 4, 0.0), "a", 3, 100.0, Outcome.LOST, 4, 0.0, "held token 3"),
+        (Lease("b", 4, 0.0), "a", 3, 100.0, LeaseOutcome.LOST, 4, 0.0, "held token 3"),
         # A restarted process under the same name but without the token does not renew.
-        (Lease("a", 3, 105.0), "a", None, 100.0, Outcome.HELD_ELSEWHERE, 3, 105.0, "a leads"),
+        (Lease("a", 3, 105.0), "a", None, 100.0, LeaseOutcome.HELD_ELSEWHERE, 3, 105.0, "a leads"),
     ],
 )
 def test_decide(
@@ -40,14 +40,14 @@ def test_decide(
     holder: str,
     held: int | None,
     now: float,
-    outcome: Outcome,
+    outcome: LeaseOutcome,
     token: int,
     expires: float,
     reason: str,
 ) -> None:
     decision = decide(current, holder, held, now, TTL)
     assert decision.outcome is outcome
-    assert decision.leading is (outcome in (Outcome.ACQUIRED, Outcome.RENEWED))
+    assert decision.leading is (outcome in (LeaseOutcome.ACQUIRED, LeaseOutcome.RENEWED))
     assert decision.lease.token == token
     assert decision.lease.expires_at == expires
     if decision.leading:
@@ -60,7 +60,7 @@ def test_tokens_only_grow_across_takeovers() -> None:
     for i, holder in enumerate("abcab"):
         now = 100.0 * (i + 1)  # each ask comes after the previous lease expired
         decision = decide(lease, holder, None, now, TTL)
-        assert decision.outcome is Outcome.ACQUIRED
+        assert decision.outcome is LeaseOutcome.ACQUIRED
         lease = decision.lease
         tokens.append(lease.token)
     assert tokens == [1, 2, 3, 4, 5]

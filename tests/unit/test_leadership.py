@@ -14,7 +14,7 @@ from collections.abc import Iterator
 import pytest
 
 from coordinator.config import LeaderLeaseConfig
-from coordinator.leader_lease import Fence, Lease, LeaseDecision, Outcome
+from coordinator.leader_lease import Fence, Lease, LeaseDecision, LeaseOutcome
 from coordinator.leadership import Leadership
 from coordinator.store import StoreFailure
 from geofed.sdnotify import Notifier
@@ -27,7 +27,7 @@ class ScriptedLease:
 
     holder = "coordinator-a"
 
-    def __init__(self, script: Iterator[Outcome | Exception]) -> None:
+    def __init__(self, script: Iterator[LeaseOutcome | Exception]) -> None:
         self._script = script
         self.attempts = 0
         self.released = False
@@ -42,7 +42,7 @@ class ScriptedLease:
         step = next(self._script)
         if isinstance(step, Exception):
             raise step
-        leading = step in (Outcome.ACQUIRED, Outcome.RENEWED)
+        leading = step in (LeaseOutcome.ACQUIRED, LeaseOutcome.RENEWED)
         self._token = 7 if leading else None
         return LeaseDecision(step, Lease("someone", 7, 0.0), f"scripted {step.value}")
 
@@ -54,16 +54,16 @@ class ScriptedLease:
         pass
 
 
-def _forever(step: Outcome | Exception) -> Iterator[Outcome | Exception]:
+def _forever(step: LeaseOutcome | Exception) -> Iterator[LeaseOutcome | Exception]:
     while True:
         yield step
 
 
 async def test_a_standby_waits_until_it_acquires_and_gets_the_fence() -> None:
-    script: list[Outcome | Exception] = [
-        Outcome.HELD_ELSEWHERE,
+    script: list[LeaseOutcome | Exception] = [
+        LeaseOutcome.HELD_ELSEWHERE,
         StoreFailure("db down"),
-        Outcome.ACQUIRED,
+        LeaseOutcome.ACQUIRED,
     ]
     lease = ScriptedLease(iter(script))
     fence = await Leadership(lease, CONFIG, Notifier(None)).acquire(asyncio.Event())
@@ -72,14 +72,14 @@ async def test_a_standby_waits_until_it_acquires_and_gets_the_fence() -> None:
 
 
 async def test_a_stop_ends_the_wait_without_leading() -> None:
-    lease = ScriptedLease(_forever(Outcome.HELD_ELSEWHERE))
+    lease = ScriptedLease(_forever(LeaseOutcome.HELD_ELSEWHERE))
     stop = asyncio.Event()
     asyncio.get_running_loop().call_later(0.25, stop.set)
     assert await Leadership(lease, CONFIG, Notifier(None)).acquire(stop) is None
 
 
 async def test_a_lost_lease_deposes_at_once() -> None:
-    lease = ScriptedLease(iter([Outcome.ACQUIRED, Outcome.RENEWED, Outcome.LOST]))
+    lease = ScriptedLease(iter([LeaseOutcome.ACQUIRED, LeaseOutcome.RENEWED, LeaseOutcome.LOST]))
     leadership = Leadership(lease, CONFIG, Notifier(None))
     assert await leadership.acquire(asyncio.Event()) is not None
     reasons: list[str] = []
@@ -89,7 +89,7 @@ async def test_a_lost_lease_deposes_at_once() -> None:
 
 async def test_a_leader_that_cannot_renew_steps_down_once_its_lease_ran_out() -> None:
     failures = _forever(StoreFailure("connection refused"))
-    lease = ScriptedLease(iter([Outcome.ACQUIRED, *[next(failures) for _ in range(50)]]))
+    lease = ScriptedLease(iter([LeaseOutcome.ACQUIRED, *[next(failures) for _ in range(50)]]))
     leadership = Leadership(lease, CONFIG, Notifier(None))
     assert await leadership.acquire(asyncio.Event()) is not None
     started = asyncio.get_running_loop().time()
@@ -104,8 +104,8 @@ async def test_a_leader_that_cannot_renew_steps_down_once_its_lease_ran_out() ->
 
 
 async def test_a_transient_failure_does_not_depose() -> None:
-    script: list[Outcome | Exception] = [Outcome.ACQUIRED, StoreFailure("blip")]
-    script += [Outcome.RENEWED] * 100
+    script: list[LeaseOutcome | Exception] = [LeaseOutcome.ACQUIRED, StoreFailure("blip")]
+    script += [LeaseOutcome.RENEWED] * 100
     leadership = Leadership(ScriptedLease(iter(script)), CONFIG, Notifier(None))
     assert await leadership.acquire(asyncio.Event()) is not None
     reasons: list[str] = []
@@ -119,7 +119,7 @@ async def test_a_transient_failure_does_not_depose() -> None:
 
 
 async def test_a_clean_stop_releases_the_lease() -> None:
-    lease = ScriptedLease(iter([Outcome.ACQUIRED]))
+    lease = ScriptedLease(iter([LeaseOutcome.ACQUIRED]))
     leadership = Leadership(lease, CONFIG, Notifier(None))
     assert await leadership.acquire(asyncio.Event()) is not None
     await leadership.release()

@@ -330,3 +330,30 @@ def test_every_file_symbol_reference_of_the_docs_exists() -> None:
                 if not found or not any(set(parts) <= _defined(path) for path in found):
                     stale.append(f"{doc.relative_to(REPO)}:{number}: {file}:{symbol}")
     assert not stale, "references to nothing:\n" + "\n".join(stale)
+
+
+def test_no_public_class_name_is_defined_twice() -> None:
+    """One definition per public class name across the product's packages, so a name in a
+    log, a traceback or the docs means one thing."""
+    where: dict[str, list[str]] = {}
+    for module, path in SOURCES.items():
+        for node in ast.parse(path.read_text(), str(path)).body:
+            if isinstance(node, ast.ClassDef) and not node.name.startswith("_"):
+                where.setdefault(node.name, []).append(module)
+    twice = {name: modules for name, modules in where.items() if len(modules) > 1}
+    assert twice == {}
+
+
+def test_the_state_stores_tables_are_written_once() -> None:
+    """The jobs, rounds, receipts, upload progress and pointers tables are created by
+    ``coordinator/sql_store.py:core_schema`` alone; each backend only spells the types."""
+    create = re.compile(r"CREATE TABLE (jobs|rounds|receipts|upload_chunks|pointers)\b")
+    found = sorted(
+        f"{module}: {match.group(1)}"
+        for module, path in SOURCES.items()
+        for match in create.finditer(path.read_text())
+    )
+    assert found == [
+        f"coordinator.sql_store: {table}"
+        for table in sorted(["jobs", "pointers", "receipts", "rounds", "upload_chunks"])
+    ]

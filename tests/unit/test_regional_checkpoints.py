@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from regional_agent.handoff import HandoffDir, InvalidHandoffData, RegionalCheckpoint
-from regional_agent.job_state import JobState
+from regional_agent.job_state import WorkerJobState
 from regional_agent.optimizer_checkpoint import (
     ShardedCheckpointError,
     load_optimizer,
@@ -243,7 +243,9 @@ def test_switching_jobs_parks_one_and_restores_the_other_from_its_own_checkpoint
 
     states = []
     for instruction in (alpha_round, beta_round, alpha_round):
-        state = JobState.build(instruction, CPU, handoff.read_checkpoint(instruction.job), path)
+        state = WorkerJobState.build(
+            instruction, CPU, handoff.read_checkpoint(instruction.job), path
+        )
         states.append(state)
     alpha, beta, alpha_again = states
     assert (alpha.job, alpha.last_round, alpha.cursor) == ("alpha", 4, 200)
@@ -258,7 +260,7 @@ def test_switching_jobs_parks_one_and_restores_the_other_from_its_own_checkpoint
     assert beta.resume_optimizer_path is None
 
     gamma = replace(INSTRUCTION, job="gamma")
-    fresh = JobState.build(gamma, CPU, handoff.read_checkpoint("gamma"), path)
+    fresh = WorkerJobState.build(gamma, CPU, handoff.read_checkpoint("gamma"), path)
     assert (fresh.last_round, fresh.cursor, fresh.resume_optimizer) == (None, 0, None)
     assert (fresh.resume_optimizer_path, fresh.saved_optimizer_round) == (None, None)
 

@@ -9,13 +9,13 @@ from coordinator.scheduling import (
     AgeingConfig,
     Blocker,
     Job,
-    JobState,
     Lack,
     Region,
     RegionCapacity,
     RegionNeed,
     RunInterval,
     SchedulingConfig,
+    SchedulingState,
     TeamQuota,
     TrainingPhase,
     admit,
@@ -49,12 +49,12 @@ def job(
     team: str = "vision",
     submitted: float = 0.0,
     min_regions: int | None = None,
-    state: JobState = JobState.QUEUED,
+    state: SchedulingState = SchedulingState.QUEUED,
     placement: tuple[str, ...] = (),
     phase: TrainingPhase | None = None,
     **extra: object,
 ) -> Job:
-    if state is not JobState.QUEUED and phase is None:
+    if state is not SchedulingState.QUEUED and phase is None:
         phase = TrainingPhase(rounds_since_snapshot=0, rounds_to_snapshot=5)
     return Job(
         name=name,
@@ -81,8 +81,8 @@ def regions_map(*regions: Region) -> dict[str, Region]:
 def test_free_capacity_counts_running_and_preempting_jobs_and_down_regions() -> None:
     regions = [region("a", 8), region("b", 16), region("c", 8, up=False)]
     jobs = [
-        job("r", placement=("a", "b"), state=JobState.RUNNING, gpus=2),
-        job("p", placement=("b",), state=JobState.PREEMPTING, gpus=4),
+        job("r", placement=("a", "b"), state=SchedulingState.RUNNING, gpus=2),
+        job("p", placement=("b",), state=SchedulingState.PREEMPTING, gpus=4),
         job("q", gpus=8),
     ]
     free = free_capacity(regions, jobs)
@@ -121,7 +121,7 @@ def test_free_capacity_counts_running_and_preempting_jobs_and_down_regions() -> 
 def test_shortfall_names_what_is_missing(
     need: RegionNeed, where: Region | None, lack: Lack | None, reason: str | None
 ) -> None:
-    running = job("r", ("a",), 2, state=JobState.RUNNING, placement=("a",))
+    running = job("r", ("a",), 2, state=SchedulingState.RUNNING, placement=("a",))
     free = free_capacity([region("a")], [running])
     found = shortfall(need, where, free)
     assert (found.lack if found else None, found.reason if found else None) == (lack, reason)
@@ -136,7 +136,7 @@ def test_cpu_worker_slots_are_capacity_too() -> None:
         0,
         ("cpu",),
         RegionNeed(cpu_slots=3),
-        state=JobState.RUNNING,
+        state=SchedulingState.RUNNING,
         placement=("cpu",),
         phase=TrainingPhase(0, 1),
     )
@@ -191,8 +191,15 @@ def test_quota_refusal(
 
 def test_concurrent_gpus_sum_what_each_team_holds() -> None:
     jobs = [
-        job("a", placement=("a", "b"), state=JobState.RUNNING, gpus=4),
-        job("b", placement=("a",), state=JobState.PREEMPTING, gpus=2, team="nlp", min_regions=1),
+        job("a", placement=("a", "b"), state=SchedulingState.RUNNING, gpus=4),
+        job(
+            "b",
+            placement=("a",),
+            state=SchedulingState.PREEMPTING,
+            gpus=2,
+            team="nlp",
+            min_regions=1,
+        ),
         job("c", gpus=8),
     ]
     assert concurrent_gpus(jobs) == {"vision": 8, "nlp": 2}
@@ -276,7 +283,7 @@ def test_queue_order_priority_then_fair_share_then_submission() -> None:
         job("production", submitted=50, priority="production"),
         job("best-effort", submitted=0, priority="best-effort"),
         job("same-team-early", submitted=20, team="nlp"),
-        job("running", state=JobState.RUNNING, placement=("a", "b")),
+        job("running", state=SchedulingState.RUNNING, placement=("a", "b")),
     ]
     # vision holds 8 GPUs (the running job), nlp none: nlp's jobs go first among research.
     order = queue_order(jobs, now=60, held=concurrent_gpus(jobs), config=config)
@@ -324,7 +331,7 @@ def test_an_aged_low_priority_job_overtakes() -> None:
         (
             "gang: one of two is not enough",
             [region("a"), region("b")],
-            [job("r", ("b",), 6, state=JobState.RUNNING, placement=("b",))],
+            [job("r", ("b",), 6, state=SchedulingState.RUNNING, placement=("b",))],
             job("j"),
             (),
             Blocker.CAPACITY,
@@ -333,7 +340,7 @@ def test_an_aged_low_priority_job_overtakes() -> None:
         (
             "min_regions 1 runs where it fits",
             [region("a"), region("b")],
-            [job("r", ("b",), 6, state=JobState.RUNNING, placement=("b",))],
+            [job("r", ("b",), 6, state=SchedulingState.RUNNING, placement=("b",))],
             job("j", min_regions=1),
             ("a",),
             Blocker.NONE,
@@ -422,7 +429,9 @@ def test_pass_admits_in_order_against_what_earlier_admissions_took() -> None:
 def test_a_job_waiting_past_reserve_after_holds_back_its_capacity() -> None:
     config = SchedulingConfig(reserve_after_s=H)
     regions = [region("a")]
-    running = job("r", ("a",), 6, state=JobState.RUNNING, placement=("a",), priority="production")
+    running = job(
+        "r", ("a",), 6, state=SchedulingState.RUNNING, placement=("a",), priority="production"
+    )
     big = job("big", ("a",), 4, submitted=0, priority="best-effort")
     small = job("small", ("a",), 2, submitted=1, priority="best-effort")
     early = plan(30 * 60.0, regions, [running, big, small], config)
@@ -444,8 +453,12 @@ def test_only_max_reservations_jobs_hold_capacity() -> None:
     config = SchedulingConfig(reserve_after_s=0, max_reservations=1)
     regions = [region("a"), region("b")]
     running = [
-        job("ra", ("a",), 6, state=JobState.RUNNING, placement=("a",), priority="production"),
-        job("rb", ("b",), 6, state=JobState.RUNNING, placement=("b",), priority="production"),
+        job(
+            "ra", ("a",), 6, state=SchedulingState.RUNNING, placement=("a",), priority="production"
+        ),
+        job(
+            "rb", ("b",), 6, state=SchedulingState.RUNNING, placement=("b",), priority="production"
+        ),
     ]
     first = job("first", ("a",), 4, submitted=0)
     second = job("second", ("b",), 4, submitted=1)
@@ -463,16 +476,16 @@ def test_job_validation() -> None:
     with pytest.raises(ValueError, match="min_regions"):
         job("j", ("a",), min_regions=2)
     with pytest.raises(ValueError, match="holds regions"):
-        job("j", state=JobState.RUNNING)
+        job("j", state=SchedulingState.RUNNING)
     with pytest.raises(ValueError, match="does not list"):
-        job("j", ("a",), state=JobState.RUNNING, placement=("z",))
+        job("j", ("a",), state=SchedulingState.RUNNING, placement=("z",))
     with pytest.raises(ValueError, match="at least one GPU"):
         RegionNeed()
 
 
 def test_a_preempting_job_still_holds_its_regions() -> None:
     regions = [region("a")]
-    stopping = job("s", ("a",), 8, state=JobState.PREEMPTING, placement=("a",))
+    stopping = job("s", ("a",), 8, state=SchedulingState.PREEMPTING, placement=("a",))
     decided = plan(0.0, regions, [stopping, job("n", ("a",), 8, priority="production")], CONFIG)
     assert decided.admitted == ()
     assert "fits once preempting jobs stop: s" in decided.waiting[0].reason

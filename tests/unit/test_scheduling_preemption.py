@@ -9,13 +9,13 @@ import pytest
 
 from coordinator.scheduling import (
     Job,
-    JobState,
     Preemption,
     PreemptionConfig,
     Region,
     RegionCapacity,
     RegionNeed,
     SchedulingConfig,
+    SchedulingState,
     TrainingPhase,
     choose_victims,
     combined_mtbf,
@@ -51,7 +51,7 @@ def running(
         regions=("a", "b"),
         need=RegionNeed(gpus=gpus),
         min_regions=1,
-        state=JobState.RUNNING,
+        state=SchedulingState.RUNNING,
         placement=placement,
         phase=TrainingPhase(since, to, in_progress),
         started_at=started,
@@ -160,7 +160,7 @@ def test_victim_eligibility(
 
 
 def test_a_preempting_job_is_not_a_victim_again() -> None:
-    stopping = dataclasses.replace(running("v"), state=JobState.PREEMPTING)
+    stopping = dataclasses.replace(running("v"), state=SchedulingState.PREEMPTING)
     assert victim_refusal(stopping, waiting(), CONFIG) == "v is preempting"
 
 
@@ -230,7 +230,9 @@ def test_preemption_off() -> None:
 
 
 def test_jobs_already_stopping_are_counted_before_stopping_more() -> None:
-    stopping = dataclasses.replace(running("s", 8, placement=("a",)), state=JobState.PREEMPTING)
+    stopping = dataclasses.replace(
+        running("s", 8, placement=("a",)), state=SchedulingState.PREEMPTING
+    )
     other = running("o", 8, placement=("b",))
     # a is being freed by s: a job that needs only a waits for it and stops no one.
     chosen = choose(waiting(regions=("a",)), [stopping, other])
@@ -255,7 +257,7 @@ def test_pass_preempts_and_claims_the_capacity_then_starts_the_job_first() -> No
 
     # The victim stopped at its boundary and waits again; an aged best-effort job that
     # now ranks above the production job must not take the capacity freed for it.
-    stopped = dataclasses.replace(victim, state=JobState.QUEUED, placement=(), phase=None)
+    stopped = dataclasses.replace(victim, state=SchedulingState.QUEUED, placement=(), phase=None)
     aged = Job("aged", "nlp", "best-effort", -100 * 3600.0, ("a",), RegionNeed(gpus=8))
     claimant = dataclasses.replace(urgent, claim=("a",))
     later = plan(900.0, REGIONS, [stopped, aged, claimant], CONFIG)

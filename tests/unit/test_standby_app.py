@@ -15,7 +15,7 @@ from coordinator.records import RoundRecord
 from coordinator.round_state import RoundConfig, RoundState
 from coordinator.standby_app import (
     DAMAGED,
-    JobFacts,
+    StoredJob,
     job_view,
     may_see,
     readiness,
@@ -32,7 +32,7 @@ LEADER = "spiffe://acme/coordinator/main@host-a:4242"
 
 def facts(
     *, state: str = "running", pointers: dict[str, str] | None = None, current: bool = True
-) -> JobFacts:
+) -> StoredJob:
     spec = parse_job_spec(job_yaml(rounds=5), "job.yaml").to_json()
     record = JobRecord("tiny", spec, state, T0, T0 + 9)
     stored = None
@@ -51,10 +51,10 @@ def facts(
         "val_loss": "1:2.5",
         "val_loss_history": '{"1": 2.5}',
     }
-    return JobFacts(record, found if pointers is None else pointers, stored)
+    return StoredJob(record, found if pointers is None else pointers, stored)
 
 
-def view(job: JobFacts, *, with_spec: bool = True) -> dict[str, Any]:
+def view(job: StoredJob, *, with_spec: bool = True) -> dict[str, Any]:
     return job_view(job, QuarantineConfig(), T0 + 2, with_spec=with_spec)
 
 
@@ -100,7 +100,7 @@ def test_a_damaged_record_raises_what_the_handler_shows_as_unavailable(
 
 def test_a_damaged_stored_spec_is_damaged() -> None:
     good = facts()
-    bad = JobFacts(JobRecord("tiny", {"job": "tiny"}, "running", T0, T0), {}, None)
+    bad = StoredJob(JobRecord("tiny", {"job": "tiny"}, "running", T0, T0), {}, None)
     assert view(good)["job"] == "tiny"
     with pytest.raises(DAMAGED):
         view(bad)
