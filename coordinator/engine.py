@@ -31,6 +31,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any, assert_never
 
@@ -81,7 +82,7 @@ from coordinator.working_state import WorkingState
 from geofed.control.messages import AnnouncedPhase
 from geofed.timeouts import wait_event
 
-__all__ = ["DeltaOffer", "JobEngine"]
+__all__ = ["DeltaOffer", "JobEngine", "JobScheduling"]
 
 log = logging.getLogger(__name__)
 
@@ -90,10 +91,32 @@ async def _nothing(reason: str) -> None:
     return None
 
 
+@dataclass(slots=True)
+class JobScheduling:
+    """How the job manager schedules the job, as its status shows it: its ``priority``
+    class and ``team``, and ``queue``, its place while it waits (None otherwise), which
+    the manager's admission passes keep current."""
+
+    priority: str
+    team: str
+    queue: dict[str, Any] | None = None
+
+    def status(self) -> dict[str, Any]:
+        return {"priority": self.priority, "team": self.team, "queue": self.queue}
+
+
 class JobEngine:
     """Drives the rounds of one job (see the module docstring)."""
 
-    def __init__(self, services: Services, ctx: JobContext, state: JobState) -> None:
+    def __init__(
+        self,
+        services: Services,
+        ctx: JobContext,
+        state: JobState,
+        *,
+        scheduling: JobScheduling,
+        on_yield: Callable[[str], Awaitable[None]] = _nothing,
+    ) -> None:
         self._s = services
         self.ctx = ctx
         #: The job as submitted; ``ctx`` is it on the regions of the round in progress.
@@ -127,14 +150,12 @@ class JobEngine:
         self._publication_retry_at: float | None = None
         #: The open round's accepted deltas, summed as they arrived (in memory only).
         self._accumulator: RoundAccumulator | None = None
-        #: ``priority``, ``team`` and ``queue`` (its place while queued, else None), kept
-        #: by the job manager's admission passes; shown in the job's status.
-        self.scheduling: dict[str, Any] = {"priority": None, "team": None, "queue": None}
+        self.scheduling = scheduling
         #: Why the job is to give its regions back at its next round boundary (a
         #: preemption); None when it is not. ``on_yield`` is awaited once it did (the job
         #: manager's admission pass: the job's place in the queue, the regions' next job).
         self.preempting: str | None = None
-        self.on_yield: Callable[[str], Awaitable[None]] = _nothing
+        self._on_yield = on_yield
 
     # -- what the API reads -------------------------------------------------------
 
@@ -190,7 +211,7 @@ class JobEngine:
             record=self.record,
             evaluation=self._evaluation.metrics,
         )
-        body.update(self.scheduling)
+        body.update(self.scheduling.status())
         body["preempting"] = self.preempting  # why it stops at its next boundary, if it does
         body["snapshot"] = self.snapshots.status(self.version)
         body["shards"] = self._shards()
@@ -709,7 +730,7 @@ class JobEngine:
             return  # paused or cancelled meanwhile: that state wins
         self._state = JobState.QUEUED
         log.info("job %s preempted before round %d: %s", self.job, self.version, reason)
-        await self.on_yield(reason)
+        await self._on_yield(reason)
         await self._announce("paused")
         await self._s.control.event(
             "job.preempted", job=self.job, round=self.version, detail=reason

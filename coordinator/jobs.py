@@ -42,7 +42,7 @@ from coordinator.admission_records import record_job_start, record_queued_job
 from coordinator.audit import AuditEntry, AuditEvent, AuditVerdict
 from coordinator.context import JobContext, JobContextError, build_context
 from coordinator.deadline import DeadlineError
-from coordinator.engine import JobEngine
+from coordinator.engine import JobEngine, JobScheduling
 from coordinator.errors import ApiError, BadRequest, Conflict, Forbidden, NotFound, Unavailable
 from coordinator.init_source import InitError, load_initial
 from coordinator.job_regions import record_region_change
@@ -178,10 +178,14 @@ class JobManager:
             await asyncio.wait(tasks)
 
     def _launch(self, ctx: JobContext, state: JobState) -> JobEngine:
-        engine = JobEngine(self._s, ctx, state)
         facts = job_facts(ctx.spec, state, 0.0, self._scheduling)
-        engine.scheduling.update(priority=facts.priority, team=facts.team)
-        engine.on_yield = lambda reason: self._after_yield(ctx.job)
+        engine = JobEngine(
+            self._s,
+            ctx,
+            state,
+            scheduling=JobScheduling(priority=facts.priority, team=facts.team),
+            on_yield=lambda reason: self._after_yield(ctx.job),
+        )
         self._engines[ctx.job] = engine
         task = asyncio.create_task(self._run(engine), name=f"job-{ctx.job}")
         self._tasks[ctx.job] = task
@@ -304,7 +308,7 @@ class JobManager:
             "state": engine.state.value,
             "checkpoint_location": location,
             "decisions": len(admission.decisions),
-            **engine.scheduling,
+            **engine.scheduling.status(),
         }
 
     async def _resolve_init(self, spec: JobSpec, actor: Identity) -> JobSpec:
@@ -507,7 +511,7 @@ class JobManager:
         if engine.preempting is None:
             log.info("job %s to be preempted: %s", job, reason)
             await engine.preempt(reason)
-            self._s.metrics.preemptions.labels(priority=engine.scheduling["priority"]).inc()
+            self._s.metrics.preemptions.labels(priority=engine.scheduling.priority).inc()
         return {"job": job, "state": engine.state.value, "preempting": engine.preempting}
 
     # -- regions joining and leaving -------------------------------------------------
@@ -732,7 +736,7 @@ class JobManager:
                 if engine.state is JobState.RUNNING and engine.preempting is None:
                     log.info("job %s to be preempted: %s", job, reason)
                     await engine.preempt(reason)
-                    self._s.metrics.preemptions.labels(priority=engine.scheduling["priority"]).inc()
+                    self._s.metrics.preemptions.labels(priority=engine.scheduling.priority).inc()
             self._claims = dict(decided.claims)
         self._count_states()
         self._show_usage(now)
@@ -743,9 +747,9 @@ class JobManager:
         waiting: dict[str, int] = dict.fromkeys(self._scheduling.priorities, 0)
         for job, engine in self._engines.items():
             entry = self._queue.get(job)
-            engine.scheduling["queue"] = entry.as_dict() if entry is not None else None
+            engine.scheduling.queue = entry.as_dict() if entry is not None else None
             if entry is not None:
-                priority = engine.scheduling["priority"]
+                priority = engine.scheduling.priority
                 waiting[priority] = waiting.get(priority, 0) + 1
         for priority, count in waiting.items():
             self._s.metrics.jobs_queued.labels(priority=priority).set(count)
@@ -783,7 +787,7 @@ class JobManager:
         over_quota: dict[str, int] = dict.fromkeys(teams, 0)
         for job, entry in self._queue.items():
             engine = self._engines[job]
-            priority, team = engine.scheduling["priority"], engine.scheduling["team"]
+            priority, team = engine.scheduling.priority, engine.scheduling.team
             oldest[priority] = max(oldest.get(priority, 0.0), now - entry.since)
             if entry.over_quota:
                 over_quota[team] = over_quota.get(team, 0) + 1
@@ -806,8 +810,8 @@ class JobManager:
                 {
                     "job": job,
                     "state": state.value,
-                    "priority": engine.scheduling["priority"],
-                    "team": engine.scheduling["team"],
+                    "priority": engine.scheduling.priority,
+                    "team": engine.scheduling.team,
                     "position": entry.position if entry is not None else None,
                     "reason": entry.reason if entry is not None else None,
                     "submitted_at": datetime.fromtimestamp(since, UTC).isoformat(),
