@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import struct
 from collections.abc import Iterable, Iterator
+from typing import TypeVar
 
 MAGIC = b"GFA1"
 _HEADER = struct.Struct(">4sI")
+_B = TypeVar("_B", bytes, memoryview)
 #: A signed manifest lists one digest per frame; 64 MiB is far beyond any real one.
 MAX_MANIFEST_BYTES = 64 * 1024 * 1024
 
@@ -39,7 +41,7 @@ def pack_bundle(manifest: bytes, frames: Iterable[bytes]) -> bytes:
     return b"".join(iter_bundle(manifest, frames))
 
 
-def manifest_length(head: bytes) -> int:
+def manifest_length(head: bytes | memoryview) -> int:
     """Parse the first 8 bytes of a bundle and return the manifest length."""
     if len(head) < _HEADER.size:
         raise BundleError(f"bundle truncated: {len(head)} bytes, header needs {_HEADER.size}")
@@ -51,8 +53,9 @@ def manifest_length(head: bytes) -> int:
     return int(length)
 
 
-def split_bundle(data: bytes) -> tuple[bytes, bytes]:
-    """Split a whole bundle into (manifest bytes, stream bytes)."""
+def split_bundle(data: _B) -> tuple[_B, _B]:
+    """Split a whole bundle into (manifest bytes, stream bytes): slices of ``data``'s
+    type (of a memoryview: views, not copies)."""
     length = manifest_length(data[: _HEADER.size])
     end = _HEADER.size + length
     if len(data) < end:

@@ -56,7 +56,7 @@ class VerifiedArtifact:
 
 
 def verify_artifact(
-    data: bytes,
+    data: bytes | bytearray | memoryview,
     bundle: TrustBundle,
     *,
     kind: ArtifactKind,
@@ -65,10 +65,15 @@ def verify_artifact(
     now: datetime,
     max_decoded_bytes: int | None = None,
 ) -> VerifiedArtifact:
-    """Verify an artifact bundle (see the module docstring); raise :class:`ArtifactRefused`."""
+    """Verify an artifact bundle (see the module docstring); raise :class:`ArtifactRefused`.
+
+    The stream's frames are read where ``data`` holds them (views, not copies): a snapshot
+    is as large as the model, and its decoded tensors are too.
+    """
     what = f"{kind.value} {job}/{round_}"
     try:
-        manifest_bytes, stream = split_bundle(data)
+        manifest_view, stream = split_bundle(memoryview(data))
+        manifest_bytes = bytes(manifest_view)
         signed = SignedManifest.from_bytes(manifest_bytes)
         signer = signed.verify(bundle, now=now)
     except (BundleError, ManifestError) as exc:
@@ -99,7 +104,7 @@ def verify_artifact(
     return VerifiedArtifact(manifest, tensors, hashlib.sha256(manifest_bytes).hexdigest(), signed)
 
 
-def _frames(manifest: Manifest, stream: bytes, what: str) -> list[bytes]:
+def _frames(manifest: Manifest, stream: memoryview, what: str) -> list[memoryview]:
     if len(manifest.chunks) < 2 or len(stream) != manifest.total_size:
         raise ArtifactRefused(
             f"{what}: stream of {len(stream)} bytes, the manifest declares "

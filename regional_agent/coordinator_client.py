@@ -178,8 +178,9 @@ class CoordinatorClient:
         *,
         what: str | None = None,
         on_bytes: Callable[[int], None] | None = None,
-    ) -> bytes:
-        """GET a whole file within ``download_s``, resuming with ``Range`` after a drop.
+    ) -> bytearray:
+        """GET a whole file within ``download_s``, resuming with ``Range`` after a drop;
+        the body as it was received (a snapshot is as large as the model: no second copy).
 
         Transport failures are retried with back-off until the download deadline; an
         error answer from the coordinator (404, 403, ...) is raised at once.
@@ -194,17 +195,18 @@ class CoordinatorClient:
         except Timeout as exc:
             raise TransportError(str(exc)) from exc
 
-    async def _download(self, url: URL, what: str, on_bytes: Callable[[int], None]) -> bytes:
+    async def _download(self, url: URL, what: str, on_bytes: Callable[[int], None]) -> bytearray:
         received = bytearray()
         retry = Retry(self.backoff, rng=self.rng, sleep=self.sleep)
         while True:
             try:
                 await self._fetch_into(url, received, what, on_bytes)
-                return bytes(received)
             except TransportError as exc:
                 delay = retry.failed()
                 log.warning("%s interrupted at %d bytes (%s); resuming", what, len(received), exc)
                 await retry.wait(delay)
+            else:
+                return received
 
     async def _fetch_into(
         self, url: URL, received: bytearray, what: str, on_bytes: Callable[[int], None]

@@ -76,7 +76,7 @@ def _utc_now() -> datetime:
 
 
 def verify_artifact(
-    data: bytes,
+    data: bytes | bytearray | memoryview,
     bundle: TrustBundle,
     *,
     kind: ArtifactKind,
@@ -272,8 +272,8 @@ class Synchronizer:
             self._metrics.resynced(job)
         return params, version
 
-    def _fetch(self, url: str, what: str, kind: ArtifactKind) -> Callable[[], Awaitable[bytes]]:
-        def fetch() -> Awaitable[bytes]:
+    def _fetch(self, url: str, what: str, kind: ArtifactKind) -> Callable[[], Awaitable[bytearray]]:
+        def fetch() -> Awaitable[bytearray]:
             return self._client.download(url, what=what, on_bytes=self._counter(kind))
 
         return fetch
@@ -293,7 +293,7 @@ class Synchronizer:
             log.warning("applied download not counted: %s", exc)
 
     def _verify_snapshot(
-        self, data: bytes, job: str, part: ListedPart
+        self, data: bytearray, job: str, part: ListedPart
     ) -> tuple[Params, ParamsVersion, Counted]:
         snapshot = verify_artifact(
             data,
@@ -307,7 +307,7 @@ class Synchronizer:
         return (*snapshot_params(snapshot), Counted.of(snapshot))
 
     def _verify_and_apply(
-        self, data: bytes, job: str, part: ListedPart, params: Params, version: ParamsVersion
+        self, data: bytearray, job: str, part: ListedPart, params: Params, version: ParamsVersion
     ) -> tuple[Params, ParamsVersion, Counted]:
         update = verify_artifact(
             data,
