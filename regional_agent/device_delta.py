@@ -248,8 +248,7 @@ def _written_out(held: HeldResidual, held_path: Path | None, job: str) -> Residu
     log.warning(
         "job %s: the error-feedback residual of round %d was held by the workers only and "
         "is gone (the group restarted, or a delta the coordinator did not take replaced "
-        "it); "
-        "starting it anew",
+        "it); starting it anew",
         job,
         held.round,
     )

@@ -31,6 +31,7 @@ import yaml
 from regional_agent.handoff import HandoffDir
 from regional_agent.launcher import descendants
 from tests.support.federation import EXAMPLES, FederationRun, running_federation
+from tests.support.waiting import alive
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -213,11 +214,3 @@ async def test_a_killed_agent_leaves_no_worker_behind(
             for pid in left:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
-
-
-def alive(pid: int) -> bool:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except FileNotFoundError:
-        return False
-    return stat.rsplit(")", 1)[-1].split()[0] != "Z"

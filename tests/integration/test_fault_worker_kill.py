@@ -33,6 +33,7 @@ from tests.support.observe import (
     poll,
     sample,
 )
+from tests.support.waiting import alive
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -77,14 +78,6 @@ def agent_pids(fed: FederationRun) -> dict[str, int | None]:
         for c in fed.children.children
         if c.name.startswith("agent-")
     }
-
-
-def alive(pid: int) -> bool:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except FileNotFoundError:
-        return False
-    return stat.rsplit(")", 1)[-1].split()[0] != "Z"
 
 
 async def test_worker_killed_mid_round_is_restarted_and_the_region_loses_no_round(

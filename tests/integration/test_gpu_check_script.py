@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.waiting import alive
+
 pytestmark = pytest.mark.integration
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -73,14 +75,6 @@ def test_a_step_past_its_limit_is_stopped_with_its_children_and_recorded(tmp_pat
     assert entry["tail"] == ["started"]
     child = int(pid_file.read_text())
     deadline = time.monotonic() + 10  # killed at once; reaped by init soon after
-    while _alive(child) and time.monotonic() < deadline:
+    while alive(child) and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert not _alive(child)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except FileNotFoundError:
-        return False
-    return state != "Z"
+    assert not alive(child)

@@ -42,6 +42,7 @@ from regional_agent.worker_group import (
     WorkerGroupNotRunning,
 )
 from tests.support.tiny_task import TinyTask
+from tests.support.waiting import alive
 from tests.support.worker_group import (
     STEPS,
     WORLD,
@@ -57,14 +58,6 @@ CHARLM_OPTIONS = {"d_model": 32, "n_layers": 1, "n_heads": 2, "seq_len": 16, "ba
 pytestmark = pytest.mark.integration
 # The group (and its supervisor task) lives on one event loop for the whole module.
 on_module_loop = pytest.mark.asyncio(loop_scope="module")
-
-
-def alive(pid: int) -> bool:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except FileNotFoundError:
-        return False
-    return stat.rsplit(")", 1)[-1].split()[0] != "Z"
 
 
 def stand_in(*argv: str, timeout_s: float = 10.0) -> subprocess.Popen[bytes]:
