@@ -55,6 +55,8 @@ class JobSnapshots:
         self._path = services.config.state_dir / "snapshot_policy" / f"{ctx.job}.json"
         self._up = {region: self._is_up(region) for region in ctx.spec.regions}
         self._offline_at: dict[str, float] = {}
+        #: The round duration the plan was last made with.
+        self._round_s: float | None = None
         self.plan: SnapshotPlan = self._replan(None)
         services.control.on_region_change(self._region_changed)
 
@@ -91,6 +93,9 @@ class JobSnapshots:
         """θ_version's snapshot is in the chain; it took ``snapshot_s`` wall seconds."""
         self.stats.snapshot_took(snapshot_s)
         self.last_round = version if self.last_round is None else max(self.last_round, version)
+        # The status may be read before the round's publication ends: it shows the plan
+        # this cost makes at once, never the new snapshot with the plan that had no cost.
+        self._replan(self._round_s)
 
     async def published(self, rs: RoundState) -> None:
         """Count the published round ``rs`` and save the measurements."""
@@ -106,6 +111,7 @@ class JobSnapshots:
             log.warning("job %s: cannot save its snapshot measurements: %s", self._ctx.job, exc)
 
     def _replan(self, round_s: float | None) -> SnapshotPlan:
+        self._round_s = round_s
         self.plan = plan_interval(self.settings, self.stats, self._ctx.spec.regions, round_s)
         self._s.metrics.snapshot_interval.labels(job=self._ctx.job).set(self.plan.every_rounds)
         return self.plan

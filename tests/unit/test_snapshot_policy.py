@@ -7,11 +7,14 @@ import io
 import json
 import math
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
 import pytest
 
 from coordinator.admission import training_phase
 from coordinator.checkpoints import CheckpointEntry, EntryKind
+from coordinator.job_snapshots import JobSnapshots
 from coordinator.jobspec import JobSpecError, parse_job_spec, parse_stored_spec
 from coordinator.retention import RetentionConfig, plan_retention
 from coordinator.snapshot_policy import (
@@ -323,3 +326,44 @@ def test_geofed_job_status_prints_the_snapshot_plan() -> None:
     out = io.StringIO()
     _print_job(body, out)
     assert "snapshots (auto) every 4 round(s), last θ_3, next θ_7: Young/Daly" in out.getvalue()
+
+
+class _Gauge:
+    """A stand-in for the interval gauge: the last value set."""
+
+    def __init__(self) -> None:
+        self.value: float | None = None
+
+    def labels(self, **_: str) -> _Gauge:
+        return self
+
+    def set(self, value: float) -> None:
+        self.value = value
+
+
+def test_a_stored_snapshot_replans_at_once_so_the_status_never_shows_it_without_its_cost(
+    tmp_path: Path,
+) -> None:
+    """Between a snapshot stored and its round's publication ending, the job's status
+    shows the plan the measured cost makes, not the first plan that had none."""
+    spec = parse_job_spec(
+        SPEC + "snapshot_every: auto\nsnapshot_min_rounds: 2\nsnapshot_max_rounds: 4\n", "job.yaml"
+    )
+    gauge = _Gauge()
+    services: Any = SimpleNamespace(
+        config=SimpleNamespace(state_dir=tmp_path),
+        control=SimpleNamespace(regions={}, on_region_change=lambda _: None),
+        metrics=SimpleNamespace(snapshot_interval=gauge),
+        clock=lambda: 100.0,
+    )
+    ctx: Any = SimpleNamespace(job="tiny", spec=spec)
+    snapshots = JobSnapshots(services, ctx, serving=lambda _: True)
+    snapshots.stats.round_took(10.0, spec.regions)
+    rs: Any = SimpleNamespace(config=SimpleNamespace(round=1, opened_at=90.0), ended_at=100.0)
+    assert snapshots.decide(rs).take
+    assert snapshots.every_rounds == 2
+    snapshots.stored(2, 0.5)
+    status = snapshots.status(2)
+    assert (status["last_round"], status["every_rounds"]) == (2, 4), status
+    assert "no snapshot cost measured yet" not in status["reason"], status
+    assert gauge.value == 4
