@@ -156,6 +156,9 @@ class JobEngine:
         #: manager's admission pass: the job's place in the queue, the regions' next job).
         self.preempting: str | None = None
         self._on_yield = on_yield
+        #: The version of the round being opened: from the moment its participants are
+        #: chosen until it is recorded, a change of regions waits for the next boundary.
+        self._opening: int | None = None
 
     # -- what the API reads -------------------------------------------------------
 
@@ -241,6 +244,8 @@ class JobEngine:
     def round_opened(self) -> bool:
         """Whether a round of the current version was opened (a change of regions then
         waits for the next round boundary)."""
+        if self._opening == self.version:
+            return True
         rs = self.round_state
         return rs is not None and rs.config.round == self.version
 
@@ -567,6 +572,13 @@ class JobEngine:
     async def _open_round(self) -> None:
         """Open (or re-open) round ``version``, on the job's regions as they stand now."""
         self._apply(self.membership)  # a round boundary: regions join and leave here
+        self._opening = self.version
+        try:
+            await self._open_applied_round()
+        finally:
+            self._opening = None
+
+    async def _open_applied_round(self) -> None:
         version = self.version
         previous = (
             self.record if self.record and self.record.state.config.round == version else None
