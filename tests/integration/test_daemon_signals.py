@@ -178,7 +178,7 @@ async def test_sighup_reloads_both_daemons_and_a_policy_change_takes_effect(
 async def test_a_killed_agent_leaves_no_worker_behind(
     tmp_path: Path, victims: tuple[str, ...]
 ) -> None:
-    async with running_federation(tmp_path, regions=("eu-west",)) as fed:
+    async with running_federation(tmp_path, regions=("eu-west",), ranks=None) as fed:
         workers_dir = fed.work / "agents" / "eu-west" / "workers"
         handoff = HandoffDir(workers_dir)
         deadline = time.monotonic() + WAIT_S

@@ -45,13 +45,7 @@ def shards_of(status: dict[str, Any]) -> dict[str, int] | None:
 
 
 async def test_regions_join_and_leave_a_running_job(tmp_path: Path) -> None:
-    def customize(name: str, data: dict[str, Any]) -> None:
-        if name.startswith("agent-"):
-            data["workers"]["count"] = 1  # membership is under test: one rank a region
-
-    async with running_federation(
-        tmp_path, regions=REGIONS, rounds=ROUNDS, inner_steps=3, customize=customize
-    ) as fed:
+    async with running_federation(tmp_path, regions=REGIONS, rounds=ROUNDS, inner_steps=3) as fed:
         spec = {
             **fed.job_spec(),
             "regions": {r: DATASETS[r] for r in ("eu-west", "us-east")},

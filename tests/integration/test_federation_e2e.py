@@ -32,7 +32,12 @@ ROUNDS = 5
 async def test_federation_trains_over_mosquitto_with_mtls(tmp_path: Path) -> None:
     async with (
         running_federation(
-            tmp_path, rounds=ROUNDS, inner_steps=8, broker="mosquitto", start_agents=False
+            tmp_path,
+            rounds=ROUNDS,
+            inner_steps=8,
+            broker="mosquitto",
+            start_agents=False,
+            ranks=None,
         ) as fed,
         ControlObserver.with_certificate(fed).running() as observer,
     ):

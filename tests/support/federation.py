@@ -233,8 +233,14 @@ async def running_federation(
     broker: str = "embedded",
     customize: Callable[[str, dict[str, Any]], None] | None = None,
     start_agents: bool = True,
+    ranks: int | None = 1,
 ) -> AsyncIterator[FederationRun]:
-    """Start a broker, the coordinator and (by default) every agent; stop all on exit."""
+    """Start a broker, the coordinator and (by default) every agent; stop all on exit.
+
+    ``ranks``: each agent's worker count (one rank: the worker group is not what most
+    federation tests look at, and each rank is a torch process on a 2-core machine);
+    None keeps the example configs' ``auto`` (2 gloo ranks). ``customize`` runs after.
+    """
     assert broker in ("embedded", "mosquitto")
     regions = tuple(regions)
     federation = await asyncio.to_thread(create_demo_federation, work / "pki", FEDERATION, regions)
@@ -293,7 +299,7 @@ async def running_federation(
             inner_steps=inner_steps,
             mqtt_tls=broker == "mosquitto",
             task_options=TINY_CHARLM if task_options is None else task_options,
-            customize=customize,
+            customize=_with_ranks(ranks, customize),
         )
         ssl_context = client_ssl_context(
             load_trust_bundle(federation.trust_bundle),
@@ -359,3 +365,19 @@ async def operator_cli(
         timeout=120,
         check=False,
     )
+
+
+def _with_ranks(
+    ranks: int | None, customize: Callable[[str, dict[str, Any]], None] | None
+) -> Callable[[str, dict[str, Any]], None] | None:
+    """``customize``, after setting each agent's worker count to ``ranks`` (unless None)."""
+    if ranks is None:
+        return customize
+
+    def configure(name: str, data: dict[str, Any]) -> None:
+        if name.startswith("agent-"):
+            data.setdefault("workers", {})["count"] = ranks
+        if customize is not None:
+            customize(name, data)
+
+    return configure
