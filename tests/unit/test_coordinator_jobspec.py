@@ -6,10 +6,13 @@ import json
 from pathlib import Path
 
 import pytest
+import yaml
 
 from coordinator.aggregation_config import AggregationConfig
+from coordinator.deadline import DeadlineError
 from coordinator.jobspec import JobSpecError, parse_job_spec, parse_stored_spec
 from geofed.evaluation_config import EvaluationConfig
+from geofed.timeouts import Timeouts
 from geofed.training_config import LrSchedule, TrainingConfig
 
 REPO = Path(__file__).resolve().parents[2]
@@ -45,6 +48,17 @@ def test_the_example_job_parses() -> None:
     assert spec.codec.rounding_to_nearest().scheme == "int8"
     assert spec.checkpoint_storage == ("eu-ckpt", "us-ckpt")
     assert spec.training == TrainingConfig()
+
+
+def test_the_example_job_fits_a_coordinator_with_default_timeouts() -> None:
+    """Its minimum deadline outlasts the default upload timeout (and the shipped one)."""
+    path = REPO / "configs" / "job-charlm.yaml"
+    spec = parse_job_spec(path.read_text(), str(path))
+    spec.deadline.check_against(Timeouts())
+    shipped = yaml.safe_load((REPO / "configs" / "coordinator.yaml").read_text())["timeouts"]
+    spec.deadline.check_against(Timeouts(**shipped))
+    with pytest.raises(DeadlineError, match=r"the coordinator's timeouts\.upload_s \(400\)"):
+        spec.deadline.check_against(Timeouts(upload_s=400, download_s=400, round_deadline_s=1800))
 
 
 def test_defaults() -> None:
