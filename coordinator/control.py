@@ -137,7 +137,10 @@ class ControlPlane:
             log.warning("control message to %s not delivered now: no broker connection", topic)
             return
         try:
-            await self.client.publish(topic, payload, retain=retain, timeout_s=self._timeout_s)
+            # Not waiting: a connection lost mid-publish gives up too (re-sent on reconnect).
+            await self.client.publish(
+                topic, payload, retain=retain, timeout_s=self._timeout_s, once=not wait
+            )
         except ControlError as exc:
             log.warning("control message to %s not delivered now: %s", topic, exc)
 

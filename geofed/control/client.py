@@ -338,14 +338,22 @@ class ControlClient:
         raise ControlTimeout(f"no connection to MQTT broker {self.host}:{self.port} in {timeout} s")
 
     async def publish(
-        self, topic: str, payload: bytes, *, retain: bool = False, timeout_s: float | None = None
+        self,
+        topic: str,
+        payload: bytes,
+        *,
+        retain: bool = False,
+        timeout_s: float | None = None,
+        once: bool = False,
     ) -> None:
         """Publish with QoS 1 and return once the broker acknowledged it.
 
         Waits for a live connection and, if the connection drops before the PUBACK,
         publishes again on the next one, all within ``timeout_s`` (default: the
-        client's ``timeout_s``); receivers de-duplicate. Raises
-        :class:`ControlTimeout`, or :class:`NotRunning` once closed.
+        client's ``timeout_s``); receivers de-duplicate. With ``once``, a connection
+        lost before the PUBACK ends the publish at once (:class:`ControlError`), for a
+        sender that re-sends its latest message on reconnect and must not wait for the
+        broker. Raises :class:`ControlTimeout`, or :class:`NotRunning` once closed.
         """
         _check_topic(topic)
         timeout = self._timeout_s if timeout_s is None else timeout_s
@@ -371,10 +379,14 @@ class ControlClient:
                 if not isinstance(error, aiomqtt.MqttError):
                     raise ControlError(f"cannot publish to {topic}: {error}") from error
                 last_error = str(error)
+                if once:
+                    raise ControlError(f"publish to {topic} failed: {last_error}") from error
                 # A failed send means the link is going down; wait for the next one.
                 await _first(link.lost.wait(), within=max(0.0, deadline - loop.time()))
             elif done:
                 last_error = "connection lost before the broker acknowledged"
+                if once:
+                    raise ControlError(f"publish to {topic} lost with the connection")
             else:
                 last_error = "no acknowledgement from the broker"
         raise ControlTimeout(

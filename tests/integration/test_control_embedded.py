@@ -19,6 +19,7 @@ from geofed.backoff import Backoff
 from geofed.control import (
     Command,
     ControlClient,
+    ControlError,
     ControlTimeout,
     NotRunning,
     Publication,
@@ -433,3 +434,56 @@ async def test_run_stops_when_the_broker_refuses_a_registered_subscription(
     assert not client.connected.is_set()
     with pytest.raises(NotRunning):
         await client.publish(TOPICS.events(), b"x", timeout_s=5)
+
+
+async def _broker_that_drops_publishes(
+    reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+) -> None:
+    """A fake broker (the outer edge): it accepts the CONNECT, and closes the connection
+    on the first PUBLISH, before any PUBACK."""
+    try:
+        while True:
+            header = await reader.readexactly(1)
+            length, multiplier = 0, 1
+            while True:
+                byte = (await reader.readexactly(1))[0]
+                length += (byte & 0x7F) * multiplier
+                multiplier *= 128
+                if not byte & 0x80:
+                    break
+            await reader.readexactly(length)
+            kind = header[0] & 0xF0
+            if kind == 0x10:  # CONNECT: accepted
+                writer.write(bytes([0x20, 0x02, 0x00, 0x00]))
+                await writer.drain()
+            elif kind == 0x30:  # PUBLISH: gone before the PUBACK
+                break
+    except (asyncio.IncompleteReadError, ConnectionError):
+        pass
+    finally:
+        writer.close()
+
+
+async def test_a_publish_once_gives_up_when_the_connection_is_lost_before_its_ack() -> None:
+    """The coordinator's announcements publish ``once``: a connection lost mid-publish
+    ends the publish at once (they are re-sent on reconnect) instead of holding the round
+    engine for the whole timeout; a plain publish waits for the next connection."""
+    server = await asyncio.start_server(_broker_that_drops_publishes, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    client = make_client(port, "coordinator", backoff=Backoff(initial_s=0.05, max_s=0.1))
+    task = asyncio.create_task(client.run())
+    try:
+        await client.wait_connected(5)
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        with pytest.raises(ControlError, match="lost with the connection"):
+            await client.publish(TOPICS.events(), b"x", timeout_s=10, once=True)
+        assert loop.time() - started < 5
+        await client.wait_connected(5)
+        with pytest.raises(ControlTimeout, match="connection lost before the broker acknowledged"):
+            await client.publish(TOPICS.events(), b"y", timeout_s=1.5)
+    finally:
+        await client.close(timeout_s=5)
+        await asyncio.wait_for(task, 5)
+        server.close()
+        await server.wait_closed()
