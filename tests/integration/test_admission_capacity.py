@@ -29,11 +29,6 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(420
 ROUNDS = 2
 
 
-def one_worker(name: str, data: dict[str, Any]) -> None:
-    if name.startswith("agent-"):
-        data["workers"]["count"] = 1
-
-
 async def regions_with_capacity(fed: FederationRun, timeout_s: float = 120.0) -> list[Any]:
     deadline = time.monotonic() + timeout_s
     regions: list[Any] = []
@@ -49,7 +44,7 @@ async def regions_with_capacity(fed: FederationRun, timeout_s: float = 120.0) ->
 
 async def test_a_job_waits_for_capacity_and_starts_when_it_frees(tmp_path: Path) -> None:
     async with running_federation(
-        tmp_path, regions=("eu-west", "us-east"), rounds=ROUNDS, inner_steps=3, customize=one_worker
+        tmp_path, regions=("eu-west", "us-east"), rounds=ROUNDS, inner_steps=3
     ) as fed:
         regions = await regions_with_capacity(fed)
         for region in regions:
@@ -118,7 +113,7 @@ async def test_a_production_job_preempts_a_research_job_at_a_round_boundary(
     tmp_path: Path,
 ) -> None:
     async with running_federation(
-        tmp_path, regions=("eu-west", "us-east"), rounds=5, inner_steps=3, customize=one_worker
+        tmp_path, regions=("eu-west", "us-east"), rounds=5, inner_steps=3
     ) as fed:
         await regions_with_capacity(fed)
         spec = {**fed.job_spec(), "needs": {"cpu_slots": 1}, "snapshot_every": 10}

@@ -97,7 +97,6 @@ def configure(
                     "round_deadline_s": 2 * deadline_s,
                 }
         elif name.startswith("agent-"):
-            data["workers"]["count"] = 1
             if name == f"agent-{SLOW}":
                 data["coordinator_url"] = f"https://localhost:{proxy.port}"
         elif name == "job" and deadline_s is not None:

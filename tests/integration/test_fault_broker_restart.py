@@ -21,7 +21,6 @@ import time
 from collections import defaultdict
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -47,12 +46,6 @@ INNER_STEPS = 3
 OUTAGE_S = 5.0
 
 
-def one_worker(name: str, data: dict[str, Any]) -> None:
-    """One worker per region: the fault is the broker's, and this machine has few cores."""
-    if name.startswith("agent-"):
-        data["workers"]["count"] = 1
-
-
 async def mqtt_gauges(fed: FederationRun) -> dict[str, float]:
     """Each daemon's MQTT connection gauge, from its own ``/metrics``."""
     gauges = {"coordinator": sample(await fed.metrics_text(), "geofed_mqtt_connected")}
@@ -76,7 +69,6 @@ async def test_broker_restart_loses_nothing_and_repeats_nothing(tmp_path: Path) 
         regions=REGIONS,
         rounds=ROUNDS,
         inner_steps=INNER_STEPS,
-        customize=one_worker,
     ) as (fed, observer):
         await fed.wait_round(1)
         assert await mqtt_gauges(fed) == dict.fromkeys(("coordinator", *REGIONS), 1.0)

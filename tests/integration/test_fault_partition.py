@@ -82,7 +82,6 @@ async def test_a_partitioned_region_straggles_is_quarantined_and_catches_up(
                 data["quarantine"] = QUARANTINE
             elif name.startswith("agent-"):
                 data["timeouts"] = AGENT_TIMEOUTS
-                data["workers"]["count"] = 1  # the WAN is under test; 2 cores run everything
                 if name == f"agent-{CUT}":
                     data["coordinator_url"] = f"https://localhost:{wan.port}"
             elif name == "job":

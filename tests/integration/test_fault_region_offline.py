@@ -30,7 +30,6 @@ HEARTBEAT_S = 2
 
 def configure(name: str, data: dict[str, Any]) -> None:
     if name.startswith("agent-"):
-        data["workers"]["count"] = 1
         data["timeouts"]["heartbeat_s"] = HEARTBEAT_S
 
 

@@ -107,7 +107,6 @@ async def test_training_completes_when_connections_reset(tmp_path: Path, share: 
             elif name.startswith("agent-"):
                 region = name.removeprefix("agent-")
                 data["coordinator_url"] = f"https://localhost:{proxies[region].port}"
-                data["workers"]["count"] = 1  # the WAN is under test; 2 cores run everything
 
         fed = await stack.enter_async_context(
             running_federation(

@@ -84,7 +84,12 @@ async def test_worker_killed_mid_round_is_restarted_and_the_region_loses_no_roun
     tmp_path: Path,
 ) -> None:
     async with observed_federation(
-        tmp_path, regions=REGIONS, rounds=ROUNDS, inner_steps=INNER_STEPS, customize=configure
+        tmp_path,
+        regions=REGIONS,
+        rounds=ROUNDS,
+        inner_steps=INNER_STEPS,
+        customize=configure,
+        ranks=None,
     ) as (fed, observer):
         await poll(
             fed,

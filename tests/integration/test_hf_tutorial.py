@@ -80,7 +80,6 @@ async def test_the_hugging_face_tutorial_runs_as_written(tmp_path: Path) -> None
         region = name.removeprefix("agent-")
         if region in REGIONS:
             data["datasets"] = located[region]
-            data["workers"]["count"] = 1
 
     commands = [
         shlex.split(line) for line in steps["run"].splitlines() if line.startswith("geofed ")

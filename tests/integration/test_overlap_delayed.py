@@ -41,7 +41,12 @@ async def test_delayed_rounds_train_ahead_of_theta_and_agree_with_the_coordinato
     tmp_path: Path,
 ) -> None:
     async with observed_federation(
-        tmp_path, regions=REGIONS, rounds=ROUNDS, inner_steps=INNER_STEPS, customize=configure
+        tmp_path,
+        regions=REGIONS,
+        rounds=ROUNDS,
+        inner_steps=INNER_STEPS,
+        customize=configure,
+        ranks=None,
     ) as (fed, observer):
         final = await fed.wait_completed(timeout_s=WAIT_S)
         entries = await audit_entries(fed, job=fed.job, verify=True)
@@ -68,7 +73,12 @@ async def test_a_worker_killed_in_a_delayed_round_costs_only_its_speculative_ste
 ) -> None:
     victim, killed_round = "eu-west", 1
     async with observed_federation(
-        tmp_path, regions=REGIONS, rounds=ROUNDS, inner_steps=INNER_STEPS, customize=configure
+        tmp_path,
+        regions=REGIONS,
+        rounds=ROUNDS,
+        inner_steps=INNER_STEPS,
+        customize=configure,
+        ranks=None,
     ) as (fed, observer):
         await kill_rank0_ahead_of_theta(fed, victim, killed_round)
         final = await fed.wait_completed(timeout_s=WAIT_S)

@@ -69,7 +69,12 @@ async def test_eager_rounds_start_from_the_estimate_and_agree_with_the_coordinat
     tmp_path: Path,
 ) -> None:
     async with observed_federation(
-        tmp_path, regions=REGIONS, rounds=ROUNDS, inner_steps=INNER_STEPS, customize=configure
+        tmp_path,
+        regions=REGIONS,
+        rounds=ROUNDS,
+        inner_steps=INNER_STEPS,
+        customize=configure,
+        ranks=None,
     ) as (fed, observer):
         final = await fed.wait_completed(timeout_s=WAIT_S)
         entries = await audit_entries(fed, job=fed.job, verify=True)

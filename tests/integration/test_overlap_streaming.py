@@ -68,7 +68,12 @@ async def test_streaming_rounds_publish_one_fragment_each_and_survive_a_killed_w
 ) -> None:
     victim, killed_round = "eu-west", 1
     async with observed_federation(
-        tmp_path, regions=REGIONS, rounds=ROUNDS, inner_steps=INNER_STEPS, customize=configure
+        tmp_path,
+        regions=REGIONS,
+        rounds=ROUNDS,
+        inner_steps=INNER_STEPS,
+        customize=configure,
+        ranks=None,
     ) as (fed, observer):
         await kill_rank0_ahead_of_theta(fed, victim, killed_round)
         final = await fed.wait_completed(timeout_s=WAIT_S)
