@@ -14,8 +14,11 @@ download; the client verifies and rebuilds them (:mod:`geofed.export`).
 
 ``jurisdiction:CODE`` names a place no policy declares (the operator's machine, say): it
 is decided as an undeclared storage location ``export-<operator>`` in that jurisdiction,
-so only rules written for the jurisdiction (or ``*``) can allow it. Grants live in the
-coordinator's memory: after a restart the operator asks again.
+so only rules written for the jurisdiction (or ``*``) can allow it. Neither is the
+operator's to choose: a destination is decided only if the coordinator config's
+``export_destinations`` grants it to the operator's team (admins may name any); another is
+refused ``403 forbidden``, audited. Grants live in the coordinator's memory: after a
+restart the operator asks again.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ import secrets
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Final
+from typing import Any, Final, NoReturn
 
 from aiohttp import web
 
@@ -39,7 +42,8 @@ from coordinator.errors import BadRequest, Forbidden, NotFound
 from coordinator.file_response import BoundedFile
 from coordinator.keys import SERVICES
 from coordinator.residency import policy_denied
-from coordinator.teams import management_refusal
+from coordinator.services import Services
+from coordinator.teams import destination_refusal, management_refusal
 from geofed.api_paths import ApiPaths
 from geofed.blobstore import InvalidDigest, validate_digest
 from geofed.types import ArtifactKind, Identity, InvalidName, Role, validate_name
@@ -126,32 +130,25 @@ async def create_export(request: web.Request) -> web.Response:
     body = await _json_body(request)
     services = request.app[SERVICES]
     ctx = engine.ctx
+    config = services.config
     # A job's model follows its team's rights, as pausing it does: not any operator's.
-    refusal = management_refusal(
-        identity, "export", engine.job, ctx.spec.team_name, services.config.admins
-    )
+    refusal = management_refusal(identity, "export", engine.job, ctx.spec.team_name, config.admins)
     if refusal is not None:
-        await services.db.append_audit(
-            AuditEvent(
-                actor=identity,
-                action="export",
-                verdict=AuditVerdict.DENY,
-                job=engine.job,
-                details={"reason": refusal},
-            )
-        )
-        raise Forbidden(refusal)
+        await _refuse(services, identity, engine.job, refusal)
     version = engine.version
     requested = body.get("round")
     round_ = version if requested is None else int_query(str(requested), "round", 0)
     if round_ > version:
         raise NotFound(f"θ_{round_} of job {engine.job} is not published (θ_{version} is newest)")
+    named = body.get("destination")
     destination = export_destination(
-        services.runtime.policies,
-        body.get("destination"),
-        identity,
-        services.config.jurisdiction,
+        services.runtime.policies, named, identity, config.jurisdiction
     )
+    # Where the model lands is granted to the team, not declared by its operator.
+    assert isinstance(named, str)  # export_destination refused anything else
+    refusal = destination_refusal(identity, named, config.export_destinations, config.admins)
+    if refusal is not None:
+        await _refuse(services, identity, engine.job, refusal, destination=named)
     transfer = Transfer(
         ArtifactKind.GLOBAL_CHECKPOINT,
         ctx.coordinator_endpoint(),
@@ -242,6 +239,22 @@ async def export_artifact(request: web.Request) -> web.StreamResponse:
         services.config.timeouts.download_s,
         headers={"Content-Type": "application/octet-stream"},
     )
+
+
+async def _refuse(
+    services: Services, identity: Identity, job: str, reason: str, **details: str
+) -> NoReturn:
+    """Audit a refused export and answer 403 with ``reason``."""
+    await services.db.append_audit(
+        AuditEvent(
+            actor=identity,
+            action="export",
+            verdict=AuditVerdict.DENY,
+            job=job,
+            details={"reason": reason, **details},
+        )
+    )
+    raise Forbidden(reason)
 
 
 async def _json_body(request: web.Request) -> dict[str, Any]:

@@ -105,8 +105,24 @@ def _admin_name(value: str) -> str:
     return validate_name("admin operator name", value)
 
 
+def _team_name(value: str) -> str:
+    return validate_name("team", value)
+
+
+def _export_destination(value: str) -> str:
+    kind, sep, rest = value.partition(":")
+    if sep and kind == "storage":
+        validate_name("storage location", rest)
+    elif sep and kind == "jurisdiction":
+        validate_jurisdiction(rest)
+    else:
+        raise ValueError("an export destination is storage:NAME or jurisdiction:CODE")
+    return value
+
+
 FederationName = Annotated[str, AfterValidator(_federation)]
 Jurisdiction = Annotated[str, AfterValidator(validate_jurisdiction)]
+ExportDestination = Annotated[str, AfterValidator(_export_destination)]
 
 
 class ListenConfig(ConfigSection):
@@ -358,6 +374,15 @@ class CoordinatorConfig(ConfigSection):
         default=(),
         description="operator names (operator/<name>) that manage every team's jobs and may "
         "preempt; other operators manage only their team's jobs (coordinator.teams)",
+    )
+    export_destinations: dict[
+        Annotated[str, AfterValidator(_team_name)], tuple[ExportDestination, ...]
+    ] = Field(
+        default_factory=dict,
+        description="where each team's operators may export a job's model: team -> "
+        "destinations (storage:NAME, jurisdiction:CODE), decided then by the residency "
+        "policies; a team not listed exports nowhere; admins may name any destination "
+        "(coordinator.teams)",
     )
     log_level: LogLevel | None = Field(
         default=None,

@@ -10,11 +10,13 @@ coordinator config's ``admins`` lists operator names that manage every team's jo
   another team.
 * Pause, resume and cancel apply to jobs of the caller's own team (admins: all);
   ``preempt`` is for admins only.
+* An export goes only to a destination the coordinator config's ``export_destinations``
+  grants the operator's team (admins: any); the residency policies then decide it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 from typing import Final
 
 from geofed.types import Identity, Role
@@ -23,6 +25,7 @@ __all__ = [
     "ADMIN_ONLY",
     "DEFAULT_TEAM",
     "TEAM_SEPARATOR",
+    "destination_refusal",
     "is_admin",
     "management_refusal",
     "operator_team",
@@ -104,3 +107,29 @@ _PHRASES: Final = {
     "regions": "change the regions of job {job}",
     "export": "take away the model of job {job}",
 }
+
+
+def destination_refusal(
+    identity: Identity,
+    destination: str,
+    granted: Mapping[str, Collection[str]],
+    admins: Collection[str],
+) -> str | None:
+    """Why ``identity`` may not export a model to ``destination`` (``storage:NAME`` or
+    ``jurisdiction:CODE``, as written), or None when it may.
+
+    Where a model lands is not the operator's to declare: its team's destinations are
+    those the coordinator config grants it (``granted``: team -> destinations); an admin
+    may name any. The residency policies decide an allowed destination afterwards.
+    """
+    if is_admin(identity, admins):
+        return None
+    team = operator_team(identity)
+    allowed = granted.get(team, ())
+    if destination in allowed:
+        return None
+    some = ", ".join(sorted(allowed)) if allowed else "none"
+    return (
+        f"team {team} may not export to {destination} (its destinations: {some}; the "
+        f"coordinator config's export_destinations.{team}, which an admin sets)"
+    )

@@ -3,7 +3,8 @@
 From a coordinator (the default) the export is a transfer like any other: ``POST
 /v1/jobs/{job}/exports`` has the coordinator decide it under the residency policies and
 audit it (``--destination storage:NAME``, or ``jurisdiction:CODE``, by default the
-operator's ``GEOFED_JURISDICTION``); a denial names the rule. An allowed export lists
+operator's ``GEOFED_JURISDICTION``; one the coordinator config grants the operator's
+team); a denial names the rule. An allowed export lists
 the signed chain (a snapshot and the updates after it), which is downloaded over the
 operator's mTLS connection. With ``--store DIR`` the chain is read from a checkpoint
 location's directory instead (no coordinator is asked: the bytes are already there).
@@ -89,7 +90,8 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     export.add_argument(
         "--destination",
         help="where the model goes: storage:NAME or jurisdiction:CODE (default: "
-        f"jurisdiction:${_JURISDICTION_ENV}); decided by the residency policies",
+        f"jurisdiction:${_JURISDICTION_ENV}); one granted to your team by the coordinator's "
+        "export_destinations, then decided by the residency policies",
     )
     export.add_argument(
         "--store",

@@ -30,6 +30,7 @@ def test_the_example_configuration_loads_with_paths_beside_it() -> None:
     assert [s.name for s in config.storage] == ["eu-ckpt", "us-ckpt", "ap-south-ckpt"]
     assert config.timeouts.upload_s == 120
     assert config.mqtt_client_id == "coordinator-main"
+    assert config.export_destinations == {"default": ("storage:eu-ckpt", "jurisdiction:EU")}
 
 
 def test_defaults_and_relative_paths() -> None:
@@ -71,6 +72,19 @@ def test_defaults_and_relative_paths() -> None:
             "c.yaml:7: storage: storage names must be unique; repeated: eu-ckpt",
         ),
         (MINIMAL + "federation: other\n", "c.yaml:9: federation: duplicate key"),
+        (
+            MINIMAL + "export_destinations: {vision: [s3://bucket]}\n",
+            "c.yaml:9: export_destinations.vision[0]: an export destination is storage:NAME "
+            "or jurisdiction:CODE (got 's3://bucket')",
+        ),
+        (
+            MINIMAL + "export_destinations: {vision: [jurisdiction:eu]}\n",
+            "c.yaml:9: export_destinations.vision[0]: invalid jurisdiction 'eu'",
+        ),
+        (
+            MINIMAL + "export_destinations: {Bad Team: [jurisdiction:EU]}\n",
+            "c.yaml:9: export_destinations.Bad Team: invalid key 'Bad Team': invalid team",
+        ),
     ],
 )
 def test_errors_name_file_line_and_key(change: str, expected: str) -> None:

@@ -7,6 +7,7 @@ import pytest
 from coordinator.config import ConfigError
 from coordinator.scheduling.config import parse_scheduling_config
 from coordinator.teams import (
+    destination_refusal,
     management_refusal,
     operator_team,
     priority_refusal,
@@ -120,3 +121,22 @@ def test_taking_a_model_away_follows_the_job_s_team() -> None:
         "spiffe://acme/operator/nlp--bob belongs to team nlp and may not take away the model "
         "of job three of team vision; operators of team vision or an admin may"
     )
+
+
+def test_a_model_goes_only_where_the_team_is_granted_to_take_it() -> None:
+    granted = {"vision": ("storage:eu-ckpt", "jurisdiction:EU")}
+    alice, bob = _op("vision--alice"), _op("nlp--bob")
+    assert destination_refusal(alice, "jurisdiction:EU", granted, ADMINS) is None
+    assert destination_refusal(alice, "storage:eu-ckpt", granted, ADMINS) is None
+    assert destination_refusal(alice, "jurisdiction:US", granted, ADMINS) == (
+        "team vision may not export to jurisdiction:US (its destinations: "
+        "jurisdiction:EU, storage:eu-ckpt; the coordinator config's "
+        "export_destinations.vision, which an admin sets)"
+    )
+    assert destination_refusal(bob, "jurisdiction:EU", granted, ADMINS) == (
+        "team nlp may not export to jurisdiction:EU (its destinations: none; the "
+        "coordinator config's export_destinations.nlp, which an admin sets)"
+    )
+    assert destination_refusal(_op("lead"), "jurisdiction:US", granted, ADMINS) is None
+    # An admin's name counts only for an operator; a region of that name has no rights.
+    assert destination_refusal(_op("lead", Role.REGION), "jurisdiction:US", {}, ADMINS)
