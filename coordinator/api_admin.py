@@ -21,6 +21,7 @@ from coordinator.auth import READERS, caller, require_role, unknown_job
 from coordinator.bodies import read_limited
 from coordinator.engine import JobEngine
 from coordinator.errors import ApiError, BadRequest
+from coordinator.job_status import deltas_json
 from coordinator.keys import JOBS, REGISTRY, RUNTIME, SERVICES
 from coordinator.scheduling.elastic import RegionChange
 from coordinator.store import MAX_STORED_INT
@@ -136,6 +137,8 @@ async def job_status(request: web.Request) -> web.Response:
     body = engine.status()
     if identity.role in READERS:
         body["spec"] = engine.ctx.spec.to_json()
+        totals = await request.app[SERVICES].db.receipt_totals(engine.job)
+        body["deltas"] = deltas_json(totals)
     return web.json_response(body)
 
 

@@ -14,7 +14,7 @@ from typing import Any, Concatenate, ParamSpec, TypeVar
 
 from coordinator.audit import AuditEntry, AuditEvent, VerifyResult
 from coordinator.executors import Executors
-from coordinator.store import JobRecord, Receipt, Store, StoredRound
+from coordinator.store import DeltaTotals, JobRecord, Receipt, Store, StoredRound
 
 __all__ = ["AsyncStore"]
 
@@ -98,6 +98,9 @@ class AsyncStore:
 
     async def list_receipts(self, job_id: str, round: int) -> list[Receipt]:
         return await self._executors.db(self._store.list_receipts, job_id, round)
+
+    async def receipt_totals(self, job_id: str) -> dict[str, DeltaTotals]:
+        return await self._executors.db(self._store.receipt_totals, job_id)
 
     async def receipt(self, job_id: str, round: int, region: str) -> Receipt | None:
         """The receipt of ``region``'s delta for ``round``, if one was accepted."""

@@ -7,8 +7,9 @@ from datetime import UTC, datetime
 from typing import Any
 
 from coordinator.records import JobState, RoundRecord
+from coordinator.store import DeltaTotals
 
-__all__ = ["job_status"]
+__all__ = ["deltas_json", "job_status"]
 
 
 def job_status(
@@ -72,3 +73,17 @@ def job_status(
             "shards": dict(rs.config.shards) if rs.config.shards is not None else None,
         }
     return body
+
+
+def deltas_json(totals: Mapping[str, DeltaTotals]) -> dict[str, Any]:
+    """The job's accepted deltas as its status shows them (``deltas``): from the durable
+    receipts, so a coordinator restart loses none of them; per region and in all."""
+    return {
+        "accepted": sum(t.deltas for t in totals.values()),
+        "bytes": sum(t.bytes for t in totals.values()),
+        "tokens": sum(t.tokens for t in totals.values()),
+        "regions": {
+            region: {"accepted": t.deltas, "bytes": t.bytes, "tokens": t.tokens}
+            for region, t in sorted(totals.items())
+        },
+    }

@@ -22,6 +22,7 @@ from typing import Any, ClassVar
 from coordinator.store import (
     AlreadyExists,
     ConflictError,
+    DeltaTotals,
     JobRecord,
     MissingRecord,
     Receipt,
@@ -291,6 +292,18 @@ class SqlStore:
             (job_id, round),
         )
         return [Receipt(*row) for row in rows]
+
+    def receipt_totals(self, job_id: str) -> dict[str, DeltaTotals]:
+        check_job_id(job_id)
+        rows = self._all(
+            "SELECT region, COUNT(*), SUM(size), SUM(tokens) FROM receipts"
+            " WHERE job_id = ? GROUP BY region ORDER BY region",
+            (job_id,),
+        )
+        return {
+            str(region): DeltaTotals(int(count), int(size), int(tokens))
+            for region, count, size, tokens in rows
+        }
 
     # Resumable upload progress.
 

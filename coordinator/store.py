@@ -87,6 +87,15 @@ class StoredRound:
 
 
 @dataclass(frozen=True, slots=True)
+class DeltaTotals:
+    """What one region's accepted deltas of a job add up to, from their receipts."""
+
+    deltas: int
+    bytes: int
+    tokens: int
+
+
+@dataclass(frozen=True, slots=True)
 class Receipt:
     """Proof that a region's delta for a round was accepted and is durable."""
 
@@ -180,6 +189,10 @@ class Store(Protocol):
 
     def list_receipts(self, job_id: str, round: int) -> list[Receipt]:
         """Receipts of a round, ordered by region."""
+        ...
+
+    def receipt_totals(self, job_id: str) -> dict[str, DeltaTotals]:
+        """Per region, the job's accepted deltas over every round: count, bytes, tokens."""
         ...
 
     # Resumable upload progress.

@@ -109,6 +109,8 @@ class ChaosReport:
     lost: list[str] = field(default_factory=list)
     #: Region -> "agrees with θ_r" or why not.
     regions: dict[str, str] = field(default_factory=dict)
+    #: Deltas the audit log records as accepted (each round and region once).
+    accepted: int = 0
 
     @property
     def regions_agree(self) -> bool:
@@ -124,6 +126,7 @@ class ChaosReport:
             "lost": self.lost,
             "regions": self.regions,
             "regions_agree": self.regions_agree,
+            "accepted": self.accepted,
         }
 
 
@@ -158,6 +161,7 @@ def judge_chaos(
             published.setdefault(int(entry["round"]), []).append(entry.get("details") or {})
         elif entry.get("action") == "delta.accept" and entry.get("region"):
             accepted.add((int(entry["round"]), str(entry["region"])))
+    report.accepted = len(accepted)
     for round_, entries in sorted(published.items()):
         if len(entries) > 1:
             report.lost.append(f"round {round_} was published {len(entries)} times")

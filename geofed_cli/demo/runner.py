@@ -32,7 +32,7 @@ from geofed_cli.demo.browser import write_browser_credential
 from geofed_cli.demo.chaos import BrokerHolder, ChaosMonkey, judge_chaos, plan_chaos
 from geofed_cli.demo.configs import DEMO_REGIONS, find_examples, write_demo_configs
 from geofed_cli.demo.federation import create_demo_federation
-from geofed_cli.demo.metrics_text import wan_bytes
+from geofed_cli.demo.metrics_text import RestartSafeTotals, wan_bytes
 from geofed_cli.demo.placement import place, visible_devices
 from geofed_cli.demo.processes import ChildSet
 from geofed_cli.demo.supervisor import RestartPolicy
@@ -95,6 +95,8 @@ class DemoSummary:
     wan_bytes_up: int
     wan_bytes_down: int
     fp32_bytes_equivalent: int
+    #: Deltas the coordinator accepted over the run (its durable receipts).
+    deltas_accepted: int
     regions: list[str]
     job: str
     job_state: str
@@ -329,10 +331,16 @@ async def _settled_statuses(
         await asyncio.sleep(0.5)
 
 
-async def _scrape(http: aiohttp.ClientSession, base: str) -> tuple[int, int, int]:
+async def _scrape(
+    http: aiohttp.ClientSession, base: str, totals: RestartSafeTotals, status: dict[str, Any]
+) -> tuple[int, int, int]:
+    """(bytes up, bytes down, fp32-equivalent bytes) so far. Up: the accepted deltas'
+    bytes, from the coordinator's durable receipts (the job status's ``deltas``); down
+    and fp32: its counters, carried across its restarts."""
     async with http.get(f"{base}/metrics") as response:
         response.raise_for_status()
-        return wan_bytes(await response.text())
+        _, down, fp32 = totals.observe(wan_bytes(await response.text()))
+    return int(status.get("deltas", {}).get("bytes", 0)), down, fp32
 
 
 async def _follow(
@@ -350,6 +358,7 @@ async def _follow(
     initial: float | None = None
     seen_val_round = -1
     status: dict[str, Any] = {}
+    totals = RestartSafeTotals()
     finished_at: float | None = None
     state = "running"
     echo(
@@ -362,7 +371,7 @@ async def _follow(
         children.check_alive()
         try:
             status = await _get_json(http, base + ApiPaths.job(job))
-            up, down, fp32 = await _scrape(http, base)
+            up, down, fp32 = await _scrape(http, base, totals, status)
         except aiohttp.ClientError as err:
             log.debug("polling the coordinator failed: %s", err)
             await asyncio.sleep(1.0)
@@ -398,7 +407,8 @@ async def _follow(
             if time.monotonic() - finished_at > _FINAL_EVALUATION_GRACE_S:
                 break
         await asyncio.sleep(1.0)
-    up, down, fp32 = await _scrape(http, base)
+    status = await _get_json(http, base + ApiPaths.job(job))
+    up, down, fp32 = await _scrape(http, base, totals, status)
     return DemoSummary(
         rounds_completed=int(status.get("round", len(records))),
         initial_loss=initial,
@@ -406,6 +416,7 @@ async def _follow(
         wan_bytes_up=up,
         wan_bytes_down=down,
         fp32_bytes_equivalent=fp32,
+        deltas_accepted=int(status.get("deltas", {}).get("accepted", 0)),
         regions=regions,
         job=job,
         job_state=state,

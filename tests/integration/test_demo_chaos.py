@@ -5,8 +5,10 @@ while the job runs it kills an agent, a worker and the coordinator with SIGKILL,
 its broker and cuts a region off through its WAN link. Its supervision restarts what was
 killed, as the shipped systemd units would, and says so in its live view. The demo must
 exit 0, having reported every fault it injected, nothing acknowledged lost, every region's
-parameters equal to what the coordinator published, and each region's compute
-utilization, with a timeline line per round its agent recorded.
+parameters equal to what the coordinator published, WAN totals that never drop (the
+accepted deltas from the coordinator's durable receipts, as many as its audit log
+accepted), and each region's compute utilization, with a timeline line per round its
+agent recorded.
 """
 
 from __future__ import annotations
@@ -54,6 +56,14 @@ def test_a_chaos_demo_over_a_wan_loses_nothing_and_its_regions_agree(tmp_path: P
     assert chaos["regions_agree"], chaos
     assert set(chaos["regions"]) == set(REGIONS)
     assert "lost: nothing acknowledged" in output
+
+    # The WAN totals survive the coordinator's restart: the accepted deltas are the
+    # coordinator's durable receipts, as many as the audit log accepted, and no total
+    # ever drops from one round to the next.
+    assert summary["deltas_accepted"] == chaos["accepted"] > 0, (summary, chaos)
+    for key in ("wan_bytes_up", "wan_bytes_down", "fp32_bytes_equivalent"):
+        seen = [entry[key] for entry in summary["rounds"]] + [summary[key]]
+        assert seen == sorted(seen), (key, seen)
 
     # Supervision restarted the killed daemons and said so.
     assert "agent-eu-west was killed by SIGKILL; restarting in 1 s" in output, output[-3000:]

@@ -88,6 +88,11 @@ async def _run_and_check(fed: FederationRun, observer: ControlObserver) -> None:
     assert len(accepted) == ROUNDS * len(fed.regions)
     uploaded = sum(int(e.details["size"]) for e in accepted)
     assert sample(metrics, "geofed_received_bytes_total", kind="model_delta") == uploaded
+    # The job status adds up the same deltas from the durable receipts.
+    deltas = final["deltas"]
+    assert (deltas["accepted"], deltas["bytes"]) == (len(accepted), uploaded), deltas
+    for region in fed.regions:
+        assert deltas["regions"][region]["accepted"] == ROUNDS, deltas
     # ... which is far less than the fp32 deltas would weigh (int8: about 4x).
     fp32 = sample(metrics, "geofed_fp32_equivalent_bytes_total", direction="received")
     assert fp32 > 3.5 * uploaded, (fp32, uploaded)

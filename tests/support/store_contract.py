@@ -17,6 +17,7 @@ from coordinator.audit import AuditEvent, AuditVerdict
 from coordinator.store import (
     AlreadyExists,
     ConflictError,
+    DeltaTotals,
     InvalidValue,
     MissingRecord,
     Store,
@@ -122,6 +123,20 @@ class StoreContract:
         assert [r.region for r in store.list_receipts(JOB, 3)] == ["eu-west", "us-east"]
         assert store.list_receipts(JOB, 3)[1] == first
         assert store.list_receipts(JOB, 9) == []
+
+    def test_receipt_totals_add_up_every_round_per_region(self, store: Store) -> None:
+        with_job(store)
+        assert store.receipt_totals(JOB) == {}
+        store.record_receipt(JOB, 3, "us-east", M1, B1, 1000, 512)
+        store.record_receipt(JOB, 3, "eu-west", M2, B2, 2000, 256)
+        store.record_receipt(JOB, 4, "eu-west", M1, B1, 3000, 128)
+        store.record_receipt(JOB, 4, "eu-west", M1, B1, 3000, 128)  # the same one again
+        assert store.receipt_totals(JOB) == {
+            "eu-west": DeltaTotals(deltas=2, bytes=5000, tokens=384),
+            "us-east": DeltaTotals(deltas=1, bytes=1000, tokens=512),
+        }
+        with pytest.raises(InvalidValue):
+            store.receipt_totals("Not A Job")
 
     @pytest.mark.parametrize(
         "changed",

@@ -67,6 +67,7 @@ def test_nothing_lost_and_every_region_agreeing_is_a_clean_run() -> None:
     assert report.regions_agree
     assert report.ok
     assert report.to_json()["injected"][0]["detail"] == "SIGKILL to pid 7"
+    assert report.to_json()["accepted"] == 3
 
 
 def test_a_lost_delta_a_double_publication_and_a_stray_region_are_named() -> None:
@@ -92,6 +93,7 @@ def test_a_lost_delta_a_double_publication_and_a_stray_region_are_named() -> Non
     assert report.regions["us-east"] == "reports no state of job j"
     assert report.regions["ap-south"] == "reports θ_7 without a hash to compare"
     assert report.regions["sa-east"] == "reports no state of job j"
+    assert report.accepted == 5  # the refused one is not counted
     assert not report.ok
 
 
