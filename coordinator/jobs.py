@@ -52,7 +52,7 @@ from coordinator.region_refusals import RegionRefusals
 from coordinator.scheduling import SchedulingConfig
 from coordinator.scheduling.config import load_scheduling_config
 from coordinator.scheduling.elastic import RegionChange, decide_change, joined_provenance
-from coordinator.scheduling.quota import team_gpu_hours
+from coordinator.scheduling.quota import team_gpu_hours, uncounted_gpus_refusal
 from coordinator.services import Services
 from coordinator.store import AlreadyExists, ConflictError
 from coordinator.teams import (
@@ -258,6 +258,7 @@ class JobManager:
         self._check_priority(spec)
         spec = await self._check_team(spec, actor)
         await self._check_team_priority(spec, actor)
+        await self._check_gpus_counted(spec, actor)
         async with self._submitting:
             if spec.job in self._engines or spec.job in self._unavailable:
                 raise Conflict(f"job {spec.job} already exists", "already_exists")
@@ -377,6 +378,30 @@ class JobManager:
         if refusal is not None:
             await self._deny(actor, "job.submit", spec.job, refusal)
             raise Forbidden(refusal)
+
+    async def _check_gpus_counted(self, spec: JobSpec, actor: Identity) -> None:
+        """403 ``forbidden`` (audited) when the job would train on GPUs its team's quota
+        cannot count: it states none in a region whose agent last reported some."""
+        refusal = self._uncounted(spec, spec.regions)
+        if refusal is not None:
+            await self._deny(actor, "job.submit", spec.job, refusal)
+            raise Forbidden(refusal)
+
+    def _uncounted(self, spec: JobSpec, regions: Iterable[str]) -> str | None:
+        """Why ``spec``'s job would train on GPUs of ``regions`` its team's quota cannot
+        count (:func:`coordinator.scheduling.quota.uncounted_gpus_refusal`), or None."""
+        views = self._s.control.regions
+        region_gpus: dict[str, int] = {}
+        for region in regions:
+            view = views.get(region)
+            capacity = view.status.capacity if view is not None else None
+            region_gpus[region] = capacity.gpus if capacity is not None else 0
+        return uncounted_gpus_refusal(
+            spec.team_name,
+            self._scheduling,
+            {region: _gpus(spec, region) for region in region_gpus},
+            region_gpus,
+        )
 
     async def _deny(self, actor: Identity, action: str, job: str, reason: str) -> None:
         """Audit a refused request (a team's boundary) before it is answered 403."""
@@ -608,6 +633,10 @@ class JobManager:
             denials = [each.as_dict() for each in admission.denials]
             await self._refuse_change(engine, change, actor, reason, {"denials": denials})
             raise ApiError(403, "policy_denied", reason, {"denials": denials})
+        uncounted = self._uncounted(spec, [change.region])
+        if uncounted is not None:
+            await self._refuse_change(engine, change, actor, uncounted, {})
+            raise Forbidden(uncounted)
         need = spec.need_in(change.region)
         if need is None:
             return

@@ -42,7 +42,13 @@ from coordinator.scheduling.model import (
 from coordinator.scheduling.plan import Plan, Wait, plan
 from coordinator.scheduling.preemption import Preemption, Victim, choose_victims, lost_rounds
 from coordinator.scheduling.queue import Ranked, effective_priority, queue_order
-from coordinator.scheduling.quota import RunInterval, concurrent_gpus, gpu_hours, quota_refusal
+from coordinator.scheduling.quota import (
+    RunInterval,
+    concurrent_gpus,
+    gpu_hours,
+    quota_refusal,
+    uncounted_gpus_refusal,
+)
 
 __all__ = [
     "AgeingConfig",
@@ -82,4 +88,5 @@ __all__ = [
     "quota_refusal",
     "shortfall",
     "snapshot_interval",
+    "uncounted_gpus_refusal",
 ]

@@ -13,7 +13,14 @@ from dataclasses import dataclass
 from coordinator.scheduling.config import SchedulingConfig
 from coordinator.scheduling.model import Job, SchedulingState
 
-__all__ = ["RunInterval", "concurrent_gpus", "gpu_hours", "quota_refusal", "team_gpu_hours"]
+__all__ = [
+    "RunInterval",
+    "concurrent_gpus",
+    "gpu_hours",
+    "quota_refusal",
+    "team_gpu_hours",
+    "uncounted_gpus_refusal",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,3 +97,34 @@ def quota_refusal(
                 f"in the last {quota.window_s / 3600:g} h"
             )
     return None
+
+
+def uncounted_gpus_refusal(
+    team: str,
+    config: SchedulingConfig,
+    stated: Mapping[str, int],
+    region_gpus: Mapping[str, int],
+) -> str | None:
+    """Why a job of ``team`` would use GPUs its quota cannot count, or None when it may run.
+
+    A job trains on its regions' worker groups, and so on every GPU a region has, while a
+    quota counts the GPUs a job states. ``stated``: the GPUs the job states per region (0
+    for no needs, or CPU slots only); ``region_gpus``: the GPUs each of its regions last
+    reported. A team with a GPU quota (concurrent or GPU-hours) states GPUs wherever
+    there are some; a team without one is not counted, so it is not refused.
+    """
+    quota = config.quota_of(team)
+    if quota.concurrent_gpus is None and quota.gpu_hours is None:
+        return None
+    uncounted = [
+        f"{region} ({gpus} GPUs)"
+        for region, gpus in region_gpus.items()
+        if gpus > 0 and stated.get(region, 0) == 0
+    ]
+    if not uncounted:
+        return None
+    return (
+        f"team {team} has a GPU quota and this job states no GPUs in {', '.join(uncounted)}, "
+        "where it would train on the region's GPUs without the quota counting them; state "
+        "them (needs.gpus, or region_needs.<region>.gpus) and the job waits for its quota"
+    )

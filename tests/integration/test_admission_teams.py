@@ -287,3 +287,58 @@ async def test_a_preemption_decided_before_a_restart_still_stops_the_job(tmp_pat
                 "the job after the restart, still to be preempted",
             )
             assert (body["preempting"] or "").startswith("preempted by"), body
+
+
+async def test_a_team_with_a_gpu_quota_may_not_train_on_gpus_it_does_not_state(
+    tmp_path: Path,
+) -> None:
+    async with EmbeddedBroker() as broker:
+        setup = write_setup(tmp_path, broker.port)
+        _configure(setup, "teams:\n  vision: {concurrent_gpus: 4}\n")
+        await _report_gpus(broker.port)
+        alice = setup.fed.operator("vision--alice")
+        bob = setup.fed.operator("nlp--bob")
+        async with coordinator(setup) as running:
+            as_alice, as_bob = running.session(alice), running.session(bob)
+            await _until(as_alice, "/v1/regions", _gpus_known, "GPU capacity")
+            # No needs, or CPU slots only: it would train on 16 GPUs its quota never sees.
+            for name, extra in (("bare", ""), ("cpu", "needs: {cpu_slots: 1}\n")):
+                status, body = await request(
+                    as_alice, "POST", "/v1/jobs", data=job_yaml(name, extra=extra)
+                )
+                assert (status, body["error"]) == (403, "forbidden"), body
+                assert body["message"].startswith(
+                    "team vision has a GPU quota and this job states no GPUs in eu-west (8 "
+                    "GPUs), us-east (8 GPUs)"
+                ), body
+            # A team without a GPU quota is not counted: its job starts as before.
+            status, body = await request(as_bob, "POST", "/v1/jobs", data=job_yaml("free"))
+            assert (status, body["state"]) == (201, "running"), body
+            # Joining a region whose GPUs the job does not state is refused alike.
+            one_region = job_yaml(
+                "grow",
+                extra=(
+                    "needs: {cpu_slots: 1}\nregion_needs: {eu-west: {gpus: 1}}\nmax_regions: 2\n"
+                ),
+                rounds=50,
+            ).replace("  us-east: [us-public-domain-books]\n", "")
+            status, body = await request(as_alice, "POST", "/v1/jobs", data=one_region)
+            assert status == 201, body
+            assert body["state"] == "running", body
+            status, body = await request(
+                as_alice,
+                "POST",
+                "/v1/jobs/grow/regions",
+                json={"add": "us-east", "datasets": ["us-public-domain-books"]},
+            )
+            assert (status, body["error"]) == (403, "forbidden"), body
+            assert "states no GPUs in us-east (8 GPUs)" in body["message"], body
+            _, audit = await request(as_alice, "GET", "/v1/audit?limit=1000")
+            denied = [(e["action"], e["job"]) for e in audit["entries"] if e["verdict"] == "deny"]
+            assert denied == [
+                ("job.submit", "bare"),
+                ("job.submit", "cpu"),
+                ("job.regions", "grow"),
+            ]
+            _, jobs = await request(as_alice, "GET", "/v1/jobs")
+            assert sorted(j["job"] for j in jobs["jobs"]) == ["free", "grow"]

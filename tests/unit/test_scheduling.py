@@ -28,6 +28,7 @@ from coordinator.scheduling import (
     queue_order,
     quota_refusal,
     shortfall,
+    uncounted_gpus_refusal,
 )
 
 H = 3600.0
@@ -187,6 +188,25 @@ def test_quota_refusal(
 ) -> None:
     config = SchedulingConfig(teams={"vision": quota})
     assert quota_refusal("vision", gpus, {"vision": held}, {"vision": hours}, config) == expected
+
+
+@pytest.mark.parametrize(
+    "quota", [TeamQuota(concurrent_gpus=8), TeamQuota(gpu_hours=10, window_s=H)]
+)
+def test_a_team_with_a_gpu_quota_states_the_gpus_its_job_trains_on(quota: TeamQuota) -> None:
+    config = SchedulingConfig(teams={"vision": quota, "nlp": TeamQuota(weight=2)})
+    gpus = {"eu-west": 8, "us-east": 0}  # us-east: CPU workers only
+    # No needs, or CPU slots only: every GPU of eu-west uncounted.
+    assert uncounted_gpus_refusal("vision", config, {}, gpus) == (
+        "team vision has a GPU quota and this job states no GPUs in eu-west (8 GPUs), where "
+        "it would train on the region's GPUs without the quota counting them; state them "
+        "(needs.gpus, or region_needs.<region>.gpus) and the job waits for its quota"
+    )
+    # GPUs stated where there are some: counted, so it may run (and wait for its quota).
+    assert uncounted_gpus_refusal("vision", config, {"eu-west": 1}, gpus) is None
+    # A team without a GPU quota is not counted: nothing to bypass.
+    assert uncounted_gpus_refusal("nlp", config, {}, gpus) is None
+    assert uncounted_gpus_refusal("unlisted", config, {}, gpus) is None
 
 
 def test_concurrent_gpus_sum_what_each_team_holds() -> None:
