@@ -271,6 +271,20 @@ class LimitsConfig(ConfigSection):
         "few float32 copies of it, so a larger one is refused at submission, counted on "
         "the meta device before anything is allocated",
     )
+    max_build_bytes: int = Field(
+        default=32 << 30,
+        ge=1 << 20,
+        description="the most resident memory building a job's initial parameters may take: "
+        "a model larger than 64M parameters, or one that cannot be built on the meta "
+        "device, is built in a child process stopped past it (coordinator.initial_build)",
+    )
+    build_timeout_s: float = Field(
+        default=900.0,
+        gt=0,
+        le=86400,
+        allow_inf_nan=False,
+        description="the longest such a child build may take, seconds",
+    )
 
 
 class PublicationRetryConfig(ConfigSection):

@@ -16,21 +16,31 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import torch
 from torch import Tensor
 
 from coordinator.config import CoordinatorConfig
 from coordinator.delta_checks import DeltaExpectation
+from coordinator.initial_build import (
+    BuildFailed,
+    BuildLimits,
+    bounded_initial_parameters,
+    meta_count,
+)
 from coordinator.jobspec import JobSpec
 from coordinator.outer_round import JobPublishing, fp32_bytes
 from coordinator.runtime import Runtime
 from geofed.fragments import FragmentError, round_fragment
 from geofed.manifest import ArtifactProvenance, ManifestTensor
-from geofed.params import federated_state, state_to_fp32
 from geofed.task import Task, TaskError, load_task
 from policies import Endpoint, Provenance
 
-__all__ = ["JobContext", "JobContextError", "build_context", "initial_parameters"]
+__all__ = [
+    "JobContext",
+    "JobContextError",
+    "build_context",
+    "job_initial_parameters",
+    "size_refusal",
+]
 
 
 class JobContextError(Exception):
@@ -52,6 +62,8 @@ class JobContext:
     contributors: Mapping[str, tuple[str, ...]] | None = None
     #: The task's :meth:`~geofed.task.Task.fingerprint` as this coordinator read it.
     task_fingerprint: str | None = None
+    #: The model's parameters counted on the meta device (None: it cannot be built there).
+    meta_parameters: int | None = None
 
     @property
     def job(self) -> str:
@@ -149,19 +161,8 @@ def with_inherited(
     return {region: tuple(sorted(merged[region])) for region in sorted(merged)}
 
 
-def size_refusal(task: Task[Any], seed: int, max_parameters: int) -> str | None:
-    """Why the task's model is too large for this coordinator, or None. Counted on the
-    meta device, so a model of any size costs nothing to count; a model that cannot be
-    built there is counted when it is built for real."""
-    try:
-        with torch.device("meta"):
-            model = task.build_model(seed=seed)
-    except Exception:  # the task's own code: its real build reports what is wrong
-        return None
-    return _too_large(sum(t.numel() for t in federated_state(model).values()), max_parameters)
-
-
-def _too_large(count: int, max_parameters: int) -> str | None:
+def size_refusal(count: int, max_parameters: int) -> str | None:
+    """Why a model of ``count`` parameters is too large for this coordinator, or None."""
     if count <= max_parameters:
         return None
     return (
@@ -171,16 +172,24 @@ def _too_large(count: int, max_parameters: int) -> str | None:
     )
 
 
-def initial_parameters(task: Task[Any], seed: int) -> dict[str, Tensor]:
-    """θ_0: the federated state of the task's model for the job's seed, float32 on CPU.
-
-    Buffers outside the federated state (complex, integer) are left out: every side's
-    ``build_model`` rebuilds them.
-    """
-    params = state_to_fp32(task.build_model(seed=seed))
-    if not params:
-        raise JobContextError("the model has no floating-point parameters to federate")
-    return params
+def job_initial_parameters(
+    task: Task[Any], spec: JobSpec, config: CoordinatorConfig, counted: int | None
+) -> dict[str, Tensor]:
+    """θ_0 of the job's task, built within the coordinator's budget
+    (:mod:`coordinator.initial_build`); :class:`JobContextError` says why not."""
+    limits = BuildLimits(config.limits.max_build_bytes, config.limits.build_timeout_s)
+    try:
+        return bounded_initial_parameters(
+            task,
+            spec.task.spec,
+            spec.task.options,
+            spec.seed,
+            limits,
+            config.state_dir / "build",
+            counted=counted,
+        )
+    except BuildFailed as exc:
+        raise JobContextError(str(exc)) from None
 
 
 def build_context(spec: JobSpec, runtime: Runtime, location: str) -> JobContext:
@@ -189,17 +198,20 @@ def build_context(spec: JobSpec, runtime: Runtime, location: str) -> JobContext:
         task = load_task(spec.task.spec, spec.task.options)
     except Exception as exc:  # the task is the operator's code: report whatever it raised
         raise _failed(spec, exc) from exc
-    refusal = size_refusal(task, spec.seed, runtime.config.limits.max_parameters)
+    counted = meta_count(task, spec.seed)
+    refusal = (
+        None if counted is None else size_refusal(counted, runtime.config.limits.max_parameters)
+    )
     if refusal is not None:
         raise JobContextError(refusal)
     try:
         fingerprint = task.fingerprint()
-        params = initial_parameters(task, spec.seed)
+        params = job_initial_parameters(task, spec, runtime.config, counted)
     except JobContextError:
         raise
     except Exception as exc:
         raise _failed(spec, exc) from exc
-    built = _too_large(
+    built = size_refusal(
         sum(t.numel() for t in params.values()), runtime.config.limits.max_parameters
     )
     if built is not None:  # a model that could not be counted on the meta device
@@ -242,6 +254,7 @@ def build_context(spec: JobSpec, runtime: Runtime, location: str) -> JobContext:
         coordinator_jurisdiction=runtime.config.jurisdiction,
         publishing=publishing,
         task_fingerprint=fingerprint,
+        meta_parameters=counted,
         contributors=derived if spec.init_from is not None else None,
     )
 

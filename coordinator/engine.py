@@ -45,7 +45,7 @@ from coordinator.admission_records import (
 )
 from coordinator.aggregation import StagedDelta
 from coordinator.audit import AuditEvent, AuditVerdict
-from coordinator.context import JobContext, initial_parameters
+from coordinator.context import JobContext, JobContextError, job_initial_parameters
 from coordinator.deadline import RoundTiming, next_deadline
 from coordinator.errors import Unavailable
 from coordinator.init_source import InitError, check_shapes, load_initial
@@ -513,7 +513,17 @@ class JobEngine:
             if params is None:
                 return
         else:
-            params = await self._s.executors.compute(initial_parameters, self.ctx.task, spec.seed)
+            try:
+                params = await self._s.executors.compute(
+                    job_initial_parameters,
+                    self.ctx.task,
+                    spec,
+                    self._s.config,
+                    self.ctx.meta_parameters,
+                )
+            except JobContextError as exc:
+                await self._fail_job(f"θ_0: {exc}")
+                return
         optimizer = OuterOptimizer(spec.outer_optimizer)
         state, pointers, snapshot = await self._s.executors.compute(
             publish_initial, self.ctx.publishing, params, optimizer, datetime.now(UTC)

@@ -19,7 +19,7 @@ import pytest
 import pytest_asyncio
 import torch
 
-from coordinator.context import initial_parameters
+from coordinator.initial_build import initial_parameters
 from geofed.params import parameters_vector_hash
 from geofed.task import load_task
 from geofed.training_config import TrainingConfig

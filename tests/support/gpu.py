@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import torch
 
-from coordinator.context import initial_parameters
+from coordinator.initial_build import initial_parameters
 from geofed.task import load_task
 from geofed.training_config import TrainingConfig
 from regional_agent.handoff import RoundInstruction

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from coordinator.context import JobContextError, initial_parameters
+from coordinator.initial_build import BuildFailed, initial_parameters
 from geofed.params import parameters_vector_hash
 from geofed.task import DataShard, Task
 
@@ -51,5 +51,5 @@ def test_theta0_leaves_out_complex_and_integer_buffers() -> None:
 
 
 def test_a_model_without_floating_state_is_refused() -> None:
-    with pytest.raises(JobContextError, match="no floating-point parameters"):
+    with pytest.raises(BuildFailed, match="no floating-point parameters"):
         initial_parameters(_BufferTask(floats=False), seed=0)

@@ -11,7 +11,7 @@ from typing import Any, cast
 import pytest
 from prometheus_client import CollectorRegistry
 
-from coordinator.context import initial_parameters
+from coordinator.initial_build import initial_parameters
 from coordinator.job_evaluation import (
     MAX_METRICS,
     METRICS_POINTER,

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from coordinator.context import initial_parameters
+from coordinator.initial_build import initial_parameters
 from coordinator.job_evaluation import evaluate_params
 from geofed.examples.charlm.data import TokenBatch
 from geofed.examples.llama import PRESETS, Llama, LlamaConfig, LlamaOptions, LlamaTask

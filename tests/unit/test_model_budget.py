@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from coordinator.context import size_refusal
+from coordinator.initial_build import meta_count
 from geofed.task import Task, load_task
 from tests.support.tiny_task import TinyTask
 
@@ -21,7 +22,9 @@ def test_a_huge_model_is_refused_before_anything_is_allocated() -> None:
     task = load_task(CHARLM, {"seq_len": 100_000_000})
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     started = time.monotonic()
-    refusal = size_refusal(task, 0, 2_000_000_000)
+    counted = meta_count(task, 0)
+    assert counted is not None
+    refusal = size_refusal(counted, 2_000_000_000)
     assert time.monotonic() - started < 5
     grown_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before
     assert grown_kib < 200 * 1024, grown_kib
@@ -31,7 +34,9 @@ def test_a_huge_model_is_refused_before_anything_is_allocated() -> None:
 
 
 def test_a_model_within_the_budget_passes_and_one_off_meta_is_counted_later() -> None:
-    assert size_refusal(load_task(CHARLM, {}), 0, 2_000_000_000) is None
+    counted = meta_count(load_task(CHARLM, {}), 0)
+    assert counted is not None
+    assert size_refusal(counted, 2_000_000_000) is None
 
     class OffMeta(TinyTask):
         def build_model(self, seed: int | None = None) -> torch.nn.Module:
@@ -40,4 +45,4 @@ def test_a_model_within_the_budget_passes_and_one_off_meta_is_counted_later() ->
             return super().build_model(seed)
 
     task: Task[Any] = OffMeta()
-    assert size_refusal(task, 0, 1) is None  # its real build is what counts then
+    assert meta_count(task, 0) is None  # its real build is what counts then

@@ -23,10 +23,11 @@ import torch
 
 from coordinator.aggregation import StagedDelta
 from coordinator.aggregation_config import AggregationConfig
-from coordinator.context import JobContext, JobContextError, build_context, initial_parameters
+from coordinator.context import JobContext, JobContextError, build_context
 from coordinator.delta_checks import DeltaExpectation, check_delta_manifest
 from coordinator.delta_stream import verify_and_store
 from coordinator.errors import ApiError
+from coordinator.initial_build import initial_parameters
 from coordinator.jobspec import parse_job_spec
 from coordinator.outer_optimizer import OuterOptimizer, OuterOptimizerConfig, OuterOptimizerError
 from coordinator.outer_round import (

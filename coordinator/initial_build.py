@@ -1,0 +1,196 @@
+"""θ_0 from the task's ``build_model``, within a memory and time budget.
+
+A job's task is the operator's code: its ``build_model`` may allocate far more than its
+parameters (buffers, data read at construction) or never return. A model counted on the
+meta device at up to :data:`IN_PROCESS_MAX_PARAMETERS` parameters is built in the
+coordinator's own process, as cheap as it is bounded. Any other (a larger one, or one
+that cannot be built on the meta device, so nothing bounded it in advance) is built in a
+child process of its own: the coordinator samples the child's resident memory every
+:data:`POLL_S` and stops it past ``limits.max_build_bytes``, or past
+``limits.build_timeout_s``; the child dies with the coordinator. θ_0 comes back as a
+file in the coordinator's scratch directory, read and removed.
+
+Blocking: call :func:`bounded_initial_parameters` from a worker thread.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing
+import os
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Final
+
+import torch
+from torch import Tensor
+
+from geofed.params import federated_state, state_to_fp32
+from geofed.parent_death import die_with_parent
+from geofed.task import Task, TaskError, load_task
+
+__all__ = [
+    "IN_PROCESS_MAX_PARAMETERS",
+    "BuildFailed",
+    "BuildLimits",
+    "bounded_initial_parameters",
+    "initial_parameters",
+    "meta_count",
+]
+
+#: The largest model (counted on the meta device) built in the coordinator's process.
+IN_PROCESS_MAX_PARAMETERS: Final = 1 << 26
+#: How often the child's memory and time are checked.
+POLL_S: Final = 0.05
+
+
+class BuildFailed(Exception):
+    """θ_0 could not be built: the task failed, or its build went past the budget."""
+
+
+@dataclass(frozen=True, slots=True)
+class BuildLimits:
+    """A child build's budget: resident memory (bytes) and wall time (seconds)."""
+
+    max_bytes: int
+    timeout_s: float
+
+
+def initial_parameters(task: Task[Any], seed: int) -> dict[str, Tensor]:
+    """θ_0: the federated state of the task's model for the job's seed, float32 on CPU.
+
+    Buffers outside the federated state (complex, integer) are left out: every side's
+    ``build_model`` rebuilds them.
+    """
+    params = state_to_fp32(task.build_model(seed=seed))
+    if not params:
+        raise BuildFailed("the model has no floating-point parameters to federate")
+    return params
+
+
+def meta_count(task: Task[Any], seed: int) -> int | None:
+    """The federated parameters of the task's model, counted on the meta device (nothing
+    is allocated); None when the model cannot be built there."""
+    try:
+        with torch.device("meta"):
+            model = task.build_model(seed=seed)
+    except Exception:  # the task's own code: its real build reports what is wrong
+        return None
+    return sum(t.numel() for t in federated_state(model).values())
+
+
+def bounded_initial_parameters(
+    task: Task[Any],
+    task_spec: str,
+    options: Mapping[str, Any],
+    seed: int,
+    limits: BuildLimits,
+    scratch: Path,
+    *,
+    counted: int | None,
+) -> dict[str, Tensor]:
+    """θ_0 of ``task`` (``task_spec`` with ``options``) for ``seed``; ``counted``: its
+    parameters as :func:`meta_count` found them. In this process when ``counted`` is at
+    most :data:`IN_PROCESS_MAX_PARAMETERS`, else in a bounded child process;
+    :class:`BuildFailed` says why not."""
+    if counted is not None and counted <= IN_PROCESS_MAX_PARAMETERS:
+        return initial_parameters(task, seed)
+    return _build_in_child(task_spec, options, seed, limits, scratch)
+
+
+def _build_in_child(
+    spec: str, options: Mapping[str, Any], seed: int, limits: BuildLimits, scratch: Path
+) -> dict[str, Tensor]:
+    scratch.mkdir(parents=True, exist_ok=True)
+    out = scratch / f"theta0-{os.getpid()}-{time.monotonic_ns()}.pt"
+    error = out.with_suffix(".error")
+    context = multiprocessing.get_context("spawn")
+    child = context.Process(
+        target=_child_main,
+        args=(os.getpid(), spec, dict(options), seed, str(out), str(error)),
+        name="geofed-build-theta0",
+        daemon=True,
+    )
+    try:
+        child.start()
+        _watch(child, limits)
+        if child.exitcode != 0:
+            raise BuildFailed(_child_error(error, child.exitcode))
+        return dict(torch.load(out, map_location="cpu", weights_only=True))
+    finally:
+        if child.is_alive():
+            child.kill()
+            child.join()
+        for path in (out, out.with_suffix(".tmp"), error):
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()
+
+
+def _watch(child: Any, limits: BuildLimits) -> None:
+    """Wait for ``child`` to end; kill it past the memory or time budget."""
+    deadline = time.monotonic() + limits.timeout_s
+    peak = 0
+    while child.is_alive():
+        peak = max(peak, _resident_bytes(child.pid))
+        if peak > limits.max_bytes:
+            child.kill()
+            child.join()
+            raise BuildFailed(
+                f"building θ_0 took more than {_gib(limits.max_bytes)} of memory "
+                f"({_gib(peak)} seen; limits.max_build_bytes in the coordinator's config)"
+            )
+        if time.monotonic() > deadline:
+            child.kill()
+            child.join()
+            raise BuildFailed(
+                f"building θ_0 took longer than {limits.timeout_s:g} s "
+                "(limits.build_timeout_s in the coordinator's config)"
+            )
+        child.join(POLL_S)
+
+
+def _resident_bytes(pid: int | None) -> int:
+    """The resident memory of process ``pid`` (Linux ``/proc``; 0 where unknown)."""
+    try:
+        with open(f"/proc/{pid}/status", encoding="ascii") as status:
+            for line in status:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0
+
+
+def _gib(count: int) -> str:
+    return f"{count / 2**30:.2f} GiB"
+
+
+def _child_error(path: Path, exitcode: int | None) -> str:
+    try:
+        return path.read_text(encoding="utf-8").strip() or f"exit status {exitcode}"
+    except OSError:
+        return f"the build process ended with status {exitcode}"
+
+
+def _child_main(
+    parent: int, spec: str, options: dict[str, Any], seed: int, out: str, error: str
+) -> None:
+    """The child: build θ_0 and write it to ``out`` (via a temporary file), or say why
+    not in ``error`` and exit 1."""
+    in_child = die_with_parent(parent)
+    if in_child is not None:
+        in_child()
+    try:
+        params = initial_parameters(load_task(spec, options), seed)
+        tmp = Path(out).with_suffix(".tmp")
+        torch.save(params, tmp)
+        tmp.replace(out)
+    except Exception as exc:  # the task's own code: report whatever it raised
+        if isinstance(exc, BuildFailed | TaskError):
+            message = str(exc)
+        else:
+            message = f"task {spec!r} failed: {type(exc).__name__}: {exc}"
+        Path(error).write_text(message, encoding="utf-8")
+        raise SystemExit(1) from None

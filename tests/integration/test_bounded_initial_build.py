@@ -1,0 +1,76 @@
+"""A job's θ_0 is built within the coordinator's budget, whatever the task's code does.
+
+A coordinator (real HTTPS with client certificates, SQLite, an embedded broker) gets jobs
+of a task whose model cannot be built on the meta device, so nothing counts it in
+advance: it is built in a child process. Built there, θ_0 is the task's own (the job
+runs from it). A build that holds more memory than ``limits.max_build_bytes``, or takes
+longer than ``limits.build_timeout_s``, is stopped and the job refused 400 naming the
+limit; the coordinator serves on, no child and no scratch file are left behind.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing
+from pathlib import Path
+
+import pytest
+
+from coordinator.initial_build import initial_parameters
+from geofed.api_paths import ApiPaths
+from geofed.control.broker import EmbeddedBroker
+from geofed.params import parameters_vector_hash
+from tests.support.coordinator import coordinator, job_yaml, request, write_setup
+from tests.support.off_meta_task import SPEC, OffMetaOptions, OffMetaTask
+
+pytestmark = pytest.mark.integration
+
+LIMITS = "limits: {max_build_bytes: 805306368, build_timeout_s: 4, "
+
+
+def _job(name: str, **options: float) -> str:
+    extra = "".join(f", {key}: {value}" for key, value in options.items())
+    return job_yaml(name, task=SPEC).replace(
+        "options: {hidden: 8}", f"options: {{hidden: 8{extra}}}"
+    )
+
+
+async def test_a_task_s_build_runs_bounded_in_a_child_process(tmp_path: Path) -> None:
+    async with EmbeddedBroker() as broker:
+        setup = write_setup(tmp_path, broker.port)
+        text = setup.config_path.read_text()
+        assert "limits: {" in text
+        setup.config_path.write_text(text.replace("limits: {", LIMITS, 1))
+        async with coordinator(setup) as running:
+            operator = running.session(setup.operator)
+
+            # Over the memory budget: stopped, refused, naming the limit.
+            status, body = await request(
+                operator, "POST", ApiPaths.JOBS, data=_job("heavy", ballast_mib=1536)
+            )
+            assert (status, body["error"]) == (400, "bad_request"), body
+            assert "building θ_0 took more than 0.75 GiB of memory" in body["message"], body
+            assert "limits.max_build_bytes" in body["message"]
+            # Over the time budget: stopped alike.
+            status, body = await request(
+                operator, "POST", ApiPaths.JOBS, data=_job("slow", build_s=60)
+            )
+            assert (status, body["error"]) == (400, "bad_request"), body
+            assert "building θ_0 took longer than 4 s" in body["message"], body
+
+            # Within both: built in the child, and the job runs from the task's θ_0.
+            status, body = await request(operator, "POST", ApiPaths.JOBS, data=_job("fits"))
+            assert status == 201, body
+            expected = parameters_vector_hash(
+                initial_parameters(OffMetaTask(OffMetaOptions(hidden=8)), seed=0)
+            )
+            for _ in range(600):
+                status, job = await request(operator, "GET", ApiPaths.job("fits"))
+                if job.get("params_hash"):
+                    break
+                await asyncio.sleep(0.05)
+            assert job["params_hash"] == expected, job
+            _, jobs = await request(operator, "GET", ApiPaths.JOBS)
+            assert [j["job"] for j in jobs["jobs"]] == ["fits"]
+        assert multiprocessing.active_children() == []
+        assert list((setup.root / "state" / "build").iterdir()) == []
