@@ -165,7 +165,7 @@ def _lifecycle(
     async def lifecycle(app: web.Application) -> AsyncIterator[None]:
         runtime = app[RUNTIME]
         config = runtime.config
-        executors = Executors()
+        executors = Executors(evaluation_max_bytes=config.limits.max_task_bytes)
         metrics = CoordinatorMetrics(app[REGISTRY])
         for name, timestamp in runtime.certificate_expiry().items():
             metrics.certificate_expiry.labels(certificate=name).set(timestamp)

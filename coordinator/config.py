@@ -271,12 +271,13 @@ class LimitsConfig(ConfigSection):
         "few float32 copies of it, so a larger one is refused at submission, counted on "
         "the meta device before anything is allocated",
     )
-    max_build_bytes: int = Field(
+    max_task_bytes: int = Field(
         default=32 << 30,
         ge=1 << 20,
-        description="the most resident memory building a job's initial parameters may take: "
-        "a model larger than 64M parameters, or one that cannot be built on the meta "
-        "device, is built in a child process stopped past it (coordinator.initial_build)",
+        description="the most resident memory a process running a job's task code for the "
+        "coordinator may take: the child that builds the initial parameters of a model "
+        "larger than 64M parameters or one the meta device cannot build "
+        "(coordinator.initial_build), and the evaluation process; stopped past it",
     )
     build_timeout_s: float = Field(
         default=900.0,

@@ -177,7 +177,7 @@ def job_initial_parameters(
 ) -> dict[str, Tensor]:
     """θ_0 of the job's task, built within the coordinator's budget
     (:mod:`coordinator.initial_build`); :class:`JobContextError` says why not."""
-    limits = BuildLimits(config.limits.max_build_bytes, config.limits.build_timeout_s)
+    limits = BuildLimits(config.limits.max_task_bytes, config.limits.build_timeout_s)
     try:
         return bounded_initial_parameters(
             task,

@@ -11,7 +11,8 @@
   never take the compute pool from aggregation.
 - ``evaluation``: one process of its own (spawned at the first use) for evaluating global
   parameters when the coordinator evaluates them, so an evaluation never competes with
-  aggregation, uploads or publication for the compute pool or the GIL.
+  aggregation, uploads or publication for the compute pool or the GIL; it ends itself
+  past its memory budget (:func:`coordinator.memory_budget.keep_within`).
 
 :meth:`Executors.shutdown` waits for work already running, so a SIGTERM lets in-flight
 writes finish; queued work that has not started is dropped (every write is atomic, so
@@ -30,7 +31,16 @@ from concurrent.futures import Executor, ProcessPoolExecutor, ThreadPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from typing import ParamSpec, TypeVar
 
+from coordinator.memory_budget import keep_within
+
 __all__ = ["Executors", "side_by_side", "usable_cpus"]
+
+
+def _evaluation_budget(max_bytes: int | None) -> None:
+    """In the evaluation process: end it past ``max_bytes`` of resident memory."""
+    if max_bytes is not None:
+        keep_within(max_bytes, "the coordinator's evaluation process", "limits.max_task_bytes")
+
 
 P = ParamSpec("P")
 T = TypeVar("T")
@@ -73,9 +83,18 @@ def side_by_side(jobs: Sequence[Callable[[], None]]) -> None:
 class Executors:
     """The coordinator's thread pools (see the module docstring)."""
 
-    def __init__(self, *, compute_threads: int | None = None, file_threads: int = 4) -> None:
+    def __init__(
+        self,
+        *,
+        compute_threads: int | None = None,
+        file_threads: int = 4,
+        evaluation_max_bytes: int | None = None,
+    ) -> None:
         """``compute_threads``: the compute pool's size; by default one per usable CPU,
-        and at least 2 so a long publication never holds up every upload's verification."""
+        and at least 2 so a long publication never holds up every upload's verification.
+        ``evaluation_max_bytes``: the evaluation process ends itself past that resident
+        memory (``limits.max_task_bytes``; None: unbounded)."""
+        self._evaluation_max_bytes = evaluation_max_bytes
         if compute_threads is None:
             compute_threads = max(2, usable_cpus())
         self._store = ThreadPoolExecutor(1, thread_name_prefix="geofed-store")
@@ -103,13 +122,16 @@ class Executors:
     async def evaluate(self, fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
         """Run an evaluation in the evaluation process (``fn`` and its arguments pickle).
 
-        A process that died (killed, out of memory) fails the evaluations it had; the
-        next one starts a new process.
+        A process that died (killed, out of memory, or ended itself past its memory
+        budget) fails the evaluations it had; the next one starts a new process.
         """
         if self._evaluation is None:
             # Spawned, not forked: the coordinator's threads and event loop stay behind.
             self._evaluation = ProcessPoolExecutor(
-                1, mp_context=multiprocessing.get_context("spawn")
+                1,
+                mp_context=multiprocessing.get_context("spawn"),
+                initializer=_evaluation_budget,
+                initargs=(self._evaluation_max_bytes,),
             )
         pool = self._evaluation
         try:

@@ -6,7 +6,7 @@ meta device at up to :data:`IN_PROCESS_MAX_PARAMETERS` parameters is built in th
 coordinator's own process, as cheap as it is bounded. Any other (a larger one, or one
 that cannot be built on the meta device, so nothing bounded it in advance) is built in a
 child process of its own: the coordinator samples the child's resident memory every
-:data:`POLL_S` and stops it past ``limits.max_build_bytes``, or past
+:data:`POLL_S` and stops it past ``limits.max_task_bytes``, or past
 ``limits.build_timeout_s``; the child dies with the coordinator. θ_0 comes back as a
 file in the coordinator's scratch directory, read and removed.
 
@@ -27,6 +27,7 @@ from typing import Any, Final
 import torch
 from torch import Tensor
 
+from coordinator.memory_budget import POLL_S, gib, resident_bytes
 from geofed.params import federated_state, state_to_fp32
 from geofed.parent_death import die_with_parent
 from geofed.task import Task, TaskError, load_task
@@ -42,8 +43,6 @@ __all__ = [
 
 #: The largest model (counted on the meta device) built in the coordinator's process.
 IN_PROCESS_MAX_PARAMETERS: Final = 1 << 26
-#: How often the child's memory and time are checked.
-POLL_S: Final = 0.05
 
 
 class BuildFailed(Exception):
@@ -133,13 +132,13 @@ def _watch(child: Any, limits: BuildLimits) -> None:
     deadline = time.monotonic() + limits.timeout_s
     peak = 0
     while child.is_alive():
-        peak = max(peak, _resident_bytes(child.pid))
+        peak = max(peak, resident_bytes(child.pid))
         if peak > limits.max_bytes:
             child.kill()
             child.join()
             raise BuildFailed(
-                f"building θ_0 took more than {_gib(limits.max_bytes)} of memory "
-                f"({_gib(peak)} seen; limits.max_build_bytes in the coordinator's config)"
+                f"building θ_0 took more than {gib(limits.max_bytes)} of memory "
+                f"({gib(peak)} seen; limits.max_task_bytes in the coordinator's config)"
             )
         if time.monotonic() > deadline:
             child.kill()
@@ -149,22 +148,6 @@ def _watch(child: Any, limits: BuildLimits) -> None:
                 "(limits.build_timeout_s in the coordinator's config)"
             )
         child.join(POLL_S)
-
-
-def _resident_bytes(pid: int | None) -> int:
-    """The resident memory of process ``pid`` (Linux ``/proc``; 0 where unknown)."""
-    try:
-        with open(f"/proc/{pid}/status", encoding="ascii") as status:
-            for line in status:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return 0
-
-
-def _gib(count: int) -> str:
-    return f"{count / 2**30:.2f} GiB"
 
 
 def _child_error(path: Path, exitcode: int | None) -> str:

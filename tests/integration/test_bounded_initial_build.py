@@ -3,7 +3,7 @@
 A coordinator (real HTTPS with client certificates, SQLite, an embedded broker) gets jobs
 of a task whose model cannot be built on the meta device, so nothing counts it in
 advance: it is built in a child process. Built there, θ_0 is the task's own (the job
-runs from it). A build that holds more memory than ``limits.max_build_bytes``, or takes
+runs from it). A build that holds more memory than ``limits.max_task_bytes``, or takes
 longer than ``limits.build_timeout_s``, is stopped and the job refused 400 naming the
 limit; the coordinator serves on, no child and no scratch file are left behind.
 """
@@ -25,7 +25,7 @@ from tests.support.off_meta_task import SPEC, OffMetaOptions, OffMetaTask
 
 pytestmark = pytest.mark.integration
 
-LIMITS = "limits: {max_build_bytes: 805306368, build_timeout_s: 4, "
+LIMITS = "limits: {max_task_bytes: 805306368, build_timeout_s: 4, "
 
 
 def _job(name: str, **options: float) -> str:
@@ -50,7 +50,7 @@ async def test_a_task_s_build_runs_bounded_in_a_child_process(tmp_path: Path) ->
             )
             assert (status, body["error"]) == (400, "bad_request"), body
             assert "building θ_0 took more than 0.75 GiB of memory" in body["message"], body
-            assert "limits.max_build_bytes" in body["message"]
+            assert "limits.max_task_bytes" in body["message"]
             # Over the time budget: stopped alike.
             status, body = await request(
                 operator, "POST", ApiPaths.JOBS, data=_job("slow", build_s=60)
