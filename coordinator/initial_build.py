@@ -7,8 +7,10 @@ coordinator's own process, as cheap as it is bounded. Any other (a larger one, o
 that cannot be built on the meta device, so nothing bounded it in advance) is built in a
 child process of its own: the coordinator samples the child's resident memory every
 :data:`POLL_S` and stops it past ``limits.max_task_bytes``, or past
-``limits.build_timeout_s``; the child dies with the coordinator. θ_0 comes back as a
-file in the coordinator's scratch directory, read and removed.
+``limits.build_timeout_s`` from when its interpreter is up (the task's import and
+construction count, the interpreter's start does not); the child dies with the
+coordinator. θ_0 comes back as a file in the coordinator's scratch directory, read and
+removed.
 
 Blocking: call :func:`bounded_initial_parameters` from a worker thread.
 """
@@ -43,6 +45,9 @@ __all__ = [
 
 #: The largest model (counted on the meta device) built in the coordinator's process.
 IN_PROCESS_MAX_PARAMETERS: Final = 1 << 26
+#: How long a child build's interpreter may take to start (torch imported), besides the
+#: build's own ``timeout_s``, which runs once it has.
+STARTUP_S: Final = 120.0
 
 
 class BuildFailed(Exception):
@@ -114,7 +119,7 @@ def _build_in_child(
     )
     try:
         child.start()
-        _watch(child, limits)
+        _watch(child, limits, out.with_suffix(".started"))
         if child.exitcode != 0:
             raise BuildFailed(_child_error(error, child.exitcode))
         return dict(torch.load(out, map_location="cpu", weights_only=True))
@@ -122,16 +127,22 @@ def _build_in_child(
         if child.is_alive():
             child.kill()
             child.join()
-        for path in (out, out.with_suffix(".tmp"), error):
+        for path in (out, out.with_suffix(".tmp"), out.with_suffix(".started"), error):
             with contextlib.suppress(FileNotFoundError):
                 path.unlink()
 
 
-def _watch(child: Any, limits: BuildLimits) -> None:
-    """Wait for ``child`` to end; kill it past the memory or time budget."""
-    deadline = time.monotonic() + limits.timeout_s
+def _watch(child: Any, limits: BuildLimits, started: Path) -> None:
+    """Wait for ``child`` to end; kill it past the memory or time budget. The time runs
+    from ``started``'s appearance (the child's interpreter is up: the task's code runs
+    next); until then the child has :data:`STARTUP_S` more."""
+    deadline = time.monotonic() + limits.timeout_s + STARTUP_S
+    building = False
     peak = 0
     while child.is_alive():
+        if not building and started.exists():
+            building = True
+            deadline = time.monotonic() + limits.timeout_s
         peak = max(peak, resident_bytes(child.pid))
         if peak > limits.max_bytes:
             child.kill()
@@ -165,6 +176,7 @@ def _child_main(
     in_child = die_with_parent(parent)
     if in_child is not None:
         in_child()
+    Path(out).with_suffix(".started").touch()
     try:
         params = initial_parameters(load_task(spec, options), seed)
         tmp = Path(out).with_suffix(".tmp")

@@ -4,7 +4,6 @@ counted on the meta device: a spec asking for a huge model allocates nothing."""
 from __future__ import annotations
 
 import resource
-import time
 from typing import Any
 
 import torch
@@ -21,11 +20,9 @@ def test_a_huge_model_is_refused_before_anything_is_allocated() -> None:
     # 100 M positions x 96 wide: ~9.6 G parameters, 36 GiB in float32.
     task = load_task(CHARLM, {"seq_len": 100_000_000})
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    started = time.monotonic()
     counted = meta_count(task, 0)
     assert counted is not None
     refusal = size_refusal(counted, 2_000_000_000)
-    assert time.monotonic() - started < 5
     grown_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before
     assert grown_kib < 200 * 1024, grown_kib
     assert refusal is not None
