@@ -3,12 +3,14 @@
 The round math is the daemons' own, called, not restated: each region trains
 ``inner_steps`` steps from θ_r with the task's inner optimizer (whose state persists
 across rounds, as in a region's worker group), then forms and encodes Δ = θ_r - θ_local
-with its error feedback as the regional agent does (:func:`regional_agent.delta.encode_delta`);
+with its error feedback as the regional agent does
+(:func:`regional_agent.rounds.delta.encode_delta`);
 the coordinator decodes the deltas chunk by chunk and combines them by the job's
-aggregation rule in canonical order (:func:`coordinator.robust_aggregation.combine`, as
-:func:`coordinator.outer_round.mean_delta` does over its spool), then takes the outer step,
+aggregation rule in canonical order (:func:`coordinator.aggregation.robust.combine`, as
+:func:`coordinator.aggregation.outer_round.mean_delta` does over its spool), then takes the outer
+step,
 encodes θ' - θ_r plus its own residual and sets θ_{r+1} = θ_r + decode(update)
-(:func:`coordinator.outer_round.publication_step`), which a region's reconstruction must
+(:func:`coordinator.aggregation.outer_round.publication_step`), which a region's reconstruction must
 match bit for bit.
 
 What is not simulated: processes, networks and torch.distributed. A region with W
@@ -68,10 +70,10 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from coordinator.aggregation_config import AggregationConfig
-from coordinator.outer_optimizer import OuterOptimizer, OuterOptimizerConfig
-from coordinator.outer_round import publication_step
-from coordinator.robust_aggregation import combine
+from coordinator.aggregation.config import AggregationConfig
+from coordinator.aggregation.outer_optimizer import OuterOptimizer, OuterOptimizerConfig
+from coordinator.aggregation.outer_round import publication_step
+from coordinator.aggregation.robust import combine
 from geofed.codec import EncodedStream, ErrorFeedback, decode, decode_pieces
 from geofed.codec_params import CodecParams, Scheme
 from geofed.deltas import apply_partial_update
@@ -79,7 +81,7 @@ from geofed.eager_start import OuterReplica
 from geofed.fragments import FragmentError, FragmentPlan, fragment_plan
 from geofed.params import load_federated_state, parameters_vector_hash, state_to_fp32
 from geofed.task import DataShard, Task
-from regional_agent.delta import EncodedDelta, encode_delta
+from regional_agent.rounds.delta import EncodedDelta, encode_delta
 
 Method = Literal["sync", "diloco"]
 Attack = Literal["none", "scaled", "sign_flipped"]

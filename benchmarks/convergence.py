@@ -21,7 +21,7 @@ configuration, with the spread over seeds, and checks them against DESIGN's targ
 ``--sweep`` measures instead how the DiLoCo/synchronous gap moves with H and with a
 synchronous warm start (the DiLoCo paper's protocol) at the same total tokens, and
 writes ``convergence_sweep.json``. ``--robust`` measures the job's aggregation rules
-(``coordinator.aggregation_config``): what each costs in loss with honest regions and what
+(``coordinator.aggregation.config``): what each costs in loss with honest regions and what
 it saves when one region sends its delta scaled or sign-flipped, and writes
 ``robust_aggregation.json``. ``--outer-sweep`` sweeps the outer optimizer's lr, momentum
 and momentum warm-up on one seed, picks the lowest final loss, and confirms it against
@@ -62,8 +62,8 @@ from benchmarks._federation_sim import (
 )
 from benchmarks._machine import describe_machine, machine_line, targets_table
 from benchmarks._report import publish
-from coordinator.aggregation_config import AggregationConfig
-from coordinator.outer_optimizer import OuterOptimizerConfig
+from coordinator.aggregation.config import AggregationConfig
+from coordinator.aggregation.outer_optimizer import OuterOptimizerConfig
 from geofed.examples.charlm import CharLMOptions, CharLMTask
 
 RESULTS = Path(__file__).resolve().parent / "results"

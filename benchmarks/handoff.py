@@ -6,7 +6,8 @@
 What lies between a region's last inner step and the moment its delta can leave, both
 ways, with the project's own functions on real files (fsync'd) in a temporary directory:
 
-- ``params`` (the baseline, a result without a :class:`~regional_agent.handoff.DeltaRequest`):
+- ``params`` (the baseline, a result without a
+  :class:`~regional_agent.handoff.messages.DeltaRequest`):
   rank 0 copies the trained state to fp32 host tensors (``ParallelModel.full_state``) and
   writes the result; the agent reads it, loads its residual, forms Δ, quantizes it with
   error feedback on the CPU and frames it (``encode_delta``), signs the manifest and
@@ -49,10 +50,11 @@ from geofed.manifest import sign_manifest
 from geofed.params import parameters_vector_hash, state_to_fp32
 from geofed.pki.authority import IssuedCredential, create_ca, issue
 from geofed.types import Identity, Role
-from regional_agent.delta import DeltaOrigin, delta_manifest, encode_delta, seal_worker_delta
-from regional_agent.device_delta import DeviceResidual, payloads_hash, quantize_round_delta
-from regional_agent.handoff import DeltaRequest, HandoffDir, RoundSummary
+from regional_agent.handoff.directory import HandoffDir
+from regional_agent.handoff.messages import DeltaRequest, RoundSummary
+from regional_agent.rounds.delta import DeltaOrigin, delta_manifest, encode_delta, seal_worker_delta
 from regional_agent.state import DeltaMeta, JobDirectory
+from regional_agent.worker.device_delta import DeviceResidual, payloads_hash, quantize_round_delta
 
 DEFAULT_OUT = Path(__file__).parent / "results" / "handoff.json"
 JOB = "bench"

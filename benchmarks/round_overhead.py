@@ -9,11 +9,13 @@ Three ways to aggregate are measured: ``folded`` (the daemon's default: each del
 staged by its upload's verification and all but the last already summed when quorum is
 reached, so only the last fold and the division remain), ``streaming`` (decode the R
 spooled deltas chunk by chunk into the weighted sum,
-:func:`coordinator.outer_round.mean_delta`, as a restarted coordinator or a norm-checked
+:func:`coordinator.aggregation.outer_round.mean_delta`, as a restarted coordinator or a norm-checked
 job does) and ``naive`` (below); then the steps of
-:func:`coordinator.outer_round.publication_step` (the outer step, encoding the update with
+:func:`coordinator.aggregation.outer_round.publication_step` (the outer step, encoding the update
+with
 coordinator-side error feedback, decoding it, θ_{r+1} = θ_r + û), and storing the round
-(:func:`coordinator.outer_round.store_round`: θ_{r+1}'s hash, its working state, the signed
+(:func:`coordinator.aggregation.outer_round.store_round`: θ_{r+1}'s hash, its working state, the
+signed
 update and, as on a round that is due one, a snapshot, to a local disk; the same writes
 one after another are timed too, outside the round, as that phase's baseline). The
 baseline ("naive"), run the same way, replaces only the first phase: it
@@ -55,9 +57,8 @@ import torch
 from benchmarks._machine import describe_machine, machine_line, targets_table
 from benchmarks._memory import current_rss_bytes, peak_rss_bytes, reset_peak_rss
 from benchmarks._report import publish
-from coordinator.aggregation import DeltaStager, StagedDelta, WeightedSum
-from coordinator.outer_optimizer import OuterOptimizer, OuterOptimizerConfig
-from coordinator.outer_round import (
+from coordinator.aggregation.outer_optimizer import OuterOptimizer, OuterOptimizerConfig
+from coordinator.aggregation.outer_round import (
     PUBLICATION_PHASES,
     DeltaSource,
     JobPublishing,
@@ -67,7 +68,8 @@ from coordinator.outer_round import (
     publish_initial,
     store_round,
 )
-from coordinator.working_state import WorkingState
+from coordinator.aggregation.weighted import DeltaStager, StagedDelta, WeightedSum
+from coordinator.storage.working_state import WorkingState
 from geofed.blobstore import BlobStore, FsBlobStore
 from geofed.codec import decode, encode_stream
 from geofed.codec_params import SCHEMES, CodecParams, Scheme

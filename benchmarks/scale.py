@@ -11,7 +11,7 @@ size W. Evaluation is off (``evaluation: none``): what is measured is the round'
 
 Every process below this one is sampled from /proc about every 0.2 s (:class:`ProcessSampler`)
 and given a role from its command line and parent: the coordinator, an agent, its elastic
-launcher, a rank (``regional_agent.worker``, its rank from ``RANK`` in its environment), or
+launcher, a rank (``regional_agent.worker.rank``, its rank from ``RANK`` in its environment), or
 other. Its peak RSS is ``VmHWM`` of ``/proc/PID/status``, its disk writes ``write_bytes`` of
 ``/proc/PID/io`` (the last values seen before it exited).
 
@@ -65,12 +65,12 @@ import torch
 
 from benchmarks._machine import describe_machine, machine_line
 from benchmarks._report import publish
-from coordinator.checkpoints import CheckpointStore, EntryKind
-from coordinator.jobspec import JobSpec
+from coordinator.jobs.spec import JobSpec
+from coordinator.storage.checkpoints import CheckpointStore, EntryKind
 from geofed.examples.llama import LlamaOptions, LlamaTask
 from geofed.task import DataShard
 from regional_agent.config import WorkersConfig
-from regional_agent.round_timeline import RoundTimeline, read_timeline
+from regional_agent.rounds.timeline import RoundTimeline, read_timeline
 from tests.support.federation import running_federation
 
 REGIONS = ("eu-west", "us-east")
@@ -249,7 +249,7 @@ class ProcessSampler:
                 return "agent", None, name or None
         if parent_role == "agent" and "torch.distributed.run" in cmdline:
             return "launcher", None, region
-        if parent_role == "launcher" and "regional_agent.worker" in cmdline:
+        if parent_role == "launcher" and "regional_agent.worker.rank" in cmdline:
             rank = _environ(pid, "RANK")
             return "rank", int(rank) if rank and rank.isdigit() else None, region
         if parent_role in ("coordinator", "coordinator_child"):

@@ -4,10 +4,10 @@
         [--smoke] [--out PATH] [--note TEXT]
 
 For R regions, one round's bookkeeping as the coordinator writes it, through the same
-functions (:mod:`coordinator.transactions`,
-:func:`coordinator.chunk_commit.record_chunks`): each region opens its upload, its
+functions (:mod:`coordinator.state.transactions`,
+:func:`coordinator.intake.chunk_commit.record_chunks`): each region opens its upload, its
 ``--chunks`` frames are recorded in group commits of
-:data:`coordinator.chunk_commit.MAX_BATCH` or fewer (8 per commit here, as a window of 8
+:data:`coordinator.intake.chunk_commit.MAX_BATCH` or fewer (8 per commit here, as a window of 8
 uploads gives), its delta's policy decision is audited and the delta accepted (receipt,
 round record, audit entry); then the round is published (round record, pointers, audit
 entry). Every call commits as the daemon's would, one after another (the daemon runs its
@@ -33,13 +33,13 @@ from typing import Any
 from benchmarks._machine import describe_machine, machine_line
 from benchmarks._report import publish
 from benchmarks.round_overhead import region_counts
-from coordinator.audit import AuditEvent, AuditVerdict
-from coordinator.chunk_commit import ChunkWrite, record_chunks
-from coordinator.postgres_lease import PostgresLease
-from coordinator.postgres_store import PostgresStore
-from coordinator.sqlite_store import SqliteStore
-from coordinator.store import Store
-from coordinator.transactions import (
+from coordinator.ha.postgres_lease import PostgresLease
+from coordinator.intake.chunk_commit import ChunkWrite, record_chunks
+from coordinator.state.audit import AuditEvent, AuditVerdict
+from coordinator.state.postgres import PostgresStore
+from coordinator.state.sqlite import SqliteStore
+from coordinator.state.store import Store
+from coordinator.state.transactions import (
     DeltaOffer,
     accept_delta,
     open_upload,

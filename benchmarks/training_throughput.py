@@ -8,9 +8,9 @@
 For each world size W, W rank processes form a real process group (gloo on CPU, nccl
 with one GPU per rank when CUDA is present) and train the Llama example
 (:mod:`geofed.examples.llama`, ``--preset``) for every (parallelism, precision) through
-the worker's own code: :meth:`regional_agent.job_state.WorkerJobState.build` and ``ready``
-(which wrap the model with :func:`regional_agent.parallelism.wrap` and build the task's
-optimizer), then :func:`regional_agent.inner_loop.train_round`, whose stop check is the
+the worker's own code: :meth:`regional_agent.worker.job_state.WorkerJobState.build` and ``ready``
+(which wrap the model with :func:`regional_agent.worker.parallelism.wrap` and build the task's
+optimizer), then :func:`regional_agent.worker.inner_loop.train_round`, whose stop check is the
 worker's per-step stop vote (a one-integer all-reduce). A first round of ``--warmup``
 steps is not timed; then ``--repeats`` rounds of ``--steps`` steps are.
 
@@ -26,11 +26,11 @@ share of the plain loop's speed on the same device (its GPU, or on the CPU its s
 the cores: ``--threads`` split evenly between the ranks, which the plain loop runs with
 too, as rank 0). The target is a ratio of at least 0.95. The region's figures are the
 worker's own
-(:func:`regional_agent.inner_loop.region_stats`: the slowest rank's time, the largest
+(:func:`regional_agent.worker.inner_loop.region_stats`: the slowest rank's time, the largest
 rank's peak CUDA memory, the time waiting for batches and, under DDP, with a gradient
-all-reduce in flight). MFU is :func:`regional_agent.flops.flops_utilisation` of the
+all-reduce in flight). MFU is :func:`regional_agent.handoff.flops.flops_utilisation` of the
 task's ``flops_per_token`` and the devices' peak: the table of known GPUs by precision
-(:func:`regional_agent.flops.peak_flops`) or ``--peak-flops``; on a CPU without
+(:func:`regional_agent.handoff.flops.peak_flops`) or ``--peak-flops``; on a CPU without
 ``--peak-flops`` it is left out, never guessed.
 
 Writes ``benchmarks/results/training_throughput.json`` (with the machine description)
@@ -44,7 +44,6 @@ import contextlib
 import gc
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -63,12 +62,13 @@ from benchmarks._report import publish
 from geofed.examples.llama import PRESETS, LlamaOptions
 from geofed.fsutil import atomic_write_bytes
 from geofed.params import federated_state
+from geofed.ports import unused_port
 from geofed.task import DataShard, Task
 from geofed.training_config import Parallelism, Precision, TrainingConfig
-from regional_agent.flops import flops_utilisation, peak_flops
-from regional_agent.handoff import RoundInstruction
-from regional_agent.inner_loop import RankTotals, RoundPlan, region_stats, train_round
-from regional_agent.job_state import WorkerJobState
+from regional_agent.handoff.flops import flops_utilisation, peak_flops
+from regional_agent.handoff.messages import RoundInstruction
+from regional_agent.worker.inner_loop import RankTotals, RoundPlan, region_stats, train_round
+from regional_agent.worker.job_state import WorkerJobState
 
 RESULTS = Path(__file__).resolve().parent / "results"
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -94,7 +94,8 @@ class Settings:
     threads: int
     backend: str
     peak_flops: dict[str, float]
-    """``--peak-flops`` by precision; other precisions take :mod:`regional_agent.flops`'s."""
+    """``--peak-flops`` by precision; other precisions take
+    :mod:`regional_agent.handoff.flops`'s."""
     out: Path
 
     def record(self) -> dict[str, Any]:
@@ -431,20 +432,13 @@ def run_child(args: list[str]) -> int:
 # -- the parent: groups, figures, report --------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
 def _group(settings: Settings, world: int, work: Path) -> list[dict[str, Any]]:
     """Run a group of ``world`` rank processes through every configuration."""
     settings_path = work / "settings.json"
     settings_path.write_text(json.dumps(settings.record()))
     out = work / f"group-{world}.json"
     command = [sys.executable, "-m", "benchmarks.training_throughput", CHILD_FLAG]
-    port = str(_free_port())
+    port = str(unused_port())
     procs = []
     try:
         for rank in range(world):

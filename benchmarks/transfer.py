@@ -7,9 +7,9 @@ A coordinator daemon runs as its own process (``geofed coordinator``, mutual TLS
 the embedded MQTT broker) on a throwaway PKI and the example configs. For each trial a
 fresh job of the example charlm task, sized so that its int8 delta is about ``--mb`` MB,
 is submitted; the region eu-west's agent code then uploads one delta for its round 0
-with :class:`regional_agent.uploader.Uploader` (manifest, every chunk, commit; each chunk
+with :class:`regional_agent.transfer.uploader.Uploader` (manifest, every chunk, commit; each chunk
 answered only once durable) over a fresh client session built as the agent builds it
-(:func:`regional_agent.coordinator_client.build_session`), and the job is cancelled.
+(:func:`regional_agent.transfer.coordinator_client.build_session`), and the job is cancelled.
 
 Two links: ``loopback`` (straight to the coordinator's port) and ``wan`` (through the
 userspace WAN emulator, :mod:`geofed.wanemu`, with ``--rtt-ms`` round-trip time split
@@ -18,7 +18,7 @@ evenly over both directions and an optional bandwidth cap per connection directi
 1 is the serial baseline); trials are interleaved (repeat, link, window) so that drift in
 the machine's load spreads over every configuration. Each first trial of a repeat and link
 also times the download of θ_0's snapshot (one streamed GET,
-:meth:`regional_agent.coordinator_client.CoordinatorClient.download`).
+:meth:`regional_agent.transfer.coordinator_client.CoordinatorClient.download`).
 
 Reported: MB/s (10^6 bytes of encoded delta per second, manifest to commit answer) per
 trial, and the median per (link, window) with its ratio to window 1. The coordinator,
@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import socket
 import statistics
 import sys
 import tempfile
@@ -55,15 +54,15 @@ from geofed.codec import ErrorFeedback
 from geofed.codec_params import CodecParams
 from geofed.control.broker import EmbeddedBroker
 from geofed.pki import client_ssl_context, load_trust_bundle
+from geofed.ports import unused_port
 from geofed.types import ArtifactKind
 from geofed.wanemu import LinkSettings, WanProxy
 from geofed_cli.demo.configs import find_examples, write_demo_configs
 from geofed_cli.demo.federation import create_demo_federation
 from geofed_cli.demo.processes import ChildSet
 from regional_agent.config import AgentConfig, load_config
-from regional_agent.coordinator_client import CoordinatorClient, build_session
 from regional_agent.credentials import Credentials, load_credentials
-from regional_agent.delta import (
+from regional_agent.rounds.delta import (
     DeltaOrigin,
     EncodedDelta,
     delta_manifest,
@@ -71,8 +70,9 @@ from regional_agent.delta import (
     sign_delta,
 )
 from regional_agent.state import DeltaMeta, JobDirectory, SpooledDelta
-from regional_agent.sync import snapshot_params, verify_artifact
-from regional_agent.uploader import Uploader
+from regional_agent.transfer.coordinator_client import CoordinatorClient, build_session
+from regional_agent.transfer.sync import snapshot_params, verify_artifact
+from regional_agent.transfer.uploader import Uploader
 
 REPO = Path(__file__).resolve().parents[1]
 OUT = REPO / "benchmarks" / "results" / "transfer.json"
@@ -108,12 +108,6 @@ class Federation:
     job: dict[str, Any]
     children: ChildSet
     spool_root: Path
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def task_options(mb: float) -> dict[str, int]:
@@ -258,7 +252,7 @@ async def run(settings: Settings) -> dict[str, Any]:
         federation = await asyncio.to_thread(
             create_demo_federation, work / "pki", FEDERATION, REGIONS
         )
-        port = _free_port()
+        port = unused_port()
         async with EmbeddedBroker(port=0) as broker:
 
             def customize(name: str, data: dict[str, Any]) -> None:

@@ -19,14 +19,14 @@ figures describe, and a round's communication should stay a comparable share of 
 compute. The RTT is not scaled. The report states the link actually emulated.
 
 What is measured comes from each agent's round timeline (``round_timeline.jsonl`` in its
-state directory, :mod:`regional_agent.round_timeline`): per region and round the training
+state directory, :mod:`regional_agent.rounds.timeline`): per region and round the training
 seconds (the workers' inner loop) and the overhead: ``sync`` (download and apply θ),
 ``load`` (the rest of the worker group's round: handing θ over, loading it, handing the
 result back), ``encode`` (encode, sign, spool), ``upload`` and ``wait`` (from the delta's
 acceptance to the next round's announcement: quorum, aggregation, outer step,
 publication). The last round's ``wait`` runs to the job's end (the final evaluation
 included) and is left out of the means. Compute utilization is the union of a region's
-training intervals over their span (:func:`regional_agent.utilization.compute_utilization`).
+training intervals over their span (:func:`regional_agent.handoff.utilization.compute_utilization`).
 
 Figures from a busy machine are slow and noisy; the machine and its load are stated.
 """
@@ -52,12 +52,12 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from benchmarks._machine import describe_machine, machine_line
 from benchmarks._report import publish
-from coordinator.jobspec import JobSpec
+from coordinator.jobs.spec import JobSpec
 from geofed.examples.charlm.task import CharLMOptions, CharLMTask
 from geofed.wanemu import WanProxy
 from geofed.wanspec import WanLink, WanSpecError, parse_bandwidth, parse_duration
-from regional_agent.round_timeline import RoundTimeline, read_timeline
-from regional_agent.utilization import compute_utilization
+from regional_agent.handoff.utilization import compute_utilization
+from regional_agent.rounds.timeline import RoundTimeline, read_timeline
 from tests.support.federation import EXAMPLES, running_federation
 
 REGIONS = ("eu-west", "us-east")

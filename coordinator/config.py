@@ -46,7 +46,7 @@ from pydantic import (
     model_validator,
 )
 
-from coordinator.quarantine import QuarantineConfig
+from coordinator.rounds.quarantine import QuarantineConfig
 from geofed.backoff import Backoff
 from geofed.config_sections import ConfigSection, IdentityConfig, MqttConfig
 from geofed.loopback import is_loopback
@@ -277,7 +277,7 @@ class LimitsConfig(ConfigSection):
         description="the most resident memory a process running a job's task code for the "
         "coordinator may take: the child that builds the initial parameters of a model "
         "larger than 64M parameters or one the meta device cannot build "
-        "(coordinator.initial_build), and the evaluation process; stopped past it",
+        "(coordinator.jobs.initial_build), and the evaluation process; stopped past it",
     )
     build_timeout_s: float = Field(
         default=900.0,
@@ -388,7 +388,7 @@ class CoordinatorConfig(ConfigSection):
     admins: tuple[Annotated[str, AfterValidator(_admin_name)], ...] = Field(
         default=(),
         description="operator names (operator/<name>) that manage every team's jobs and may "
-        "preempt; other operators manage only their team's jobs (coordinator.teams)",
+        "preempt; other operators manage only their team's jobs (coordinator.scheduling.teams)",
     )
     export_destinations: dict[
         Annotated[str, AfterValidator(_team_name)], tuple[ExportDestination, ...]
@@ -397,7 +397,7 @@ class CoordinatorConfig(ConfigSection):
         description="where each team's operators may export a job's model: team -> "
         "destinations (storage:NAME, jurisdiction:CODE), decided then by the residency "
         "policies; a team not listed exports nowhere; admins may name any destination "
-        "(coordinator.teams)",
+        "(coordinator.scheduling.teams)",
     )
     log_level: LogLevel | None = Field(
         default=None,

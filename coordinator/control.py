@@ -3,7 +3,7 @@
 It publishes each job's round announcement (retained, re-published after every
 reconnect so a broker that lost it gets it back), events and region commands, and
 follows every region's retained status to know which regions are up (a Last Will wins
-over the statuses it outlived: :func:`coordinator.region_status.take_status`). A publish
+over the statuses it outlived: :func:`coordinator.rounds.region_status.take_status`). A publish
 that cannot be acknowledged in time is logged, never raised into the round engine: the
 announcement is re-sent when the link comes back. Agents learn of rounds only from these
 announcements; over HTTPS they download parameters and upload deltas, and an upload into
@@ -23,7 +23,7 @@ from typing import Literal
 
 from coordinator.config import CoordinatorConfig
 from coordinator.metrics import CoordinatorMetrics
-from coordinator.region_status import RegionView, take_status
+from coordinator.rounds.region_status import RegionView, take_status
 from geofed.control import (
     Command,
     ControlClient,

@@ -11,8 +11,8 @@ the port cannot be bound, the state database is unusable or the daemon crashed,
 policies) or systemd environment, printed as ``file:line: key: message`` lines.
 
 With ``state_store.leader_lease`` several coordinators share one PostgreSQL state and
-one of them serves (:mod:`coordinator.leadership`): the others stand by, serving only
-reads on their address (:mod:`coordinator.standby_app`; ``/readyz`` 503), until the
+one of them serves (:mod:`coordinator.ha.leadership`): the others stand by, serving only
+reads on their address (:mod:`coordinator.api.standby`; ``/readyz`` 503), until the
 leader's lease runs out or is released, then take over on the same address (a shared
 name or virtual IP the agents use). A leader that loses its lease stops and
 exits ``RUNTIME``, so that systemd restarts it as a standby; a clean stop releases it.
@@ -36,16 +36,16 @@ from pathlib import Path
 from aiohttp import web
 from prometheus_client import CollectorRegistry
 
-from coordinator.app import create_app
+from coordinator.api.app import create_app
+from coordinator.api.server import CoordinatorRunner
+from coordinator.api.standby import standing_by
 from coordinator.config import ConfigError, load_config
-from coordinator.http_server import CoordinatorRunner
-from coordinator.leader_lease import Fence
-from coordinator.leadership import Deposed, Leadership, holder_name
+from coordinator.ha.leadership import Deposed, Leadership, holder_name
+from coordinator.ha.lease import Fence
 from coordinator.reload import apply_reload, prepare_reload
 from coordinator.runtime import Runtime, load_runtime
 from coordinator.scheduling.config import load_scheduling_config
-from coordinator.standby_app import standing_by
-from coordinator.store import StoreError
+from coordinator.state.store import StoreError
 from geofed.exit_codes import ExitCode
 from geofed.reload import apply_log_level
 from geofed.reloader import Reloader

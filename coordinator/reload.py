@@ -17,9 +17,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from coordinator.artifacts import Location
 from coordinator.config import ConfigError, CoordinatorConfig, load_config
 from coordinator.runtime import Runtime, policies_with_locations
+from coordinator.storage.artifacts import Location
 from geofed.pki import PKIError, TrustBundle, load_trust_bundle, read_certificate
 from geofed.reload import ReloadReport, apply_log_level, changed_keys, describe_bundle_reload
 from policies import PolicySet

@@ -11,12 +11,12 @@ rule); the round engine calls :meth:`~ResidencyGate.decide` and fails the job on
 
 from __future__ import annotations
 
-from coordinator.async_store import AsyncStore
-from coordinator.audit import AuditEvent, AuditVerdict
-from coordinator.context import JobContext
-from coordinator.delta_checks import delta_provenance
 from coordinator.errors import ApiError
+from coordinator.intake.delta_checks import delta_provenance
+from coordinator.jobs.context import JobContext
 from coordinator.metrics import CoordinatorMetrics
+from coordinator.state.async_store import AsyncStore
+from coordinator.state.audit import AuditEvent, AuditVerdict
 from geofed.manifest import SignedManifest
 from geofed.types import ArtifactKind, Identity
 from policies import Decision, PolicySet, Transfer, decide_transfer

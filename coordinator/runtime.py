@@ -21,10 +21,10 @@ from cryptography import x509
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 
-from coordinator.artifacts import Location, Signer
 from coordinator.config import ConfigError, CoordinatorConfig
 from coordinator.faults import FaultError, FaultPoints
-from coordinator.working_state import ParamsStore
+from coordinator.storage.artifacts import Location, Signer
+from coordinator.storage.working_state import ParamsStore
 from geofed.blobstore import FsBlobStore
 from geofed.pki import (
     CertificateRefused,

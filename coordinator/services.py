@@ -5,13 +5,13 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from coordinator.async_store import AsyncStore
 from coordinator.config import CoordinatorConfig
 from coordinator.control import ControlPlane
 from coordinator.executors import Executors
 from coordinator.metrics import CoordinatorMetrics
 from coordinator.residency import ResidencyGate
 from coordinator.runtime import Runtime
+from coordinator.state.async_store import AsyncStore
 from geofed.types import Identity
 
 __all__ = ["Services"]

@@ -7,7 +7,7 @@ round are the expected ones, every frame matches its chunk record, and the strea
 :func:`snapshot_params` and :func:`apply_verified_update` check the parameters they give
 against the manifest's ``parameters_hash`` (and an update's ``base_hash``).
 
-A regional agent resyncing (``regional_agent.sync``) and ``geofed export`` rebuilding a
+A regional agent resyncing (``regional_agent.transfer.sync``) and ``geofed export`` rebuilding a
 published model share it, so both trust exactly the same things. Pure and blocking.
 """
 

@@ -21,7 +21,7 @@ An ``overlap: streaming`` job steps one fragment of the model per round
 (:meth:`OuterOptimizer.step_subset`): the other tensors' momentum waits for their turn.
 
 In the shared core because a region replays it too (:mod:`geofed.eager_start`); the
-coordinator takes it from :mod:`coordinator.outer_optimizer`.
+coordinator takes it from :mod:`coordinator.aggregation.outer_optimizer`.
 """
 
 from __future__ import annotations

@@ -178,9 +178,9 @@ async def _from_coordinator(
 
 
 def _from_store(args: argparse.Namespace, trust: Any) -> tuple[Any, str | None, None]:
-    from coordinator.artifacts import Location
-    from coordinator.checkpoints import CheckpointError, CheckpointStore
-    from coordinator.init_source import rebuild_version
+    from coordinator.jobs.init_source import rebuild_version
+    from coordinator.storage.artifacts import Location
+    from coordinator.storage.checkpoints import CheckpointError, CheckpointStore
     from geofed.blobstore import FsBlobStore
     from geofed.export import ExportError
     from geofed.types import InvalidName, validate_name

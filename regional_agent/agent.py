@@ -5,7 +5,7 @@
 rounds, restarted by its own supervision), and the round driver. It subscribes to every
 job's round announcement (``jobs/+/round``) and to its own commands
 (``regions/<region>/commands``), drops repeated messages by id, and runs one round at a
-time through :class:`~regional_agent.pipeline.RoundPipeline`.
+time through :class:`~regional_agent.rounds.pipeline.RoundPipeline`.
 
 Scheduling: the latest announcement of each job is kept; a job's round is run when it
 is ``open``, this region participates, the job is neither paused nor cancelled, and the
@@ -33,7 +33,7 @@ Metrics: the agent feeds its :class:`~regional_agent.metrics.AgentMetrics` with 
 round ended, whether a job it takes part in is under way (the wall time of compute
 utilisation), and drops a job's series once the coordinator announces it done or
 cancelled; the pipeline, the synchronizer and the uploader record the rest. Each round's
-timeline (:mod:`regional_agent.round_timeline`) is kept in the state directory; the next
+timeline (:mod:`regional_agent.rounds.timeline`) is kept in the state directory; the next
 announcement of a job ends the previous round's ``wait``.
 :meth:`Agent.refresh_metrics` reads the live values (MQTT connection, worker-group
 restarts) before each scrape.
@@ -68,20 +68,20 @@ from geofed.pki import client_ssl_context, mqtt_username
 from geofed.timeouts import wait_event
 from policies import PolicySet
 from regional_agent.config import AgentConfig, dataset_locations, training_datasets
-from regional_agent.coordinator_client import CoordinatorClient, build_session
 from regional_agent.credentials import Credentials
 from regional_agent.drain import DrainDecision, decide
-from regional_agent.launch_backends import make_launcher
-from regional_agent.launcher import Launcher
+from regional_agent.launch.backends import make_launcher
+from regional_agent.launch.launcher import Launcher
+from regional_agent.launch.worker_group import WorkerGroup, WorkerGroupConfig, WorkerGroupFailed
 from regional_agent.metrics import AgentMetrics
-from regional_agent.pipeline import PipelineRegion, RetryLater, RoundEnd, RoundPipeline
-from regional_agent.round_timeline import Timeline
-from regional_agent.schedule import Running, Schedule, Stop
+from regional_agent.rounds.pipeline import PipelineRegion, RetryLater, RoundEnd, RoundPipeline
+from regional_agent.rounds.schedule import Running, Schedule, Stop
+from regional_agent.rounds.timeline import Timeline
 from regional_agent.state import AgentState
 from regional_agent.status import StatusReporter, offline_status, probe_capacity
-from regional_agent.sync import Synchronizer
-from regional_agent.uploader import Uploader
-from regional_agent.worker_group import WorkerGroup, WorkerGroupConfig, WorkerGroupFailed
+from regional_agent.transfer.coordinator_client import CoordinatorClient, build_session
+from regional_agent.transfer.sync import Synchronizer
+from regional_agent.transfer.uploader import Uploader
 
 log = logging.getLogger(__name__)
 

@@ -75,10 +75,11 @@ from policies.validation import validate_document
 from policies.yaml_loader import load_located
 from regional_agent.credentials import AgentIdentityConfig, CredentialsError, load_credentials
 from regional_agent.drain import DrainConfig
-from regional_agent.launch_spec import check_env_patterns, parse_endpoint, passthrough_env
-from regional_agent.launcher import LauncherConfigError, LocalLauncherConfig
-from regional_agent.ranks import AUTO
-from regional_agent.transfer_config import TransferConfig
+from regional_agent.handoff.settings import LauncherConfigError
+from regional_agent.launch.launcher import LocalLauncherConfig
+from regional_agent.launch.ranks import AUTO
+from regional_agent.launch.spec import check_env_patterns, parse_endpoint, passthrough_env
+from regional_agent.transfer.config import TransferConfig
 
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
@@ -159,7 +160,7 @@ class WorkersConfig(ConfigSection):
     launcher: Literal["local", "slurm"] = Field(
         default="local",
         description="local: this node's elastic launcher (the other nodes run "
-        "regional_agent.launch_node); slurm: srun starts every node",
+        "regional_agent.launch.node); slurm: srun starts every node",
     )
     rdzv_endpoint: str | None = Field(
         default=None,
@@ -290,7 +291,7 @@ class WorkersConfig(ConfigSection):
         ):
             raise ValueError(
                 "nnodes > 1 with the local launcher needs rdzv_endpoint (host:port of this "
-                "head node, where the other nodes' regional_agent.launch_node meet it) and "
+                "head node, where the other nodes' regional_agent.launch.node meet it) and "
                 "rdzv_id"
             )
         try:

@@ -4,8 +4,8 @@ SIGHUP reloads what a running agent can change (:mod:`regional_agent.reload`): t
 region's policy and datasets, the trust bundle's revocations and ``log_level``; it logs
 what was reloaded, what needs a restart, and refuses (changing nothing) a file that does
 not load. No exit leaves the worker group behind: a stop stops it, and the launcher
-process (the elastic launcher of :class:`~regional_agent.launcher.LocalElasticLauncher`,
-or ``srun`` under :class:`~regional_agent.slurm_launcher.SlurmLauncher`) gets SIGTERM
+process (the elastic launcher of :class:`~regional_agent.launch.launcher.LocalElasticLauncher`,
+or ``srun`` under :class:`~regional_agent.launch.slurm.SlurmLauncher`) gets SIGTERM
 from the kernel when the agent dies, even by SIGKILL.
 
 Exit codes are :class:`geofed.exit_codes.ExitCode`, the table both daemons share:
@@ -135,6 +135,60 @@ def main(config_path: Path | str) -> int:
     return ExitCode.OK
 
 
+_STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+class _Signals:
+    """What a stop signal does: the first SIGTERM drains (a spot notice: finish the round if
+    the grace allows, :mod:`regional_agent.drain`), SIGINT or a second signal stops; systemd
+    hears why once."""
+
+    def __init__(self, agent: Agent, notifier: Notifier) -> None:
+        self._agent = agent
+        self._notifier = notifier
+        self.stopping = False
+
+    def stop(self, reason: str) -> None:
+        if not self.stopping:
+            self.stopping = True
+            self._notifier.stopping(reason)
+
+    def on_signal(self, signum: int) -> None:
+        name = signal.Signals(signum).name
+        if signum == signal.SIGTERM and not self.stopping:
+            log.info("received %s; draining, then stopping", name)
+            self.stop(f"offline: {name} received, draining")
+            self._agent.request_drain()
+            return
+        log.info("received %s; stopping", name)
+        self.stop(f"offline: {name} received, stopping")
+        self._agent.request_stop()
+
+
+def _on_sighup(
+    loop: asyncio.AbstractEventLoop,
+    agent: Agent,
+    config: AgentConfig,
+    credentials: Credentials,
+    notifier: Notifier,
+    reload_from: tuple[Path, int] | None,
+) -> Reloader[PreparedAgentReload] | None:
+    """SIGHUP reloads the config file ``reload_from`` names (its path, and the log level
+    without its ``log_level``); without one it is ignored, with a warning."""
+    if reload_from is None:
+        loop.add_signal_handler(signal.SIGHUP, log.warning, "SIGHUP ignored: no config file")
+        return None
+    path, default_level = reload_from
+    reloader = Reloader(
+        lambda: prepare_reload(config, credentials, path),
+        lambda prepared: apply_reload(agent, credentials, prepared, default_level),
+        notifier,
+        "configuration",
+    )
+    loop.add_signal_handler(signal.SIGHUP, reloader.request)
+    return reloader
+
+
 async def serve(
     config: AgentConfig,
     credentials: Credentials,
@@ -180,41 +234,11 @@ async def serve(
         notifier.status(describe(status))
 
     agent.status.add_listener(tell_systemd)
-    stopping = False
-
-    def stop(reason: str) -> None:
-        nonlocal stopping
-        if not stopping:
-            stopping = True
-            notifier.stopping(reason)
-
-    def on_signal(signum: int) -> None:
-        name = signal.Signals(signum).name
-        if signum == signal.SIGTERM and not stopping:
-            # A spot notice: finish the round if the grace allows (regional_agent.drain).
-            log.info("received %s; draining, then stopping", name)
-            stop(f"offline: {name} received, draining")
-            agent.request_drain()
-            return
-        log.info("received %s; stopping", name)
-        stop(f"offline: {name} received, stopping")
-        agent.request_stop()
-
+    signals = _Signals(agent, notifier)
     loop = asyncio.get_running_loop()
-    signals = (signal.SIGTERM, signal.SIGINT)
-    for signum in signals:
-        loop.add_signal_handler(signum, on_signal, signum)
-    if reload_from is None:
-        loop.add_signal_handler(signal.SIGHUP, log.warning, "SIGHUP ignored: no config file")
-    else:
-        path, default_level = reload_from
-        reloader = Reloader(
-            lambda: prepare_reload(config, credentials, path),
-            lambda prepared: apply_reload(agent, credentials, prepared, default_level),
-            notifier,
-            "configuration",
-        )
-        loop.add_signal_handler(signal.SIGHUP, reloader.request)
+    for signum in _STOP_SIGNALS:
+        loop.add_signal_handler(signum, signals.on_signal, signum)
+    reloader = _on_sighup(loop, agent, config, credentials, notifier, reload_from)
     watchdog: asyncio.Task[None] | None = None
     try:
         async with contextlib.AsyncExitStack() as stack:
@@ -239,12 +263,12 @@ async def serve(
             try:
                 await agent.run()
             finally:
-                stop("offline: stopping")
+                signals.stop("offline: stopping")
     finally:
         if watchdog is not None:
             watchdog.cancel()
             await asyncio.wait([watchdog])
-        for signum in (*signals, signal.SIGHUP):
+        for signum in (*_STOP_SIGNALS, signal.SIGHUP):
             loop.remove_signal_handler(signum)
         if reloader is not None:
             await reloader.close()

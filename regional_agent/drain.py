@@ -4,7 +4,8 @@ A spot instance gets a notice (SIGTERM) some time before it is taken away. The a
 then finishes the round in progress if the rest of it fits in the configured grace,
 and otherwise stops the worker group at once, at a step boundary (the workers agree on
 a stop every step). There the workers keep the round's inner state (parameters, inner
-optimizer state, step, RNG states and running totals: :mod:`regional_agent.inner_checkpoint`),
+optimizer state, step, RNG states and running totals:
+:mod:`regional_agent.worker.inner_checkpoint`),
 and the next start, asked for the same round from the same θ, resumes it at that step:
 the steps trained before the notice are kept and the delta is bit-identical to an
 uninterrupted round's. Asked for anything else, or with the state unreadable (or not

@@ -15,12 +15,12 @@ is ``geofed_agent_fp32_equivalent_bytes_total{direction="upload"} /
 geofed_agent_delta_bytes_total`` (both counted when the coordinator accepts a delta);
 ``geofed_agent_upload_bytes_total`` adds what retries re-sent (the WAN's cost).
 ``geofed_agent_round_phase_seconds{phase}`` shows where each finished round's time went
-(:mod:`regional_agent.round_timeline`: sync, train, encode, upload, wait).
+(:mod:`regional_agent.rounds.timeline`: sync, train, encode, upload, wait).
 
 Inside the region, each trained round sets what its workers measured
-(:class:`~regional_agent.training_stats.TrainingStats`): step time, tokens/s, time
+(:class:`~regional_agent.handoff.training_stats.TrainingStats`): step time, tokens/s, time
 waiting for data and in the gradient all-reduce, learning rate, gradient norm, peak
-accelerator memory, and the model FLOPs utilisation (:mod:`regional_agent.flops`). A
+accelerator memory, and the model FLOPs utilisation (:mod:`regional_agent.handoff.flops`). A
 figure that is unknown is not exported (no sample) rather than zero:
 :data:`ACCELERATOR_ONLY` names those a CPU region never has, and the MFU needs a known
 device or the operator's ``workers.peak_flops``; the all-reduce time exists under DDP.
@@ -46,8 +46,8 @@ from geofed import codec_params
 from geofed.metric_spec import MetricSpec, counter, gauge, histogram
 from geofed.training_config import Precision
 from geofed.types import ArtifactKind, InvalidName, validate_name
-from regional_agent.flops import flops_utilisation, peak_flops
-from regional_agent.training_stats import TrainingStats
+from regional_agent.handoff.flops import flops_utilisation, peak_flops
+from regional_agent.handoff.training_stats import TrainingStats
 
 __all__ = [
     "ACCELERATOR_ONLY",
@@ -74,7 +74,7 @@ TRANSFER_BUCKETS_S: Final = (
 PHASE_BUCKETS_S: Final = (
     0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0, 3600.0, 7200.0,
 )  # fmt: skip
-#: The phases of :mod:`regional_agent.round_timeline`.
+#: The phases of :mod:`regional_agent.rounds.timeline`.
 ROUND_PHASES: Final = frozenset({"sync", "train", "encode", "upload", "wait"})
 DIRECTIONS: Final = frozenset({"upload", "download"})
 SCHEMES: Final = frozenset(codec_params.SCHEMES)
@@ -360,7 +360,7 @@ class AgentMetrics:
     raises :class:`MetricsError` and records nothing. ``clock`` is a monotonic clock in
     seconds (injected by tests). ``peak_flops`` is the operator's peak FLOPs/s of one
     of this node's devices (``workers.peak_flops``), for the MFU where the device is not
-    in :data:`regional_agent.flops.PEAK_FLOPS`.
+    in :data:`regional_agent.handoff.flops.PEAK_FLOPS`.
     """
 
     def __init__(

@@ -10,7 +10,8 @@ cursor) in its own hand-off directory. Layout under the state directory::
                                         (or a held file: rank 0 keeps its tensors)
     jobs/<job>/progress.json            {"uploaded_round": r}: last delta the coordinator took
     jobs/<job>/eager.pt                 overlap_start eager: the outer optimizer's replica and
-                                        the last raw delta (:mod:`regional_agent.eager_start`)
+                                        the last raw delta
+                                        (:mod:`regional_agent.rounds.eager_start`)
     jobs/<job>/spool/round-<r>/         one encoded delta, kept until it is accepted:
         stream.bin                      the codec frames, concatenated
         residual.pt                     the residual this delta leaves behind (or a held file)
@@ -46,7 +47,7 @@ from geofed.fsutil import AtomicFile, atomic_write_bytes, fsync_dir, replace_dur
 from geofed.manifest import ManifestError, SignedManifest, verify_chunk
 from geofed.params import parameters_vector_hash
 from geofed.types import validate_name
-from regional_agent.residual_file import residual_body
+from regional_agent.handoff.residual_file import residual_body
 
 log = logging.getLogger(__name__)
 
@@ -232,7 +233,8 @@ class JobDirectory:
 
     @property
     def feedback_path(self) -> Path:
-        """The residual after the last accepted delta (:mod:`regional_agent.residual_file`)."""
+        """The residual after the last accepted delta
+        (:mod:`regional_agent.handoff.residual_file`)."""
         return self.root / "feedback.pt"
 
     def load_feedback(self) -> ErrorFeedback:
@@ -269,7 +271,7 @@ class JobDirectory:
         """Store a delta before anything of it is sent; the manifest goes last.
 
         ``residual`` is the error feedback the delta leaves, or the durable residual file
-        rank 0 wrote beside it (:mod:`regional_agent.residual_file`), linked here.
+        rank 0 wrote beside it (:mod:`regional_agent.handoff.residual_file`), linked here.
         """
         directory = self.spool_dir(round_)
         if directory.exists():

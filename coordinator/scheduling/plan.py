@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from coordinator.scheduling.admission import Blocker, CapacityDecision, admit
@@ -61,103 +61,137 @@ def plan(
     intervals: Iterable[RunInterval] = (),
 ) -> Plan:
     """Decide, at ``now``, which waiting jobs start, which wait and which jobs stop."""
-    by_name = {region.name: region for region in regions}
-    working = {job.name: job for job in jobs}
-    if len(working) != len(jobs):
+    if len({job.name for job in jobs}) != len(jobs):
         raise ValueError("job names must be unique")
     held = concurrent_gpus(jobs)
-    hours = team_gpu_hours(intervals, config, now)
     order = queue_order(jobs, now, held, config)
-    held_back: dict[str, dict[str, Free]] = {}  # job -> region -> capacity held for it
-    admitted: list[CapacityDecision] = []
-    waiting: list[Wait] = []
-    preempted: list[Victim] = []
+    scheduling_pass = _Pass(
+        now, regions, jobs, config, held, team_gpu_hours(intervals, config, now)
+    )
+    for job in jobs:
+        if job.state is SchedulingState.QUEUED and job.claim:
+            scheduling_pass.hold_back(job, job.claim, claim=True)
+    for ranked in order:
+        scheduling_pass.decide(ranked)
+    return Plan(
+        tuple(order),
+        tuple(scheduling_pass.admitted),
+        tuple(scheduling_pass.waiting),
+        tuple(scheduling_pass.preempted),
+    )
 
-    # What the jobs hold, kept up to date as the pass admits; a what-if adds back what
-    # released jobs hold (free_capacity over every job per question would be quadratic).
-    base = free_capacity(regions, jobs)
-    reservations = 0
 
-    def free_for(job: str, released: Iterable[str] = ()) -> dict[str, Free]:
-        free = dict(base)
+class _Pass:
+    """One pass of :func:`plan` over the queue: what the jobs hold, kept up to date as it
+    admits, and the capacity held back for waiting jobs."""
+
+    def __init__(
+        self,
+        now: float,
+        regions: Sequence[Region],
+        jobs: Sequence[Job],
+        config: SchedulingConfig,
+        held: dict[str, int],
+        hours: Mapping[str, float],
+    ) -> None:
+        self._now = now
+        self._config = config
+        self._held = held
+        self._hours = hours
+        self._by_name = {region.name: region for region in regions}
+        self._working = {job.name: job for job in jobs}
+        # A what-if adds back what released jobs hold (free_capacity over every job per
+        # question would be quadratic).
+        self._base = free_capacity(regions, jobs)
+        self._held_back: dict[str, dict[str, Free]] = {}  # job -> region -> held for it
+        self._claims: set[str] = set()
+        self._held_rank: dict[str, int] = {}
+        self._reservations = 0
+        self.admitted: list[CapacityDecision] = []
+        self.waiting: list[Wait] = []
+        self.preempted: list[Victim] = []
+
+    def free_for(self, job: str, released: Iterable[str] = ()) -> dict[str, Free]:
+        """The capacity free for ``job`` were the ``released`` jobs gone."""
+        free = dict(self._base)
         for name in released:
-            other = working[name]
+            other = self._working[name]
             for where in other.placement:
-                if where in free and by_name[where].up:
+                if where in free and self._by_name[where].up:
                     free[where] = free[where].plus(other.need_in(where))
-        rank = config.priority_of(working[job].priority)
-        for holder, holds in held_back.items():
+        rank = self._config.priority_of(self._working[job].priority)
+        for holder, holds in self._held_back.items():
             # A claim binds every other job; a waiting job's hold only the jobs of its
             # class and below (it must not keep a higher class off idle capacity).
-            if holder != job and (holder in claims or rank <= held_rank[holder]):
+            if holder != job and (holder in self._claims or rank <= self._held_rank[holder]):
                 for name, amount in holds.items():
                     f = free[name]
                     free[name] = Free(f.gpus - amount.gpus, f.cpu_slots - amount.cpu_slots)
         return free
 
-    claims: set[str] = set()
-    held_rank: dict[str, int] = {}
-
-    def hold_back(job: Job, names: Iterable[str], *, claim: bool) -> None:
-        (claims.add if claim else claims.discard)(job.name)
-        held_rank[job.name] = config.priority_of(job.priority)
-        held_back[job.name] = {
+    def hold_back(self, job: Job, names: Iterable[str], *, claim: bool) -> None:
+        """Hold capacity in ``names`` for ``job``: a claim (victims are stopping for it) or
+        a reservation (it waited long enough)."""
+        (self._claims.add if claim else self._claims.discard)(job.name)
+        self._held_rank[job.name] = self._config.priority_of(job.priority)
+        self._held_back[job.name] = {
             name: Free(job.need_in(name).gpus, job.need_in(name).cpu_slots)
             for name in names
-            if name in by_name
+            if name in self._by_name
         }
 
-    for job in jobs:
-        if job.state is SchedulingState.QUEUED and job.claim:
-            hold_back(job, job.claim, claim=True)
-
-    for ranked in order:
+    def decide(self, ranked: Ranked) -> None:
+        """Admit the job ``ranked`` names, or say why it waits (preempting for it, or
+        holding capacity back for it, where the config allows)."""
         job = ranked.job
-        decision = admit(job, by_name, free_for(job.name), held, hours, config)
-        held_back.pop(job.name, None)
+        config = self._config
+        decision = admit(
+            job, self._by_name, self.free_for(job.name), self._held, self._hours, config
+        )
+        self._held_back.pop(job.name, None)
         if decision.admitted:
-            working[job.name] = dataclasses.replace(
-                job, state=SchedulingState.RUNNING, placement=decision.regions, started_at=now
+            running = dataclasses.replace(
+                job, state=SchedulingState.RUNNING, placement=decision.regions, started_at=self._now
             )
-            held[job.team] = held.get(job.team, 0) + working[job.name].gpus_held()
+            self._working[job.name] = running
+            self._held[job.team] = self._held.get(job.team, 0) + running.gpus_held()
             for where in decision.regions:
-                base[where] = base[where].minus(job.need_in(where))
-            admitted.append(decision)
-            continue
+                self._base[where] = self._base[where].minus(job.need_in(where))
+            self.admitted.append(decision)
+            return
         reason = decision.reason
         claim: tuple[str, ...] = ()
         if decision.blocker is Blocker.CAPACITY:
             choice = choose_victims(
                 job,
-                list(working.values()),
-                by_name,
-                functools.partial(free_for, job.name),
-                held,
-                hours,
+                list(self._working.values()),
+                self._by_name,
+                functools.partial(self.free_for, job.name),
+                self._held,
+                self._hours,
                 config,
             )
             reason = f"{reason}; {choice.reason}"
             for victim in choice.victims:
-                working[victim.job] = dataclasses.replace(
-                    working[victim.job], state=SchedulingState.PREEMPTING
+                self._working[victim.job] = dataclasses.replace(
+                    self._working[victim.job], state=SchedulingState.PREEMPTING
                 )
-                preempted.append(victim)
+                self.preempted.append(victim)
             if choice.admission is not None and choice.admission.admitted:
                 claim = choice.admission.regions
-                hold_back(job, claim, claim=True)
+                self.hold_back(job, claim, claim=True)
             elif (
                 config.reserve_after_s is not None
                 and ranked.waited_s >= config.reserve_after_s
-                and reservations < config.max_reservations
+                and self._reservations < config.max_reservations
             ):
-                reservations += 1
+                self._reservations += 1
                 usable = [
                     name
                     for name in job.regions
                     if name not in decision.shortfalls
                     or decision.shortfalls[name].lack is Lack.BUSY
                 ]
-                hold_back(job, usable[: job.min_regions], claim=False)
+                self.hold_back(job, usable[: job.min_regions], claim=False)
                 reason = f"{reason}; capacity held back for it after {ranked.waited_s:.0f} s"
-        waiting.append(Wait(job.name, decision.blocker, reason, ranked.effective, claim))
-    return Plan(tuple(order), tuple(admitted), tuple(waiting), tuple(preempted))
+        self.waiting.append(Wait(job.name, decision.blocker, reason, ranked.effective, claim))

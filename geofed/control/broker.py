@@ -156,6 +156,9 @@ class EmbeddedBroker:
         broker, self._broker = self._broker, None
         if broker is None:
             return
+        # Accepting stops first: amqtt disconnects its clients one after another before it
+        # closes its listener, and a client it let go could connect again meanwhile.
+        await self._close_listeners(broker)
         shutdown = asyncio.ensure_future(broker.shutdown())
         try:
             # amqtt disconnects its clients itself, in order, when it can; a moment later
@@ -170,7 +173,6 @@ class EmbeddedBroker:
             if not shutdown.done():
                 shutdown.cancel()
                 await asyncio.wait({shutdown})
-                await self._close_listeners(broker)
                 log.warning(
                     "embedded broker on %s: amqtt's shutdown did not finish in %.1f s; "
                     "its listener and connections were closed without it",

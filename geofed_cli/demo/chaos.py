@@ -130,7 +130,7 @@ class ChaosReport:
         }
 
 
-#: Audit verdicts of an action that took place (``coordinator.audit.AuditVerdict``).
+#: Audit verdicts of an action that took place (``coordinator.state.audit.AuditVerdict``).
 _DONE: Final = frozenset({"allow", "ok"})
 
 
@@ -292,7 +292,7 @@ class ChaosMonkey:
 
 
 def worker_pids(ancestor: int, proc: Path = Path("/proc")) -> list[int]:
-    """Worker processes (``regional_agent.worker``) descended from ``ancestor``, by pid.
+    """Worker processes (``regional_agent.worker.rank``) descended from ``ancestor``, by pid.
 
     The agent starts its launcher in a session of its own, so descent, not the session,
     tells its workers apart; the launcher's own command line names the worker module, so
@@ -325,7 +325,7 @@ def worker_pids(ancestor: int, proc: Path = Path("/proc")) -> list[int]:
     named = {
         pid
         for pid, command in commands.items()
-        if b"regional_agent.worker" in command and descends(pid)
+        if b"regional_agent.worker.rank" in command and descends(pid)
     }
     # The launcher names the worker module too: a worker is a leaf among them.
     return sorted(pid for pid in named if not any(parents.get(other) == pid for other in named))

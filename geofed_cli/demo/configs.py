@@ -19,7 +19,7 @@ import yaml
 from geofed.fsutil import atomic_write_bytes
 from geofed_cli.demo.federation import DemoFederation
 from geofed_cli.demo.placement import Placement
-from regional_agent.ranks import AUTO, VISIBLE_DEVICES_ENV
+from regional_agent.launch.ranks import AUTO, VISIBLE_DEVICES_ENV
 
 #: The regions the example policies describe, in the order ``--regions N`` takes them.
 DEMO_REGIONS: tuple[str, ...] = ("eu-west", "us-east", "ap-south")

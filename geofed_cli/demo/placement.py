@@ -6,7 +6,7 @@ rank each, since NCCL refuses two ranks of one group on one GPU. At least as man
 as regions: the GPUs are split into contiguous shares (sizes differing by at most one)
 and each region runs one NCCL rank per GPU of its share. Each agent gets its share as
 ``CUDA_VISIBLE_DEVICES`` in ``workers.env`` and ``workers.count: auto``, so its own
-launcher arrives at the same rank count (:func:`regional_agent.ranks.choose_ranks`).
+launcher arrives at the same rank count (:func:`regional_agent.launch.ranks.choose_ranks`).
 """
 
 from __future__ import annotations
@@ -15,7 +15,12 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from regional_agent.ranks import AUTO, VISIBLE_DEVICES_ENV, choose_ranks, parse_visible_devices
+from regional_agent.launch.ranks import (
+    AUTO,
+    VISIBLE_DEVICES_ENV,
+    choose_ranks,
+    parse_visible_devices,
+)
 
 
 @dataclass(frozen=True, slots=True)

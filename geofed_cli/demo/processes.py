@@ -39,8 +39,16 @@ class ChildFailed(RuntimeError):
 class Child:
     """One daemon process of the demo."""
 
-    def __init__(self, name: str, args: Sequence[str], log_file: Path, env: dict[str, str]) -> None:
+    def __init__(
+        self,
+        name: str,
+        args: Sequence[str],
+        log_file: Path,
+        env: dict[str, str],
+        group: str | None = None,
+    ) -> None:
         self.name = name
+        self.group = group
         self.args = list(args)
         self.log_file = log_file
         self.env = env
@@ -117,8 +125,28 @@ def _signal_group(pgid: int, sig: signal.Signals) -> None:
         os.killpg(pgid, sig)
 
 
+def stop_waves(children: Sequence[Child]) -> list[list[Child]]:
+    """The order in which ``children`` (as started) stop: the last started first, one
+    after another, but a group's children together, where its last started one stands."""
+    waves: list[list[Child]] = []
+    placed: set[int] = set()
+    for child in reversed(children):
+        if id(child) in placed:
+            continue
+        wave = [child]
+        if child.group is not None:
+            wave = [c for c in reversed(children) if c.group == child.group]
+        placed.update(id(c) for c in wave)
+        waves.append(wave)
+    return waves
+
+
 class ChildSet:
-    """The demo's children; leaving the context stops them all (last started, first stopped)."""
+    """The demo's children; leaving the context stops them all, the last started first.
+
+    Children started in one ``group`` (the regions' agents) stop together, at once, where
+    the group's last started one would stop: none of them waits for another.
+    """
 
     def __init__(
         self,
@@ -147,8 +175,8 @@ class ChildSet:
         self._given_up: dict[str, str] = {}
         self._stopping = False
 
-    async def start(self, name: str, args: Sequence[str]) -> Child:
-        child = Child(name, args, self.log_dir / f"{name}.log", self.env)
+    async def start(self, name: str, args: Sequence[str], *, group: str | None = None) -> Child:
+        child = Child(name, args, self.log_dir / f"{name}.log", self.env, group)
         self.children.append(child)
         await child.start()
         if self._policy is not None:
@@ -202,8 +230,9 @@ class ChildSet:
         if self._watchers:
             await asyncio.wait(self._watchers)
         codes: dict[str, int | None] = {}
-        for child in reversed(self.children):
-            codes[child.name] = await child.stop(self.stop_deadline_s)
+        for wave in stop_waves(self.children):
+            stopped = await asyncio.gather(*(c.stop(self.stop_deadline_s) for c in wave))
+            codes.update(zip((c.name for c in wave), stopped, strict=True))
         return codes
 
     async def __aenter__(self) -> Self:

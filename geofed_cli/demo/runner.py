@@ -14,7 +14,6 @@ import asyncio
 import contextlib
 import json
 import logging
-import socket
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -27,13 +26,14 @@ from geofed.api_paths import ApiPaths
 from geofed.control.broker import quiet_broker_logging
 from geofed.fsutil import atomic_write_bytes
 from geofed.pki import client_ssl_context, load_trust_bundle
+from geofed.ports import unused_port
 from geofed.wanspec import WanLink
 from geofed_cli.demo.browser import write_browser_credential
 from geofed_cli.demo.chaos import BrokerHolder, ChaosMonkey, judge_chaos, plan_chaos
-from geofed_cli.demo.configs import DEMO_REGIONS, find_examples, write_demo_configs
-from geofed_cli.demo.federation import create_demo_federation
+from geofed_cli.demo.configs import DEMO_REGIONS, DemoConfigs, find_examples, write_demo_configs
+from geofed_cli.demo.federation import DemoFederation, create_demo_federation
 from geofed_cli.demo.metrics_text import RestartSafeTotals, wan_bytes
-from geofed_cli.demo.placement import place, visible_devices
+from geofed_cli.demo.placement import Placement, place, visible_devices
 from geofed_cli.demo.processes import ChildSet
 from geofed_cli.demo.supervisor import RestartPolicy
 from geofed_cli.demo.utilization import format_utilization, utilization_by_region
@@ -118,27 +118,9 @@ class DemoSummary:
         return self.fp32_bytes_equivalent / sent if sent else None
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
 async def run_demo(options: DemoOptions, *, echo: Callable[[str], None] = print) -> DemoSummary:
     """Run the demo to the end of its job and return (and write) its summary."""
-    if not 1 <= options.regions <= len(DEMO_REGIONS):
-        raise DemoFailed(
-            f"--regions must be between 1 and {len(DEMO_REGIONS)}: the example policies "
-            f"describe {', '.join(DEMO_REGIONS)}"
-        )
-    if options.rounds < 1:
-        raise DemoFailed("--rounds must be at least 1")
-    regions = list(DEMO_REGIONS[: options.regions])
-    work = options.workdir.resolve()
-    if work.exists() and any(work.iterdir()):
-        raise DemoFailed(f"work dir {work} is not empty: pass a new --workdir or remove it")
-    work.mkdir(parents=True, exist_ok=True)
+    regions, work = _regions_and_workdir(options)
     examples = find_examples(options.examples)
     started = time.monotonic()
 
@@ -149,7 +131,7 @@ async def run_demo(options: DemoOptions, *, echo: Callable[[str], None] = print)
     echo(f"  PKI       federation {FEDERATION!r}: a CA and {len(regions) + 2} certificates")
 
     quiet_broker_logging()
-    http_port = _free_port()
+    http_port = unused_port()
     broker = BrokerHolder()
     await broker.start()
     async with (
@@ -193,22 +175,9 @@ async def run_demo(options: DemoOptions, *, echo: Callable[[str], None] = print)
                 connector=aiohttp.TCPConnector(ssl=ssl_context), timeout=timeout
             ) as http,
         ):
-            await children.start(
-                "coordinator", ["coordinator", "--config", str(configs.coordinator)]
+            await _start_federation(
+                children, http, base, configs, federation, placement, options, echo
             )
-            await _wait_ready(http, base, children, options.startup_timeout_s)
-            echo(f"  HTTPS     coordinator on {base} (mTLS)")
-            card = await asyncio.to_thread(write_browser_credential, federation.operator.directory)
-            echo(f"  status    {base}{ApiPaths.UI} while the demo runs: import {card.p12} into")
-            echo(f"            the browser (passphrase in {card.passphrase_file.name} beside it)")
-            for region in regions:
-                await children.start(
-                    f"agent-{region}", ["agent", "--config", str(configs.agents[region])]
-                )
-            echo(f"  placement {placement.describe()}")
-            echo(f"  agents    {placement.agents_line()}")
-            await _submit(http, base, configs.job)
-            echo(f"  job       {configs.job_id!r} admitted by every region's policy")
             monkey = None
             if options.chaos:
                 plan = plan_chaos(options.rounds, regions)
@@ -226,19 +195,79 @@ async def run_demo(options: DemoOptions, *, echo: Callable[[str], None] = print)
             summary.restarts = children.restarts()
             if monkey is not None:
                 await _cancel(chaos_task)
-                report = judge_chaos(
-                    configs.job_id,
-                    regions,
-                    await _audit(http, base),
-                    await _settled_statuses(http, base, configs.job_id, regions),
-                    monkey.injected,
-                )
-                summary.chaos = report.to_json()
+                summary.chaos = await _judge_chaos(http, base, configs.job_id, regions, monkey)
             echo("")
             echo("stopping the federation ...")
+    await _conclude(summary, work, regions, configs.job_id, echo)
+    return summary
+
+
+def _regions_and_workdir(options: DemoOptions) -> tuple[list[str], Path]:
+    """The demo's regions and its (new, empty) work directory; :class:`DemoFailed` says
+    what is wrong with the options."""
+    if not 1 <= options.regions <= len(DEMO_REGIONS):
+        raise DemoFailed(
+            f"--regions must be between 1 and {len(DEMO_REGIONS)}: the example policies "
+            f"describe {', '.join(DEMO_REGIONS)}"
+        )
+    if options.rounds < 1:
+        raise DemoFailed("--rounds must be at least 1")
+    work = options.workdir.resolve()
+    if work.exists() and any(work.iterdir()):
+        raise DemoFailed(f"work dir {work} is not empty: pass a new --workdir or remove it")
+    work.mkdir(parents=True, exist_ok=True)
+    return list(DEMO_REGIONS[: options.regions]), work
+
+
+async def _start_federation(
+    children: ChildSet,
+    http: aiohttp.ClientSession,
+    base: str,
+    configs: DemoConfigs,
+    federation: DemoFederation,
+    placement: Placement,
+    options: DemoOptions,
+    echo: Callable[[str], None],
+) -> None:
+    """Start the coordinator, then every region's agent, and submit the demo's job."""
+    await children.start("coordinator", ["coordinator", "--config", str(configs.coordinator)])
+    await _wait_ready(http, base, children, options.startup_timeout_s)
+    echo(f"  HTTPS     coordinator on {base} (mTLS)")
+    card = await asyncio.to_thread(write_browser_credential, federation.operator.directory)
+    echo(f"  status    {base}{ApiPaths.UI} while the demo runs: import {card.p12} into")
+    echo(f"            the browser (passphrase in {card.passphrase_file.name} beside it)")
+    for region in configs.agents:
+        await children.start(
+            f"agent-{region}", ["agent", "--config", str(configs.agents[region])], group="agents"
+        )
+    echo(f"  placement {placement.describe()}")
+    echo(f"  agents    {placement.agents_line()}")
+    await _submit(http, base, configs.job)
+    echo(f"  job       {configs.job_id!r} admitted by every region's policy")
+
+
+async def _judge_chaos(
+    http: aiohttp.ClientSession, base: str, job: str, regions: list[str], monkey: ChaosMonkey
+) -> dict[str, Any]:
+    """The chaos run's report: what was lost, and whether the regions agree."""
+    report = judge_chaos(
+        job,
+        regions,
+        await _audit(http, base),
+        await _settled_statuses(http, base, job, regions),
+        monkey.injected,
+    )
+    return report.to_json()
+
+
+async def _conclude(
+    summary: DemoSummary, work: Path, regions: list[str], job: str, echo: Callable[[str], None]
+) -> None:
+    """Measure, write and print the summary once the agents stopped; :class:`DemoFailed`
+    when the job did not complete or the chaos run lost work."""
     # After the agents stopped: each wrote its last rounds' timeline on the way out.
     summary.compute_utilization = await asyncio.to_thread(
-        utilization_by_region, work / "agents", regions, configs.job_id
+        utilization_by_region, work / "agents", regions, job
     )
     await asyncio.to_thread(_write_summary, work / "summary.json", summary)
     _print_summary(summary, work, echo)
@@ -248,7 +277,6 @@ async def run_demo(options: DemoOptions, *, echo: Callable[[str], None] = print)
         raise DemoFailed(
             f"the chaos run lost work or left regions apart; see {work / 'summary.json'}"
         )
-    return summary
 
 
 async def _published_rounds(http: aiohttp.ClientSession, base: str, job: str) -> int | None:

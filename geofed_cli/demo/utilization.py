@@ -1,9 +1,9 @@
 """The demo's compute utilization: read from each agent's round timeline.
 
 Each agent writes one line per finished round into ``round_timeline.jsonl`` of its state
-directory (:mod:`regional_agent.round_timeline`); a region's utilization is the union of
+directory (:mod:`regional_agent.rounds.timeline`); a region's utilization is the union of
 its workers' training intervals over the span from the first start to the last end
-(:func:`regional_agent.utilization.compute_utilization`).
+(:func:`regional_agent.handoff.utilization.compute_utilization`).
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import logging
 from collections.abc import Sequence
 from pathlib import Path
 
-from regional_agent.round_timeline import TimelineError, read_timeline
-from regional_agent.utilization import compute_utilization
+from regional_agent.handoff.utilization import compute_utilization
+from regional_agent.rounds.timeline import TimelineError, read_timeline
 
 log = logging.getLogger(__name__)
 

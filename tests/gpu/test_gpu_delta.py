@@ -24,9 +24,9 @@ from geofed.codec.quantized import dequantize
 from geofed.codec_params import CodecParams
 from geofed.params import parameters_vector_hash
 from geofed.training_config import TrainingConfig
-from regional_agent.delta import seal_worker_delta
-from regional_agent.handoff import DeltaRequest, RoundResult
-from regional_agent.residual_file import Residual, read_residual
+from regional_agent.handoff.messages import DeltaRequest, RoundResult
+from regional_agent.handoff.residual_file import Residual, read_residual
+from regional_agent.rounds.delta import seal_worker_delta
 from tests.support.gpu import llama_instruction, nccl_group, require_cuda, save_theta0
 
 SEQ_LEN, BATCH = 128, 8

@@ -1,7 +1,7 @@
 """The llama ``125m`` preset trains rounds on the GPU(s) under FSDP2 in bf16.
 
 Prints each round's tokens/s, model FLOPs utilisation (when the GPU's peak is known to
-:mod:`regional_agent.flops`) and peak memory, as the worker group measured them. Each
+:mod:`regional_agent.handoff.flops`) and peak memory, as the worker group measured them. Each
 round starts from the previous round's parameters, as if the region were alone.
 """
 
@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from geofed.training_config import TrainingConfig
-from regional_agent.flops import flops_utilisation, peak_flops
+from regional_agent.handoff.flops import flops_utilisation, peak_flops
 from tests.support.gpu import llama_instruction, nccl_group, require_cuda, save_theta0
 
 OPTIONS = {"preset": "125m", "seq_len": 512, "batch_size": 8, "val_batches": 1}

@@ -16,7 +16,8 @@ from aiohttp.test_utils import TestServer
 
 from geofed.timeouts import Timeouts
 from regional_agent.config import AgentConfig
-from regional_agent.coordinator_client import (
+from regional_agent.credentials import AgentIdentityConfig, Credentials, load_credentials
+from regional_agent.transfer.coordinator_client import (
     IDENTITY_HEADER,
     CoordinatorClient,
     HttpError,
@@ -24,7 +25,6 @@ from regional_agent.coordinator_client import (
     UntrustedServer,
     build_session,
 )
-from regional_agent.credentials import AgentIdentityConfig, Credentials, load_credentials
 from tests.support.agent_credentials import agent_credentials
 from tests.support.pki import Federation, Principal, make_federation
 

@@ -30,10 +30,11 @@ from pathlib import Path
 import pytest
 
 from geofed.control.broker import EmbeddedBroker
-from regional_agent.handoff import HandoffDir, RoundInstruction
-from regional_agent.inner_checkpoint import read_inner_checkpoint
-from regional_agent.launcher import LocalElasticLauncher
-from regional_agent.worker_group import WorkerGroup, WorkerGroupConfig
+from regional_agent.handoff.directory import HandoffDir
+from regional_agent.handoff.messages import RoundInstruction
+from regional_agent.launch.launcher import LocalElasticLauncher
+from regional_agent.launch.worker_group import WorkerGroup, WorkerGroupConfig
+from regional_agent.worker.inner_checkpoint import read_inner_checkpoint
 from tests.support.agent_processes import (
     JOB,
     REGIONS,
@@ -43,7 +44,7 @@ from tests.support.agent_processes import (
     delivered,
 )
 from tests.support.coordinator import coordinator, job_yaml, write_setup
-from tests.support.worker_group import launcher_config
+from tests.support.worker_group import launcher_config, wait_for_progress
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -64,17 +65,6 @@ def accepted(watcher: ControlWatcher, region: str, round_: int) -> bool:
         and s.detail.startswith("delta accepted")
         for s in watcher.statuses
     )
-
-
-async def steps_done(workers: Path, round_: int, steps: int) -> None:
-    """Wait until the worker group in ``workers`` reports ``steps`` steps of ``round_``."""
-    handoff = HandoffDir(workers)
-    for _ in range(600):
-        progress = handoff.read_progress(JOB, round_)
-        if progress is not None and progress.steps_done >= steps:
-            return
-        await asyncio.sleep(0.05)
-    pytest.fail(f"{workers}: round {round_} never got to step {steps}")
 
 
 def keep_for_reference(workers: Path, reference: Path) -> RoundInstruction:
@@ -157,7 +147,7 @@ async def test_a_spot_notice_finishes_the_round_in_the_grace_or_stops_at_a_step(
                         functools.partial(training, watcher, region, 1), 30, f"{region} training 1"
                     )
                     if region == "us-east":
-                        await steps_done(us_workers, 1, 2)
+                        await wait_for_progress(HandoffDir(us_workers), JOB, 1, 2)
                     group.procs[region].send_signal(signal.SIGTERM)
 
                 await asyncio.gather(*(notice(r) for r in REGIONS))

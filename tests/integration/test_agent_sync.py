@@ -31,9 +31,9 @@ from geofed.manifest import ArtifactProvenance, Manifest, build_manifest, sign_m
 from geofed.params import parameters_vector_hash, state_to_fp32
 from geofed.timeouts import Timeouts
 from geofed.types import ArtifactKind
-from regional_agent.coordinator_client import CoordinatorClient
 from regional_agent.state import ParamsVersion
-from regional_agent.sync import (
+from regional_agent.transfer.coordinator_client import CoordinatorClient
+from regional_agent.transfer.sync import (
     ArtifactRejected,
     ResyncFailed,
     Synchronizer,

@@ -27,13 +27,13 @@ from geofed.codec import ErrorFeedback
 from geofed.codec_params import CodecParams
 from geofed.manifest import SignedManifest
 from geofed.params import parameters_vector_hash, state_to_fp32
+from geofed.ports import unused_port
 from geofed.timeouts import Timeout, Timeouts
-from regional_agent.coordinator_client import CoordinatorClient
-from regional_agent.delta import DeltaOrigin, delta_manifest, encode_delta, sign_delta
+from regional_agent.rounds.delta import DeltaOrigin, delta_manifest, encode_delta, sign_delta
 from regional_agent.state import DeltaMeta, JobDirectory, SpooledDelta
-from regional_agent.uploader import BaseMismatch, RoundClosed, Uploader, UploadRefused
+from regional_agent.transfer.coordinator_client import CoordinatorClient
+from regional_agent.transfer.uploader import BaseMismatch, RoundClosed, Uploader, UploadRefused
 from tests.support.agent_credentials import agent_credentials
-from tests.support.mosquitto import free_port
 from tests.support.pki import make_federation
 from tests.support.tiny_task import TinyTask
 
@@ -334,7 +334,7 @@ async def test_refusals_end_the_upload_without_retrying(
 async def test_an_unreachable_coordinator_is_retried_until_the_upload_deadline(
     session: aiohttp.ClientSession, delta: SpooledDelta
 ) -> None:
-    url = f"http://127.0.0.1:{free_port()}/"
+    url = f"http://127.0.0.1:{unused_port()}/"
     sleep = PacedSleep()
     client = CoordinatorClient(
         session, url, Timeouts(connect_s=0.2, heartbeat_s=0.1, request_s=0.3, upload_s=0.5)

@@ -15,7 +15,7 @@ from typing import Any
 _DIGEST_CODE = textwrap.dedent(
     """
     import hashlib, numpy, torch
-    from coordinator.aggregation import aggregate
+    from coordinator.aggregation.weighted import aggregate
     class P:
         def __init__(self, name, offset, values):
             self.name, self.offset, self.count, self.values = name, offset, values.numel(), values

@@ -155,7 +155,6 @@ def test_round_overhead_smoke_measures_every_method(tmp_path: Path) -> None:
     assert all(check["met"] in (True, False) for check in report["targets"])
 
 
-@pytest.mark.timeout(300)
 def test_training_throughput_smoke_compares_each_config_with_plain_torch(tmp_path: Path) -> None:
     out = tmp_path / "training_throughput.json"
     argv = ["--smoke", "--peak-flops", "fp32=1e11", "--out", str(out)]

@@ -14,7 +14,6 @@ from benchmarks import scale
 pytestmark = pytest.mark.slow
 
 
-@pytest.mark.timeout(240)
 def test_scale_quick_reports_every_role(tmp_path: Path) -> None:
     out = tmp_path / "scale.json"
     argv = ["--quick", "--sizes", "0.03m,0.1m", "--inner-steps", "1", "--plain-steps", "2"]

@@ -13,7 +13,6 @@ from benchmarks import utilization
 pytestmark = pytest.mark.slow
 
 
-@pytest.mark.timeout(150)
 def test_utilization_smoke_reports_each_region_and_phase(tmp_path: Path) -> None:
     out = tmp_path / "utilization.json"
     assert utilization.main(["--smoke", "--modes", "none", "--out", str(out)]) == 0

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from coordinator.checkpoints import CheckpointStore
+from coordinator.storage.checkpoints import CheckpointStore
 from geofed.control.broker import EmbeddedBroker
 from tests.support.coordinator import (
     coordinator,

@@ -19,8 +19,8 @@ from torch import nn
 from torch.multiprocessing.spawn import spawn
 from torch.nn.parallel import DistributedDataParallel
 
-from regional_agent.comm_timer import CommTimer
-from tests.support.mosquitto import free_port
+from geofed.ports import unused_port
+from regional_agent.worker.comm_timer import CommTimer
 
 pytestmark = pytest.mark.integration
 
@@ -70,7 +70,7 @@ def _rank(rank: int, port: int, out: str) -> None:
 
 
 def test_the_timed_all_reduce_changes_nothing_and_measures_time(tmp_path: Path) -> None:
-    spawn(_rank, args=(free_port(), str(tmp_path)), nprocs=WORLD, join=True)
+    spawn(_rank, args=(unused_port(), str(tmp_path)), nprocs=WORLD, join=True)
 
     results = [torch.load(tmp_path / f"rank-{r}.pt", weights_only=True) for r in range(WORLD)]
     for result in results:

@@ -16,6 +16,7 @@ import pytest
 from geofed.control.broker import EmbeddedBroker
 from geofed.pki import CredentialFiles, load_credential
 from geofed.pki.httpauth import VerifiedConnector
+from geofed.ports import unused_port
 from geofed.types import Role
 from geofed_cli import main
 from tests.support.coordinator import coordinator, request, write_setup
@@ -24,12 +25,6 @@ from tests.support.pki import Principal
 pytestmark = pytest.mark.integration
 
 REPO = Path(__file__).resolve().parents[2]
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 async def _healthy(url: str, connector: aiohttp.BaseConnector, timeout_s: float) -> bool:
@@ -79,7 +74,7 @@ async def test_the_daemon_serves_until_sigterm_and_exits_0(tmp_path: Path) -> No
 async def _serve_until_sigterm(tmp_path: Path, systemd: Systemd) -> None:
     async with EmbeddedBroker() as broker:
         setup = write_setup(tmp_path, broker.port)
-        port = _free_port()
+        port = unused_port()
         config = setup.config_path
         config.write_text(config.read_text().replace("port: 0}", f"port: {port}}}"))
         process = await asyncio.create_subprocess_exec(

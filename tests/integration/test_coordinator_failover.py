@@ -6,7 +6,7 @@ shared filesystem) share a leader lease (``state_store.leader_lease``). Test cod
 as two regions feeds them the fixed deltas of ``tests/support/coordinator_daemon.py``.
 
 1. A leads; B stands by, answering reads from the shared state on its own port
-   (``coordinator/standby_app.py``: a job's state and round as the leader shows them,
+   (``coordinator/api/standby.py``: a job's state and round as the leader shows them,
    ``/readyz`` 503 naming the leader, ``/metrics`` with ``geofed_coordinator_leader`` 0
    where the leader's has 1, writes 503 ``standby``, the leader's role rules).
    A is killed with SIGKILL mid-publication of round 1 (its update

@@ -8,13 +8,13 @@ from pathlib import Path
 
 import pytest
 
-from coordinator.audit import AuditEntry, verify_chain
-from coordinator.job_evaluation import (
+from coordinator.publication.evaluation import (
     VAL_HISTORY_POINTER,
     VAL_LOSS_POINTER,
     format_history,
     format_val_loss,
 )
+from coordinator.state.audit import AuditEntry, verify_chain
 from geofed.control.broker import EmbeddedBroker
 from geofed.params import parameters_vector_hash
 from tests.support.coordinator import (

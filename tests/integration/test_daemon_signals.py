@@ -9,8 +9,9 @@ processes, mutual TLS) whose policies are a copy the test edits.
   for a restart, the coordinator refuses a job it admitted before, and eu-west's agent
   refuses its next round under its own reloaded policy.
 * SIGKILL of an agent: its elastic launcher and every worker are gone within seconds
-  (the kernel's parent-death signal), although the launcher leads a session of its own;
-  and with the launcher killed first, the workers stop because their launcher is gone.
+  (the kernel's parent-death signal), although the launcher leads a session of its own
+  (eu-west); and with the launcher killed first, the workers stop because their launcher
+  is gone (us-east). One federation holds both regions.
 """
 
 from __future__ import annotations
@@ -28,8 +29,9 @@ from typing import Any
 import pytest
 import yaml
 
-from regional_agent.handoff import HandoffDir
-from regional_agent.launcher import descendants
+from geofed.api_paths import ApiPaths
+from regional_agent.handoff.directory import HandoffDir
+from regional_agent.launch.launcher import descendants
 from tests.support.federation import EXAMPLES, FederationRun, running_federation
 from tests.support.waiting import alive
 
@@ -96,6 +98,12 @@ def hangup(fed: FederationRun, name: str) -> None:
     os.kill(child.pid, signal.SIGHUP)
 
 
+async def job_action(fed: FederationRun, action: str) -> None:
+    """Pause or resume the federation's job as its operator."""
+    async with fed.http.post(f"{fed.base}{ApiPaths.job_action(fed.job, action)}") as response:
+        assert response.status == 200, f"{action}: {response.status} {await response.text()}"
+
+
 async def region_entry(fed: FederationRun, region: str) -> dict[str, Any]:
     body = await fed.get("/v1/regions")
     return next(entry for entry in body["regions"] if entry["region"] == region)
@@ -128,6 +136,11 @@ async def test_sighup_reloads_both_daemons_and_a_policy_change_takes_effect(
         round_before = int((await fed.status())["round"])
         await fed.wait_round(round_before + 1, timeout_s=WAIT_S)  # the old policies hold
 
+        # Paused while the policies change: a round trained under the old policy and
+        # uploaded after the coordinator's reload would wait out its deadline instead.
+        await job_action(fed, "pause")
+        await fed.wait_for(lambda s: s.get("state") == "paused", timeout_s=WAIT_S, what="paused")
+
         # Deny eu-west's deltas; a new log level; a key only a restart applies.
         deny_eu_west_deltas(policies)
         edit_config(fed.configs.coordinator, log_level="DEBUG")
@@ -152,6 +165,7 @@ async def test_sighup_reloads_both_daemons_and_a_policy_change_takes_effect(
         assert "eu-west" in body["message"], body
 
         # eu-west's agent refuses its next round under its own reloaded policy.
+        await job_action(fed, "resume")
         deadline = time.monotonic() + WAIT_S
         entry: dict[str, Any] = {}
         while time.monotonic() < deadline:
@@ -166,51 +180,55 @@ async def test_sighup_reloads_both_daemons_and_a_policy_change_takes_effect(
         fed.children.check_alive()
 
 
-@pytest.mark.parametrize(
-    "victims",
-    [
-        pytest.param(("agent",), id="the-agent"),
-        # The launcher first: no parent-death signal reaches the workers then, they must
-        # notice by themselves that their launcher is gone.
-        pytest.param(("launcher", "agent"), id="the-launcher-and-the-agent"),
-    ],
-)
-async def test_a_killed_agent_leaves_no_worker_behind(
-    tmp_path: Path, victims: tuple[str, ...]
-) -> None:
-    async with running_federation(tmp_path, regions=("eu-west",), ranks=None) as fed:
-        workers_dir = fed.work / "agents" / "eu-west" / "workers"
-        handoff = HandoffDir(workers_dir)
-        deadline = time.monotonic() + WAIT_S
-        ready: list[int] = []
-        while time.monotonic() < deadline and not ready:
-            fed.children.check_alive()
-            statuses = handoff.read_rank_statuses()
-            if len(statuses) > 1 and all(s.state == "ready" for s in statuses):
-                ready = [s.pid for s in statuses]
-            else:
-                await asyncio.sleep(0.3)
-        assert ready, f"the worker group never came up\n{fed.log_tails()}"
-        launcher = int((workers_dir / "launcher.pid").read_text().split()[0])
-        group = descendants([launcher]) | set(ready)
-        agent = next(c for c in fed.children.children if c.name == "agent-eu-west")
-        assert agent.pid is not None
-        assert agent.pid not in group
-        pids = {"agent": agent.pid, "launcher": launcher}
+#: What each region's test kills, each process alone (not its process group): in us-east
+#: the launcher first, so that no parent-death signal reaches its workers and they must
+#: notice by themselves that their launcher is gone.
+VICTIMS = {"eu-west": ("agent",), "us-east": ("launcher", "agent")}
 
-        left: set[int] = set()
-        try:
-            for victim in victims:  # each alone, not its process group
-                os.kill(pids[victim], signal.SIGKILL)
-            killed_at = time.monotonic()
-            while time.monotonic() - killed_at < ORPHAN_DEADLINE_S:
-                left = {pid for pid in group if alive(pid)}
-                if not left:
-                    break
-                await asyncio.sleep(0.1)
-            assert not left, f"processes {sorted(left)} outlived the killed {victims}"
-            print(f"worker group gone {time.monotonic() - killed_at:.1f} s after the SIGKILL")
-        finally:
-            for pid in left:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
+
+async def ready_worker_pids(fed: FederationRun, region: str) -> list[int]:
+    """The pids of the region's worker ranks once every one of them is ready."""
+    handoff = HandoffDir(fed.work / "agents" / region / "workers")
+    deadline = time.monotonic() + WAIT_S
+    while time.monotonic() < deadline:
+        fed.children.check_alive()
+        statuses = handoff.read_rank_statuses()
+        if len(statuses) > 1 and all(s.state == "ready" for s in statuses):
+            return [s.pid for s in statuses]
+        await asyncio.sleep(0.3)
+    raise AssertionError(f"{region}'s worker group never came up\n{fed.log_tails()}")
+
+
+async def test_a_killed_agent_leaves_no_worker_behind(tmp_path: Path) -> None:
+    async with running_federation(tmp_path, regions=tuple(VICTIMS), ranks=None) as fed:
+        # Both groups up before any kill: a killed agent fails the harness's liveness check.
+        ready_groups = {region: await ready_worker_pids(fed, region) for region in VICTIMS}
+        for region, victims in VICTIMS.items():
+            ready = ready_groups[region]
+            workers_dir = fed.work / "agents" / region / "workers"
+            launcher = int((workers_dir / "launcher.pid").read_text().split()[0])
+            group = descendants([launcher]) | set(ready)
+            agent = next(c for c in fed.children.children if c.name == f"agent-{region}")
+            assert agent.pid is not None
+            assert agent.pid not in group
+            pids = {"agent": agent.pid, "launcher": launcher}
+
+            left: set[int] = set()
+            try:
+                for victim in victims:
+                    os.kill(pids[victim], signal.SIGKILL)
+                killed_at = time.monotonic()
+                while time.monotonic() - killed_at < ORPHAN_DEADLINE_S:
+                    left = {pid for pid in group if alive(pid)}
+                    if not left:
+                        break
+                    await asyncio.sleep(0.1)
+                assert not left, f"{region}: {sorted(left)} outlived the killed {victims}"
+                print(
+                    f"{region}: worker group gone {time.monotonic() - killed_at:.1f} s "
+                    f"after the SIGKILL of its {' and '.join(victims)}"
+                )
+            finally:
+                for pid in left:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, signal.SIGKILL)

@@ -20,12 +20,12 @@ import pytest
 import pytest_asyncio
 import torch
 
-from coordinator.job_evaluation import evaluate_params
+from coordinator.publication.evaluation import evaluate_params
 from geofed.params import parameters_vector_hash
 from geofed.training_config import TrainingConfig
-from regional_agent.handoff import BaseReady, RoundResult
-from regional_agent.overlap import next_instruction
-from regional_agent.worker_group import RoundFailed
+from regional_agent.handoff.messages import BaseReady, RoundResult
+from regional_agent.handoff.overlap import next_instruction
+from regional_agent.launch.worker_group import RoundFailed
 from tests.support.tiny_task import TinyTask
 from tests.support.worker_group import DelayedRegion, instruction, save_state, wait_for_progress
 

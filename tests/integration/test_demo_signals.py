@@ -83,7 +83,7 @@ def _every_level_up(demo: subprocess.Popen[bytes], log: Path) -> dict[int, str]:
     while time.monotonic() < deadline:
         assert demo.poll() is None, log.read_text(errors="replace")[-3000:]
         below = _descendants(demo.pid)
-        if any("regional_agent.worker" in _cmdline(pid) for pid in below):
+        if any("regional_agent.worker.rank" in _cmdline(pid) for pid in below):
             return below
         time.sleep(0.5)
     raise AssertionError(f"no worker rank within {UP_S} s:\n{log.read_text()[-3000:]}")

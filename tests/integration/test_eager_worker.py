@@ -22,9 +22,9 @@ import torch
 
 from geofed.params import parameters_vector_hash
 from geofed.training_config import TrainingConfig
-from regional_agent.handoff import BaseReady, RoundInstruction, RoundResult
-from regional_agent.overlap import next_instruction
-from regional_agent.worker_group import RoundFailed
+from regional_agent.handoff.messages import BaseReady, RoundInstruction, RoundResult
+from regional_agent.handoff.overlap import next_instruction
+from regional_agent.launch.worker_group import RoundFailed
 from tests.support.worker_group import DelayedRegion, instruction, save_state
 
 pytestmark = pytest.mark.integration

@@ -21,7 +21,7 @@ import pytest
 from tests.support.federation import FederationRun, operator_cli, running_federation
 from tests.support.observe import audit_entries
 
-pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 ROUNDS = 48  # about 20 s of rounds: the job must outlast the operator calls below
 REGIONS = ("eu-west", "us-east", "ap-south")

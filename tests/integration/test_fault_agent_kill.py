@@ -1,22 +1,23 @@
-"""A regional agent killed with SIGKILL in the middle of its upload.
+"""A regional agent killed with SIGKILL in the middle of its upload, twice.
 
 A real federation (embedded broker, coordinator and two agents as processes, mutual TLS,
-SQLite). eu-west reaches the coordinator through a userspace WAN proxy
-(``tests/support/wanproxy.py``) whose upstream is capped at a few KB/s, so its delta takes
-seconds to go out; it is killed (the agent's process group) once the coordinator has
-spooled some of the delta's frames but not all. An observer records every status and
-round announcement on the broker.
+SQLite), each round with a fixed deadline and a quorum of one. eu-west reaches the
+coordinator through a userspace WAN proxy (``tests/support/wanproxy.py``) whose upstream
+is capped at a few KB/s, so its delta takes seconds to go out; it is killed (the agent's
+process group) once the coordinator has spooled some of the delta's frames but not all.
+An observer records every status and round announcement on the broker.
 
-* Resume: restarted at once, eu-west sends only the frames the coordinator did not hold
-  (its report of the resumed upload names exactly those), the coordinator's received
-  bytes equal the accepted deltas' sizes (each frame arrived once), and the round
-  completes with both deltas.
-* Past the deadline: with a short deadline and a quorum of one, eu-west stays down until
-  its round closes without it. Restarted, it drops its stale delta, syncs to the latest
-  published parameters and delivers again; it lost only the rounds it was down for.
+* Past the deadline: eu-west stays down until its round closes without it. Restarted,
+  it drops its stale delta, syncs to the latest published parameters and delivers
+  again; it lost only the rounds it was down for.
+* Resume: killed again in the round after it rejoined and restarted at once, eu-west
+  sends only the frames the coordinator did not hold (its report of the resumed upload
+  names exactly those), and the round completes with both deltas.
 
-Both: every round is published once, and both regions trained each of their rounds from
-the parameters the coordinator announced (the same hash), ending on the same θ.
+Every round is published once, both regions trained each of their rounds from the
+parameters the coordinator announced (the same hash), ending on the same θ, and the
+coordinator's received bytes are the accepted deltas' and the lost delta's held frames:
+each frame arrived once.
 """
 
 from __future__ import annotations
@@ -54,12 +55,15 @@ REGIONS = ("eu-west", "us-east")
 SLOW = "eu-west"
 INNER_STEPS = 3
 KILLED_ROUND = 1
+#: Round 0, the killed round, at most one more lost, the rejoined one, the resumed one.
+ROUNDS = 5
 #: Upstream cap of the slow region's link in bytes per second: its ~32 KB delta takes ~8 s.
 #: On from the start: a round's upload follows the previous publication too closely to
 #: switch the cap on in between.
 CAP_BPS = 4_000
-#: The round deadline of the past-the-deadline case (the coordinator's upload_s is below).
-DEADLINE_S = 30
+#: Each round's fixed deadline (the coordinator's upload_s is below): long enough for a
+#: capped upload, and for a killed agent's restart and resume within its round.
+DEADLINE_S = 40
 
 
 def spooled_frames(fed: FederationRun, region: str, round_: int) -> set[int]:
@@ -186,100 +190,61 @@ async def slow_federation(
             reap_orphans(fed, SLOW)
 
 
-async def test_agent_killed_mid_upload_resumes_without_resending_acknowledged_frames(
+async def test_an_agent_killed_mid_upload_rejoins_or_resumes_and_loses_only_its_rounds(
     tmp_path: Path,
 ) -> None:
-    rounds = 3
-    async with slow_federation(tmp_path, rounds=rounds, seed=1) as (fed, proxy, observer):
-        await fed.wait_round(KILLED_ROUND)
-        kill = await kill_mid_upload(fed, proxy, observer, KILLED_ROUND)
-        job = await fed.status()
-        assert job["round"] == KILLED_ROUND, job
-        assert job["current"]["delivered"] == ["us-east"], job
-
-        proxy.upstream = LinkSettings()
-        upstream_before = proxy.stats().bytes_upstream
-        await fed.restart(f"agent-{SLOW}")
-        await poll(fed, lambda: bool(observer.accepted(SLOW, KILLED_ROUND)), "the resume")
-        accepted_at, report = observer.accepted(SLOW, KILLED_ROUND)[-1]
-        upstream_resumed = proxy.stats().bytes_upstream - upstream_before
-
-        final = await fed.wait_completed(timeout_s=WAIT_S)
-        entries = await audit_entries(fed, job=fed.job, verify=True)
-        metrics = await fed.metrics_text()
-        check_same_parameters(
-            fed, observer, rounds, {region: set(range(rounds)) for region in REGIONS}
-        )
-
-    # The restarted agent sent exactly the frames the coordinator did not hold.
-    match = re.match(r"delta accepted \((\d+) chunks, (\d+) bytes sent", report.detail)
-    assert match, report.detail
-    frames, missing_bytes = len(kill.sizes) - kill.held, kill.missing_bytes
-    assert (int(match[1]), int(match[2])) == (frames, missing_bytes), report.detail
-    log = (tmp_path / "logs" / f"agent-{SLOW}.log").read_text()
-    assert f"round {KILLED_ROUND}: resuming the spooled delta" in log
-
-    # Each frame reached the coordinator once: it counted exactly the accepted deltas' bytes.
-    assert final["round"] == rounds
-    accepts = [e for e in entries if e.action == "delta.accept"]
-    assert sorted((e.round, e.region) for e in accepts) == [
-        (r, g) for r in range(rounds) for g in sorted(REGIONS)
-    ]
-    assert [e.round for e in entries if e.action == "round.publish"] == list(range(rounds))
-    accepted_bytes = sum(int(e.details["size"]) for e in accepts)
-    assert sample(metrics, "geofed_received_bytes_total", kind="model_delta") == accepted_bytes
-    resumed = next(e for e in accepts if (e.round, e.region) == (KILLED_ROUND, SLOW))
-    assert int(resumed.details["size"]) == sum(kill.sizes)
-
-    print(
-        f"\nresume: delta of {sum(kill.sizes)} bytes in {len(kill.sizes)} frames; the "
-        f"coordinator held {kill.held} frames ({kill.held_bytes} bytes) at the "
-        f"kill; after the restart the agent sent {frames} frames ({missing_bytes} bytes), "
-        f"0 acknowledged bytes again; {upstream_resumed} bytes upstream on the wire (TLS, "
-        f"HTTP and the manifest included); kill to accepted delta "
-        f"{accepted_at - kill.at:.1f} s"
-    )
-
-
-async def test_agent_down_past_the_deadline_rejoins_from_the_latest_parameters(
-    tmp_path: Path,
-) -> None:
-    rounds = 4
-    async with slow_federation(tmp_path, rounds=rounds, seed=2, deadline_s=DEADLINE_S) as (
+    async with slow_federation(tmp_path, rounds=ROUNDS, seed=2, deadline_s=DEADLINE_S) as (
         fed,
         proxy,
         observer,
     ):
-        await fed.wait_round(KILLED_ROUND)
-        kill = await kill_mid_upload(fed, proxy, observer, KILLED_ROUND)
-
         # Down past the deadline: the round closes with the quorum of one, without it.
+        await fed.wait_round(KILLED_ROUND)
+        lost = await kill_mid_upload(fed, proxy, observer, KILLED_ROUND)
         await wait_job(
             fed,
             lambda job: int(job["round"]) > KILLED_ROUND,
             f"round {KILLED_ROUND} to close without {SLOW}",
             killed=f"agent-{SLOW}",
         )
-        proxy.upstream = LinkSettings()
         restarted_at = time.monotonic()
+        await fed.restart(f"agent-{SLOW}")  # its link still capped
+        rounds_after = range(KILLED_ROUND + 1, ROUNDS - 1)
+        await poll(
+            fed,
+            lambda: any(observer.accepted(SLOW, r) for r in rounds_after),
+            f"{SLOW} to deliver a round after its restart",
+        )
+        rejoined = next(r for r in rounds_after if observer.accepted(SLOW, r))
+        back_at = observer.accepted(SLOW, rejoined)[-1][0]
+
+        # Killed again mid-upload and restarted at once: it resumes its spooled delta.
+        resumed_round = rejoined + 1
+        await fed.wait_round(resumed_round)
+        kill = await kill_mid_upload(fed, proxy, observer, resumed_round)
+        job = await fed.status()
+        assert job["round"] == resumed_round, job
+        assert job["current"]["delivered"] == ["us-east"], job
+        proxy.upstream = LinkSettings()
+        upstream_before = proxy.stats().bytes_upstream
         await fed.restart(f"agent-{SLOW}")
-        final = await fed.wait_completed(timeout_s=WAIT_S + rounds * DEADLINE_S)
+        await poll(fed, lambda: bool(observer.accepted(SLOW, resumed_round)), "the resume")
+        accepted_at, report = observer.accepted(SLOW, resumed_round)[-1]
+        upstream_resumed = proxy.stats().bytes_upstream - upstream_before
+
+        final = await fed.wait_completed(timeout_s=WAIT_S + ROUNDS * DEADLINE_S)
         entries = await audit_entries(fed, job=fed.job, verify=True)
         metrics = await fed.metrics_text()
-        again = [r for r in range(KILLED_ROUND + 1, rounds) if observer.accepted(SLOW, r)]
-        assert again, f"{SLOW} delivered no round after its restart"
-        rejoined = again[0]
-        back_at = observer.accepted(SLOW, rejoined)[-1][0]
         check_same_parameters(
             fed,
             observer,
-            rounds,
-            {"us-east": set(range(rounds)), SLOW: {0, *range(rejoined, rounds)}},
+            ROUNDS,
+            {"us-east": set(range(ROUNDS)), SLOW: {0, *range(rejoined, ROUNDS)}},
         )
 
-    assert final["round"] == rounds
+    assert final["round"] == ROUNDS
     publishes = [e for e in entries if e.action == "round.publish"]
-    assert [e.round for e in publishes] == list(range(rounds))
+    assert [e.round for e in publishes] == list(range(ROUNDS))
     # Rounds lost: the one it was killed in, and at most the next (opened while it restarted).
     assert rejoined in (KILLED_ROUND + 1, KILLED_ROUND + 2), rejoined
     for round_, e in enumerate(publishes):
@@ -288,20 +253,37 @@ async def test_agent_down_past_the_deadline_rejoins_from_the_latest_parameters(
         assert e.details["stragglers"] == ([SLOW] if absent else []), e.details
     accepts = [e for e in entries if e.action == "delta.accept"]
     assert sorted((e.round, e.region) for e in accepts) == sorted(
-        [(r, "us-east") for r in range(rounds)] + [(r, SLOW) for r in (0, *range(rejoined, rounds))]
+        [(r, "us-east") for r in range(ROUNDS)] + [(r, SLOW) for r in (0, *range(rejoined, ROUNDS))]
     )
-    # The frames of the lost delta were received once and never counted as accepted.
-    accepted_bytes = sum(int(e.details["size"]) for e in accepts)
-    received = sample(metrics, "geofed_received_bytes_total", kind="model_delta")
-    assert received == accepted_bytes + kill.held_bytes
     # The restarted agent dropped the stale delta instead of resuming it.
     assert not agent_spool(fed, SLOW, KILLED_ROUND).exists()
     log = (tmp_path / "logs" / f"agent-{SLOW}.log").read_text()
     assert f"round {KILLED_ROUND}: the spooled delta was not taken" in log
 
+    # The resumed delta: the agent sent exactly the frames the coordinator did not hold.
+    match = re.match(r"delta accepted \((\d+) chunks, (\d+) bytes sent", report.detail)
+    assert match, report.detail
+    frames, missing_bytes = len(kill.sizes) - kill.held, kill.missing_bytes
+    assert (int(match[1]), int(match[2])) == (frames, missing_bytes), report.detail
+    assert f"round {resumed_round}: resuming the spooled delta" in log
+    resumed = next(e for e in accepts if (e.round, e.region) == (resumed_round, SLOW))
+    assert int(resumed.details["size"]) == sum(kill.sizes)
+
+    # Each frame reached the coordinator once: it counted the accepted deltas' bytes and
+    # the frames of the delta lost past the deadline, never counted as accepted.
+    accepted_bytes = sum(int(e.details["size"]) for e in accepts)
+    received = sample(metrics, "geofed_received_bytes_total", kind="model_delta")
+    assert received == accepted_bytes + lost.held_bytes
+
     print(
-        f"\npast the deadline: killed in round {KILLED_ROUND} with {kill.held} of "
-        f"{len(kill.sizes)} frames held; rejoined in round {rejoined} "
+        f"\npast the deadline: killed in round {KILLED_ROUND} with {lost.held} of "
+        f"{len(lost.sizes)} frames held; rejoined in round {rejoined} "
         f"({rejoined - KILLED_ROUND} round(s) lost); restart to accepted delta "
-        f"{back_at - restarted_at:.1f} s, kill to accepted delta {back_at - kill.at:.1f} s"
+        f"{back_at - restarted_at:.1f} s, kill to accepted delta {back_at - lost.at:.1f} s"
+        f"\nresume: delta of {sum(kill.sizes)} bytes in {len(kill.sizes)} frames; the "
+        f"coordinator held {kill.held} frames ({kill.held_bytes} bytes) at the "
+        f"kill; after the restart the agent sent {frames} frames ({missing_bytes} bytes), "
+        f"0 acknowledged bytes again; {upstream_resumed} bytes upstream on the wire (TLS, "
+        f"HTTP and the manifest included); kill to accepted delta "
+        f"{accepted_at - kill.at:.1f} s"
     )

@@ -27,9 +27,10 @@ from pathlib import Path
 
 import pytest
 
-from coordinator.checkpoints import CheckpointStore
 from coordinator.faults import FAULT_ENV
+from coordinator.storage.checkpoints import CheckpointStore
 from geofed.blobstore import FsBlobStore
+from geofed.ports import unused_port
 from geofed_cli import main
 from tests.support.coordinator import request, write_setup
 from tests.support.coordinator_daemon import (
@@ -37,7 +38,6 @@ from tests.support.coordinator_daemon import (
     REGIONS,
     ROUNDS,
     daemon_with_broker,
-    free_port,
     outcome,
     run_reference,
 )
@@ -135,7 +135,7 @@ async def test_killed_while_aggregating_and_publishing_the_round_is_bit_identica
 def test_an_unknown_fault_point_is_a_configuration_error(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    setup = write_setup(tmp_path, free_port())
+    setup = write_setup(tmp_path, unused_port())
     monkeypatch.setenv(FAULT_ENV, "aggregating")
     assert main(["coordinator", "--config", str(setup.config_path)]) == 2
     err = capsys.readouterr().err

@@ -34,8 +34,8 @@ from typing import Any
 
 import pytest
 
-from coordinator.sqlite_store import SqliteStore
-from coordinator.working_state import VERSION
+from coordinator.state.sqlite import SqliteStore
+from coordinator.storage.working_state import VERSION
 from tests.support.coordinator import JOB, request
 from tests.support.coordinator_daemon import daemon_with_broker
 from tests.support.federation import FederationRun, running_federation

@@ -35,7 +35,7 @@ from typing import Any
 
 import pytest
 
-from coordinator.checkpoints import CheckpointStore, EntryKind
+from coordinator.storage.checkpoints import CheckpointStore, EntryKind
 from geofed.blobstore import FsBlobStore
 from tests.support.federation import FederationRun, running_federation
 from tests.support.observe import agent_metrics, audit_entries, sample, stop_agents

@@ -19,7 +19,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from coordinator.audit import verify_chain
+from coordinator.state.audit import verify_chain
 from geofed.pki import client_ssl_context, load_trust_bundle
 from tests.support.federation import FederationRun, running_federation
 from tests.support.observe import ControlObserver, audit_entries, sample

@@ -13,14 +13,14 @@ import pytest
 import pytest_asyncio
 import torch
 
-from coordinator.initial_build import initial_parameters
+from coordinator.jobs.initial_build import initial_parameters
 from geofed.data import DatasetLocation
 from geofed.params import parameters_vector_hash
 from geofed.task import load_task
 from geofed.training_config import TrainingConfig
-from regional_agent.handoff import RoundInstruction
-from regional_agent.launcher import LocalElasticLauncher
-from regional_agent.worker_group import RoundFailed, WorkerGroup, WorkerGroupConfig
+from regional_agent.handoff.messages import RoundInstruction
+from regional_agent.launch.launcher import LocalElasticLauncher
+from regional_agent.launch.worker_group import RoundFailed, WorkerGroup, WorkerGroupConfig
 from tests.support.hf_models import save_model, save_tokenizer, stdlib_texts, write_jsonl
 from tests.support.worker_group import launcher_config
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from regional_agent.handoff import HandoffDir
+from regional_agent.handoff.directory import HandoffDir
 from tests.support.federation import FederationRun, running_federation
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from coordinator.audit import AuditEvent
-from coordinator.checkpoints import CheckpointStore
+from coordinator.state.audit import AuditEvent
+from coordinator.storage.checkpoints import CheckpointStore
 from geofed.blobstore import sha256_hex
 from geofed.fsutil import AtomicFile
 from tests.support.checkpoints import assert_restorable, open_store, snapshot, update

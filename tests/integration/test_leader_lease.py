@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from coordinator.leader_lease import LeaseOutcome
-from coordinator.postgres_lease import PostgresLease
-from coordinator.postgres_store import PostgresStore, StoreFenced
+from coordinator.ha.lease import LeaseOutcome
+from coordinator.ha.postgres_lease import PostgresLease
+from coordinator.state.postgres import PostgresStore, StoreFenced
 from tests.support.stores import B1, B2, JOB, PostgresSpec, with_job
 
 pytestmark = pytest.mark.integration

@@ -19,13 +19,14 @@ import pytest
 import pytest_asyncio
 import torch
 
-from coordinator.initial_build import initial_parameters
+from coordinator.jobs.initial_build import initial_parameters
 from geofed.params import parameters_vector_hash
 from geofed.task import load_task
 from geofed.training_config import TrainingConfig
-from regional_agent.handoff import RoundInstruction
-from regional_agent.launcher import LocalElasticLauncher, LocalLauncherConfig
-from regional_agent.worker_group import WorkerGroup, WorkerGroupConfig
+from regional_agent.handoff.messages import RoundInstruction
+from regional_agent.launch.launcher import LocalElasticLauncher, LocalLauncherConfig
+from regional_agent.launch.worker_group import WorkerGroup, WorkerGroupConfig
+from regional_agent.worker.optimizer_checkpoint import read_optimizer_state
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 LLAMA = "geofed.examples.llama:LlamaTask"
@@ -166,7 +167,7 @@ async def test_a_group_killed_between_optimizer_saves_resumes_with_the_older_sta
     record = group.handoff.read_checkpoint("cadence")
     assert record is not None
     assert record.optimizer_round == 4  # 4 rounds after the last save
-    optimizer_state = group.handoff.read_optimizer_state("cadence")
+    optimizer_state = read_optimizer_state(group.handoff, "cadence")
     assert optimizer_state is not None
     # Rounds 0, 3 and 4 stepped this state; rounds 1 and 2's steps went with the crash.
     assert optimizer_state["state"]["tok_embeddings.weight"]["step"].item() == 3 * STEPS

@@ -1,7 +1,7 @@
 """A region of two nodes on one machine: each node its own network namespace and address.
 
 The head node (the agent's) runs in the host's namespace with the hand-off directory; the
-other node runs ``python -m regional_agent.launch_node`` inside a network namespace,
+other node runs ``python -m regional_agent.launch.node`` inside a network namespace,
 joined by a veth pair, and inside a mount namespace where the head's directory (the
 hand-off files, the base parameters, the regional checkpoint) is hidden under an empty
 tmpfs: its rank can only train if rank 0 broadcasts everything. The other node gets the
@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -23,9 +22,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from regional_agent.handoff import HandoffDir
-from regional_agent.launcher import LocalElasticLauncher, descendants
-from regional_agent.worker_group import WorkerGroup, WorkerGroupConfig
+from geofed.ports import unused_port
+from regional_agent.handoff.directory import HandoffDir
+from regional_agent.launch.launcher import LocalElasticLauncher, descendants
+from regional_agent.launch.worker_group import WorkerGroup, WorkerGroupConfig
 from tests.support.netns import NodePair, node_pair
 from tests.support.tiny_task import TinyTask
 from tests.support.worker_group import (
@@ -42,13 +42,6 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 HEAD_ADDR, NODE_ADDR = "10.213.77.2", "10.213.77.1"
 
 
-def free_port(host: str) -> int:
-    with socket.socket() as sock:
-        sock.bind((host, 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
 def start_other_node(
     pair: NodePair, endpoint: str, rdzv_id: str, hidden: Path, node_dir: Path, logs: Path
 ) -> subprocess.Popen[bytes]:
@@ -57,7 +50,7 @@ def start_other_node(
     hide = f'mount -t tmpfs none "{hidden}" && exec "$0" "$@"'
     unshare = ["unshare", "--mount", "--propagation", "private", "sh", "-c", hide]
     node_launcher = [
-        *(sys.executable, "-m", "regional_agent.launch_node", "--workdir", str(node_dir)),
+        *(sys.executable, "-m", "regional_agent.launch.node", "--workdir", str(node_dir)),
         *("--nnodes", "2", "--nproc-per-node", "1", "--backend", "gloo"),
         *("--rdzv-endpoint", endpoint, "--rdzv-id", rdzv_id, "--local-addr", NODE_ADDR),
         *("--max-restarts", "2", "--collective-timeout-s", "60", "--poll-interval-s", "0.02"),
@@ -81,7 +74,7 @@ async def test_two_node_region_trains_and_recovers_a_lost_node(tmp_path: Path) -
     base = save_state(head_root / "base.pt", theta0)
     rdzv_id = f"region-{os.getpid()}"
     with node_pair(HEAD_ADDR, NODE_ADDR) as pair:
-        endpoint = f"{HEAD_ADDR}:{free_port(HEAD_ADDR)}"
+        endpoint = f"{HEAD_ADDR}:{unused_port(HEAD_ADDR)}"
         node = start_other_node(pair, endpoint, rdzv_id, head_root, node_dir, tmp_path)
         config = launcher_config(
             nproc_per_node=1,

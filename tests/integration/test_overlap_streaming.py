@@ -16,8 +16,8 @@ from typing import Any
 import pytest
 import torch
 
-from coordinator.artifacts import Location, find_entry
-from coordinator.checkpoints import INDEX_NAME, EntryKind
+from coordinator.storage.artifacts import Location, find_entry
+from coordinator.storage.checkpoints import INDEX_NAME, EntryKind
 from geofed.fragments import fragment_plan
 from geofed.manifest import SignedManifest
 from tests.support.federation import FederationRun

@@ -1,7 +1,7 @@
 """A standby's reader of the PostgreSQL state: reads only, the schema left as it is.
 
 On the machine's real PostgreSQL (``tests/support/stores.py:PostgresSpec``): a store
-opened ``read_only`` (``coordinator/standby_app.py`` opens one) never migrates a
+opened ``read_only`` (``coordinator/api/standby.py`` opens one) never migrates a
 database, reads what the leader's store wrote, and every write it attempts is refused by
 the server, changing nothing.
 """
@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from coordinator.postgres_store import PostgresStore
-from coordinator.store import StoreError, StoreFailure
+from coordinator.state.postgres import PostgresStore
+from coordinator.state.store import StoreError, StoreFailure
 from tests.support.stores import B1, B2, JOB, PostgresSpec, with_job
 
 pytestmark = pytest.mark.integration

@@ -16,10 +16,10 @@ from pathlib import Path
 import psycopg
 import pytest
 
-from coordinator.audit import AuditEvent
 from coordinator.config import ConfigError
-from coordinator.postgres_store import SCHEMA_VERSION, PostgresStore, describe_dsn
-from coordinator.store import SchemaError, StoreFailure
+from coordinator.state.audit import AuditEvent
+from coordinator.state.postgres import SCHEMA_VERSION, PostgresStore, describe_dsn
+from coordinator.state.store import SchemaError, StoreFailure
 from geofed.control.broker import EmbeddedBroker
 from tests.support.coordinator import Announcements, coordinator, job_yaml, request, write_setup
 from tests.support.store_contract import StoreContract

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from coordinator.keys import SERVICES
+from coordinator.api.keys import SERVICES
 from tests.support.coordinator import (
     JOB,
     FakeRegion,

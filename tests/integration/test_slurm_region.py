@@ -15,7 +15,6 @@ import asyncio
 import os
 import re
 import signal
-import socket
 import subprocess
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -24,9 +23,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from regional_agent.handoff import HandoffDir
-from regional_agent.slurm_launcher import SlurmLauncher, SlurmOptions
-from regional_agent.worker_group import WorkerGroup, WorkerGroupConfig
+from geofed.ports import unused_port
+from regional_agent.handoff.directory import HandoffDir
+from regional_agent.launch.slurm import SlurmLauncher, SlurmOptions
+from regional_agent.launch.worker_group import WorkerGroup, WorkerGroupConfig
 from tests.support.slurm import SlurmCluster, slurm_cluster
 from tests.support.tiny_task import TinyTask
 from tests.support.worker_group import (
@@ -38,13 +38,6 @@ from tests.support.worker_group import (
 )
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 def environ_of(pid: int) -> dict[str, str]:
@@ -95,7 +88,7 @@ def slurm_group(cluster: SlurmCluster, workdir: Path, job_id: str | None) -> Wor
     launcher = SlurmLauncher(
         workdir,
         launcher_config(nproc_per_node=1, nnodes=2),
-        SlurmOptions(rdzv_port=free_port()),
+        SlurmOptions(rdzv_port=unused_port()),
         environ=environ,
     )
     return WorkerGroup(workdir, launcher, WorkerGroupConfig(start_timeout_s=60.0))

@@ -19,12 +19,12 @@ from typing import Any
 
 import pytest
 
-from coordinator.checkpoints import CheckpointStore, EntryKind
+from coordinator.storage.checkpoints import CheckpointStore, EntryKind
 from geofed.blobstore import FsBlobStore
 from tests.support.federation import FederationRun, running_federation
 from tests.support.observe import sample
 
-pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 ROUNDS = 6
 #: Rounds of a few seconds: the test sees θ_2 and kills eu-west well before round 2 ends.

@@ -19,13 +19,13 @@ from aiohttp.test_utils import TestClient, TestServer
 from prometheus_client import CONTENT_TYPE_LATEST
 from prometheus_client.parser import text_string_to_metric_families
 
-from coordinator.auth import IDENTITY_HEADER
+from coordinator.api.auth import IDENTITY_HEADER
+from coordinator.api.standby import create_standby_app
 from coordinator.config import load_config
-from coordinator.jobspec import parse_job_spec
+from coordinator.jobs.spec import parse_job_spec
 from coordinator.runtime import load_runtime
-from coordinator.sqlite_store import SqliteStore
-from coordinator.standby_app import create_standby_app
-from coordinator.store import Store, StoreFailure
+from coordinator.state.sqlite import SqliteStore
+from coordinator.state.store import Store, StoreFailure
 from tests.support.coordinator import FEDERATION, job_yaml, write_setup
 
 pytestmark = pytest.mark.integration
@@ -55,6 +55,8 @@ async def standby(tmp_path: Path) -> AsyncIterator[TestClient[Any, Any]]:
     store = SqliteStore.in_state_dir(state)
     store.create_job("tiny", parse_job_spec(job_yaml(), "job.yaml").to_json(), "running")
     store.set_pointer("tiny", "version", "0")
+    store.record_receipt("tiny", 0, "us-east", "a" * 64, "b" * 64, 1000, 512)
+    store.record_receipt("tiny", 0, "eu-west", "c" * 64, "d" * 64, 2000, 256)
     store.close()
     client = await _client(tmp_path, lambda: SqliteStore.in_state_dir(state))
     yield client
@@ -81,8 +83,18 @@ async def test_reads_follow_the_leaders_role_rules(standby: TestClient[Any, Any]
         "standby",
     )
     assert body["spec"]["job"] == "tiny"
+    # The accepted deltas, as the leader shows them to readers: from the durable receipts.
+    assert body["deltas"] == {
+        "accepted": 2,
+        "bytes": 3000,
+        "tokens": 768,
+        "regions": {
+            "eu-west": {"accepted": 1, "bytes": 2000, "tokens": 256},
+            "us-east": {"accepted": 1, "bytes": 1000, "tokens": 512},
+        },
+    }
     status, body = await answer(standby, "GET", "/v1/jobs/tiny", "region/eu-west")
-    assert (status, "spec" in body) == (200, False)
+    assert (status, "spec" in body, "deltas" in body) == (200, False, False)
     for path in ("/v1/jobs/tiny", "/v1/jobs/nothing"):  # not its job: as if none existed
         status, body = await answer(standby, "GET", path, "region/ap-south")
         assert (status, body["error"]) == (404, "not_found"), body

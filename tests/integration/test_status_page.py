@@ -25,7 +25,7 @@ from geofed.api_paths import ApiPaths
 from geofed_cli.demo.browser import write_browser_credential
 from tests.support.federation import FederationRun, running_federation
 
-pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 REGIONS = ("eu-west", "us-east")
 ROUNDS = 5

@@ -20,15 +20,15 @@ import pytest
 import pytest_asyncio
 import torch
 
-from coordinator.job_evaluation import evaluate_params
+from coordinator.publication.evaluation import evaluate_params
 from geofed.codec import decode, seal_quantized
 from geofed.codec_params import CodecParams
 from geofed.fragments import fragment_plan
 from geofed.params import parameters_vector_hash
 from geofed.training_config import TrainingConfig
-from regional_agent.handoff import BaseReady, DeltaRequest, RoundInstruction, RoundResult
-from regional_agent.overlap import next_instruction
-from regional_agent.residual_file import Residual, read_residual
+from regional_agent.handoff.messages import BaseReady, DeltaRequest, RoundInstruction, RoundResult
+from regional_agent.handoff.overlap import next_instruction
+from regional_agent.handoff.residual_file import Residual, read_residual
 from tests.support.tiny_task import TinyTask
 from tests.support.worker_group import DelayedRegion, instruction, save_state, wait_for_progress
 

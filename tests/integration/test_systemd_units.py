@@ -183,7 +183,7 @@ def test_stop_timeouts_outlast_the_daemons_own_deadlines() -> None:
     from aiohttp.web import BaseRunner
 
     from regional_agent.drain import DEFAULT_GRACE_S
-    from regional_agent.worker_group import WorkerGroupConfig
+    from regional_agent.launch.worker_group import WorkerGroupConfig
 
     coordinator = Unit.read(UNITS_DIR / "geofed-coordinator.service")
     agent = Unit.read(UNITS_DIR / "geofed-agent@.service")
@@ -213,8 +213,8 @@ else:
     sys.exit("a writable and executable mapping was allowed: the restriction is not in force")
 
 import torch
-from coordinator.aggregation import aggregate
-from coordinator.outer_optimizer import OuterOptimizer
+from coordinator.aggregation.weighted import aggregate
+from coordinator.aggregation.outer_optimizer import OuterOptimizer
 from geofed.codec import decode, decode_pieces, encode
 
 params = {"w": torch.randn(300, 257), "b": torch.randn(257)}
@@ -230,8 +230,8 @@ decode(encode({n: stepped[n] - params[n] for n in params}, scheme="int8"))
 
 # And its evaluation process: the example task's model (GELU) evaluated as it does there.
 import io, json
-from coordinator.initial_build import initial_parameters
-from coordinator.job_evaluation import evaluate_in_process
+from coordinator.jobs.initial_build import initial_parameters
+from coordinator.publication.evaluation import evaluate_in_process
 from geofed.task import load_task
 example, options = "geofed.examples.charlm:CharLMTask", {"d_model": 32, "n_layers": 1}
 buffer = io.BytesIO()

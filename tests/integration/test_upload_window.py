@@ -3,7 +3,7 @@ and every chunk answered 2xx durable across a ``kill -9`` of the coordinator.
 
 The first test serves a coordinator in-process (real TLS, real SQLite, the embedded
 broker) behind the WAN proxy (20 ms each way) and uploads a spooled delta of ~90 frames
-with the agent's :class:`~regional_agent.uploader.Uploader`: with window 1 it uses one
+with the agent's :class:`~regional_agent.transfer.uploader.Uploader`: with window 1 it uses one
 keep-alive connection and one commit per frame; with window 4 several connections carry
 frames at once and concurrent frames share commits. The second runs the coordinator as a
 process, sends frames 8 at a time, kills it with SIGKILL as soon as some are answered,
@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import socket
 import time
 from pathlib import Path
 from typing import Any
@@ -25,16 +24,17 @@ import aiohttp
 import pytest
 import torch
 
-from coordinator.keys import UPLOADS
+from coordinator.api.keys import UPLOADS
 from geofed.codec import ErrorFeedback
 from geofed.control.broker import EmbeddedBroker
 from geofed.pki.httpauth import VerifiedConnector
+from geofed.ports import unused_port
 from geofed.timeouts import Timeouts
 from geofed.types import Role
 from geofed_cli.demo.processes import ChildSet
-from regional_agent.coordinator_client import CoordinatorClient
 from regional_agent.state import DeltaMeta, JobDirectory
-from regional_agent.uploader import Uploader
+from regional_agent.transfer.coordinator_client import CoordinatorClient
+from regional_agent.transfer.uploader import Uploader
 from tests.support.coordinator import (
     HTTP_TIMEOUT,
     JOB,
@@ -200,17 +200,11 @@ class _Coordinator:
         return body
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 @pytest.mark.slow
 async def test_every_answered_chunk_survives_a_coordinator_kill(tmp_path: Path) -> None:
     async with EmbeddedBroker() as broker, ChildSet(tmp_path / "logs") as children:
         setup = write_setup(tmp_path, broker.port)
-        port = _free_port()
+        port = unused_port()
         text = setup.config_path.read_text()
         setup.config_path.write_text(text.replace("port: 0}", f"port: {port}}}"))
         daemon = _Coordinator(setup, children, port)

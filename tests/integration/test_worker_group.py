@@ -26,23 +26,20 @@ import torch
 from geofed.backoff import Backoff
 from geofed.params import parameters_vector_hash
 from geofed.task import DataShard
-from regional_agent.handoff import HandoffDir, RankStatus, RoundResult
-from regional_agent.launcher import (
-    Launcher,
-    LauncherConfigError,
-    LocalElasticLauncher,
-    WorkerSettings,
-    descendants,
-)
-from regional_agent.worker_group import (
+from regional_agent.handoff.directory import HandoffDir
+from regional_agent.handoff.messages import RankStatus, RoundResult
+from regional_agent.handoff.settings import LauncherConfigError, WorkerSettings
+from regional_agent.launch.launcher import Launcher, LocalElasticLauncher, descendants
+from regional_agent.launch.worker_group import (
     RoundFailed,
     WorkerGroup,
     WorkerGroupConfig,
     WorkerGroupFailed,
     WorkerGroupNotRunning,
 )
+from regional_agent.worker.optimizer_checkpoint import read_optimizer_state
 from tests.support.tiny_task import TinyTask
-from tests.support.waiting import alive
+from tests.support.waiting import alive, eventually
 from tests.support.worker_group import (
     STEPS,
     WORLD,
@@ -159,7 +156,7 @@ async def test_rounds_train_on_one_long_lived_group(started: Started) -> None:
     checkpoint = HandoffDir(started.workdir).read_checkpoint("alpha")
     assert checkpoint is not None
     assert (checkpoint.job, checkpoint.last_round, checkpoint.cursor) == ("alpha", 1, 2 * STEPS)
-    optimizer_state = HandoffDir(started.workdir).read_optimizer_state("alpha")
+    optimizer_state = read_optimizer_state(HandoffDir(started.workdir), "alpha")
     assert optimizer_state is not None
     assert optimizer_state["state"]["0.weight"]["step"].item() == 2 * STEPS
 
@@ -266,10 +263,7 @@ async def test_sigterm_stops_workers_cleanly_and_the_group_is_relaunched(started
     log_offsets = {rank: handoff.rank_log_path(rank).stat().st_size for rank in range(WORLD)}
 
     launcher.terminate()  # SIGTERM to the elastic launcher, which forwards it
-    for _ in range(500):
-        if not any(alive(pid) for pid in workers):
-            break
-        await asyncio.sleep(0.02)
+    await eventually(lambda: not any(alive(pid) for pid in workers), timeout_s=30)
     for rank, offset in log_offsets.items():
         with handoff.rank_log_path(rank).open() as f:
             f.seek(offset)
@@ -346,7 +340,7 @@ def test_launcher_command_and_environment(tmp_path: Path) -> None:
     assert "--rdzv-endpoint=127.0.0.1:29123" in command
     assert "--nproc-per-node=2" in command
     assert "--max-restarts=2" in command
-    worker_args = command[command.index("regional_agent.worker") + 1 :]
+    worker_args = command[command.index("regional_agent.worker.rank") + 1 :]
     settings = WorkerSettings.from_argv(worker_args)
     assert settings == launcher.settings
     assert settings.workdir == tmp_path.resolve()
@@ -386,9 +380,9 @@ def test_start_kills_a_group_left_running_by_a_previous_supervisor(tmp_path: Pat
     # Stand-ins for the processes of an earlier launch: only their command lines matter.
     stale_launcher = stand_in(sys.executable, "-c", sleeper, "torch.distributed.run", str(workdir))
     stale_worker = stand_in(
-        sys.executable, "-c", sleeper, "regional_agent.worker", "--workdir", str(workdir)
+        sys.executable, "-c", sleeper, "regional_agent.worker.rank", "--workdir", str(workdir)
     )
-    bystander = stand_in(sys.executable, "-c", sleeper, "regional_agent.worker")
+    bystander = stand_in(sys.executable, "-c", sleeper, "regional_agent.worker.rank")
     try:
         handoff = HandoffDir(workdir)
         (workdir / "launcher.pid").write_text(f"{stale_launcher.pid} old-launch\n")

@@ -25,8 +25,16 @@ import torch
 
 from geofed.params import parameters_vector_hash
 from geofed.training_config import LrSchedule, TrainingConfig
-from regional_agent.handoff import HandoffDir, RoundInstruction, RoundResult
-from regional_agent.inner_checkpoint import (
+from regional_agent.handoff.directory import HandoffDir
+from regional_agent.handoff.messages import RoundInstruction, RoundResult
+from regional_agent.launch.launcher import LocalElasticLauncher
+from regional_agent.launch.worker_group import (
+    RoundFailed,
+    WorkerGroup,
+    WorkerGroupConfig,
+    WorkerGroupNotRunning,
+)
+from regional_agent.worker.inner_checkpoint import (
     InnerCheckpoint,
     RankInner,
     RoundIdentity,
@@ -34,14 +42,7 @@ from regional_agent.inner_checkpoint import (
     read_inner_checkpoint,
     write_inner_checkpoint,
 )
-from regional_agent.inner_loop import RankTotals
-from regional_agent.launcher import LocalElasticLauncher
-from regional_agent.worker_group import (
-    RoundFailed,
-    WorkerGroup,
-    WorkerGroupConfig,
-    WorkerGroupNotRunning,
-)
+from regional_agent.worker.inner_loop import RankTotals
 from tests.support.tiny_task import TinyTask
 from tests.support.worker_group import (
     STEPS,
@@ -51,7 +52,7 @@ from tests.support.worker_group import (
     wait_for_progress,
 )
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 JOB = "spot"
 OPTIONS = {"step_delay_s": 0.03}
@@ -144,12 +145,9 @@ async def test_a_round_stopped_mid_way_resumes_bit_identically_and_only_itself(
         assert_identical(resumed, reference[1])
         # The result is out: the inner state is gone.
         assert not handoff.inner_checkpoint_path(JOB).exists()
+        await stop_mid_round(group, spot_dir, 2, theta[2])
     finally:
         await group.stop()
-
-    group = group_at(spot_dir)
-    await group.start()
-    await stop_mid_round(group, spot_dir, 2, theta[2])
     # The federation moved on: the agent asks for round 3, never again for round 2.
     handoff.instruction_path(JOB, 2).unlink()
 

@@ -14,9 +14,11 @@ import pytest_asyncio
 import torch
 
 from geofed.training_config import LrSchedule, TrainingConfig
-from regional_agent.handoff import HandoffDir, RegionalCheckpoint, RoundResult
-from regional_agent.launcher import LocalElasticLauncher
-from regional_agent.worker_group import WorkerGroup, WorkerGroupConfig
+from regional_agent.handoff.directory import HandoffDir
+from regional_agent.handoff.messages import RegionalCheckpoint, RoundResult
+from regional_agent.launch.launcher import LocalElasticLauncher
+from regional_agent.launch.worker_group import WorkerGroup, WorkerGroupConfig
+from regional_agent.worker.optimizer_checkpoint import read_optimizer_state
 from tests.support.tiny_task import TinyTask
 from tests.support.worker_group import instruction, launcher_config, save_state
 
@@ -145,7 +147,7 @@ async def test_a_job_trains_the_same_parameters_alone_and_sharing_its_region(
     # Saved when parked for the other job, not on the cadence: nothing of it is lost.
     # Beta, trained last and still held, keeps the state it saved when parked before.
     assert (alpha.optimizer_round, beta.optimizer_round) == (ROUNDS - 1, ROUNDS - 2)
-    alpha_optimizer = region.handoff.read_optimizer_state("alpha")
+    alpha_optimizer = read_optimizer_state(region.handoff, "alpha")
     assert alpha_optimizer is not None
     assert alpha_optimizer["state"]["0.weight"]["step"].item() == ROUNDS * STEPS
     log = region.rank0_log()
@@ -167,7 +169,7 @@ async def test_a_legacy_checkpoint_is_moved_to_its_job_and_resumed_from(region: 
     checkpoint = region.handoff.read_checkpoint("old")
     assert checkpoint is not None
     assert (checkpoint.last_round, checkpoint.cursor) == (2, LEGACY_CURSOR + STEPS)
-    old_optimizer = region.handoff.read_optimizer_state("old")
+    old_optimizer = read_optimizer_state(region.handoff, "old")
     assert old_optimizer is not None
     assert old_optimizer["state"]["0.weight"]["step"].item() == 3 + STEPS
     assert "job old: resumed from the regional checkpoint of round 1" in region.rank0_log()

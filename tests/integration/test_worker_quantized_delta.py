@@ -21,11 +21,12 @@ import torch
 from geofed.codec import ErrorFeedback, seal_quantized
 from geofed.codec_params import CodecParams
 from geofed.training_config import TrainingConfig
-from regional_agent.delta import encode_delta
-from regional_agent.handoff import DeltaRequest, HandoffDir, RoundResult
-from regional_agent.launcher import LocalElasticLauncher
-from regional_agent.residual_file import Residual, read_residual, write_residual
-from regional_agent.worker_group import RoundFailed, WorkerGroup, WorkerGroupConfig
+from regional_agent.handoff.directory import HandoffDir
+from regional_agent.handoff.messages import DeltaRequest, RoundResult
+from regional_agent.handoff.residual_file import Residual, read_residual, write_residual
+from regional_agent.launch.launcher import LocalElasticLauncher
+from regional_agent.launch.worker_group import RoundFailed, WorkerGroup, WorkerGroupConfig
+from regional_agent.rounds.delta import encode_delta
 from tests.support.tiny_task import TinyTask
 from tests.support.worker_group import instruction, launcher_config, save_state
 

@@ -23,14 +23,16 @@ import pytest
 import pytest_asyncio
 import torch
 
-from coordinator.job_evaluation import evaluate_params
+from coordinator.publication.evaluation import evaluate_params
 from geofed.lr_schedule import apply_lr, job_step, lr_factor
 from geofed.params import federated_names
 from geofed.task import DataShard, load_task
 from geofed.training_config import LrSchedule, TrainingConfig
-from regional_agent.handoff import HandoffDir, RoundResult
-from regional_agent.launcher import LocalElasticLauncher
-from regional_agent.worker_group import RoundFailed, WorkerGroup, WorkerGroupConfig
+from regional_agent.handoff.directory import HandoffDir
+from regional_agent.handoff.messages import RoundResult
+from regional_agent.launch.launcher import LocalElasticLauncher
+from regional_agent.launch.worker_group import RoundFailed, WorkerGroup, WorkerGroupConfig
+from regional_agent.worker.optimizer_checkpoint import read_optimizer_state
 from tests.support.tiny_task import TinyTask
 from tests.support.worker_group import (
     STEPS,
@@ -167,7 +169,7 @@ async def test_accumulation_clipping_and_schedule_match_a_replay(region: Group) 
     checkpoint = region.handoff.read_checkpoint("tuned")
     assert checkpoint is not None
     assert checkpoint.parallelism == "ddp"
-    optimizer_state = region.handoff.read_optimizer_state("tuned")
+    optimizer_state = read_optimizer_state(region.handoff, "tuned")
     assert optimizer_state is not None
     group = optimizer_state["param_groups"][0]
     assert group["initial_lr"] == 1e-2
@@ -196,7 +198,7 @@ async def test_fsdp_trains_the_same_rounds_as_ddp(region: Group) -> None:
     assert checkpoint.optimizer_round == 1
     saved = sorted(p.name for p in region.handoff.optimizer_path("tuned-fsdp", 1).iterdir())
     assert saved == [".metadata", "__0_0.distcp", "__1_0.distcp"]
-    optimizer_state = region.handoff.read_optimizer_state("tuned-fsdp")
+    optimizer_state = read_optimizer_state(region.handoff, "tuned-fsdp")
     assert optimizer_state is not None
     assert set(optimizer_state["state"]) == set(region.theta0)
     assert optimizer_state["state"]["0.weight"]["exp_avg"].shape == (16, 8)
@@ -218,7 +220,7 @@ async def test_hsdp_trains_the_same_rounds_as_ddp(region: Group) -> None:
     checkpoint = region.handoff.read_checkpoint("tuned-hsdp")
     assert checkpoint is not None
     assert (checkpoint.parallelism, checkpoint.optimizer_round) == ("hsdp", 1)
-    optimizer_state = region.handoff.read_optimizer_state("tuned-hsdp")
+    optimizer_state = read_optimizer_state(region.handoff, "tuned-hsdp")
     assert optimizer_state is not None
     assert optimizer_state["state"]["0.weight"]["exp_avg"].shape == (16, 8)
     log = region.handoff.rank_log_path(0).read_text()
@@ -254,7 +256,7 @@ async def test_fsdp_worker_killed_mid_round_resumes_state_and_schedule_exactly(
     checkpoint = region.handoff.read_checkpoint("fsdp-crash")
     assert checkpoint is not None
     assert checkpoint.last_round == ROUNDS - 1
-    optimizer_state = region.handoff.read_optimizer_state("fsdp-crash")
+    optimizer_state = read_optimizer_state(region.handoff, "fsdp-crash")
     assert optimizer_state is not None
     assert math.isclose(
         optimizer_state["param_groups"][0]["lr"], scheduled_lr(ROUNDS - 1), rel_tol=1e-12

@@ -1,4 +1,5 @@
-"""Building and checking checkpoint chains in a :class:`~coordinator.checkpoints.CheckpointStore`.
+"""Building and checking checkpoint chains in a
+:class:`~coordinator.storage.checkpoints.CheckpointStore`.
 
 Shared by ``tests/unit/test_checkpoints.py`` and the killed-writer test in
 ``tests/integration/test_killed_writers.py``.
@@ -8,7 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from coordinator.checkpoints import CheckpointEntry, CheckpointStore
+from coordinator.storage.checkpoints import CheckpointEntry, CheckpointStore
 
 JOB = "job-a"
 

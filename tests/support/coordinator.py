@@ -23,9 +23,9 @@ import torch
 from aiohttp import web
 from prometheus_client import CollectorRegistry
 
-from coordinator.app import create_app
+from coordinator.api.app import create_app
+from coordinator.api.server import CoordinatorRunner
 from coordinator.config import CoordinatorConfig, load_config
-from coordinator.http_server import CoordinatorRunner
 from coordinator.runtime import load_runtime
 from geofed.artifact_bundle import pack_bundle, split_bundle
 from geofed.codec import EncodedStream, decode, encode_stream

@@ -15,7 +15,6 @@ import asyncio
 import contextlib
 import os
 import signal
-import socket
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -25,10 +24,11 @@ from typing import Any
 
 import aiohttp
 
-from coordinator.audit import AuditEntry
 from coordinator.faults import FAULT_ENV
+from coordinator.state.audit import AuditEntry
 from geofed.artifact_bundle import split_bundle
 from geofed.pki.httpauth import VerifiedConnector
+from geofed.ports import unused_port
 from geofed.types import Role
 from geofed_cli.demo.processes import Child, ChildSet
 from tests.support.coordinator import (
@@ -47,12 +47,6 @@ JOB = "tiny"
 ROUNDS = 3
 REGIONS = ("eu-west", "us-east")
 WAIT_S = 60.0
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 @dataclass
@@ -237,7 +231,7 @@ async def daemon_with_broker(root: Path, fed: Federation) -> AsyncIterator[Daemo
 async def served(root: Path, fed: Federation, broker_port: int) -> AsyncIterator[Daemon]:
     async with ChildSet(root / "logs", stop_deadline_s=20) as kids:
         setup = write_setup(root, broker_port, mqtt_tls=True, fed=fed)
-        port = free_port()
+        port = unused_port()
         text = setup.config_path.read_text()
         setup.config_path.write_text(text.replace("port: 0}", f"port: {port}}}"))
         daemon = Daemon(setup, kids, port)
@@ -279,7 +273,7 @@ async def lease_pair(
             daemons = []
             for name in ("coordinator-a", "coordinator-b"):
                 # Each its own port: a frozen leader keeps its socket, as on its own machine.
-                port = free_port()
+                port = unused_port()
                 path = root / f"{name}.yaml"  # beside coordinator.yaml: the same state_dir
                 path.write_text(text.replace("port: 0}", f"port: {port}}}"))
                 daemons.append(Daemon(replace(setup, config_path=path), kids, port, name=name))

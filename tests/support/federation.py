@@ -14,7 +14,6 @@ import asyncio
 import ipaddress
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -30,6 +29,7 @@ import yaml
 from geofed.control.broker import EmbeddedBroker, quiet_broker_logging
 from geofed.mqtt_acl import Principals, render_acl
 from geofed.pki import client_ssl_context, issue, load_ca, load_trust_bundle, save_credential
+from geofed.ports import unused_port
 from geofed.types import Identity, Role
 from geofed_cli.demo.configs import DemoConfigs, write_demo_configs
 from geofed_cli.demo.federation import Credential, DemoFederation, create_demo_federation
@@ -51,13 +51,6 @@ TINY_CHARLM: dict[str, Any] = {
     "batch_size": 8,
     "val_batches": 2,
 }
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 def issue_extra(federation: DemoFederation, role: Role, name: str, out: Path) -> Credential:
@@ -95,17 +88,20 @@ class FederationRun:
     def job(self) -> str:
         return self.configs.job_id
 
-    async def start_coordinator(self) -> None:
+    async def start_coordinator(self, *, ready: bool = True) -> None:
+        """Start the coordinator; ``ready``: wait until it serves."""
         child = await self.children.start(
             "coordinator", ["coordinator", "--config", str(self.configs.coordinator)]
         )
         self._named["coordinator"] = child
-        await self.wait_ready()
+        if ready:
+            await self.wait_ready()
 
     async def start_agent(self, region: str) -> None:
+        """Start a region's agent (the agents stop together, the harness does not wait)."""
         name = f"agent-{region}"
         child = await self.children.start(
-            name, ["agent", "--config", str(self.configs.agents[region])]
+            name, ["agent", "--config", str(self.configs.agents[region])], group="agents"
         )
         self._named[name] = child
 
@@ -233,6 +229,7 @@ async def running_federation(
     broker: str = "embedded",
     customize: Callable[[str, dict[str, Any]], None] | None = None,
     start_agents: bool = True,
+    ready: bool = True,
     ranks: int | None = 1,
 ) -> AsyncIterator[FederationRun]:
     """Start a broker, the coordinator and (by default) every agent; stop all on exit.
@@ -240,6 +237,7 @@ async def running_federation(
     ``ranks``: each agent's worker count (one rank: the worker group is not what most
     federation tests look at, and each rank is a torch process on a 2-core machine);
     None keeps the example configs' ``auto`` (2 gloo ranks). ``customize`` runs after.
+    ``ready``: yield once the coordinator serves (else at once, while it starts).
     """
     assert broker in ("embedded", "mosquitto")
     regions = tuple(regions)
@@ -247,7 +245,7 @@ async def running_federation(
     observer = await asyncio.to_thread(
         issue_extra, federation, Role.OBSERVER, "tests", work / "pki" / "observer"
     )
-    http_port = free_port()
+    http_port = unused_port()
     async with AsyncExitStack() as stack:
         embedded: EmbeddedBroker | None = None
         if broker == "embedded":
@@ -326,10 +324,14 @@ async def running_federation(
             observer=observer,
             _broker=embedded,
         )
-        await run.start_coordinator()
+        # The agents start while the coordinator does: they connect to the broker and
+        # retry the coordinator until it serves.
+        await run.start_coordinator(ready=False)
         if start_agents:
             for region in regions:
                 await run.start_agent(region)
+        if ready:
+            await run.wait_ready()
         try:
             yield run
         except BaseException:

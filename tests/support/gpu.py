@@ -11,12 +11,12 @@ from typing import Any
 import pytest
 import torch
 
-from coordinator.initial_build import initial_parameters
+from coordinator.jobs.initial_build import initial_parameters
 from geofed.task import load_task
 from geofed.training_config import TrainingConfig
-from regional_agent.handoff import RoundInstruction
-from regional_agent.launcher import LocalElasticLauncher
-from regional_agent.worker_group import WorkerGroup, WorkerGroupConfig
+from regional_agent.handoff.messages import RoundInstruction
+from regional_agent.launch.launcher import LocalElasticLauncher
+from regional_agent.launch.worker_group import WorkerGroup, WorkerGroupConfig
 from tests.support.worker_group import launcher_config
 
 LLAMA = "geofed.examples.llama:LlamaTask"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from regional_agent.handoff import RoundInstruction, RoundSummary
+from regional_agent.handoff.messages import RoundInstruction, RoundSummary
 
 INSTRUCTION = RoundInstruction(
     job="job-a",

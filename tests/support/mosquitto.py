@@ -22,6 +22,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+from geofed.ports import unused_port
+
 MOSQUITTO = Path("/usr/sbin/mosquitto")
 HOST = "127.0.0.1"
 
@@ -44,13 +46,6 @@ class MosquittoBroker:
 
     def log_text(self) -> str:
         return self.log_file.read_text(errors="replace") if self.log_file.exists() else ""
-
-
-def free_port(host: str = HOST) -> int:
-    """A port the kernel had free a moment ago (Mosquitto cannot bind port 0 itself)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
 
 
 def mosquitto_config(
@@ -160,7 +155,7 @@ def run_mosquitto(
         acl_file = workdir / "acl"
         acl_file.write_text(acl)
     for _ in range(3):
-        port = free_port()
+        port = unused_port()
         if config is not None:
             text = config(port)
         else:

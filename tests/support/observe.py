@@ -25,14 +25,14 @@ from typing import Any
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
-from coordinator.audit import AuditEntry
+from coordinator.state.audit import AuditEntry
 from geofed.backoff import Backoff
 from geofed.control import ControlClient, Topics
 from geofed.control.messages import RegionStatus, RoundAnnouncement, decode_any
 from geofed.pki import client_ssl_context, load_trust_bundle
 from geofed.pki.httpauth import VerifiedConnector
 from geofed.types import Identity, Role
-from regional_agent.launcher import descendants
+from regional_agent.launch.launcher import descendants
 from tests.support.federation import FEDERATION, FederationRun, running_federation
 
 #: How long a fault test waits for one step of its scenario.
@@ -192,9 +192,11 @@ async def wait_job(
 
 
 async def start_agents(fed: FederationRun, observer: ControlObserver) -> None:
-    """Start every agent, wait for their worker groups, and submit the job."""
+    """Start every agent, wait for the coordinator and their worker groups, and submit
+    the job."""
     for region in fed.regions:
         await fed.start_agent(region)
+    await fed.wait_ready()
 
     def ready() -> bool:
         return all(
@@ -214,7 +216,7 @@ async def observed_federation(
     """A federation on the embedded broker (``options`` as for ``running_federation``)
     whose agents start, and whose job is submitted, under a running observer."""
     async with (
-        running_federation(tmp_path, start_agents=False, **options) as fed,
+        running_federation(tmp_path, start_agents=False, ready=False, **options) as fed,
         ControlObserver(fed.mqtt_port, backoff=backoff).running() as observer,
     ):
         await start_agents(fed, observer)
@@ -222,7 +224,7 @@ async def observed_federation(
 
 
 async def stop_agents(fed: FederationRun) -> None:
-    """Stop every agent cleanly and at once (the harness stops them one after another)."""
+    """Stop every agent cleanly and at once, before the federation's end."""
     await asyncio.gather(*(fed.kill(f"agent-{r}", signal.SIGTERM) for r in fed.regions))
     fed.children.children = [c for c in fed.children.children if c.returncode is None]
 

@@ -1,6 +1,6 @@
 """A job's publication on the local disk, for tests and benchmarks of the outer round.
 
-:func:`job_publishing` gives what :func:`coordinator.outer_round.publish_round` needs: a
+:func:`job_publishing` gives what :func:`coordinator.aggregation.outer_round.publish_round` needs: a
 checkpoint location and a working-state store in a directory, signing with a coordinator
 certificate of a throw-away CA (:mod:`tests.support.pki`).
 """
@@ -10,9 +10,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from pathlib import Path
 
-from coordinator.artifacts import Location, Signer
-from coordinator.outer_round import JobPublishing
-from coordinator.working_state import ParamsStore
+from coordinator.aggregation.outer_round import JobPublishing
+from coordinator.rounds.layout import RoundLayout
+from coordinator.storage.artifacts import Location, Signer
+from coordinator.storage.working_state import ParamsStore
 from geofed.blobstore import FsBlobStore
 from geofed.codec_params import CodecParams
 from geofed.manifest import ArtifactProvenance
@@ -41,7 +42,7 @@ def job_publishing(
         codec=codec,
         snapshot_every=snapshot_every,
         provenance=provenance,
-        specs=dict(shapes),
+        layout=RoundLayout(dict(shapes)),
         location=Location.open("eu-ckpt", "EU", "eu-west", root / "ckpt"),
         signer=Signer(
             coordinator.identity,

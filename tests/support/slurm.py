@@ -23,6 +23,8 @@ from pathlib import Path
 
 import pytest
 
+from geofed.ports import unused_port
+
 NODES = ("gfnode1", "gfnode2")
 _BINARIES = ("munged", "slurmctld", "slurmd", "srun", "salloc", "scancel", "scontrol", "sinfo")
 
@@ -45,14 +47,12 @@ class SlurmCluster:
 
 
 def _free_ports(count: int) -> list[int]:
-    socks = [socket.socket() for _ in range(count)]
-    try:
-        for sock in socks:
-            sock.bind(("127.0.0.1", 0))
-        return [sock.getsockname()[1] for sock in socks]
-    finally:
-        for sock in socks:
-            sock.close()
+    ports: list[int] = []
+    while len(ports) < count:
+        port = unused_port()
+        if port not in ports:
+            ports.append(port)
+    return ports
 
 
 def _config(root: Path, host: str, ports: list[int]) -> str:

@@ -13,8 +13,8 @@ from typing import Any
 
 import pytest
 
-from coordinator.audit import AuditEvent, AuditVerdict
-from coordinator.store import (
+from coordinator.state.audit import AuditEvent, AuditVerdict
+from coordinator.state.store import (
     AlreadyExists,
     ConflictError,
     DeltaTotals,

@@ -1,6 +1,6 @@
 """The state-store contract's vocabulary: the implementations, a factory, sample values.
 
-:data:`IMPLEMENTATIONS` lists every :class:`~coordinator.store.Store` the contract runs
+:data:`IMPLEMENTATIONS` lists every :class:`~coordinator.state.store.Store` the contract runs
 against (``tests/unit/test_store.py``, and ``tests/integration/test_killed_writers.py``
 for a process that dies mid-transaction). Each entry is a
 picklable spec that opens a store on the same backing database each time it is called;
@@ -19,10 +19,10 @@ from typing import Any
 
 import psycopg
 
-from coordinator.audit import AuditEvent
-from coordinator.postgres_store import PostgresStore
-from coordinator.sqlite_store import SqliteStore
-from coordinator.store import Store
+from coordinator.state.audit import AuditEvent
+from coordinator.state.postgres import PostgresStore
+from coordinator.state.sqlite import SqliteStore
+from coordinator.state.store import Store
 from geofed.blobstore import sha256_hex
 from geofed.types import Identity, Role
 

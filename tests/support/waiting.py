@@ -4,18 +4,29 @@ processes."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+import inspect
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 #: How often :func:`eventually` looks again.
 POLL_S = 0.02
 
 
-async def eventually(condition: Callable[[], bool], timeout_s: float = 10.0) -> None:
-    """Return once ``condition()`` is true; TimeoutError after ``timeout_s``."""
+async def eventually(
+    condition: Callable[[], bool | Awaitable[bool]],
+    timeout_s: float = 10.0,
+    poll_s: float = POLL_S,
+) -> None:
+    """Return once ``condition()`` is true (awaited when it is a coroutine function's, as
+    a request is); TimeoutError after ``timeout_s``."""
+
+    async def holds() -> bool:
+        result = condition()
+        return await result if inspect.isawaitable(result) else result
+
     async with asyncio.timeout(timeout_s):
-        while not condition():  # noqa: ASYNC110 - the state polled has no event
-            await asyncio.sleep(POLL_S)
+        while not await holds():  # noqa: ASYNC110 - the state polled has no event
+            await asyncio.sleep(poll_s)
 
 
 def alive(pid: int) -> bool:

@@ -6,17 +6,18 @@ ranks over a hand-off directory.
 
 from __future__ import annotations
 
-import asyncio
 from pathlib import Path
 
 import pytest
 import torch
 
 from geofed.training_config import TrainingConfig
-from regional_agent.handoff import HandoffDir, RoundInstruction
-from regional_agent.launcher import LocalElasticLauncher, LocalLauncherConfig
-from regional_agent.worker_group import WorkerGroup, WorkerGroupConfig
+from regional_agent.handoff.directory import HandoffDir
+from regional_agent.handoff.messages import RoundInstruction
+from regional_agent.launch.launcher import LocalElasticLauncher, LocalLauncherConfig
+from regional_agent.launch.worker_group import WorkerGroup, WorkerGroupConfig
 from tests.support.tiny_task import SPEC, TinyTask
+from tests.support.waiting import eventually
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 WORLD = 2
@@ -65,14 +66,19 @@ def save_state(path: Path, state: dict[str, torch.Tensor]) -> Path:
     return path
 
 
-async def wait_for_progress(handoff: HandoffDir, job: str, round_: int, steps: int) -> None:
+async def wait_for_progress(
+    handoff: HandoffDir, job: str, round_: int, steps: int, timeout_s: float = 30.0
+) -> None:
     """Wait until rank 0 reports ``steps`` steps of the round done."""
-    for _ in range(1000):
+
+    def done() -> bool:
         progress = handoff.read_progress(job, round_)
-        if progress is not None and progress.steps_done >= steps:
-            return
-        await asyncio.sleep(0.01)
-    pytest.fail(f"round {round_} of job {job!r} never got going")
+        return progress is not None and progress.steps_done >= steps
+
+    try:
+        await eventually(done, timeout_s)
+    except TimeoutError:
+        pytest.fail(f"{handoff.root}: round {round_} of job {job!r} never got to step {steps}")
 
 
 def simulate_region(

@@ -1,6 +1,6 @@
 """Capacity admission: the spec's scheduling keys, the pure pass, what regions show.
 
-Table-driven over :func:`coordinator.admission.admission_pass`: who starts, who waits
+Table-driven over :func:`coordinator.jobs.capacity.admission_pass`: who starts, who waits
 with which reason and place, what holds capacity (running and paused jobs, in all their
 regions), what does not (jobs without needs), and how unknown or down regions count.
 """
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from coordinator.admission import (
+from coordinator.jobs.capacity import (
     JobFacts,
     RegionFacts,
     admission_pass,
@@ -21,9 +21,9 @@ from coordinator.admission import (
     training_phase,
     without_preemption,
 )
-from coordinator.jobspec import DEFAULT_TEAM, JobSpecError, parse_job_spec, parse_stored_spec
-from coordinator.records import JobState
-from coordinator.round_driver import Step, next_step
+from coordinator.jobs.spec import DEFAULT_TEAM, JobSpecError, parse_job_spec, parse_stored_spec
+from coordinator.rounds.driver import Step, next_step
+from coordinator.rounds.records import JobState
 from coordinator.scheduling import RegionNeed, SchedulingConfig
 from coordinator.scheduling.config import load_scheduling_config
 from geofed.control import Capacity, RegionStatus, decode, encode

@@ -12,8 +12,8 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from geofed.types import ArtifactKind
+from regional_agent.handoff.training_stats import TrainingStats
 from regional_agent.metrics import ACCELERATOR_ONLY, CATALOGUE, AgentMetrics, MetricsError
-from regional_agent.training_stats import TrainingStats
 
 #: A round measured on one H100 (bf16 peak 989e12 FLOPs/s per device).
 GPU_ROUND = TrainingStats(

@@ -13,9 +13,9 @@ from prometheus_client import CollectorRegistry
 from policies import PolicySet, load_policies
 from regional_agent.credentials import Credentials
 from regional_agent.metrics import AgentMetrics
-from regional_agent.pipeline import PipelineRegion, RoundPipeline
+from regional_agent.rounds.pipeline import PipelineRegion, RoundPipeline
 from regional_agent.state import AgentState, ParamsVersion
-from regional_agent.sync import ResyncFailed
+from regional_agent.transfer.sync import ResyncFailed
 from tests.support.agent_credentials import agent_credentials
 from tests.support.agent_schedule import REGION, announce
 from tests.support.pki import make_federation

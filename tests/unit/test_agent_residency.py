@@ -14,13 +14,13 @@ from geofed.codec_params import CodecParams
 from geofed.params import parameters_vector_hash, state_to_fp32
 from policies import PolicySet, load_policies
 from regional_agent.credentials import Credentials
-from regional_agent.delta import DeltaOrigin, delta_manifest, encode_delta, sign_delta
-from regional_agent.handoff import HandoffDir
+from regional_agent.handoff.directory import HandoffDir
 from regional_agent.metrics import AgentMetrics
-from regional_agent.pipeline import PipelineRegion, RetryLater, RoundPipeline
-from regional_agent.residency import export_decision
+from regional_agent.rounds.delta import DeltaOrigin, delta_manifest, encode_delta, sign_delta
+from regional_agent.rounds.pipeline import PipelineRegion, RetryLater, RoundPipeline
+from regional_agent.rounds.residency import export_decision
 from regional_agent.state import AgentState, DeltaMeta
-from regional_agent.sync import ResyncFailed
+from regional_agent.transfer.sync import ResyncFailed
 from tests.support.agent_credentials import agent_credentials
 from tests.support.agent_schedule import REGION, announce
 from tests.support.pki import make_federation

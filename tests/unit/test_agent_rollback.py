@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from datetime import timedelta
 
-from regional_agent.schedule import (
+from regional_agent.rounds.schedule import (
     Progress,
     Rollback,
     Running,

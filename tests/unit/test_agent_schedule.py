@@ -7,7 +7,7 @@ from datetime import timedelta
 import pytest
 
 from geofed.control import Command, RoundAnnouncement
-from regional_agent.schedule import Running, Schedule, Stop
+from regional_agent.rounds.schedule import Running, Schedule, Stop
 from tests.support.agent_schedule import REGION, T0, announce
 
 

@@ -14,7 +14,7 @@ from geofed.params import parameters_vector_hash, state_to_fp32
 from geofed.training_config import LrSchedule, TrainingConfig
 from geofed.types import ArtifactKind
 from regional_agent.credentials import Credentials
-from regional_agent.delta import (
+from regional_agent.rounds.delta import (
     DeltaOrigin,
     delta_manifest,
     encode_delta,

@@ -9,8 +9,13 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from coordinator import aggregation
-from coordinator.aggregation import AggregationError, WeightedSum, aggregate, regions_at_once
+from coordinator.aggregation import weighted as aggregation
+from coordinator.aggregation.weighted import (
+    AggregationError,
+    WeightedSum,
+    aggregate,
+    regions_at_once,
+)
 from coordinator.executors import usable_cpus
 from geofed.deltas import (
     DeltaError,

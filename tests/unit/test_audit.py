@@ -14,7 +14,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from coordinator.audit import (
+from coordinator.state.audit import (
     GENESIS_HASH,
     AuditEntry,
     AuditEvent,

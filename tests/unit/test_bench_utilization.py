@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks import utilization
-from regional_agent.round_timeline import Interval, RoundTimeline
+from regional_agent.rounds.timeline import Interval, RoundTimeline
 
 
 @pytest.mark.parametrize(

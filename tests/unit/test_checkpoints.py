@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from coordinator.checkpoints import (
+from coordinator.storage.checkpoints import (
     CheckpointConflict,
     CheckpointEntry,
     CheckpointOrderError,

@@ -8,13 +8,13 @@ from pathlib import Path
 
 import pytest
 
-from coordinator.async_store import AsyncStore
-from coordinator.audit import AuditEvent, AuditVerdict
 from coordinator.executors import Executors
-from coordinator.records import JobState
-from coordinator.sqlite_store import SqliteStore
-from coordinator.store import AlreadyExists, Store
-from coordinator.transactions import LOCATION_POINTER, record_admitted_job
+from coordinator.rounds.records import JobState
+from coordinator.state.async_store import AsyncStore
+from coordinator.state.audit import AuditEvent, AuditVerdict
+from coordinator.state.sqlite import SqliteStore
+from coordinator.state.store import AlreadyExists, Store
+from coordinator.state.transactions import LOCATION_POINTER, record_admitted_job
 from geofed.blobstore import sha256_hex
 from geofed.types import Identity, Role
 

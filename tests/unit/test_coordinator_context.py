@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from coordinator.initial_build import BuildFailed, initial_parameters
+from coordinator.jobs.initial_build import BuildFailed, initial_parameters
 from geofed.params import parameters_vector_hash
 from geofed.task import DataShard, Task
 

@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from coordinator.aggregation_config import AggregationConfig
-from coordinator.deadline import DeadlineError
-from coordinator.jobspec import JobSpecError, parse_job_spec, parse_stored_spec
+from coordinator.aggregation.config import AggregationConfig
+from coordinator.jobs.spec import JobSpecError, parse_job_spec, parse_stored_spec
+from coordinator.rounds.deadline import DeadlineError
 from geofed.evaluation_config import EvaluationConfig
 from geofed.timeouts import Timeouts
 from geofed.training_config import LrSchedule, TrainingConfig

@@ -17,9 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from coordinator.checkpoints import EntryKind
-from coordinator.outer_optimizer import OuterOptimizer, OuterOptimizerConfig
-from coordinator.outer_round import (
+from coordinator.aggregation.outer_optimizer import OuterOptimizer, OuterOptimizerConfig
+from coordinator.aggregation.outer_round import (
     PUBLICATION_PHASES,
     DeltaSource,
     JobPublishing,
@@ -28,7 +27,8 @@ from coordinator.outer_round import (
     publish_initial,
     publish_round,
 )
-from coordinator.working_state import WorkingState
+from coordinator.storage.checkpoints import EntryKind
+from coordinator.storage.working_state import WorkingState
 from geofed.artifact_bundle import split_bundle
 from geofed.blobstore import BlobStore, FsBlobStore
 from geofed.codec import decode, encode_stream

@@ -9,21 +9,21 @@ from pathlib import Path
 import pytest
 import torch
 
-from coordinator.artifacts import StoredArtifact
-from coordinator.checkpoints import EntryKind
+from coordinator.aggregation.outer_round import DeltaSource, PublishedRound
 from coordinator.config import PublicationRetryConfig
-from coordinator.outer_round import DeltaSource, PublishedRound
-from coordinator.publication import (
+from coordinator.intake.spool import Spool
+from coordinator.publication.publisher import (
     PublicationFailed,
     delta_sources,
     discard_inputs,
     plan_retry,
     publication_details,
 )
-from coordinator.round_state import RoundConfig, RoundState
-from coordinator.spool import Spool
-from coordinator.store import Receipt
-from coordinator.working_state import WorkingState
+from coordinator.rounds.state import RoundConfig, RoundState
+from coordinator.state.store import Receipt
+from coordinator.storage.artifacts import StoredArtifact
+from coordinator.storage.checkpoints import EntryKind
+from coordinator.storage.working_state import WorkingState
 from geofed.blobstore import FsBlobStore
 
 T0 = 1_700_000_000.0  # 2023-11-14T22:13:20+00:00

@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 
 from coordinator.config import ConfigError, PublicationRetryConfig, load_config, parse_config
-from coordinator.quarantine import Quarantine, QuarantineConfig
-from coordinator.records import RoundRecord
-from coordinator.round_state import RoundConfig, RoundState
+from coordinator.rounds.quarantine import Quarantine, QuarantineConfig
+from coordinator.rounds.records import RoundRecord
+from coordinator.rounds.state import RoundConfig, RoundState
 from tests.support.configs import MINIMAL_COORDINATOR as MINIMAL
 
 REPO = Path(__file__).resolve().parents[2]

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import json
 
-from coordinator.quarantine import Outcome, Quarantine, QuarantineConfig
-from coordinator.records import RoundRecord, announcement
-from coordinator.round_state import RoundConfig, RoundPhase, RoundState
+from coordinator.rounds.quarantine import Outcome, Quarantine, QuarantineConfig
+from coordinator.rounds.records import RoundRecord, announcement
+from coordinator.rounds.state import RoundConfig, RoundPhase, RoundState
 from geofed.codec_params import CodecParams
 from geofed.control import RoundAnnouncement, decode, encode
 from geofed.evaluation_config import EvaluationConfig

@@ -8,12 +8,12 @@ from pathlib import Path
 import pytest
 from prometheus_client import CollectorRegistry
 
-from coordinator.async_store import AsyncStore
 from coordinator.errors import ApiError
 from coordinator.executors import Executors
 from coordinator.metrics import CoordinatorMetrics
 from coordinator.residency import ResidencyGate, policy_denied
-from coordinator.sqlite_store import SqliteStore
+from coordinator.state.async_store import AsyncStore
+from coordinator.state.sqlite import SqliteStore
 from geofed.types import ArtifactKind, Identity, Role
 from policies import PolicySet, Provenance, Transfer, decide_transfer, load_policies
 

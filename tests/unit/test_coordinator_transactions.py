@@ -6,10 +6,10 @@ from pathlib import Path
 
 import pytest
 
-from coordinator.records import JobState
-from coordinator.sqlite_store import SqliteStore
-from coordinator.store import ConflictError, InvalidValue
-from coordinator.transactions import (
+from coordinator.rounds.records import JobState
+from coordinator.state.sqlite import SqliteStore
+from coordinator.state.store import ConflictError, InvalidValue
+from coordinator.state.transactions import (
     DeltaOffer,
     accept_delta,
     record_job_failure,

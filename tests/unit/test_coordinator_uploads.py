@@ -11,9 +11,9 @@ import pytest
 import torch
 import zstandard
 
-from coordinator.delta_checks import DeltaExpectation, check_delta_manifest, verify_signature
-from coordinator.delta_stream import verify_and_store
 from coordinator.errors import ApiError
+from coordinator.intake.delta_checks import DeltaExpectation, check_delta_manifest, verify_signature
+from coordinator.intake.delta_stream import verify_and_store
 from geofed.blobstore import FsBlobStore
 from geofed.codec import EncodedStream, decode, encode_stream
 from geofed.codec.wire import (

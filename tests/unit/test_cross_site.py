@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from multidict import CIMultiDict
 
-from coordinator.cross_site import cross_site_refusal
+from coordinator.api.cross_site import cross_site_refusal
 
 HOST = "coordinator.example:8443"
 

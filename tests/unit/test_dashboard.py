@@ -18,7 +18,7 @@ import pytest
 import yaml
 
 from coordinator.errors import CODES
-from coordinator.records import JobState
+from coordinator.rounds.records import JobState
 from geofed.types import ArtifactKind
 from regional_agent import metrics as agent_metrics
 from tests.support.monitoring import (
@@ -48,7 +48,7 @@ LABEL_VALUES: dict[tuple[str, str], frozenset[str]] = {
     ),
     ("geofed_received_bytes_total", "kind"): frozenset(kind.value for kind in ArtifactKind),
     ("geofed_sent_bytes_total", "kind"): frozenset(kind.value for kind in ArtifactKind),
-    # coordinator/engine.py and api_data.py count "received" deltas and "sent" updates.
+    # coordinator/rounds/engine.py and api_data.py count "received" deltas and "sent" updates.
     ("geofed_fp32_equivalent_bytes_total", "direction"): frozenset({"received", "sent"}),
     ("geofed_jobs", "state"): frozenset(state.value for state in JobState),
     ("geofed_agent_fp32_equivalent_bytes_total", "direction"): agent_metrics.DIRECTIONS,

@@ -8,8 +8,8 @@ from itertools import islice
 import torch
 
 from geofed.control import RoundAnnouncement
-from regional_agent.handoff import RoundInstruction
-from regional_agent.worker import data_shard
+from regional_agent.handoff.messages import RoundInstruction
+from regional_agent.worker.inner_loop import data_shard
 from tests.support.agent_schedule import announce
 from tests.support.tiny_task import SPEC, TinyTask
 

@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
-from coordinator.deadline import DeadlineConfig, DeadlineError, RoundTiming, next_deadline
+from coordinator.rounds.deadline import DeadlineConfig, DeadlineError, RoundTiming, next_deadline
 from geofed.timeouts import Timeouts
 
 CONFIG = DeadlineConfig(initial_s=900, min_s=120, max_s=7200, k=3, window_rounds=5)

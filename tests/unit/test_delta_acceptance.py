@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from coordinator.acceptance import accepted_again, refusal
 from coordinator.errors import Conflict
-from coordinator.round_state import (
+from coordinator.rounds.acceptance import accepted_again, refusal
+from coordinator.rounds.state import (
     DeltaVerdict,
     DeltaVerdictCode,
     JobIntake,
@@ -16,7 +16,7 @@ from coordinator.round_state import (
     RoundStateError,
     judge_delta,
 )
-from coordinator.store import Receipt
+from coordinator.state.store import Receipt
 
 T0 = 1_700_000_000.0
 RUNNING = JobIntake("llm", 5)

@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 
-from coordinator.sqlite_store import SqliteStore
-from coordinator.transactions import DeltaOffer, accept_delta, record_publication
+from coordinator.state.sqlite import SqliteStore
+from coordinator.state.transactions import DeltaOffer, accept_delta, record_publication
 from geofed.blobstore import sha256_hex
 from geofed.types import Identity, Role
 from geofed_cli.demo.chaos import FAULTS, InjectedFault, judge_chaos, plan_chaos, worker_pids
@@ -108,11 +108,11 @@ def test_a_regions_workers_are_found_by_descent_not_by_session(tmp_path: Path) -
     proc = tmp_path / "proc"
     proc.mkdir()
     _process(proc, 100, 1, "python -m geofed_cli agent --config agent-eu-west.yaml")
-    _process(proc, 110, 100, "python -m torch.distributed.run -m regional_agent.worker")
-    _process(proc, 111, 110, "python -m regional_agent.worker --workdir w")
-    _process(proc, 112, 110, "python -m regional_agent.worker --workdir w")
+    _process(proc, 110, 100, "python -m torch.distributed.run -m regional_agent.worker.rank")
+    _process(proc, 111, 110, "python -m regional_agent.worker.rank --workdir w")
+    _process(proc, 112, 110, "python -m regional_agent.worker.rank --workdir w")
     _process(proc, 200, 1, "python -m geofed_cli agent --config agent-us-east.yaml")
-    _process(proc, 211, 200, "python -m regional_agent.worker --workdir v")
+    _process(proc, 211, 200, "python -m regional_agent.worker.rank --workdir v")
     (proc / "self").mkdir()
     assert worker_pids(100, proc) == [111, 112]
     assert worker_pids(200, proc) == [211]

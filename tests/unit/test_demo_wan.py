@@ -8,7 +8,7 @@ from typing import Any
 
 from geofed_cli.demo.utilization import format_utilization, utilization_by_region
 from geofed_cli.demo.wan import route_configs
-from regional_agent.round_timeline import FILE_NAME, Interval, RoundTimeline
+from regional_agent.rounds.timeline import FILE_NAME, Interval, RoundTimeline
 
 
 def test_agents_go_through_their_own_link_and_the_job_gets_the_overlap_mode() -> None:

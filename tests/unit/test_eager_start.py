@@ -12,24 +12,24 @@ import pytest
 import torch
 
 from benchmarks._federation_sim import RunSpec, delayed_start
-from coordinator.records import announcement
+from coordinator.rounds.records import announcement
 from geofed.codec_params import CodecParams
 from geofed.control import RoundAnnouncement
 from geofed.eager_start import EagerStartError, OuterReplica, estimate_mean
 from geofed.outer_step import OuterOptimizer, OuterOptimizerConfig
 from geofed.params import parameters_vector_hash
 from geofed.training_config import TrainingConfig
-from regional_agent.eager_start import EagerState, hand_start, next_state
-from regional_agent.handoff import (
-    HandoffDir,
+from regional_agent.handoff.directory import HandoffDir
+from regional_agent.handoff.messages import (
     InvalidHandoffData,
     RoundInstruction,
     RoundResult,
     RoundSummary,
     StartReady,
 )
-from regional_agent.overlap import next_instruction, speculation_unusable
-from regional_agent.overlap_pipeline import DelayedRounds
+from regional_agent.handoff.overlap import next_instruction, speculation_unusable
+from regional_agent.rounds.eager_start import EagerState, hand_start, next_state
+from regional_agent.rounds.overlap_pipeline import DelayedRounds
 from regional_agent.state import JobDirectory, ParamsVersion
 from tests.support.agent_schedule import announce
 

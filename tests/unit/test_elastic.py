@@ -9,11 +9,11 @@ from typing import Any
 
 import pytest
 
-from coordinator.api_admin import parse_region_change
+from coordinator.api.admin import parse_region_change
 from coordinator.errors import CODES, BadRequest
-from coordinator.job_regions import MEMBER_POINTER, MembershipError, effective_spec, membership_of
-from coordinator.jobspec import JobSpecError, parse_job_spec
-from coordinator.round_state import RoundConfig
+from coordinator.jobs.regions import MEMBER_POINTER, MembershipError, effective_spec, membership_of
+from coordinator.jobs.spec import JobSpecError, parse_job_spec
+from coordinator.rounds.state import RoundConfig
 from coordinator.scheduling.elastic import (
     Membership,
     Refusal,

@@ -21,10 +21,10 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from coordinator.audit import AuditEntry, InvalidAuditEntry
-from coordinator.bodies import commit_metrics
+from coordinator.api.bodies import commit_metrics
 from coordinator.errors import ApiError
-from coordinator.jobspec import JobSpecError, parse_job_spec
+from coordinator.jobs.spec import JobSpecError, parse_job_spec
+from coordinator.state.audit import AuditEntry, InvalidAuditEntry
 from geofed.artifact_bundle import (
     HEADER_SIZE,
     BundleError,

@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from coordinator.chunk_commit import ChunkWrite, record_chunks
-from coordinator.group_commit import Batches, GroupCommit
-from coordinator.spool import Spool
-from coordinator.sqlite_store import SqliteStore
-from coordinator.store import ConflictError
+from coordinator.intake.chunk_commit import ChunkWrite, record_chunks
+from coordinator.intake.group_commit import Batches, GroupCommit
+from coordinator.intake.spool import Spool
+from coordinator.state.sqlite import SqliteStore
+from coordinator.state.store import ConflictError
 from geofed.blobstore import FsBlobStore
 
 DIGEST = "a" * 64

@@ -6,13 +6,14 @@ import json
 import os
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
 from geofed.training_config import LrSchedule, TrainingConfig
-from regional_agent.handoff import (
-    HandoffDir,
+from regional_agent.handoff.directory import HandoffDir
+from regional_agent.handoff.messages import (
     HandoffError,
     InvalidHandoffData,
     RankStatus,
@@ -21,7 +22,7 @@ from regional_agent.handoff import (
     RoundProgress,
     RoundSummary,
 )
-from regional_agent.optimizer_checkpoint import load_optimizer, save_optimizer
+from regional_agent.worker.optimizer_checkpoint import load_optimizer, save_optimizer
 from tests.support.handoff_samples import INSTRUCTION, PARAMS, SUMMARY
 
 
@@ -299,3 +300,32 @@ def test_paths_refuse_bad_names(tmp_path: Path) -> None:
         handoff.instruction_path("../escape", 0)
     with pytest.raises(InvalidHandoffData, match="round must be"):
         handoff.result_path("job-a", -1)
+
+
+def test_a_message_names_every_problem_and_refuses_unknown_fields() -> None:
+    with pytest.raises(InvalidHandoffData) as raised:
+        replace(SUMMARY, round=-1, mean_loss=float("nan"), params_hash="")
+    message = str(raised.value)
+    assert "round must be an integer >= 0, got -1" in message
+    assert "mean_loss must be a finite number" in message
+    assert "params_hash must be a non-empty string" in message
+    make_progress: Any = RoundProgress
+    with pytest.raises(InvalidHandoffData, match="ranks: Unexpected keyword argument"):
+        make_progress("job-a", 1, 5, 50, ranks=2)
+    with pytest.raises(InvalidHandoffData, match="state must be starting or ready"):
+        RankStatus(1, 1, 2, 4242, "launch", 0, "gloo", "cpu", "running")
+    with pytest.raises(InvalidHandoffData, match="pid must be an integer >= 1"):
+        RankStatus(1, 1, 2, 0, "launch", 0, "gloo", "cpu", "ready")
+
+
+def test_advisory_files_holding_bad_values_are_ignored(tmp_path: Path) -> None:
+    handoff = HandoffDir(tmp_path)
+    handoff.progress_path("job-a", 1).parent.mkdir(parents=True)
+    progress = {"job": "job-a", "round": 1, "steps_done": -3, "inner_steps": 50}
+    handoff.progress_path("job-a", 1).write_text(json.dumps(progress))
+    assert handoff.read_progress("job-a", 1) is None
+    status = RankStatus(1, 1, 2, 4242, "launch", 0, "gloo", "cpu", "ready")
+    handoff.write_rank_status(status)
+    bad = {**json.loads(handoff.rank_status_path(1).read_text()), "rank": 0, "world_size": 0}
+    handoff.rank_status_path(0).write_text(json.dumps(bad))
+    assert handoff.read_rank_statuses() == [status]

@@ -17,8 +17,8 @@ from geofed.data import DataError, DatasetLocation
 from geofed.params import federated_state, load_federated_state
 from geofed.task import DataShard, TaskOptionsError, load_task
 from geofed.tasks.hf_model import HfModelError
-from regional_agent.job_state import check_fingerprint
-from regional_agent.model_build import build_model
+from regional_agent.worker.job_state import check_fingerprint
+from regional_agent.worker.model_build import build_model
 from tests.support.hf_models import (
     ARCHITECTURES,
     VOCAB,

@@ -10,14 +10,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from coordinator.init_source import (
+from coordinator.jobs.init_source import (
     InitError,
     InitialState,
     check_shapes,
     file_source,
     load_initial,
 )
-from coordinator.jobspec import InitFrom, JobSpecError, parse_job_spec, parse_stored_spec
+from coordinator.jobs.spec import InitFrom, JobSpecError, parse_job_spec, parse_stored_spec
 from geofed.export import safetensors_bytes, torch_checkpoint
 from geofed.params import parameters_vector_hash
 from geofed.pki import TrustBundle

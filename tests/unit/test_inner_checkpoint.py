@@ -9,8 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from regional_agent.handoff import HandoffDir, RoundInstruction
-from regional_agent.inner_checkpoint import (
+from regional_agent.handoff.directory import HandoffDir
+from regional_agent.handoff.messages import RoundInstruction
+from regional_agent.worker.inner_checkpoint import (
     InnerCheckpoint,
     InvalidInnerCheckpoint,
     RankInner,
@@ -23,7 +24,7 @@ from regional_agent.inner_checkpoint import (
     save_inner_tensors,
     write_inner_checkpoint,
 )
-from regional_agent.inner_loop import RankTotals
+from regional_agent.worker.inner_loop import RankTotals
 
 IDENTITY = RoundIdentity(
     job="llm",

@@ -7,9 +7,9 @@ import json
 
 from geofed.control import RoundAnnouncement, decode, encode
 from geofed.data import DatasetLocation
-from regional_agent.handoff import RoundInstruction
-from regional_agent.job_datasets import round_datasets
-from regional_agent.worker import data_shard
+from regional_agent.handoff.messages import RoundInstruction
+from regional_agent.rounds.datasets import round_datasets
+from regional_agent.worker.inner_loop import data_shard
 from tests.support.agent_schedule import REGION, announce
 
 CHATS = DatasetLocation(path="/data/chats", format="jsonl", cache_dir="/state/datasets/chats")

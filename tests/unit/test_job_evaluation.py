@@ -11,8 +11,10 @@ from typing import Any, cast
 import pytest
 from prometheus_client import CollectorRegistry
 
-from coordinator.initial_build import initial_parameters
-from coordinator.job_evaluation import (
+from coordinator.jobs.initial_build import initial_parameters
+from coordinator.jobs.spec import parse_job_spec
+from coordinator.metrics import CoordinatorMetrics
+from coordinator.publication.evaluation import (
     MAX_METRICS,
     METRICS_POINTER,
     JobEvaluation,
@@ -26,9 +28,7 @@ from coordinator.job_evaluation import (
     parse_metrics,
     parse_val_loss,
 )
-from coordinator.jobspec import parse_job_spec
-from coordinator.metrics import CoordinatorMetrics
-from coordinator.working_state import WorkingState
+from coordinator.storage.working_state import WorkingState
 from geofed.task import evaluates_centrally, load_task, load_task_class
 
 

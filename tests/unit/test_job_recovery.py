@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from coordinator.checkpoints import CheckpointEntry, EntryKind
-from coordinator.job_recovery import last_update_digest
+from coordinator.jobs.recovery import last_update_digest
+from coordinator.storage.checkpoints import CheckpointEntry, EntryKind
 
 
 def _entry(kind: EntryKind, round_: int, manifest: str) -> CheckpointEntry:

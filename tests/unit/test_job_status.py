@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from coordinator.job_status import job_status
-from coordinator.quarantine import Quarantine
-from coordinator.records import JobState, RoundRecord
-from coordinator.round_state import RoundConfig, RoundState
+from coordinator.jobs.status import job_status
+from coordinator.rounds.quarantine import Quarantine
+from coordinator.rounds.records import JobState, RoundRecord
+from coordinator.rounds.state import RoundConfig, RoundState
 
 T0 = 1_700_000_000.0  # 2023-11-14T22:13:20+00:00
 

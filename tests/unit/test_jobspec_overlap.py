@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from coordinator.jobspec import DEFAULT_FRAGMENTS, JobSpecError, parse_job_spec
+from coordinator.jobs.spec import DEFAULT_FRAGMENTS, JobSpecError, parse_job_spec
 
 SPEC = """\
 job: tiny

@@ -10,14 +10,15 @@ from pathlib import Path
 import pytest
 from torch.distributed.run import get_args_parser
 
-from regional_agent.launcher import LauncherConfigError, LocalElasticLauncher, LocalLauncherConfig
-from regional_agent.launcher_flags import (
+from regional_agent.handoff.settings import LauncherConfigError
+from regional_agent.launch.flags import (
     Flag,
     FlagSpelling,
     MissingLauncherFlag,
     installed_options,
     spell_flags,
 )
+from regional_agent.launch.launcher import LocalElasticLauncher, LocalLauncherConfig
 
 CONFIG = LocalLauncherConfig(
     nproc_per_node=3, max_restarts=2, backend="gloo", monitor_interval_s=0.25, shutdown_timeout_s=7
@@ -37,7 +38,7 @@ def test_the_command_parses_with_the_installed_torch_parser(tmp_path: Path) -> N
     )
     assert (args.max_restarts, args.monitor_interval) == (2, 0.25)
     assert args.module is True
-    assert args.training_script == "regional_agent.worker"
+    assert args.training_script == "regional_agent.worker.rank"
     assert args.training_script_args == launcher.settings.to_argv()
     if "--shutdown-timeout" in installed_options():
         assert args.shutdown_timeout == 7
@@ -49,12 +50,12 @@ def test_an_optional_flag_torch_lacks_is_dropped_and_reported_once(
     # The installed torch's options less one stand in for torch 2.11's (no
     # --shutdown-timeout); no other test drops a flag, so none was reported before.
     older = installed_options() - {"--shutdown-timeout", "--shutdown_timeout"}
-    with caplog.at_level(logging.WARNING, logger="regional_agent.launcher"):
+    with caplog.at_level(logging.WARNING, logger="regional_agent.launch.launcher"):
         first = LocalElasticLauncher(tmp_path, CONFIG, environ={}, launcher_options=older)
         LocalElasticLauncher(tmp_path, CONFIG, environ={}, launcher_options=older)
     command = first.command(port=29123, launch_id="abc")
     assert not [part for part in command if "shutdown" in part]
-    assert get_args_parser().parse_args(command[3:]).training_script == "regional_agent.worker"
+    assert get_args_parser().parse_args(command[3:]).training_script == "regional_agent.worker.rank"
     warnings = [r.getMessage() for r in caplog.records if "shutdown-timeout" in r.getMessage()]
     assert len(warnings) == 1
     assert "has no --shutdown-timeout option; launching without it" in warnings[0]

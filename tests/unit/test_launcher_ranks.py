@@ -6,8 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from regional_agent.launcher import LauncherConfigError, LocalElasticLauncher, LocalLauncherConfig
-from regional_agent.ranks import (
+from regional_agent.handoff.settings import LauncherConfigError
+from regional_agent.launch.launcher import LocalElasticLauncher, LocalLauncherConfig
+from regional_agent.launch.ranks import (
     RankChoice,
     RankCountError,
     choose_ranks,

@@ -6,7 +6,7 @@ import pytest
 from pydantic import ValidationError
 
 from coordinator.config import LeaderLeaseConfig, StateStoreConfig
-from coordinator.leader_lease import Lease, LeaseOutcome, decide, step_down_reason
+from coordinator.ha.lease import Lease, LeaseOutcome, decide, step_down_reason
 
 TTL = 10.0
 NOBODY = Lease("", 0, 0.0)

@@ -14,9 +14,9 @@ from collections.abc import Iterator
 import pytest
 
 from coordinator.config import LeaderLeaseConfig
-from coordinator.leader_lease import Fence, Lease, LeaseDecision, LeaseOutcome
-from coordinator.leadership import Leadership
-from coordinator.store import StoreFailure
+from coordinator.ha.leadership import Leadership
+from coordinator.ha.lease import Fence, Lease, LeaseDecision, LeaseOutcome
+from coordinator.state.store import StoreFailure
 from geofed.sdnotify import Notifier
 
 CONFIG = LeaderLeaseConfig(ttl_s=0.3)  # renewed every 0.1 s

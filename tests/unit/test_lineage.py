@@ -8,8 +8,12 @@ import pytest
 import torch
 
 import geofed
-from coordinator.lineage import ContributionLog, code_mismatch_at_first_delta, round_record
-from coordinator.store import Receipt
+from coordinator.publication.lineage import (
+    ContributionLog,
+    code_mismatch_at_first_delta,
+    round_record,
+)
+from coordinator.state.store import Receipt
 from geofed.lineage import (
     Software,
     TaskCode,

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from coordinator.initial_build import initial_parameters
-from coordinator.job_evaluation import evaluate_params
+from coordinator.jobs.initial_build import initial_parameters
+from coordinator.publication.evaluation import evaluate_params
 from geofed.examples.charlm.data import TokenBatch
 from geofed.examples.llama import PRESETS, Llama, LlamaConfig, LlamaOptions, LlamaTask
 from geofed.examples.llama.model import apply_rotary, rotary_table

@@ -8,8 +8,8 @@ from typing import Any
 
 import torch
 
-from coordinator.context import size_refusal
-from coordinator.initial_build import meta_count
+from coordinator.jobs.context import size_refusal
+from coordinator.jobs.initial_build import meta_count
 from geofed.task import Task, load_task
 from tests.support.tiny_task import TinyTask
 

@@ -12,7 +12,7 @@ from geofed.examples.charlm.task import CharLMTask
 from geofed.examples.llama.task import LlamaOptions, LlamaTask
 from geofed.params import federated_state
 from geofed.task import DataShard, Task
-from regional_agent.model_build import build_model, meta_refusal, non_federated_names
+from regional_agent.worker.model_build import build_model, meta_refusal, non_federated_names
 
 CPU = torch.device("cpu")
 

@@ -12,23 +12,26 @@ import pytest
 from torch.distributed.run import get_args_parser
 
 from regional_agent.config import WorkersConfig, load_config
-from regional_agent.launch_backends import make_launcher
-from regional_agent.launch_spec import (
+from regional_agent.handoff.settings import (
     HEAD_NODE_ENV,
-    HEAD_PLACEHOLDER,
     HEAD_SLURM_TASK_ENV,
-    SrunSpec,
-    first_host,
+    LauncherConfigError,
     head_first_ranks,
     is_head_node,
+)
+from regional_agent.launch.backends import make_launcher
+from regional_agent.launch.launcher import LocalElasticLauncher, LocalLauncherConfig
+from regional_agent.launch.slurm import SlurmLauncher, SlurmOptions
+from regional_agent.launch.spec import (
+    HEAD_PLACEHOLDER,
+    SrunSpec,
+    first_host,
     node_addr,
     node_argv,
     parse_endpoint,
     passthrough_env,
     srun_command,
 )
-from regional_agent.launcher import LauncherConfigError, LocalElasticLauncher, LocalLauncherConfig
-from regional_agent.slurm_launcher import SlurmLauncher, SlurmOptions
 from tests.support.agent_configs import federation, problems, write
 from tests.support.pki import Federation
 
@@ -161,11 +164,11 @@ def test_slurm_launcher_command_runs_one_elastic_launcher_per_node(tmp_path: Pat
     assert command[0] == "srun"
     assert "--jobid=77" in command
     assert "--nodes=2" in command
-    node = command.index("regional_agent.slurm_node")
+    node = command.index("regional_agent.launch.slurm_node")
     assert command[node - 2 : node + 4] == [
         sys.executable,
         "-m",
-        "regional_agent.slurm_node",
+        "regional_agent.launch.slurm_node",
         "--scontrol",
         "scontrol",
         "--",

@@ -8,7 +8,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
-from coordinator.outer_optimizer import OuterOptimizer, OuterOptimizerConfig, OuterOptimizerError
+from coordinator.aggregation.outer_optimizer import (
+    OuterOptimizer,
+    OuterOptimizerConfig,
+    OuterOptimizerError,
+)
 
 # The DiLoCo paper's setting, without the default momentum warm-up: torch's SGD exactly.
 DILOCO = OuterOptimizerConfig(lr=0.7, momentum=0.9, momentum_warmup_rounds=0)

@@ -10,14 +10,14 @@ import pytest
 import torch
 
 from geofed.control import RoundAnnouncement
-from regional_agent.handoff import (
+from regional_agent.handoff.directory import HandoffDir
+from regional_agent.handoff.messages import (
     BaseReady,
-    HandoffDir,
     InvalidHandoffData,
     RoundInstruction,
     RoundSummary,
 )
-from regional_agent.overlap import (
+from regional_agent.handoff.overlap import (
     add_progress,
     apply_correction,
     keeps_speculation,

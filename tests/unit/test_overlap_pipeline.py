@@ -10,9 +10,10 @@ from typing import Any, cast
 
 import pytest
 
-from regional_agent.handoff import HandoffDir, RoundInstruction, RoundResult, RoundSummary
-from regional_agent.overlap import next_instruction
-from regional_agent.overlap_pipeline import DelayedRounds
+from regional_agent.handoff.directory import HandoffDir
+from regional_agent.handoff.messages import RoundInstruction, RoundResult, RoundSummary
+from regional_agent.handoff.overlap import next_instruction
+from regional_agent.rounds.overlap_pipeline import DelayedRounds
 from tests.support.agent_schedule import announce
 
 TRAINED = RoundInstruction(

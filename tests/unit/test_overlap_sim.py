@@ -17,14 +17,14 @@ from benchmarks._federation_sim import (
     delayed_start,
     simulate,
 )
-from coordinator.outer_optimizer import OuterOptimizer, OuterOptimizerConfig
+from coordinator.aggregation.outer_optimizer import OuterOptimizer, OuterOptimizerConfig
 from geofed.codec import ErrorFeedback
 from geofed.codec_params import CodecParams
 from geofed.eager_start import OuterReplica
 from geofed.examples.charlm import CharLMOptions, CharLMTask
 from geofed.fragments import FragmentPlan, fragment_plan
 from geofed.params import parameters_vector_hash, state_to_fp32
-from regional_agent.delta import encode_delta
+from regional_agent.rounds.delta import encode_delta
 
 AVERAGE = OuterOptimizerConfig(kind="average")
 

@@ -6,6 +6,8 @@ the core and ``policies/``, never the other daemon; ``geofed_cli/`` (the command
 demo) anything. Every import counts, including those inside functions and under
 ``if TYPE_CHECKING``: a lazy import is still a dependency. Within a package, no two modules
 import each other at module level, nor in a cycle of any length through lazy imports.
+Inside ``regional_agent/`` the rank process (``worker/``) and the agent share only the
+hand-off contract (``handoff/``), which imports nothing else of the agent.
 """
 
 from __future__ import annotations
@@ -240,6 +242,40 @@ def test_package_imports_only_what_the_graph_allows(package: str) -> None:
     assert not problems, "forbidden imports:\n" + "\n".join(problems)
 
 
+# Within regional_agent: the two processes of a region share only the hand-off contract.
+# Subpackage -> the subpackages of regional_agent it may import.
+AGENT_SIDES: dict[str, tuple[str, ...]] = {
+    "regional_agent.handoff": ("regional_agent.handoff",),
+    "regional_agent.worker": ("regional_agent.worker", "regional_agent.handoff"),
+}
+
+
+def crossing_imports() -> list[str]:
+    """``file:line: imports X`` for each import across the agent/worker line: the contract
+    (``handoff``) imports only itself, the rank process only itself and the contract, and
+    nothing on the agent's side imports the rank process."""
+    problems = []
+    for module in SOURCES:
+        if not _within(module, "regional_agent"):
+            continue
+        side = next((s for s in AGENT_SIDES if _within(module, s)), None)
+        for path, imp in _imports(module):
+            if not _within(imp.target, "regional_agent"):
+                continue
+            if side is None:
+                crossing = _within(imp.target, "regional_agent.worker")
+            else:
+                crossing = not any(_within(imp.target, p) for p in AGENT_SIDES[side])
+            if crossing:
+                problems.append(f"{path.relative_to(REPO)}:{imp.line}: imports {imp.target}")
+    return problems
+
+
+def test_the_agent_and_its_ranks_share_only_the_handoff_contract() -> None:
+    problems = crossing_imports()
+    assert not problems, "imports across the agent/worker line:\n" + "\n".join(problems)
+
+
 def test_no_two_modules_of_a_package_import_each_other() -> None:
     cycles = module_level_cycles()
     assert not cycles, "module-level import cycles:\n" + "\n".join(cycles)
@@ -346,7 +382,7 @@ def test_no_public_class_name_is_defined_twice() -> None:
 
 def test_the_state_stores_tables_are_written_once() -> None:
     """The jobs, rounds, receipts, upload progress and pointers tables are created by
-    ``coordinator/sql_store.py:core_schema`` alone; each backend only spells the types."""
+    ``coordinator/state/sql.py:core_schema`` alone; each backend only spells the types."""
     create = re.compile(r"CREATE TABLE (jobs|rounds|receipts|upload_chunks|pointers)\b")
     found = sorted(
         f"{module}: {match.group(1)}"
@@ -354,6 +390,6 @@ def test_the_state_stores_tables_are_written_once() -> None:
         for match in create.finditer(path.read_text())
     )
     assert found == [
-        f"coordinator.sql_store: {table}"
+        f"coordinator.state.sql: {table}"
         for table in sorted(["jobs", "pointers", "receipts", "rounds", "upload_chunks"])
     ]

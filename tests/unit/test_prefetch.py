@@ -7,7 +7,7 @@ from collections.abc import Awaitable, Callable
 
 import pytest
 
-from regional_agent.prefetch import Prefetch
+from regional_agent.transfer.prefetch import Prefetch
 
 
 class Fetches:

@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
-from coordinator.quarantine import (
+from coordinator.rounds.quarantine import (
     Outcome,
     Quarantine,
     QuarantineConfig,

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from typing import Any, cast
 
-from coordinator.audit import AuditEvent, AuditVerdict
-from coordinator.region_refusals import RegionRefusals
+from coordinator.rounds.region_refusals import RegionRefusals
+from coordinator.state.audit import AuditEvent, AuditVerdict
 from geofed.control import RegionStatus
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from datetime import UTC, datetime, timedelta
 
-from coordinator.region_status import RegionView, take_status
+from coordinator.rounds.region_status import RegionView, take_status
 from geofed.control import RegionStatus
 from geofed.control.messages import RegionState
 

@@ -11,11 +11,13 @@ import pytest
 import torch
 from torch import nn
 
-from regional_agent.handoff import HandoffDir, InvalidHandoffData, RegionalCheckpoint
-from regional_agent.job_state import WorkerJobState
-from regional_agent.optimizer_checkpoint import (
+from regional_agent.handoff.directory import HandoffDir
+from regional_agent.handoff.messages import InvalidHandoffData, RegionalCheckpoint
+from regional_agent.worker.job_state import WorkerJobState
+from regional_agent.worker.optimizer_checkpoint import (
     ShardedCheckpointError,
     load_optimizer,
+    read_optimizer_state,
     save_due,
     save_optimizer,
 )
@@ -57,7 +59,7 @@ def whole(job: str, last_round: int, cursor: int, steps: int = 1) -> RegionalChe
 
 def steps_of(handoff: HandoffDir, job: str) -> int:
     """The AdamW step count of ``job``'s saved optimizer state (either format)."""
-    state = handoff.read_optimizer_state(job)
+    state = read_optimizer_state(handoff, job)
     assert state is not None
     by_name = state["state"]
     entry = by_name["0.weight"] if "0.weight" in by_name else by_name[0]
@@ -99,7 +101,7 @@ def test_a_record_names_an_older_optimizer_state_or_none(tmp_path: Path) -> None
     assert (later.last_round, later.cursor, later.optimizer_round) == (5, 200, 3)
     assert steps_of(handoff, "alpha") == 4
     handoff.write_checkpoint(RegionalCheckpoint("beta", 0, 40, 2))
-    assert handoff.read_optimizer_state("beta") is None
+    assert read_optimizer_state(handoff, "beta") is None
     with pytest.raises(InvalidHandoffData, match="optimizer_round 6 is not a round up to"):
         RegionalCheckpoint("alpha", 5, 200, 2, optimizer_round=6)
     with pytest.raises(InvalidHandoffData, match="no longer written"):
@@ -192,7 +194,7 @@ def test_a_legacy_checkpoint_moves_to_its_jobs_place_once(tmp_path: Path) -> Non
     # The job's next record replaces the whole-state file.
     handoff.write_checkpoint(RegionalCheckpoint("alpha", 3, 100, 2))
     assert not handoff.whole_checkpoint_path("alpha").exists()
-    assert handoff.read_optimizer_state("alpha") is None
+    assert read_optimizer_state(handoff, "alpha") is None
 
 
 def test_a_legacy_checkpoint_never_replaces_the_jobs_own(tmp_path: Path) -> None:

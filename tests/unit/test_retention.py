@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from coordinator.checkpoints import CheckpointEntry, EntryKind
-from coordinator.retention import RetentionConfig, plan_retention
+from coordinator.storage.checkpoints import CheckpointEntry, EntryKind
+from coordinator.storage.retention import RetentionConfig, plan_retention
 
 S, U = EntryKind.SNAPSHOT, EntryKind.UPDATE
 

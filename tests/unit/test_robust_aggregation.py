@@ -5,15 +5,15 @@ import math
 import pytest
 import torch
 
-from coordinator.aggregation import AggregationError, aggregate
-from coordinator.aggregation_config import MAX_TOKENS_PER_STEP, AggregationConfig
-from coordinator.robust_aggregation import (
+from coordinator.aggregation.config import MAX_TOKENS_PER_STEP, AggregationConfig
+from coordinator.aggregation.robust import (
     combine,
     coordinate_statistic,
     judge_norms,
     lockstep,
     region_norm,
 )
+from coordinator.aggregation.weighted import AggregationError, aggregate
 from tests.support.aggregation import SPECS, assert_bit_identical, delta, pieces, source
 
 REGIONS = ("aa", "bb", "cc", "dd", "ee")

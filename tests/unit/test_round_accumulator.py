@@ -7,16 +7,16 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from coordinator.aggregation import (
+from coordinator.aggregation.accumulator import RoundAccumulator
+from coordinator.aggregation.config import AggregationConfig
+from coordinator.aggregation.robust import folded, folds_on_arrival
+from coordinator.aggregation.weighted import (
     AggregationError,
     DeltaStager,
     StagedDelta,
     WeightedSum,
     aggregate,
 )
-from coordinator.aggregation_config import AggregationConfig
-from coordinator.robust_aggregation import folded, folds_on_arrival
-from coordinator.round_accumulator import RoundAccumulator
 from geofed.codec import Piece
 
 SHAPES = {"w": (4, 6), "b": (6,)}

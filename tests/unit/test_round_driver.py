@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from coordinator.records import JobState
-from coordinator.round_driver import Step, next_step
-from coordinator.round_state import RoundConfig, RoundPhase, RoundState
+from coordinator.rounds.driver import Step, next_step
+from coordinator.rounds.records import JobState
+from coordinator.rounds.state import RoundConfig, RoundPhase, RoundState
 
 T0 = 1_700_000_000.0
 REGIONS = ("ap-south", "eu-west", "us-east")

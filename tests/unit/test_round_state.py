@@ -7,8 +7,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
-from coordinator.deadline import RoundTiming
-from coordinator.round_state import (
+from coordinator.rounds.deadline import RoundTiming
+from coordinator.rounds.state import (
     Action,
     DeltaVerdictCode,
     RoundConfig,

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 from prometheus_client import CollectorRegistry
 
-from regional_agent.handoff import InvalidHandoffData, RoundSummary
+from regional_agent.handoff.messages import InvalidHandoffData, RoundSummary
 from regional_agent.metrics import AgentMetrics, MetricsError
-from regional_agent.round_timeline import (
+from regional_agent.rounds.timeline import (
     FILE_NAME,
     Interval,
     RoundTimeline,

@@ -12,12 +12,9 @@ from typing import Any
 
 import pytest
 
-from coordinator.admission import training_phase
-from coordinator.checkpoints import CheckpointEntry, EntryKind
-from coordinator.job_snapshots import JobSnapshots
-from coordinator.jobspec import JobSpecError, parse_job_spec, parse_stored_spec
-from coordinator.retention import RetentionConfig, plan_retention
-from coordinator.snapshot_policy import (
+from coordinator.jobs.capacity import training_phase
+from coordinator.jobs.spec import JobSpecError, parse_job_spec, parse_stored_spec
+from coordinator.publication.snapshot_policy import (
     SnapshotPlan,
     SnapshotSettings,
     SnapshotStats,
@@ -28,6 +25,9 @@ from coordinator.snapshot_policy import (
     save_stats,
     snapshot_status,
 )
+from coordinator.publication.snapshots import JobSnapshots
+from coordinator.storage.checkpoints import CheckpointEntry, EntryKind
+from coordinator.storage.retention import RetentionConfig, plan_retention
 from geofed_cli.jobs import _print_job
 
 SPEC = """\

@@ -8,12 +8,7 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from coordinator.jobspec import parse_job_spec
-from coordinator.metrics import STANDBY_CATALOGUE, CoordinatorMetrics, StandbyMetrics
-from coordinator.quarantine import Quarantine, QuarantineConfig
-from coordinator.records import RoundRecord
-from coordinator.round_state import RoundConfig, RoundState
-from coordinator.standby_app import (
+from coordinator.api.standby import (
     DAMAGED,
     StoredJob,
     job_view,
@@ -22,7 +17,12 @@ from coordinator.standby_app import (
     refusal,
     unavailable_view,
 )
-from coordinator.store import JobRecord, StoredRound
+from coordinator.jobs.spec import parse_job_spec
+from coordinator.metrics import STANDBY_CATALOGUE, CoordinatorMetrics, StandbyMetrics
+from coordinator.rounds.quarantine import Quarantine, QuarantineConfig
+from coordinator.rounds.records import RoundRecord
+from coordinator.rounds.state import RoundConfig, RoundState
+from coordinator.state.store import JobRecord, StoredRound
 from geofed.types import Identity
 from tests.support.coordinator import job_yaml
 

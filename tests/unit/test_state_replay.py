@@ -2,7 +2,7 @@
 
 Rounds published without saving their working state move only the version pointers; a
 restart loads the saved state and takes the rounds after it again from their kept deltas
-(:mod:`coordinator.state_replay`). The rebuilt θ, momentum and residual must be the
+(:mod:`coordinator.storage.replay`). The rebuilt θ, momentum and residual must be the
 published ones bit for bit, and a replay that cannot be exact must refuse, saying why.
 """
 
@@ -14,15 +14,20 @@ from pathlib import Path
 import pytest
 import torch
 
-from coordinator.outer_optimizer import OuterOptimizer, OuterOptimizerConfig
-from coordinator.outer_round import DeltaSource, JobPublishing, publish_initial, publish_round
-from coordinator.quarantine import Quarantine, QuarantineConfig
-from coordinator.records import RoundRecord
-from coordinator.round_state import RoundConfig, RoundState
-from coordinator.snapshot_policy import decide_state_save
-from coordinator.state_replay import ReplayRound, replay_inputs, replay_rounds
-from coordinator.store import Receipt
-from coordinator.working_state import (
+from coordinator.aggregation.outer_optimizer import OuterOptimizer, OuterOptimizerConfig
+from coordinator.aggregation.outer_round import (
+    DeltaSource,
+    JobPublishing,
+    publish_initial,
+    publish_round,
+)
+from coordinator.publication.snapshot_policy import decide_state_save
+from coordinator.rounds.quarantine import Quarantine, QuarantineConfig
+from coordinator.rounds.records import RoundRecord
+from coordinator.rounds.state import RoundConfig, RoundState
+from coordinator.state.store import Receipt
+from coordinator.storage.replay import ReplayRound, replay_inputs, replay_rounds
+from coordinator.storage.working_state import (
     ParamsError,
     WorkingState,
     read_pointers,

@@ -1,7 +1,7 @@
 """The coordinator state store: the shared contract on SQLite, and SQLite's own checks.
 
 :class:`~tests.support.store_contract.StoreContract` holds the behaviour every
-:class:`~coordinator.store.Store` must have; it runs here against the embedded SQLite
+:class:`~coordinator.state.store.Store` must have; it runs here against the embedded SQLite
 store, and in ``tests/integration/test_postgres_store.py`` against PostgreSQL (a unit test
 opens no socket). A process dying mid-transaction is in
 ``tests/integration/test_killed_writers.py``, for every implementation of
@@ -18,9 +18,9 @@ from pathlib import Path
 
 import pytest
 
-from coordinator.audit import AuditEvent
-from coordinator.sqlite_store import SCHEMA_VERSION, SqliteStore
-from coordinator.store import (
+from coordinator.state.audit import AuditEvent
+from coordinator.state.sqlite import SCHEMA_VERSION, SqliteStore
+from coordinator.state.store import (
     SchemaError,
     Store,
 )

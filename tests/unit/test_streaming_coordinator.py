@@ -21,25 +21,29 @@ from typing import Any
 import pytest
 import torch
 
-from coordinator.aggregation import StagedDelta
-from coordinator.aggregation_config import AggregationConfig
-from coordinator.context import JobContext, JobContextError, build_context
-from coordinator.delta_checks import DeltaExpectation, check_delta_manifest
-from coordinator.delta_stream import verify_and_store
-from coordinator.errors import ApiError
-from coordinator.initial_build import initial_parameters
-from coordinator.jobspec import parse_job_spec
-from coordinator.outer_optimizer import OuterOptimizer, OuterOptimizerConfig, OuterOptimizerError
-from coordinator.outer_round import (
+from coordinator.aggregation.accumulator import RoundAccumulator
+from coordinator.aggregation.config import AggregationConfig
+from coordinator.aggregation.outer_optimizer import (
+    OuterOptimizer,
+    OuterOptimizerConfig,
+    OuterOptimizerError,
+)
+from coordinator.aggregation.outer_round import (
     DeltaSource,
     PublishedRound,
     publication_step,
     publish_initial,
     publish_round,
 )
-from coordinator.round_accumulator import RoundAccumulator
+from coordinator.aggregation.weighted import StagedDelta
+from coordinator.errors import ApiError
+from coordinator.intake.delta_checks import DeltaExpectation, check_delta_manifest
+from coordinator.intake.delta_stream import verify_and_store
+from coordinator.jobs.context import JobContext, JobContextError, build_context
+from coordinator.jobs.initial_build import initial_parameters
+from coordinator.jobs.spec import parse_job_spec
 from coordinator.runtime import Runtime, load_runtime
-from coordinator.working_state import WorkingState
+from coordinator.storage.working_state import WorkingState
 from geofed.artifact_check import apply_verified_update, snapshot_params, verify_artifact
 from geofed.codec import EncodedStream, decode, encode_stream
 from geofed.codec_params import CodecParams
@@ -95,7 +99,7 @@ def test_the_context_says_which_tensors_each_round_carries(world: World) -> None
     assert ctx.round_fp32_bytes(0) == 4 * 64
     # A job that does not stream carries the whole model every round.
     plain = _context(world.runtime, "overlap: delayed\n", job="plain")
-    assert plain.publishing.fragments is None
+    assert plain.layout.fragments is None
     assert plain.round_shapes(3) == plain.shapes
     assert plain.round_tensor_specs(3) == plain.tensor_specs()
     assert plain.round_scope(3) == "the job's model"
@@ -508,9 +512,9 @@ def test_the_warm_up_ramps_over_a_fragments_own_steps() -> None:
 
 
 def test_a_streaming_round_warms_up_over_the_fragments_own_steps(world: World) -> None:
-    publishing = world.ctx.publishing
-    assert publishing.plan is not None
-    fragments = publishing.plan.count
-    assert [publishing.own_steps(r) for r in range(2 * fragments + 1)] == [
+    layout = world.ctx.layout
+    assert layout.plan is not None
+    fragments = layout.plan.count
+    assert [layout.own_steps(r) for r in range(2 * fragments + 1)] == [
         r // fragments for r in range(2 * fragments + 1)
     ]

@@ -28,10 +28,10 @@ from geofed.fragments import fragment_plan
 from geofed.manifest import ArtifactProvenance, build_manifest, sign_manifest
 from geofed.params import parameters_vector_hash
 from geofed.types import ArtifactKind
-from regional_agent.coordinator_client import Answer, CoordinatorClient
 from regional_agent.metrics import AgentMetrics
 from regional_agent.state import ParamsVersion
-from regional_agent.sync import Synchronizer
+from regional_agent.transfer.coordinator_client import Answer, CoordinatorClient
+from regional_agent.transfer.sync import Synchronizer
 from tests.support.agent_schedule import REGION, announce
 from tests.support.pki import Federation, Principal, make_federation
 

@@ -15,17 +15,16 @@ import torch
 from geofed.codec import quantize_tensors
 from geofed.codec_params import CodecParams
 from geofed.fragments import FragmentError, fragment_plan
-from regional_agent.delta import UnusableDelta, seal_worker_delta
-from regional_agent.device_delta import quantize_round_delta
-from regional_agent.handoff import (
+from regional_agent.handoff.delta_terms import UnusableDelta
+from regional_agent.handoff.directory import HandoffDir
+from regional_agent.handoff.messages import (
     DeltaRequest,
-    HandoffDir,
     InvalidHandoffData,
     RoundInstruction,
     RoundResult,
     RoundSummary,
 )
-from regional_agent.overlap import (
+from regional_agent.handoff.overlap import (
     apply_correction,
     next_instruction,
     round_names,
@@ -33,9 +32,11 @@ from regional_agent.overlap import (
     speculation_unusable,
     take_snapshot,
 )
-from regional_agent.overlap_pipeline import DelayedRounds
-from regional_agent.pipeline import RoundFragments
-from regional_agent.residual_file import Residual, read_residual, write_residual
+from regional_agent.handoff.residual_file import Residual, read_residual, write_residual
+from regional_agent.rounds.delta import seal_worker_delta
+from regional_agent.rounds.overlap_pipeline import DelayedRounds
+from regional_agent.rounds.pipeline import RoundFragments
+from regional_agent.worker.device_delta import quantize_round_delta
 from tests.support.agent_schedule import announce
 
 CODEC = CodecParams(scheme="int8", block_size=16)

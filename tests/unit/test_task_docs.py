@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from coordinator.initial_build import initial_parameters
+from coordinator.jobs.initial_build import initial_parameters
 from geofed.params import federated_state, load_federated_state, parameters_vector_hash
 from geofed.task import DataShard, Task, load_task
 

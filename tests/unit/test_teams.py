@@ -6,7 +6,7 @@ import pytest
 
 from coordinator.config import ConfigError
 from coordinator.scheduling.config import parse_scheduling_config
-from coordinator.teams import (
+from coordinator.scheduling.teams import (
     destination_refusal,
     management_refusal,
     operator_team,

@@ -10,10 +10,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from regional_agent.flops import flops_utilisation, peak_flops
-from regional_agent.handoff import HandoffDir, InvalidHandoffData, RoundSummary
-from regional_agent.training_stats import TrainingStats
-from regional_agent.utilization import union_seconds
+from regional_agent.handoff.directory import HandoffDir
+from regional_agent.handoff.flops import flops_utilisation, peak_flops
+from regional_agent.handoff.messages import InvalidHandoffData, RoundSummary
+from regional_agent.handoff.training_stats import TrainingStats
+from regional_agent.handoff.utilization import union_seconds
 
 STATS = TrainingStats(
     step_seconds=0.2,

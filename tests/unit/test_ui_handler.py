@@ -7,12 +7,12 @@ from pathlib import Path
 
 import pytest
 
-from coordinator.async_store import AsyncStore
-from coordinator.audit import MAX_PAGE, AuditEvent, AuditVerdict
+from coordinator.api.ui.handler import AuditFollower
 from coordinator.executors import Executors
-from coordinator.sqlite_store import SqliteStore
-from coordinator.store import Store
-from coordinator.ui.handler import AuditFollower
+from coordinator.state.async_store import AsyncStore
+from coordinator.state.audit import MAX_PAGE, AuditEvent, AuditVerdict
+from coordinator.state.sqlite import SqliteStore
+from coordinator.state.store import Store
 from geofed.types import Identity, Role
 
 COORD = Identity("fed", Role.COORDINATOR, "main")

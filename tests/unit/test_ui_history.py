@@ -6,7 +6,8 @@ import dataclasses
 from collections.abc import Iterator
 from typing import Any
 
-from coordinator.audit import (
+from coordinator.api.ui.history import MAX_EVENTS, MAX_ROUNDS, TAIL, AuditDigest
+from coordinator.state.audit import (
     GENESIS_HASH,
     AuditEntry,
     AuditEvent,
@@ -14,7 +15,6 @@ from coordinator.audit import (
     chained_entry,
     validated_fields,
 )
-from coordinator.ui.history import MAX_EVENTS, MAX_ROUNDS, TAIL, AuditDigest
 from geofed.types import Identity, Role
 
 COORD = Identity("fed", Role.COORDINATOR, "main")

@@ -7,7 +7,9 @@ import hashlib
 from html.parser import HTMLParser
 from typing import Any
 
-from coordinator.audit import (
+from coordinator.api.ui.history import MAX_ROUNDS, AuditDigest
+from coordinator.api.ui.page import CONTENT_SECURITY_POLICY, PageFacts, render_main, render_page
+from coordinator.state.audit import (
     GENESIS_HASH,
     AuditEntry,
     AuditEvent,
@@ -15,8 +17,6 @@ from coordinator.audit import (
     chained_entry,
     validated_fields,
 )
-from coordinator.ui.history import MAX_ROUNDS, AuditDigest
-from coordinator.ui.page import CONTENT_SECURITY_POLICY, PageFacts, render_main, render_page
 
 NOW = 1_700_000_100.0
 HOSTILE = "\"'><script>alert(1)</script><img src=x onerror=alert(2)>"
@@ -200,8 +200,8 @@ def test_a_job_without_history_renders_empty_charts() -> None:
 
 
 def test_a_regions_round_is_split_into_what_it_reported() -> None:
-    from coordinator.ui.history import Accepted
-    from coordinator.ui.page import _region_bars
+    from coordinator.api.ui.history import Accepted
+    from coordinator.api.ui.page import _region_bars
 
     told = Accepted(
         at=0.0, size=1, tokens=1, train_loss=None, train_s=10.0, encode_s=1.0, upload_s=3.0

@@ -6,7 +6,7 @@ import math
 import re
 import xml.etree.ElementTree as ET
 
-from coordinator.ui.svg import Bar, Scale, Series, bar_rows, line_chart, thin
+from coordinator.api.ui.svg import Bar, Scale, Series, bar_rows, line_chart, thin
 
 SVG = "{http://www.w3.org/2000/svg}"
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 from datetime import UTC, datetime
 from typing import Any
 
-from coordinator.audit import AuditEntry
+from coordinator.jobs.usage import RunLedger
 from coordinator.scheduling import RunInterval
-from coordinator.usage import RunLedger
+from coordinator.state.audit import AuditEntry
 
 
 def _entry(seq: int, at: float, action: str, verdict: str, job: str, **details: Any) -> AuditEntry:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from regional_agent.utilization import compute_utilization, union_seconds
+from regional_agent.handoff.utilization import compute_utilization, union_seconds
 
 
 def test_serial_rounds_leave_the_gaps_out() -> None:

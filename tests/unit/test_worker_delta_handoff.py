@@ -18,17 +18,16 @@ from geofed.codec import (
     seal_quantized,
 )
 from geofed.codec_params import CodecParams
-from regional_agent.delta import UnusableDelta, encode_delta, seal_worker_delta
-from regional_agent.device_delta import DeviceResidual, payloads_hash, quantize_round_delta
-from regional_agent.handoff import (
+from regional_agent.handoff.delta_terms import UnusableDelta
+from regional_agent.handoff.directory import HandoffDir
+from regional_agent.handoff.messages import (
     DeltaRequest,
-    HandoffDir,
     HandoffError,
     InvalidHandoffData,
     RoundInstruction,
     RoundSummary,
 )
-from regional_agent.residual_file import (
+from regional_agent.handoff.residual_file import (
     HeldResidual,
     Residual,
     ResidualFileError,
@@ -37,7 +36,9 @@ from regional_agent.residual_file import (
     write_held_residual,
     write_residual,
 )
+from regional_agent.rounds.delta import encode_delta, seal_worker_delta
 from regional_agent.state import DeltaMeta, JobDirectory, StateError
+from regional_agent.worker.device_delta import DeviceResidual, payloads_hash, quantize_round_delta
 
 CODEC = CodecParams(scheme="int8", block_size=16)
 THETA = {"w": torch.linspace(-1, 1, 300).reshape(10, 30), "b": torch.linspace(0, 1, 7)}

@@ -12,13 +12,14 @@ import torch
 from torch import nn
 
 from geofed.task import DataShard, Task
-from regional_agent.activation_checkpointing import (
+from regional_agent.handoff.directory import HandoffDir
+from regional_agent.handoff.messages import InvalidHandoffData, RegionalCheckpoint
+from regional_agent.worker.activation_checkpointing import (
     ActivationCheckpointingError,
     checkpoint_activations,
     checkpointed_modules,
 )
-from regional_agent.handoff import HandoffDir, InvalidHandoffData, RegionalCheckpoint
-from regional_agent.precision import autocast, mixed_precision_policy
+from regional_agent.worker.precision import autocast, mixed_precision_policy
 
 
 class Stack(nn.Module):

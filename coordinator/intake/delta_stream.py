@@ -1,0 +1,149 @@
+"""A delta's stream, checked while it is copied into the blob store; its manifest, checked.
+
+Commit verification decodes the whole stream exactly once: every frame against the
+manifest, the header's tensors and codec against the manifest and the job, every decoded
+value for finiteness, the decoded size against the model's. The stream is copied into the
+content-addressed blob store in the same pass, and nothing is stored if any check fails.
+When asked, the same pass also stages the decoded values for the round's running sum
+(:class:`coordinator.aggregation.weighted.DeltaStager`), so a delta accepted into a round that
+folds deltas as they arrive is never decoded again. CPU and disk work: run these in a
+worker thread.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections.abc import Iterator
+from datetime import UTC, datetime
+from pathlib import Path
+
+from coordinator.aggregation.weighted import AggregationError, DeltaStager, StagedDelta, all_finite
+from coordinator.errors import BadRequest
+from coordinator.intake.delta_checks import DeltaExpectation, check_delta_manifest, verify_signature
+from geofed.blobstore import FsBlobStore
+from geofed.codec import (
+    CorruptChunk,
+    DecodedSizeExceeded,
+    DecodeError,
+    DigestMismatch,
+    StreamDecoder,
+)
+from geofed.manifest import ManifestError, ManifestTensor, SignedManifest
+from geofed.pki import TrustBundle
+
+__all__ = ["checked_manifest", "verify_and_store"]
+
+
+def checked_manifest(
+    body: bytes, expect: DeltaExpectation, bundle: TrustBundle, max_size: int
+) -> tuple[SignedManifest, str]:
+    """Parse, check and verify a delta manifest (CPU work: run it off the event loop)."""
+    try:
+        signed = SignedManifest.from_bytes(body, max_size=max_size)
+    except ManifestError as exc:
+        raise BadRequest(str(exc), "malformed_manifest") from None
+    check_delta_manifest(signed, expect)
+    verify_signature(signed, bundle, datetime.now(UTC))
+    return signed, signed.manifest.digest()
+
+
+def verify_and_store(
+    frames: Iterator[bytes],
+    signed: SignedManifest,
+    tensors: tuple[ManifestTensor, ...],
+    blobs: FsBlobStore,
+    *,
+    stage_as: str | None = None,
+    adopt: Path | None = None,
+) -> tuple[str, int, StagedDelta | None]:
+    """Decode the stream once while copying it into ``blobs``; return (digest, size, staged).
+
+    ``adopt``: the file ``frames`` are read from, which, once they all passed, becomes the
+    blob itself (:meth:`FsBlobStore.adopt`) instead of being copied.
+
+    Checks every frame against the manifest, the header's tensors and codec against the
+    manifest and the job, every decoded value for finiteness, and the decoded size
+    against the model's. Raises the protocol's 400 errors; nothing is stored on error.
+    With ``stage_as`` (the region), the decoded values are also returned, staged
+    (one model's worth of fp32); otherwise ``staged`` is None.
+    """
+    manifest = signed.manifest
+    digests = [record.sha256 for record in manifest.chunks]
+    numel = sum(math.prod(spec.shape) for spec in tensors)
+    decoder = StreamDecoder(
+        expected_header_digest=digests[0],
+        expected_digests=digests[1:-1],
+        max_decoded_bytes=4 * numel,
+    )
+    size = 0
+    stager = None
+    staged: list[StagedDelta] = []
+    if stage_as is not None:
+        # Every piece's values are checked for finiteness below, before it is staged.
+        stager = DeltaStager(
+            stage_as, {spec.name: tuple(spec.shape) for spec in tensors}, check_finite=False
+        )
+
+    def checked() -> Iterator[bytes]:
+        nonlocal size
+        header_checked = False
+        for frame in frames:
+            for piece in decoder.feed(frame):
+                if not all_finite(piece.values):
+                    raise BadRequest(
+                        f"tensor {piece.name!r} elements [{piece.offset}:"
+                        f"{piece.offset + piece.count}] hold NaN or Inf",
+                        "non_finite",
+                    )
+                if stager is not None:
+                    stager.add(piece)
+            if not header_checked:
+                _check_header(decoder, signed, tensors)
+                header_checked = True
+            size += len(frame)
+            yield frame
+        decoder.finish()
+        if stager is not None:
+            staged.append(stager.finish())  # before the blob is kept: all or nothing
+
+    try:
+        if adopt is None:
+            digest = blobs.put_stream(checked())
+        else:
+            hasher = hashlib.sha256()
+            for frame in checked():
+                hasher.update(frame)
+            digest = hasher.hexdigest()
+            blobs.adopt(adopt, digest)
+    except DigestMismatch as exc:
+        raise BadRequest(str(exc), "corrupt_chunk") from None
+    except DecodedSizeExceeded as exc:
+        raise BadRequest(str(exc), "decode_failed") from None
+    except CorruptChunk as exc:
+        # The codec refuses non-finite payloads as corrupt; the protocol names them apart.
+        code = "non_finite" if "NaN or Inf" in str(exc) else "decode_failed"
+        raise BadRequest(f"the stream does not decode: {exc}", code) from None
+    except DecodeError as exc:
+        raise BadRequest(f"the stream does not decode: {exc}", "decode_failed") from None
+    except AggregationError as exc:
+        # The header matched the job's tensors, so only the pieces' coverage can be off.
+        raise BadRequest(f"the stream does not cover the model: {exc}", "decode_failed") from None
+    return digest, size, staged[0] if staged else None
+
+
+def _check_header(
+    decoder: StreamDecoder, signed: SignedManifest, tensors: tuple[ManifestTensor, ...]
+) -> None:
+    found = [(spec.name, spec.dtype, spec.shape) for spec in decoder.specs]
+    wanted = [(spec.name, spec.dtype, tuple(spec.shape)) for spec in tensors]
+    if found != wanted:
+        raise BadRequest(
+            "the stream header's tensors differ from the manifest's and the job's model",
+            "shape_mismatch",
+        )
+    if decoder.codec != signed.manifest.codec:
+        raise BadRequest(
+            f"the stream header's codec {decoder.codec.as_dict()} differs from the manifest's",
+            "codec_mismatch",
+        )

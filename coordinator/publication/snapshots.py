@@ -1,0 +1,145 @@
+"""One job's snapshot policy at work: what it measures, the newest snapshot, the plan.
+
+:mod:`coordinator.publication.snapshot_policy` decides; this feeds it. It learns the round duration
+and the snapshot cost from each published round, the failures of the job's regions
+from the control plane (a region of the job going offline while the job runs) and from
+the rounds (a participant that missed a published round's deadline without having gone
+offline), and the newest snapshot by listing the job's checkpoint chain when the engine
+recovers. The measurements are saved in the state directory after each round.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from coordinator.jobs.context import JobContext
+from coordinator.publication.snapshot_policy import (
+    SnapshotDecision,
+    SnapshotPlan,
+    SnapshotSettings,
+    SnapshotStats,
+    decide_snapshot,
+    load_stats,
+    next_snapshot_round,
+    plan_interval,
+    save_stats,
+    snapshot_status,
+)
+from coordinator.rounds.state import RoundState
+from coordinator.services import Services
+from coordinator.storage.checkpoints import EntryKind
+
+__all__ = ["JobSnapshots"]
+
+log = logging.getLogger(__name__)
+
+
+class JobSnapshots:
+    """The snapshot policy of one job (see the module docstring).
+
+    ``serving(region)`` says whether the region serves the running job now: its
+    failures count only then.
+    """
+
+    def __init__(self, services: Services, ctx: JobContext, serving: Callable[[str], bool]) -> None:
+        self._s = services
+        self._ctx = ctx
+        self._serving = serving
+        self.settings = SnapshotSettings.of(ctx.spec)
+        self.stats = SnapshotStats()
+        #: The version of the newest snapshot in the job's chain (None: not read yet).
+        self.last_round: int | None = None
+        self._path = services.config.state_dir / "snapshot_policy" / f"{ctx.job}.json"
+        self._up = {region: self._is_up(region) for region in ctx.spec.regions}
+        self._offline_at: dict[str, float] = {}
+        #: The round duration the plan was last made with.
+        self._round_s: float | None = None
+        self.plan: SnapshotPlan = self._replan(None)
+        services.control.on_region_change(self._region_changed)
+
+    @property
+    def every_rounds(self) -> int:
+        return self.plan.every_rounds
+
+    def next_round(self, version: int) -> int:
+        """The version the next snapshot is planned for, at θ_version."""
+        return next_snapshot_round(version, self.last_round, self.plan)
+
+    def status(self, version: int) -> dict[str, Any]:
+        """The ``snapshot`` object of the job's status at θ_version."""
+        return snapshot_status(self.plan, version, self.last_round)
+
+    async def recover(self) -> None:
+        """Read the saved measurements and find the newest snapshot in the chain."""
+        files = self._s.executors.files
+        self.stats = await files(load_stats, self._path)
+        entries = await files(self._ctx.publishing.location.store.entries, self._ctx.job)
+        snapshots = [entry.round for entry in entries if entry.kind is EntryKind.SNAPSHOT]
+        self.last_round = max(snapshots, default=None)
+        self._replan(self.stats.round_s)
+
+    def decide(self, rs: RoundState) -> SnapshotDecision:
+        """Whether the θ that publishing ``rs`` makes gets a snapshot, and why."""
+        round_s = self.stats.round_s
+        if round_s is None:
+            round_s = _duration(rs, self._s.clock())
+        plan = self._replan(round_s)
+        return decide_snapshot(rs.config.round + 1, self.last_round, plan)
+
+    def stored(self, version: int, snapshot_s: float) -> None:
+        """θ_version's snapshot is in the chain; it took ``snapshot_s`` wall seconds."""
+        self.stats.snapshot_took(snapshot_s)
+        self.last_round = version if self.last_round is None else max(self.last_round, version)
+        # The status may be read before the round's publication ends: it shows the plan
+        # this cost makes at once, never the new snapshot with the plan that had no cost.
+        self._replan(self._round_s)
+
+    async def published(self, rs: RoundState) -> None:
+        """Count the published round ``rs`` and save the measurements."""
+        self.stats.round_took(_duration(rs, self._s.clock()), rs.config.participants)
+        for region in rs.stragglers:
+            if self._offline_at.get(region, float("-inf")) < rs.config.opened_at:
+                self._failed(region, f"missed the deadline of round {rs.config.round}")
+        self._replan(self.stats.round_s)
+        kept = copy.deepcopy(self.stats)  # the region listener may count a failure meanwhile
+        try:
+            await self._s.executors.files(save_stats, self._path, kept)
+        except OSError as exc:  # measured again after a restart
+            log.warning("job %s: cannot save its snapshot measurements: %s", self._ctx.job, exc)
+
+    def _replan(self, round_s: float | None) -> SnapshotPlan:
+        self._round_s = round_s
+        self.plan = plan_interval(self.settings, self.stats, self._ctx.spec.regions, round_s)
+        self._s.metrics.snapshot_interval.labels(job=self._ctx.job).set(self.plan.every_rounds)
+        return self.plan
+
+    def _is_up(self, region: str) -> bool:
+        view = self._s.control.regions.get(region)
+        return view is not None and view.up
+
+    def _region_changed(self, region: str) -> None:
+        if region not in self._up:
+            return
+        was, up = self._up[region], self._is_up(region)
+        self._up[region] = up
+        if was and not up and self._serving(region):
+            self._offline_at[region] = self._s.clock()
+            self._failed(region, "went offline")
+            self._replan(self.stats.round_s)
+
+    def _failed(self, region: str, what: str) -> None:
+        self.stats.region_failed(region, what)
+        log.info(
+            "job %s: region %s %s (a failure, for the snapshot interval)",
+            self._ctx.job,
+            region,
+            what,
+        )
+
+
+def _duration(rs: RoundState, now: float) -> float:
+    ended = rs.ended_at if rs.ended_at is not None else now
+    return max(0.0, ended - rs.config.opened_at)

@@ -1,0 +1,91 @@
+"""What a worker group measured while training one round, as it reports it to the agent.
+
+Times are the slowest rank's (the region steps at its pace); memory is the largest
+rank's. Figures that cannot be measured honestly are None rather than zero: peak memory
+on the CPU, and the gradient-communication time under FSDP (see
+:mod:`regional_agent.worker.comm_timer`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import Any
+
+__all__ = ["TrainingStats"]
+
+
+@dataclass(frozen=True, slots=True)
+class TrainingStats:
+    """One round's training measurements (the ``stats`` of a round summary)."""
+
+    step_seconds: float
+    """Mean wall time of one optimizer step, data and gradient sync included."""
+    tokens_per_second: float
+    """The region's tokens (all ranks) over the inner loop's wall time."""
+    data_wait_seconds: float
+    """Time spent waiting for the task's batches, the round's total."""
+    learning_rate: float
+    """The learning rate of the round's last step."""
+    grad_norm: float
+    """The gradient's global L2 norm at the round's last step, before any clipping.
+
+    A norm that is not finite is +inf, NaN included: a summary must equal itself."""
+    flops_per_token: float
+    """The task's training FLOPs per token (:meth:`geofed.task.Task.flops_per_token`)."""
+    comm_seconds: float | None = None
+    """Wall time with a gradient all-reduce in flight, the round's total (DDP only)."""
+    peak_memory_bytes: int | None = None
+    """Peak accelerator memory allocated during the round (CUDA only)."""
+    accelerator: str | None = None
+    """The device's name as torch reports it; None on the CPU."""
+
+    def __post_init__(self) -> None:
+        for name in ("step_seconds", "tokens_per_second", "data_wait_seconds", "flops_per_token"):
+            _require_non_negative(name, getattr(self, name))
+        _require_non_negative("learning_rate", self.learning_rate)
+        # A diverging step's norm is reported, as +inf.
+        _require_number("grad_norm", self.grad_norm)
+        if math.isnan(self.grad_norm):
+            raise ValueError("grad_norm must not be NaN (a non-finite norm is reported as inf)")
+        if self.comm_seconds is not None:
+            _require_non_negative("comm_seconds", self.comm_seconds)
+        peak = self.peak_memory_bytes
+        if peak is not None and (isinstance(peak, bool) or not isinstance(peak, int) or peak < 0):
+            raise ValueError(f"peak_memory_bytes must be an integer >= 0, got {peak!r}")
+        if self.accelerator is not None and not isinstance(self.accelerator, str):
+            raise ValueError(f"accelerator must be a string, got {self.accelerator!r}")
+
+    @classmethod
+    def from_mapping(cls, data: object) -> TrainingStats:
+        """Read the ``stats`` object of a done marker.
+
+        :class:`ValueError` or :class:`TypeError` says what is wrong.
+        """
+        if not isinstance(data, Mapping):
+            raise TypeError(f"stats must be an object, got {data!r}")
+        names = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - names)
+        if unknown:
+            raise ValueError(f"stats: unknown fields {unknown}")
+        values: dict[str, Any] = dict(data)
+        try:
+            return cls(**values)
+        except TypeError as exc:
+            raise TypeError(f"stats: {exc}") from None
+
+
+def _require_number(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise TypeError(f"{name} must be a number, got {value!r}")
+
+
+def _require_non_negative(name: str, value: object) -> None:
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int | float)
+        or not math.isfinite(value)
+        or value < 0
+    ):
+        raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")

@@ -1,0 +1,389 @@
+"""Reaching θ_r for a round: apply the published update, or resync from the checkpoint.
+
+:func:`verify_artifact` is the one gate every downloaded artifact passes before any of
+its values is used (:mod:`geofed.artifact_check`, shared with ``geofed export``; here its
+refusals are :class:`ArtifactRejected`). Then the parameters it reconstructs must hash to
+the manifest's ``parameters_hash``.
+
+:class:`Synchronizer` decides how to get there (protocol: "Round lifecycle", step 2):
+nothing to do when the held θ already has the announced hash; the update when the held
+θ is the version just before; a full resync otherwise, and whenever an update is
+refused. Verification and the tensor arithmetic run in a worker thread. A resync fetches
+up to ``download_window`` artifacts of the chain at once (agent config
+``transfer.download_window``) and still verifies and applies them in order; each
+artifact is one streamed GET that resumes with ``Range`` after a drop.
+
+With :class:`~regional_agent.metrics.AgentMetrics` it counts the bytes downloaded (as
+they arrive, failed downloads included), the float32 size of the tensors every verified
+update or snapshot it applies carries (a streaming round's update carries only its
+fragment, a snapshot all of θ), and each completed resync.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any, Literal
+
+from torch import Tensor
+
+from geofed import artifact_check
+from geofed.api_paths import ApiPaths
+from geofed.artifact_check import ArtifactRefused, VerifiedArtifact
+from geofed.control import RoundAnnouncement
+from geofed.pki import TrustBundle
+from geofed.pki.bundle_source import BundleSource, current
+from geofed.types import ArtifactKind
+from regional_agent.metrics import AgentMetrics, MetricsError
+from regional_agent.state import ParamsVersion
+from regional_agent.transfer.coordinator_client import (
+    CoordinatorClient,
+    CoordinatorError,
+    HttpError,
+)
+from regional_agent.transfer.prefetch import Prefetch
+
+log = logging.getLogger(__name__)
+
+Clock = Callable[[], datetime]
+Params = dict[str, Tensor]
+
+
+class SyncError(Exception):
+    """θ_r could not be reached; the message says what failed."""
+
+
+class ArtifactRejected(SyncError):
+    """A downloaded update or snapshot failed verification; none of it was used."""
+
+
+class ResyncFailed(SyncError):
+    """The latest checkpoint does not reconstruct the announced θ_r."""
+
+
+@dataclass(frozen=True)
+class Synced:
+    """The θ reached, its version, and how (``held``, ``update`` or ``resync``)."""
+
+    params: Params
+    version: ParamsVersion
+    method: Literal["held", "update", "resync"]
+    refused: str | None = None
+    """Why an update was refused before the resync, if one was."""
+
+
+def _utc_now() -> datetime:
+    return datetime.now(UTC)
+
+
+def verify_artifact(
+    data: bytes | bytearray | memoryview,
+    bundle: TrustBundle,
+    *,
+    kind: ArtifactKind,
+    job: str,
+    round_: int,
+    now: datetime,
+    max_decoded_bytes: int | None = None,
+) -> VerifiedArtifact:
+    """:func:`geofed.artifact_check.verify_artifact`; raise :class:`ArtifactRejected`."""
+    try:
+        return artifact_check.verify_artifact(
+            data,
+            bundle,
+            kind=kind,
+            job=job,
+            round_=round_,
+            now=now,
+            max_decoded_bytes=max_decoded_bytes,
+        )
+    except ArtifactRefused as exc:
+        raise ArtifactRejected(str(exc)) from None
+
+
+def apply_verified_update(
+    params: Mapping[str, Tensor], version: ParamsVersion, update: VerifiedArtifact
+) -> tuple[Params, ParamsVersion]:
+    """θ_{r+1} = θ_r + û, checked against the update's base and parameters hashes.
+
+    Built in ``params`` itself (the agent's own θ, read for this round) and consuming the
+    update's tensors, so the agent never holds two copies of θ; after a refusal
+    ``params`` is not θ_r any more, and a resync follows.
+    """
+    try:
+        result, found = artifact_check.apply_verified_update(
+            params, version.round, version.hash, update, in_place=True
+        )
+    except ArtifactRefused as exc:
+        raise ArtifactRejected(str(exc)) from None
+    return result, ParamsVersion(round=version.round + 1, hash=found)
+
+
+def snapshot_params(snapshot: VerifiedArtifact) -> tuple[Params, ParamsVersion]:
+    """θ of a verified snapshot, checked against its ``parameters_hash``."""
+    try:
+        params, found = artifact_check.snapshot_params(snapshot)
+    except ArtifactRefused as exc:
+        raise ArtifactRejected(str(exc)) from None
+    return params, ParamsVersion(round=snapshot.manifest.round, hash=found)
+
+
+class Synchronizer:
+    """Brings a region's θ to the one a round announces."""
+
+    def __init__(
+        self,
+        client: CoordinatorClient,
+        bundle: BundleSource,
+        *,
+        clock: Clock = _utc_now,
+        metrics: AgentMetrics | None = None,
+        download_window: int = 1,
+    ) -> None:
+        if download_window < 1:
+            raise ValueError(f"download window must be >= 1, got {download_window}")
+        self._download_window = download_window
+        self._client = client
+        self._bundle = bundle
+        self._clock = clock
+        self._metrics = metrics
+
+    async def sync(
+        self, announcement: RoundAnnouncement, held: tuple[ParamsVersion, Params] | None
+    ) -> Synced:
+        """θ_r for ``announcement``, from ``held`` (version and tensors) when it can be.
+
+        ``held``'s tensors are the caller's to give: an update is applied into them in
+        place (the agent never holds two copies of θ), so they are θ_r only if this
+        returns by ``update``.
+        """
+        target = ParamsVersion(announcement.base_round, announcement.base_hash)
+        if held is not None and held[0].hash == target.hash:
+            return Synced(held[1], target, "held")
+        refused: str | None = None
+        url = announcement.update_url
+        if held is not None and url is not None and held[0].round == target.round - 1:
+            try:
+                params, version, counted = await self._update(announcement, url, held)
+            except (ArtifactRejected, HttpError) as exc:
+                refused = str(exc)
+                log.warning("refused the update to θ_%d (%s); resyncing", target.round, exc)
+            else:
+                if version == target:
+                    self._applied(counted)
+                    return Synced(params, version, "update")
+                refused = f"update gives θ hash {version.hash}, announced {target.hash}"
+                log.warning("%s; resyncing", refused)
+        params, version = await self.resync(announcement.job, target)
+        return Synced(params, version, "resync", refused)
+
+    async def _update(
+        self, announcement: RoundAnnouncement, url: str, held: tuple[ParamsVersion, Params]
+    ) -> tuple[Params, ParamsVersion, Counted]:
+        """θ after the announced update, its version, and what the update counts for."""
+        data = await self._client.download(
+            url,
+            what=f"update {announcement.job}/{held[0].round}",
+            on_bytes=self._counter(ArtifactKind.GLOBAL_UPDATE),
+        )
+        version, params = held
+        limit = 4 * sum(t.numel() for t in params.values())
+
+        def verify_and_apply() -> tuple[Params, ParamsVersion, Counted]:
+            update = verify_artifact(
+                data,
+                current(self._bundle),
+                kind=ArtifactKind.GLOBAL_UPDATE,
+                job=announcement.job,
+                round_=version.round,
+                now=self._clock(),
+                max_decoded_bytes=limit,
+            )
+            digest = update.manifest_digest
+            if announcement.update_digest is not None and digest != announcement.update_digest:
+                raise ArtifactRejected(
+                    f"update {announcement.job}/{version.round}: manifest digest {digest}, "
+                    f"the announcement says {announcement.update_digest}"
+                )
+            counted = Counted.of(update)  # before the update's tensors are consumed
+            return (*apply_verified_update(params, version, update), counted)
+
+        return await asyncio.to_thread(verify_and_apply)
+
+    async def coordinator_version(self, job: str) -> ParamsVersion | None:
+        """The θ version the coordinator holds now for ``job`` (None before it has any)."""
+        answer = (await self._client.request("GET", ApiPaths.job(job))).json()
+        round_, hash_ = answer.get("round"), answer.get("params_hash")
+        if hash_ is None:
+            return None
+        if not isinstance(round_, int) or isinstance(round_, bool) or not isinstance(hash_, str):
+            raise CoordinatorError(f"job {job}: malformed status (round {round_!r})")
+        return ParamsVersion(round_, hash_)
+
+    async def delivered(self, job: str, round_: int) -> frozenset[str] | None:
+        """The regions whose delta of ``round_`` the coordinator holds, if ``round_`` is its
+        current round (None when it is another, or none)."""
+        answer = (await self._client.request("GET", ApiPaths.job(job))).json()
+        current = answer.get("current")
+        if not isinstance(current, dict) or current.get("round") != round_:
+            return None
+        regions = current.get("delivered")
+        if not isinstance(regions, list) or not all(isinstance(r, str) for r in regions):
+            raise CoordinatorError(f"job {job}: malformed status (delivered {regions!r})")
+        return frozenset(regions)
+
+    async def resync(self, job: str, target: ParamsVersion) -> tuple[Params, ParamsVersion]:
+        """θ of ``target`` from the latest checkpoint: its snapshot, then its updates."""
+        answer = await self._client.request("GET", ApiPaths.latest_checkpoint(job))
+        snapshot, updates = _chain(answer.json(), job, target.round)
+        applied: list[Counted] = []  # counted once the chain reaches θ_r
+        # Up to download_window artifacts of the chain travel at once; each is still
+        # verified and applied in the chain's order, as it would be one at a time.
+        fetches = [
+            self._fetch(
+                snapshot.url, f"snapshot {job}/{snapshot.round}", ArtifactKind.GLOBAL_CHECKPOINT
+            )
+        ] + [
+            self._fetch(part.url, f"update {job}/{part.round}", ArtifactKind.GLOBAL_UPDATE)
+            for part in updates
+        ]
+        try:
+            async with Prefetch(fetches, self._download_window) as downloads:
+                data = await downloads.next()
+                params, version, counted = await asyncio.to_thread(
+                    self._verify_snapshot, data, job, snapshot
+                )
+                applied.append(counted)
+                for part in updates:
+                    data = await downloads.next()
+                    params, version, counted = await asyncio.to_thread(
+                        self._verify_and_apply, data, job, part, params, version
+                    )
+                    applied.append(counted)
+        except ArtifactRejected as exc:
+            raise ResyncFailed(f"resync of {job} to θ_{target.round}: {exc}") from exc
+        if version != target:
+            raise ResyncFailed(
+                f"resync of {job}: the checkpoint gives θ_{version.round} with hash "
+                f"{version.hash}, the round announced θ_{target.round} with hash {target.hash}"
+            )
+        for counted in applied:
+            self._applied(counted)
+        if self._metrics is not None:
+            self._metrics.resynced(job)
+        return params, version
+
+    def _fetch(self, url: str, what: str, kind: ArtifactKind) -> Callable[[], Awaitable[bytearray]]:
+        def fetch() -> Awaitable[bytearray]:
+            return self._client.download(url, what=what, on_bytes=self._counter(kind))
+
+        return fetch
+
+    def _counter(self, kind: ArtifactKind) -> Callable[[int], None] | None:
+        metrics = self._metrics
+        if metrics is None:
+            return None
+        return lambda count: metrics.downloaded(kind, count)
+
+    def _applied(self, counted: Counted) -> None:
+        if self._metrics is None:
+            return
+        try:
+            self._metrics.download_applied(counted.scheme, counted.fp32_bytes)
+        except MetricsError as exc:  # a scheme the catalogue lacks: θ is fine, the count not
+            log.warning("applied download not counted: %s", exc)
+
+    def _verify_snapshot(
+        self, data: bytearray, job: str, part: ListedPart
+    ) -> tuple[Params, ParamsVersion, Counted]:
+        snapshot = verify_artifact(
+            data,
+            current(self._bundle),
+            kind=ArtifactKind.GLOBAL_CHECKPOINT,
+            job=job,
+            round_=part.round,
+            now=self._clock(),
+        )
+        part.check_digest(snapshot)
+        return (*snapshot_params(snapshot), Counted.of(snapshot))
+
+    def _verify_and_apply(
+        self, data: bytearray, job: str, part: ListedPart, params: Params, version: ParamsVersion
+    ) -> tuple[Params, ParamsVersion, Counted]:
+        update = verify_artifact(
+            data,
+            current(self._bundle),
+            kind=ArtifactKind.GLOBAL_UPDATE,
+            job=job,
+            round_=part.round,
+            now=self._clock(),
+            max_decoded_bytes=4 * sum(t.numel() for t in params.values()),
+        )
+        part.check_digest(update)
+        counted = Counted.of(update)  # before the update's tensors are consumed
+        return (*apply_verified_update(params, version, update), counted)
+
+
+@dataclass(frozen=True, slots=True)
+class Counted:
+    """What an applied download stands for: its codec scheme and the float32 size of the
+    tensors it carries (only those it names, so a streaming update counts its fragment)."""
+
+    scheme: str
+    fp32_bytes: int
+
+    @classmethod
+    def of(cls, artifact: VerifiedArtifact) -> Counted:
+        return cls(artifact.manifest.codec.scheme, _fp32_bytes(artifact.tensors))
+
+
+@dataclass(frozen=True, slots=True)
+class ListedPart:
+    """One artifact of a checkpoint chain as ``checkpoints/latest`` lists it."""
+
+    round: int
+    url: str
+    manifest_digest: str | None
+
+    def check_digest(self, artifact: VerifiedArtifact) -> None:
+        if self.manifest_digest is not None and artifact.manifest_digest != self.manifest_digest:
+            raise ArtifactRejected(
+                f"{artifact.manifest.kind.value} {artifact.manifest.job}/{self.round}: manifest "
+                f"digest {artifact.manifest_digest}, the checkpoint lists {self.manifest_digest}"
+            )
+
+    @classmethod
+    def parse(cls, entry: Any) -> ListedPart:
+        digest = entry.get("manifest_digest")
+        return cls(int(entry["round"]), str(entry["url"]), None if digest is None else str(digest))
+
+
+def _fp32_bytes(params: Params) -> int:
+    return 4 * sum(t.numel() for t in params.values())
+
+
+def _chain(info: Mapping[str, Any], job: str, target: int) -> tuple[ListedPart, list[ListedPart]]:
+    """The snapshot and the updates after it up to θ_target (``checkpoints/latest``)."""
+    try:
+        snapshot = ListedPart.parse(info["snapshot"])
+        updates = sorted(
+            (ListedPart.parse(entry) for entry in info.get("updates", [])),
+            key=lambda part: part.round,
+        )
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise ResyncFailed(f"checkpoint of {job}: malformed answer ({exc!r})") from None
+    if snapshot.round > target:
+        raise ResyncFailed(
+            f"checkpoint of {job} starts at θ_{snapshot.round}, after the announced θ_{target}"
+        )
+    needed = [part for part in updates if snapshot.round <= part.round < target]
+    if [part.round for part in needed] != list(range(snapshot.round, target)):
+        have = [part.round for part in updates]
+        raise ResyncFailed(
+            f"checkpoint of {job}: updates {have} after snapshot θ_{snapshot.round} do not "
+            f"reach θ_{target}"
+        )
+    return snapshot, needed
