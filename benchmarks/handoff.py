@@ -50,9 +50,15 @@ from geofed.manifest import sign_manifest
 from geofed.params import parameters_vector_hash, state_to_fp32
 from geofed.pki.authority import IssuedCredential, create_ca, issue
 from geofed.types import Identity, Role
+from regional_agent.handoff.delta_stream import DeltaStream
 from regional_agent.handoff.directory import HandoffDir
 from regional_agent.handoff.messages import DeltaRequest, RoundSummary
-from regional_agent.rounds.delta import DeltaOrigin, delta_manifest, encode_delta, seal_worker_delta
+from regional_agent.rounds.delta import (
+    DeltaOrigin,
+    check_worker_delta,
+    delta_manifest,
+    encode_delta,
+)
 from regional_agent.state import DeltaMeta, JobDirectory
 from regional_agent.worker.device_delta import DeviceResidual, payloads_hash, quantize_round_delta
 
@@ -98,7 +104,9 @@ class Bench:
             train_seconds=0.0,
         )
 
-    def spool(self, round_: int, stream: EncodedStream, residual: ErrorFeedback | Path) -> None:
+    def spool(
+        self, round_: int, stream: EncodedStream | DeltaStream, residual: ErrorFeedback | Path
+    ) -> None:
         """Sign and spool the delta as the agent does, then accept it (the residual moves)."""
         origin = DeltaOrigin(
             job=JOB,
@@ -113,7 +121,8 @@ class Bench:
         manifest = delta_manifest(origin, stream, now=datetime.now(UTC))
         signed = sign_manifest(manifest, self.signer.private_key, self.signer.certificate)
         meta = DeltaMeta(train_loss=1.0, tokens=1, params_hash="b" * 64)
-        self.job.write_spool(round_, signed.to_bytes(), list(stream.frames()), residual, meta)
+        frames = stream.path if isinstance(stream, DeltaStream) else list(stream.frames())
+        self.job.write_spool(round_, signed.to_bytes(), frames, residual, meta)
 
 
 def timed(phases: dict[str, float], name: str, work: Callable[[], Any]) -> Any:
@@ -177,10 +186,10 @@ def delta_round(bench: Bench, round_: int) -> dict[str, float]:
         bench.handoff.write_result(summary, delta=quantized)
         bench.handoff.write_done(summary)
 
-    timed(phases, "worker: write result", write)
+    timed(phases, "worker: seal + write result", write)
     result = timed(phases, "agent: read result", lambda: bench.handoff.read_completed(JOB, round_))
     stream = timed(
-        phases, "agent: frame", lambda: seal_worker_delta(bench.base, result.delta, bench.codec)
+        phases, "agent: check", lambda: check_worker_delta(bench.base, result.delta, bench.codec)
     )
     timed(phases, "agent: sign + spool", lambda: bench.spool(round_, stream, result.residual))
     bench.job.promote(round_)

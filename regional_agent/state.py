@@ -264,38 +264,34 @@ class JobDirectory:
         self,
         round_: int,
         manifest_bytes: bytes,
-        frames: list[bytes],
+        frames: list[bytes] | Path,
         residual: ErrorFeedback | Path,
         meta: DeltaMeta,
     ) -> SpooledDelta:
         """Store a delta before anything of it is sent; the manifest goes last.
 
-        ``residual`` is the error feedback the delta leaves, or the durable residual file
-        rank 0 wrote beside it (:mod:`regional_agent.handoff.residual_file`), linked here.
+        ``frames`` are the stream's frames, or the stream file rank 0 wrote (its frames
+        those the manifest describes), linked here. ``residual`` is the error feedback the
+        delta leaves, or the durable residual file rank 0 wrote beside it
+        (:mod:`regional_agent.handoff.residual_file`), linked here too.
         """
         directory = self.spool_dir(round_)
         if directory.exists():
             shutil.rmtree(directory)  # an incomplete spool (no manifest) from a crash
         directory.mkdir(parents=True)
-        with AtomicFile(directory / "stream.bin", private=True) as f:
-            for frame in frames:
-                f.write(frame)
+        if isinstance(frames, Path):
+            _second_name(frames, directory / "stream.bin")
+        else:
+            with AtomicFile(directory / "stream.bin", private=True) as f:
+                for frame in frames:
+                    f.write(frame)
         if isinstance(residual, Path):
-            # A second name for the worker's file (never rewritten in place, so the link
-            # cannot change under the spool); a copy where the two lie on other devices.
-            try:
-                os.link(residual, directory / "residual.pt")
-            except OSError:
-                with (
-                    residual.open("rb") as src,
-                    AtomicFile(directory / "residual.pt", private=True) as dst,
-                ):
-                    shutil.copyfileobj(src, dst)
-            fsync_dir(directory)
+            _second_name(residual, directory / "residual.pt")
         else:
             body = residual_body(round_, residual.residual, uuid.uuid4().hex)
             with AtomicFile(directory / "residual.pt", private=True) as f:
                 torch.save(body, f)
+        fsync_dir(directory)
         atomic_write_bytes(directory / "meta.json", meta.to_json())
         atomic_write_bytes(directory / "manifest.json", manifest_bytes)
         fsync_dir(self._spool)
@@ -458,3 +454,13 @@ def _read_json(path: Path) -> dict[str, Any] | None:
     if not isinstance(data, dict):
         raise StateError(f"{path}: expected a JSON object")
     return data
+
+
+def _second_name(source: Path, target: Path) -> None:
+    """Give a worker's file a second name (it is never rewritten in place, so the link
+    cannot change under the spool); a copy where the two lie on other devices."""
+    try:
+        os.link(source, target)
+    except OSError:
+        with source.open("rb") as src, AtomicFile(target, private=True) as dst:
+            shutil.copyfileobj(src, dst)

@@ -118,6 +118,7 @@ from geofed.codec.quantized import (
     dequantize,
     quantize_tensors,
     seal_quantized,
+    write_quantized,
 )
 from geofed.codec.tensors import TensorLayout
 
@@ -152,4 +153,5 @@ __all__ = [
     "encode_stream",
     "quantize_tensors",
     "seal_quantized",
+    "write_quantized",
 ]

@@ -11,7 +11,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import os
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -276,34 +276,27 @@ def seal_payloads(
     The next payload is drawn from ``payloads`` while ``workers`` > 1 threads compress
     and hash the previous ones.
     """
-    header = seal(FrameKind.HEADER, [header_body(params, chunk_elements, specs)])
-    sealer = ChunkSealer(params, header.digest, policy=compression, zstd_threads=zstd_threads)
-    stream_hash = hashlib.sha256(header.digest)
     chunks: list[Chunk] = []
 
     def collect(slot: ChunkSlot, sealed: Sealed) -> None:
-        stream_hash.update(sealed.digest)
         name = specs[slot.tensor].name
         chunks.append(
             Chunk(sealed.data, sealed.digest.hex(), slot.index, name, slot.offset, slot.count)
         )
 
-    with Pipeline(workers) as pipeline:
-        for slot, payload in payloads:
-            pipeline.submit(slot, functools.partial(sealer.seal, slot, payload), collect)
-    trailer = seal(
-        FrameKind.TRAILER,
-        [
-            trailer_body(
-                TrailerFields(
-                    chunk_count=len(chunks),
-                    total_elements=sum(spec.numel for spec in specs),
-                    total_bytes=len(header.data) + sum(len(chunk.data) for chunk in chunks),
-                    stream_digest=stream_hash.digest(),
-                )
-            )
-        ],
+    headers: list[Sealed] = []
+    trailer = frame_payloads(
+        specs,
+        params,
+        chunk_elements,
+        payloads,
+        headers.append,
+        collect,
+        workers=workers,
+        compression=compression,
+        zstd_threads=zstd_threads,
     )
+    (header,) = headers
     return EncodedStream(
         specs=specs,
         codec=params,
@@ -312,4 +305,49 @@ def seal_payloads(
         header_digest=header.digest.hex(),
         chunks=chunks,
         trailer=trailer.data,
+    )
+
+
+def frame_payloads(
+    specs: list[TensorLayout],
+    params: CodecParams,
+    chunk_elements: int,
+    payloads: Iterable[tuple[ChunkSlot, torch.Tensor]],
+    on_header: Callable[[Sealed], None],
+    on_chunk: Callable[[ChunkSlot, Sealed], None],
+    *,
+    workers: int,
+    compression: CompressionPolicy,
+    zstd_threads: int,
+) -> Sealed:
+    """Seal the stream of ``payloads``: its header frame goes to ``on_header`` first,
+    then each chunk frame to ``on_chunk`` in order, as it is sealed (a caller writing
+    them out holds one at a time); returns the trailer frame."""
+    header = seal(FrameKind.HEADER, [header_body(params, chunk_elements, specs)])
+    on_header(header)
+    sealer = ChunkSealer(params, header.digest, policy=compression, zstd_threads=zstd_threads)
+    stream_hash = hashlib.sha256(header.digest)
+    count, size = 0, len(header.data)
+
+    def collect(slot: ChunkSlot, sealed: Sealed) -> None:
+        nonlocal count, size
+        stream_hash.update(sealed.digest)
+        count, size = count + 1, size + len(sealed.data)
+        on_chunk(slot, sealed)
+
+    with Pipeline(workers) as pipeline:
+        for slot, payload in payloads:
+            pipeline.submit(slot, functools.partial(sealer.seal, slot, payload), collect)
+    return seal(
+        FrameKind.TRAILER,
+        [
+            trailer_body(
+                TrailerFields(
+                    chunk_count=count,
+                    total_elements=sum(spec.numel for spec in specs),
+                    total_bytes=size,
+                    stream_digest=stream_hash.digest(),
+                )
+            )
+        ],
     )

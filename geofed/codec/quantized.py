@@ -14,7 +14,7 @@ sealing give the bytes :func:`geofed.codec.encode_stream` gives.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -26,6 +26,7 @@ from geofed.codec.encoder import (
     check_encoding,
     check_sealing,
     describe_tensors,
+    frame_payloads,
     quantize_slots,
     restored_on_failure,
     seal_payloads,
@@ -42,6 +43,7 @@ from geofed.codec.layout import (
 )
 from geofed.codec.quantize import BlockCodec, check_scale_range
 from geofed.codec.tensors import TensorLayout
+from geofed.codec.wire import Sealed
 from geofed.codec_params import CodecParams
 
 _STATE_VERSION: Final = 1
@@ -173,6 +175,40 @@ def seal_quantized(
         compression=compression,
         zstd_threads=zstd_threads,
     )
+
+
+def write_quantized(
+    quantized: QuantizedTensors,
+    write: Callable[[bytes], object],
+    *,
+    workers: int = 1,
+    compression: CompressionPolicy = "auto",
+    zstd_threads: int = 0,
+) -> list[int]:
+    """:func:`seal_quantized`'s stream, handed to ``write`` frame by frame as each is
+    sealed (the same bytes; no frame is kept once written); returns the frames' sizes in
+    order: header, chunks, trailer."""
+    check_sealing(workers, compression, zstd_threads)
+    slots = _checked_slots(quantized, "quantized tensors")
+    sizes: list[int] = []
+
+    def out(sealed: Sealed) -> None:
+        write(sealed.data)
+        sizes.append(len(sealed.data))
+
+    trailer = frame_payloads(
+        quantized.specs,
+        quantized.codec,
+        quantized.chunk_elements,
+        zip(slots, quantized.payloads, strict=True),
+        out,
+        lambda _slot, sealed: out(sealed),
+        workers=workers,
+        compression=compression,
+        zstd_threads=zstd_threads,
+    )
+    out(trailer)
+    return sizes
 
 
 def dequantize(quantized: QuantizedTensors) -> dict[str, torch.Tensor]:

@@ -5,8 +5,11 @@ Everything crosses as files in one work directory, so either side may restart at
 moment and pick up where the other left off::
 
     jobs/<job>/round-<r>.instruction.json   agent -> workers: train round r from theta_r
-    jobs/<job>/round-<r>.result.pt          rank 0: local fp32 parameters, or the quantized
-                                            delta (an instruction's ``delta``), + summary
+    jobs/<job>/round-<r>.result.pt          rank 0: local fp32 parameters, or the sizes of
+                                            the quantized delta's frames (an instruction's
+                                            ``delta``), + summary
+    jobs/<job>/round-<r>.delta.bin          rank 0: that delta, a sealed codec stream the
+                                            agent spools as it is (a second name)
     jobs/<job>/round-<r>.residual.pt        rank 0: the residual the quantized delta leaves
                                             (its tensors with the regional checkpoint,
                                             else a held file naming rank 0's copy)
@@ -60,6 +63,11 @@ import torch
 from geofed.codec import CodecError, QuantizedTensors
 from geofed.fsutil import AtomicFile, atomic_write_bytes, replace_durably
 from geofed.types import validate_name
+from regional_agent.handoff.delta_stream import (
+    DeltaStream,
+    open_delta_stream,
+    write_delta_stream,
+)
 from regional_agent.handoff.messages import (
     FORMAT_VERSION,
     BaseReady,
@@ -107,6 +115,9 @@ class HandoffDir:
 
     def result_path(self, job: str, round_: int) -> Path:
         return self._round_path(job, round_, "result.pt")
+
+    def delta_stream_path(self, job: str, round_: int) -> Path:
+        return self._round_path(job, round_, "delta.bin")
 
     def residual_path(self, job: str, round_: int) -> Path:
         return self._round_path(job, round_, "residual.pt")
@@ -300,8 +311,9 @@ class HandoffDir:
         delta: QuantizedTensors | None = None,
     ) -> None:
         """Atomically write the result file (not yet visible as a result: see write_done):
-        the trained ``params``, or the quantized ``delta`` (its residual file written
-        before, by :func:`regional_agent.handoff.residual_file.write_residual`)."""
+        the trained ``params``, or the quantized ``delta``, sealed into the round's stream
+        file first (its residual file written before, by
+        :func:`regional_agent.handoff.residual_file.write_residual`)."""
         if (params is None) == (delta is None):
             raise HandoffError("a result holds either the parameters or the delta")
         path = self.result_path(summary.job, summary.round)
@@ -310,7 +322,8 @@ class HandoffDir:
         if params is not None:
             body["params"] = dict(params)
         if delta is not None:
-            body["delta"] = delta.to_state()
+            stream = self.delta_stream_path(summary.job, summary.round)
+            body["stream"] = {"frames": list(write_delta_stream(stream, delta))}
         with AtomicFile(path) as f:
             torch.save(body, f)
 
@@ -331,14 +344,11 @@ class HandoffDir:
         summary = RoundSummary.from_json(json.dumps(body.get("summary")).encode(), str(path))
         if (summary.job, summary.round) != (job, round_):
             raise InvalidHandoffData(f"{path}: holds job {summary.job!r} round {summary.round}")
-        if "delta" in body:
-            try:
-                delta = QuantizedTensors.from_state(body["delta"], f"{path}: delta")
-            except CodecError as exc:
-                raise InvalidHandoffData(str(exc)) from None
+        if "stream" in body or "delta" in body:
             residual = self.residual_path(job, round_)
             if not residual.is_file():
                 raise InvalidHandoffData(f"{path}: its residual file {residual} is missing")
+            delta = self._delta_stream(job, round_, body)
             return RoundResult(summary=summary, delta=delta, residual=residual)
         params = body.get("params")
         if not isinstance(params, dict) or not all(
@@ -346,6 +356,22 @@ class HandoffDir:
         ):
             raise InvalidHandoffData(f"{path}: params must map names to tensors")
         return RoundResult(summary=summary, params=params)
+
+    def _delta_stream(self, job: str, round_: int, body: Mapping[str, Any]) -> DeltaStream:
+        """The delta a result file names; one of a worker of the format before (its
+        payloads in the result file itself) is sealed into the stream file here."""
+        path, where = self.result_path(job, round_), self.delta_stream_path(job, round_)
+        if "stream" in body:
+            stream = body["stream"]
+            frames = stream.get("frames") if isinstance(stream, dict) else None
+            if not isinstance(frames, list):
+                raise InvalidHandoffData(f"{path}: 'stream' must list its frames' sizes")
+            return open_delta_stream(where, frames)
+        try:
+            quantized = QuantizedTensors.from_state(body["delta"], f"{path}: delta")
+            return open_delta_stream(where, write_delta_stream(where, quantized))
+        except CodecError as exc:
+            raise InvalidHandoffData(str(exc)) from None
 
     def write_done(self, summary: RoundSummary) -> None:
         """Publish a result: write its marker last, after the result file is durable."""
@@ -426,6 +452,7 @@ class HandoffDir:
             for suffix in (
                 "done.json",
                 "result.pt",
+                "delta.bin",
                 "residual.pt",
                 "error.json",
                 "progress.json",

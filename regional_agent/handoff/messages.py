@@ -25,7 +25,7 @@ import torch
 from pydantic import BeforeValidator, ConfigDict, InstanceOf, TypeAdapter, ValidationError
 from pydantic.dataclasses import dataclass as pydantic_dataclass
 
-from geofed.codec import DEFAULT_CHUNK_ELEMENTS, CodecError, QuantizedTensors
+from geofed.codec import DEFAULT_CHUNK_ELEMENTS, CodecError
 from geofed.codec.layout import check_chunk_elements
 from geofed.codec_params import CodecParams
 from geofed.data.location import DatasetLocation
@@ -35,6 +35,8 @@ from regional_agent.handoff.training_stats import TrainingStats
 
 if TYPE_CHECKING:
     from _typeshed import DataclassInstance
+
+    from regional_agent.handoff.delta_stream import DeltaStream
 
 FORMAT_VERSION = 1
 _T = TypeVar("_T")
@@ -603,12 +605,12 @@ _START_READY_FIELDS = tuple(StartReady.__dataclass_fields__)
 @dataclass(frozen=True, slots=True)
 class RoundResult:
     """A completed round: its summary and rank 0's locally trained fp32 state, or (an
-    instruction with a :class:`DeltaRequest`) the quantized delta and its residual file
-    (``params`` then empty)."""
+    instruction with a :class:`DeltaRequest`) the quantized delta's stream file and its
+    residual file (``params`` then empty)."""
 
     summary: RoundSummary
     params: dict[str, torch.Tensor] = field(default_factory=dict)
-    delta: QuantizedTensors | None = None
+    delta: DeltaStream | None = None
     residual: Path | None = None
 
 

@@ -1,14 +1,15 @@
 """One round's delta: pseudo-gradient, error feedback, encoding, and its signed manifest.
 
 Workers asked for it (:class:`regional_agent.handoff.messages.DeltaRequest`) hand over the delta
-already quantized; :func:`seal_worker_delta` checks and frames it. :func:`encode_delta`
-forms and encodes a delta from trained parameters.
+already quantized and sealed, in a stream file; :func:`check_worker_delta` checks it
+against θ. :func:`encode_delta` forms and encodes a delta from trained parameters.
 
-Pure computation on tensors (no I/O, no clock read): the agent runs :func:`encode_delta`
-in a worker thread, never on its event loop. The residual is carried in a *copy* of the
-error-feedback state, so the caller's state advances only when it decides the delta was
-delivered (see :meth:`regional_agent.state.JobDirectory.promote`). Whether the delta may
-leave the region at all is :mod:`regional_agent.rounds.residency`'s decision.
+Pure computation on tensors (no clock read; a worker's stream is read, never written): the
+agent runs :func:`encode_delta` in a worker thread, never on its event loop. The residual
+is carried in a *copy* of the error-feedback state, so the caller's state advances only
+when it decides the delta was delivered (see
+:meth:`regional_agent.state.JobDirectory.promote`). Whether the delta may leave the region
+at all is :mod:`regional_agent.rounds.residency`'s decision.
 """
 
 from __future__ import annotations
@@ -24,15 +25,14 @@ from geofed.codec import (
     DEFAULT_CHUNK_ELEMENTS,
     EncodedStream,
     ErrorFeedback,
-    QuantizedTensors,
     TensorLayout,
-    seal_quantized,
 )
 from geofed.codec_params import CodecParams
 from geofed.deltas import pseudo_gradient
 from geofed.lineage import Software
 from geofed.manifest import (
     ArtifactProvenance,
+    EncodedArtifact,
     Manifest,
     SignedManifest,
     build_manifest,
@@ -41,6 +41,7 @@ from geofed.manifest import (
 from geofed.training_config import TrainingConfig
 from geofed.types import ArtifactKind, Identity
 from regional_agent.credentials import Credentials
+from regional_agent.handoff.delta_stream import DeltaStream
 from regional_agent.handoff.delta_terms import UnusableDelta
 
 
@@ -114,21 +115,22 @@ def encode_delta(
     return EncodedDelta(stream=stream, feedback=after)
 
 
-def seal_worker_delta(
+def check_worker_delta(
     base: Mapping[str, Tensor],
-    quantized: QuantizedTensors,
+    stream: DeltaStream,
     codec: CodecParams,
     names: Sequence[str] | None = None,
-) -> EncodedStream:
-    """Frame the delta rank 0 quantized (:mod:`regional_agent.worker.device_delta`), once it is
-    checked to be a float32 delta of ``base``'s tensors in the announced ``codec``.
+) -> DeltaStream:
+    """The delta stream rank 0 quantized and sealed (:mod:`regional_agent.worker.device_delta`),
+    once its header says it is a float32 delta of ``base``'s tensors in the announced
+    ``codec``.
 
     ``names`` (``overlap: streaming``: the round's fragment): the delta must hold exactly
     those tensors of ``base``, in that order; None: every tensor of ``base``.
     """
-    if quantized.codec != codec:
-        raise UnusableDelta(f"the workers quantized with {quantized.codec}, not {codec}")
-    layouts = {spec.name: spec for spec in quantized.specs}
+    if stream.codec != codec:
+        raise UnusableDelta(f"the workers quantized with {stream.codec}, not {codec}")
+    layouts = {spec.name: spec for spec in stream.specs}
     if names is None:
         if set(layouts) != set(base):
             differ = sorted(set(layouts) ^ set(base))
@@ -138,7 +140,7 @@ def seal_worker_delta(
         unknown = [name for name in names if name not in base]
         if unknown:
             raise UnusableDelta(f"the round's tensors {unknown} are not in θ")
-        held = [spec.name for spec in quantized.specs]
+        held = [spec.name for spec in stream.specs]
         if held != list(names):
             raise UnusableDelta(
                 f"the workers' delta holds the tensors {held}, the round asks for exactly "
@@ -153,10 +155,10 @@ def seal_worker_delta(
                 f"the workers' delta has {name!r} as {spec.dtype} {spec.shape}, "
                 f"θ as float32 {tuple(tensor.shape)}"
             )
-    return seal_quantized(quantized)
+    return stream
 
 
-def delta_manifest(origin: DeltaOrigin, stream: EncodedStream, *, now: datetime) -> Manifest:
+def delta_manifest(origin: DeltaOrigin, stream: EncodedArtifact, *, now: datetime) -> Manifest:
     """The manifest of a ``model_delta`` (protocol: "What the signed manifests say")."""
     return build_manifest(
         kind=ArtifactKind.MODEL_DELTA,

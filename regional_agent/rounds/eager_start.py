@@ -26,10 +26,11 @@ from typing import Any
 
 import torch
 
-from geofed.codec import CodecError, QuantizedTensors, dequantize
+from geofed.codec import CodecError
 from geofed.eager_start import EagerStartError, OuterReplica
 from geofed.outer_step import OuterOptimizerConfig
 from geofed.params import parameters_vector_hash
+from regional_agent.handoff.delta_stream import DeltaStream
 from regional_agent.handoff.directory import HandoffDir
 from regional_agent.handoff.messages import StartReady
 from regional_agent.state import JobDirectory, StateError, load_tensors
@@ -122,7 +123,7 @@ def hand_start(
     theta_hash: str,
     local: Mapping[str, torch.Tensor],
     regions: int,
-    delta: QuantizedTensors | None = None,
+    delta: DeltaStream | None = None,
 ) -> StartReady:
     """Compute S for round ``round_ + 1`` from round ``round_``'s result and hand it over.
 
@@ -145,7 +146,7 @@ def hand_start(
         before = _previous_theta(job, saved, round_)
         theta = load_tensors(Path(theta_path))
         if delta is not None:
-            decoded = dequantize(delta)
+            decoded = delta.decode()
             local = {name: theta[name] - decoded[name] for name in theta}
         start, state, replayed = next_state(
             saved, config, round_, theta, theta_hash, local, regions, before

@@ -51,6 +51,7 @@ from geofed.timeouts import Timeout
 from policies import PolicySet
 from regional_agent.credentials import Credentials
 from regional_agent.drain import RoundPosition
+from regional_agent.handoff.delta_stream import DeltaStream
 from regional_agent.handoff.delta_terms import UnusableDelta, rounding_generator
 from regional_agent.handoff.messages import DeltaRequest, RoundInstruction, RoundResult
 from regional_agent.handoff.overlap import SPECULATIVE, theta_fragments
@@ -59,9 +60,9 @@ from regional_agent.metrics import AgentMetrics
 from regional_agent.rounds.datasets import RoundDatasets, round_datasets
 from regional_agent.rounds.delta import (
     DeltaOrigin,
+    check_worker_delta,
     delta_manifest,
     encode_delta,
-    seal_worker_delta,
     sign_delta,
 )
 from regional_agent.rounds.overlap_pipeline import DelayedRounds
@@ -459,11 +460,12 @@ class RoundPipeline:
         meta = DeltaMeta(train_loss=summary.mean_loss, tokens=summary.tokens, params_hash=base_hash)
 
         def encode_sign_spool() -> SpooledDelta:
-            stream: EncodedStream
+            stream: EncodedStream | DeltaStream
             residual: ErrorFeedback | Path
             if result.delta is not None and result.residual is not None:
-                # Quantized by rank 0, with its error feedback: only framing is left.
-                stream = seal_worker_delta(
+                # Quantized and sealed by rank 0, with its error feedback: the agent signs
+                # its stream file and spools it under a second name.
+                stream = check_worker_delta(
                     synced.params, result.delta, announcement.codec, fragments.names
                 )
                 residual = result.residual
@@ -487,9 +489,8 @@ class RoundPipeline:
                 stream, residual = encoded.stream, encoded.feedback
             manifest = delta_manifest(origin, stream, now=self._clock())
             signed = sign_delta(manifest, self._region.credentials)
-            return job.write_spool(
-                announcement.round, signed.to_bytes(), list(stream.frames()), residual, meta
-            )
+            frames = stream.path if isinstance(stream, DeltaStream) else list(stream.frames())
+            return job.write_spool(announcement.round, signed.to_bytes(), frames, residual, meta)
 
         encode_started = self._monotonic()
         with self._phase(announcement, "encode"):

@@ -4,7 +4,7 @@ The agent asks for the delta (``DeltaRequest``), as it does in every federated r
 the test plays the agent's side (it keeps ``feedback.pt`` as the agent's state does).
 Under DDP in fp32 and FSDP2 in bf16, two rounds each of the llama ``tiny`` preset; what
 is checked holds whatever the kernels' rounding: the delta passes the agent's own checks
-and framing (``seal_worker_delta`` against θ), decodes to finite values of every tensor,
+(``check_worker_delta`` against θ), decodes to finite values of every tensor,
 each residual value lies within two quantization steps of its tensor's largest block
 (error feedback keeps only what rounding lost), the second round carries the first's
 residual, and rank 0 hands over no parameters.
@@ -20,13 +20,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from geofed.codec.quantized import dequantize
 from geofed.codec_params import CodecParams
 from geofed.params import parameters_vector_hash
 from geofed.training_config import TrainingConfig
 from regional_agent.handoff.messages import DeltaRequest, RoundResult
 from regional_agent.handoff.residual_file import Residual, read_residual
-from regional_agent.rounds.delta import seal_worker_delta
+from regional_agent.rounds.delta import check_worker_delta
 from tests.support.gpu import llama_instruction, nccl_group, require_cuda, save_theta0
 
 SEQ_LEN, BATCH = 128, 8
@@ -57,8 +56,8 @@ def check_delta(
     assert result.params == {}
     assert result.delta is not None
     assert result.residual is not None
-    seal_worker_delta(theta, result.delta, CODEC)  # raises on anything the agent refuses
-    decoded = dequantize(result.delta)
+    check_worker_delta(theta, result.delta, CODEC)  # raises on anything the agent refuses
+    decoded = result.delta.decode()
     residual = read_residual(result.residual)
     assert isinstance(residual, Residual)
     assert residual.round == result.summary.round

@@ -21,7 +21,7 @@ import pytest_asyncio
 import torch
 
 from coordinator.publication.evaluation import evaluate_params
-from geofed.codec import decode, seal_quantized
+from geofed.codec import decode
 from geofed.codec_params import CodecParams
 from geofed.fragments import fragment_plan
 from geofed.params import parameters_vector_hash
@@ -85,7 +85,7 @@ async def region(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Regi
 def delta_of(result: RoundResult) -> dict[str, torch.Tensor]:
     """The (lossless) delta the workers handed over, by name, in its order."""
     assert result.delta is not None
-    return decode(seal_quantized(result.delta).to_bytes())
+    return decode(result.delta.to_bytes())
 
 
 def assert_close(actual: torch.Tensor, expected: torch.Tensor) -> None:

@@ -18,7 +18,7 @@ import pytest
 import pytest_asyncio
 import torch
 
-from geofed.codec import ErrorFeedback, seal_quantized
+from geofed.codec import ErrorFeedback
 from geofed.codec_params import CodecParams
 from geofed.training_config import TrainingConfig
 from regional_agent.handoff.directory import HandoffDir
@@ -99,7 +99,7 @@ def worker_encoding(result: RoundResult) -> tuple[bytes, dict[str, torch.Tensor]
     residual = read_residual(result.residual)
     assert isinstance(residual, Residual)
     assert residual.round == result.summary.round
-    return seal_quantized(result.delta).to_bytes(), residual.tensors
+    return result.delta.to_bytes(), residual.tensors
 
 
 def assert_same(
@@ -232,7 +232,7 @@ async def test_between_checkpoints_rank_zero_holds_the_residual(tmp_path: Path) 
         want = agent_encoding(base, plain.params, residual)
         assert quantized.delta is not None
         assert quantized.residual is not None
-        assert seal_quantized(quantized.delta).to_bytes() == want[0]
+        assert quantized.delta.to_bytes() == want[0]
         kinds.append(type(read_residual(quantized.residual)).__name__)
         if accepted:
             region.accept(quantized)

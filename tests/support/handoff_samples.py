@@ -1,9 +1,14 @@
-"""A round instruction, its summary and trained parameters, as the hand-off tests use them."""
+"""A round instruction, its summary and trained parameters, and a delta's stream file, as
+the hand-off tests use them."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
+from geofed.codec import QuantizedTensors
+from regional_agent.handoff.delta_stream import DeltaStream, open_delta_stream, write_delta_stream
 from regional_agent.handoff.messages import RoundInstruction, RoundSummary
 
 INSTRUCTION = RoundInstruction(
@@ -31,3 +36,8 @@ SUMMARY = RoundSummary(
     train_seconds=1.5,
 )
 PARAMS = {"w": torch.arange(6, dtype=torch.float32).reshape(2, 3), "b": torch.ones(3)}
+
+
+def stream_file(path: Path, quantized: QuantizedTensors) -> DeltaStream:
+    """``quantized`` sealed into a stream file at ``path``, as rank 0 hands it over."""
+    return open_delta_stream(path, write_delta_stream(path, quantized))

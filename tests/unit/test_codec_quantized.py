@@ -20,6 +20,7 @@ from geofed.codec import (
     encode_stream,
     quantize_tensors,
     seal_quantized,
+    write_quantized,
 )
 from geofed.codec.compression import CompressionPolicy
 from geofed.codec.quantize import SMALL_ELEMENTS
@@ -98,6 +99,11 @@ def test_sealing_quantized_tensors_gives_the_bytes_of_encode_stream(
     assert sealed.to_bytes() == whole.to_bytes()
     assert sealed.digests == whole.digests
     assert quantized.fp32_bytes == whole.fp32_bytes
+    # Written out frame by frame: the same bytes, and each frame's size in order.
+    written: list[bytes] = []
+    sizes = write_quantized(quantized, written.append, workers=workers, compression=compression)
+    assert b"".join(written) == whole.to_bytes()
+    assert sizes == [len(frame) for frame in whole.frames()]
     assert all(p.device.type == "cpu" and p.dtype == torch.uint8 for p in quantized.payloads)
 
 

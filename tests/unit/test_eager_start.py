@@ -13,6 +13,7 @@ import torch
 
 from benchmarks._federation_sim import RunSpec, delayed_start
 from coordinator.rounds.records import announcement
+from geofed.codec import dequantize, quantize_tensors
 from geofed.codec_params import CodecParams
 from geofed.control import RoundAnnouncement
 from geofed.eager_start import EagerStartError, OuterReplica, estimate_mean
@@ -32,6 +33,7 @@ from regional_agent.rounds.eager_start import EagerState, hand_start, next_state
 from regional_agent.rounds.overlap_pipeline import DelayedRounds
 from regional_agent.state import JobDirectory, ParamsVersion
 from tests.support.agent_schedule import announce
+from tests.support.handoff_samples import stream_file
 
 NESTEROV = OuterOptimizerConfig(lr=0.7, momentum=0.9, momentum_warmup_rounds=2)
 AVERAGE = OuterOptimizerConfig(kind="average")
@@ -296,6 +298,32 @@ def test_no_estimate_hands_a_marker_without_s_and_drops_the_state(tmp_path: Path
     assert ready.reason == "StateError"
     assert handoff.read_start_ready("job-a", 2) == ready
     assert job.load_eager() is None
+
+
+def test_a_quantized_delta_s_stream_stands_for_what_the_coordinator_decodes(
+    tmp_path: Path,
+) -> None:
+    theta, local = _state(7), _state(8)
+    quantized, _ = quantize_tensors(
+        {n: theta[n] - local[n] for n in theta}, CodecParams(scheme="int8")
+    )
+    stream = stream_file(tmp_path / "round-0.delta.bin", quantized)
+    decoded = dequantize(quantized)
+    seen = {n: theta[n] - decoded[n] for n in theta}  # what the coordinator receives
+    by_delta = JobDirectory(tmp_path / "a", "job-a")
+    path = _hold(by_delta, 0, theta)
+    handoff = HandoffDir(tmp_path / "workers-a")
+    ready = hand_start(
+        by_delta, handoff, NESTEROV, 0, str(path), parameters_vector_hash(theta), {}, 3, stream
+    )
+    want, _, _ = next_state(None, NESTEROV, 0, theta, parameters_vector_hash(theta), seen, 3, None)
+    _same(torch.load(ready.start_params, weights_only=True), want)
+    # A stream that no longer reads: no estimate, the workers start from their own.
+    stream.path.write_bytes(stream.path.read_bytes()[:-1])
+    ready = hand_start(
+        by_delta, handoff, NESTEROV, 0, str(path), parameters_vector_hash(theta), {}, 3, stream
+    )
+    assert (ready.start_params, ready.reason) == ("", "InvalidHandoffData")
 
 
 def test_a_damaged_state_is_dropped_not_used(tmp_path: Path) -> None:

@@ -33,11 +33,12 @@ from regional_agent.handoff.overlap import (
     take_snapshot,
 )
 from regional_agent.handoff.residual_file import Residual, read_residual, write_residual
-from regional_agent.rounds.delta import seal_worker_delta
+from regional_agent.rounds.delta import check_worker_delta
 from regional_agent.rounds.overlap_pipeline import DelayedRounds
 from regional_agent.rounds.pipeline import RoundFragments
 from regional_agent.worker.device_delta import quantize_round_delta
 from tests.support.agent_schedule import announce
+from tests.support.handoff_samples import stream_file
 
 CODEC = CodecParams(scheme="int8", block_size=16)
 # Four tensors of distinct sizes, in θ's order; F = 2 splits them {w1, b2} / {w2, b1}.
@@ -402,19 +403,21 @@ def test_a_request_naming_a_tensor_the_model_lacks_is_unusable(tmp_path: Path) -
     assert not (tmp_path / "round-0.residual.pt").exists()
 
 
-def test_the_agent_seals_only_a_delta_naming_exactly_the_rounds_tensors() -> None:
+def test_the_agent_takes_only_a_delta_naming_exactly_the_rounds_tensors(tmp_path: Path) -> None:
     names = names_of(0)
-    fragment, _ = quantize_tensors({n: THETA[n] - TRAINED[n] for n in names}, CODEC)
-    assert seal_worker_delta(THETA, fragment, CODEC, names).specs == fragment.specs
+    quantized, _ = quantize_tensors({n: THETA[n] - TRAINED[n] for n in names}, CODEC)
+    fragment = stream_file(tmp_path / "fragment.bin", quantized)
+    assert check_worker_delta(THETA, fragment, CODEC, names).specs == quantized.specs
     with pytest.raises(UnusableDelta, match="asks for exactly"):
-        seal_worker_delta(THETA, fragment, CODEC, names_of(1))
+        check_worker_delta(THETA, fragment, CODEC, names_of(1))
     with pytest.raises(UnusableDelta, match="asks for exactly"):
-        seal_worker_delta(THETA, fragment, CODEC, tuple(reversed(names)))  # order counts
-    whole, _ = quantize_tensors({n: THETA[n] - TRAINED[n] for n in THETA}, CODEC)
+        check_worker_delta(THETA, fragment, CODEC, tuple(reversed(names)))  # order counts
+    all_of_it, _ = quantize_tensors({n: THETA[n] - TRAINED[n] for n in THETA}, CODEC)
+    whole = stream_file(tmp_path / "whole.bin", all_of_it)
     with pytest.raises(UnusableDelta, match="asks for exactly"):
-        seal_worker_delta(THETA, whole, CODEC, names)
+        check_worker_delta(THETA, whole, CODEC, names)
     with pytest.raises(UnusableDelta, match="not in θ"):
-        seal_worker_delta(THETA, fragment, CODEC, ("w1", "w9"))
+        check_worker_delta(THETA, fragment, CODEC, ("w1", "w9"))
     # Without names, the whole θ as before.
     with pytest.raises(UnusableDelta, match="differ in tensors"):
-        seal_worker_delta(THETA, fragment, CODEC)
+        check_worker_delta(THETA, fragment, CODEC)

@@ -18,6 +18,7 @@ from geofed.codec import (
     seal_quantized,
 )
 from geofed.codec_params import CodecParams
+from regional_agent.handoff.delta_stream import open_delta_stream
 from regional_agent.handoff.delta_terms import UnusableDelta
 from regional_agent.handoff.directory import HandoffDir
 from regional_agent.handoff.messages import (
@@ -36,9 +37,10 @@ from regional_agent.handoff.residual_file import (
     write_held_residual,
     write_residual,
 )
-from regional_agent.rounds.delta import encode_delta, seal_worker_delta
+from regional_agent.rounds.delta import check_worker_delta, encode_delta
 from regional_agent.state import DeltaMeta, JobDirectory, StateError
 from regional_agent.worker.device_delta import DeviceResidual, payloads_hash, quantize_round_delta
+from tests.support.handoff_samples import stream_file
 
 CODEC = CodecParams(scheme="int8", block_size=16)
 THETA = {"w": torch.linspace(-1, 1, 300).reshape(10, 30), "b": torch.linspace(0, 1, 7)}
@@ -109,10 +111,48 @@ def test_a_result_holds_the_delta_and_names_its_residual_file(tmp_path: Path) ->
     assert result.params == {}
     assert result.delta is not None
     assert result.residual == handoff.residual_path("job-a", 3)
-    assert seal_quantized(result.delta).to_bytes() == seal_quantized(quantized).to_bytes()
+    # Sealed by the worker into the round's stream file: the bytes the agent would frame.
+    assert result.delta.path == handoff.delta_stream_path("job-a", 3)
+    assert result.delta.to_bytes() == seal_quantized(quantized).to_bytes()
+    assert result.delta.specs == quantized.specs
+    assert result.delta.codec == CODEC
     # Pruned with the rest of the round.
     handoff.prune_rounds("job-a", 4)
     assert not handoff.residual_path("job-a", 3).exists()
+    assert not handoff.delta_stream_path("job-a", 3).exists()
+
+
+def test_a_delta_stream_file_that_does_not_fit_its_result_is_refused(tmp_path: Path) -> None:
+    handoff = HandoffDir(tmp_path)
+    quantized, residual = quantize_tensors({"w": torch.ones(300)}, CODEC, chunk_elements=128)
+    handoff.write_result(SUMMARY, delta=quantized)
+    write_residual(handoff.residual_path("job-a", 3), 3, residual)
+    stream_path = handoff.delta_stream_path("job-a", 3)
+    whole = stream_path.read_bytes()
+    stream_path.write_bytes(whole[:-1])
+    with pytest.raises(InvalidHandoffData, match="frames add up to"):
+        handoff.read_result_file("job-a", 3)
+    stream_path.write_bytes(b"X" + whole[1:])
+    with pytest.raises(InvalidHandoffData, match="magic"):
+        handoff.read_result_file("job-a", 3)
+    stream_path.unlink()
+    with pytest.raises(InvalidHandoffData, match="stream file is missing"):
+        handoff.read_result_file("job-a", 3)
+    with pytest.raises(InvalidHandoffData, match="frame sizes"):
+        open_delta_stream(stream_path, [len(whole)])
+
+
+def test_a_result_of_a_worker_of_the_format_before_reads_as_its_stream(tmp_path: Path) -> None:
+    handoff = HandoffDir(tmp_path)
+    quantized, residual = quantize_tensors({"w": torch.ones(300)}, CODEC, chunk_elements=128)
+    body = {"format": 1, "summary": json.loads(SUMMARY.to_json()), "delta": quantized.to_state()}
+    path = handoff.result_path("job-a", 3)
+    path.parent.mkdir(parents=True)
+    torch.save(body, path)
+    write_residual(handoff.residual_path("job-a", 3), 3, residual)
+    result = handoff.read_result_file("job-a", 3)
+    assert result.delta is not None
+    assert result.delta.to_bytes() == seal_quantized(quantized).to_bytes()
 
 
 def test_a_residual_file_reads_back_with_its_id_and_refuses_what_is_not_one(
@@ -177,19 +217,22 @@ def test_rank_zeros_delta_is_the_agents_encoding_and_keeps_its_residual(
     assert len(payloads_hash(quantized)) == 64
 
 
-def test_the_agent_frames_only_a_delta_of_its_theta_in_the_announced_codec() -> None:
+def test_the_agent_takes_only_a_delta_of_its_theta_in_the_announced_codec(
+    tmp_path: Path,
+) -> None:
     quantized, _ = quantize_tensors(
         {k: THETA[k] - TRAINED[k] for k in THETA}, CODEC, chunk_elements=64
     )
-    stream = seal_worker_delta(THETA, quantized, CODEC)
+    stream = check_worker_delta(THETA, stream_file(tmp_path / "d.bin", quantized), CODEC)
     decoded = decode(stream.frames())
     assert decoded.keys() == THETA.keys()
+    assert all(torch.equal(decoded[k], v) for k, v in stream.decode().items())
     with pytest.raises(UnusableDelta, match="quantized with"):
-        seal_worker_delta(THETA, quantized, CodecParams(scheme="int4", block_size=16))
+        check_worker_delta(THETA, stream, CodecParams(scheme="int4", block_size=16))
     with pytest.raises(UnusableDelta, match="differ in tensors \\['extra'\\]"):
-        seal_worker_delta({**THETA, "extra": torch.zeros(1)}, quantized, CODEC)
+        check_worker_delta({**THETA, "extra": torch.zeros(1)}, stream, CODEC)
     with pytest.raises(UnusableDelta, match="'b' as float32"):
-        seal_worker_delta({**THETA, "b": torch.zeros(8)}, quantized, CODEC)
+        check_worker_delta({**THETA, "b": torch.zeros(8)}, stream, CODEC)
 
 
 def test_the_spool_links_the_workers_residual_and_promotes_it(tmp_path: Path) -> None:
@@ -198,12 +241,15 @@ def test_the_spool_links_the_workers_residual_and_promotes_it(tmp_path: Path) ->
     worker_file = tmp_path / "round-3.residual.pt"
     id_ = write_residual(worker_file, 3, {"w": torch.full((2,), 0.5)})
     quantized, _ = quantize_tensors({"w": torch.ones(2)}, CODEC, chunk_elements=64)
-    stream = seal_quantized(quantized)
+    stream = stream_file(tmp_path / "round-3.delta.bin", quantized)
     meta = DeltaMeta(train_loss=1.0, tokens=2, params_hash="h" * 64)
     with pytest.raises(StateError, match="unreadable spooled delta"):  # a bad manifest
-        job.write_spool(3, b"not a manifest", list(stream.frames()), worker_file, meta)
-    assert worker_file.exists()  # still the worker's: a retry can take it again
+        job.write_spool(3, b"not a manifest", stream.path, worker_file, meta)
+    assert worker_file.exists()
+    assert stream.path.exists()
     assert (job.spool_dir(3) / "residual.pt").stat().st_ino == worker_file.stat().st_ino
+    # The worker's stream is not written again: a second name for the same file.
+    assert (job.spool_dir(3) / "stream.bin").stat().st_ino == stream.path.stat().st_ino
     job.promote(3)
     assert read_residual_id(job.feedback_path) == id_
 
