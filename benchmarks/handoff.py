@@ -14,8 +14,10 @@ ways, with the project's own functions on real files (fsync'd) in a temporary di
   spools delta and residual (``JobDirectory.write_spool``).
 - ``delta`` (what the agent asks for): rank 0 quantizes Δ where the parameters are, with
   the residual it kept (``quantize_round_delta``: θ_r read from its file, the residual
-  written for the agent), and writes the result (codes and scales); the agent reads it,
-  checks and frames it (``seal_worker_delta``), signs and spools it, linking the residual.
+  written for the agent), and seals it into the round's stream file (codes and scales,
+  framed; ``write_delta_stream``) with the result; the agent reads the result, checks the
+  stream against θ (``check_worker_delta``), signs it (hashing the frames) and spools it,
+  linking the stream and the residual.
 
 Each repeat runs a round of both ways, in turn, on the same θ_r and trained state (a
 charlm layout of at least ``--params`` parameters; Δ ~ N(0, 1e-3²)), the second and later
@@ -162,7 +164,8 @@ def params_round(bench: Bench, round_: int) -> dict[str, float]:
 
 
 def delta_round(bench: Bench, round_: int) -> dict[str, float]:
-    """The delta quantized by rank 0 where the parameters are, framed by the agent."""
+    """The delta quantized and sealed by rank 0 where the parameters are, spooled by the
+    agent as it is."""
     phases: dict[str, float] = {}
     request = DeltaRequest(bench.codec, str(bench.job.feedback_path))
 
@@ -270,7 +273,8 @@ def render(report: dict[str, Any]) -> str:
         f"on `{settings['device']}`; medians of {settings['repeats']} round(s), each with the "
         "residual of the round before. `params`: the trained parameters through the result "
         "file, encoded by the agent (the baseline); `delta`: quantized by rank 0 where the "
-        "parameters are, framed by the agent. Files are fsync'd.",
+        "parameters are and sealed into a stream file that the agent spools as it is. Files are "
+        "fsync'd.",
     ]
     if settings["note"]:
         lines += ["", settings["note"]]

@@ -231,7 +231,8 @@ def test_handoff_smoke_times_both_ways_on_real_files(tmp_path: Path) -> None:
     medians = report["medians_s"]
     assert "agent: encode" in medians["params"]
     assert "worker: quantize + residual" in medians["delta"]
-    assert "agent: frame" in medians["delta"]
+    assert "worker: seal + write result" in medians["delta"]
+    assert "agent: check" in medians["delta"]
     for way in ("params", "delta"):
         assert medians[way]["total"] == pytest.approx(
             sum(v for k, v in medians[way].items() if k != "total")
