@@ -15,7 +15,8 @@ one. The file is ``safetensors`` (``safetensors.torch.load_file``; the provenanc
 signed chain and the lineage are JSON in its metadata) or ``torch``
 (``torch.load(f, weights_only=True)`` gives ``{"state_dict", "metadata"}``); ``hf`` writes
 a Hugging Face model directory instead (:mod:`geofed.tasks.hf_export`), from the model
-directory the job's task names (or ``--hf-model``).
+and tokenizer directories the job's task names (or ``--hf-model``), its weights in shards
+of at most ``--max-shard-size``.
 
 Exit codes: 0 written, 1 refused (policy, verification) or unreachable, 2 usage error.
 """
@@ -27,6 +28,7 @@ import asyncio
 import io
 import json
 import os
+import re
 import sys
 from datetime import UTC, datetime
 from pathlib import Path
@@ -44,6 +46,12 @@ from geofed_cli.jobs import (
 )
 
 _JURISDICTION_ENV = "GEOFED_JURISDICTION"
+_SIZE_RE = re.compile(r"(\d+)\s*([a-z]*)", re.IGNORECASE)
+_SIZE_UNITS = {
+    **{unit: 1000**power for power, unit in enumerate(("b", "kb", "mb", "gb", "tb"))},
+    **{unit: 1024**power for power, unit in enumerate(("kib", "mib", "gib", "tib"), 1)},
+    "": 1,
+}
 
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -79,13 +87,23 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "--hf-model",
         type=Path,
         help="--format hf: the model directory the job started from (its config.json, "
-        "generation config and tokenizer); default: the job's task options' model",
+        "generation config and tokenizer); default: the job's task options' model, and "
+        "its tokenizer option's directory for the tokenizer",
     )
     export.add_argument(
         "--dtype",
         choices=("float32", "bfloat16", "float16"),
         default="float32",
         help="--format hf: the weights' type (float32: θ exactly)",
+    )
+    export.add_argument(
+        "--max-shard-size",
+        type=shard_size,
+        default=None,
+        metavar="SIZE",
+        help="--format hf: the largest weights file; above it the weights are split into "
+        "shards with model.safetensors.index.json (bytes, or a whole number with KB, MB, "
+        "GB, TB or KiB, MiB, GiB, TiB; default: 5GB)",
     )
     export.add_argument(
         "--destination",
@@ -99,13 +117,29 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         help="read the chain from this checkpoint location directory instead of a coordinator",
     )
     _connection_arguments(export)
-    export.set_defaults(handler=_export)
+    export.set_defaults(handler=_export, hf_tokenizer=None)
+
+
+def shard_size(text: str) -> int:
+    """An argparse type for ``--max-shard-size``: bytes, or a whole number and a unit
+    (KB ... TB: powers of 1000; KiB ... TiB: powers of 1024), above zero."""
+    match = _SIZE_RE.fullmatch(text.strip())
+    unit = _SIZE_UNITS.get(match.group(2).lower()) if match else None
+    if match is None or unit is None:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a size: a whole number of bytes, or with a unit (100MB, 2GiB)"
+        )
+    size: int = int(match.group(1)) * unit
+    if size < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: a shard holds at least one byte")
+    return size
 
 
 def _export(args: argparse.Namespace) -> int:
     from geofed.export import ExportError
 
     try:
+        _check_format_flags(args)
         trust = _trust(args)
         if args.store is not None:
             rebuilt, destination, lineage = _from_store(args, trust)
@@ -122,8 +156,8 @@ def _export(args: argparse.Namespace) -> int:
             if isinstance(result, int):
                 return result
             rebuilt, lineage, task = result
-            if args.format == "hf" and args.hf_model is None:
-                args.hf_model = _hf_model_of(task)
+            if args.format == "hf":
+                args.hf_model, args.hf_tokenizer = hf_sources(task, args.hf_model)
     except UsageError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_USAGE
@@ -136,6 +170,12 @@ def _export(args: argparse.Namespace) -> int:
     if args.format == "hf":
         return _write_hf(args, rebuilt, destination, lineage)
     return _write(args, rebuilt, destination, lineage)
+
+
+def _check_format_flags(args: argparse.Namespace) -> None:
+    # Before anything is asked for or written: the flag would be ignored.
+    if args.max_shard_size is not None and args.format != "hf":
+        raise UsageError(f"--max-shard-size is for --format hf; a {args.format} export is one file")
 
 
 def _trust(args: argparse.Namespace) -> Any:
@@ -188,6 +228,8 @@ def _from_store(args: argparse.Namespace, trust: Any) -> tuple[Any, str | None, 
     root: Path = args.store
     if args.format == "hf" and args.hf_model is None:
         raise UsageError("--format hf with --store needs --hf-model: the job's model directory")
+    if args.format == "hf":
+        args.hf_model, args.hf_tokenizer = hf_sources(None, args.hf_model)
     if not (root / "jobs").is_dir():
         raise UsageError(f"{root} is not a checkpoint location (no jobs/ directory)")
     try:
@@ -258,8 +300,15 @@ def _write(args: argparse.Namespace, rebuilt: Any, destination: str | None, line
 _HF_TASK = "geofed.tasks.hf:CausalLMTask"
 
 
-def _hf_model_of(task: Any) -> Path:
-    """The model directory of a job's task, as the coordinator's export answer names it."""
+def hf_sources(task: Any, hf_model: Path | None) -> tuple[Path, Path | None]:
+    """The model directory θ is exported as and the tokenizer directory saved with it.
+
+    ``hf_model`` (``--hf-model``) wins, with its own tokenizer if it has one; otherwise
+    the job's task (as the coordinator's export answer names it) gives its ``model`` and
+    its ``tokenizer`` option, which defaults to the model directory's tokenizer.
+    """
+    if hf_model is not None:
+        return hf_model, hf_model if _has_tokenizer(hf_model) else None
     spec = task.get("spec") if isinstance(task, dict) else None
     options = task.get("options") if isinstance(task, dict) else None
     model = options.get("model") if isinstance(options, dict) else None
@@ -268,7 +317,11 @@ def _hf_model_of(task: Any) -> Path:
             f"--format hf: the job's task is {spec or 'not named'}, not {_HF_TASK}; name "
             "the Hugging Face directory whose architecture θ has with --hf-model"
         )
-    return Path(model)
+    tokenizer = options.get("tokenizer") if isinstance(options, dict) else None
+    if isinstance(tokenizer, str):
+        # The task's tokenizer, wherever it is: the model directory may hold another one.
+        return Path(model), Path(tokenizer)
+    return Path(model), Path(model) if _has_tokenizer(Path(model)) else None
 
 
 def _write_hf(args: argparse.Namespace, rebuilt: Any, destination: str | None, lineage: Any) -> int:
@@ -276,20 +329,20 @@ def _write_hf(args: argparse.Namespace, rebuilt: Any, destination: str | None, l
     from geofed.tasks.hf_model import HfModelError
 
     try:
-        from geofed.tasks.hf_export import write_hf_export
+        from geofed.tasks.hf_export import DEFAULT_SHARD_SIZE, write_hf_export
 
         metadata = export_metadata(
             rebuilt, exported_at=datetime.now(UTC), destination=destination, lineage=lineage
         )
-        model_dir: Path = args.hf_model
         written = write_hf_export(
             args.out,
             rebuilt.params,
-            model_dir=model_dir,
-            tokenizer_dir=model_dir if _has_tokenizer(model_dir) else None,
+            model_dir=args.hf_model,
+            tokenizer_dir=args.hf_tokenizer,
             metadata=metadata,
             params_hash=rebuilt.params_hash,
             dtype=args.dtype,
+            max_shard_size=args.max_shard_size or DEFAULT_SHARD_SIZE,
         )
     except HfModelError as exc:
         print(f"error: cannot export {args.job} as a Hugging Face model: {exc}", file=sys.stderr)

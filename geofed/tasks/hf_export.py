@@ -38,11 +38,13 @@ from geofed.tasks.hf_model import (
     transformers_module,
 )
 
-__all__ = ["EXPORT_FILE", "HfExport", "write_hf_export"]
+__all__ = ["DEFAULT_SHARD_SIZE", "EXPORT_FILE", "HfExport", "write_hf_export"]
 
 #: geofed's provenance and lineage of the export, beside the model's files.
 EXPORT_FILE = "geofed_export.json"
 ExportDtype = Literal["float32", "bfloat16", "float16"]
+#: The largest weights file before the weights are sharded (transformers' default).
+DEFAULT_SHARD_SIZE = "5GB"
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,10 +70,11 @@ def write_hf_export(
     metadata: Mapping[str, str],
     params_hash: str,
     dtype: ExportDtype = "float32",
-    max_shard_size: str = "5GB",
+    max_shard_size: int | str = DEFAULT_SHARD_SIZE,
 ) -> HfExport:
     """Write θ (``params``) as a Hugging Face model directory at ``out`` (see the module
-    docstring). ``out`` must not exist, or be an empty directory."""
+    docstring). ``out`` must not exist, or be an empty directory. ``max_shard_size``:
+    bytes, or a size as transformers reads it (``"5GB"``)."""
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise HfModelError(f"{out} exists and is not an empty directory")
     transformers = transformers_module()

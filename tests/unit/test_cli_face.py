@@ -4,10 +4,12 @@ and what it prints is for a person (no Python reprs)."""
 from __future__ import annotations
 
 import io
+from pathlib import Path
 
 import pytest
 
 from geofed_cli import main
+from geofed_cli.export import shard_size
 from geofed_cli.lineage import print_lineage
 
 
@@ -48,3 +50,32 @@ def test_lineage_prints_settings_as_a_person_reads_them() -> None:
     assert "  training: lr_schedule (kind cosine, warmup_steps 10), extra none\n" in text
     assert "  aggregation: rule mean, drop []\n" in text
     assert "{'" not in text
+
+
+@pytest.mark.parametrize("size", ["big", "5 GX", "0", "-1MB", "1.5GB", ""])
+def test_a_max_shard_size_that_is_not_a_size_is_a_usage_error(
+    size: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["export", "llm", "--format", "hf", "--out", "out", "--max-shard-size", size]
+    with pytest.raises(SystemExit) as exited:
+        main(argv)
+    assert exited.value.code == 2
+    assert "argument --max-shard-size: " in capsys.readouterr().err
+
+
+def test_sizes_read_as_bytes() -> None:
+    assert shard_size("123") == 123
+    assert shard_size("100KB") == 100_000
+    assert shard_size("5GB") == 5 * 10**9
+    assert shard_size("2GiB") == 2 * 2**30
+    assert shard_size("64 mib") == 64 * 2**20
+
+
+def test_a_max_shard_size_is_for_the_hf_format_only(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "model.safetensors"
+    argv = ["export", "llm", "--out", str(out), "--max-shard-size", "1GB", "--store", "x"]
+    assert main(argv) == 2
+    assert "--max-shard-size is for --format hf" in capsys.readouterr().err
+    assert not out.exists()

@@ -9,12 +9,17 @@ from typing import Any
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
+from coordinator.jobs.initial_build import initial_parameters
 from geofed.params import federated_state, load_federated_state, parameters_vector_hash
 from geofed.task import load_task
 from geofed.tasks.hf_export import EXPORT_FILE, write_hf_export
 from geofed.tasks.hf_model import HfModelError
+from geofed_cli.export import hf_sources, shard_size
 from tests.support.hf_models import ARCHITECTURES, save_model, save_tokenizer
+
+SPEC = "geofed.tasks.hf:CausalLMTask"
 
 
 @pytest.fixture(scope="module")
@@ -61,6 +66,10 @@ def test_transformers_loads_the_export_with_the_same_logits(
     assert "config.json" in written.files
     assert "model.safetensors" in written.files
     assert ("tokenizer.json" in written.files) == (kind == "llama")
+    # Each architecture can generate: its generation settings are the directory's.
+    assert "generation_config.json" in written.files
+    source = json.loads((models[kind] / "generation_config.json").read_text())
+    assert json.loads((out / "generation_config.json").read_text()) == source
     assert json.loads((out / EXPORT_FILE).read_text()) == {
         "job": "llm",
         "round": 3,
@@ -139,3 +148,106 @@ def test_theta_of_another_model_or_a_used_directory_is_refused(
             params_hash="0" * 64,
         )
     assert not (tmp_path / "y").exists()
+
+
+def test_a_float32_export_above_the_max_shard_size_is_shards_with_an_index(
+    models: dict[str, Path], tmp_path: Path
+) -> None:
+    import transformers
+
+    model, theta = trained(models["llama"])
+    out = tmp_path / "sharded"
+    written = write_hf_export(
+        out,
+        theta,
+        model_dir=models["llama"],
+        tokenizer_dir=None,
+        metadata={},
+        params_hash=parameters_vector_hash(theta),
+        max_shard_size=shard_size("100KB"),
+    )
+    assert written.hash_matches is True
+    assert "model.safetensors" not in written.files
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    shards = sorted(set(index["weight_map"].values()))
+    assert len(shards) > 1
+    assert all(name in written.files for name in shards)
+    assert all((out / name).stat().st_size <= 100_000 for name in shards)
+    auto: Any = transformers.AutoModelForCausalLM
+    loaded, info = auto.from_pretrained(out, output_loading_info=True)
+    assert not info["missing_keys"]
+    assert not info["unexpected_keys"]
+    tokens = torch.randint(0, 384, (2, 12), generator=torch.Generator().manual_seed(2))
+    model.eval()
+    loaded.eval()
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=tokens).logits, loaded(input_ids=tokens).logits)
+
+
+@pytest.mark.parametrize("kind", ["llama", "gpt2"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_round_0_of_a_pretrained_start_exports_as_the_source_weights_bit_for_bit(
+    models: dict[str, Path], kind: str, dtype: Any, tmp_path: Path
+) -> None:
+    import transformers
+
+    source = models[kind]
+    if dtype == "bfloat16":
+        source = tmp_path / "bf16-source"
+        widened: Any = transformers.AutoModelForCausalLM.from_pretrained(models[kind])
+        widened.to(torch.bfloat16).save_pretrained(source)
+    # θ_0 as the coordinator builds it: float32 (bf16 widens exactly).
+    theta = initial_parameters(load_task(SPEC, {"model": str(source)}), seed=0)
+    assert all(t.dtype == torch.float32 for t in theta.values())
+    out = tmp_path / "round-0"
+    write_hf_export(
+        out,
+        theta,
+        model_dir=source,
+        tokenizer_dir=None,
+        metadata={},
+        params_hash=parameters_vector_hash(theta),
+        dtype=dtype,
+    )
+    expected = load_file(source / "model.safetensors")
+    exported = load_file(out / "model.safetensors")
+    assert exported.keys() == expected.keys()
+    for name, tensor in expected.items():
+        assert exported[name].dtype == tensor.dtype == getattr(torch, dtype), name
+        assert torch.equal(exported[name], tensor), name
+
+
+def test_the_export_saves_the_tokenizer_the_task_names(
+    models: dict[str, Path], tmp_path: Path
+) -> None:
+    import transformers
+
+    tokenizer = save_tokenizer(tmp_path / "tokenizer")
+    gpt2, llama = models["gpt2"], models["llama"]
+    named = {"spec": SPEC, "options": {"model": str(gpt2), "tokenizer": str(tokenizer)}}
+    assert hf_sources(named, None) == (gpt2, tokenizer)
+    # The task's tokenizer wins over one the model directory holds.
+    options = {"model": str(llama), "tokenizer": str(tokenizer)}
+    assert hf_sources({"spec": SPEC, "options": options}, None) == (llama, tokenizer)
+    # Without the option: the model directory's tokenizer, when it has one.
+    assert hf_sources({"spec": SPEC, "options": {"model": str(llama)}}, None) == (llama, llama)
+    assert hf_sources({"spec": SPEC, "options": {"model": str(gpt2)}}, None) == (gpt2, None)
+    # --hf-model names the directory to export as, with its own tokenizer.
+    assert hf_sources(named, llama) == (llama, llama)
+    model_dir, tokenizer_dir = hf_sources(named, None)
+    _, theta = trained(model_dir)
+    out = tmp_path / "export"
+    written = write_hf_export(
+        out,
+        theta,
+        model_dir=model_dir,
+        tokenizer_dir=tokenizer_dir,
+        metadata={},
+        params_hash=parameters_vector_hash(theta),
+    )
+    assert "tokenizer.json" in written.files
+    saved = transformers.AutoTokenizer.from_pretrained(out)
+    text = "def federated(x):\n    return x"
+    expected = transformers.AutoTokenizer.from_pretrained(tokenizer)
+    assert saved(text)["input_ids"] == expected(text)["input_ids"]
+    assert saved.eos_token == "<eos>"
