@@ -35,7 +35,7 @@ import torch
 from pydantic import BaseModel, ValidationError
 from torch import nn
 
-from geofed.data.location import DatasetLocation
+from geofed.data.location import DataError, DatasetLocation
 from geofed.params import count_parameters
 from geofed.types import validate_name
 
@@ -69,7 +69,9 @@ class DataShard:
     ``world_size`` picks the worker's part of it inside the region. ``seed`` fixes the
     data order, so the batch at a step is the same after a restart. ``datasets``: where
     the region keeps the datasets the job trains on there (the agent's ``datasets``
-    config), by name; empty for a task with data of its own.
+    config), by name; empty for a task with data of its own. ``datasets_without_files``:
+    those the job trains on there that the agent config names without files (a task
+    that reads files refuses them: :meth:`located`).
     """
 
     region: str
@@ -79,6 +81,7 @@ class DataShard:
     world_size: int
     seed: int
     datasets: Mapping[str, DatasetLocation] = field(default_factory=dict)
+    datasets_without_files: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         validate_name("region", self.region)
@@ -92,6 +95,22 @@ class DataShard:
             raise ValueError(f"world_size must be >= 1, got {self.world_size}")
         if not 0 <= self.rank < self.world_size:
             raise ValueError(f"rank must be in [0, {self.world_size}), got {self.rank}")
+
+    def located(self, names: Iterable[str] | None = None) -> dict[str, DatasetLocation]:
+        """Where the datasets ``names`` (None: every one the job trains on here) are, for
+        a task that reads files; a :class:`~geofed.data.DataError` names those the agent
+        config gives no files for, before any file is read."""
+        chosen = sorted({*self.datasets, *self.datasets_without_files} if names is None else names)
+        missing = [name for name in chosen if name not in self.datasets]
+        if missing:
+            which = f"dataset {missing[0]} has" if len(missing) == 1 else "datasets have"
+            raise DataError(
+                f"{which} no files in region {self.region}'s agent config "
+                f"({', '.join(missing)}), and this job's task reads its data from files: add "
+                f"path: and format: under datasets: {missing[0]}: in the agent config "
+                f"(datasets: {{{missing[0]}: {{path: /data/..., format: parquet}}}})"
+            )
+        return {name: self.datasets[name] for name in chosen}
 
 
 class Task(ABC, Generic[BatchT]):

@@ -101,7 +101,7 @@ class CausalLMTask(Task[torch.Tensor]):
     def __init__(self, options: CausalLMOptions) -> None:
         self.options = options
         self._model_dir = Path(options.model)
-        self._regions: dict[tuple[tuple[str, DatasetLocation | None], ...], RegionBlocks] = {}
+        self._regions: dict[tuple[tuple[str, DatasetLocation], ...], RegionBlocks] = {}
 
     @cached_property
     def config(self) -> Any:
@@ -207,18 +207,18 @@ class CausalLMTask(Task[torch.Tensor]):
         return hf_model.flops_per_token(model, self.options.seq_len)
 
     def _region(self, shard: DataShard) -> RegionBlocks:
-        names = self.options.datasets
-        chosen = tuple(sorted(shard.datasets)) if names is None else tuple(sorted(names))
+        # Every dataset read has files: one the agent config names without is an error
+        # here, not a dataset silently left out of what the region trains on.
+        locations = shard.located(self.options.datasets)
         # Keyed by where the data is, not only its names: a dataset moved (a reload of the
         # agent config) or another region's in this process is other data.
-        key = tuple((name, shard.datasets.get(name)) for name in chosen)
+        key = tuple(locations.items())
         found = self._regions.get(key)
         if found is None:
-            locations = dict(shard.datasets)
-            texts = any(locations[n].format != "tokens" for n in chosen if n in locations)
+            texts = any(location.format != "tokens" for location in locations.values())
             found = region_blocks(
                 locations,
-                names,
+                None,
                 tokenizer=self.tokenizer if texts else None,
                 seq_len=self.options.seq_len,
                 val_fraction=self.options.val_fraction,

@@ -331,6 +331,17 @@ def _require_locations(what: str, value: object) -> Mapping[str, DatasetLocation
     return value
 
 
+def _require_dataset_names(what: str, value: object) -> tuple[str, ...]:
+    """A tuple (maybe empty) of distinct dataset names."""
+    if not isinstance(value, tuple):
+        raise InvalidHandoffData(f"{what} must be a tuple of dataset names, got {value!r}")
+    for name in value:
+        _name("dataset")(what, name)
+    if len(set(value)) != len(value):
+        raise InvalidHandoffData(f"{what} repeats a dataset: {list(value)}")
+    return value
+
+
 @_message
 class RoundInstruction:
     """Train ``inner_steps`` steps of round ``round`` of ``job`` from ``base_params``.
@@ -355,6 +366,8 @@ class RoundInstruction:
     the trained parameters (None).
 
     ``datasets``: where the region keeps the datasets the round reads, by name;
+    ``datasets_without_files``: those it reads that the agent config names without files
+    (a task with data of its own needs none; one that reads files refuses them);
     ``task_fingerprint``: the task's fingerprint as the coordinator read it (the workers
     refuse the round when theirs differs; None: not compared).
 
@@ -392,6 +405,7 @@ class RoundInstruction:
         field(default_factory=dict)
     )
     task_fingerprint: Annotated[str | None, _checked(_optional(_require_fingerprint))] = None
+    datasets_without_files: Annotated[tuple[str, ...], _checked(_require_dataset_names)] = ()
 
     def __post_init__(self) -> None:
         if self.region_index >= self.num_regions:
@@ -443,6 +457,8 @@ class RoundInstruction:
                 fields["fold"] = _names_from_json("fold", fields["fold"])
             if "datasets" in fields:
                 fields["datasets"] = _locations(fields["datasets"])
+            if "datasets_without_files" in fields:
+                fields["datasets_without_files"] = _dataset_names(fields["datasets_without_files"])
             return cls(**fields)
         except (ValueError, TypeError) as exc:
             raise InvalidHandoffData(f"{source}: {exc}") from None
@@ -457,6 +473,12 @@ def _training(data: object) -> TrainingConfig:
             for error in exc.errors(include_url=False)
         )
         raise InvalidHandoffData(problems) from None
+
+
+def _dataset_names(data: object) -> tuple[str, ...]:
+    if not isinstance(data, list):
+        raise InvalidHandoffData(f"datasets_without_files must be a list, got {data!r}")
+    return tuple(data)
 
 
 def _locations(data: object) -> dict[str, DatasetLocation]:
@@ -482,6 +504,7 @@ _INSTRUCTION_OPTIONAL = frozenset(
         "fold",
         "datasets",
         "task_fingerprint",
+        "datasets_without_files",
     }
 )
 

@@ -195,6 +195,7 @@ def next_instruction(
         delta=delta,
         fold=fold,
         datasets=trained.datasets,
+        datasets_without_files=trained.datasets_without_files,
         task_fingerprint=trained.task_fingerprint,
     )
 

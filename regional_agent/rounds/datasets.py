@@ -26,6 +26,11 @@ class RoundDatasets:
     locations: Mapping[str, DatasetLocation]
     refusal: str | None = None
 
+    @property
+    def without_files(self) -> tuple[str, ...]:
+        """The datasets the round trains on that the agent config gives no files for."""
+        return tuple(name for name in self.names if name not in self.locations)
+
 
 def round_datasets(
     announcement: RoundAnnouncement,
@@ -38,8 +43,8 @@ def round_datasets(
     ``held``: the datasets this region trains on; ``locations``: where those with files
     live. A coordinator that does not name datasets (it predates them) gets every
     dataset held, and every located one. A named dataset without a location is not an
-    error here: a task with data of its own needs none, and one that reads files says
-    which it lacks.
+    error here: a task with data of its own needs none, and one that reads files is told
+    which it lacks (:attr:`RoundDatasets.without_files`, the workers' ``DataShard``).
     """
     named = announcement.datasets.get(region) if announcement.datasets else None
     if named is None:

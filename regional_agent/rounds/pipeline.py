@@ -382,7 +382,7 @@ class RoundPipeline:
             fragments = RoundFragments.of(announcement, synced.params)
         except ValueError as exc:  # FragmentError: the model cannot be split as announced
             return RoundEnd("failed", str(exc), params_hash=base_hash)
-        instruction = self._instruction(announcement, job, synced, data.locations, fragments.names)
+        instruction = self._instruction(announcement, job, synced, data, fragments.names)
         try:
             with self._metrics.training(), self._phase(announcement, "train"):
                 result = await self._delayed_result(
@@ -508,12 +508,12 @@ class RoundPipeline:
         announcement: RoundAnnouncement,
         job: JobDirectory,
         synced: Synced,
-        locations: Mapping[str, DatasetLocation],
+        data: RoundDatasets,
         names: tuple[str, ...] | None = None,
     ) -> RoundInstruction:
-        """The serial instruction of the announced round; ``locations``: where its datasets
-        are; ``names``: the tensors its delta holds (the round's fragment under streaming;
-        None: all)."""
+        """The serial instruction of the announced round; ``data``: its datasets and where
+        they are; ``names``: the tensors its delta holds (the round's fragment under
+        streaming; None: all)."""
         region_index, num_regions = announcement.data_shard(self._region.name)
         return RoundInstruction(
             job=announcement.job,
@@ -536,7 +536,8 @@ class RoundPipeline:
                 announcement.participants,
             ).evaluate,
             delta=DeltaRequest(announcement.codec, str(job.feedback_path), names=names),
-            datasets=dict(locations),
+            datasets=dict(data.locations),
+            datasets_without_files=data.without_files,
             task_fingerprint=announcement.task_fingerprint,
         )
 

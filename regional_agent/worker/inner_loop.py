@@ -55,6 +55,7 @@ def data_shard(instruction: RoundInstruction, rank: int, world_size: int) -> Dat
         world_size=world_size,
         seed=instruction.seed,
         datasets=dict(instruction.datasets),
+        datasets_without_files=instruction.datasets_without_files,
     )
 
 

@@ -29,6 +29,7 @@ from tests.support.hf_models import (
     write_parquet,
     write_tokens,
 )
+from tests.support.tiny_task import TinyTask
 
 SPEC = "geofed.tasks.hf:CausalLMTask"
 
@@ -234,3 +235,66 @@ def test_the_same_dataset_name_elsewhere_is_other_data(
     model = task.build_model(seed=0)
     assert not torch.equal(next(task.batches(shard(eu), 0)), next(task.batches(shard(us), 0)))
     assert task.evaluate_region(model, shard(eu)) != task.evaluate_region(model, shard(us))
+
+
+def test_a_text_dataset_is_one_document_a_file_and_trains(
+    models: dict[str, Path], tmp_path: Path
+) -> None:
+    texts = stdlib_texts(3, skip=80)
+    for index, text in enumerate(texts):
+        (tmp_path / "notes" / f"{index}.txt").parent.mkdir(exist_ok=True)
+        (tmp_path / "notes" / f"{index}.txt").write_text(text, encoding="utf-8")
+    (tmp_path / "notes" / "skipped.py").write_text("not a text file")
+    cache = tmp_path / "cache"
+    located = {
+        "notes": DatasetLocation(path=str(tmp_path / "notes"), format="text", cache_dir=str(cache))
+    }
+    task = task_for(models["llama"], lr=3e-3)
+    # Each file is one document, followed by EOS, in path order.
+    encoded = task.tokenizer.encode(texts)
+    expected = [token for ids in encoded for token in [*ids, task.tokenizer.eos_id]]
+    next(task.batches(shard(located), 0))
+    (cached,) = cache.glob("tokens-*.bin")
+    assert np.fromfile(cached, dtype=np.uint16).tolist() == expected
+    model = task.build_model(seed=0)
+    optimizer = task.build_optimizer(model.parameters())
+    batches = task.batches(shard(located, world=1), 0)
+    batch = next(batches)
+    with torch.no_grad():
+        before = float(task.loss(model, batch))
+    for _ in range(5):
+        optimizer.zero_grad()
+        task.loss(model, batch).backward()
+        optimizer.step()
+    with torch.no_grad():
+        assert float(task.loss(model, batch)) < before
+    assert task.evaluate_region(model, shard(located))["val_loss"] > 0
+
+
+def test_a_dataset_the_agent_config_names_without_files_is_refused_by_name(
+    models: dict[str, Path], text_data: dict[str, DatasetLocation]
+) -> None:
+    # The job trains the region on eu-docs and eu-notes; the agent config gives eu-notes
+    # no path. Reading the rest would train on less than the deltas' provenance says.
+    unlocated = DataShard(
+        "eu-west",
+        0,
+        1,
+        0,
+        1,
+        seed=3,
+        datasets={"eu-docs": text_data["eu-docs"]},
+        datasets_without_files=("eu-notes",),
+    )
+    with pytest.raises(DataError) as refused:
+        task_for(models["llama"]).batches(unlocated, 0)
+    message = str(refused.value)
+    assert "dataset eu-notes has no files in region eu-west's agent config" in message
+    assert "add path: and format: under datasets: eu-notes:" in message
+    with pytest.raises(DataError, match="dataset eu-notes has no files"):
+        task_for(models["llama"], datasets=["eu-notes"]).batches(unlocated, 0)
+    # Naming only the located one reads it, as before.
+    only = task_for(models["llama"], datasets=["eu-docs"]).batches(unlocated, 0)
+    assert next(only).shape == (2, 17)
+    # A task with data of its own needs no files: it trains as before.
+    assert next(TinyTask().batches(unlocated, 0)) is not None

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from geofed.control import RoundAnnouncement, decode, encode
-from geofed.data import DatasetLocation
-from regional_agent.handoff.messages import RoundInstruction
+from geofed.data import DataError, DatasetLocation
+from regional_agent.handoff.messages import InvalidHandoffData, RoundInstruction
 from regional_agent.rounds.datasets import round_datasets
 from regional_agent.worker.inner_loop import data_shard
 from tests.support.agent_schedule import REGION, announce
@@ -65,3 +67,39 @@ def test_the_datasets_travel_in_the_announcement_and_reach_the_workers_shard() -
     body = json.loads(instruction.to_json())
     del body["datasets"]
     assert RoundInstruction.from_json(json.dumps(body).encode()).datasets == {}
+
+
+def test_the_datasets_named_without_files_reach_the_workers_shard() -> None:
+    named = announce(datasets={REGION: ("eu-chats", "eu-proceedings")})
+    found = round_datasets(named, REGION, HELD, LOCATED)
+    assert found.without_files == ("eu-proceedings",)
+    assert round_datasets(announce(), REGION, HELD, LOCATED).without_files == ("eu-proceedings",)
+    instruction = RoundInstruction(
+        job="llm",
+        round=1,
+        base_params="/state/base.pt",
+        inner_steps=5,
+        task="tests.support.tiny_task:TinyTask",
+        task_options={},
+        seed=0,
+        region=REGION,
+        region_index=0,
+        num_regions=2,
+        datasets=dict(found.locations),
+        datasets_without_files=found.without_files,
+    )
+    again = RoundInstruction.from_json(instruction.to_json())
+    assert again == instruction
+    shard = data_shard(again, 0, 1)
+    assert shard.datasets_without_files == ("eu-proceedings",)
+    with pytest.raises(DataError, match="dataset eu-proceedings has no files in region"):
+        shard.located()
+    assert shard.located(["eu-chats"]) == {"eu-chats": CHATS}
+    # An agent that predates the field writes none: nothing is missing.
+    body = json.loads(instruction.to_json())
+    del body["datasets_without_files"]
+    assert RoundInstruction.from_json(json.dumps(body).encode()).datasets_without_files == ()
+    with pytest.raises(InvalidHandoffData, match=r"invalid dataset '\.\./x'"):
+        RoundInstruction.from_json(
+            json.dumps({**body, "datasets_without_files": ["../x"]}).encode()
+        )
