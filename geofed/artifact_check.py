@@ -14,6 +14,7 @@ published model share it, so both trust exactly the same things. Pure and blocki
 from __future__ import annotations
 
 import hashlib
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import datetime
@@ -22,8 +23,14 @@ import torch
 from torch import Tensor
 
 from geofed.artifact_bundle import BundleError, split_bundle
-from geofed.codec import CodecError, decode
-from geofed.deltas import DeltaError, add_update_in_place, apply_partial_update
+from geofed.codec import CodecError, StreamDecoder, decode
+from geofed.deltas import (
+    DeltaError,
+    add_piece_in_place,
+    add_update_in_place,
+    apply_partial_update,
+    check_update_layout,
+)
 from geofed.manifest import Manifest, ManifestError, SignedManifest, verify_chunks
 from geofed.params import parameters_vector_hash
 from geofed.pki import TrustBundle
@@ -46,13 +53,17 @@ class ArtifactRefused(ValueError):
 
 @dataclass(frozen=True)
 class VerifiedArtifact:
-    """A verified manifest and the tensors its stream decodes to."""
+    """A verified manifest and the tensors its stream decodes to, or (verified without
+    decoding) its frames, decoded where they are applied."""
 
     manifest: Manifest
     tensors: Params
     manifest_digest: str
     """sha256 of the signed manifest bytes (what announcements call ``update_digest``)."""
     signed: SignedManifest
+    frames: tuple[memoryview, ...] = ()
+    """The stream's frames, checked against the manifest's digests; set when ``tensors``
+    is empty because decoding was left to :func:`apply_verified_update`."""
 
 
 def verify_artifact(
@@ -64,11 +75,16 @@ def verify_artifact(
     round_: int,
     now: datetime,
     max_decoded_bytes: int | None = None,
+    decode_now: bool = True,
 ) -> VerifiedArtifact:
     """Verify an artifact bundle (see the module docstring); raise :class:`ArtifactRefused`.
 
     The stream's frames are read where ``data`` holds them (views, not copies): a snapshot
-    is as large as the model, and its decoded tensors are too.
+    is as large as the model, and its decoded tensors are too. ``decode_now`` False (an
+    update applied in place): the frames are checked against the manifest's digests and
+    kept; :func:`apply_verified_update` decodes them piece by piece into θ, checking that
+    the stream holds the tensors the manifest declares before it writes any, so no decoded
+    copy of the update is ever whole.
     """
     what = f"{kind.value} {job}/{round_}"
     try:
@@ -85,6 +101,13 @@ def verify_artifact(
     if found != (kind, job, round_):
         raise ArtifactRefused(f"{what}: the manifest is for {found[0].value} {job}/{found[2]}")
     frames = _frames(manifest, stream, what)
+    if not decode_now:
+        try:
+            verify_chunks(manifest, frames)
+        except ManifestError as exc:
+            raise ArtifactRefused(f"{what}: {exc}") from None
+        digest = hashlib.sha256(manifest_bytes).hexdigest()
+        return VerifiedArtifact(manifest, {}, digest, signed, tuple(frames))
     try:
         verify_chunks(manifest, frames)
         tensors = decode(
@@ -146,9 +169,14 @@ def apply_verified_update(
         if in_place:
             if not isinstance(params, dict):
                 raise TypeError("an update applied in place needs the caller's own dict")
-            add_update_in_place(params, update.tensors)
+            if update.frames:
+                _add_frames_in_place(params, update, where)
+            else:
+                add_update_in_place(params, update.tensors)
             result = params
         else:
+            if update.frames:
+                raise TypeError("an update verified without decoding is applied in place")
             result = apply_partial_update(params, update.tensors)
     except DeltaError as exc:
         raise ArtifactRefused(f"{where}: {exc}") from None
@@ -158,6 +186,44 @@ def apply_verified_update(
             f"{where}: parameters hash {found}, the manifest says {manifest.parameters_hash}"
         )
     return result, found
+
+
+def _add_frames_in_place(params: Params, update: VerifiedArtifact, where: str) -> None:
+    """θ += the update its frames decode to, piece by piece into θ's own tensors (one
+    chunk's values at a time); nothing is written before the stream's header is known to
+    declare the manifest's float32 tensors, each of θ's shape."""
+    manifest = update.manifest
+    declared = [(t.name, t.dtype, tuple(t.shape)) for t in manifest.tensors]
+    if any(dtype != "float32" for _, dtype, _ in declared):
+        raise ArtifactRefused(f"{where}: parameters and updates must be float32")
+    check_update_layout("add_update_in_place", params, {n: s for n, _, s in declared})
+    buffer = torch.empty(0, dtype=torch.float32)
+
+    def buffer_for(_name: str, _offset: int, count: int) -> Tensor:
+        nonlocal buffer
+        if buffer.numel() < count:
+            buffer = torch.empty(count, dtype=torch.float32)
+        return buffer[:count]
+
+    decoder = StreamDecoder(
+        expected_header_digest=manifest.chunks[0].sha256,
+        expected_digests=[record.sha256 for record in manifest.chunks[1:-1]],
+        max_decoded_bytes=4 * sum(math.prod(shape) for _, _, shape in declared),
+        buffer_for=buffer_for,
+    )
+    header, *rest = update.frames
+    try:
+        for _ in decoder.feed(header):
+            pass
+        found = [(s.name, s.dtype, tuple(s.shape)) for s in decoder.specs]
+        if found != declared:
+            raise ArtifactRefused(f"{where}: the stream's tensors differ from the manifest's")
+        for frame in rest:
+            for piece in decoder.feed(frame):
+                add_piece_in_place(params, piece.name, piece.offset, piece.values)
+        decoder.finish()
+    except CodecError as exc:
+        raise ArtifactRefused(f"{where}: {exc}") from None
 
 
 def snapshot_params(snapshot: VerifiedArtifact) -> tuple[Params, str]:

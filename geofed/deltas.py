@@ -71,7 +71,7 @@ def _check_pair(what: str, name: str, a: Tensor, b: Tensor) -> None:
         )
 
 
-def _check_names(what: str, params: Mapping[str, Tensor], update: Mapping[str, Tensor]) -> None:
+def _check_names(what: str, params: Mapping[str, Tensor], update: Mapping[str, object]) -> None:
     """Refuse an update that names a tensor θ lacks, or none at all."""
     unknown = [name for name in update if name not in params]
     if unknown:
@@ -124,6 +124,34 @@ def add_update_in_place(params: MutableMapping[str, Tensor], update: dict[str, T
     with torch.no_grad():
         for name in list(update):
             params[name].add_(update.pop(name))
+
+
+def check_update_layout(
+    what: str, params: Mapping[str, Tensor], layout: Mapping[str, tuple[int, ...]]
+) -> None:
+    """Refuse an update of ``layout`` (name -> shape, float32) that cannot be added to
+    ``params`` in place (:class:`DeltaError`, as :func:`add_update_in_place` raises it)."""
+    _check_names(what, params, layout)
+    for name, shape in layout.items():
+        tensor = params[name]
+        if tensor.dtype != torch.float32:
+            raise DeltaError(f"{what}: tensor {name!r} must be float32 on both sides")
+        if tuple(tensor.shape) != tuple(shape):
+            raise DeltaError(
+                f"{what}: tensor {name!r} has shapes {tuple(tensor.shape)} and {tuple(shape)}"
+            )
+        if not tensor.is_contiguous():
+            raise DeltaError(f"{what}: tensor {name!r} of the parameters is not contiguous")
+
+
+def add_piece_in_place(
+    params: MutableMapping[str, Tensor], name: str, offset: int, values: Tensor
+) -> None:
+    """``params[name]`` (flattened) ``[offset : offset + len(values)]`` += ``values``: the
+    bits of :func:`add_update_in_place` (the same float32 add, element by element) for an
+    update that arrives piece by piece; checked first by :func:`check_update_layout`."""
+    with torch.no_grad():
+        params[name].view(-1)[offset : offset + values.numel()].add_(values)
 
 
 def update_to_publish(

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -88,6 +89,7 @@ def verify_artifact(
     round_: int,
     now: datetime,
     max_decoded_bytes: int | None = None,
+    decode_now: bool = True,
 ) -> VerifiedArtifact:
     """:func:`geofed.artifact_check.verify_artifact`; raise :class:`ArtifactRejected`."""
     try:
@@ -99,6 +101,7 @@ def verify_artifact(
             round_=round_,
             now=now,
             max_decoded_bytes=max_decoded_bytes,
+            decode_now=decode_now,
         )
     except ArtifactRefused as exc:
         raise ArtifactRejected(str(exc)) from None
@@ -201,6 +204,7 @@ class Synchronizer:
                 round_=version.round,
                 now=self._clock(),
                 max_decoded_bytes=limit,
+                decode_now=False,
             )
             digest = update.manifest_digest
             if announcement.update_digest is not None and digest != announcement.update_digest:
@@ -208,7 +212,7 @@ class Synchronizer:
                     f"update {announcement.job}/{version.round}: manifest digest {digest}, "
                     f"the announcement says {announcement.update_digest}"
                 )
-            counted = Counted.of(update)  # before the update's tensors are consumed
+            counted = Counted.of(update)
             return (*apply_verified_update(params, version, update), counted)
 
         return await asyncio.to_thread(verify_and_apply)
@@ -321,9 +325,10 @@ class Synchronizer:
             round_=part.round,
             now=self._clock(),
             max_decoded_bytes=4 * sum(t.numel() for t in params.values()),
+            decode_now=False,
         )
         part.check_digest(update)
-        counted = Counted.of(update)  # before the update's tensors are consumed
+        counted = Counted.of(update)
         return (*apply_verified_update(params, version, update), counted)
 
 
@@ -337,7 +342,8 @@ class Counted:
 
     @classmethod
     def of(cls, artifact: VerifiedArtifact) -> Counted:
-        return cls(artifact.manifest.codec.scheme, _fp32_bytes(artifact.tensors))
+        declared = artifact.manifest.tensors  # decoded or not: what the stream carries
+        return cls(artifact.manifest.codec.scheme, 4 * sum(math.prod(t.shape) for t in declared))
 
 
 @dataclass(frozen=True, slots=True)
@@ -359,10 +365,6 @@ class ListedPart:
     def parse(cls, entry: Any) -> ListedPart:
         digest = entry.get("manifest_digest")
         return cls(int(entry["round"]), str(entry["url"]), None if digest is None else str(digest))
-
-
-def _fp32_bytes(params: Params) -> int:
-    return 4 * sum(t.numel() for t in params.values())
 
 
 def _chain(info: Mapping[str, Any], job: str, target: int) -> tuple[ListedPart, list[ListedPart]]:

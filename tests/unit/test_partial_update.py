@@ -88,8 +88,11 @@ def _verified(
     update: dict[str, torch.Tensor],
     base_hash: str,
     parameters_hash: str,
+    *,
+    decode_now: bool = True,
 ) -> VerifiedArtifact:
-    """``update`` published as round 4's signed update, downloaded and verified."""
+    """``update`` published as round 4's signed update, downloaded and verified
+    (``decode_now`` False: its frames kept for decoding where it is applied)."""
     coordinator = fed.coordinator()
     stream = encode_stream(update, INT8, chunk_elements=32)
     now = datetime.now(UTC)
@@ -111,8 +114,58 @@ def _verified(
     data = pack_bundle(signed.to_bytes(), stream.frames())
     bundle: TrustBundle = fed.bundle()
     return verify_artifact(
-        data, bundle, kind=ArtifactKind.GLOBAL_UPDATE, job="job-1", round_=4, now=now
+        data,
+        bundle,
+        kind=ArtifactKind.GLOBAL_UPDATE,
+        job="job-1",
+        round_=4,
+        now=now,
+        decode_now=decode_now,
     )
+
+
+@pytest.mark.parametrize(
+    "names", [("layer.weight", "head"), ("embed", "layer.weight", "layer.bias", "head")]
+)
+def test_an_update_decoded_piece_by_piece_into_theta_gives_the_same_bits(
+    fed: Federation, names: tuple[str, ...]
+) -> None:
+    theta = _theta()
+    base = parameters_vector_hash(theta)
+    update = _update(names)
+    published = apply_partial_update(
+        theta, decode(encode_stream(update, INT8, chunk_elements=32).frames())
+    )
+    verified = _verified(fed, update, base, parameters_vector_hash(published), decode_now=False)
+    assert verified.tensors == {}  # nothing decoded yet
+    assert len(verified.frames) > len(names) + 2  # tensors of several chunks each
+    held = {name: tensor.clone() for name, tensor in theta.items()}
+    same_tensors = dict(held)
+
+    result, found = apply_verified_update(held, 4, base, verified, in_place=True)
+
+    assert found == parameters_vector_hash(published)
+    assert result is held
+    assert all(result[name] is same_tensors[name] for name in theta)  # written in place
+    assert all(torch.equal(result[name], published[name]) for name in theta)
+    with pytest.raises(TypeError, match="applied in place"):
+        apply_verified_update(theta, 4, base, verified)
+
+
+def test_an_undecoded_update_that_does_not_fit_theta_writes_nothing(fed: Federation) -> None:
+    theta = _theta()
+    base = parameters_vector_hash(theta)
+    update = {**_update(("head",)), "ghost.weight": torch.zeros(4)}
+    verified = _verified(fed, update, base, base, decode_now=False)
+    held = {name: tensor.clone() for name, tensor in theta.items()}
+    with pytest.raises(ArtifactRefused, match=r"do not have: \['ghost.weight'\]"):
+        apply_verified_update(held, 4, base, verified, in_place=True)
+    misshapen = _verified(
+        fed, {"head": torch.ones(_theta()["head"].numel())}, base, base, decode_now=False
+    )
+    with pytest.raises(ArtifactRefused, match="'head' has shapes"):
+        apply_verified_update(held, 4, base, misshapen, in_place=True)
+    assert all(torch.equal(held[name], theta[name]) for name in theta)
 
 
 def test_a_verified_partial_update_gives_the_published_parameters(fed: Federation) -> None:
