@@ -54,7 +54,7 @@ import re
 import shutil
 import sys
 from collections.abc import Collection, Mapping
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -88,6 +88,14 @@ _RECORD_NAME = "regional-checkpoint.json"
 _INNER_CHECKPOINT_NAME = "inner-checkpoint.pt"
 _OPTIMIZER_DIR_RE = re.compile(r"optimizer-round-(\d+)")
 _ROUND_FILE_RE = re.compile(r"^round-(\d+)\.instruction\.json$")
+
+
+@dataclass(frozen=True, slots=True)
+class ErrorMarker:
+    """Why the workers could not serve an instruction; ``refused``: they decline it."""
+
+    message: str
+    refused: bool = False
 
 
 def inner_tensors_dir(path: Path) -> Path:
@@ -403,22 +411,33 @@ class HandoffDir:
             )
         return result
 
-    def write_error(self, job: str, round_: int, message: str) -> None:
+    def write_error(self, job: str, round_: int, message: str, *, refused: bool = False) -> None:
+        """Say the instruction cannot be served, and why; ``refused``: the workers decline
+        it themselves (the task's files here are not the coordinator's), which the agent
+        reports as the region's own refusal rather than a failure."""
         path = self.error_path(job, round_)
         path.parent.mkdir(parents=True, exist_ok=True)
         body = {"format": FORMAT_VERSION, "job": job, "round": round_, "message": message}
+        if refused:
+            body["refused"] = True
         atomic_write_bytes(path, json.dumps(body).encode())
 
     def read_error(self, job: str, round_: int) -> str | None:
+        marker = self.read_error_marker(job, round_)
+        return None if marker is None else marker.message
+
+    def read_error_marker(self, job: str, round_: int) -> ErrorMarker | None:
+        """The round's error marker (None: there is none); one that does not parse says so."""
         try:
             raw = self.error_path(job, round_).read_bytes()
         except FileNotFoundError:
             return None
         try:
-            message = json.loads(raw)["message"]
-        except (ValueError, KeyError, TypeError):
-            return f"unreadable error marker {self.error_path(job, round_)}"
-        return str(message)
+            body = json.loads(raw)
+            message, refused = body["message"], body.get("refused", False)
+        except (ValueError, KeyError, TypeError, AttributeError):
+            return ErrorMarker(f"unreadable error marker {self.error_path(job, round_)}")
+        return ErrorMarker(str(message), refused is True)
 
     def clear_error(self, job: str, round_: int) -> None:
         self.error_path(job, round_).unlink(missing_ok=True)

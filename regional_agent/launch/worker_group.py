@@ -30,7 +30,7 @@ from typing import Any, TypeVar
 
 from geofed.backoff import Backoff, Retry
 from geofed.timeouts import Timeout, wait_for
-from regional_agent.handoff.directory import HandoffDir
+from regional_agent.handoff.directory import ErrorMarker, HandoffDir
 from regional_agent.handoff.messages import RoundInstruction, RoundResult
 from regional_agent.launch.launcher import Launcher
 
@@ -52,6 +52,11 @@ class WorkerGroupFailed(WorkerGroupError):
 
 class RoundFailed(WorkerGroupError):
     """The workers refused or could not complete an instruction (their reason follows)."""
+
+
+class RoundRefused(RoundFailed):
+    """The workers decline the round themselves: the task's files in this region are not
+    the ones the coordinator fingerprinted (their reason follows)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,7 +148,8 @@ class WorkerGroup:
 
         A round that already has a done marker is returned from disk without training,
         whether or not the group runs. Raises :class:`RoundFailed` when the workers
-        reject the instruction, :class:`~geofed.timeouts.Timeout` after ``timeout_s``
+        cannot serve the instruction (:class:`RoundRefused` when they decline it),
+        :class:`~geofed.timeouts.Timeout` after ``timeout_s``
         (the group keeps training; asking again keeps waiting for the same round).
         """
         job, round_ = instruction.job, instruction.round
@@ -241,8 +247,9 @@ class WorkerGroup:
                 outcome = await asyncio.to_thread(self._outcome, job, round_)
                 if isinstance(outcome, RoundResult):
                     return outcome
-                if outcome is not None:
-                    raise RoundFailed(f"round {round_} of job {job}: {outcome}")
+                if isinstance(outcome, ErrorMarker):
+                    failure = RoundRefused if outcome.refused else RoundFailed
+                    raise failure(f"round {round_} of job {job}: {outcome.message}")
                 self._check_running()
                 await asyncio.sleep(self._config.poll_interval_s)
 
@@ -252,11 +259,11 @@ class WorkerGroup:
         self.handoff.write_instruction(instruction)
         self.handoff.clear_error(instruction.job, instruction.round)
 
-    def _outcome(self, job: str, round_: int) -> RoundResult | str | None:
+    def _outcome(self, job: str, round_: int) -> RoundResult | ErrorMarker | None:
         result = self.handoff.read_completed(job, round_)
         if result is not None:
             return result
-        return self.handoff.read_error(job, round_)
+        return self.handoff.read_error_marker(job, round_)
 
     async def _supervise(self) -> None:
         try:

@@ -55,7 +55,7 @@ from regional_agent.handoff.delta_stream import DeltaStream
 from regional_agent.handoff.delta_terms import UnusableDelta, rounding_generator
 from regional_agent.handoff.messages import DeltaRequest, RoundInstruction, RoundResult
 from regional_agent.handoff.overlap import SPECULATIVE, theta_fragments
-from regional_agent.launch.worker_group import RoundFailed, WorkerGroup
+from regional_agent.launch.worker_group import RoundFailed, RoundRefused, WorkerGroup
 from regional_agent.metrics import AgentMetrics
 from regional_agent.rounds.datasets import RoundDatasets, round_datasets
 from regional_agent.rounds.delta import (
@@ -174,8 +174,9 @@ class RoundEnd:
     detail: str
     params_hash: str | None = None
     train_loss: float | None = None
-    #: The region itself refused the round (its own policy, or a dataset it does not
-    #: train on), not the coordinator: its status says so, and the coordinator audits it.
+    #: The region itself refused the round (its own policy, a dataset it does not train
+    #: on, or task files that are not the coordinator's), not the coordinator: its status
+    #: says so, and the coordinator audits it.
     by_region: bool = False
 
 
@@ -388,6 +389,8 @@ class RoundPipeline:
                 result = await self._delayed_result(
                     announcement, instruction, base_hash, fragments.fold
                 ) or await self._workers.run_round(instruction, self._train_timeout_s)
+        except RoundRefused as exc:  # the task's files here are not the coordinator's
+            return RoundEnd("refused", str(exc), params_hash=base_hash, by_region=True)
         except RoundFailed as exc:
             return RoundEnd("failed", str(exc), params_hash=base_hash)
         summary = result.summary

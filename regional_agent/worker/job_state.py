@@ -236,14 +236,19 @@ def read_base(model: nn.Module, path: str) -> BaseParams:
     return BaseParams(base, parameters_vector_hash(base))
 
 
+class TaskFilesDiffer(ValueError):
+    """The task's files in this region are not those the coordinator fingerprinted: the
+    workers decline the round (the agent reports it as the region's refusal)."""
+
+
 def check_fingerprint(task: Task[Any], announced: str | None) -> None:
-    """Raise :class:`ValueError` when ``task`` reads other files than the coordinator's
-    (its :meth:`~geofed.task.Task.fingerprint` is not ``announced``)."""
+    """Raise :class:`TaskFilesDiffer` when ``task`` reads other files than the
+    coordinator's (its :meth:`~geofed.task.Task.fingerprint` is not ``announced``)."""
     if announced is None:
         return
     here = task.fingerprint()
     if here != announced:
-        raise ValueError(
+        raise TaskFilesDiffer(
             f"the task's files here are not the coordinator's (fingerprint {here} here, "
             f"{announced} announced): give every region the same model directory"
         )

@@ -88,7 +88,7 @@ from regional_agent.worker.inner_loop import (
     train_round,
 )
 from regional_agent.worker.inner_state import keep_inner_state, load_for_resume
-from regional_agent.worker.job_state import BaseParams, WorkerJobState, read_base
+from regional_agent.worker.job_state import BaseParams, TaskFilesDiffer, WorkerJobState, read_base
 from regional_agent.worker.optimizer_checkpoint import save_due
 from regional_agent.worker.parallelism import ParallelModel
 from regional_agent.worker.persistence import (
@@ -212,6 +212,7 @@ class RoundRunner:
     def _serve(self, instruction: RoundInstruction) -> None:
         job, round_ = instruction.job, instruction.round
         error: str | None = None
+        declined = False
         replay = False
         base: BaseParams | None = None
         # Rank 0 alone reads the hand-off directory; the verdict is shared so that every
@@ -243,7 +244,9 @@ class RoundRunner:
         except Exception as exc:
             log.exception("cannot prepare job %s round %d", job, round_)
             error = f"rank {self._rank}: {type(exc).__name__}: {exc}"
-        if self._refused(instruction, self._problems(error)):
+            # Rank 0 writes the marker: its own check decides whether the group declines.
+            declined = isinstance(exc, TaskFilesDiffer)
+        if self._refused(instruction, self._problems(error), declined=declined):
             return
         if replay:
             if self._rank == 0:
@@ -406,13 +409,19 @@ class RoundRunner:
         )
         return metrics
 
-    def _refused(self, instruction: RoundInstruction, problems: list[str]) -> bool:
+    def _refused(
+        self, instruction: RoundInstruction, problems: list[str], *, declined: bool = False
+    ) -> bool:
+        """Whether any rank has ``problems``; rank 0's marker says which (``declined``: the
+        group declines the round, the task's files differing here)."""
         if not problems:
             return False
         # Rebuild from the regional checkpoint next time: the state may be half made.
         self._state = None
         if self._rank == 0:
-            self._handoff.write_error(instruction.job, instruction.round, "; ".join(problems))
+            self._handoff.write_error(
+                instruction.job, instruction.round, "; ".join(problems), refused=declined
+            )
         return True
 
     def _regional_state_dropped(self, instruction: RoundInstruction) -> bool:

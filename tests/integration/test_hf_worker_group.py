@@ -20,7 +20,7 @@ from geofed.task import load_task
 from geofed.training_config import TrainingConfig
 from regional_agent.handoff.messages import RoundInstruction
 from regional_agent.launch.launcher import LocalElasticLauncher
-from regional_agent.launch.worker_group import RoundFailed, WorkerGroup, WorkerGroupConfig
+from regional_agent.launch.worker_group import RoundRefused, WorkerGroup, WorkerGroupConfig
 from tests.support.hf_models import save_model, save_tokenizer, stdlib_texts, write_jsonl
 from tests.support.worker_group import launcher_config
 
@@ -93,7 +93,8 @@ async def test_a_pretrained_hf_model_trains_sharded_on_the_region_s_file(
         assert "job hf: CausalLMTask: built on the meta device" in log
 
     announced = "0" * 64
-    with pytest.raises(RoundFailed) as failed:
+    # Declined, not failed: the agent reports it as the region's own refusal.
+    with pytest.raises(RoundRefused) as failed:
         await group.run_round(instruction("hf-other", model, data, base, announced), timeout_s=120)
     message = str(failed.value)
     assert "the task's files here are not the coordinator's" in message

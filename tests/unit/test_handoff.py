@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from geofed.training_config import LrSchedule, TrainingConfig
-from regional_agent.handoff.directory import HandoffDir
+from regional_agent.handoff.directory import ErrorMarker, HandoffDir
 from regional_agent.handoff.messages import (
     HandoffError,
     InvalidHandoffData,
@@ -271,8 +271,20 @@ def test_error_and_progress_markers(tmp_path: Path) -> None:
     assert handoff.read_error("job-a", 1) is None
     handoff.write_error("job-a", 1, "rank 1: boom")
     assert handoff.read_error("job-a", 1) == "rank 1: boom"
+    assert handoff.read_error_marker("job-a", 1) == ErrorMarker("rank 1: boom", refused=False)
     handoff.clear_error("job-a", 1)
     assert handoff.read_error("job-a", 1) is None
+    # The workers declining a round (the task's files differ) say so in the marker.
+    handoff.write_error("job-a", 2, "rank 0: TaskFilesDiffer: ...", refused=True)
+    assert handoff.read_error_marker("job-a", 2) == ErrorMarker(
+        "rank 0: TaskFilesDiffer: ...", refused=True
+    )
+    handoff.error_path("job-a", 2).write_text('{"message": "m", "refused": "yes"}')
+    assert handoff.read_error_marker("job-a", 2) == ErrorMarker("m", refused=False)
+    handoff.error_path("job-a", 2).write_text("[1]")
+    marker = handoff.read_error_marker("job-a", 2)
+    assert marker is not None
+    assert marker.message.startswith("unreadable error marker")
 
     assert handoff.read_progress("job-a", 1) is None
     handoff.write_progress(RoundProgress("job-a", 1, 7, 50))
