@@ -46,12 +46,26 @@ def trained(model_dir: Path) -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
     return model, theta
 
 
+def assert_loads_with_the_same_logits(out: Path, model: Any, *, seed: int) -> None:
+    """transformers loads the export at ``out`` with no missing or unexpected key, and it
+    gives ``model``'s logits on random tokens."""
+    import transformers
+
+    auto: Any = transformers.AutoModelForCausalLM
+    loaded, info = auto.from_pretrained(out, output_loading_info=True)
+    assert not info["missing_keys"]
+    assert not info["unexpected_keys"]
+    tokens = torch.randint(0, 384, (2, 12), generator=torch.Generator().manual_seed(seed))
+    model.eval()
+    loaded.eval()
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=tokens).logits, loaded(input_ids=tokens).logits)
+
+
 @pytest.mark.parametrize("kind", ARCHITECTURES)
 def test_transformers_loads_the_export_with_the_same_logits(
     models: dict[str, Path], kind: str, tmp_path: Path
 ) -> None:
-    import transformers
-
     model, theta = trained(models[kind])
     out = tmp_path / "export"
     written = write_hf_export(
@@ -75,15 +89,7 @@ def test_transformers_loads_the_export_with_the_same_logits(
         "round": 3,
         "chain": [{"round": 3}],
     }
-    auto: Any = transformers.AutoModelForCausalLM
-    loaded, info = auto.from_pretrained(out, output_loading_info=True)
-    assert not info["missing_keys"]
-    assert not info["unexpected_keys"]
-    tokens = torch.randint(0, 384, (2, 12), generator=torch.Generator().manual_seed(1))
-    model.eval()
-    loaded.eval()
-    with torch.no_grad():
-        assert torch.equal(model(input_ids=tokens).logits, loaded(input_ids=tokens).logits)
+    assert_loads_with_the_same_logits(out, model, seed=1)
     assert not list(tmp_path.glob(".export.*")), "the staging directory is left behind"
 
 
@@ -153,7 +159,6 @@ def test_theta_of_another_model_or_a_used_directory_is_refused(
 def test_a_float32_export_above_the_max_shard_size_is_shards_with_an_index(
     models: dict[str, Path], tmp_path: Path
 ) -> None:
-    import transformers
 
     model, theta = trained(models["llama"])
     out = tmp_path / "sharded"
@@ -173,15 +178,7 @@ def test_a_float32_export_above_the_max_shard_size_is_shards_with_an_index(
     assert len(shards) > 1
     assert all(name in written.files for name in shards)
     assert all((out / name).stat().st_size <= 100_000 for name in shards)
-    auto: Any = transformers.AutoModelForCausalLM
-    loaded, info = auto.from_pretrained(out, output_loading_info=True)
-    assert not info["missing_keys"]
-    assert not info["unexpected_keys"]
-    tokens = torch.randint(0, 384, (2, 12), generator=torch.Generator().manual_seed(2))
-    model.eval()
-    loaded.eval()
-    with torch.no_grad():
-        assert torch.equal(model(input_ids=tokens).logits, loaded(input_ids=tokens).logits)
+    assert_loads_with_the_same_logits(out, model, seed=2)
 
 
 @pytest.mark.parametrize("kind", ["llama", "gpt2"])

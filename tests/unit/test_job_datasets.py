@@ -4,6 +4,7 @@ not train on, and the locations' way through the announcement and the instructio
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import pytest
 
@@ -44,10 +45,9 @@ def test_a_job_naming_a_dataset_the_region_does_not_train_on_is_refused() -> Non
     )
 
 
-def test_the_datasets_travel_in_the_announcement_and_reach_the_workers_shard() -> None:
-    named = announce(datasets={REGION: ("eu-chats",)})
-    assert decode(encode(named), RoundAnnouncement).datasets == {REGION: ("eu-chats",)}
-    instruction = RoundInstruction(
+def _instruction(**fields: Any) -> RoundInstruction:
+    """Round 1 of job llm in this region, with ``fields``."""
+    return RoundInstruction(
         job="llm",
         round=1,
         base_params="/state/base.pt",
@@ -58,8 +58,14 @@ def test_the_datasets_travel_in_the_announcement_and_reach_the_workers_shard() -
         region=REGION,
         region_index=0,
         num_regions=2,
-        datasets=LOCATED,
+        **fields,
     )
+
+
+def test_the_datasets_travel_in_the_announcement_and_reach_the_workers_shard() -> None:
+    named = announce(datasets={REGION: ("eu-chats",)})
+    assert decode(encode(named), RoundAnnouncement).datasets == {REGION: ("eu-chats",)}
+    instruction = _instruction(datasets=LOCATED)
     again = RoundInstruction.from_json(instruction.to_json())
     assert again == instruction
     assert dict(data_shard(again, 1, 2).datasets) == LOCATED
@@ -74,19 +80,8 @@ def test_the_datasets_named_without_files_reach_the_workers_shard() -> None:
     found = round_datasets(named, REGION, HELD, LOCATED)
     assert found.without_files == ("eu-proceedings",)
     assert round_datasets(announce(), REGION, HELD, LOCATED).without_files == ("eu-proceedings",)
-    instruction = RoundInstruction(
-        job="llm",
-        round=1,
-        base_params="/state/base.pt",
-        inner_steps=5,
-        task="tests.support.tiny_task:TinyTask",
-        task_options={},
-        seed=0,
-        region=REGION,
-        region_index=0,
-        num_regions=2,
-        datasets=dict(found.locations),
-        datasets_without_files=found.without_files,
+    instruction = _instruction(
+        datasets=dict(found.locations), datasets_without_files=found.without_files
     )
     again = RoundInstruction.from_json(instruction.to_json())
     assert again == instruction
