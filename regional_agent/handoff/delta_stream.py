@@ -31,7 +31,7 @@ from geofed.codec.wire import (
 )
 from geofed.codec_params import CodecParams
 from geofed.fsutil import AtomicFile
-from regional_agent.handoff.messages import InvalidHandoffData
+from regional_agent.handoff.errors import InvalidHandoffData
 
 
 @dataclass(frozen=True)
@@ -70,8 +70,9 @@ class DeltaStream:
 
 
 def write_delta_stream(path: Path, quantized: QuantizedTensors) -> tuple[int, ...]:
-    """Seal ``quantized`` into ``path`` (temp + fsync + rename); return the frames' sizes."""
-    with AtomicFile(path) as f:
+    """Seal ``quantized`` into ``path`` (temp + fsync + rename, readable by its owner only,
+    as the agent's spool is); return the frames' sizes."""
+    with AtomicFile(path, private=True) as f:
         return tuple(write_quantized(quantized, f.write))
 
 

@@ -68,11 +68,10 @@ from regional_agent.handoff.delta_stream import (
     open_delta_stream,
     write_delta_stream,
 )
+from regional_agent.handoff.errors import HandoffError, InvalidHandoffData
 from regional_agent.handoff.messages import (
     FORMAT_VERSION,
     BaseReady,
-    HandoffError,
-    InvalidHandoffData,
     RankStatus,
     RegionalCheckpoint,
     RoundInstruction,

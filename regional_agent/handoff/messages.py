@@ -31,6 +31,7 @@ from geofed.codec_params import CodecParams
 from geofed.data.location import DatasetLocation
 from geofed.training_config import Parallelism, TrainingConfig
 from geofed.types import validate_name
+from regional_agent.handoff.errors import InvalidHandoffData
 from regional_agent.handoff.training_stats import TrainingStats
 
 if TYPE_CHECKING:
@@ -41,14 +42,6 @@ if TYPE_CHECKING:
 FORMAT_VERSION = 1
 _T = TypeVar("_T")
 _RECORD_FORMAT = 2
-
-
-class HandoffError(Exception):
-    """Base class of hand-off protocol errors."""
-
-
-class InvalidHandoffData(HandoffError, ValueError):
-    """A hand-off value or file does not follow the protocol; the message says where."""
 
 
 def require_int(what: str, value: object, minimum: int) -> int:

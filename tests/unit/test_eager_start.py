@@ -21,8 +21,8 @@ from geofed.outer_step import OuterOptimizer, OuterOptimizerConfig
 from geofed.params import parameters_vector_hash
 from geofed.training_config import TrainingConfig
 from regional_agent.handoff.directory import HandoffDir
+from regional_agent.handoff.errors import InvalidHandoffData
 from regional_agent.handoff.messages import (
-    InvalidHandoffData,
     RoundInstruction,
     RoundResult,
     RoundSummary,

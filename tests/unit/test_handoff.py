@@ -13,9 +13,8 @@ import torch
 
 from geofed.training_config import LrSchedule, TrainingConfig
 from regional_agent.handoff.directory import ErrorMarker, HandoffDir
+from regional_agent.handoff.errors import HandoffError, InvalidHandoffData
 from regional_agent.handoff.messages import (
-    HandoffError,
-    InvalidHandoffData,
     RankStatus,
     RegionalCheckpoint,
     RoundInstruction,

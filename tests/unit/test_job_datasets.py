@@ -10,7 +10,8 @@ import pytest
 
 from geofed.control import RoundAnnouncement, decode, encode
 from geofed.data import DataError, DatasetLocation
-from regional_agent.handoff.messages import InvalidHandoffData, RoundInstruction
+from regional_agent.handoff.errors import InvalidHandoffData
+from regional_agent.handoff.messages import RoundInstruction
 from regional_agent.rounds.datasets import round_datasets
 from regional_agent.worker.inner_loop import data_shard
 from tests.support.agent_schedule import REGION, announce

@@ -11,9 +11,9 @@ import torch
 
 from geofed.control import RoundAnnouncement
 from regional_agent.handoff.directory import HandoffDir
+from regional_agent.handoff.errors import InvalidHandoffData
 from regional_agent.handoff.messages import (
     BaseReady,
-    InvalidHandoffData,
     RoundInstruction,
     RoundSummary,
 )

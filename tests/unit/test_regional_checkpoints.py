@@ -12,7 +12,8 @@ import torch
 from torch import nn
 
 from regional_agent.handoff.directory import HandoffDir
-from regional_agent.handoff.messages import InvalidHandoffData, RegionalCheckpoint
+from regional_agent.handoff.errors import InvalidHandoffData
+from regional_agent.handoff.messages import RegionalCheckpoint
 from regional_agent.worker.job_state import WorkerJobState
 from regional_agent.worker.optimizer_checkpoint import (
     ShardedCheckpointError,

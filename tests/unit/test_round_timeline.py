@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 from prometheus_client import CollectorRegistry
 
-from regional_agent.handoff.messages import InvalidHandoffData, RoundSummary
+from regional_agent.handoff.errors import InvalidHandoffData
+from regional_agent.handoff.messages import RoundSummary
 from regional_agent.metrics import AgentMetrics, MetricsError
 from regional_agent.rounds.timeline import (
     FILE_NAME,

@@ -17,9 +17,9 @@ from geofed.codec_params import CodecParams
 from geofed.fragments import FragmentError, fragment_plan
 from regional_agent.handoff.delta_terms import UnusableDelta
 from regional_agent.handoff.directory import HandoffDir
+from regional_agent.handoff.errors import InvalidHandoffData
 from regional_agent.handoff.messages import (
     DeltaRequest,
-    InvalidHandoffData,
     RoundInstruction,
     RoundResult,
     RoundSummary,

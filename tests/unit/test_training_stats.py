@@ -11,8 +11,9 @@ import pytest
 import torch
 
 from regional_agent.handoff.directory import HandoffDir
+from regional_agent.handoff.errors import InvalidHandoffData
 from regional_agent.handoff.flops import flops_utilisation, peak_flops
-from regional_agent.handoff.messages import InvalidHandoffData, RoundSummary
+from regional_agent.handoff.messages import RoundSummary
 from regional_agent.handoff.training_stats import TrainingStats
 from regional_agent.handoff.utilization import union_seconds
 

@@ -21,10 +21,9 @@ from geofed.codec_params import CodecParams
 from regional_agent.handoff.delta_stream import open_delta_stream
 from regional_agent.handoff.delta_terms import UnusableDelta
 from regional_agent.handoff.directory import HandoffDir
+from regional_agent.handoff.errors import HandoffError, InvalidHandoffData
 from regional_agent.handoff.messages import (
     DeltaRequest,
-    HandoffError,
-    InvalidHandoffData,
     RoundInstruction,
     RoundSummary,
 )
@@ -113,6 +112,7 @@ def test_a_result_holds_the_delta_and_names_its_residual_file(tmp_path: Path) ->
     assert result.residual == handoff.residual_path("job-a", 3)
     # Sealed by the worker into the round's stream file: the bytes the agent would frame.
     assert result.delta.path == handoff.delta_stream_path("job-a", 3)
+    assert result.delta.path.stat().st_mode & 0o077 == 0  # as private as the spool it joins
     assert result.delta.to_bytes() == seal_quantized(quantized).to_bytes()
     assert result.delta.specs == quantized.specs
     assert result.delta.codec == CODEC

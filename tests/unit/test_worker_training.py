@@ -13,7 +13,8 @@ from torch import nn
 
 from geofed.task import DataShard, Task
 from regional_agent.handoff.directory import HandoffDir
-from regional_agent.handoff.messages import InvalidHandoffData, RegionalCheckpoint
+from regional_agent.handoff.errors import InvalidHandoffData
+from regional_agent.handoff.messages import RegionalCheckpoint
 from regional_agent.worker.activation_checkpointing import (
     ActivationCheckpointingError,
     checkpoint_activations,
