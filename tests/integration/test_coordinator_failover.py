@@ -33,6 +33,7 @@ import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -53,6 +54,7 @@ from tests.support.coordinator_daemon import (
 )
 from tests.support.pki import make_federation
 from tests.support.stores import PostgresSpec
+from tests.support.waiting import eventually
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -143,12 +145,24 @@ async def test_a_standby_takes_over_mid_publication_and_mid_collection(
 async def reads_on_standby(leader: Daemon, standby: Daemon) -> None:
     """The standby answers reads as the leader does and refuses the rest, naming it."""
     observer = standby.session(standby.setup.observer)
-    led = await leader.job()
-    status, seen = await request(observer, "GET", f"/v1/jobs/{JOB}")
-    assert status == 200, seen
-    assert seen.pop("served_by") == "standby"
     shared = ("state", "round", "rounds", "params_hash", "regions", "current", "spec")
-    assert {k: seen[k] for k in shared} == {k: led[k] for k in shared}
+    views: list[tuple[dict[str, Any], dict[str, Any]]] = []
+
+    async def same_view() -> bool:
+        # Read in turn: the leader may open the next round between the two reads.
+        led = await leader.job()
+        status, seen = await request(observer, "GET", f"/v1/jobs/{JOB}")
+        assert status == 200, seen
+        assert seen.pop("served_by") == "standby"
+        views.append(({k: seen[k] for k in shared}, led))
+        return views[-1][0] == {k: led[k] for k in shared}
+
+    try:
+        await eventually(same_view, 15)
+    except TimeoutError:
+        seen, led = views[-1]
+        assert seen == {k: led[k] for k in shared}
+    led = views[-1][1]
     status, listed = await request(observer, "GET", "/v1/jobs")
     assert status == 200, listed
     assert [(j["job"], j["round"]) for j in listed["jobs"]] == [(JOB, led["round"])]

@@ -32,6 +32,7 @@ from regional_agent.handoff.settings import LauncherConfigError, WorkerSettings
 from regional_agent.launch.launcher import Launcher, LocalElasticLauncher, descendants
 from regional_agent.launch.worker_group import (
     RoundFailed,
+    RoundRefused,
     WorkerGroup,
     WorkerGroupConfig,
     WorkerGroupFailed,
@@ -480,18 +481,21 @@ async def test_round_failed_carries_the_workers_reason(tmp_path: Path) -> None:
     launcher = CrashingLauncherFake(tmp_path, lives_s=3600)
     group = WorkerGroup(tmp_path, launcher, WorkerGroupConfig(poll_interval_s=0.01))
     await group.start()
-    inst = instruction("job", 0, tmp_path / "missing.pt")
+    handoff = HandoffDir(tmp_path)
 
-    async def workers_refuse() -> None:
-        handoff = HandoffDir(tmp_path)
-        for _ in range(500):
-            if handoff.pending_instruction() is not None:
-                handoff.write_error("job", 0, "rank 0: FileNotFoundError: missing.pt")
-                return
-            await asyncio.sleep(0.01)
+    async def answered(round_: int, message: str, *, refused: bool) -> None:
+        """Round ``round_`` as the workers answer it with an error marker."""
+        running = asyncio.create_task(
+            group.run_round(instruction("job", round_, tmp_path / "missing.pt"), 5)
+        )
+        await eventually(lambda: handoff.pending_instruction() == ("job", round_), 5)
+        handoff.write_error("job", round_, message, refused=refused)
+        await running
 
-    refusal = asyncio.create_task(workers_refuse())
-    with pytest.raises(RoundFailed, match=r"round 0 of job job: rank 0: FileNotFoundError"):
-        await group.run_round(inst, 5)
-    await refusal
+    with pytest.raises(RoundFailed, match=r"round 0 of job job: rank 0: FileNotFoundError") as ei:
+        await answered(0, "rank 0: FileNotFoundError: missing.pt", refused=False)
+    assert not isinstance(ei.value, RoundRefused)
+    # Declined by the workers (the task's files differ): the agent's own refusal.
+    with pytest.raises(RoundRefused, match=r"round 1 of job job: rank 0: TaskFilesDiffer"):
+        await answered(1, "rank 0: TaskFilesDiffer: ...", refused=True)
     await group.stop()
