@@ -30,10 +30,13 @@ typecheck: $(STAMP)
 	$(VENV)/bin/mypy
 
 # Two workers, one per core of the machine CI runs on; a test module runs whole in one
-# (its module-scoped worker groups and brokers are made once).
+# (its module-scoped worker groups and brokers are made once). Modules go out in collection
+# order, the integration tier first: xdist's default order (most tests first) left the
+# long federation modules, which hold one test or two, for the end, one worker running
+# them while the other idled.
 PYTEST_WORKERS ?= 2
 pytest: $(STAMP) system-deps
-	$(VENV)/bin/pytest tests -n $(PYTEST_WORKERS) --dist loadfile
+	$(VENV)/bin/pytest tests -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 test: lint typecheck pytest
 
