@@ -102,6 +102,11 @@ def verify_artifact(
         raise ArtifactRefused(f"{what}: the manifest is for {found[0].value} {job}/{found[2]}")
     frames = _frames(manifest, stream, what)
     if not decode_now:
+        size = 4 * sum(math.prod(t.shape) for t in manifest.tensors)
+        if max_decoded_bytes is not None and size > max_decoded_bytes:
+            raise ArtifactRefused(
+                f"{what}: declares {size} decoded bytes, above the limit {max_decoded_bytes}"
+            )
         try:
             verify_chunks(manifest, frames)
         except ManifestError as exc:

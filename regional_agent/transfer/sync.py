@@ -193,19 +193,9 @@ class Synchronizer:
             on_bytes=self._counter(ArtifactKind.GLOBAL_UPDATE),
         )
         version, params = held
-        limit = 4 * sum(t.numel() for t in params.values())
 
         def verify_and_apply() -> tuple[Params, ParamsVersion, Counted]:
-            update = verify_artifact(
-                data,
-                current(self._bundle),
-                kind=ArtifactKind.GLOBAL_UPDATE,
-                job=announcement.job,
-                round_=version.round,
-                now=self._clock(),
-                max_decoded_bytes=limit,
-                decode_now=False,
-            )
+            update = self._verified_update(data, announcement.job, version.round, params)
             digest = update.manifest_digest
             if announcement.update_digest is not None and digest != announcement.update_digest:
                 raise ArtifactRejected(
@@ -300,6 +290,22 @@ class Synchronizer:
         except MetricsError as exc:  # a scheme the catalogue lacks: θ is fine, the count not
             log.warning("applied download not counted: %s", exc)
 
+    def _verified_update(
+        self, data: bytearray, job: str, round_: int, params: Params
+    ) -> VerifiedArtifact:
+        """The update of ``round_`` verified, its frames kept to be decoded into ``params``
+        (no larger than θ when decoded)."""
+        return verify_artifact(
+            data,
+            current(self._bundle),
+            kind=ArtifactKind.GLOBAL_UPDATE,
+            job=job,
+            round_=round_,
+            now=self._clock(),
+            max_decoded_bytes=4 * sum(t.numel() for t in params.values()),
+            decode_now=False,
+        )
+
     def _verify_snapshot(
         self, data: bytearray, job: str, part: ListedPart
     ) -> tuple[Params, ParamsVersion, Counted]:
@@ -317,16 +323,7 @@ class Synchronizer:
     def _verify_and_apply(
         self, data: bytearray, job: str, part: ListedPart, params: Params, version: ParamsVersion
     ) -> tuple[Params, ParamsVersion, Counted]:
-        update = verify_artifact(
-            data,
-            current(self._bundle),
-            kind=ArtifactKind.GLOBAL_UPDATE,
-            job=job,
-            round_=part.round,
-            now=self._clock(),
-            max_decoded_bytes=4 * sum(t.numel() for t in params.values()),
-            decode_now=False,
-        )
+        update = self._verified_update(data, job, part.round, params)
         part.check_digest(update)
         counted = Counted.of(update)
         return (*apply_verified_update(params, version, update), counted)

@@ -90,6 +90,7 @@ def _verified(
     parameters_hash: str,
     *,
     decode_now: bool = True,
+    max_decoded_bytes: int | None = None,
 ) -> VerifiedArtifact:
     """``update`` published as round 4's signed update, downloaded and verified
     (``decode_now`` False: its frames kept for decoding where it is applied)."""
@@ -121,6 +122,7 @@ def _verified(
         round_=4,
         now=now,
         decode_now=decode_now,
+        max_decoded_bytes=max_decoded_bytes,
     )
 
 
@@ -150,6 +152,10 @@ def test_an_update_decoded_piece_by_piece_into_theta_gives_the_same_bits(
     assert all(torch.equal(result[name], published[name]) for name in theta)
     with pytest.raises(TypeError, match="applied in place"):
         apply_verified_update(theta, 4, base, verified)
+    # Undecoded, its decoded size is still bounded: by what the manifest declares.
+    size = 4 * sum(update[name].numel() for name in names)
+    with pytest.raises(ArtifactRefused, match=f"declares {size} decoded bytes, above"):
+        _verified(fed, update, base, base, decode_now=False, max_decoded_bytes=size - 1)
 
 
 def test_an_undecoded_update_that_does_not_fit_theta_writes_nothing(fed: Federation) -> None:
