@@ -50,6 +50,7 @@ import yaml
 from benchmarks._machine import describe_machine, machine_line
 from benchmarks._report import publish
 from benchmarks.round_overhead import charlm_config
+from geofed.artifact_check import snapshot_params
 from geofed.codec import ErrorFeedback
 from geofed.codec_params import CodecParams
 from geofed.control.broker import EmbeddedBroker
@@ -71,7 +72,7 @@ from regional_agent.rounds.delta import (
 )
 from regional_agent.state import DeltaMeta, JobDirectory, SpooledDelta
 from regional_agent.transfer.coordinator_client import CoordinatorClient, build_session
-from regional_agent.transfer.sync import snapshot_params, verify_artifact
+from regional_agent.transfer.sync import verify_artifact
 from regional_agent.transfer.uploader import Uploader
 
 REPO = Path(__file__).resolve().parents[1]
@@ -191,9 +192,9 @@ async def download_snapshot(
         round_=0,
         now=datetime.now(UTC),
     )
-    params, version = snapshot_params(snapshot)
+    params, params_hash = snapshot_params(snapshot)
     timing = {"bytes": len(data), "seconds": seconds, "mb_per_s": len(data) / 1e6 / seconds}
-    return params, version.hash, timing
+    return params, params_hash, timing
 
 
 @dataclass

@@ -5,7 +5,9 @@ federation trust bundle, its signer is a ``coordinator`` of the federation, kind
 round are the expected ones, every frame matches its chunk record, and the stream decodes
 (strictly, bounded) into exactly the float32 tensors the manifest declares. Then
 :func:`snapshot_params` and :func:`apply_verified_update` check the parameters they give
-against the manifest's ``parameters_hash`` (and an update's ``base_hash``).
+against the manifest's ``parameters_hash`` (and an update's ``base_hash``);
+:func:`snapshot_to_file` and :func:`apply_update_to_file` do the same for θ kept in a file
+(:mod:`geofed.theta_file`), decoding the stream piece by piece into it.
 
 A regional agent resyncing (``regional_agent.transfer.sync``) and ``geofed export`` rebuilding a
 published model share it, so both trust exactly the same things. Pure and blocking.
@@ -15,9 +17,10 @@ from __future__ import annotations
 
 import hashlib
 import math
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from datetime import datetime
+from pathlib import Path
 
 import torch
 from torch import Tensor
@@ -31,16 +34,21 @@ from geofed.deltas import (
     apply_partial_update,
     check_update_layout,
 )
+from geofed.fsutil import StrPath
 from geofed.manifest import Manifest, ManifestError, SignedManifest, verify_chunks
 from geofed.params import parameters_vector_hash
 from geofed.pki import TrustBundle
+from geofed.theta_file import Piece, ThetaFileError, fill_theta, patch_theta, read_layout
 from geofed.types import ArtifactKind, Role
 
 __all__ = [
     "ArtifactRefused",
     "VerifiedArtifact",
+    "apply_update_to_file",
     "apply_verified_update",
+    "decoded_pieces",
     "snapshot_params",
+    "snapshot_to_file",
     "verify_artifact",
 ]
 
@@ -197,11 +205,25 @@ def _add_frames_in_place(params: Params, update: VerifiedArtifact, where: str) -
     """θ += the update its frames decode to, piece by piece into θ's own tensors (one
     chunk's values at a time); nothing is written before the stream's header is known to
     declare the manifest's float32 tensors, each of θ's shape."""
-    manifest = update.manifest
+    declared = {t.name: tuple(t.shape) for t in update.manifest.tensors}
+    check_update_layout("add_update_in_place", params, declared)
+    for name, offset, values in decoded_pieces(update, where):
+        add_piece_in_place(params, name, offset, values)
+
+
+def decoded_pieces(artifact: VerifiedArtifact, where: str) -> Iterator[Piece]:
+    """The values an artifact verified without decoding holds, piece by piece: (tensor
+    name, element offset, values), one chunk's values at a time in a buffer reused for
+    the next piece (consume each before asking for the next).
+
+    Nothing is yielded before the stream's header is known to declare the manifest's
+    tensors, all float32; a stream that ends short or differs from its digests raises
+    :class:`ArtifactRefused` part way (the caller discards what it built).
+    """
+    manifest = artifact.manifest
     declared = [(t.name, t.dtype, tuple(t.shape)) for t in manifest.tensors]
     if any(dtype != "float32" for _, dtype, _ in declared):
         raise ArtifactRefused(f"{where}: parameters and updates must be float32")
-    check_update_layout("add_update_in_place", params, {n: s for n, _, s in declared})
     buffer = torch.empty(0, dtype=torch.float32)
 
     def buffer_for(_name: str, _offset: int, count: int) -> Tensor:
@@ -216,7 +238,9 @@ def _add_frames_in_place(params: Params, update: VerifiedArtifact, where: str) -
         max_decoded_bytes=4 * sum(math.prod(shape) for _, _, shape in declared),
         buffer_for=buffer_for,
     )
-    header, *rest = update.frames
+    if not artifact.frames:
+        raise ArtifactRefused(f"{where}: verified with its stream decoded, not as frames")
+    header, *rest = artifact.frames
     try:
         for _ in decoder.feed(header):
             pass
@@ -225,10 +249,71 @@ def _add_frames_in_place(params: Params, update: VerifiedArtifact, where: str) -
             raise ArtifactRefused(f"{where}: the stream's tensors differ from the manifest's")
         for frame in rest:
             for piece in decoder.feed(frame):
-                add_piece_in_place(params, piece.name, piece.offset, piece.values)
+                yield piece.name, piece.offset, piece.values
         decoder.finish()
     except CodecError as exc:
         raise ArtifactRefused(f"{where}: {exc}") from None
+
+
+def apply_update_to_file(
+    source: StrPath,
+    target: StrPath,
+    round_: int,
+    params_hash: str,
+    update: VerifiedArtifact,
+) -> str:
+    """θ_{r+1} written at ``target`` as the θ file ``source`` (θ_r, of ``round_`` and
+    ``params_hash``) plus an update verified without decoding; its hash, checked against
+    the update's base and parameters hashes. Neither θ is ever in memory: the file is
+    copied and the update's pieces added where they fall (:func:`geofed.theta_file.patch_theta`).
+    On a refusal ``target`` is left as it was."""
+    manifest = update.manifest
+    where = f"update {manifest.job}/{manifest.round}"
+    if manifest.round != round_:
+        raise ArtifactRefused(f"{where} applies to θ_{manifest.round}; θ_{round_} is held")
+    if manifest.base_hash != params_hash:
+        raise ArtifactRefused(f"{where} has base_hash {manifest.base_hash}, θ is {params_hash}")
+    try:
+        shapes = read_layout(source).shapes()
+    except ThetaFileError as exc:
+        raise ArtifactRefused(f"{where}: {exc}") from None
+    declared = {t.name: tuple(t.shape) for t in manifest.tensors}
+    unknown = sorted(set(declared) - set(shapes))
+    if unknown:
+        raise ArtifactRefused(f"{where}: names tensors θ does not have: {unknown[:5]}")
+    if not declared:
+        raise ArtifactRefused(f"{where}: names no tensor")
+    differ = sorted(n for n in declared if declared[n] != shapes[n])
+    if differ:
+        raise ArtifactRefused(f"{where}: tensors {differ[:5]} differ in shape from θ's")
+    try:
+        found = patch_theta(source, target, decoded_pieces(update, where))
+    except ThetaFileError as exc:
+        raise ArtifactRefused(f"{where}: {exc}") from None
+    return _checked_file(target, found, manifest, where)
+
+
+def snapshot_to_file(target: StrPath, snapshot: VerifiedArtifact) -> str:
+    """θ of a snapshot verified without decoding, written at ``target`` as a θ file (its
+    values decoded piece by piece into it, never whole in memory); its hash, checked
+    against the snapshot's ``parameters_hash``. On a refusal ``target`` is left as it was."""
+    manifest = snapshot.manifest
+    where = f"snapshot {manifest.job}/{manifest.round}"
+    shapes = {t.name: tuple(t.shape) for t in manifest.tensors}
+    try:
+        found = fill_theta(target, shapes, decoded_pieces(snapshot, where))
+    except ThetaFileError as exc:
+        raise ArtifactRefused(f"{where}: {exc}") from None
+    return _checked_file(target, found, manifest, where)
+
+
+def _checked_file(target: StrPath, found: str, manifest: Manifest, where: str) -> str:
+    if found != manifest.parameters_hash:
+        Path(target).unlink(missing_ok=True)
+        raise ArtifactRefused(
+            f"{where}: parameters hash {found}, the manifest says {manifest.parameters_hash}"
+        )
+    return found
 
 
 def snapshot_params(snapshot: VerifiedArtifact) -> tuple[Params, str]:

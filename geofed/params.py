@@ -12,6 +12,7 @@ and all of them must agree bit for bit.
 from __future__ import annotations
 
 import hashlib
+import math
 import struct
 from collections.abc import Mapping
 
@@ -69,6 +70,17 @@ def model_state(model_or_state: nn.Module | Mapping[str, torch.Tensor]) -> dict[
 def count_parameters(model: nn.Module) -> int:
     """Return the number of scalar parameters of a (possibly DDP-wrapped) model."""
     return sum(p.numel() for p in unwrap_model(model).parameters())
+
+
+def shapes_of(
+    state: Mapping[str, torch.Tensor] | Mapping[str, tuple[int, ...]],
+) -> dict[str, tuple[int, ...]]:
+    """Name -> shape of a state's tensors, or of shapes already (a θ file's header), in
+    the state's order."""
+    return {
+        name: tuple(value.shape) if isinstance(value, torch.Tensor) else tuple(value)
+        for name, value in state.items()
+    }
 
 
 def shapes_mismatch(
@@ -134,21 +146,53 @@ def parameters_vector_hash(model_or_state: nn.Module | Mapping[str, torch.Tensor
     with different payloads); layout and device do not matter.
     """
     state = model_state(model_or_state)
-    digest = hashlib.sha256(_HASH_DOMAIN)
-    digest.update(struct.pack("<Q", len(state)))
+    hasher = StateHasher(len(state))
     for name in sorted(state):
         tensor = state[name]
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(f"state entry {name!r} is {type(tensor).__name__}, not a Tensor")
         flat = tensor.detach().to("cpu").contiguous().reshape(-1)
-        _put(digest, name.encode("utf-8"))
-        _put(digest, str(flat.dtype).encode("ascii"))
-        _put(digest, struct.pack(f"<{tensor.dim()}Q", *tensor.shape))
+        hasher.begin(name, flat.dtype, tuple(tensor.shape))
         if flat.numel():
-            _put(digest, flat.view(torch.uint8).numpy().data)
-        else:
-            _put(digest, b"")
-    return digest.hexdigest()
+            hasher.update(flat.view(torch.uint8).numpy().data)
+    return hasher.hexdigest()
+
+
+class StateHasher:
+    """:func:`parameters_vector_hash` fed one tensor at a time, its bytes in pieces.
+
+    For a state that is never whole in memory (θ read from a file chunk by chunk): call
+    :meth:`begin` for each tensor in sorted name order, then :meth:`update` with its raw
+    bytes in order; the digest is the one the whole state gives.
+    """
+
+    def __init__(self, count: int) -> None:
+        self._digest = hashlib.sha256(_HASH_DOMAIN)
+        self._digest.update(struct.pack("<Q", count))
+        self._left = 0
+
+    def begin(self, name: str, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
+        """Start tensor ``name``; its ``numel x itemsize`` bytes follow by :meth:`update`."""
+        if self._left:
+            raise ValueError(f"the tensor before {name!r} lacks {self._left} bytes")
+        _put(self._digest, name.encode("utf-8"))
+        _put(self._digest, str(dtype).encode("ascii"))
+        _put(self._digest, struct.pack(f"<{len(shape)}Q", *shape))
+        self._left = math.prod(shape) * dtype.itemsize
+        self._digest.update(struct.pack("<Q", self._left))
+
+    def update(self, data: bytes | bytearray | memoryview) -> None:
+        """The next raw bytes of the current tensor."""
+        size = memoryview(data).nbytes
+        if size > self._left:
+            raise ValueError(f"{size} bytes given, {self._left} left of the tensor")
+        self._digest.update(data)
+        self._left -= size
+
+    def hexdigest(self) -> str:
+        if self._left:
+            raise ValueError(f"the last tensor lacks {self._left} bytes")
+        return self._digest.hexdigest()
 
 
 def state_to_fp32(

@@ -4,7 +4,8 @@ Everything here stays in the region (its policy keeps ``regional_checkpoint`` ho
 worker group keeps the rest of the regional checkpoint (inner optimizer state, data
 cursor) in its own hand-off directory. Layout under the state directory::
 
-    jobs/<job>/params/round-<v>.pt      θ_v, a torch.save'd fp32 state dict (immutable)
+    jobs/<job>/params/round-<v>.safetensors
+                                        θ_v, a θ file (:mod:`geofed.theta_file`; immutable)
     jobs/<job>/params/current.json      {"round": v, "hash": ...}: which θ is held, last
     jobs/<job>/feedback.pt              error-feedback residual after the last accepted delta
                                         (or a held file: rank 0 keeps its tensors)
@@ -45,14 +46,14 @@ from torch import Tensor
 from geofed.codec import ErrorFeedback, ErrorFeedbackError
 from geofed.fsutil import AtomicFile, atomic_write_bytes, fsync_dir, replace_durably
 from geofed.manifest import ManifestError, SignedManifest, verify_chunk
-from geofed.params import parameters_vector_hash
+from geofed.theta_file import ThetaFileError, hash_theta, write_theta
 from geofed.types import validate_name
 from regional_agent.handoff.residual_file import residual_body
 
 log = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1
-_PARAMS_RE = re.compile(r"^round-(\d+)\.pt$")
+_PARAMS_RE = re.compile(r"^round-(\d+)\.(?:safetensors|pt)$")
 _SPOOL_RE = re.compile(r"^round-(\d+)$")
 #: θ files kept besides the current one, for a worker group still reading an older one.
 _KEEP_OLD_PARAMS = 1
@@ -72,6 +73,14 @@ class ParamsVersion:
 
     round: int
     hash: str
+
+
+@dataclass(frozen=True)
+class HeldTheta:
+    """The θ a job holds: its version and its file."""
+
+    version: ParamsVersion
+    path: Path
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,7 +152,11 @@ class JobDirectory:
     # -- θ ----------------------------------------------------------------------------
 
     def params_path(self, round_: int) -> Path:
-        return self._params / f"round-{round_}.pt"
+        return self._params / f"round-{round_}.safetensors"
+
+    def prepare_params(self) -> None:
+        """Create the directory θ files are written in (:meth:`params_path`)."""
+        self._params.mkdir(mode=0o700, parents=True, exist_ok=True)
 
     def current_version(self) -> ParamsVersion | None:
         """The θ held, as recorded; None when nothing is held."""
@@ -155,10 +168,11 @@ class JobDirectory:
         except (KeyError, TypeError, ValueError) as exc:
             raise StateError(f"{self._params / 'current.json'}: {exc}") from None
 
-    def load_params(self) -> tuple[ParamsVersion, dict[str, Tensor]] | None:
-        """The θ held and its tensors; None when nothing (or nothing intact) is held.
+    def load_params(self) -> HeldTheta | None:
+        """The θ held and its file; None when nothing (or nothing intact) is held.
 
-        The file is re-hashed: a θ that no longer matches its recorded hash is dropped
+        The file is re-hashed (read in chunks, never whole): a θ that no longer matches
+        its recorded hash, or a θ of the format before (a torch.save file), is dropped
         (with a warning), so the caller resyncs rather than training from damaged state.
         """
         version = self.current_version()
@@ -166,28 +180,30 @@ class JobDirectory:
             return None
         path = self.params_path(version.round)
         try:
-            params = load_tensors(path)
-        except StateError as exc:
+            found = hash_theta(path)
+        except ThetaFileError as exc:
             log.warning("dropping the held parameters: %s", exc)
             self.forget_params()
             return None
-        found = parameters_vector_hash(params)
         if found != version.hash:
             log.warning("dropping %s: hash %s is not the recorded %s", path, found, version.hash)
             self.forget_params()
             return None
-        return version, params
+        return HeldTheta(version, path)
 
-    def save_params(self, version: ParamsVersion, params: Mapping[str, Tensor]) -> Path:
-        """Store θ of ``version`` and make it the one held; prune older θ files."""
-        self._params.mkdir(parents=True, exist_ok=True)
-        path = self.params_path(version.round)
-        with AtomicFile(path, private=True) as f:
-            torch.save(dict(params), f)
+    def record_params(self, version: ParamsVersion) -> Path:
+        """Make θ of ``version``, already written at :meth:`params_path`, the one held;
+        prune older θ files."""
         body = {"format": FORMAT_VERSION, "round": version.round, "hash": version.hash}
         atomic_write_bytes(self._params / "current.json", json.dumps(body).encode())
         self._prune_params(version.round)
-        return path
+        return self.params_path(version.round)
+
+    def save_params(self, version: ParamsVersion, params: Mapping[str, Tensor]) -> Path:
+        """Store θ of ``version`` (its tensors) and make it the one held."""
+        self.prepare_params()
+        write_theta(self.params_path(version.round), params)
+        return self.record_params(version)
 
     def forget_params(self) -> None:
         """Hold no θ any more: the next sync is a full resync."""
@@ -220,14 +236,17 @@ class JobDirectory:
         self.eager_path.unlink(missing_ok=True)
 
     def _prune_params(self, current: int) -> None:
-        rounds = sorted(
-            int(m.group(1))
+        found = sorted(
+            (int(m.group(1)), entry)
             for entry in self._params.iterdir()
             if (m := _PARAMS_RE.fullmatch(entry.name)) is not None
         )
-        older = [r for r in rounds if r != current]
-        for round_ in older[: max(0, len(older) - _KEEP_OLD_PARAMS)]:
-            self.params_path(round_).unlink(missing_ok=True)
+        # θ files of the format before (round-<v>.pt) go with the older ones.
+        older = [entry for _, entry in found if entry != self.params_path(current)]
+        kept = [entry for entry in older if entry.suffix == ".safetensors"][-_KEEP_OLD_PARAMS:]
+        for entry in older:
+            if entry not in kept:
+                entry.unlink(missing_ok=True)
 
     # -- error feedback ---------------------------------------------------------------
 
@@ -420,14 +439,6 @@ class AgentState:
     def prepare(self) -> None:
         """Create the state directory (owner-only: θ and residuals never leave the region)."""
         self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
-
-
-def load_tensors(path: Path) -> dict[str, Tensor]:
-    """A torch.save'd mapping of names to tensors, loaded safely (``weights_only``)."""
-    body = _load(path)
-    if not all(isinstance(k, str) and isinstance(v, Tensor) for k, v in body.items()):
-        raise StateError(f"{path}: not a mapping of names to tensors")
-    return {str(k): v for k, v in body.items()}
 
 
 def _load(path: Path) -> dict[str, Any]:

@@ -339,8 +339,9 @@ def _require_dataset_names(what: str, value: object) -> tuple[str, ...]:
 class RoundInstruction:
     """Train ``inner_steps`` steps of round ``round`` of ``job`` from ``base_params``.
 
-    ``base_params`` is the path of a ``torch.save``-d fp32 state dict of the global
-    parameters; ``task`` and ``task_options`` name the task as :func:`geofed.task.load_task`
+    ``base_params`` is the path of the global parameters' θ file
+    (:mod:`geofed.theta_file`; a ``torch.save``-d fp32 state dict is read too); ``task``
+    and ``task_options`` name the task as :func:`geofed.task.load_task`
     takes them. ``training`` is the job's training section; ``total_steps`` is the job's
     inner steps in all (rounds x H), which the learning-rate schedule decays over (see
     :mod:`geofed.lr_schedule`): unknown (None) only under a constant schedule.

@@ -36,6 +36,7 @@ from dataclasses import replace
 import torch
 
 from geofed.fragments import FragmentPlan, fragment_plan
+from geofed.params import shapes_of
 from regional_agent.handoff.messages import RoundInstruction
 
 #: The overlap modes whose regions train the next round ahead of its θ.
@@ -118,18 +119,20 @@ def _same_names(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor]) ->
 
 
 def theta_fragments(
-    overlap: str, fragments: int | None, theta: Mapping[str, torch.Tensor]
+    overlap: str,
+    fragments: int | None,
+    theta: Mapping[str, torch.Tensor] | Mapping[str, tuple[int, ...]],
 ) -> FragmentPlan | None:
-    """Under ``streaming`` the split of ``theta``'s tensors into ``fragments``
-    (:func:`geofed.fragments.fragment_plan` over their shapes, names in θ's order); None
-    (every round synchronizes every tensor) otherwise. Raises
-    :class:`~geofed.fragments.FragmentError` when θ cannot be split in ``fragments``."""
+    """Under ``streaming`` the split of ``theta``'s tensors (or their shapes, as a θ file's
+    header gives them) into ``fragments`` (:func:`geofed.fragments.fragment_plan` over
+    their shapes, names in θ's order); None (every round synchronizes every tensor)
+    otherwise. Raises :class:`~geofed.fragments.FragmentError` when θ cannot be split in
+    ``fragments``."""
     if overlap != "streaming":
         return None
     if fragments is None:
         raise ValueError("an overlap: streaming announcement must say its fragments")
-    shapes = {name: tuple(tensor.shape) for name, tensor in theta.items()}
-    return fragment_plan(shapes, fragments)
+    return fragment_plan(shapes_of(theta), fragments)
 
 
 def round_names(

@@ -38,6 +38,7 @@ from geofed.manifest import (
     build_manifest,
     sign_manifest,
 )
+from geofed.params import shapes_of
 from geofed.training_config import TrainingConfig
 from geofed.types import ArtifactKind, Identity
 from regional_agent.credentials import Credentials
@@ -116,28 +117,29 @@ def encode_delta(
 
 
 def check_worker_delta(
-    base: Mapping[str, Tensor],
+    base: Mapping[str, Tensor] | Mapping[str, tuple[int, ...]],
     stream: DeltaStream,
     codec: CodecParams,
     names: Sequence[str] | None = None,
 ) -> DeltaStream:
     """The delta stream rank 0 quantized and sealed (:mod:`regional_agent.worker.device_delta`),
-    once its header says it is a float32 delta of ``base``'s tensors in the announced
-    ``codec``.
+    once its header says it is a float32 delta of θ's tensors (``base``: them, or their
+    shapes) in the announced ``codec``.
 
     ``names`` (``overlap: streaming``: the round's fragment): the delta must hold exactly
     those tensors of ``base``, in that order; None: every tensor of ``base``.
     """
     if stream.codec != codec:
         raise UnusableDelta(f"the workers quantized with {stream.codec}, not {codec}")
+    shapes = shapes_of(base)
     layouts = {spec.name: spec for spec in stream.specs}
     if names is None:
-        if set(layouts) != set(base):
-            differ = sorted(set(layouts) ^ set(base))
+        if set(layouts) != set(shapes):
+            differ = sorted(set(layouts) ^ set(shapes))
             raise UnusableDelta(f"the workers' delta and θ differ in tensors {differ}")
-        expected: Sequence[str] = list(base)
+        expected: Sequence[str] = list(shapes)
     else:
-        unknown = [name for name in names if name not in base]
+        unknown = [name for name in names if name not in shapes]
         if unknown:
             raise UnusableDelta(f"the round's tensors {unknown} are not in θ")
         held = [spec.name for spec in stream.specs]
@@ -148,12 +150,12 @@ def check_worker_delta(
             )
         expected = names
     for name in expected:
-        tensor = base[name]
+        shape = shapes[name]
         spec = layouts[name]
-        if spec.dtype != "float32" or spec.shape != tuple(tensor.shape):
+        if spec.dtype != "float32" or spec.shape != shape:
             raise UnusableDelta(
                 f"the workers' delta has {name!r} as {spec.dtype} {spec.shape}, "
-                f"θ as float32 {tuple(tensor.shape)}"
+                f"θ as float32 {shape}"
             )
     return stream
 

@@ -21,7 +21,6 @@ import logging
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -30,10 +29,11 @@ from geofed.codec import CodecError
 from geofed.eager_start import EagerStartError, OuterReplica
 from geofed.outer_step import OuterOptimizerConfig
 from geofed.params import parameters_vector_hash
+from geofed.theta_file import ThetaFileError, hash_theta, map_theta
 from regional_agent.handoff.delta_stream import DeltaStream
 from regional_agent.handoff.directory import HandoffDir
 from regional_agent.handoff.messages import StartReady
-from regional_agent.state import JobDirectory, StateError, load_tensors
+from regional_agent.state import JobDirectory, StateError
 
 log = logging.getLogger(__name__)
 
@@ -144,7 +144,7 @@ def hand_start(
             except EagerStartError as exc:
                 log.warning("job %s: dropping the eager-start state: %s", job.job, exc)
         before = _previous_theta(job, saved, round_)
-        theta = load_tensors(Path(theta_path))
+        theta = map_theta(theta_path)
         if delta is not None:
             decoded = delta.decode()
             local = {name: theta[name] - decoded[name] for name in theta}
@@ -189,15 +189,15 @@ def _previous_theta(
         return None
     path = job.params_path(round_ - 1)
     try:
-        before = load_tensors(path)
-    except StateError as exc:
+        found = hash_theta(path)
+    except ThetaFileError as exc:
         log.info(
             "job %s: θ_%d is not held (%s); the replica starts at zero", job.job, round_ - 1, exc
         )
         return None
-    if parameters_vector_hash(before) != saved.theta_hash:
+    if found != saved.theta_hash:
         log.info(
             "job %s: θ_%d is not the one the replica saw; it starts at zero", job.job, round_ - 1
         )
         return None
-    return before
+    return map_theta(path)

@@ -79,7 +79,7 @@ from regional_agent.state import (
 )
 from regional_agent.status import StatusReporter
 from regional_agent.transfer.coordinator_client import CoordinatorError, HttpError, TransportError
-from regional_agent.transfer.sync import Params, ResyncFailed, Synced, Synchronizer
+from regional_agent.transfer.sync import ResyncFailed, Synced, Synchronizer
 from regional_agent.transfer.uploader import BaseMismatch, RoundClosed, Uploader, UploadRefused
 
 log = logging.getLogger(__name__)
@@ -91,6 +91,7 @@ _IDLE_POLL_S = 0.2
 
 
 T = TypeVar("T")
+Shape = tuple[int, ...]
 
 
 def _fingerprints(locations: Mapping[str, DatasetLocation]) -> dict[str, str] | None:
@@ -153,8 +154,9 @@ class RoundFragments:
     fold: tuple[str, ...] | None = None
 
     @classmethod
-    def of(cls, announcement: RoundAnnouncement, theta: Params) -> RoundFragments:
-        """Raises :class:`~geofed.fragments.FragmentError` when θ cannot be split."""
+    def of(cls, announcement: RoundAnnouncement, theta: Mapping[str, Shape]) -> RoundFragments:
+        """The fragments of θ (its shapes, in θ's order); raises
+        :class:`~geofed.fragments.FragmentError` when θ cannot be split."""
         plan = theta_fragments(announcement.overlap, announcement.fragments, theta)
         if plan is None:
             return cls()
@@ -345,9 +347,10 @@ class RoundPipeline:
             detail="reaching the round's parameters",
         )
         held = await _blocking(job.load_params)
+        await _blocking(job.prepare_params)
         try:
             with self._phase(announcement, "sync"):
-                synced = await self._sync.sync(announcement, held)
+                synced = await self._sync.sync(announcement, held, job.params_path)
         except ResyncFailed as exc:
             return RoundEnd("failed", str(exc))
         except HttpError as exc:
@@ -355,7 +358,7 @@ class RoundPipeline:
                 raise RetryLater(str(exc)) from exc
             return RoundEnd("failed", str(exc))
         if synced.method != "held":
-            await _blocking(job.save_params, synced.version, synced.params)
+            await _blocking(job.record_params, synced.version)
         if synced.refused:
             log.warning(
                 "job %s round %d: resynced after refusing the update: %s",
@@ -380,7 +383,7 @@ class RoundPipeline:
             "training", **where, params_hash=base_hash, detail=f"{announcement.inner_steps} steps"
         )
         try:
-            fragments = RoundFragments.of(announcement, synced.params)
+            fragments = RoundFragments.of(announcement, await _blocking(synced.shapes))
         except ValueError as exc:  # FragmentError: the model cannot be split as announced
             return RoundEnd("failed", str(exc), params_hash=base_hash)
         instruction = self._instruction(announcement, job, synced, data, fragments.names)
@@ -469,7 +472,7 @@ class RoundPipeline:
                 # Quantized and sealed by rank 0, with its error feedback: the agent signs
                 # its stream file and spools it under a second name.
                 stream = check_worker_delta(
-                    synced.params, result.delta, announcement.codec, fragments.names
+                    synced.shapes(), result.delta, announcement.codec, fragments.names
                 )
                 residual = result.residual
             elif fragments.names is not None:
@@ -483,7 +486,7 @@ class RoundPipeline:
                 if announcement.codec.stochastic_rounding:
                     generator = rounding_generator(job.job, announcement.round, self._region.name)
                 encoded = encode_delta(
-                    synced.params,
+                    synced.tensors(),
                     result.params,
                     job.load_feedback(),
                     announcement.codec,

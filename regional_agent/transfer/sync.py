@@ -8,7 +8,9 @@ the manifest's ``parameters_hash``.
 :class:`Synchronizer` decides how to get there (protocol: "Round lifecycle", step 2):
 nothing to do when the held θ already has the announced hash; the update when the held
 θ is the version just before; a full resync otherwise, and whenever an update is
-refused. Verification and the tensor arithmetic run in a worker thread. A resync fetches
+refused. θ lives in files (:mod:`geofed.theta_file`): an update is decoded piece by
+piece into a copy of the held θ's file, a snapshot into a new one, so the agent never
+holds θ in memory. Verification and the tensor arithmetic run in a worker thread. A resync fetches
 up to ``download_window`` artifacts of the chain at once (agent config
 ``transfer.download_window``) and still verifies and applies them in order; each
 artifact is one streamed GET that resumes with ``Range`` after a drop.
@@ -27,6 +29,7 @@ import math
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from pathlib import Path
 from typing import Any, Literal
 
 from torch import Tensor
@@ -37,9 +40,10 @@ from geofed.artifact_check import ArtifactRefused, VerifiedArtifact
 from geofed.control import RoundAnnouncement
 from geofed.pki import TrustBundle
 from geofed.pki.bundle_source import BundleSource, current
+from geofed.theta_file import ThetaFileError, map_theta, read_layout
 from geofed.types import ArtifactKind
 from regional_agent.metrics import AgentMetrics, MetricsError
-from regional_agent.state import ParamsVersion
+from regional_agent.state import HeldTheta, ParamsVersion
 from regional_agent.transfer.coordinator_client import (
     CoordinatorClient,
     CoordinatorError,
@@ -67,13 +71,21 @@ class ResyncFailed(SyncError):
 
 @dataclass(frozen=True)
 class Synced:
-    """The θ reached, its version, and how (``held``, ``update`` or ``resync``)."""
+    """The θ reached (its file), its version, and how (``held``, ``update`` or ``resync``)."""
 
-    params: Params
+    path: Path
     version: ParamsVersion
     method: Literal["held", "update", "resync"]
     refused: str | None = None
     """Why an update was refused before the resync, if one was."""
+
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        """θ's tensors' names (in θ's order) and shapes, from the file's header."""
+        return read_layout(self.path).shapes()
+
+    def tensors(self) -> dict[str, Tensor]:
+        """θ's tensors mapped from the file (pages come in as they are read)."""
+        return map_theta(self.path)
 
 
 def _utc_now() -> datetime:
@@ -107,33 +119,6 @@ def verify_artifact(
         raise ArtifactRejected(str(exc)) from None
 
 
-def apply_verified_update(
-    params: Mapping[str, Tensor], version: ParamsVersion, update: VerifiedArtifact
-) -> tuple[Params, ParamsVersion]:
-    """θ_{r+1} = θ_r + û, checked against the update's base and parameters hashes.
-
-    Built in ``params`` itself (the agent's own θ, read for this round) and consuming the
-    update's tensors, so the agent never holds two copies of θ; after a refusal
-    ``params`` is not θ_r any more, and a resync follows.
-    """
-    try:
-        result, found = artifact_check.apply_verified_update(
-            params, version.round, version.hash, update, in_place=True
-        )
-    except ArtifactRefused as exc:
-        raise ArtifactRejected(str(exc)) from None
-    return result, ParamsVersion(round=version.round + 1, hash=found)
-
-
-def snapshot_params(snapshot: VerifiedArtifact) -> tuple[Params, ParamsVersion]:
-    """θ of a verified snapshot, checked against its ``parameters_hash``."""
-    try:
-        params, found = artifact_check.snapshot_params(snapshot)
-    except ArtifactRefused as exc:
-        raise ArtifactRejected(str(exc)) from None
-    return params, ParamsVersion(round=snapshot.manifest.round, hash=found)
-
-
 class Synchronizer:
     """Brings a region's θ to the one a round announces."""
 
@@ -155,55 +140,60 @@ class Synchronizer:
         self._metrics = metrics
 
     async def sync(
-        self, announcement: RoundAnnouncement, held: tuple[ParamsVersion, Params] | None
+        self,
+        announcement: RoundAnnouncement,
+        held: HeldTheta | None,
+        place: Callable[[int], Path],
     ) -> Synced:
-        """θ_r for ``announcement``, from ``held`` (version and tensors) when it can be.
+        """θ_r for ``announcement``, from ``held`` when it can be, as a θ file.
 
-        ``held``'s tensors are the caller's to give: an update is applied into them in
-        place (the agent never holds two copies of θ), so they are θ_r only if this
-        returns by ``update``.
+        A θ reached by an update or a resync is written at ``place(round)``
+        (:mod:`geofed.theta_file`: decoded piece by piece into the file, never whole in
+        memory); a held θ stays where it is.
         """
         target = ParamsVersion(announcement.base_round, announcement.base_hash)
-        if held is not None and held[0].hash == target.hash:
-            return Synced(held[1], target, "held")
+        if held is not None and held.version.hash == target.hash:
+            return Synced(held.path, target, "held")
         refused: str | None = None
         url = announcement.update_url
-        if held is not None and url is not None and held[0].round == target.round - 1:
+        if held is not None and url is not None and held.version.round == target.round - 1:
             try:
-                params, version, counted = await self._update(announcement, url, held)
+                version, counted = await self._update(announcement, url, held, place)
             except (ArtifactRejected, HttpError) as exc:
                 refused = str(exc)
                 log.warning("refused the update to θ_%d (%s); resyncing", target.round, exc)
             else:
                 if version == target:
                     self._applied(counted)
-                    return Synced(params, version, "update")
+                    return Synced(place(version.round), version, "update")
                 refused = f"update gives θ hash {version.hash}, announced {target.hash}"
                 log.warning("%s; resyncing", refused)
-        params, version = await self.resync(announcement.job, target)
-        return Synced(params, version, "resync", refused)
+        version = await self.resync(announcement.job, target, place)
+        return Synced(place(version.round), version, "resync", refused)
 
     async def _update(
-        self, announcement: RoundAnnouncement, url: str, held: tuple[ParamsVersion, Params]
-    ) -> tuple[Params, ParamsVersion, Counted]:
-        """θ after the announced update, its version, and what the update counts for."""
+        self,
+        announcement: RoundAnnouncement,
+        url: str,
+        held: HeldTheta,
+        place: Callable[[int], Path],
+    ) -> tuple[ParamsVersion, Counted]:
+        """θ after the announced update (written at ``place``), and what the update counts for."""
         data = await self._client.download(
             url,
-            what=f"update {announcement.job}/{held[0].round}",
+            what=f"update {announcement.job}/{held.version.round}",
             on_bytes=self._counter(ArtifactKind.GLOBAL_UPDATE),
         )
-        version, params = held
 
-        def verify_and_apply() -> tuple[Params, ParamsVersion, Counted]:
-            update = self._verified_update(data, announcement.job, version.round, params)
+        def verify_and_apply() -> tuple[ParamsVersion, Counted]:
+            update = self._verified_update(data, announcement.job, held.version.round, held.path)
             digest = update.manifest_digest
             if announcement.update_digest is not None and digest != announcement.update_digest:
                 raise ArtifactRejected(
-                    f"update {announcement.job}/{version.round}: manifest digest {digest}, "
+                    f"update {announcement.job}/{held.version.round}: manifest digest {digest}, "
                     f"the announcement says {announcement.update_digest}"
                 )
-            counted = Counted.of(update)
-            return (*apply_verified_update(params, version, update), counted)
+            return self._applied_to_file(update, held.path, held.version, place)
 
         return await asyncio.to_thread(verify_and_apply)
 
@@ -229,8 +219,11 @@ class Synchronizer:
             raise CoordinatorError(f"job {job}: malformed status (delivered {regions!r})")
         return frozenset(regions)
 
-    async def resync(self, job: str, target: ParamsVersion) -> tuple[Params, ParamsVersion]:
-        """θ of ``target`` from the latest checkpoint: its snapshot, then its updates."""
+    async def resync(
+        self, job: str, target: ParamsVersion, place: Callable[[int], Path]
+    ) -> ParamsVersion:
+        """θ of ``target`` from the latest checkpoint, its snapshot then its updates, each
+        θ on the way written at ``place(round)``."""
         answer = await self._client.request("GET", ApiPaths.latest_checkpoint(job))
         snapshot, updates = _chain(answer.json(), job, target.round)
         applied: list[Counted] = []  # counted once the chain reaches θ_r
@@ -247,14 +240,14 @@ class Synchronizer:
         try:
             async with Prefetch(fetches, self._download_window) as downloads:
                 data = await downloads.next()
-                params, version, counted = await asyncio.to_thread(
-                    self._verify_snapshot, data, job, snapshot
+                version, counted = await asyncio.to_thread(
+                    self._verify_snapshot, data, job, snapshot, place
                 )
                 applied.append(counted)
                 for part in updates:
                     data = await downloads.next()
-                    params, version, counted = await asyncio.to_thread(
-                        self._verify_and_apply, data, job, part, params, version
+                    version, counted = await asyncio.to_thread(
+                        self._verify_and_apply, data, job, part, version, place
                     )
                     applied.append(counted)
         except ArtifactRejected as exc:
@@ -268,7 +261,7 @@ class Synchronizer:
             self._applied(counted)
         if self._metrics is not None:
             self._metrics.resynced(job)
-        return params, version
+        return version
 
     def _fetch(self, url: str, what: str, kind: ArtifactKind) -> Callable[[], Awaitable[bytearray]]:
         def fetch() -> Awaitable[bytearray]:
@@ -291,10 +284,14 @@ class Synchronizer:
             log.warning("applied download not counted: %s", exc)
 
     def _verified_update(
-        self, data: bytearray, job: str, round_: int, params: Params
+        self, data: bytearray, job: str, round_: int, theta: Path
     ) -> VerifiedArtifact:
-        """The update of ``round_`` verified, its frames kept to be decoded into ``params``
+        """The update of ``round_`` verified, its frames kept to be decoded into θ's file
         (no larger than θ when decoded)."""
+        try:
+            size = read_layout(theta).size
+        except ThetaFileError as exc:
+            raise ArtifactRejected(f"update {job}/{round_}: the held {exc}") from None
         return verify_artifact(
             data,
             current(self._bundle),
@@ -302,13 +299,29 @@ class Synchronizer:
             job=job,
             round_=round_,
             now=self._clock(),
-            max_decoded_bytes=4 * sum(t.numel() for t in params.values()),
+            max_decoded_bytes=size,
             decode_now=False,
         )
 
+    def _applied_to_file(
+        self,
+        update: VerifiedArtifact,
+        theta: Path,
+        version: ParamsVersion,
+        place: Callable[[int], Path],
+    ) -> tuple[ParamsVersion, Counted]:
+        counted = Counted.of(update)
+        try:
+            found = artifact_check.apply_update_to_file(
+                theta, place(version.round + 1), version.round, version.hash, update
+            )
+        except ArtifactRefused as exc:
+            raise ArtifactRejected(str(exc)) from None
+        return ParamsVersion(version.round + 1, found), counted
+
     def _verify_snapshot(
-        self, data: bytearray, job: str, part: ListedPart
-    ) -> tuple[Params, ParamsVersion, Counted]:
+        self, data: bytearray, job: str, part: ListedPart, place: Callable[[int], Path]
+    ) -> tuple[ParamsVersion, Counted]:
         snapshot = verify_artifact(
             data,
             current(self._bundle),
@@ -316,17 +329,27 @@ class Synchronizer:
             job=job,
             round_=part.round,
             now=self._clock(),
+            decode_now=False,
         )
         part.check_digest(snapshot)
-        return (*snapshot_params(snapshot), Counted.of(snapshot))
+        try:
+            found = artifact_check.snapshot_to_file(place(part.round), snapshot)
+        except ArtifactRefused as exc:
+            raise ArtifactRejected(str(exc)) from None
+        return ParamsVersion(part.round, found), Counted.of(snapshot)
 
     def _verify_and_apply(
-        self, data: bytearray, job: str, part: ListedPart, params: Params, version: ParamsVersion
-    ) -> tuple[Params, ParamsVersion, Counted]:
-        update = self._verified_update(data, job, part.round, params)
+        self,
+        data: bytearray,
+        job: str,
+        part: ListedPart,
+        version: ParamsVersion,
+        place: Callable[[int], Path],
+    ) -> tuple[ParamsVersion, Counted]:
+        theta = place(version.round)
+        update = self._verified_update(data, job, part.round, theta)
         part.check_digest(update)
-        counted = Counted.of(update)
-        return (*apply_verified_update(params, version, update), counted)
+        return self._applied_to_file(update, theta, version, place)
 
 
 @dataclass(frozen=True, slots=True)

@@ -35,6 +35,7 @@ import torch
 from geofed.codec import QuantizedTensors, quantize_tensors
 from geofed.codec.tensors import TensorLayout
 from geofed.params import federated_state
+from geofed.theta_file import ThetaFileError, map_theta
 from regional_agent.handoff.delta_terms import UnusableDelta, rounding_generator
 from regional_agent.handoff.messages import DeltaRequest, RoundInstruction
 from regional_agent.handoff.residual_file import (
@@ -129,10 +130,13 @@ class RoundDeltaQuantizer:
         self._request, self._job, self._round, self._device = request, job, round_, device
         self._shapes = dict(shapes)
         self._base_path = base_path
-        self._base = torch.load(base_path, map_location="cpu", weights_only=True, mmap=True)
+        try:
+            self._base = map_theta(base_path)
+        except ThetaFileError as exc:
+            raise UnusableDelta(str(exc)) from None
         base = self._base
-        if not isinstance(base, Mapping) or set(base) != set(shapes):
-            names = sorted(set(base) ^ set(shapes)) if isinstance(base, Mapping) else []
+        if set(base) != set(shapes):
+            names = sorted(set(base) ^ set(shapes))
             raise UnusableDelta(f"θ at {base_path} and the trained state differ in {names}")
         self.wanted: tuple[str, ...] = tuple(shapes) if request.names is None else request.names
         unknown = [name for name in self.wanted if name not in shapes]

@@ -28,6 +28,7 @@ from torch import nn
 from geofed.lr_schedule import apply_lr
 from geofed.params import check_federated_state, parameters_vector_hash
 from geofed.task import Task, load_task
+from geofed.theta_file import map_theta
 from geofed.training_config import TrainingConfig, is_sharded
 from regional_agent.handoff.messages import RegionalCheckpoint, RoundInstruction
 from regional_agent.worker.activation_checkpointing import (
@@ -227,11 +228,7 @@ class BaseParams:
 
 def read_base(model: nn.Module, path: str) -> BaseParams:
     """Map the base θ at ``path``, check that it fits ``model``, and hash it (rank 0)."""
-    base = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    if not isinstance(base, Mapping) or not all(
-        isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in base.items()
-    ):
-        raise ValueError(f"{path} is not a state dict of named tensors")
+    base = map_theta(path)  # ThetaFileError is a ValueError
     check_federated_state(model, base)
     return BaseParams(base, parameters_vector_hash(base))
 

@@ -29,9 +29,10 @@ from geofed.control import RoundAnnouncement
 from geofed.deltas import apply_update
 from geofed.manifest import ArtifactProvenance, Manifest, build_manifest, sign_manifest
 from geofed.params import parameters_vector_hash, state_to_fp32
+from geofed.theta_file import hash_theta, write_theta
 from geofed.timeouts import Timeouts
 from geofed.types import ArtifactKind
-from regional_agent.state import ParamsVersion
+from regional_agent.state import HeldTheta, ParamsVersion
 from regional_agent.transfer.coordinator_client import CoordinatorClient
 from regional_agent.transfer.sync import (
     ArtifactRejected,
@@ -256,45 +257,61 @@ def assert_same(left: Params, right: Params) -> None:
         assert torch.equal(left[name], right[name]), name
 
 
-def owned(params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """A copy of ``params`` to give the synchronizer, which applies updates into it."""
-    return {name: tensor.clone() for name, tensor in params.items()}
+def place_in(directory: Path) -> Callable[[int], Path]:
+    """Where the synchronizer writes each θ it reaches (as the agent's job directory does)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    return lambda round_: directory / f"round-{round_}.safetensors"
+
+
+def held_theta(chain: Chain, round_: int, directory: Path) -> HeldTheta:
+    """θ_round of the chain, held in a θ file as the agent holds it."""
+    path = place_in(directory)(round_)
+    write_theta(path, chain.thetas[round_])
+    return HeldTheta(ParamsVersion(round_, chain.hashes[round_]), path)
 
 
 async def test_apply_update_and_resync_reconstruct_identical_theta(
-    chain: Chain, synchronizer: Synchronizer, served: tuple[FakeCoordinatorFiles, str]
+    chain: Chain,
+    synchronizer: Synchronizer,
+    served: tuple[FakeCoordinatorFiles, str],
+    tmp_path: Path,
 ) -> None:
     fake = served[0]
-    held = (ParamsVersion(1, chain.hashes[1]), owned(chain.thetas[1]))
-    by_update = await synchronizer.sync(announce(chain, 2), held)
-    by_resync = await synchronizer.sync(announce(chain, 2), None)
+    held = held_theta(chain, 1, tmp_path / "update")
+    by_update = await synchronizer.sync(announce(chain, 2), held, place_in(tmp_path / "update"))
+    by_resync = await synchronizer.sync(announce(chain, 2), None, place_in(tmp_path / "resync"))
     assert by_update.method == "update"
     assert by_resync.method == "resync"
     assert by_update.version == by_resync.version == ParamsVersion(2, chain.hashes[2])
-    assert_same(by_update.params, by_resync.params)
-    assert_same(by_update.params, chain.thetas[2])
-    # Built in the held tensors themselves: no second copy of θ.
-    assert all(by_update.params[n] is t for n, t in held[1].items())
+    assert by_update.path == tmp_path / "update" / "round-2.safetensors"
+    assert_same(by_update.tensors(), by_resync.tensors())
+    assert_same(by_update.tensors(), chain.thetas[2])
+    assert list(by_resync.tensors()) == list(chain.thetas[2])  # θ's order, for fragments
+    # A new file: the held θ (which the workers may still be reading) is as it was.
+    assert hash_theta(held.path) == chain.hashes[1]
     assert fake.hits[f"/v1/jobs/{JOB}/rounds/1/update"] == 1
     assert fake.hits["/artifacts/snapshot-0"] == 1
 
 
 async def test_held_theta_with_the_announced_hash_needs_no_download(
-    chain: Chain, synchronizer: Synchronizer, served: tuple[FakeCoordinatorFiles, str]
+    chain: Chain,
+    synchronizer: Synchronizer,
+    served: tuple[FakeCoordinatorFiles, str],
+    tmp_path: Path,
 ) -> None:
-    synced = await synchronizer.sync(
-        announce(chain, 1), (ParamsVersion(1, chain.hashes[1]), chain.thetas[1])
-    )
+    held = held_theta(chain, 1, tmp_path)
+    synced = await synchronizer.sync(announce(chain, 1), held, place_in(tmp_path))
     assert synced.method == "held"
+    assert synced.path == held.path
     assert served[0].hits == {}
 
 
 async def test_resync_stops_at_the_announced_round(
-    chain: Chain, synchronizer: Synchronizer
+    chain: Chain, synchronizer: Synchronizer, tmp_path: Path
 ) -> None:
-    synced = await synchronizer.sync(announce(chain, 1), None)
+    synced = await synchronizer.sync(announce(chain, 1), None, place_in(tmp_path))
     assert synced.version == ParamsVersion(1, chain.hashes[1])
-    assert_same(synced.params, chain.thetas[1])
+    assert_same(synced.tensors(), chain.thetas[1])
 
 
 def flip_last_frame_byte(bundle: bytes) -> bytes:
@@ -339,26 +356,27 @@ async def test_tampered_update_is_refused_and_triggers_a_resync(
     served: tuple[FakeCoordinatorFiles, str],
     tamper: Callable[[Chain, Federation], bytes],
     reason: str,
+    tmp_path: Path,
 ) -> None:
     fake = served[0]
     fake.files[f"/v1/jobs/{JOB}/rounds/1/update"] = tamper(chain, federation)
     announcement = announce(chain, 2)
-    synced = await synchronizer.sync(
-        announcement, (ParamsVersion(1, chain.hashes[1]), owned(chain.thetas[1]))
-    )
+    held = held_theta(chain, 1, tmp_path)
+    synced = await synchronizer.sync(announcement, held, place_in(tmp_path))
     assert synced.method == "resync"
     assert synced.refused is not None
     assert reason in synced.refused
-    assert_same(synced.params, chain.thetas[2])
+    assert_same(synced.tensors(), chain.thetas[2])
     assert fake.hits["/artifacts/snapshot-0"] == 1
 
 
 async def test_update_whose_digest_differs_from_the_announcement_is_refused(
-    chain: Chain, synchronizer: Synchronizer
+    chain: Chain, synchronizer: Synchronizer, tmp_path: Path
 ) -> None:
     synced = await synchronizer.sync(
         announce(chain, 2, update_digest="ab" * 32),
-        (ParamsVersion(1, chain.hashes[1]), owned(chain.thetas[1])),
+        held_theta(chain, 1, tmp_path),
+        place_in(tmp_path),
     )
     assert synced.method == "resync"
     assert synced.refused is not None
@@ -366,18 +384,23 @@ async def test_update_whose_digest_differs_from_the_announcement_is_refused(
 
 
 async def test_resync_that_cannot_reach_the_announced_hash_fails(
-    chain: Chain, synchronizer: Synchronizer
+    chain: Chain, synchronizer: Synchronizer, tmp_path: Path
 ) -> None:
     with pytest.raises(ResyncFailed, match="announced"):
-        await synchronizer.sync(announce(chain, 2, base_hash="0" * 64), None)
+        await synchronizer.sync(announce(chain, 2, base_hash="0" * 64), None, place_in(tmp_path))
 
 
 async def test_resync_with_a_tampered_snapshot_fails(
-    chain: Chain, synchronizer: Synchronizer, served: tuple[FakeCoordinatorFiles, str]
+    chain: Chain,
+    synchronizer: Synchronizer,
+    served: tuple[FakeCoordinatorFiles, str],
+    tmp_path: Path,
 ) -> None:
     served[0].files["/artifacts/snapshot-0"] = flip_last_frame_byte(chain.snapshot)
     with pytest.raises(ResyncFailed, match="sha256"):
-        await synchronizer.sync(announce(chain, 1), None)
+        await synchronizer.sync(announce(chain, 1), None, place_in(tmp_path))
+    kept = await asyncio.to_thread(lambda: list(tmp_path.glob("round-*")))
+    assert kept == []  # nothing of it was kept
 
 
 def test_verify_artifact_refuses_an_untrusted_federation(tmp_path: Path, chain: Chain) -> None:
@@ -399,6 +422,7 @@ async def test_a_resync_fetches_the_chain_window_at_a_time_and_applies_it_in_ord
     served: tuple[FakeCoordinatorFiles, str],
     federation: Federation,
     window: int,
+    tmp_path: Path,
 ) -> None:
     fake, url = served
     fake.delay_s = 0.05
@@ -406,11 +430,11 @@ async def test_a_resync_fetches_the_chain_window_at_a_time_and_applies_it_in_ord
     async with aiohttp.ClientSession() as session:
         client = CoordinatorClient(session, url, timeouts)
         synced = await Synchronizer(client, federation.bundle(), download_window=window).sync(
-            announce(chain, 2), None
+            announce(chain, 2), None, place_in(tmp_path)
         )
     assert synced.method == "resync"
     assert synced.version == ParamsVersion(2, chain.hashes[2])
-    assert_same(synced.params, chain.thetas[2])
+    assert_same(synced.tensors(), chain.thetas[2])
     # The snapshot and both updates: one at a time, or all three at once.
     assert fake.most_in_flight == window
     assert [fake.hits[p] for p in ("/artifacts/snapshot-0", "/artifacts/update-0")] == [1, 1]

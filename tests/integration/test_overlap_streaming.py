@@ -20,6 +20,7 @@ from coordinator.storage.artifacts import Location, find_entry
 from coordinator.storage.checkpoints import INDEX_NAME, EntryKind
 from geofed.fragments import fragment_plan
 from geofed.manifest import SignedManifest
+from geofed.theta_file import map_theta
 from tests.support.federation import FederationRun
 from tests.support.observe import (
     WAIT_S,
@@ -58,9 +59,8 @@ def update_tensors(fed: FederationRun, round_: int) -> list[str]:
 
 
 def held_theta(fed: FederationRun, region: str, round_: int) -> dict[str, torch.Tensor]:
-    path = fed.work / "agents" / region / "jobs" / fed.job / "params" / f"round-{round_}.pt"
-    state: dict[str, torch.Tensor] = torch.load(path, weights_only=True)
-    return state
+    params = fed.work / "agents" / region / "jobs" / fed.job / "params"
+    return map_theta(params / f"round-{round_}.safetensors")
 
 
 async def test_streaming_rounds_publish_one_fragment_each_and_survive_a_killed_worker(

@@ -11,6 +11,7 @@ import torch
 from geofed.codec import ErrorFeedback, decode
 from geofed.codec_params import CodecParams
 from geofed.params import parameters_vector_hash, state_to_fp32
+from geofed.theta_file import map_theta
 from geofed.training_config import LrSchedule, TrainingConfig
 from geofed.types import ArtifactKind
 from regional_agent.credentials import Credentials
@@ -82,22 +83,40 @@ def test_params_round_trip_and_older_files_are_pruned(tmp_path: Path) -> None:
         state.save_params(ParamsVersion(round_, parameters_vector_hash(params)), params)
     held = state.load_params()
     assert held is not None
-    version, params = held
-    assert version == ParamsVersion(3, parameters_vector_hash(theta(3)))
+    assert held.version == ParamsVersion(3, parameters_vector_hash(theta(3)))
+    params = map_theta(held.path)
+    assert list(params) == list(theta(3))  # θ's own order survives the file
     assert all(torch.equal(params[n], theta(3)[n]) for n in params)
-    files = sorted(p.name for p in (tmp_path / "jobs" / JOB / "params").glob("round-*.pt"))
-    assert files == ["round-2.pt", "round-3.pt"]  # the current one and one before it
+    files = sorted(p.name for p in (tmp_path / "jobs" / JOB / "params").glob("round-*"))
+    # the current one and one before it
+    assert files == ["round-2.safetensors", "round-3.safetensors"]
 
 
 def test_damaged_params_are_dropped_so_the_next_sync_resyncs(tmp_path: Path) -> None:
     state = AgentState(tmp_path).job(JOB)
     params = theta(0)
     path = state.save_params(ParamsVersion(0, parameters_vector_hash(params)), params)
-    damaged = {n: t.clone() for n, t in params.items()}
-    next(iter(damaged.values())).view(-1)[0] += 1.0
-    torch.save(damaged, path)
+    with open(path, "r+b") as f:  # one bit of the last tensor flips on disk
+        f.seek(-1, 2)
+        last = f.read(1)
+        f.seek(-1, 2)
+        f.write(bytes([last[0] ^ 1]))
     assert state.load_params() is None
     assert state.current_version() is None
+
+
+def test_params_of_the_format_before_are_dropped_and_pruned(tmp_path: Path) -> None:
+    state = AgentState(tmp_path).job(JOB)
+    params = theta(0)
+    version = ParamsVersion(0, parameters_vector_hash(params))
+    state.save_params(version, params)
+    legacy = tmp_path / "jobs" / JOB / "params" / "round-0.pt"
+    torch.save(params, legacy)  # what an agent of the format before held
+    state.params_path(0).unlink()
+    assert state.load_params() is None  # resync, rather than read a file it cannot patch
+    state.save_params(ParamsVersion(1, parameters_vector_hash(theta(1))), theta(1))
+    state.save_params(ParamsVersion(2, parameters_vector_hash(theta(2))), theta(2))
+    assert not legacy.exists()
 
 
 def test_a_spooled_delta_reads_back_frame_by_frame(

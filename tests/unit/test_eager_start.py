@@ -295,7 +295,7 @@ def test_no_estimate_hands_a_marker_without_s_and_drops_the_state(tmp_path: Path
         job, handoff, NESTEROV, 1, str(tmp_path / "missing.pt"), "h" * 64, _state(1), REGIONS
     )
     assert (ready.start_params, ready.start_hash) == ("", "")
-    assert ready.reason == "StateError"
+    assert ready.reason == "ThetaFileError"
     assert handoff.read_start_ready("job-a", 2) == ready
     assert job.load_eager() is None
 

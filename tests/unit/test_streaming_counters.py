@@ -12,6 +12,7 @@ import json
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from pathlib import Path
 from typing import cast
 
 import pytest
@@ -27,9 +28,10 @@ from geofed.deltas import apply_partial_update
 from geofed.fragments import fragment_plan
 from geofed.manifest import ArtifactProvenance, build_manifest, sign_manifest
 from geofed.params import parameters_vector_hash
+from geofed.theta_file import write_theta
 from geofed.types import ArtifactKind
 from regional_agent.metrics import AgentMetrics
-from regional_agent.state import ParamsVersion
+from regional_agent.state import HeldTheta, ParamsVersion
 from regional_agent.transfer.coordinator_client import Answer, CoordinatorClient
 from regional_agent.transfer.sync import Synchronizer
 from tests.support.agent_schedule import REGION, announce
@@ -153,22 +155,28 @@ def round_1(chain: Chain) -> RoundAnnouncement:
     return announce(JOB, 1, base_hash=chain.hashes[1], update_digest=chain.update_digest)
 
 
+def place_in(directory: Path) -> Callable[[int], Path]:
+    return lambda round_: directory / f"round-{round_}.safetensors"
+
+
 async def test_an_applied_partial_update_counts_only_its_fragment(
-    chain: Chain, synchronizer: tuple[Synchronizer, CollectorRegistry]
+    chain: Chain, synchronizer: tuple[Synchronizer, CollectorRegistry], tmp_path: Path
 ) -> None:
     sync, registry = synchronizer
-    held = (ParamsVersion(0, chain.hashes[0]), {n: t.clone() for n, t in THETA.items()})
+    place = place_in(tmp_path)
+    write_theta(place(0), THETA)
+    held = HeldTheta(ParamsVersion(0, chain.hashes[0]), place(0))
     assert fp32_size(FRAGMENT) < fp32_size(THETA)
-    synced = await sync.sync(round_1(chain), held)
+    synced = await sync.sync(round_1(chain), held, place)
     assert synced.method == "update"
     assert fp32_downloaded(registry, "int8") == fp32_size(FRAGMENT)
 
 
 async def test_a_resync_counts_the_whole_snapshot_and_the_updates_fragment(
-    chain: Chain, synchronizer: tuple[Synchronizer, CollectorRegistry]
+    chain: Chain, synchronizer: tuple[Synchronizer, CollectorRegistry], tmp_path: Path
 ) -> None:
     sync, registry = synchronizer
-    synced = await sync.sync(round_1(chain), None)
+    synced = await sync.sync(round_1(chain), None, place_in(tmp_path))
     assert synced.method == "resync"
     assert fp32_downloaded(registry, "fp32") == fp32_size(THETA)
     assert fp32_downloaded(registry, "int8") == fp32_size(FRAGMENT)

@@ -15,6 +15,7 @@ import torch
 from geofed.codec import quantize_tensors
 from geofed.codec_params import CodecParams
 from geofed.fragments import FragmentError, fragment_plan
+from geofed.params import shapes_of
 from regional_agent.handoff.delta_terms import UnusableDelta
 from regional_agent.handoff.directory import HandoffDir
 from regional_agent.handoff.errors import InvalidHandoffData
@@ -95,11 +96,12 @@ def test_a_rounds_names_are_its_fragment_in_thetas_order() -> None:
 
 
 def test_the_pipeline_takes_this_rounds_the_next_rounds_and_the_folded_fragment() -> None:
-    fragments = RoundFragments.of(announce(round_=3, overlap="streaming", fragments=F), THETA)
+    shapes = shapes_of(THETA)  # as the held θ file's header gives them
+    fragments = RoundFragments.of(announce(round_=3, overlap="streaming", fragments=F), shapes)
     assert fragments == RoundFragments(names_of(3), names_of(4), names_of(2))
-    first = RoundFragments.of(announce(round_=0, overlap="streaming", fragments=F), THETA)
+    first = RoundFragments.of(announce(round_=0, overlap="streaming", fragments=F), shapes)
     assert first.fold is None  # round 0 loads θ_0 whole
-    assert RoundFragments.of(announce(round_=3, overlap="delayed"), THETA) == RoundFragments()
+    assert RoundFragments.of(announce(round_=3, overlap="delayed"), shapes) == RoundFragments()
 
 
 # -- the hand-off ------------------------------------------------------------------------

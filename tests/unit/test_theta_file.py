@@ -1,0 +1,155 @@
+"""θ files (:mod:`geofed.theta_file`): written, patched, filled and hashed piece by piece,
+bit for bit what the same tensors in memory give, and refused when they are anything else."""
+
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from geofed.deltas import add_update_in_place
+from geofed.params import parameters_vector_hash
+from geofed.theta_file import (
+    CHUNK_BYTES,
+    ThetaFileError,
+    fill_theta,
+    hash_theta,
+    is_theta_file,
+    map_theta,
+    patch_theta,
+    read_layout,
+    write_theta,
+)
+
+
+def theta() -> dict[str, torch.Tensor]:
+    """Tensors in model order, not name order, one above a chunk, one empty."""
+    generator = torch.Generator().manual_seed(7)
+    return {
+        "tok.weight": torch.randn(CHUNK_BYTES // 4 + 5, generator=generator),
+        "layers.0.w": torch.randn(3, 5, generator=generator),
+        "bias": torch.randn(7, generator=generator),
+        "empty": torch.zeros(0, 4),
+    }
+
+
+def test_written_theta_maps_and_hashes_as_the_tensors_do(tmp_path: Path) -> None:
+    tensors = theta()
+    path = tmp_path / "round-0.safetensors"
+    assert write_theta(path, tensors) == parameters_vector_hash(tensors)
+    assert hash_theta(path) == parameters_vector_hash(tensors)
+    mapped = map_theta(path)
+    assert list(mapped) == list(tensors)  # θ's order: streaming fragments follow it
+    for name, tensor in tensors.items():
+        assert torch.equal(mapped[name], tensor), name
+        assert mapped[name].shape == tensor.shape
+    assert read_layout(path).shapes() == {n: tuple(t.shape) for n, t in tensors.items()}
+    assert path.stat().st_mode & 0o777 == 0o600  # θ never leaves the region
+    # Any safetensors reader takes it.
+    loaded = load_file(path)
+    assert all(torch.equal(loaded[n], t) for n, t in tensors.items())
+
+
+def test_a_patched_theta_is_the_in_place_sum_bit_for_bit(tmp_path: Path) -> None:
+    tensors = theta()
+    source, target = tmp_path / "round-0.safetensors", tmp_path / "round-1.safetensors"
+    write_theta(source, tensors)
+    generator = torch.Generator().manual_seed(8)
+    update = {
+        "tok.weight": torch.randn(CHUNK_BYTES // 4 + 5, generator=generator),
+        "bias": torch.randn(7, generator=generator),
+    }
+    pieces = [
+        ("bias", 0, update["bias"][:3]),
+        ("tok.weight", 0, update["tok.weight"][:100]),
+        ("bias", 3, update["bias"][3:]),
+        ("tok.weight", 100, update["tok.weight"][100:]),
+    ]
+    found = patch_theta(source, target, pieces)
+    expected = {n: t.clone() for n, t in tensors.items()}
+    add_update_in_place(expected, update)
+    assert found == parameters_vector_hash(expected) == hash_theta(target)
+    assert hash_theta(source) == parameters_vector_hash(tensors)  # θ_r is left as it was
+    mapped = map_theta(target)
+    for name, tensor in expected.items():
+        assert torch.equal(mapped[name], tensor), name
+
+
+def test_a_filled_theta_is_the_pieces_written(tmp_path: Path) -> None:
+    tensors = theta()
+    shapes = {n: tuple(t.shape) for n, t in tensors.items()}
+    flat = tensors["tok.weight"].reshape(-1)
+    pieces = [
+        ("layers.0.w", 0, tensors["layers.0.w"].reshape(-1)),
+        ("tok.weight", 10, flat[10:]),
+        ("bias", 0, tensors["bias"]),
+        ("tok.weight", 0, flat[:10]),
+    ]
+    path = tmp_path / "snapshot.safetensors"
+    assert fill_theta(path, shapes, pieces) == parameters_vector_hash(tensors)
+    assert list(map_theta(path)) == list(tensors)
+
+
+def test_a_piece_outside_theta_leaves_the_target_as_it_was(tmp_path: Path) -> None:
+    tensors = theta()
+    source, target = tmp_path / "a.safetensors", tmp_path / "b.safetensors"
+    write_theta(source, tensors)
+    target.write_bytes(b"before")
+    with pytest.raises(ThetaFileError, match="passes its 7 elements"):
+        patch_theta(source, target, [("bias", 5, torch.ones(3))])
+    with pytest.raises(ThetaFileError, match="no tensor 'nope'"):
+        patch_theta(source, target, [("nope", 0, torch.ones(1))])
+
+    def failing() -> object:
+        yield ("bias", 0, torch.ones(1))
+        raise RuntimeError("the stream broke")
+
+    with pytest.raises(RuntimeError, match="the stream broke"):
+        patch_theta(source, target, failing())  # type: ignore[arg-type]
+    assert target.read_bytes() == b"before"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.safetensors", "b.safetensors"]
+
+
+def test_files_of_other_layouts_are_refused(tmp_path: Path) -> None:
+    tensors = theta()
+    pickled = tmp_path / "theta.pt"
+    torch.save(tensors, pickled)
+    with pytest.raises(ThetaFileError, match=r"a torch\.save file"):
+        read_layout(pickled)
+    assert not is_theta_file(pickled)
+    # The format before is still mapped, for the workers of an older instruction.
+    assert all(torch.equal(map_theta(pickled)[n], t) for n, t in tensors.items())
+
+    half = tmp_path / "half.safetensors"
+    save_file({"w": torch.ones(2, dtype=torch.float16)}, str(half))
+    with pytest.raises(ThetaFileError, match="'w' is not float32"):
+        read_layout(half)
+
+    good = tmp_path / "good.safetensors"
+    write_theta(good, tensors)
+    truncated = tmp_path / "truncated.safetensors"
+    truncated.write_bytes(good.read_bytes()[:-4])
+    with pytest.raises(ThetaFileError, match="its header declares"):
+        hash_theta(truncated)
+
+    header = json.dumps({"w": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}}).encode()
+    unpadded = tmp_path / "unpadded.safetensors"
+    unpadded.write_bytes(struct.pack("<Q", len(header) + 1) + header + b"\x00" * 4)
+    with pytest.raises(ThetaFileError):
+        read_layout(unpadded)
+    huge = tmp_path / "huge.safetensors"
+    huge.write_bytes(struct.pack("<Q", 1 << 40))
+    with pytest.raises(ThetaFileError, match="a header of"):
+        read_layout(huge)
+    with pytest.raises(ThetaFileError, match="No such file"):
+        read_layout(tmp_path / "missing.safetensors")
+
+
+def test_only_float32_tensors_are_written(tmp_path: Path) -> None:
+    with pytest.raises(ThetaFileError, match="float32 tensors only"):
+        write_theta(tmp_path / "t.safetensors", {"w": torch.ones(2, dtype=torch.bfloat16)})
+    assert not (tmp_path / "t.safetensors").exists()
