@@ -16,16 +16,19 @@ published model share it, so both trust exactly the same things. Pure and blocki
 from __future__ import annotations
 
 import hashlib
+import itertools
 import math
-from collections.abc import Iterator, Mapping
+import os
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
+from typing import overload
 
 import torch
 from torch import Tensor
 
-from geofed.artifact_bundle import BundleError, split_bundle
+from geofed.artifact_bundle import HEADER_SIZE, BundleError, manifest_length, split_bundle
 from geofed.codec import CodecError, StreamDecoder, decode
 from geofed.deltas import (
     DeltaError,
@@ -50,9 +53,11 @@ __all__ = [
     "snapshot_params",
     "snapshot_to_file",
     "verify_artifact",
+    "verify_artifact_file",
 ]
 
 Params = dict[str, Tensor]
+Frame = bytes | memoryview
 
 
 class ArtifactRefused(ValueError):
@@ -69,9 +74,10 @@ class VerifiedArtifact:
     manifest_digest: str
     """sha256 of the signed manifest bytes (what announcements call ``update_digest``)."""
     signed: SignedManifest
-    frames: tuple[memoryview, ...] = ()
+    frames: Sequence[Frame] = ()
     """The stream's frames, checked against the manifest's digests; set when ``tensors``
-    is empty because decoding was left to :func:`apply_verified_update`."""
+    is empty because decoding was left to :func:`apply_verified_update` (views of the
+    bundle in memory, or :class:`FileFrames` read from its file as they are used)."""
 
 
 def verify_artifact(
@@ -97,30 +103,14 @@ def verify_artifact(
     what = f"{kind.value} {job}/{round_}"
     try:
         manifest_view, stream = split_bundle(memoryview(data))
-        manifest_bytes = bytes(manifest_view)
-        signed = SignedManifest.from_bytes(manifest_bytes)
-        signer = signed.verify(bundle, now=now)
-    except (BundleError, ManifestError) as exc:
+    except BundleError as exc:
         raise ArtifactRefused(f"{what}: {exc}") from None
+    manifest_bytes = bytes(manifest_view)
+    signed = _signed(manifest_bytes, bundle, kind, job, round_, now, what)
     manifest = signed.manifest
-    if signer.role is not Role.COORDINATOR:
-        raise ArtifactRefused(f"{what}: signed by {signer}, not by a coordinator")
-    found = (manifest.kind, manifest.job, manifest.round)
-    if found != (kind, job, round_):
-        raise ArtifactRefused(f"{what}: the manifest is for {found[0].value} {job}/{found[2]}")
     frames = _frames(manifest, stream, what)
     if not decode_now:
-        size = 4 * sum(math.prod(t.shape) for t in manifest.tensors)
-        if max_decoded_bytes is not None and size > max_decoded_bytes:
-            raise ArtifactRefused(
-                f"{what}: declares {size} decoded bytes, above the limit {max_decoded_bytes}"
-            )
-        try:
-            verify_chunks(manifest, frames)
-        except ManifestError as exc:
-            raise ArtifactRefused(f"{what}: {exc}") from None
-        digest = hashlib.sha256(manifest_bytes).hexdigest()
-        return VerifiedArtifact(manifest, {}, digest, signed, tuple(frames))
+        return _undecoded(signed, manifest_bytes, frames, max_decoded_bytes, what)
     try:
         verify_chunks(manifest, frames)
         tensors = decode(
@@ -138,6 +128,117 @@ def verify_artifact(
     if any(t.dtype != torch.float32 for t in tensors.values()):
         raise ArtifactRefused(f"{what}: parameters and updates must be float32")
     return VerifiedArtifact(manifest, tensors, hashlib.sha256(manifest_bytes).hexdigest(), signed)
+
+
+def verify_artifact_file(
+    path: StrPath,
+    bundle: TrustBundle,
+    *,
+    kind: ArtifactKind,
+    job: str,
+    round_: int,
+    now: datetime,
+    max_decoded_bytes: int | None = None,
+) -> VerifiedArtifact:
+    """:func:`verify_artifact` of a bundle downloaded to a file, without decoding: its
+    frames are read from the file one at a time, each time one is used (to check its
+    digest, then to decode it), so the artifact is never whole in memory."""
+    what = f"{kind.value} {job}/{round_}"
+    try:
+        with open(path, "rb") as f:
+            length = manifest_length(f.read(HEADER_SIZE))
+            manifest_bytes = f.read(length)
+            size = os.fstat(f.fileno()).st_size
+    except BundleError as exc:
+        raise ArtifactRefused(f"{what}: {exc}") from None
+    except OSError as exc:
+        raise ArtifactRefused(f"{what}: {exc.strerror or exc}") from None
+    start = HEADER_SIZE + length
+    if size < start:
+        raise ArtifactRefused(f"{what}: bundle truncated inside the manifest ({size} bytes)")
+    signed = _signed(manifest_bytes, bundle, kind, job, round_, now, what)
+    manifest = signed.manifest
+    if len(manifest.chunks) < 2 or size - start != manifest.total_size:
+        raise ArtifactRefused(
+            f"{what}: stream of {size - start} bytes, the manifest declares "
+            f"{manifest.total_size} in {len(manifest.chunks)} frames"
+        )
+    frames = FileFrames(Path(path), start, [record.size for record in manifest.chunks])
+    return _undecoded(signed, manifest_bytes, frames, max_decoded_bytes, what)
+
+
+class FileFrames(Sequence[bytes]):
+    """A stream's frames in a file, each read (whole, from ``start`` on) when asked for."""
+
+    def __init__(self, path: Path, start: int, sizes: Sequence[int]) -> None:
+        self._path = path
+        self._sizes = list(sizes)
+        self._starts = list(itertools.accumulate(self._sizes[:-1], initial=start))
+
+    def __len__(self) -> int:
+        return len(self._sizes)
+
+    @overload
+    def __getitem__(self, index: int) -> bytes: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> Sequence[bytes]: ...
+
+    def __getitem__(self, index: int | slice) -> bytes | Sequence[bytes]:
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(len(self)))]
+        size = self._sizes[index]
+        with open(self._path, "rb", buffering=0) as f:
+            data = os.pread(f.fileno(), size, self._starts[index])
+        if len(data) != size:
+            raise ArtifactRefused(f"{self._path}: ends inside frame {index}")
+        return data
+
+
+def _signed(
+    manifest_bytes: bytes,
+    bundle: TrustBundle,
+    kind: ArtifactKind,
+    job: str,
+    round_: int,
+    now: datetime,
+    what: str,
+) -> SignedManifest:
+    """The manifest, its signature verified, signed by a coordinator, of this artifact."""
+    try:
+        signed = SignedManifest.from_bytes(manifest_bytes)
+        signer = signed.verify(bundle, now=now)
+    except (BundleError, ManifestError) as exc:
+        raise ArtifactRefused(f"{what}: {exc}") from None
+    manifest = signed.manifest
+    if signer.role is not Role.COORDINATOR:
+        raise ArtifactRefused(f"{what}: signed by {signer}, not by a coordinator")
+    found = (manifest.kind, manifest.job, manifest.round)
+    if found != (kind, job, round_):
+        raise ArtifactRefused(f"{what}: the manifest is for {found[0].value} {job}/{found[2]}")
+    return signed
+
+
+def _undecoded(
+    signed: SignedManifest,
+    manifest_bytes: bytes,
+    frames: Sequence[Frame],
+    max_decoded_bytes: int | None,
+    what: str,
+) -> VerifiedArtifact:
+    """The artifact with its frames checked against the manifest's digests, not decoded."""
+    manifest = signed.manifest
+    size = 4 * sum(math.prod(t.shape) for t in manifest.tensors)
+    if max_decoded_bytes is not None and size > max_decoded_bytes:
+        raise ArtifactRefused(
+            f"{what}: declares {size} decoded bytes, above the limit {max_decoded_bytes}"
+        )
+    try:
+        verify_chunks(manifest, frames)
+    except ManifestError as exc:
+        raise ArtifactRefused(f"{what}: {exc}") from None
+    digest = hashlib.sha256(manifest_bytes).hexdigest()
+    return VerifiedArtifact(manifest, {}, digest, signed, frames)
 
 
 def _frames(manifest: Manifest, stream: memoryview, what: str) -> list[memoryview]:
@@ -238,17 +339,17 @@ def decoded_pieces(artifact: VerifiedArtifact, where: str) -> Iterator[Piece]:
         max_decoded_bytes=4 * sum(math.prod(shape) for _, _, shape in declared),
         buffer_for=buffer_for,
     )
-    if not artifact.frames:
+    frames = artifact.frames
+    if not frames:
         raise ArtifactRefused(f"{where}: verified with its stream decoded, not as frames")
-    header, *rest = artifact.frames
     try:
-        for _ in decoder.feed(header):
+        for _ in decoder.feed(frames[0]):
             pass
         found = [(s.name, s.dtype, tuple(s.shape)) for s in decoder.specs]
         if found != declared:
             raise ArtifactRefused(f"{where}: the stream's tensors differ from the manifest's")
-        for frame in rest:
-            for piece in decoder.feed(frame):
+        for index in range(1, len(frames)):  # one frame in memory at a time
+            for piece in decoder.feed(frames[index]):
                 yield piece.name, piece.offset, piece.values
         decoder.finish()
     except CodecError as exc:

@@ -7,6 +7,7 @@ cursor) in its own hand-off directory. Layout under the state directory::
     jobs/<job>/params/round-<v>.safetensors
                                         θ_v, a θ file (:mod:`geofed.theta_file`; immutable)
     jobs/<job>/params/current.json      {"round": v, "hash": ...}: which θ is held, last
+    jobs/<job>/downloads/               an update or snapshot being downloaded, until applied
     jobs/<job>/feedback.pt              error-feedback residual after the last accepted delta
                                         (or a held file: rank 0 keeps its tensors)
     jobs/<job>/progress.json            {"uploaded_round": r}: last delta the coordinator took
@@ -147,6 +148,7 @@ class JobDirectory:
         self.job = validate_name("job", job)
         self.root = root / "jobs" / job
         self._params = self.root / "params"
+        self._downloads = self.root / "downloads"
         self._spool = self.root / "spool"
 
     # -- θ ----------------------------------------------------------------------------
@@ -155,8 +157,19 @@ class JobDirectory:
         return self._params / f"round-{round_}.safetensors"
 
     def prepare_params(self) -> None:
-        """Create the directory θ files are written in (:meth:`params_path`)."""
+        """Create the directories θ files (:meth:`params_path`) and the downloads that
+        reach them (:meth:`download_path`) are written in; remove downloads a sync that
+        did not finish left behind."""
         self._params.mkdir(mode=0o700, parents=True, exist_ok=True)
+        self._downloads.mkdir(mode=0o700, parents=True, exist_ok=True)
+        for entry in self._downloads.iterdir():
+            entry.unlink(missing_ok=True)
+
+    def download_path(self, name: str) -> Path:
+        """Where a downloaded artifact named ``name`` is kept until it is applied."""
+        if Path(name).name != name or name in ("", ".", ".."):
+            raise StateError(f"a download's name is a file name, not {name!r}")
+        return self._downloads / name
 
     def current_version(self) -> ParamsVersion | None:
         """The θ held, as recorded; None when nothing is held."""

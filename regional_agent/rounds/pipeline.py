@@ -350,7 +350,7 @@ class RoundPipeline:
         await _blocking(job.prepare_params)
         try:
             with self._phase(announcement, "sync"):
-                synced = await self._sync.sync(announcement, held, job.params_path)
+                synced = await self._sync.sync(announcement, held, job)
         except ResyncFailed as exc:
             return RoundEnd("failed", str(exc))
         except HttpError as exc:

@@ -20,10 +20,12 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import random
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Final
+from pathlib import Path
+from typing import Any, BinaryIO, Final, Protocol
 
 import aiohttp
 from yarl import URL
@@ -40,6 +42,8 @@ log = logging.getLogger(__name__)
 
 IDENTITY_HEADER: Final = "X-Geofed-Identity"
 _READ_BLOCK = 1 << 16
+#: Bytes of a download to a file gathered before a thread writes them.
+_WRITE_BATCH = 4 << 20
 #: Answers that say "not now" (a request timed out, the server or a proxy in front of it
 #: failed or is overloaded); the request may be repeated, within the caller's deadline.
 _TRANSIENT_STATUS = frozenset({408, 500, 502, 503, 504})
@@ -187,48 +191,175 @@ class CoordinatorClient:
         ``on_bytes(n)`` hears every block as it arrives, re-sent ones included (what
         the WAN carried, for metrics).
         """
+        sink = _MemorySink()
+        await self._download_into(path_or_url, sink, what, on_bytes)
+        return sink.data
+
+    async def download_to(
+        self,
+        path_or_url: str,
+        target: Path,
+        *,
+        what: str | None = None,
+        on_bytes: Callable[[int], None] | None = None,
+    ) -> int:
+        """:meth:`download` into the file ``target`` (created owner-only, or emptied), written
+        from a thread in batches as the blocks arrive, so no model-sized body is ever in
+        memory; its size. After a failure ``target`` holds part of the body (the caller
+        removes it)."""
+        f = await _opened(target)
+        try:
+            sink = _FileSink(f)
+            await self._download_into(path_or_url, sink, what, on_bytes)
+            await sink.flush()
+            await asyncio.to_thread(f.flush)
+            return sink.size
+        finally:
+            await asyncio.to_thread(f.close)
+
+    async def _download_into(
+        self,
+        path_or_url: str,
+        sink: _Sink,
+        what: str | None,
+        on_bytes: Callable[[int], None] | None,
+    ) -> None:
         url = self.url(path_or_url)
         label = what or f"download {url.path}"
-        work = self._download(url, label, on_bytes or _ignore)
+        work = self._download(url, label, sink, on_bytes or _ignore)
         try:
-            return await wait_for(work, self.timeouts.download_s, label)
+            await wait_for(work, self.timeouts.download_s, label)
         except Timeout as exc:
             raise TransportError(str(exc)) from exc
 
-    async def _download(self, url: URL, what: str, on_bytes: Callable[[int], None]) -> bytearray:
-        received = bytearray()
+    async def _download(
+        self, url: URL, what: str, sink: _Sink, on_bytes: Callable[[int], None]
+    ) -> None:
         retry = Retry(self.backoff, rng=self.rng, sleep=self.sleep)
         while True:
             try:
-                await self._fetch_into(url, received, what, on_bytes)
+                await self._fetch_into(url, sink, what, on_bytes)
             except TransportError as exc:
                 delay = retry.failed()
-                log.warning("%s interrupted at %d bytes (%s); resuming", what, len(received), exc)
+                log.warning("%s interrupted at %d bytes (%s); resuming", what, sink.size, exc)
                 await retry.wait(delay)
             else:
-                return received
+                return
 
     async def _fetch_into(
-        self, url: URL, received: bytearray, what: str, on_bytes: Callable[[int], None]
+        self, url: URL, sink: _Sink, what: str, on_bytes: Callable[[int], None]
     ) -> None:
-        headers = {"Range": f"bytes={len(received)}-"} if received else {}
+        headers = {"Range": f"bytes={sink.size}-"} if sink.size else {}
         try:
             async with self.session.get(url, headers=headers) as response:
                 if response.status >= 400:
                     raise _http_error(response.status, await response.read(), what)
                 if response.status != 206:
-                    received.clear()  # a full answer: the server ignored (or had no) Range
+                    await sink.clear()  # a full answer: the server ignored (or had no) Range
                 else:
-                    _check_range(response.headers.get("Content-Range", ""), len(received), what)
+                    _check_range(response.headers.get("Content-Range", ""), sink.size, what)
                 while block := await wait_for(
                     response.content.read(_READ_BLOCK), self.timeouts.request_s, f"{what} read"
                 ):
-                    received += block
+                    await sink.add(block)
                     on_bytes(len(block))
         except CertificateRefused as exc:
             raise UntrustedServer(f"{what}: {url.origin()} refused: {exc}") from exc
         except (aiohttp.ClientError, OSError, Timeout) as exc:
             raise TransportError(f"{what}: {type(exc).__name__}: {exc}") from exc
+
+
+class _Sink(Protocol):
+    """Where a download's body goes: its size so far (where a resumed GET starts)."""
+
+    @property
+    def size(self) -> int: ...
+
+    async def clear(self) -> None: ...
+
+    async def add(self, block: bytes) -> None: ...
+
+
+class _MemorySink:
+    def __init__(self) -> None:
+        self.data = bytearray()
+
+    @property
+    def size(self) -> int:
+        return len(self.data)
+
+    async def clear(self) -> None:
+        self.data.clear()
+
+    async def add(self, block: bytes) -> None:
+        self.data += block
+
+
+class _FileSink:
+    """Blocks appended to a file, written from a thread once ``_WRITE_BATCH`` bytes wait.
+
+    Emptying the file for a full answer waits for the first write too: no thread hop
+    comes between an answer's headers and its first blocks."""
+
+    def __init__(self, f: BinaryIO) -> None:
+        self._f = f
+        self._pending = bytearray()
+        self._size = 0
+        self._restart = False
+
+    @property
+    def size(self) -> int:
+        return self._size
+
+    async def clear(self) -> None:
+        self._pending.clear()
+        self._size = 0
+        self._restart = True
+
+    async def add(self, block: bytes) -> None:
+        self._pending += block
+        self._size += len(block)
+        if len(self._pending) >= _WRITE_BATCH:
+            await self.flush()
+
+    async def flush(self) -> None:
+        if self._pending or self._restart:
+            data, self._pending = self._pending, bytearray()
+            restart, self._restart = self._restart, False
+            await asyncio.to_thread(_write, self._f, data, restart)
+
+
+def _write(f: BinaryIO, data: bytearray, restart: bool) -> None:
+    if restart:
+        f.seek(0)
+        f.truncate()
+    f.write(data)
+
+
+async def _opened(path: Path) -> BinaryIO:
+    """:func:`_open_private` in a thread; a file opened after its caller was cancelled is
+    closed, not leaked."""
+    opening = asyncio.ensure_future(asyncio.to_thread(_open_private, path))
+    try:
+        return await asyncio.shield(opening)
+    except asyncio.CancelledError:
+        opening.add_done_callback(_close_opened)
+        raise
+
+
+def _close_opened(opening: asyncio.Future[BinaryIO]) -> None:
+    if not opening.cancelled() and opening.exception() is None:
+        opening.result().close()
+
+
+def _open_private(path: Path) -> BinaryIO:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+    try:
+        os.fchmod(fd, 0o600)  # a file that was there keeps its mode through O_CREAT
+    except OSError:
+        os.close(fd)
+        raise
+    return os.fdopen(fd, "wb")
 
 
 def _ignore(_count: int) -> None:

@@ -30,7 +30,7 @@ from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 from torch import Tensor
 
@@ -140,16 +140,14 @@ class Synchronizer:
         self._metrics = metrics
 
     async def sync(
-        self,
-        announcement: RoundAnnouncement,
-        held: HeldTheta | None,
-        place: Callable[[int], Path],
+        self, announcement: RoundAnnouncement, held: HeldTheta | None, places: ThetaPlaces
     ) -> Synced:
         """θ_r for ``announcement``, from ``held`` when it can be, as a θ file.
 
-        A θ reached by an update or a resync is written at ``place(round)``
+        A θ reached by an update or a resync is written at ``places.params_path(round)``
         (:mod:`geofed.theta_file`: decoded piece by piece into the file, never whole in
-        memory); a held θ stays where it is.
+        memory), each artifact downloaded to ``places.download_path`` first and removed
+        once used; a held θ stays where it is.
         """
         target = ParamsVersion(announcement.base_round, announcement.base_hash)
         if held is not None and held.version.hash == target.hash:
@@ -158,44 +156,41 @@ class Synchronizer:
         url = announcement.update_url
         if held is not None and url is not None and held.version.round == target.round - 1:
             try:
-                version, counted = await self._update(announcement, url, held, place)
+                version, counted = await self._update(announcement, url, held, places)
             except (ArtifactRejected, HttpError) as exc:
                 refused = str(exc)
                 log.warning("refused the update to θ_%d (%s); resyncing", target.round, exc)
             else:
                 if version == target:
                     self._applied(counted)
-                    return Synced(place(version.round), version, "update")
+                    return Synced(places.params_path(version.round), version, "update")
                 refused = f"update gives θ hash {version.hash}, announced {target.hash}"
                 log.warning("%s; resyncing", refused)
-        version = await self.resync(announcement.job, target, place)
-        return Synced(place(version.round), version, "resync", refused)
+        version = await self.resync(announcement.job, target, places)
+        return Synced(places.params_path(version.round), version, "resync", refused)
 
     async def _update(
-        self,
-        announcement: RoundAnnouncement,
-        url: str,
-        held: HeldTheta,
-        place: Callable[[int], Path],
+        self, announcement: RoundAnnouncement, url: str, held: HeldTheta, places: ThetaPlaces
     ) -> tuple[ParamsVersion, Counted]:
-        """θ after the announced update (written at ``place``), and what the update counts for."""
-        data = await self._client.download(
-            url,
-            what=f"update {announcement.job}/{held.version.round}",
-            on_bytes=self._counter(ArtifactKind.GLOBAL_UPDATE),
-        )
+        """θ after the announced update (written in ``places``), and what the update counts for."""
+        job, round_ = announcement.job, held.version.round
+        bundle = places.download_path(f"update-{round_}.bundle")
+        try:
+            await self._download(url, f"update {job}/{round_}", ArtifactKind.GLOBAL_UPDATE, bundle)
 
-        def verify_and_apply() -> tuple[ParamsVersion, Counted]:
-            update = self._verified_update(data, announcement.job, held.version.round, held.path)
-            digest = update.manifest_digest
-            if announcement.update_digest is not None and digest != announcement.update_digest:
-                raise ArtifactRejected(
-                    f"update {announcement.job}/{held.version.round}: manifest digest {digest}, "
-                    f"the announcement says {announcement.update_digest}"
-                )
-            return self._applied_to_file(update, held.path, held.version, place)
+            def verify_and_apply() -> tuple[ParamsVersion, Counted]:
+                update = self._verified_update(bundle, job, round_, held.path)
+                digest = update.manifest_digest
+                if announcement.update_digest not in (None, digest):
+                    raise ArtifactRejected(
+                        f"update {job}/{round_}: manifest digest {digest}, "
+                        f"the announcement says {announcement.update_digest}"
+                    )
+                return self._applied_to_file(update, held.path, held.version, places)
 
-        return await asyncio.to_thread(verify_and_apply)
+            return await asyncio.to_thread(verify_and_apply)
+        finally:
+            await asyncio.to_thread(bundle.unlink, missing_ok=True)
 
     async def coordinator_version(self, job: str) -> ParamsVersion | None:
         """The θ version the coordinator holds now for ``job`` (None before it has any)."""
@@ -219,39 +214,44 @@ class Synchronizer:
             raise CoordinatorError(f"job {job}: malformed status (delivered {regions!r})")
         return frozenset(regions)
 
-    async def resync(
-        self, job: str, target: ParamsVersion, place: Callable[[int], Path]
-    ) -> ParamsVersion:
+    async def resync(self, job: str, target: ParamsVersion, places: ThetaPlaces) -> ParamsVersion:
         """θ of ``target`` from the latest checkpoint, its snapshot then its updates, each
-        θ on the way written at ``place(round)``."""
+        θ on the way written at ``places.params_path(round)``."""
         answer = await self._client.request("GET", ApiPaths.latest_checkpoint(job))
         snapshot, updates = _chain(answer.json(), job, target.round)
         applied: list[Counted] = []  # counted once the chain reaches θ_r
         # Up to download_window artifacts of the chain travel at once; each is still
         # verified and applied in the chain's order, as it would be one at a time.
+        bundles = [places.download_path(f"snapshot-{snapshot.round}.bundle")] + [
+            places.download_path(f"update-{part.round}.bundle") for part in updates
+        ]
         fetches = [
             self._fetch(
-                snapshot.url, f"snapshot {job}/{snapshot.round}", ArtifactKind.GLOBAL_CHECKPOINT
+                snapshot.url,
+                f"snapshot {job}/{snapshot.round}",
+                ArtifactKind.GLOBAL_CHECKPOINT,
+                bundles[0],
             )
         ] + [
-            self._fetch(part.url, f"update {job}/{part.round}", ArtifactKind.GLOBAL_UPDATE)
-            for part in updates
+            self._fetch(part.url, f"update {job}/{part.round}", ArtifactKind.GLOBAL_UPDATE, bundle)
+            for part, bundle in zip(updates, bundles[1:], strict=True)
         ]
         try:
             async with Prefetch(fetches, self._download_window) as downloads:
-                data = await downloads.next()
                 version, counted = await asyncio.to_thread(
-                    self._verify_snapshot, data, job, snapshot, place
+                    self._verify_snapshot, await downloads.next(), job, snapshot, places
                 )
                 applied.append(counted)
                 for part in updates:
-                    data = await downloads.next()
+                    bundle = await downloads.next()
                     version, counted = await asyncio.to_thread(
-                        self._verify_and_apply, data, job, part, version, place
+                        self._verify_and_apply, bundle, job, part, version, places
                     )
                     applied.append(counted)
         except ArtifactRejected as exc:
             raise ResyncFailed(f"resync of {job} to θ_{target.round}: {exc}") from exc
+        finally:
+            await asyncio.to_thread(_remove, bundles)
         if version != target:
             raise ResyncFailed(
                 f"resync of {job}: the checkpoint gives θ_{version.round} with hash "
@@ -263,11 +263,17 @@ class Synchronizer:
             self._metrics.resynced(job)
         return version
 
-    def _fetch(self, url: str, what: str, kind: ArtifactKind) -> Callable[[], Awaitable[bytearray]]:
-        def fetch() -> Awaitable[bytearray]:
-            return self._client.download(url, what=what, on_bytes=self._counter(kind))
+    def _fetch(
+        self, url: str, what: str, kind: ArtifactKind, target: Path
+    ) -> Callable[[], Awaitable[Path]]:
+        def fetch() -> Awaitable[Path]:
+            return self._download(url, what, kind, target)
 
         return fetch
+
+    async def _download(self, url: str, what: str, kind: ArtifactKind, target: Path) -> Path:
+        await self._client.download_to(url, target, what=what, on_bytes=self._counter(kind))
+        return target
 
     def _counter(self, kind: ArtifactKind) -> Callable[[int], None] | None:
         metrics = self._metrics
@@ -284,72 +290,81 @@ class Synchronizer:
             log.warning("applied download not counted: %s", exc)
 
     def _verified_update(
-        self, data: bytearray, job: str, round_: int, theta: Path
+        self, bundle: Path, job: str, round_: int, theta: Path
     ) -> VerifiedArtifact:
-        """The update of ``round_`` verified, its frames kept to be decoded into θ's file
-        (no larger than θ when decoded)."""
+        """The update of ``round_`` downloaded to ``bundle``, verified, its frames left in the
+        file to be decoded into θ's (no larger than θ when decoded)."""
         try:
             size = read_layout(theta).size
         except ThetaFileError as exc:
             raise ArtifactRejected(f"update {job}/{round_}: the held {exc}") from None
-        return verify_artifact(
-            data,
-            current(self._bundle),
-            kind=ArtifactKind.GLOBAL_UPDATE,
-            job=job,
-            round_=round_,
-            now=self._clock(),
-            max_decoded_bytes=size,
-            decode_now=False,
-        )
+        return self._verified(bundle, ArtifactKind.GLOBAL_UPDATE, job, round_, size)
+
+    def _verified(
+        self, bundle: Path, kind: ArtifactKind, job: str, round_: int, limit: int | None
+    ) -> VerifiedArtifact:
+        try:
+            return artifact_check.verify_artifact_file(
+                bundle,
+                current(self._bundle),
+                kind=kind,
+                job=job,
+                round_=round_,
+                now=self._clock(),
+                max_decoded_bytes=limit,
+            )
+        except ArtifactRefused as exc:
+            raise ArtifactRejected(str(exc)) from None
 
     def _applied_to_file(
-        self,
-        update: VerifiedArtifact,
-        theta: Path,
-        version: ParamsVersion,
-        place: Callable[[int], Path],
+        self, update: VerifiedArtifact, theta: Path, version: ParamsVersion, places: ThetaPlaces
     ) -> tuple[ParamsVersion, Counted]:
         counted = Counted.of(update)
         try:
             found = artifact_check.apply_update_to_file(
-                theta, place(version.round + 1), version.round, version.hash, update
+                theta, places.params_path(version.round + 1), version.round, version.hash, update
             )
         except ArtifactRefused as exc:
             raise ArtifactRejected(str(exc)) from None
         return ParamsVersion(version.round + 1, found), counted
 
     def _verify_snapshot(
-        self, data: bytearray, job: str, part: ListedPart, place: Callable[[int], Path]
+        self, bundle: Path, job: str, part: ListedPart, places: ThetaPlaces
     ) -> tuple[ParamsVersion, Counted]:
-        snapshot = verify_artifact(
-            data,
-            current(self._bundle),
-            kind=ArtifactKind.GLOBAL_CHECKPOINT,
-            job=job,
-            round_=part.round,
-            now=self._clock(),
-            decode_now=False,
-        )
+        snapshot = self._verified(bundle, ArtifactKind.GLOBAL_CHECKPOINT, job, part.round, None)
         part.check_digest(snapshot)
         try:
-            found = artifact_check.snapshot_to_file(place(part.round), snapshot)
+            found = artifact_check.snapshot_to_file(places.params_path(part.round), snapshot)
         except ArtifactRefused as exc:
             raise ArtifactRejected(str(exc)) from None
         return ParamsVersion(part.round, found), Counted.of(snapshot)
 
     def _verify_and_apply(
         self,
-        data: bytearray,
+        bundle: Path,
         job: str,
         part: ListedPart,
         version: ParamsVersion,
-        place: Callable[[int], Path],
+        places: ThetaPlaces,
     ) -> tuple[ParamsVersion, Counted]:
-        theta = place(version.round)
-        update = self._verified_update(data, job, part.round, theta)
+        theta = places.params_path(version.round)
+        update = self._verified_update(bundle, job, part.round, theta)
         part.check_digest(update)
-        return self._applied_to_file(update, theta, version, place)
+        return self._applied_to_file(update, theta, version, places)
+
+
+def _remove(paths: list[Path]) -> None:
+    for path in paths:
+        path.unlink(missing_ok=True)
+
+
+class ThetaPlaces(Protocol):
+    """Where a job's θ files and its downloads go (the agent's
+    :class:`~regional_agent.state.JobDirectory`)."""
+
+    def params_path(self, round_: int) -> Path: ...
+
+    def download_path(self, name: str) -> Path: ...
 
 
 @dataclass(frozen=True, slots=True)

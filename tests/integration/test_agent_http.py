@@ -156,6 +156,29 @@ async def test_a_cut_download_resumes_where_it_stopped(
     assert len(delays) == 1
 
 
+async def test_a_download_to_a_file_resumes_and_replaces_what_was_there(
+    plain_server: tuple[FakeFileServer, str], region: Credentials, tmp_path: Path
+) -> None:
+    fake, url = plain_server
+    target = tmp_path / "update-3.bundle"
+    target.write_bytes(b"a stale download, longer than nothing" * 10_000)
+
+    async def sleep(_delay: float) -> None:
+        pass
+
+    asked = len(fake.ranges)
+    async with build_session(config(url, insecure=True), region) as session:
+        client = CoordinatorClient(session, url, TIMEOUTS, sleep=sleep)
+        size = await client.download_to("/blob", target)
+    assert size == len(BLOB)
+    assert target.read_bytes() == BLOB  # the part before the cut, then the rest
+    first, resumed = fake.ranges[asked:]
+    assert first is None
+    assert resumed is not None
+    assert 0 < int(resumed.removeprefix("bytes=").rstrip("-")) < len(BLOB)
+    assert target.stat().st_mode & 0o777 == 0o600  # θ's updates stay the region's
+
+
 async def test_error_answers_are_typed(
     plain_server: tuple[FakeFileServer, str], region: Credentials
 ) -> None:

@@ -29,10 +29,10 @@ from geofed.control import RoundAnnouncement
 from geofed.deltas import apply_update
 from geofed.manifest import ArtifactProvenance, Manifest, build_manifest, sign_manifest
 from geofed.params import parameters_vector_hash, state_to_fp32
-from geofed.theta_file import hash_theta, write_theta
+from geofed.theta_file import hash_theta
 from geofed.timeouts import Timeouts
 from geofed.types import ArtifactKind
-from regional_agent.state import HeldTheta, ParamsVersion
+from regional_agent.state import AgentState, HeldTheta, JobDirectory, ParamsVersion
 from regional_agent.transfer.coordinator_client import CoordinatorClient
 from regional_agent.transfer.sync import (
     ArtifactRejected,
@@ -257,17 +257,17 @@ def assert_same(left: Params, right: Params) -> None:
         assert torch.equal(left[name], right[name]), name
 
 
-def place_in(directory: Path) -> Callable[[int], Path]:
-    """Where the synchronizer writes each θ it reaches (as the agent's job directory does)."""
-    directory.mkdir(parents=True, exist_ok=True)
-    return lambda round_: directory / f"round-{round_}.safetensors"
+def place_in(root: Path) -> JobDirectory:
+    """The agent's directory of the job, where the synchronizer writes each θ it reaches."""
+    job = AgentState(root).job(JOB)
+    job.prepare_params()
+    return job
 
 
-def held_theta(chain: Chain, round_: int, directory: Path) -> HeldTheta:
+def held_theta(chain: Chain, round_: int, root: Path) -> HeldTheta:
     """θ_round of the chain, held in a θ file as the agent holds it."""
-    path = place_in(directory)(round_)
-    write_theta(path, chain.thetas[round_])
-    return HeldTheta(ParamsVersion(round_, chain.hashes[round_]), path)
+    version = ParamsVersion(round_, chain.hashes[round_])
+    return HeldTheta(version, place_in(root).save_params(version, chain.thetas[round_]))
 
 
 async def test_apply_update_and_resync_reconstruct_identical_theta(
@@ -283,7 +283,7 @@ async def test_apply_update_and_resync_reconstruct_identical_theta(
     assert by_update.method == "update"
     assert by_resync.method == "resync"
     assert by_update.version == by_resync.version == ParamsVersion(2, chain.hashes[2])
-    assert by_update.path == tmp_path / "update" / "round-2.safetensors"
+    assert by_update.path == place_in(tmp_path / "update").params_path(2)
     assert_same(by_update.tensors(), by_resync.tensors())
     assert_same(by_update.tensors(), chain.thetas[2])
     assert list(by_resync.tensors()) == list(chain.thetas[2])  # θ's order, for fragments
@@ -399,8 +399,8 @@ async def test_resync_with_a_tampered_snapshot_fails(
     served[0].files["/artifacts/snapshot-0"] = flip_last_frame_byte(chain.snapshot)
     with pytest.raises(ResyncFailed, match="sha256"):
         await synchronizer.sync(announce(chain, 1), None, place_in(tmp_path))
-    kept = await asyncio.to_thread(lambda: list(tmp_path.glob("round-*")))
-    assert kept == []  # nothing of it was kept
+    kept = await asyncio.to_thread(lambda: sorted(p.name for p in tmp_path.rglob("*.*")))
+    assert kept == []  # nothing of it was kept: not θ_0, nor the download
 
 
 def test_verify_artifact_refuses_an_untrusted_federation(tmp_path: Path, chain: Chain) -> None:

@@ -9,6 +9,7 @@ result must still hash to the manifest's ``parameters_hash``.
 from __future__ import annotations
 
 from datetime import UTC, datetime
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,16 +17,19 @@ import torch
 from geofed.artifact_bundle import pack_bundle
 from geofed.artifact_check import (
     ArtifactRefused,
+    FileFrames,
     VerifiedArtifact,
+    apply_update_to_file,
     apply_verified_update,
     verify_artifact,
+    verify_artifact_file,
 )
 from geofed.codec import decode, encode_stream
 from geofed.codec_params import CodecParams
 from geofed.deltas import DeltaError, add_update_in_place, apply_partial_update, apply_update
 from geofed.manifest import ArtifactProvenance, build_manifest, sign_manifest
 from geofed.params import parameters_vector_hash
-from geofed.pki import TrustBundle
+from geofed.theta_file import hash_theta, map_theta, write_theta
 from geofed.types import ArtifactKind
 from tests.support.pki import Federation, make_federation
 
@@ -94,6 +98,23 @@ def _verified(
 ) -> VerifiedArtifact:
     """``update`` published as round 4's signed update, downloaded and verified
     (``decode_now`` False: its frames kept for decoding where it is applied)."""
+    data, now = _bundle(fed, update, base_hash, parameters_hash)
+    return verify_artifact(
+        data,
+        fed.bundle(),
+        kind=ArtifactKind.GLOBAL_UPDATE,
+        job="job-1",
+        round_=4,
+        now=now,
+        decode_now=decode_now,
+        max_decoded_bytes=max_decoded_bytes,
+    )
+
+
+def _bundle(
+    fed: Federation, update: dict[str, torch.Tensor], base_hash: str, parameters_hash: str
+) -> tuple[bytes, datetime]:
+    """``update`` as round 4's signed update bundle, and when it was signed."""
     coordinator = fed.coordinator()
     stream = encode_stream(update, INT8, chunk_elements=32)
     now = datetime.now(UTC)
@@ -112,18 +133,7 @@ def _verified(
     )
     cred = coordinator.credential
     signed = sign_manifest(manifest, cred.private_key, cred.certificate)
-    data = pack_bundle(signed.to_bytes(), stream.frames())
-    bundle: TrustBundle = fed.bundle()
-    return verify_artifact(
-        data,
-        bundle,
-        kind=ArtifactKind.GLOBAL_UPDATE,
-        job="job-1",
-        round_=4,
-        now=now,
-        decode_now=decode_now,
-        max_decoded_bytes=max_decoded_bytes,
-    )
+    return pack_bundle(signed.to_bytes(), stream.frames()), now
 
 
 @pytest.mark.parametrize(
@@ -238,3 +248,63 @@ def test_an_update_that_does_not_fit_writes_nothing() -> None:
         add_update_in_place(theta, {"c": torch.ones(1)})
     with pytest.raises(DeltaError, match="must be float32"):
         add_update_in_place(theta, {"a": torch.ones(4, dtype=torch.float64)})
+
+
+def test_an_update_downloaded_to_a_file_patches_theta_file_bit_for_bit(
+    fed: Federation, tmp_path: Path
+) -> None:
+    theta = _theta()
+    base = parameters_vector_hash(theta)
+    update = _update(("layer.weight", "head"))
+    published = apply_partial_update(
+        theta, decode(encode_stream(update, INT8, chunk_elements=32).frames())
+    )
+    data, now = _bundle(fed, update, base, parameters_vector_hash(published))
+    downloaded, held, target = (tmp_path / n for n in ("u.bundle", "4.st", "5.st"))
+    downloaded.write_bytes(data)
+    write_theta(held, theta)
+
+    def verified(path: Path) -> VerifiedArtifact:
+        return verify_artifact_file(
+            path, fed.bundle(), kind=ArtifactKind.GLOBAL_UPDATE, job="job-1", round_=4, now=now
+        )
+
+    update_file = verified(downloaded)
+    assert isinstance(update_file.frames, FileFrames)  # read from the file as used
+    found = apply_update_to_file(held, target, 4, base, update_file)
+    assert found == parameters_vector_hash(published) == hash_theta(target)
+    assert all(torch.equal(map_theta(target)[n], published[n]) for n in theta)
+    with pytest.raises(ArtifactRefused, match="has base_hash"):
+        apply_update_to_file(held, tmp_path / "x.st", 4, "0" * 64, update_file)
+
+    flipped = bytearray(data)
+    flipped[-40] ^= 1  # inside the last frame
+    downloaded.write_bytes(bytes(flipped))
+    with pytest.raises(ArtifactRefused, match="sha256"):
+        verified(downloaded)
+    downloaded.write_bytes(data[:-10])
+    with pytest.raises(ArtifactRefused, match="the manifest declares"):
+        verified(downloaded)
+    downloaded.write_bytes(data[:20])
+    with pytest.raises(ArtifactRefused, match="truncated inside the manifest"):
+        verified(downloaded)
+
+
+def test_an_update_that_does_not_fit_theta_file_writes_no_file(
+    fed: Federation, tmp_path: Path
+) -> None:
+    theta = _theta()
+    base = parameters_vector_hash(theta)
+    held = tmp_path / "4.st"
+    write_theta(held, theta)
+    ghost = _verified(fed, {"ghost.weight": torch.zeros(4)}, base, base, decode_now=False)
+    with pytest.raises(ArtifactRefused, match=r"does not have: \['ghost.weight'\]"):
+        apply_update_to_file(held, tmp_path / "5.st", 4, base, ghost)
+    misshapen = _verified(fed, {"head": torch.ones(18)}, base, base, decode_now=False)
+    with pytest.raises(ArtifactRefused, match=r"\['head'\] differ in shape"):
+        apply_update_to_file(held, tmp_path / "5.st", 4, base, misshapen)
+    wrong_hash = _verified(fed, _update(("head",)), base, base, decode_now=False)
+    with pytest.raises(ArtifactRefused, match="parameters hash"):
+        apply_update_to_file(held, tmp_path / "5.st", 4, base, wrong_hash)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["4.st"]
+    assert hash_theta(held) == base

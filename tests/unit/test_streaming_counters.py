@@ -7,6 +7,7 @@ The coordinator serves signed artifacts through a client that answers from memor
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 from collections.abc import Callable, Iterable
@@ -28,10 +29,9 @@ from geofed.deltas import apply_partial_update
 from geofed.fragments import fragment_plan
 from geofed.manifest import ArtifactProvenance, build_manifest, sign_manifest
 from geofed.params import parameters_vector_hash
-from geofed.theta_file import write_theta
 from geofed.types import ArtifactKind
 from regional_agent.metrics import AgentMetrics
-from regional_agent.state import HeldTheta, ParamsVersion
+from regional_agent.state import AgentState, HeldTheta, JobDirectory, ParamsVersion
 from regional_agent.transfer.coordinator_client import Answer, CoordinatorClient
 from regional_agent.transfer.sync import Synchronizer
 from tests.support.agent_schedule import REGION, announce
@@ -127,13 +127,19 @@ class ServedFiles:
         assert (method, path) == ("GET", ApiPaths.latest_checkpoint(JOB))
         return Answer(200, {}, json.dumps(self.latest).encode())
 
-    async def download(
-        self, path: str, *, what: str | None = None, on_bytes: Callable[[int], None] | None = None
-    ) -> bytes:
+    async def download_to(
+        self,
+        path: str,
+        target: Path,
+        *,
+        what: str | None = None,
+        on_bytes: Callable[[int], None] | None = None,
+    ) -> int:
         data = self.files[path]
         if on_bytes is not None:
             on_bytes(len(data))
-        return data
+        await asyncio.to_thread(target.write_bytes, data)
+        return len(data)
 
 
 @pytest.fixture
@@ -155,19 +161,21 @@ def round_1(chain: Chain) -> RoundAnnouncement:
     return announce(JOB, 1, base_hash=chain.hashes[1], update_digest=chain.update_digest)
 
 
-def place_in(directory: Path) -> Callable[[int], Path]:
-    return lambda round_: directory / f"round-{round_}.safetensors"
+def job_directory(root: Path) -> JobDirectory:
+    job = AgentState(root).job(JOB)
+    job.prepare_params()
+    return job
 
 
 async def test_an_applied_partial_update_counts_only_its_fragment(
     chain: Chain, synchronizer: tuple[Synchronizer, CollectorRegistry], tmp_path: Path
 ) -> None:
     sync, registry = synchronizer
-    place = place_in(tmp_path)
-    write_theta(place(0), THETA)
-    held = HeldTheta(ParamsVersion(0, chain.hashes[0]), place(0))
+    job = job_directory(tmp_path)
+    version = ParamsVersion(0, chain.hashes[0])
+    held = HeldTheta(version, job.save_params(version, THETA))
     assert fp32_size(FRAGMENT) < fp32_size(THETA)
-    synced = await sync.sync(round_1(chain), held, place)
+    synced = await sync.sync(round_1(chain), held, job)
     assert synced.method == "update"
     assert fp32_downloaded(registry, "int8") == fp32_size(FRAGMENT)
 
@@ -176,7 +184,7 @@ async def test_a_resync_counts_the_whole_snapshot_and_the_updates_fragment(
     chain: Chain, synchronizer: tuple[Synchronizer, CollectorRegistry], tmp_path: Path
 ) -> None:
     sync, registry = synchronizer
-    synced = await sync.sync(round_1(chain), None, place_in(tmp_path))
+    synced = await sync.sync(round_1(chain), None, job_directory(tmp_path))
     assert synced.method == "resync"
     assert fp32_downloaded(registry, "fp32") == fp32_size(THETA)
     assert fp32_downloaded(registry, "int8") == fp32_size(FRAGMENT)
