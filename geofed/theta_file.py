@@ -270,9 +270,12 @@ def patch_theta(
     with open(source, "rb", buffering=0) as src, atomic as dst:
         shutil.copyfileobj(src, dst, CHUNK_BYTES)
         dst.flush()
+        buffer = torch.empty(0, dtype=torch.float32)  # one, grown as pieces need
         for name, offset, values in pieces:
             where = _piece_bytes(by_name, name, offset, values)
-            base = torch.empty(values.numel(), dtype=torch.float32)
+            if buffer.numel() < values.numel():
+                buffer = torch.empty(values.numel(), dtype=torch.float32)
+            base = buffer[: values.numel()]
             raw = base.view(torch.uint8).numpy()
             if os.preadv(src.fileno(), [raw.data], where) != raw.nbytes:
                 raise ThetaFileError(f"{source}: ends inside tensor {name!r}")

@@ -45,6 +45,7 @@ from geofed.control import RoundAnnouncement
 from geofed.data.fingerprint import dataset_fingerprint
 from geofed.data.location import DataError, DatasetLocation
 from geofed.evaluation_config import region_evaluates
+from geofed.heap import trim_heap
 from geofed.lineage import Software, local_software
 from geofed.manifest import Manifest
 from geofed.timeouts import Timeout
@@ -496,7 +497,9 @@ class RoundPipeline:
             manifest = delta_manifest(origin, stream, now=self._clock())
             signed = sign_delta(manifest, self._region.credentials)
             frames = stream.path if isinstance(stream, DeltaStream) else list(stream.frames())
-            return job.write_spool(announcement.round, signed.to_bytes(), frames, residual, meta)
+            spooled = job.write_spool(announcement.round, signed.to_bytes(), frames, residual, meta)
+            trim_heap()  # what hashing and signing the stream freed
+            return spooled
 
         encode_started = self._monotonic()
         with self._phase(announcement, "encode"):

@@ -10,9 +10,10 @@ nothing to do when the held θ already has the announced hash; the update when t
 θ is the version just before; a full resync otherwise, and whenever an update is
 refused. θ lives in files (:mod:`geofed.theta_file`): an update is decoded piece by
 piece into a copy of the held θ's file, a snapshot into a new one, so the agent never
-holds θ in memory. Verification and the tensor arithmetic run in a worker thread. A resync fetches
-up to ``download_window`` artifacts of the chain at once (agent config
-``transfer.download_window``) and still verifies and applies them in order; each
+holds θ in memory (and gives the buffers it streamed through back to the system after
+each, :func:`geofed.heap.trim_heap`). Verification and the tensor arithmetic run in a
+worker thread. A resync fetches up to ``download_window`` artifacts of the chain at once
+(agent config ``transfer.download_window``) and still verifies and applies them in order; each
 artifact is one streamed GET that resumes with ``Range`` after a drop.
 
 With :class:`~regional_agent.metrics.AgentMetrics` it counts the bytes downloaded (as
@@ -38,6 +39,7 @@ from geofed import artifact_check
 from geofed.api_paths import ApiPaths
 from geofed.artifact_check import ArtifactRefused, VerifiedArtifact
 from geofed.control import RoundAnnouncement
+from geofed.heap import trim_heap
 from geofed.pki import TrustBundle
 from geofed.pki.bundle_source import BundleSource, current
 from geofed.theta_file import ThetaFileError, map_theta, read_layout
@@ -186,7 +188,10 @@ class Synchronizer:
                         f"update {job}/{round_}: manifest digest {digest}, "
                         f"the announcement says {announcement.update_digest}"
                     )
-                return self._applied_to_file(update, held.path, held.version, places)
+                try:
+                    return self._applied_to_file(update, held.path, held.version, places)
+                finally:
+                    trim_heap()
 
             return await asyncio.to_thread(verify_and_apply)
         finally:
@@ -337,6 +342,8 @@ class Synchronizer:
             found = artifact_check.snapshot_to_file(places.params_path(part.round), snapshot)
         except ArtifactRefused as exc:
             raise ArtifactRejected(str(exc)) from None
+        finally:
+            trim_heap()
         return ParamsVersion(part.round, found), Counted.of(snapshot)
 
     def _verify_and_apply(
@@ -350,7 +357,10 @@ class Synchronizer:
         theta = places.params_path(version.round)
         update = self._verified_update(bundle, job, part.round, theta)
         part.check_digest(update)
-        return self._applied_to_file(update, theta, version, places)
+        try:
+            return self._applied_to_file(update, theta, version, places)
+        finally:
+            trim_heap()
 
 
 def _remove(paths: list[Path]) -> None:

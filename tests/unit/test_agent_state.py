@@ -189,3 +189,18 @@ def test_recover_finishes_a_promotion_a_crash_interrupted(
     assert not torch.equal(
         next(iter(old.residual.values())), next(iter(residual.residual.values()))
     )
+
+
+def test_downloads_an_unfinished_sync_left_are_removed_when_the_next_begins(
+    tmp_path: Path,
+) -> None:
+    state = AgentState(tmp_path).job(JOB)
+    state.prepare_params()
+    left = state.download_path("update-3.bundle")
+    left.write_bytes(b"part of an update")
+    assert left.parent == tmp_path / "jobs" / JOB / "downloads"
+    state.prepare_params()
+    assert not left.exists()
+    assert (left.parent.stat().st_mode & 0o777) == 0o700
+    with pytest.raises(StateError, match="a file name"):
+        state.download_path("../params/round-3.safetensors")
