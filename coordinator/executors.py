@@ -4,7 +4,8 @@
   calls are short and serialised anyway).
 - ``compute``: a pool for codec and torch work (decoding, aggregation, encoding), one
   thread per usable CPU (:func:`usable_cpus`) by default: sha256, zstd and torch release
-  the GIL, so the deltas of a round's regions are verified and decoded side by side.
+  the GIL, so the deltas of a round's regions are verified and decoded side by side;
+  after each call the heap memory it freed goes back to the system.
 - ``files``: a pool for file I/O (spooling chunks with fsync, serving blob metadata).
 - ``parse``: one thread for parsing and validating request bodies (job specs), so a
   hostile body never runs on the event loop, bodies are parsed one at a time, and they
@@ -32,6 +33,7 @@ from concurrent.futures.process import BrokenProcessPool
 from typing import ParamSpec, TypeVar
 
 from coordinator.memory_budget import keep_within
+from geofed.heap import trim_heap
 
 __all__ = ["Executors", "side_by_side", "usable_cpus"]
 
@@ -108,8 +110,10 @@ class Executors:
         return await self._run(self._store, fn, *args, **kwargs)
 
     async def compute(self, fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
-        """Run codec or torch work in the compute pool."""
-        return await self._run(self._compute, fn, *args, **kwargs)
+        """Run codec or torch work in the compute pool, then give the heap memory it freed
+        back to the system (:func:`geofed.heap.trim_heap`: a model-sized pass leaves its
+        buffers in the thread's arena otherwise, and the coordinator's memory creeps up)."""
+        return await self._run(self._compute, _then_trim, functools.partial(fn, *args, **kwargs))
 
     async def files(self, fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
         """Run file I/O in the file pool."""
@@ -156,3 +160,10 @@ class Executors:
         self._compute.shutdown(wait=True, cancel_futures=True)
         self._files.shutdown(wait=True, cancel_futures=True)
         self._store.shutdown(wait=True, cancel_futures=True)
+
+
+def _then_trim(work: Callable[[], T]) -> T:
+    try:
+        return work()
+    finally:
+        trim_heap()

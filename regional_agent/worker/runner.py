@@ -61,6 +61,7 @@ import torch
 import torch.distributed as dist
 
 from geofed.codec import QuantizedTensors
+from geofed.heap import trim_heap
 from geofed.params import parameters_vector_hash
 from regional_agent.handoff.directory import HandoffDir
 from regional_agent.handoff.messages import (
@@ -164,6 +165,7 @@ class RoundRunner:
             instruction = self._broadcast_instruction(pending)
             if instruction is not None:
                 self._serve(instruction)
+                trim_heap()  # the round's transient buffers, before the next one grows
 
     def _migrate_legacy_checkpoint(self) -> None:
         """Move a checkpoint of the old one-per-region place to its job's (rank 0, before
