@@ -25,7 +25,7 @@ import math
 import os
 import shutil
 import struct
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -195,6 +195,40 @@ def map_theta(path: str | os.PathLike[str]) -> dict[str, Tensor]:
         e.name: whole[e.start : e.start + e.nbytes].view(torch.float32).view(e.shape)
         for e in layout.entries
     }
+
+
+def read_theta(path: str | os.PathLike[str]) -> Mapping[str, Tensor]:
+    """θ's tensors, each read from the file when it is asked for: a new tensor every time,
+    and none of the file kept mapped, for a pass that takes each tensor once (rank 0's
+    delta) and would otherwise keep the whole file resident. A ``torch.save``-d state dict
+    (the format before) is mapped instead (:func:`map_theta`)."""
+    try:
+        layout = read_layout(path)
+    except ThetaFileError:
+        return map_theta(path)  # the format before, or an error that names the file
+    return _ReadOnDemand(Path(path), layout)
+
+
+class _ReadOnDemand(Mapping[str, Tensor]):
+    def __init__(self, path: Path, layout: ThetaLayout) -> None:
+        self._path = path
+        self._entries = {entry.name: entry for entry in layout.entries}
+
+    def __getitem__(self, name: str) -> Tensor:
+        entry = self._entries[name]
+        tensor = torch.empty(entry.shape, dtype=torch.float32)
+        if entry.numel:
+            raw = tensor.view(-1).view(torch.uint8).numpy()
+            with open(self._path, "rb", buffering=0) as f:
+                if os.preadv(f.fileno(), [raw.data], entry.start) != entry.nbytes:
+                    raise ThetaFileError(f"{self._path}: ends inside tensor {name!r}")
+        return tensor
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._entries)
+
+    def __len__(self) -> int:
+        return len(self._entries)
 
 
 def write_theta(

@@ -35,7 +35,7 @@ import torch
 from geofed.codec import QuantizedTensors, quantize_tensors
 from geofed.codec.tensors import TensorLayout
 from geofed.params import federated_state
-from geofed.theta_file import ThetaFileError, map_theta
+from geofed.theta_file import ThetaFileError, read_theta
 from regional_agent.handoff.delta_terms import UnusableDelta, rounding_generator
 from regional_agent.handoff.messages import DeltaRequest, RoundInstruction
 from regional_agent.handoff.residual_file import (
@@ -131,7 +131,8 @@ class RoundDeltaQuantizer:
         self._shapes = dict(shapes)
         self._base_path = base_path
         try:
-            self._base = map_theta(base_path)
+            # Read a tensor at a time as the delta takes it: θ's pages are not kept.
+            self._base = read_theta(base_path)
         except ThetaFileError as exc:
             raise UnusableDelta(str(exc)) from None
         base = self._base

@@ -22,6 +22,7 @@ from geofed.theta_file import (
     map_theta,
     patch_theta,
     read_layout,
+    read_theta,
     write_theta,
 )
 
@@ -153,3 +154,21 @@ def test_only_float32_tensors_are_written(tmp_path: Path) -> None:
     with pytest.raises(ThetaFileError, match="float32 tensors only"):
         write_theta(tmp_path / "t.safetensors", {"w": torch.ones(2, dtype=torch.bfloat16)})
     assert not (tmp_path / "t.safetensors").exists()
+
+
+def test_tensors_read_one_at_a_time_are_new_and_equal(tmp_path: Path) -> None:
+    tensors = theta()
+    path = tmp_path / "round-0.safetensors"
+    write_theta(path, tensors)
+    read = read_theta(path)
+    assert list(read) == list(tensors)
+    assert len(read) == len(tensors)
+    for name, tensor in tensors.items():
+        assert torch.equal(read[name], tensor), name
+    first = read["bias"]
+    first.add_(1.0)  # the reader's own tensor: neither the file nor the next read change
+    assert torch.equal(read["bias"], tensors["bias"])
+    assert hash_theta(path) == parameters_vector_hash(tensors)
+    pickled = tmp_path / "theta.pt"
+    torch.save(tensors, pickled)  # the format before is mapped instead
+    assert all(torch.equal(read_theta(pickled)[n], t) for n, t in tensors.items())
