@@ -91,10 +91,17 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "its tokenizer option's directory for the tokenizer",
     )
     export.add_argument(
+        "--hf-tokenizer",
+        type=Path,
+        help="--format hf: the tokenizer directory saved with the model; default: "
+        "--hf-model's own tokenizer, else the job's task's tokenizer option",
+    )
+    export.add_argument(
         "--dtype",
         choices=("float32", "bfloat16", "float16"),
-        default="float32",
-        help="--format hf: the weights' type (float32: θ exactly)",
+        default=None,
+        help="--format hf: the weights' type (default float32: θ exactly; the other "
+        "formats always write θ exactly)",
     )
     export.add_argument(
         "--max-shard-size",
@@ -117,7 +124,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         help="read the chain from this checkpoint location directory instead of a coordinator",
     )
     _connection_arguments(export)
-    export.set_defaults(handler=_export, hf_tokenizer=None)
+    export.set_defaults(handler=_export)
 
 
 def shard_size(text: str) -> int:
@@ -157,7 +164,9 @@ def _export(args: argparse.Namespace) -> int:
                 return result
             rebuilt, lineage, task = result
             if args.format == "hf":
-                args.hf_model, args.hf_tokenizer = hf_sources(task, args.hf_model)
+                args.hf_model, args.hf_tokenizer = hf_sources(
+                    task, args.hf_model, args.hf_tokenizer
+                )
     except UsageError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_USAGE
@@ -174,8 +183,21 @@ def _export(args: argparse.Namespace) -> int:
 
 def _check_format_flags(args: argparse.Namespace) -> None:
     # Before anything is asked for or written: the flag would be ignored.
-    if args.max_shard_size is not None and args.format != "hf":
+    if args.format == "hf":
+        if args.hf_tokenizer is not None:
+            _check_tokenizer(args.hf_tokenizer)
+        return
+    if args.max_shard_size is not None:
         raise UsageError(f"--max-shard-size is for --format hf; a {args.format} export is one file")
+    if args.dtype is not None:
+        raise UsageError(
+            f"--dtype is for --format hf; a {args.format} export is θ exactly, in float32"
+        )
+    for flag, value in (("--hf-model", args.hf_model), ("--hf-tokenizer", args.hf_tokenizer)):
+        if value is not None:
+            raise UsageError(
+                f"{flag} is for --format hf; a {args.format} export has no model directory"
+            )
 
 
 def _trust(args: argparse.Namespace) -> Any:
@@ -229,7 +251,7 @@ def _from_store(args: argparse.Namespace, trust: Any) -> tuple[Any, str | None, 
     if args.format == "hf" and args.hf_model is None:
         raise UsageError("--format hf with --store needs --hf-model: the job's model directory")
     if args.format == "hf":
-        args.hf_model, args.hf_tokenizer = hf_sources(None, args.hf_model)
+        args.hf_model, args.hf_tokenizer = hf_sources(None, args.hf_model, args.hf_tokenizer)
     if not (root / "jobs").is_dir():
         raise UsageError(f"{root} is not a checkpoint location (no jobs/ directory)")
     try:
@@ -300,13 +322,20 @@ def _write(args: argparse.Namespace, rebuilt: Any, destination: str | None, line
 _HF_TASK = "geofed.tasks.hf:CausalLMTask"
 
 
-def hf_sources(task: Any, hf_model: Path | None) -> tuple[Path, Path | None]:
+def hf_sources(
+    task: Any, hf_model: Path | None, hf_tokenizer: Path | None = None
+) -> tuple[Path, Path | None]:
     """The model directory θ is exported as and the tokenizer directory saved with it.
 
     ``hf_model`` (``--hf-model``) wins, with its own tokenizer if it has one; otherwise
     the job's task (as the coordinator's export answer names it) gives its ``model`` and
     its ``tokenizer`` option, which defaults to the model directory's tokenizer.
+    ``hf_tokenizer`` (``--hf-tokenizer``) wins over either for the tokenizer.
     """
+    if hf_tokenizer is not None:
+        _check_tokenizer(hf_tokenizer)
+        model_dir, _ = hf_sources(task, hf_model)
+        return model_dir, hf_tokenizer
     if hf_model is not None:
         return hf_model, hf_model if _has_tokenizer(hf_model) else None
     spec = task.get("spec") if isinstance(task, dict) else None
@@ -341,7 +370,7 @@ def _write_hf(args: argparse.Namespace, rebuilt: Any, destination: str | None, l
             tokenizer_dir=args.hf_tokenizer,
             metadata=metadata,
             params_hash=rebuilt.params_hash,
-            dtype=args.dtype,
+            dtype=args.dtype or "float32",
             max_shard_size=args.max_shard_size or DEFAULT_SHARD_SIZE,
         )
     except HfModelError as exc:
@@ -377,6 +406,13 @@ def _write_hf(args: argparse.Namespace, rebuilt: Any, destination: str | None, l
             f"unexpected key, and its weights have {checked}"
         )
     return EXIT_OK
+
+
+def _check_tokenizer(directory: Path) -> None:
+    if not _has_tokenizer(directory):
+        raise UsageError(
+            f"--hf-tokenizer {directory}: no tokenizer.json or tokenizer_config.json there"
+        )
 
 
 def _has_tokenizer(directory: Path) -> bool:

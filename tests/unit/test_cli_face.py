@@ -71,11 +71,32 @@ def test_sizes_read_as_bytes() -> None:
     assert shard_size("64 mib") == 64 * 2**20
 
 
-def test_a_max_shard_size_is_for_the_hf_format_only(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+@pytest.mark.parametrize(
+    ("flag", "value"),
+    [
+        ("--max-shard-size", "1GB"),
+        ("--dtype", "bfloat16"),
+        ("--hf-model", "models/llama"),
+        ("--hf-tokenizer", "models/tokenizer"),
+    ],
+)
+@pytest.mark.parametrize("fmt", ["safetensors", "torch"])
+def test_the_hf_formats_flags_are_refused_for_the_other_formats(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], flag: str, value: str, fmt: str
 ) -> None:
     out = tmp_path / "model.safetensors"
-    argv = ["export", "llm", "--out", str(out), "--max-shard-size", "1GB", "--store", "x"]
+    argv = ["export", "llm", "--out", str(out), "--format", fmt, flag, value, "--store", "x"]
+    assert main(argv) == 2  # said, rather than ignored
+    assert f"{flag} is for --format hf" in capsys.readouterr().err
+    assert not out.exists()
+
+
+def test_a_tokenizer_directory_without_a_tokenizer_is_a_usage_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "export"
+    argv = ["export", "llm", "--format", "hf", "--out", str(out), "--store", str(tmp_path)]
+    argv += ["--hf-model", str(tmp_path), "--hf-tokenizer", str(tmp_path)]
     assert main(argv) == 2
-    assert "--max-shard-size is for --format hf" in capsys.readouterr().err
+    assert f"--hf-tokenizer {tmp_path}: no tokenizer.json" in capsys.readouterr().err
     assert not out.exists()

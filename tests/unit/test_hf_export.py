@@ -17,6 +17,7 @@ from geofed.task import load_task
 from geofed.tasks.hf_export import EXPORT_FILE, write_hf_export
 from geofed.tasks.hf_model import HfModelError
 from geofed_cli.export import hf_sources, shard_size
+from geofed_cli.jobs import UsageError
 from tests.support.hf_models import ARCHITECTURES, save_model, save_tokenizer
 
 SPEC = "geofed.tasks.hf:CausalLMTask"
@@ -231,6 +232,11 @@ def test_the_export_saves_the_tokenizer_the_task_names(
     assert hf_sources({"spec": SPEC, "options": {"model": str(gpt2)}}, None) == (gpt2, None)
     # --hf-model names the directory to export as, with its own tokenizer.
     assert hf_sources(named, llama) == (llama, llama)
+    # --hf-tokenizer names the tokenizer, whatever the model directory (--store has no task).
+    assert hf_sources(None, llama, tokenizer) == (llama, tokenizer)
+    assert hf_sources(named, None, tokenizer) == (gpt2, tokenizer)
+    with pytest.raises(UsageError, match=r"no tokenizer\.json"):
+        hf_sources(named, None, gpt2)
     model_dir, tokenizer_dir = hf_sources(named, None)
     _, theta = trained(model_dir)
     out = tmp_path / "export"
