@@ -158,11 +158,7 @@ def verify_artifact_file(
         raise ArtifactRefused(f"{what}: bundle truncated inside the manifest ({size} bytes)")
     signed = _signed(manifest_bytes, bundle, kind, job, round_, now, what)
     manifest = signed.manifest
-    if len(manifest.chunks) < 2 or size - start != manifest.total_size:
-        raise ArtifactRefused(
-            f"{what}: stream of {size - start} bytes, the manifest declares "
-            f"{manifest.total_size} in {len(manifest.chunks)} frames"
-        )
+    _check_stream_size(manifest, size - start, what)
     frames = FileFrames(Path(path), start, [record.size for record in manifest.chunks])
     return _undecoded(signed, manifest_bytes, frames, max_decoded_bytes, what)
 
@@ -241,12 +237,16 @@ def _undecoded(
     return VerifiedArtifact(manifest, {}, digest, signed, frames)
 
 
-def _frames(manifest: Manifest, stream: memoryview, what: str) -> list[memoryview]:
-    if len(manifest.chunks) < 2 or len(stream) != manifest.total_size:
+def _check_stream_size(manifest: Manifest, size: int, what: str) -> None:
+    if len(manifest.chunks) < 2 or size != manifest.total_size:
         raise ArtifactRefused(
-            f"{what}: stream of {len(stream)} bytes, the manifest declares "
+            f"{what}: stream of {size} bytes, the manifest declares "
             f"{manifest.total_size} in {len(manifest.chunks)} frames"
         )
+
+
+def _frames(manifest: Manifest, stream: memoryview, what: str) -> list[memoryview]:
+    _check_stream_size(manifest, len(stream), what)
     frames, offset = [], 0
     for record in manifest.chunks:
         frames.append(stream[offset : offset + record.size])

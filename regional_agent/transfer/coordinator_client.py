@@ -18,6 +18,7 @@ never retry).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -337,19 +338,19 @@ def _write(f: BinaryIO, data: bytearray, restart: bool) -> None:
 
 
 async def _opened(path: Path) -> BinaryIO:
-    """:func:`_open_private` in a thread; a file opened after its caller was cancelled is
-    closed, not leaked."""
+    """:func:`_open_private` in a thread. Cancelled while the thread opens, it still waits
+    for the open (one system call) and closes the file before the cancellation goes on:
+    a file opened for nobody would be left to the garbage collector."""
     opening = asyncio.ensure_future(asyncio.to_thread(_open_private, path))
     try:
         return await asyncio.shield(opening)
     except asyncio.CancelledError:
-        opening.add_done_callback(_close_opened)
+        while not opening.done():
+            with contextlib.suppress(asyncio.CancelledError):
+                await asyncio.shield(opening)
+        if not opening.cancelled() and opening.exception() is None:
+            opening.result().close()
         raise
-
-
-def _close_opened(opening: asyncio.Future[BinaryIO]) -> None:
-    if not opening.cancelled() and opening.exception() is None:
-        opening.result().close()
 
 
 def _open_private(path: Path) -> BinaryIO:
