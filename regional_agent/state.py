@@ -6,7 +6,8 @@ cursor) in its own hand-off directory. Layout under the state directory::
 
     jobs/<job>/params/round-<v>.safetensors
                                         θ_v, a θ file (:mod:`geofed.theta_file`; immutable)
-    jobs/<job>/params/current.json      {"round": v, "hash": ...}: which θ is held, last
+    jobs/<job>/params/current.json      {"round": v, "hash": ..., "file": ...}: which θ is
+                                        held (and its file's size, mtime, inode), last
     jobs/<job>/downloads/               an update or snapshot being downloaded, until applied
     jobs/<job>/feedback.pt              error-feedback residual after the last accepted delta
                                         (or a held file: rank 0 keeps its tensors)
@@ -184,14 +185,20 @@ class JobDirectory:
     def load_params(self) -> HeldTheta | None:
         """The θ held and its file; None when nothing (or nothing intact) is held.
 
-        The file is re-hashed (read in chunks, never whole): a θ that no longer matches
-        its recorded hash, or a θ of the format before (a torch.save file), is dropped
-        (with a warning), so the caller resyncs rather than training from damaged state.
+        A file whose size, modification time and inode are those recorded when it was
+        made the one held is taken as it was hashed then; any other (changed since, or
+        recorded by an agent of the format before) is re-hashed, read in chunks. A θ
+        that no longer matches its recorded hash, or a θ of the format before (a
+        torch.save file), is dropped (with a warning), so the caller resyncs rather than
+        training from damaged state. (Rank 0 hashes the θ it trains from every round too.)
         """
         version = self.current_version()
         if version is None:
             return None
         path = self.params_path(version.round)
+        recorded = (_read_json(self._params / "current.json") or {}).get("file")
+        if recorded is not None and recorded == _file_identity(path):
+            return HeldTheta(version, path)
         try:
             found = hash_theta(path)
         except ThetaFileError as exc:
@@ -205,12 +212,19 @@ class JobDirectory:
         return HeldTheta(version, path)
 
     def record_params(self, version: ParamsVersion) -> Path:
-        """Make θ of ``version``, already written at :meth:`params_path`, the one held;
+        """Make θ of ``version``, already written at :meth:`params_path` and hashed, the one
+        held (with its file's identity: :meth:`load_params` need not hash it again);
         prune older θ files."""
-        body = {"format": FORMAT_VERSION, "round": version.round, "hash": version.hash}
+        path = self.params_path(version.round)
+        body = {
+            "format": FORMAT_VERSION,
+            "round": version.round,
+            "hash": version.hash,
+            "file": _file_identity(path),
+        }
         atomic_write_bytes(self._params / "current.json", json.dumps(body).encode())
         self._prune_params(version.round)
-        return self.params_path(version.round)
+        return path
 
     def save_params(self, version: ParamsVersion, params: Mapping[str, Tensor]) -> Path:
         """Store θ of ``version`` (its tensors) and make it the one held."""
@@ -464,6 +478,16 @@ def _load(path: Path) -> dict[str, Any]:
     if not isinstance(body, dict):
         raise StateError(f"{path}: expected a mapping, found {type(body).__name__}")
     return body
+
+
+def _file_identity(path: Path) -> list[int] | None:
+    """Size, modification time (ns) and inode of ``path``: what changes when it is
+    rewritten or replaced; None when it is missing."""
+    try:
+        st = path.stat()
+    except FileNotFoundError:
+        return None
+    return [st.st_size, st.st_mtime_ns, st.st_ino]
 
 
 def _read_json(path: Path) -> dict[str, Any] | None:

@@ -405,12 +405,10 @@ class RoundPipeline:
                 summary.train_started_at,
                 summary.train_finished_at,
             )
-        if summary.base_params_hash != base_hash:
-            return RoundEnd(
-                "failed",
-                f"the workers trained from θ {summary.base_params_hash}, not {base_hash}",
-                params_hash=base_hash,
-            )
+        if summary.base_params_hash != base_hash:  # θ's file is not what was recorded:
+            await _blocking(job.forget_params)  # the next sync resyncs rather than retrying it
+            why = f"the workers trained from θ {summary.base_params_hash}, not {base_hash}"
+            return RoundEnd("failed", why, params_hash=base_hash)
         await self._delayed.speculate(
             announcement,
             instruction,

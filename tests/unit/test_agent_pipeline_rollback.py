@@ -1,5 +1,6 @@
-"""The round pipeline asks the coordinator before it counts a delivered round as done, and
-rebuilds a damaged progress record from what the coordinator holds."""
+"""The round pipeline asks the coordinator before it counts a delivered round as done,
+rebuilds a damaged progress record from what the coordinator holds, and drops a held θ the
+workers found to be another."""
 
 from __future__ import annotations
 
@@ -12,10 +13,11 @@ from prometheus_client import CollectorRegistry
 
 from policies import PolicySet, load_policies
 from regional_agent.credentials import Credentials
+from regional_agent.handoff.messages import RoundInstruction, RoundResult, RoundSummary
 from regional_agent.metrics import AgentMetrics
 from regional_agent.rounds.pipeline import PipelineRegion, RoundPipeline
 from regional_agent.state import AgentState, ParamsVersion
-from regional_agent.transfer.sync import ResyncFailed
+from regional_agent.transfer.sync import ResyncFailed, Synced
 from tests.support.agent_credentials import agent_credentials
 from tests.support.agent_schedule import REGION, announce
 from tests.support.pki import make_federation
@@ -150,3 +152,43 @@ async def test_a_damaged_progress_record_without_a_receipt_runs_the_round(
     assert "stopped here" in end.detail, end
     assert AgentState(tmp_path).job(JOB).uploaded_round() is None
     assert f"which does not hold this region's delta of round {ROUND}" in caplog.text
+
+
+class WorkersOfAnotherTheta(Coordinator):
+    """The held θ is the announced one (no download), and the workers report that the file
+    they trained from hashes otherwise (it changed on disk since the agent recorded it)."""
+
+    async def sync(self, announcement: Any, held: Any, places: Any) -> Synced:
+        self.calls.append("sync")
+        return Synced(held.path, held.version, "held")
+
+    async def run_round(self, instruction: RoundInstruction, timeout_s: float) -> RoundResult:
+        self.calls.append("train")
+        summary = RoundSummary(
+            job=instruction.job,
+            round=instruction.round,
+            steps=1,
+            tokens=8,
+            mean_loss=1.0,
+            cursor=1,
+            base_params_hash="e" * 64,
+            params_hash="f" * 64,
+            world_size=1,
+            train_seconds=0.1,
+        )
+        return RoundResult(summary)
+
+
+async def test_a_held_theta_the_workers_found_to_be_another_is_dropped(
+    tmp_path: Path, credentials: Credentials, policies: PolicySet
+) -> None:
+    job = AgentState(tmp_path).job(JOB)
+    job.save_params(
+        ParamsVersion(ROUND, f"{ROUND:064x}"), TinyTask().build_model(seed=1).state_dict()
+    )
+    fake = WorkersOfAnotherTheta(delivered=set())
+    end = await pipeline(tmp_path, credentials, policies, fake).run(announce(JOB, ROUND))
+    assert end.outcome == "failed", end
+    assert f"the workers trained from θ {'e' * 64}, not {ROUND:064x}" in end.detail
+    assert fake.calls == ["sync", "train"]
+    assert job.current_version() is None  # the next sync resyncs instead of trying it again

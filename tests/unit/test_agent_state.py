@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -96,13 +97,34 @@ def test_damaged_params_are_dropped_so_the_next_sync_resyncs(tmp_path: Path) -> 
     state = AgentState(tmp_path).job(JOB)
     params = theta(0)
     path = state.save_params(ParamsVersion(0, parameters_vector_hash(params)), params)
+    flip_last_bit(path)
+    later = path.stat().st_mtime_ns + 10**9  # a second later, whatever the clock's grain
+    os.utime(path, ns=(later, later))
+    assert state.load_params() is None
+    assert state.current_version() is None
+
+
+def flip_last_bit(path: Path) -> None:
     with open(path, "r+b") as f:  # one bit of the last tensor flips on disk
         f.seek(-1, 2)
         last = f.read(1)
         f.seek(-1, 2)
         f.write(bytes([last[0] ^ 1]))
-    assert state.load_params() is None
-    assert state.current_version() is None
+
+
+def test_an_untouched_held_theta_is_not_read_again(tmp_path: Path) -> None:
+    state = AgentState(tmp_path).job(JOB)
+    params = theta(0)
+    version = ParamsVersion(0, parameters_vector_hash(params))
+    path = state.save_params(version, params)
+    recorded = path.stat()
+    # Bytes changed behind the file's back, its size, mtime and inode as recorded: taken as
+    # it was hashed when it was made the one held (rank 0 hashes what it trains from).
+    flip_last_bit(path)
+    os.utime(path, ns=(recorded.st_atime_ns, recorded.st_mtime_ns))
+    held = state.load_params()
+    assert held is not None
+    assert held.version == version
 
 
 def test_params_of_the_format_before_are_dropped_and_pruned(tmp_path: Path) -> None:
