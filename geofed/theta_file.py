@@ -159,15 +159,6 @@ def _layout_from(described: object, where: str) -> ThetaLayout:
     return ThetaLayout.of_shapes({name: shape for _, name, shape in sorted(found)})
 
 
-def is_theta_file(path: str | os.PathLike[str]) -> bool:
-    """Whether ``path`` is a θ file (and not, say, a torch.save file); never raises."""
-    try:
-        read_layout(path)
-    except ThetaFileError:
-        return False
-    return True
-
-
 def map_theta(path: str | os.PathLike[str]) -> dict[str, Tensor]:
     """θ's tensors mapped from the file, not read: pages come in as they are used.
 

@@ -174,13 +174,18 @@ class JobDirectory:
 
     def current_version(self) -> ParamsVersion | None:
         """The θ held, as recorded; None when nothing is held."""
+        return self._current()[0]
+
+    def _current(self) -> tuple[ParamsVersion | None, object]:
+        """The θ held as recorded, and its file's identity then (None if not recorded)."""
         data = _read_json(self._params / "current.json")
         if data is None:
-            return None
+            return None, None
         try:
-            return ParamsVersion(round=int(data["round"]), hash=str(data["hash"]))
+            version = ParamsVersion(round=int(data["round"]), hash=str(data["hash"]))
         except (KeyError, TypeError, ValueError) as exc:
             raise StateError(f"{self._params / 'current.json'}: {exc}") from None
+        return version, data.get("file")
 
     def load_params(self) -> HeldTheta | None:
         """The θ held and its file; None when nothing (or nothing intact) is held.
@@ -192,11 +197,10 @@ class JobDirectory:
         torch.save file), is dropped (with a warning), so the caller resyncs rather than
         training from damaged state. (Rank 0 hashes the θ it trains from every round too.)
         """
-        version = self.current_version()
+        version, recorded = self._current()
         if version is None:
             return None
         path = self.params_path(version.round)
-        recorded = (_read_json(self._params / "current.json") or {}).get("file")
         if recorded is not None and recorded == _file_identity(path):
             return HeldTheta(version, path)
         try:

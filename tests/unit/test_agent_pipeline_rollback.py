@@ -4,6 +4,7 @@ workers found to be another."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, cast
@@ -13,13 +14,14 @@ from prometheus_client import CollectorRegistry
 
 from policies import PolicySet, load_policies
 from regional_agent.credentials import Credentials
-from regional_agent.handoff.messages import RoundInstruction, RoundResult, RoundSummary
+from regional_agent.handoff.messages import RoundInstruction, RoundResult
 from regional_agent.metrics import AgentMetrics
 from regional_agent.rounds.pipeline import PipelineRegion, RoundPipeline
 from regional_agent.state import AgentState, ParamsVersion
 from regional_agent.transfer.sync import ResyncFailed, Synced
 from tests.support.agent_credentials import agent_credentials
 from tests.support.agent_schedule import REGION, announce
+from tests.support.handoff_samples import SUMMARY
 from tests.support.pki import make_federation
 from tests.support.tiny_task import TinyTask
 
@@ -164,17 +166,8 @@ class WorkersOfAnotherTheta(Coordinator):
 
     async def run_round(self, instruction: RoundInstruction, timeout_s: float) -> RoundResult:
         self.calls.append("train")
-        summary = RoundSummary(
-            job=instruction.job,
-            round=instruction.round,
-            steps=1,
-            tokens=8,
-            mean_loss=1.0,
-            cursor=1,
-            base_params_hash="e" * 64,
-            params_hash="f" * 64,
-            world_size=1,
-            train_seconds=0.1,
+        summary = replace(
+            SUMMARY, job=instruction.job, round=instruction.round, base_params_hash="e" * 64
         )
         return RoundResult(summary)
 
