@@ -47,6 +47,7 @@ from coordinator.runtime import Runtime, load_runtime
 from coordinator.scheduling.config import load_scheduling_config
 from coordinator.state.store import StoreError
 from geofed.exit_codes import ExitCode
+from geofed.heap import keep_mmap_threshold
 from geofed.reload import apply_log_level
 from geofed.reloader import Reloader
 from geofed.sdnotify import Notifier, NotifyEnvironmentError, run_watchdog, watchdog_interval
@@ -193,6 +194,7 @@ async def _lead_and_serve(
 
 def main(config_path: str | Path) -> int:
     """Run the coordinator; return the process exit code (see the module docstring)."""
+    keep_mmap_threshold()  # decoded rounds and θ passes go back to the system when freed
     try:
         notifier = Notifier.from_env(os.environ)
         watchdog_s = watchdog_interval(os.environ)

@@ -62,6 +62,7 @@ from prometheus_client import CollectorRegistry
 
 from geofed.control import RegionStatus
 from geofed.exit_codes import ExitCode
+from geofed.heap import keep_mmap_threshold
 from geofed.reload import apply_log_level
 from geofed.reloader import Reloader
 from geofed.sdnotify import (
@@ -93,6 +94,7 @@ _START_MARGIN_S = 30.0
 
 def main(config_path: Path | str) -> int:
     """Run the agent configured by ``config_path``; return the process exit code."""
+    keep_mmap_threshold()  # streamed θ and update buffers go back to the system when freed
     try:
         notifier = Notifier.from_env(os.environ)
         watchdog_s = watchdog_interval(os.environ)

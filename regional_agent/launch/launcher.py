@@ -46,6 +46,7 @@ from typing import Literal
 
 import torch
 
+from geofed.heap import rank_heap_environment
 from geofed.parent_death import die_with_parent
 from geofed.ports import unused_port
 from regional_agent.handoff.directory import HandoffDir
@@ -320,6 +321,8 @@ class LocalElasticLauncher(Launcher):
     def environment(self, launch_id: str) -> dict[str, str]:
         env = dict(os.environ if self._environ is None else self._environ)
         env.update(self._config.env)
+        # Where neither the agent's environment nor the region's sets them.
+        env.update(rank_heap_environment(env))
         env["OMP_NUM_THREADS"] = str(self._config.omp_num_threads)
         env["PYTHONUNBUFFERED"] = "1"
         env[LAUNCH_ID_ENV] = launch_id

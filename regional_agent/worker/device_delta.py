@@ -111,7 +111,8 @@ class RoundDeltaQuantizer:
     held) and quantizes Δ = θ_round - θ_local plus its residual at once; :meth:`finish`
     writes the residual the round leaves. The payloads are those of quantizing every
     tensor in one call: chunks never span tensors, and stochastic rounding draws from
-    one generator in the same order.
+    one generator in the same order. The residual it takes (``kept``, or the one its
+    file holds) is overwritten tensor by tensor with the one the round leaves.
     """
 
     def __init__(
@@ -154,6 +155,9 @@ class RoundDeltaQuantizer:
         self._payloads: list[torch.Tensor] = []
         self._after: dict[str, torch.Tensor] = {}
         self._next = 0
+        #: Whether :meth:`add` has overwritten tensors of the residual it was given (a
+        #: failure after that leaves it neither the old residual nor the new one).
+        self.altered_kept = False
 
     def add(self, name: str, trained: torch.Tensor) -> None:
         """Quantize the delta of ``name``, the next tensor of :attr:`wanted`."""
@@ -169,6 +173,7 @@ class RoundDeltaQuantizer:
         delta = start.to(device=self._device, dtype=torch.float32, copy=True)
         delta.sub_(trained.detach().to(device=self._device, dtype=torch.float32))
         residual = None
+        own = None
         if self._residual is not None:
             # A tensor without a residual yet (under streaming, its fragment's first
             # round) starts from zero.
@@ -181,6 +186,13 @@ class RoundDeltaQuantizer:
             generator=self._generator,
             residual=residual,
         )
+        del delta, residual
+        if own is not None:
+            # The residual the round leaves takes the place of the one it used, tensor
+            # by tensor: rank 0 never holds two residuals of the model.
+            own.copy_(after[name])
+            after = {name: own}
+            self.altered_kept = True
         self._specs.extend(quantized.specs)
         self._payloads.extend(quantized.payloads)
         self._after.update(after)
@@ -295,7 +307,8 @@ def hand_over_delta(
     0 met, so none is left waiting). Rank 0's delta, or why it has none.
     ``write_tensors``: the residual's tensors go to the round's residual file (a round
     that saves the regional checkpoint); otherwise only rank 0 holds them. ``kept``: the
-    residual rank 0 holds; returned as the new one (unchanged when none was formed)."""
+    residual rank 0 holds; returned as the new one (unchanged when none was formed,
+    None when a failure came after part of it was overwritten)."""
     started = time.monotonic()
     shapes = {name: t.shape for name, t in federated_state(parallel.model).items()}
     names = tuple(shapes) if request.names is None else request.names
@@ -336,6 +349,9 @@ def hand_over_delta(
         except Exception as exc:
             log.exception("%s: cannot quantize the delta", where)
             failure = f"cannot hand over the delta: {type(exc).__name__}: {exc}"
+    if failure is not None and quantizer is not None and quantizer.altered_kept:
+        # Part overwritten: error feedback goes on from the residual's file, if any.
+        kept = None
     if delta is not None:
         log.info(
             "%s: delta quantized on %s, tensor by tensor (%s, %.1f MB) in %.3f s",

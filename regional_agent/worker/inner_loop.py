@@ -173,9 +173,7 @@ def train_round(
         grad_norm = clipped if clipped is not None else grad_norm
     loss_total = float(loss_sum.item())  # waits for the device's queued work
     seconds = before.seconds + time.monotonic() - started
-    if grad_norm is None:
-        # Not clipping: the last step's gradients are still there, and one norm is cheap.
-        grad_norm = parallel.grad_norm()
+    grad_norm = _last_grad_norm(parallel, optimizer, grad_norm)
     return RankTotals(
         micro_batches=plan.inner_steps * accumulation,
         tokens=tokens,
@@ -187,6 +185,17 @@ def train_round(
         comm_seconds=comm_seconds(),
         peak_memory_bytes=peak_memory(),
     )
+
+
+def _last_grad_norm(
+    parallel: ParallelModel, optimizer: torch.optim.Optimizer, clipped: torch.Tensor | None
+) -> torch.Tensor:
+    """The last step's gradient norm (``clipped``'s, else computed now: one norm is cheap);
+    the gradients are then freed, since nothing reads them past the round's last step and
+    the delta's hand-over that follows is rank 0's peak."""
+    norm = clipped if clipped is not None else parallel.grad_norm()
+    optimizer.zero_grad(set_to_none=True)
+    return norm
 
 
 def region_stats(

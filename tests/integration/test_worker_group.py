@@ -24,6 +24,7 @@ import pytest_asyncio
 import torch
 
 from geofed.backoff import Backoff
+from geofed.heap import RANK_HEAP_ENV
 from geofed.params import parameters_vector_hash
 from geofed.task import DataShard
 from regional_agent.handoff.directory import HandoffDir
@@ -143,6 +144,11 @@ async def test_rounds_train_on_one_long_lived_group(started: Started) -> None:
 
     assert started.launcher.pid == pid
     assert second_s < started.startup_s / 4, (second_s, started.startup_s)
+    # The ranks' heap gives model-sized buffers back (geofed/heap.py).
+    wanted = {f"{k}={v}".encode() for k, v in RANK_HEAP_ENV.items()}
+    for status in HandoffDir(started.workdir).read_rank_statuses():
+        raw = await asyncio.to_thread(Path(f"/proc/{status.pid}/environ").read_bytes)
+        assert wanted <= set(raw.split(b"\0"))
     per_rank_tokens = STEPS * task.tokens(task.batch_at(DataShard("eu-west", 0, 2, 0, WORLD, 7), 0))
     for index, result in enumerate((first, second)):
         summary = result.summary

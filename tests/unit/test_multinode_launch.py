@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 from torch.distributed.run import get_args_parser
 
+from geofed.heap import RANK_HEAP_ENV
 from regional_agent.config import WorkersConfig, load_config
 from regional_agent.handoff.settings import (
     HEAD_NODE_ENV,
@@ -83,6 +84,22 @@ def test_local_head_node_command_joins_a_multi_node_rendezvous(tmp_path: Path) -
     other = LocalElasticLauncher(tmp_path, other_config, environ={})
     assert parsed(other.command(port=1, launch_id="x")).rdzv_conf == "is_host=0"
     assert other.environment("x")[HEAD_NODE_ENV] == "0"
+
+
+def test_ranks_get_the_heap_settings_unless_the_agent_or_the_region_sets_them(
+    tmp_path: Path,
+) -> None:
+    plain = LocalElasticLauncher(tmp_path, cfg(), environ={}).environment("x")
+    assert {name: plain[name] for name in RANK_HEAP_ENV} == RANK_HEAP_ENV
+    agents = LocalElasticLauncher(
+        tmp_path, cfg(), environ={"GLIBC_TUNABLES": "glibc.malloc.arena_max=2"}
+    ).environment("x")
+    assert agents["GLIBC_TUNABLES"] == "glibc.malloc.arena_max=2"
+    assert agents["MALLOC_MMAP_THRESHOLD_"] == RANK_HEAP_ENV["MALLOC_MMAP_THRESHOLD_"]
+    regions = LocalElasticLauncher(
+        tmp_path, cfg(env={"MALLOC_MMAP_THRESHOLD_": "131072"}), environ={}
+    ).environment("x")
+    assert regions["MALLOC_MMAP_THRESHOLD_"] == "131072"
 
 
 def test_one_node_keeps_a_loopback_rendezvous_of_its_own(tmp_path: Path) -> None:

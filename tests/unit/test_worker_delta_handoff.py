@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from geofed.codec import (
+    EncodeError,
     ErrorFeedback,
     QuantizedTensors,
     decode,
@@ -38,7 +39,12 @@ from regional_agent.handoff.residual_file import (
 )
 from regional_agent.rounds.delta import check_worker_delta, encode_delta
 from regional_agent.state import DeltaMeta, JobDirectory, StateError
-from regional_agent.worker.device_delta import DeviceResidual, payloads_hash, quantize_round_delta
+from regional_agent.worker.device_delta import (
+    DeviceResidual,
+    RoundDeltaQuantizer,
+    payloads_hash,
+    quantize_round_delta,
+)
 from tests.support.handoff_samples import stream_file
 
 CODEC = CodecParams(scheme="int8", block_size=16)
@@ -302,9 +308,13 @@ def _quantize(
 def test_between_checkpoints_rank_zero_holds_the_residual_and_the_delta_is_the_same(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    ef, kept, local = ErrorFeedback(), None, dict(TRAINED)
+    ef, local = ErrorFeedback(), dict(TRAINED)
+    kept: DeviceResidual | None = None
     for round_ in range(3):
+        held = None if kept is None else dict(kept.tensors)
         quantized, kept = _quantize(tmp_path, round_, local, kept, write_tensors=round_ == 0)
+        if held is not None:  # the new residual took the old one's place: one copy held
+            assert all(kept.tensors[name] is tensor for name, tensor in held.items())
         want = encode_delta(THETA, local, ef, CODEC, chunk_elements=64)
         assert seal_quantized(quantized).to_bytes() == want.stream.to_bytes()
         written = read_residual(tmp_path / f"round-{round_}.residual.pt")
@@ -353,3 +363,25 @@ def test_a_delta_the_coordinator_did_not_take_costs_the_held_residual(
     fresh = encode_delta(THETA, local, ErrorFeedback(), CODEC, chunk_elements=64)
     assert seal_quantized(quantized).to_bytes() == fresh.stream.to_bytes()
     assert "residual of round 0 was held by the workers only" in caplog.text
+
+
+def test_a_delta_failing_after_part_of_the_residual_was_overwritten_says_so(
+    tmp_path: Path,
+) -> None:
+    kept, local = _round_zero_accepted(tmp_path)
+    request = DeltaRequest(CODEC, str(tmp_path / "feedback.pt"), 64)
+    quantizer = RoundDeltaQuantizer(
+        request,
+        job="job-a",
+        round_=1,
+        region="eu-west",
+        base_path=str(tmp_path / "theta.pt"),
+        shapes={name: tensor.shape for name, tensor in local.items()},
+        device=torch.device("cpu"),
+        kept=kept,
+    )
+    first, second = quantizer.wanted
+    quantizer.add(first, local[first])
+    assert quantizer.altered_kept  # so hand_over_delta drops the residual it held
+    with pytest.raises(EncodeError, match="must be finite"):
+        quantizer.add(second, torch.full_like(local[second], float("nan")))
