@@ -104,7 +104,11 @@ class OuterOptimizer:
         return self._steps
 
     def step(
-        self, params: Mapping[str, Tensor], pseudo_grad: Mapping[str, Tensor]
+        self,
+        params: Mapping[str, Tensor],
+        pseudo_grad: Mapping[str, Tensor],
+        *,
+        consume: bool = False,
     ) -> dict[str, Tensor]:
         """Return the target parameters θ - lr·d for the averaged pseudo-gradient ``g``.
 
@@ -112,9 +116,11 @@ class OuterOptimizer:
         μ is :meth:`OuterOptimizerConfig.momentum_at` the step count. Inputs
         are not mutated and previously returned state tensors are never written to; on
         bad input :class:`OuterOptimizerError` is raised and the state is unchanged.
+        ``consume``: ``pseudo_grad`` (a dict the caller hands over) loses each tensor once
+        its target is made, so that the step never holds it beside all the new tensors.
         """
         _check_tensors(params, pseudo_grad, self._buffers)
-        targets, buffers = self._targets(params, pseudo_grad, self._steps)
+        targets, buffers = self._targets(params, pseudo_grad, self._steps, consume)
         self._buffers = buffers
         self._steps += 1
         return targets
@@ -125,6 +131,7 @@ class OuterOptimizer:
         pseudo_grad: Mapping[str, Tensor],
         *,
         own_steps: int | None = None,
+        consume: bool = False,
     ) -> dict[str, Tensor]:
         """:meth:`step` for some of the model's tensors only (a streaming round's fragment).
 
@@ -135,7 +142,8 @@ class OuterOptimizer:
         which set the warm-up's momentum instead of the step count, so the warm-up ramps
         over each tensor's own steps. The fragment's buffers must all exist or none (a
         fragment's tensors are always stepped together); otherwise, or on any bad input,
-        :class:`OuterOptimizerError` and the state is unchanged.
+        :class:`OuterOptimizerError` and the state is unchanged. ``consume`` is
+        :meth:`step`'s.
         """
         if not params:
             raise OuterOptimizerError("a partial outer step needs at least one tensor")
@@ -144,17 +152,23 @@ class OuterOptimizer:
         if own_steps is not None and own_steps < 0:
             raise OuterOptimizerError(f"own_steps must be >= 0, got {own_steps}")
         targets, buffers = self._targets(
-            params, pseudo_grad, self._steps if own_steps is None else own_steps
+            params, pseudo_grad, self._steps if own_steps is None else own_steps, consume
         )
         self._buffers = {**self._buffers, **buffers}
         self._steps += 1
         return targets
 
     def _targets(
-        self, params: Mapping[str, Tensor], pseudo_grad: Mapping[str, Tensor], steps: int
+        self,
+        params: Mapping[str, Tensor],
+        pseudo_grad: Mapping[str, Tensor],
+        steps: int,
+        consume: bool = False,
     ) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
         """The targets of ``params`` after ``steps`` earlier steps and their new momentum
-        buffers (state untouched)."""
+        buffers (state untouched; ``pseudo_grad`` emptied as it is used when ``consume``)."""
+        if consume and not isinstance(pseudo_grad, dict):
+            raise OuterOptimizerError("a consumed pseudo-gradient must be a dict")
         cfg = self._config
         momentum = cfg.momentum_at(steps)
         targets: dict[str, Tensor] = {}
@@ -171,6 +185,10 @@ class OuterOptimizer:
                 if momentum != 0.0:
                     direction = grad.add(buf, alpha=momentum)
             targets[name] = param.add(direction, alpha=-cfg.lr)
+            del grad, direction
+            if consume:
+                assert isinstance(pseudo_grad, dict)
+                del pseudo_grad[name]
         return targets, buffers
 
     def state_dict(self) -> dict[str, Any]:
@@ -186,8 +204,12 @@ class OuterOptimizer:
             "momentum_buffers": dict(self._buffers),
         }
 
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore a state saved by :meth:`state_dict`; refuse one saved under another config."""
+    def load_state_dict(self, state: Mapping[str, Any], *, copy: bool = True) -> None:
+        """Restore a state saved by :meth:`state_dict`; refuse one saved under another config.
+
+        ``copy=False`` takes the state's momentum tensors as they are, for a caller that
+        never writes to them (a step makes new buffers; it never writes the old ones).
+        """
         if not isinstance(state, Mapping):
             raise OuterOptimizerError(f"saved state must be a mapping, not {type(state).__name__}")
         if state.get("version") != _STATE_VERSION:
@@ -215,7 +237,7 @@ class OuterOptimizer:
                 raise OuterOptimizerError(f"saved momentum {name!r} is not a float32 tensor")
             if not all_finite(tensor):
                 raise OuterOptimizerError(f"saved momentum {name!r} contains NaN or Inf")
-            buffers[str(name)] = tensor.detach().clone()
+            buffers[str(name)] = tensor.detach().clone() if copy else tensor.detach()
         if buffers and self._config.momentum == 0.0:
             raise OuterOptimizerError("saved state has momentum buffers but momentum is 0")
         if buffers and steps == 0:
@@ -224,12 +246,13 @@ class OuterOptimizer:
         self._steps = steps
 
     @staticmethod
-    def from_state_dict(state: Mapping[str, Any]) -> OuterOptimizer:
-        """Build an optimizer with the config stored in ``state`` and restore it."""
+    def from_state_dict(state: Mapping[str, Any], *, copy: bool = True) -> OuterOptimizer:
+        """Build an optimizer with the config stored in ``state`` and restore it
+        (``copy``: as :meth:`load_state_dict`)."""
         try:
             config = _saved_config(state["config"])
         except (KeyError, TypeError, ValidationError) as exc:
             raise OuterOptimizerError(f"saved outer optimizer config is invalid: {exc}") from None
         optimizer = OuterOptimizer(config)
-        optimizer.load_state_dict(state)
+        optimizer.load_state_dict(state, copy=copy)
         return optimizer

@@ -122,8 +122,8 @@ def publication_step(
     of θ_{r+1} is θ_r's. None: every tensor of θ_r, as ``mean`` must then name.
     ``own_steps``: the outer steps those tensors took before, which set the momentum
     warm-up (:meth:`JobPublishing.own_steps`). ``consume_mean``: ``mean`` (a dict the
-    caller hands over) is emptied once the step has used it, so its tensors are freed
-    before the update is encoded.
+    caller hands over) loses each tensor as soon as the step has used it, so the step
+    never holds the whole mean beside its new tensors.
 
     Each step named in :data:`PUBLICATION_PHASES` runs inside ``phase(name)``, so that a
     caller can measure the steps of the very computation the daemon runs (the
@@ -135,13 +135,13 @@ def publication_step(
     # must provision. Every in-place op is the out-of-place op's, so the bits are the same.
     stepped, carried = (params, residual) if names is None else _restricted(params, residual, names)
     with phase("outer_step"):
-        optimizer = OuterOptimizer.from_state_dict(optimizer_state)
+        # The step writes none of the state's momentum tensors: no copy of them.
+        optimizer = OuterOptimizer.from_state_dict(optimizer_state, copy=False)
+        consume = consume_mean and isinstance(mean, dict)
         if names is None:
-            target = optimizer.step(params, mean)
+            target = optimizer.step(params, mean, consume=consume)
         else:
-            target = optimizer.step_subset(stepped, mean, own_steps=own_steps)
-        if consume_mean and isinstance(mean, dict):
-            mean.clear()
+            target = optimizer.step_subset(stepped, mean, own_steps=own_steps, consume=consume)
     with phase("encode_update"):
         # The targets are the step's own new tensors: the update is formed in them.
         intended = _update_in_place(stepped, target, carried)

@@ -1,6 +1,7 @@
 """Outer optimizer: DiLoCo's Nesterov SGD and plain averaging over named fp32 tensors."""
 
 import io
+from types import MappingProxyType
 
 import pytest
 import torch
@@ -130,6 +131,28 @@ def test_step_mutates_neither_inputs_nor_saved_state() -> None:
     assert_bit_identical(params, params_copy)
     assert_bit_identical(grads, grads_copy)
     assert_bit_identical(saved["momentum_buffers"], saved_buffers)
+
+
+def test_a_consumed_step_on_an_uncopied_state_gives_the_same_bits_and_writes_no_state() -> None:
+    params, first, second = make(3), make(4, scale=0.1), make(5, scale=0.1)
+    plain = OuterOptimizer(DILOCO)
+    plain.step(params, first)
+    saved = plain.state_dict()
+    kept = {n: t.clone() for n, t in saved["momentum_buffers"].items()}
+    expected = plain.step(params, second)
+
+    shared = OuterOptimizer.from_state_dict(saved, copy=False)
+    given = {n: t.clone() for n, t in second.items()}
+    got = shared.step(params, given, consume=True)
+    assert given == {}  # each tensor released once its target was made
+    assert_bit_identical(got, expected)
+    assert_bit_identical(
+        shared.state_dict()["momentum_buffers"], plain.state_dict()["momentum_buffers"]
+    )
+    # The state it was loaded from, not copied, is as it was: the step made new buffers.
+    assert_bit_identical(saved["momentum_buffers"], kept)
+    with pytest.raises(OuterOptimizerError, match="must be a dict"):
+        shared.step(params, MappingProxyType(dict(second)), consume=True)
 
 
 def test_state_round_trips_bit_exactly_through_torch_save() -> None:
