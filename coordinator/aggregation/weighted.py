@@ -191,10 +191,7 @@ class WeightedSum:
         """:meth:`mean`, made in the running sum's own tensors (which it then releases):
         no memory beyond the sum's. The sum is unusable afterwards.
         """
-        if not self._weights:
-            raise AggregationError("no region was added; there is nothing to average")
-        self._scratch = None
-        total = self.total_weight
+        total = self._averaging()
         # In the sum's own tensors: the same bits as mean()'s new ones, no second copy.
         result = {n: self._sum[n].div_(total).reshape(s) for n, s in self._shapes.items()}
         self._sum = {}
@@ -202,11 +199,16 @@ class WeightedSum:
 
     def mean(self) -> dict[str, Tensor]:
         """Return ``sum / total weight`` as new tensors in their declared shapes."""
+        total = self._averaging()
+        return {n: self._sum[n].div(total).reshape(s) for n, s in self._shapes.items()}
+
+    def _averaging(self) -> float:
+        """The total weight to divide by, the scratch buffer released first (it is not
+        needed once the sum is final); :class:`AggregationError` before any region."""
         if not self._weights:
             raise AggregationError("no region was added; there is nothing to average")
-        self._scratch = None  # keep the peak at 2x model size while the result is built
-        total = self.total_weight
-        return {n: self._sum[n].div(total).reshape(s) for n, s in self._shapes.items()}
+        self._scratch = None
+        return self.total_weight
 
 
 #: Elements of one fold job (4 MiB of the sum and as much of the delta).
