@@ -4,7 +4,8 @@
 :mod:`regional_agent.worker.model_build`) into a :class:`ParallelModel` on every rank:
 
 - ``ddp``: replicated parameters and optimizer state, gradients all-reduced
-  (``DistributedDataParallel``);
+  (``DistributedDataParallel``) in place in its buckets (``gradient_as_bucket_view``: the
+  gradients are views of them, not a second copy);
 - ``fsdp``: FSDP2 (``fully_shard``) on each unit the task declares
   (:meth:`~geofed.task.Task.fsdp_units`), then the root: parameters, gradients and the
   optimizer state are sharded across the ranks;
@@ -231,7 +232,7 @@ def wrap(
         model.to_empty(device=device)
         materialize(model)
     device_ids = [device.index] if device.type == "cuda" else None
-    ddp = DistributedDataParallel(model, device_ids=device_ids)
+    ddp = DistributedDataParallel(model, device_ids=device_ids, gradient_as_bucket_view=True)
     comm = CommTimer(device)
     comm.attach(ddp)
     return ParallelModel("ddp", model, ddp, comm)
