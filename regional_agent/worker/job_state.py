@@ -28,7 +28,7 @@ from torch import nn
 from geofed.lr_schedule import apply_lr
 from geofed.params import check_federated_state, parameters_vector_hash
 from geofed.task import Task, load_task
-from geofed.theta_file import map_theta
+from geofed.theta_file import ThetaFileError, read_layout, read_theta
 from geofed.training_config import TrainingConfig, is_sharded
 from regional_agent.handoff.messages import RegionalCheckpoint, RoundInstruction
 from regional_agent.worker.activation_checkpointing import (
@@ -227,10 +227,21 @@ class BaseParams:
 
 
 def read_base(model: nn.Module, path: str) -> BaseParams:
-    """Map the base θ at ``path``, check that it fits ``model``, and hash it (rank 0)."""
-    base = map_theta(path)  # ThetaFileError is a ValueError
-    check_federated_state(model, base)
+    """The base θ at ``path``, checked to fit ``model`` (from its header) and hashed (rank
+    0). Its tensors are read when asked for, one at a time: loading θ never keeps all of
+    it resident (a mapped file's pages would stay resident while mapped)."""
+    base = read_theta(path)  # ThetaFileError is a ValueError
+    check_federated_state(model, _declared(path, base))
     return BaseParams(base, parameters_vector_hash(base))
+
+
+def _declared(path: str, base: Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
+    """θ's tensors as their header declares them (shapes only, no value read)."""
+    try:
+        shapes = read_layout(path).shapes()
+    except ThetaFileError:
+        return base  # the format before: mapped, so its shapes cost no read
+    return {name: torch.empty(shape, device="meta") for name, shape in shapes.items()}
 
 
 class TaskFilesDiffer(ValueError):

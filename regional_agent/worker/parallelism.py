@@ -13,14 +13,15 @@
   replicated across the groups.
 
 The federation sees none of the wrappers. What comes in (the round's base θ) is the
-*full* state, held by rank 0 alone: rank 0 reads θ and broadcasts it tensor by tensor
-(:meth:`ParallelModel.load_full_state`), each rank keeping its part. What goes out is
-read one tensor at a time (:meth:`ParallelModel.gathered`), so no rank holds a whole
-copy of a sharded model; the inner optimizer state is saved by each rank, its own shards
-(:mod:`regional_agent.worker.optimizer_checkpoint`). :meth:`ParallelModel.full_state` gathers
-the whole
-to rank 0, for an instruction without a delta request; a whole optimizer state of the
-format before is loaded by broadcast from rank 0 (:meth:`ParallelModel.load_optimizer_state`).
+*full* state, held by rank 0 alone: rank 0 reads θ tensor by tensor and scatters each
+(:meth:`ParallelModel.load_full_state`), each rank keeping its part (torch's
+``set_model_state_dict`` would hold every tensor rank 0 sent until the end: all of θ).
+What goes out is read one tensor at a time (:meth:`ParallelModel.gathered`), so no rank
+holds a whole copy of a sharded model; the inner optimizer state is saved by each rank,
+its own shards (:mod:`regional_agent.worker.optimizer_checkpoint`).
+:meth:`ParallelModel.full_state` gathers the whole to rank 0, for an instruction without
+a delta request; a whole optimizer state of the format before is loaded by broadcast
+from rank 0 (:meth:`ParallelModel.load_optimizer_state`).
 """
 
 from __future__ import annotations
@@ -39,12 +40,11 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
-    set_model_state_dict,
     set_optimizer_state_dict,
 )
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.nn.parallel import DistributedDataParallel
 
 from geofed.params import federated_state, state_to_fp32
@@ -52,8 +52,6 @@ from geofed.training_config import Parallelism, Precision, is_sharded
 from regional_agent.worker.comm_timer import CommTimer
 from regional_agent.worker.precision import mixed_precision_policy
 
-# Rank 0 holds the full state; the others pass an empty one and receive theirs.
-_FROM_RANK0 = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=False)
 _TO_RANK0 = StateDictOptions(full_state_dict=True, cpu_offload=True)
 
 
@@ -110,16 +108,22 @@ class ParallelModel:
         """Load rank 0's full federated ``state`` into every rank (a collective).
 
         Only rank 0 passes ``state``, checked first with
-        :func:`geofed.params.check_federated_state`; it is broadcast one tensor at a time
-        and each rank keeps its own part. Tensors outside the federated state (complex
-        RoPE tables, integer buffers) keep what ``build_model`` gave them. A ``state``
-        naming some federated tensors (a streaming fold) loads those; the others keep
-        their values, bit for bit (each is loaded from itself).
+        :func:`geofed.params.check_federated_state`. Its names go to every rank, then its
+        tensors one at a time: each taken from ``state`` when its turn comes (a θ read on
+        demand is never whole in memory) and scattered to the shards under FSDP/HSDP, or
+        broadcast under DDP, into the model's own tensors. Tensors outside the federated
+        state (complex RoPE tables, integer buffers) keep what ``build_model`` gave them.
+        A ``state`` naming some federated tensors (a streaming fold) loads those; the
+        others keep their values, bit for bit.
         """
-        given: dict[str, Any] = {}
-        if state is not None and dist.get_rank() == 0:
-            given.update(state)
-        set_model_state_dict(self.model, given, options=_FROM_RANK0)
+        rank0 = dist.get_rank() == 0
+        box: list[list[str] | None] = [list(state) if rank0 and state is not None else None]
+        dist.broadcast_object_list(box, src=0)
+        own = federated_state(self.model)
+        with torch.no_grad():
+            for name in box[0] or []:
+                source = state[name] if rank0 and state is not None else None
+                _load_tensor(own[name], source)
 
     def full_state(self) -> dict[str, torch.Tensor] | None:
         """The trained federated state as fp32 CPU tensors on rank 0; None elsewhere.
@@ -167,6 +171,23 @@ class ParallelModel:
             )
             return
         optimizer.load_state_dict(dict(state))
+
+
+def _load_tensor(target: torch.Tensor, source: torch.Tensor | None) -> None:
+    """Copy rank 0's whole ``source`` into ``target`` on every rank (a collective): its
+    shards scattered to a sharded tensor's ranks, or the whole broadcast to a replica."""
+    device, dtype = target.device, target.dtype
+    whole = (
+        source.detach().to(device=device, dtype=dtype)
+        if source is not None
+        else torch.empty(target.shape, device=device, dtype=dtype)
+    )
+    if isinstance(target, DTensor):
+        shards = distribute_tensor(whole, target.device_mesh, target.placements, src_data_rank=0)
+        target.to_local().copy_(shards.to_local())
+        return
+    dist.broadcast(whole, src=0)
+    target.copy_(whole)
 
 
 def hsdp_mesh(device: torch.device, shard_ranks: int, timeout: timedelta) -> DeviceMesh:
