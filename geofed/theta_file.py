@@ -197,13 +197,20 @@ def read_theta(path: str | os.PathLike[str]) -> Mapping[str, Tensor]:
         layout = read_layout(path)
     except ThetaFileError:
         return map_theta(path)  # the format before, or an error that names the file
-    return _ReadOnDemand(Path(path), layout)
+    return ThetaReads(Path(path), layout)
 
 
-class _ReadOnDemand(Mapping[str, Tensor]):
+class ThetaReads(Mapping[str, Tensor]):
+    """:func:`read_theta`'s tensors of a θ file, read when asked for; :meth:`shapes` from
+    the header already read, with no value read."""
+
     def __init__(self, path: Path, layout: ThetaLayout) -> None:
         self._path = path
+        self._layout = layout
         self._entries = {entry.name: entry for entry in layout.entries}
+
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        return self._layout.shapes()
 
     def __getitem__(self, name: str) -> Tensor:
         entry = self._entries[name]

@@ -28,7 +28,7 @@ from torch import nn
 from geofed.lr_schedule import apply_lr
 from geofed.params import check_federated_state, parameters_vector_hash
 from geofed.task import Task, load_task
-from geofed.theta_file import ThetaFileError, read_layout, read_theta
+from geofed.theta_file import ThetaReads, read_theta
 from geofed.training_config import TrainingConfig, is_sharded
 from regional_agent.handoff.messages import RegionalCheckpoint, RoundInstruction
 from regional_agent.worker.activation_checkpointing import (
@@ -231,17 +231,15 @@ def read_base(model: nn.Module, path: str) -> BaseParams:
     0). Its tensors are read when asked for, one at a time: loading θ never keeps all of
     it resident (a mapped file's pages would stay resident while mapped)."""
     base = read_theta(path)  # ThetaFileError is a ValueError
-    check_federated_state(model, _declared(path, base))
+    check_federated_state(model, _declared(base))
     return BaseParams(base, parameters_vector_hash(base))
 
 
-def _declared(path: str, base: Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
-    """θ's tensors as their header declares them (shapes only, no value read)."""
-    try:
-        shapes = read_layout(path).shapes()
-    except ThetaFileError:
+def _declared(base: Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
+    """θ's tensors as its header declares them (shapes only, no value read)."""
+    if not isinstance(base, ThetaReads):
         return base  # the format before: mapped, so its shapes cost no read
-    return {name: torch.empty(shape, device="meta") for name, shape in shapes.items()}
+    return {name: torch.empty(shape, device="meta") for name, shape in base.shapes().items()}
 
 
 class TaskFilesDiffer(ValueError):
