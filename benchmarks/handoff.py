@@ -62,7 +62,8 @@ from regional_agent.rounds.delta import (
     encode_delta,
 )
 from regional_agent.state import DeltaMeta, JobDirectory
-from regional_agent.worker.device_delta import DeviceResidual, payloads_hash, quantize_round_delta
+from regional_agent.worker.device_delta import payloads_hash, quantize_round_delta
+from regional_agent.worker.residual_shards import DeviceResidual
 
 DEFAULT_OUT = Path(__file__).parent / "results" / "handoff.json"
 JOB = "bench"

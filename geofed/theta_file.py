@@ -70,11 +70,21 @@ class ThetaLayout:
 
     entries: tuple[ThetaEntry, ...]
     header: bytes
+    #: The header's ``__metadata__`` beside its format (strings, as safetensors has them).
+    metadata: Mapping[str, str]
 
     @classmethod
-    def of_shapes(cls, shapes: Mapping[str, Iterable[int]]) -> ThetaLayout:
-        """The layout of a θ file holding float32 tensors of these names and shapes."""
-        described: dict[str, object] = {"__metadata__": {"format": _FORMAT}}
+    def of_shapes(
+        cls, shapes: Mapping[str, Iterable[int]], metadata: Mapping[str, str] | None = None
+    ) -> ThetaLayout:
+        """The layout of a θ file holding float32 tensors of these names and shapes, its
+        header's metadata holding ``metadata`` too."""
+        extra = dict(metadata or {})
+        if "format" in extra or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in extra.items()
+        ):
+            raise ThetaFileError(f"θ metadata must map strings to strings, not 'format': {extra}")
+        described: dict[str, object] = {"__metadata__": {"format": _FORMAT, **extra}}
         offset = 0
         normal = {name: tuple(int(d) for d in shape) for name, shape in shapes.items()}
         for name in normal:
@@ -92,7 +102,7 @@ class ThetaLayout:
         for name in normal:
             entries.append(ThetaEntry(name, normal[name], start))
             start += 4 * math.prod(normal[name])
-        return cls(tuple(entries), header)
+        return cls(tuple(entries), header, extra)
 
     @property
     def size(self) -> int:
@@ -156,7 +166,13 @@ def _layout_from(described: object, where: str) -> ThetaLayout:
         if not isinstance(offsets, list) or not offsets or not isinstance(offsets[0], int):
             raise ThetaFileError(f"{where}: tensor {name!r} has data_offsets {offsets!r}")
         found.append((offsets[0], name, shape))
-    return ThetaLayout.of_shapes({name: shape for _, name, shape in sorted(found)})
+    meta = described.get("__metadata__")
+    if not isinstance(meta, dict) or meta.get("format") != _FORMAT:
+        raise ThetaFileError(f"{where}: not a θ file of format {_FORMAT}")
+    extra = {k: v for k, v in meta.items() if k != "format"}
+    if not all(isinstance(v, str) for v in extra.values()):
+        raise ThetaFileError(f"{where}: the header's metadata holds values that are not strings")
+    return ThetaLayout.of_shapes({name: shape for _, name, shape in sorted(found)}, extra)
 
 
 def map_theta(path: str | os.PathLike[str]) -> dict[str, Tensor]:

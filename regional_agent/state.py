@@ -36,7 +36,6 @@ import logging
 import os
 import re
 import shutil
-import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -50,7 +49,12 @@ from geofed.fsutil import AtomicFile, atomic_write_bytes, fsync_dir, replace_dur
 from geofed.manifest import ManifestError, SignedManifest, verify_chunk
 from geofed.theta_file import ThetaFileError, hash_theta, write_theta
 from geofed.types import validate_name
-from regional_agent.handoff.residual_file import residual_body
+from regional_agent.handoff.residual_file import (
+    HeldResidual,
+    ResidualFileError,
+    read_residual,
+    write_residual,
+)
 
 log = logging.getLogger(__name__)
 
@@ -293,15 +297,19 @@ class JobDirectory:
         path = self.feedback_path
         if not path.exists():
             return feedback
-        body = _load(path)
-        if body.get("held") is True:
-            # Rank 0 keeps that residual on its device; this agent-side encoding (a result
-            # holding parameters) cannot reach it.
+        try:
+            read = read_residual(path)
+        except ResidualFileError as exc:
+            raise StateError(str(exc)) from None
+        if isinstance(read, HeldResidual):
+            # The workers keep that residual on their devices; this agent-side encoding (a
+            # result holding parameters) cannot reach it.
             log.warning("%s names a residual the workers hold; encoding without it", path)
             return feedback
         try:
-            feedback.load_state_dict(body["feedback"])
-        except (KeyError, TypeError, ErrorFeedbackError) as exc:
+            residual = {} if read is None else {n: read.tensors[n] for n in read.tensors}
+            feedback.load_state_dict({**feedback.state_dict(), "residual": residual})
+        except (ResidualFileError, ErrorFeedbackError) as exc:
             raise StateError(f"{path}: not an error-feedback state: {exc}") from None
         return feedback
 
@@ -338,9 +346,7 @@ class JobDirectory:
         if isinstance(residual, Path):
             _second_name(residual, directory / "residual.pt")
         else:
-            body = residual_body(round_, residual.residual, uuid.uuid4().hex)
-            with AtomicFile(directory / "residual.pt", private=True) as f:
-                torch.save(body, f)
+            write_residual(directory / "residual.pt", round_, residual.residual)
         fsync_dir(directory)
         atomic_write_bytes(directory / "meta.json", meta.to_json())
         atomic_write_bytes(directory / "manifest.json", manifest_bytes)

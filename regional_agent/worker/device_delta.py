@@ -29,6 +29,7 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 import torch
 
@@ -41,27 +42,116 @@ from regional_agent.handoff.messages import DeltaRequest, RoundInstruction
 from regional_agent.handoff.residual_file import (
     HeldResidual,
     Residual,
+    ResidualWriter,
     read_residual,
     read_residual_id,
+    residual_shapes,
     write_held_residual,
-    write_residual,
 )
 from regional_agent.worker.parallelism import ParallelModel
 from regional_agent.worker.place import RankPlace
+from regional_agent.worker.residual_shards import DeviceResidual, ResidualGroup
 
 log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
-class DeviceResidual:
-    """The residual a job's last quantized delta left, on rank 0's device; ``written``:
-    its tensors are in a file (the round's, or the job's held one)."""
+class ResidualPlan:
+    """Rank 0's decision about a round's residual, sent to every rank before the first
+    tensor: where the residual the round starts from is (``kept``: the slices the ranks
+    hold; ``file``: read by rank 0 from the agent's file; ``none``: error feedback starts
+    anew), the tensors it holds (θ's order), and whether the round writes the new one."""
 
-    job: str
-    round: int
-    id: str
-    tensors: dict[str, torch.Tensor]
-    written: bool
+    source: Literal["kept", "file", "none"]
+    names: tuple[str, ...]
+    write_tensors: bool
+
+
+@dataclass(frozen=True, slots=True)
+class _Outcome:
+    """Rank 0's word after the last tensor: the new residual's id (None: no delta), and
+    whether the ranks must drop the residual they held (overwritten part way)."""
+
+    id: str | None
+    drop: bool
+
+
+class RoundResidual:
+    """One rank's side of a round's residual: the one the round starts from, taken whole
+    by rank 0 a tensor at a time (:meth:`take`), and the one it leaves, scattered back
+    into each rank's slices (:meth:`put`), in place of the old one's where there was one.
+    Every rank calls :meth:`take`/:meth:`put` (or :meth:`skip`) for the same tensors in
+    the same order, then :meth:`carry`: they are collectives."""
+
+    def __init__(
+        self,
+        group: ResidualGroup,
+        plan: ResidualPlan,
+        shapes: Mapping[str, tuple[int, ...]],
+        kept: DeviceResidual | None,
+        from_file: Mapping[str, torch.Tensor] | None = None,
+        writer: ResidualWriter | None = None,
+    ) -> None:
+        self._group, self._plan, self._shapes = group, plan, shapes
+        self._old = kept.slices if plan.source == "kept" and kept is not None else {}
+        self._file = from_file
+        self._writer = writer
+        self._new: dict[str, torch.Tensor] = {}
+        #: Rank 0: whether a put replaced part of the kept residual with a new one.
+        self.altered = False
+        #: Rank 0: why a tensor carried from the residual's file could not be read.
+        self.error: Exception | None = None
+
+    def take(self, name: str) -> torch.Tensor | None:
+        """Rank 0: ``name``'s residual whole, on the device (None: it has none); the
+        other ranks: None."""
+        if name not in self._plan.names:
+            return None
+        shape = self._shapes[name]
+        if self._plan.source == "kept":
+            return self._group.gather(self._old[name], shape)
+        if self._file is None:
+            return None
+        return self._file[name].to(self._group.device, torch.float32).reshape(shape)
+
+    def put(self, name: str, whole: torch.Tensor | None, *, fresh: bool) -> None:
+        """Keep each rank's slice of rank 0's ``whole`` (None: zeros; ``fresh``: the
+        round's new residual, not the old one put back), written to the round's file."""
+        into = self._old.get(name)
+        self._new[name] = self._group.scatter(whole, self._shapes[name], into)
+        if fresh and into is not None:
+            self.altered = True
+        if self._writer is not None and whole is not None:
+            self._writer.put(name, whole)
+
+    def skip(self, name: str) -> None:
+        """Put ``name``'s residual back as it was (a rank whose delta failed, or any rank
+        but 0)."""
+        whole = None
+        try:
+            whole = self.take(name)
+        except Exception as exc:  # rank 0's file read: the round fails, the ranks go on
+            self.error = self.error or exc
+        self.put(name, whole, fresh=False)
+
+    def carry(self) -> None:
+        """The tensors of the old residual the round did not quantize: kept as they are,
+        scattered from the file, gathered to be written when the round writes them."""
+        for name in self._plan.names:
+            if name in self._new:
+                continue
+            if self._plan.source == "kept":
+                if self._plan.write_tensors:
+                    whole = self._group.gather(self._old[name], self._shapes[name])
+                    if self._writer is not None and whole is not None:
+                        self._writer.put(name, whole)
+                self._new[name] = self._old[name]
+            else:
+                self.skip(name)
+
+    def slices(self) -> dict[str, torch.Tensor]:
+        """This rank's slices of the round's new residual, in θ's order."""
+        return {name: self._new[name] for name in self._shapes if name in self._new}
 
 
 def quantize_round_delta(
@@ -77,14 +167,13 @@ def quantize_round_delta(
     held_path: Path | None = None,
     write_tensors: bool = True,
 ) -> tuple[QuantizedTensors, DeviceResidual]:
-    """Quantize round ``round_``'s delta; name the residual it leaves at ``residual_path``
-    (its tensors written there when ``write_tensors``).
+    """Quantize round ``round_``'s delta in a group of one rank; name the residual it
+    leaves at ``residual_path`` (its tensors written there when ``write_tensors``).
 
-    ``local`` is the trained federated state (on rank 0's device, or the host under
-    FSDP); ``kept`` is the residual this rank holds from its previous delta, if any;
-    ``held_path`` the job's residual written out at a park or stop.
-    Raises :class:`~regional_agent.handoff.delta_terms.UnusableDelta` when θ_round and the trained
-    state do not match, and the codec's errors on non-finite values.
+    ``local`` is the trained federated state; ``kept`` is the residual this rank holds
+    from its previous delta, if any; ``held_path`` the job's residual written out at a
+    park or stop. Raises :class:`~regional_agent.handoff.delta_terms.UnusableDelta` when
+    θ_round and the trained state do not match, and the codec's errors on non-finite values.
     """
     quantizer = RoundDeltaQuantizer(
         request,
@@ -95,24 +184,31 @@ def quantize_round_delta(
         shapes={name: tensor.shape for name, tensor in local.items()},
         device=_device_of(local),
         kept=kept,
+        residual_path=residual_path,
+        write_tensors=write_tensors,
         held_path=held_path,
     )
-    for name in quantizer.wanted:
-        quantizer.add(name, local[name])
-    return quantizer.finish(residual_path, write_tensors=write_tensors)
+    try:
+        for name in quantizer.wanted:
+            quantizer.add(name, local[name])
+        quantizer.residual.carry()
+        return quantizer.finish()
+    except BaseException:
+        quantizer.abort()
+        raise
 
 
 class RoundDeltaQuantizer:
     """A round's delta quantized tensor by tensor, as the trained tensors come (rank 0).
 
     Built with the model's federated shapes, it checks θ_round's file against them and
-    takes the residual; :meth:`add` gets each tensor of :attr:`wanted` in that order (a
-    sharded model gathers one tensor at a time, so no full copy of the model is ever
-    held) and quantizes Δ = θ_round - θ_local plus its residual at once; :meth:`finish`
-    writes the residual the round leaves. The payloads are those of quantizing every
-    tensor in one call: chunks never span tensors, and stochastic rounding draws from
-    one generator in the same order. The residual it takes (``kept``, or the one its
-    file holds) is overwritten tensor by tensor with the one the round leaves.
+    decides where the residual comes from (:attr:`plan`); :meth:`add` gets each tensor
+    of :attr:`wanted` in that order (a sharded model gathers one tensor at a time, so no
+    full copy of the model is ever held) and quantizes Δ = θ_round - θ_local plus its
+    residual (gathered whole from the ranks' slices) at once, the new residual scattered
+    back to the ranks and written as it comes when the round writes it; :meth:`finish`
+    names it. The payloads are those of quantizing every tensor in one call: chunks never
+    span tensors, and stochastic rounding draws from one generator in the same order.
     """
 
     def __init__(
@@ -126,11 +222,14 @@ class RoundDeltaQuantizer:
         shapes: Mapping[str, torch.Size],
         device: torch.device,
         kept: DeviceResidual | None,
+        residual_path: Path,
+        write_tensors: bool = True,
         held_path: Path | None = None,
+        group: ResidualGroup | None = None,
     ) -> None:
         self._request, self._job, self._round, self._device = request, job, round_, device
-        self._shapes = dict(shapes)
-        self._base_path = base_path
+        self._shapes = {name: tuple(shape) for name, shape in shapes.items()}
+        self._residual_path = residual_path
         try:
             # Read a tensor at a time as the delta takes it: θ's pages are not kept.
             self._base = read_theta(base_path)
@@ -145,7 +244,19 @@ class RoundDeltaQuantizer:
         if unknown:
             raise UnusableDelta(f"the delta request names tensors the model lacks: {unknown}")
         # The whole model's shapes: a partial request's residual may name any of them.
-        self._residual = _residual_for(request, job, shapes, kept, device, held_path)
+        source, held, from_file = _residual_source(request, job, self._shapes, kept, held_path)
+        self.plan = ResidualPlan(source, held, write_tensors)
+        #: The tensors of the residual the round leaves, in θ's order.
+        self.leaves = {
+            name: shape
+            for name, shape in self._shapes.items()
+            if name in held or name in self.wanted
+        }
+        writer = ResidualWriter(residual_path, round_, self.leaves) if write_tensors else None
+        group = group or ResidualGroup(0, 1, device)
+        #: The round's residual on this rank: every rank of the group has its own.
+        self.residual = RoundResidual(group, self.plan, self._shapes, kept, from_file, writer)
+        self._writer = writer
         self._generator = (
             rounding_generator(job, round_, region, device)
             if request.codec.stochastic_rounding
@@ -153,17 +264,35 @@ class RoundDeltaQuantizer:
         )
         self._specs: list[TensorLayout] = []
         self._payloads: list[torch.Tensor] = []
-        self._after: dict[str, torch.Tensor] = {}
         self._next = 0
-        #: Whether :meth:`add` has overwritten tensors of the residual it was given (a
-        #: failure after that leaves it neither the old residual nor the new one).
-        self.altered_kept = False
+
+    @property
+    def altered_kept(self) -> bool:
+        """Whether :meth:`add` has overwritten tensors of the residual it was given (a
+        failure after that leaves it neither the old residual nor the new one)."""
+        return self.residual.altered
 
     def add(self, name: str, trained: torch.Tensor) -> None:
-        """Quantize the delta of ``name``, the next tensor of :attr:`wanted`."""
+        """Quantize the delta of ``name``, the next tensor of :attr:`wanted` (its residual
+        put back as it was if that fails: the ranks' collectives go on)."""
+        old = None
+        try:
+            old = self.residual.take(name)  # the other ranks take part whatever comes next
+            self._advance(name)
+            after = self._quantize(name, trained, old)
+        except BaseException:
+            self.residual.put(name, old, fresh=False)
+            raise
+        self.residual.put(name, after, fresh=True)
+
+    def _advance(self, name: str) -> None:
         if self._next >= len(self.wanted) or self.wanted[self._next] != name:
             raise UnusableDelta(f"{name!r} is not the next tensor of the delta")
         self._next += 1
+
+    def _quantize(
+        self, name: str, trained: torch.Tensor, residual: torch.Tensor | None
+    ) -> torch.Tensor | None:
         start = self._base[name]
         if start.shape != trained.shape:
             raise UnusableDelta(
@@ -172,83 +301,81 @@ class RoundDeltaQuantizer:
             )
         delta = start.to(device=self._device, dtype=torch.float32, copy=True)
         delta.sub_(trained.detach().to(device=self._device, dtype=torch.float32))
-        residual = None
-        own = None
-        if self._residual is not None:
+        given = None
+        if self.plan.source != "none":
             # A tensor without a residual yet (under streaming, its fragment's first
             # round) starts from zero.
-            own = self._residual.get(name)
-            residual = {name: torch.zeros_like(delta) if own is None else own}
+            given = {name: torch.zeros_like(delta) if residual is None else residual}
         quantized, after = quantize_tensors(
             {name: delta},
             self._request.codec,
             chunk_elements=self._request.chunk_elements,
             generator=self._generator,
-            residual=residual,
+            residual=given,
         )
-        del delta, residual
-        if own is not None:
-            # The residual the round leaves takes the place of the one it used, tensor
-            # by tensor: rank 0 never holds two residuals of the model.
-            own.copy_(after[name])
-            after = {name: own}
-            self.altered_kept = True
         self._specs.extend(quantized.specs)
         self._payloads.extend(quantized.payloads)
-        self._after.update(after)
+        return after.get(name)
 
-    def finish(
-        self, residual_path: Path, *, write_tensors: bool = True
-    ) -> tuple[QuantizedTensors, DeviceResidual]:
-        """The round's quantized delta and the residual it leaves, named at
-        ``residual_path``: its tensors written there when ``write_tensors``, else a held
-        file (the tensors stay on the device only)."""
+    def finish(self) -> tuple[QuantizedTensors, DeviceResidual]:
+        """The round's quantized delta and the residual it leaves (after the residual's
+        :meth:`RoundResidual.carry`), named at the round's residual path: its tensors
+        written there when the round writes them, else a held file (the tensors stay on
+        the ranks' devices only)."""
         if self._next != len(self.wanted):
             raise UnusableDelta(f"the delta holds {self._next} of its {len(self.wanted)} tensors")
+        if self.residual.error is not None:
+            raise self.residual.error
         quantized = QuantizedTensors(
             self._specs, self._request.codec, self._request.chunk_elements, self._payloads
         )
-        after = self._after
-        if self._request.names is not None and self._residual is not None:
-            # The other tensors' residual waits, unchanged, for their own round.
-            merged = {**self._residual, **after}
-            after = {name: merged[name] for name in self._shapes if name in merged}
         del self._base
-        if write_tensors:
-            id_ = write_residual(residual_path, self._round, after)
+        if self._writer is not None:
+            id_ = self._writer.commit()
         else:
-            id_ = write_held_residual(residual_path, self._round)
-        return quantized, DeviceResidual(self._job, self._round, id_, after, write_tensors)
+            id_ = write_held_residual(self._residual_path, self._round)
+        written = self._writer is not None
+        residual = DeviceResidual(
+            self._job, self._round, id_, self.residual.slices(), self.leaves, written
+        )
+        return quantized, residual
+
+    def abort(self) -> None:
+        """Leave the round's residual file as it was (a failed delta)."""
+        if self._writer is not None:
+            self._writer.abort()
 
 
-def _residual_for(
+def _residual_source(
     request: DeltaRequest,
     job: str,
-    shapes: Mapping[str, torch.Size],
+    shapes: Mapping[str, tuple[int, ...]],
     kept: DeviceResidual | None,
-    device: torch.device,
     held_path: Path | None,
-) -> dict[str, torch.Tensor] | None:
-    """The agent's residual on ``device``: the kept one when its file still names it.
+) -> tuple[Literal["kept", "file", "none"], tuple[str, ...], Mapping[str, torch.Tensor] | None]:
+    """Where the agent's residual is: the kept one when its file still names it, else
+    its file; its tensors (θ's order) and, from a file, their reads.
 
     A request for every tensor needs a residual of exactly the model's tensors; one that
     names some takes a residual of any of them (the others' are carried).
     """
     path = Path(request.feedback)
+    source: Literal["kept", "file", "none"]
+    from_file = None
     if kept is not None and kept.job == job and read_residual_id(path) == kept.id:
-        residual = kept.tensors
+        source, held = "kept", dict(kept.shapes)
     else:
         read = read_residual(path)
         if isinstance(read, HeldResidual):
             read = _written_out(read, held_path, job)
         if read is None:
-            return None
-        residual = {name: tensor.to(device) for name, tensor in read.tensors.items()}
+            return "none", (), None
+        source, held, from_file = "file", residual_shapes(read), read.tensors
     partial = request.names is not None
     unfit = sorted(
         name
-        for name in set(residual) | (set() if partial else set(shapes))
-        if name not in residual or name not in shapes or residual[name].shape != shapes[name]
+        for name in set(held) | (set() if partial else set(shapes))
+        if name not in held or name not in shapes or tuple(held[name]) != shapes[name]
     )
     if unfit:
         log.warning(
@@ -256,13 +383,13 @@ def _residual_for(
             job,
             ", ".join(unfit[:5]),
         )
-        return None
-    return residual
+        return "none", (), None
+    return source, tuple(name for name in shapes if name in held), from_file
 
 
 def _written_out(held: HeldResidual, held_path: Path | None, job: str) -> Residual | None:
     """The residual a held file names, as written out at the last park or stop; None
-    (with a warning) when rank 0 no longer has it anywhere."""
+    (with a warning) when the ranks no longer have it anywhere."""
     found = None if held_path is None else read_residual(held_path)
     if isinstance(found, Residual) and found.id == held.id:
         return found
@@ -303,35 +430,34 @@ def hand_over_delta(
 ) -> tuple[QuantizedTensors | None, str | None, DeviceResidual | None]:
     """The round's quantized delta, quantized by rank 0 tensor by tensor as each comes:
     from the replica's own tensors under DDP, all-gathered one at a time from the
-    shards under FSDP/HSDP (collectives: every rank gathers every tensor, whatever rank
-    0 met, so none is left waiting). Rank 0's delta, or why it has none.
+    shards under FSDP/HSDP, each with its residual gathered from the ranks' slices and
+    the new one scattered back (collectives: every rank takes part in every tensor,
+    whatever rank 0 met, so none is left waiting). Rank 0's delta, or why it has none.
     ``write_tensors``: the residual's tensors go to the round's residual file (a round
-    that saves the regional checkpoint); otherwise only rank 0 holds them. ``kept``: the
-    residual rank 0 holds; returned as the new one (unchanged when none was formed,
-    None when a failure came after part of it was overwritten)."""
+    that saves the regional checkpoint); otherwise only the ranks hold them. ``kept``:
+    this rank's slices of the residual the group holds; returned as the new one
+    (unchanged when rank 0 could not start, None when a failure came after part of it
+    was overwritten or the round started from another residual)."""
     started = time.monotonic()
-    shapes = {name: t.shape for name, t in federated_state(parallel.model).items()}
+    shapes = {name: tuple(t.shape) for name, t in federated_state(parallel.model).items()}
     names = tuple(shapes) if request.names is None else request.names
+    group = ResidualGroup(place.rank, place.world_size, place.device, place.control)
     quantizer: RoundDeltaQuantizer | None = None
     failure: str | None = None
     delta: QuantizedTensors | None = None
     where = f"job {instruction.job} round {instruction.round}"
     if place.rank == 0:
-        try:
-            quantizer = RoundDeltaQuantizer(
-                request,
-                job=instruction.job,
-                round_=instruction.round,
-                region=instruction.region,
-                base_path=base_path,
-                shapes=shapes,
-                device=place.device,
-                kept=kept,
-                held_path=place.handoff.held_residual_path(instruction.job),
-            )
-        except Exception as exc:
-            log.exception("%s: cannot quantize the delta", where)
-            failure = f"cannot hand over the delta: {type(exc).__name__}: {exc}"
+        quantizer, failure = _start_quantizer(
+            place, request, instruction, base_path, shapes, write_tensors, kept, group
+        )
+    plan: ResidualPlan | None = group.broadcast(None if quantizer is None else quantizer.plan)
+    residual: RoundResidual | None = None
+    if plan is not None:
+        residual = (
+            quantizer.residual
+            if quantizer is not None
+            else RoundResidual(group, plan, shapes, kept)
+        )
     for name, whole in parallel.gathered([n for n in names if n in shapes]):
         if quantizer is not None and failure is None:
             try:
@@ -339,18 +465,37 @@ def hand_over_delta(
             except Exception as exc:
                 log.exception("%s: cannot quantize the delta", where)
                 failure = f"cannot hand over the delta: {type(exc).__name__}: {exc}"
+        elif residual is not None:
+            residual.skip(name)
         del whole
+    if residual is None or plan is None:  # rank 0 could not start: nothing changed
+        return None, failure, kept
+    residual.carry()
     if quantizer is not None and failure is None:
         try:
-            delta, kept = quantizer.finish(
-                place.handoff.residual_path(instruction.job, instruction.round),
-                write_tensors=write_tensors,
-            )
+            delta, formed = quantizer.finish()
         except Exception as exc:
             log.exception("%s: cannot quantize the delta", where)
             failure = f"cannot hand over the delta: {type(exc).__name__}: {exc}"
-    if failure is not None and quantizer is not None and quantizer.altered_kept:
-        # Part overwritten: error feedback goes on from the residual's file, if any.
+    if quantizer is not None and failure is not None:
+        quantizer.abort()
+    outcome: _Outcome = group.broadcast(
+        _Outcome(
+            id=None if delta is None else formed.id,
+            drop=quantizer is not None and quantizer.altered_kept,
+        )
+    )
+    if outcome.id is not None:
+        kept = DeviceResidual(
+            instruction.job,
+            instruction.round,
+            outcome.id,
+            residual.slices(),
+            {n: shapes[n] for n in shapes if n in plan.names or n in names},
+            plan.write_tensors,
+        )
+    elif outcome.drop or plan.source != "kept":
+        # Part overwritten, or another residual: error feedback goes on from its file.
         kept = None
     if delta is not None:
         log.info(
@@ -362,3 +507,36 @@ def hand_over_delta(
             time.monotonic() - started,
         )
     return delta, failure, kept
+
+
+def _start_quantizer(
+    place: RankPlace,
+    request: DeltaRequest,
+    instruction: RoundInstruction,
+    base_path: str,
+    shapes: Mapping[str, tuple[int, ...]],
+    write_tensors: bool,
+    kept: DeviceResidual | None,
+    group: ResidualGroup,
+) -> tuple[RoundDeltaQuantizer | None, str | None]:
+    """Rank 0's quantizer for the round, or why it has none."""
+    try:
+        return RoundDeltaQuantizer(
+            request,
+            job=instruction.job,
+            round_=instruction.round,
+            region=instruction.region,
+            base_path=base_path,
+            shapes={name: torch.Size(shape) for name, shape in shapes.items()},
+            device=place.device,
+            kept=kept,
+            residual_path=place.handoff.residual_path(instruction.job, instruction.round),
+            write_tensors=write_tensors,
+            held_path=place.handoff.held_residual_path(instruction.job),
+            group=group,
+        ), None
+    except Exception as exc:
+        log.exception(
+            "job %s round %d: cannot quantize the delta", instruction.job, instruction.round
+        )
+        return None, f"cannot hand over the delta: {type(exc).__name__}: {exc}"

@@ -17,12 +17,12 @@ import torch.distributed as dist
 
 from geofed.training_config import is_sharded
 from regional_agent.handoff.messages import RegionalCheckpoint
-from regional_agent.handoff.residual_file import write_residual
-from regional_agent.worker.device_delta import DeviceResidual
+from regional_agent.handoff.residual_file import ResidualWriter
 from regional_agent.worker.job_state import WorkerJobState
 from regional_agent.worker.optimizer_checkpoint import save_optimizer
 from regional_agent.worker.parallelism import ParallelModel
 from regional_agent.worker.place import RankPlace
+from regional_agent.worker.residual_shards import DeviceResidual, ResidualGroup
 
 __all__ = ["park_job", "save_job_optimizer", "shared_checkpoint", "write_out_residual"]
 
@@ -123,16 +123,35 @@ def park_job(place: RankPlace, state: WorkerJobState, why: str) -> None:
 
 
 def write_out_residual(place: RankPlace, kept: DeviceResidual | None) -> DeviceResidual | None:
-    """Rank 0: write the residual it holds to its job's held file, unless its tensors are
-    in a file already, so that the residual outlives this process; the residual as now
-    held (marked written once it is)."""
-    if place.rank != 0 or kept is None or kept.written:
+    """Write the residual the group holds to its job's held file, unless its tensors are
+    in a file already, so that it outlives this process (a collective: rank 0 gathers
+    each tensor from the ranks' slices and writes it); the residual as now held (marked
+    written once it is)."""
+    if kept is None or kept.written:
         return kept
+    group = ResidualGroup(place.rank, place.world_size, place.device, place.control)
     path = place.handoff.held_residual_path(kept.job)
-    try:
-        write_residual(path, kept.round, kept.tensors, id_=kept.id)
-    except Exception:
-        log.exception("job %s: cannot write out the error-feedback residual", kept.job)
-        return kept
-    log.info("job %s: wrote out the residual of round %d to %s", kept.job, kept.round, path)
-    return replace(kept, written=True)
+    writer: ResidualWriter | None = None
+    if place.rank == 0:
+        try:
+            writer = ResidualWriter(path, kept.round, kept.shapes, id_=kept.id)
+        except Exception:
+            log.exception("job %s: cannot write out the error-feedback residual", kept.job)
+    for name, shape in kept.shapes.items():
+        whole = group.gather(kept.slices[name], shape)
+        if writer is not None and whole is not None:
+            try:
+                writer.put(name, whole)
+            except Exception:
+                log.exception("job %s: cannot write out the error-feedback residual", kept.job)
+                writer.abort()
+                writer = None
+    done = False
+    if writer is not None:
+        try:
+            writer.commit()
+            done = True
+            log.info("job %s: wrote out the residual of round %d to %s", kept.job, kept.round, path)
+        except Exception:
+            log.exception("job %s: cannot write out the error-feedback residual", kept.job)
+    return replace(kept, written=True) if group.broadcast(done) else kept

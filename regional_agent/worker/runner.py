@@ -74,7 +74,7 @@ from regional_agent.handoff.messages import (
 from regional_agent.handoff.settings import WorkerSettings
 from regional_agent.worker.base_evaluation import evaluate_base
 from regional_agent.worker.delayed_round import DelayedFold, evaluator
-from regional_agent.worker.device_delta import DeviceResidual, hand_over_delta, payloads_hash
+from regional_agent.worker.device_delta import hand_over_delta, payloads_hash
 from regional_agent.worker.inner_checkpoint import (
     RoundIdentity,
     discard_inner_checkpoint,
@@ -99,6 +99,7 @@ from regional_agent.worker.persistence import (
     write_out_residual,
 )
 from regional_agent.worker.place import RankPlace
+from regional_agent.worker.residual_shards import DeviceResidual
 
 log = logging.getLogger(__name__)
 
@@ -135,8 +136,7 @@ class RoundRunner:
         self._rank = dist.get_rank()
         self._world_size = dist.get_world_size()
         self._state: WorkerJobState | None = None
-        # Rank 0: the residual its last quantized delta left, on its device.
-        self._residual: DeviceResidual | None = None
+        self._residual: DeviceResidual | None = None  # this rank's slices of the last one
         # Control messages (stop votes, instructions, errors) travel over gloo on the CPU,
         # so checking for a stop every step never synchronises a GPU stream.
         # An explicit timeout: a group made without one waits torch's default 30 minutes.

@@ -69,7 +69,7 @@ def check_delta(
         assert residual.tensors[name].abs().max().item() <= 2 * step, name
     if previous is not None:  # the first round's residual was carried into the second
         assert any(not torch.equal(previous[k], residual.tensors[k]) for k in previous)
-    return residual.tensors
+    return dict(residual.tensors)
 
 
 @pytest.mark.timeout(900)

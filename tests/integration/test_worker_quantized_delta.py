@@ -99,7 +99,7 @@ def worker_encoding(result: RoundResult) -> tuple[bytes, dict[str, torch.Tensor]
     residual = read_residual(result.residual)
     assert isinstance(residual, Residual)
     assert residual.round == result.summary.round
-    return result.delta.to_bytes(), residual.tensors
+    return result.delta.to_bytes(), dict(residual.tensors)
 
 
 def assert_same(

@@ -32,6 +32,7 @@ from regional_agent.handoff.residual_file import (
     HeldResidual,
     Residual,
     ResidualFileError,
+    ResidualWriter,
     read_residual,
     read_residual_id,
     write_held_residual,
@@ -40,11 +41,11 @@ from regional_agent.handoff.residual_file import (
 from regional_agent.rounds.delta import check_worker_delta, encode_delta
 from regional_agent.state import DeltaMeta, JobDirectory, StateError
 from regional_agent.worker.device_delta import (
-    DeviceResidual,
     RoundDeltaQuantizer,
     payloads_hash,
     quantize_round_delta,
 )
+from regional_agent.worker.residual_shards import DeviceResidual
 from tests.support.handoff_samples import stream_file
 
 CODEC = CodecParams(scheme="int8", block_size=16)
@@ -192,6 +193,54 @@ def test_a_residual_file_reads_back_with_its_id_and_refuses_what_is_not_one(
         read_residual(path)
 
 
+def test_a_residual_file_is_written_a_tensor_at_a_time_and_only_whole(tmp_path: Path) -> None:
+    path = tmp_path / "round-2.residual.pt"
+    before = write_residual(path, 1, {"w": torch.zeros(2, 3)})
+    shapes = {"w": (2, 3), "b": (4,)}
+    writer = ResidualWriter(path, 2, shapes)
+    writer.put("b", torch.full((4,), 0.25))  # any order: each tensor where its header says
+    writer.put("w", torch.ones(2, 3, dtype=torch.float64))
+    id_ = writer.commit()
+    read = read_residual(path)
+    assert isinstance(read, Residual)
+    assert (read.round, read.id, list(read.tensors)) == (2, id_, ["w", "b"])
+    assert torch.equal(read.tensors["b"], torch.full((4,), 0.25))
+    assert read.tensors["w"].dtype == torch.float32
+
+    # One missing, a wrong shape, an abort: the file at the path stays as it was.
+    unfinished = ResidualWriter(path, 3, shapes)
+    unfinished.put("w", torch.ones(2, 3))
+    with pytest.raises(ResidualFileError, match=r"without \['b'\]"):
+        unfinished.commit()
+    misfit = ResidualWriter(path, 3, shapes)
+    with pytest.raises(ResidualFileError, match=r"'w' \(3, 2\) is not \(2, 3\)"):
+        misfit.put("w", torch.ones(3, 2))
+    misfit.abort()
+    assert read_residual_id(path) == id_ != before
+    assert sorted(p.name for p in tmp_path.iterdir()) == [path.name]
+
+    # A non-finite value is refused when its tensor is read, naming it.
+    write_residual(path, 4, {"w": torch.zeros(2), "b": torch.tensor([0.0, float("inf")])})
+    read = read_residual(path)
+    assert isinstance(read, Residual)
+    assert torch.equal(read.tensors["w"], torch.zeros(2))
+    with pytest.raises(ResidualFileError, match="residual 'b' holds NaN or Inf"):
+        read.tensors["b"]
+
+
+def test_a_residual_file_of_the_format_before_is_still_read(tmp_path: Path) -> None:
+    path = tmp_path / "feedback.pt"
+    body = {"version": 1, "residual": {"w": torch.ones(3)}}
+    torch.save({"format": 1, "round": 5, "id": "old-id", "feedback": body}, path)
+    assert read_residual_id(path) == "old-id"
+    read = read_residual(path)
+    assert isinstance(read, Residual)
+    assert (read.round, read.id) == (5, "old-id")
+    assert torch.equal(read.tensors["w"], torch.ones(3))
+    torch.save({"format": 1, "round": 5, "id": "held-id", "held": True}, path)
+    assert read_residual(path) == HeldResidual(5, "held-id")
+
+
 def test_rank_zeros_delta_is_the_agents_encoding_and_keeps_its_residual(
     tmp_path: Path,
 ) -> None:
@@ -311,10 +360,10 @@ def test_between_checkpoints_rank_zero_holds_the_residual_and_the_delta_is_the_s
     ef, local = ErrorFeedback(), dict(TRAINED)
     kept: DeviceResidual | None = None
     for round_ in range(3):
-        held = None if kept is None else dict(kept.tensors)
+        held = None if kept is None else dict(kept.slices)
         quantized, kept = _quantize(tmp_path, round_, local, kept, write_tensors=round_ == 0)
         if held is not None:  # the new residual took the old one's place: one copy held
-            assert all(kept.tensors[name] is tensor for name, tensor in held.items())
+            assert all(kept.slices[name] is tensor for name, tensor in held.items())
         want = encode_delta(THETA, local, ef, CODEC, chunk_elements=64)
         assert seal_quantized(quantized).to_bytes() == want.stream.to_bytes()
         written = read_residual(tmp_path / f"round-{round_}.residual.pt")
@@ -345,7 +394,8 @@ def test_a_held_residual_rank_zero_lost_starts_anew_and_one_written_out_is_read(
     assert "residual of round 0 was held by the workers only and is gone" in caplog.text
 
     # Written out when the group parked the job or stopped: read back, same delta as kept.
-    write_residual(tmp_path / "residual-held.pt", 0, kept.tensors, id_=kept.id)
+    whole = {name: kept.slices[name].view(shape) for name, shape in kept.shapes.items()}
+    write_residual(tmp_path / "residual-held.pt", 0, whole, id_=kept.id)
     caplog.clear()
     from_file, _ = _quantize(tmp_path, 1, local, None, write_tensors=False)
     from_kept, _ = _quantize(tmp_path, 1, local, kept, write_tensors=False)
@@ -379,6 +429,8 @@ def test_a_delta_failing_after_part_of_the_residual_was_overwritten_says_so(
         shapes={name: tensor.shape for name, tensor in local.items()},
         device=torch.device("cpu"),
         kept=kept,
+        residual_path=tmp_path / "round-1.residual.pt",
+        write_tensors=False,
     )
     first, second = quantizer.wanted
     quantizer.add(first, local[first])
