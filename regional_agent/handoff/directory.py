@@ -65,6 +65,7 @@ from geofed.fsutil import AtomicFile, atomic_write_bytes, replace_durably
 from geofed.types import validate_name
 from regional_agent.handoff.delta_stream import (
     DeltaStream,
+    WrittenDelta,
     open_delta_stream,
     write_delta_stream,
 )
@@ -315,12 +316,13 @@ class HandoffDir:
         self,
         summary: RoundSummary,
         params: Mapping[str, torch.Tensor] | None = None,
-        delta: QuantizedTensors | None = None,
+        delta: QuantizedTensors | WrittenDelta | None = None,
     ) -> None:
         """Atomically write the result file (not yet visible as a result: see write_done):
         the trained ``params``, or the quantized ``delta``, sealed into the round's stream
-        file first (its residual file written before, by
-        :func:`regional_agent.handoff.residual_file.write_residual`)."""
+        file first unless it was sealed there as it was quantized (a
+        :class:`~regional_agent.handoff.delta_stream.WrittenDelta`; its residual file
+        written before, :mod:`regional_agent.handoff.residual_file`)."""
         if (params is None) == (delta is None):
             raise HandoffError("a result holds either the parameters or the delta")
         path = self.result_path(summary.job, summary.round)
@@ -330,7 +332,12 @@ class HandoffDir:
             body["params"] = dict(params)
         if delta is not None:
             stream = self.delta_stream_path(summary.job, summary.round)
-            body["stream"] = {"frames": list(write_delta_stream(stream, delta))}
+            if isinstance(delta, WrittenDelta):
+                if delta.path != stream:
+                    raise HandoffError(f"the round's delta is at {stream}, not {delta.path}")
+                body["stream"] = {"frames": list(delta.frames)}
+            else:
+                body["stream"] = {"frames": list(write_delta_stream(stream, delta))}
         with AtomicFile(path) as f:
             torch.save(body, f)
 

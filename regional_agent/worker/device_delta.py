@@ -37,6 +37,7 @@ from geofed.codec import QuantizedTensors, quantize_tensors
 from geofed.codec.tensors import TensorLayout
 from geofed.params import federated_state
 from geofed.theta_file import ThetaFileError, read_theta
+from regional_agent.handoff.delta_stream import DeltaStreamWriter, WrittenDelta
 from regional_agent.handoff.delta_terms import UnusableDelta, rounding_generator
 from regional_agent.handoff.messages import DeltaRequest, RoundInstruction
 from regional_agent.handoff.residual_file import (
@@ -192,10 +193,12 @@ def quantize_round_delta(
         for name in quantizer.wanted:
             quantizer.add(name, local[name])
         quantizer.residual.carry()
-        return quantizer.finish()
+        quantized, residual = quantizer.finish()
     except BaseException:
         quantizer.abort()
         raise
+    assert isinstance(quantized, QuantizedTensors)  # no stream file: the payloads in memory
+    return quantized, residual
 
 
 class RoundDeltaQuantizer:
@@ -226,8 +229,11 @@ class RoundDeltaQuantizer:
         write_tensors: bool = True,
         held_path: Path | None = None,
         group: ResidualGroup | None = None,
+        stream_path: Path | None = None,
     ) -> None:
         self._request, self._job, self._round, self._device = request, job, round_, device
+        self._writer: ResidualWriter | None = None
+        self._stream: DeltaStreamWriter | None = None
         self._shapes = {name: tuple(shape) for name, shape in shapes.items()}
         self._residual_path = residual_path
         try:
@@ -253,17 +259,25 @@ class RoundDeltaQuantizer:
             if name in held or name in self.wanted
         }
         writer = ResidualWriter(residual_path, round_, self.leaves) if write_tensors else None
+        self._writer = writer
         group = group or ResidualGroup(0, 1, device)
         #: The round's residual on this rank: every rank of the group has its own.
         self.residual = RoundResidual(group, self.plan, self._shapes, kept, from_file, writer)
-        self._writer = writer
         self._generator = (
             rounding_generator(job, round_, region, device)
             if request.codec.stochastic_rounding
             else None
         )
-        self._specs: list[TensorLayout] = []
+        self._specs = [TensorLayout(n, "float32", self._shapes[n]) for n in self.wanted]
         self._payloads: list[torch.Tensor] = []
+        if stream_path is not None:
+            try:
+                self._stream = DeltaStreamWriter(
+                    stream_path, self._specs, request.codec, request.chunk_elements
+                )
+            except BaseException:
+                self.abort()
+                raise
         self._next = 0
 
     @property
@@ -313,12 +327,17 @@ class RoundDeltaQuantizer:
             generator=self._generator,
             residual=given,
         )
-        self._specs.extend(quantized.specs)
-        self._payloads.extend(quantized.payloads)
+        if quantized.specs != self._specs[self._next - 1 : self._next]:
+            raise UnusableDelta(f"{name!r} quantized as {quantized.specs}, not as announced")
+        if self._stream is not None:
+            self._stream.add(quantized.payloads)  # sealed into the file as it comes
+        else:
+            self._payloads.extend(quantized.payloads)
         return after.get(name)
 
-    def finish(self) -> tuple[QuantizedTensors, DeviceResidual]:
-        """The round's quantized delta and the residual it leaves (after the residual's
+    def finish(self) -> tuple[QuantizedTensors | WrittenDelta, DeviceResidual]:
+        """The round's quantized delta (sealed in its stream file when the quantizer was
+        given one) and the residual it leaves (after the residual's
         :meth:`RoundResidual.carry`), named at the round's residual path: its tensors
         written there when the round writes them, else a held file (the tensors stay on
         the ranks' devices only)."""
@@ -326,9 +345,13 @@ class RoundDeltaQuantizer:
             raise UnusableDelta(f"the delta holds {self._next} of its {len(self.wanted)} tensors")
         if self.residual.error is not None:
             raise self.residual.error
-        quantized = QuantizedTensors(
-            self._specs, self._request.codec, self._request.chunk_elements, self._payloads
-        )
+        quantized: QuantizedTensors | WrittenDelta
+        if self._stream is not None:
+            quantized = self._stream.finish()
+        else:
+            quantized = QuantizedTensors(
+                self._specs, self._request.codec, self._request.chunk_elements, self._payloads
+            )
         del self._base
         if self._writer is not None:
             id_ = self._writer.commit()
@@ -341,9 +364,11 @@ class RoundDeltaQuantizer:
         return quantized, residual
 
     def abort(self) -> None:
-        """Leave the round's residual file as it was (a failed delta)."""
+        """Leave the round's residual and stream files as they were (a failed delta)."""
         if self._writer is not None:
             self._writer.abort()
+        if self._stream is not None:
+            self._stream.abort()
 
 
 def _residual_source(
@@ -427,7 +452,7 @@ def hand_over_delta(
     parallel: ParallelModel,
     write_tensors: bool,
     kept: DeviceResidual | None,
-) -> tuple[QuantizedTensors | None, str | None, DeviceResidual | None]:
+) -> tuple[WrittenDelta | None, str | None, DeviceResidual | None]:
     """The round's quantized delta, quantized by rank 0 tensor by tensor as each comes:
     from the replica's own tensors under DDP, all-gathered one at a time from the
     shards under FSDP/HSDP, each with its residual gathered from the ranks' slices and
@@ -444,7 +469,7 @@ def hand_over_delta(
     group = ResidualGroup(place.rank, place.world_size, place.device, place.control)
     quantizer: RoundDeltaQuantizer | None = None
     failure: str | None = None
-    delta: QuantizedTensors | None = None
+    delta: QuantizedTensors | WrittenDelta | None = None
     where = f"job {instruction.job} round {instruction.round}"
     if place.rank == 0:
         quantizer, failure = _start_quantizer(
@@ -497,15 +522,16 @@ def hand_over_delta(
     elif outcome.drop or plan.source != "kept":
         # Part overwritten, or another residual: error feedback goes on from its file.
         kept = None
-    if delta is not None:
-        log.info(
-            "%s: delta quantized on %s, tensor by tensor (%s, %.1f MB) in %.3f s",
-            where,
-            place.device,
-            request.codec.scheme,
-            sum(p.numel() for p in delta.payloads) / 1e6,
-            time.monotonic() - started,
-        )
+    if not isinstance(delta, WrittenDelta):  # rank 0 seals into the stream file
+        return None, failure, kept
+    log.info(
+        "%s: delta quantized on %s, tensor by tensor, and sealed (%s, %.1f MB) in %.3f s",
+        where,
+        place.device,
+        request.codec.scheme,
+        delta.payload_bytes / 1e6,
+        time.monotonic() - started,
+    )
     return delta, failure, kept
 
 
@@ -534,6 +560,7 @@ def _start_quantizer(
             write_tensors=write_tensors,
             held_path=place.handoff.held_residual_path(instruction.job),
             group=group,
+            stream_path=place.handoff.delta_stream_path(instruction.job, instruction.round),
         ), None
     except Exception as exc:
         log.exception(

@@ -60,9 +60,9 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from geofed.codec import QuantizedTensors
 from geofed.heap import trim_heap
 from geofed.params import parameters_vector_hash
+from regional_agent.handoff.delta_stream import WrittenDelta
 from regional_agent.handoff.directory import HandoffDir
 from regional_agent.handoff.messages import (
     BaseReady,
@@ -74,7 +74,7 @@ from regional_agent.handoff.messages import (
 from regional_agent.handoff.settings import WorkerSettings
 from regional_agent.worker.base_evaluation import evaluate_base
 from regional_agent.worker.delayed_round import DelayedFold, evaluator
-from regional_agent.worker.device_delta import hand_over_delta, payloads_hash
+from regional_agent.worker.device_delta import hand_over_delta
 from regional_agent.worker.inner_checkpoint import (
     RoundIdentity,
     discard_inner_checkpoint,
@@ -672,7 +672,7 @@ class RoundRunner:
                 mean_loss=mean_loss,
                 cursor=cursor,
                 base_params_hash=base_hash,
-                params_hash=payloads_hash(delta)
+                params_hash=delta.payloads_hash
                 if delta is not None
                 else parameters_vector_hash(params or {}),
                 world_size=self._world_size,
@@ -702,7 +702,7 @@ class RoundRunner:
         parallel: ParallelModel,
         instruction: RoundInstruction,
         fold: DelayedFold | None,
-    ) -> tuple[Mapping[str, torch.Tensor] | None, QuantizedTensors | None, str | None]:
+    ) -> tuple[Mapping[str, torch.Tensor] | None, WrittenDelta | None, str | None]:
         """What the round hands the agent: θ whole on rank 0, or the quantized delta an
         instruction's ``delta`` asks for; and rank 0's failure, if any (a collective under
         FSDP: every rank takes part)."""
@@ -776,7 +776,7 @@ class RoundRunner:
         params: Mapping[str, torch.Tensor] | None,
         checkpoint: RegionalCheckpoint,
         totals: RankTotals,
-        delta: QuantizedTensors | None = None,
+        delta: WrittenDelta | None = None,
     ) -> None:
         # Order matters: result (its residual file before it), then checkpoint, then the
         # marker that publishes both. The inner checkpoint goes before the marker: once the

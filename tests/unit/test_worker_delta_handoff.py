@@ -19,7 +19,11 @@ from geofed.codec import (
     seal_quantized,
 )
 from geofed.codec_params import CodecParams
-from regional_agent.handoff.delta_stream import open_delta_stream
+from regional_agent.handoff.delta_stream import (
+    DeltaStreamWriter,
+    open_delta_stream,
+    write_delta_stream,
+)
 from regional_agent.handoff.delta_terms import UnusableDelta
 from regional_agent.handoff.directory import HandoffDir
 from regional_agent.handoff.errors import HandoffError, InvalidHandoffData
@@ -191,6 +195,50 @@ def test_a_residual_file_reads_back_with_its_id_and_refuses_what_is_not_one(
     torch.save({"format": 1, "round": 1, "feedback": {"version": 1, "residual": bad}}, path)
     with pytest.raises(ResidualFileError, match="NaN or Inf"):
         read_residual(path)
+
+
+def _by_tensor(quantized: QuantizedTensors) -> list[list[torch.Tensor]]:
+    """The payloads of each tensor, in order."""
+    counts = [-(-spec.numel // 64) for spec in quantized.specs]  # chunks of 64 elements
+    payloads, out = list(quantized.payloads), []
+    for count in counts:
+        out.append(payloads[:count])
+        payloads = payloads[count:]
+    return out
+
+
+def test_a_delta_sealed_as_it_is_quantized_is_the_whole_delta_sealed(tmp_path: Path) -> None:
+    quantized, _ = quantize_tensors(
+        {k: THETA[k] - TRAINED[k] for k in THETA}, CODEC, chunk_elements=64
+    )
+    whole = tmp_path / "whole.bin"
+    frames = write_delta_stream(whole, quantized)
+    path = tmp_path / "round-3.delta.bin"
+    writer = DeltaStreamWriter(path, quantized.specs, CODEC, 64)
+    for payloads in _by_tensor(quantized):
+        writer.add(payloads)
+    written = writer.finish()
+    assert written.frames == frames
+    assert path.read_bytes() == whole.read_bytes()
+    assert written.payloads_hash == payloads_hash(quantized)
+    assert written.payload_bytes == sum(p.numel() for p in quantized.payloads)
+    assert path.stat().st_mode & 0o077 == 0
+
+    # Too few payloads, too many, an abort: the file at the path stays as it was.
+    before = path.read_bytes()
+    short = DeltaStreamWriter(path, quantized.specs, CODEC, 64)
+    short.add(_by_tensor(quantized)[0])
+    with pytest.raises(InvalidHandoffData, match="fewer payloads than the stream's chunks"):
+        short.finish()
+    extra = DeltaStreamWriter(path, quantized.specs, CODEC, 64)
+    with pytest.raises(InvalidHandoffData, match="more payloads"):
+        extra.add(list(quantized.payloads) * 2)
+    extra.abort()
+    stopped = DeltaStreamWriter(path, quantized.specs, CODEC, 64)
+    stopped.add(_by_tensor(quantized)[0])
+    stopped.abort()
+    assert path.read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == [path.name, whole.name]
 
 
 def test_a_residual_file_is_written_a_tensor_at_a_time_and_only_whole(tmp_path: Path) -> None:
