@@ -109,6 +109,7 @@ class DeltaStreamWriter:
         self._bytes = 0
         self._sizes: list[int] = []
         self._error: BaseException | None = None
+        path.parent.mkdir(parents=True, exist_ok=True)
         self._atomic = AtomicFile(path, private=True)
         self._file = self._atomic.__enter__()
         self._thread = threading.Thread(

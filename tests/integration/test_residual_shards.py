@@ -1,5 +1,7 @@
 """The error-feedback residual sharded over 3 gloo ranks: gathered whole on rank 0 from
-uneven slices, scattered back in place, and written out by a collective at a stop."""
+uneven slices, scattered back in place, and written out by a collective at a stop; a
+round's delta handed over by the group is the same bytes as one rank's, round after
+round, and a failure after part of the residual was replaced drops it on every rank."""
 
 from __future__ import annotations
 
@@ -9,11 +11,18 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.multiprocessing.spawn import spawn
 
+from geofed.codec import seal_quantized
+from geofed.codec_params import CodecParams
 from geofed.ports import unused_port
+from geofed.theta_file import write_theta
 from regional_agent.handoff.directory import HandoffDir
+from regional_agent.handoff.messages import DeltaRequest, RoundInstruction
 from regional_agent.handoff.residual_file import Residual, read_residual
+from regional_agent.worker.device_delta import hand_over_delta, quantize_round_delta
+from regional_agent.worker.parallelism import ParallelModel
 from regional_agent.worker.persistence import write_out_residual
 from regional_agent.worker.place import RankPlace
 from regional_agent.worker.residual_shards import DeviceResidual, ResidualGroup
@@ -79,3 +88,116 @@ def test_a_residual_sharded_over_three_ranks_gathers_scatters_and_writes_out_who
     want = _wholes(2.0)  # the slices were scattered the new values in place
     assert list(written.tensors) == list(SHAPES)
     assert all(torch.equal(written.tensors[n], want[n]) for n in SHAPES)
+
+
+CODEC = CodecParams(scheme="int8", block_size=16)
+
+
+def _model(scale: float) -> nn.Sequential:
+    torch.manual_seed(3)
+    model = nn.Sequential(nn.Linear(13, 7), nn.Linear(7, 5))
+    with torch.no_grad():
+        for tensor in model.parameters():
+            tensor.mul_(scale)
+    return model
+
+
+def _instruction(round_: int, base: Path, feedback: Path) -> RoundInstruction:
+    return RoundInstruction(
+        job="job-a",
+        round=round_,
+        base_params=str(base),
+        inner_steps=1,
+        task="tests.support.tiny_task:TinyTask",
+        task_options={},
+        seed=1,
+        region="eu-west",
+        region_index=0,
+        num_regions=2,
+        delta=DeltaRequest(CODEC, str(feedback), 16),
+    )
+
+
+def _hand_over(rank: int, port: int, out: str) -> None:
+    """Rounds 0 and 1 handed over by the group (the residual kept between checkpoints,
+    each delta taken by the agent), then round 2 with a NaN in rank 0's third tensor."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    try:
+        root = Path(out)
+        handoff = HandoffDir(root / "handoff")
+        place = RankPlace(handoff, rank, WORLD, None, torch.device("cpu"))
+        base, feedback = root / "theta.safetensors", root / "feedback.pt"
+        report: dict[str, object] = {}
+        kept: DeviceResidual | None = None
+        for round_ in range(3):
+            model = _model(0.9 + 0.05 * round_)
+            if round_ == 2 and rank == 0:
+                layer = model[1]
+                assert isinstance(layer, nn.Linear)
+                with torch.no_grad():
+                    layer.weight[0, 0] = float("nan")
+            instruction = _instruction(round_, base, feedback)
+            assert instruction.delta is not None
+            delta, failure, kept = hand_over_delta(
+                place,
+                instruction.delta,
+                instruction,
+                str(base),
+                ParallelModel("ddp", model, model),
+                False,
+                kept,
+            )
+            stream = None if delta is None else delta.path.read_bytes()
+            report[f"round {round_}"] = (stream, failure, None if kept is None else kept.id)
+            dist.barrier()
+            if rank == 0 and round_ < 2:  # the agent took the delta: it keeps its residual
+                handoff.residual_path("job-a", round_).replace(feedback)
+            dist.barrier()
+        torch.save(report, root / f"hand-over-{rank}.pt")
+    finally:
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def test_a_delta_handed_over_by_three_ranks_is_one_ranks_and_a_failure_drops_the_residual(
+    tmp_path: Path,
+) -> None:
+    base = tmp_path / "theta.safetensors"
+    write_theta(base, dict(_model(1.0).state_dict()))
+    spawn(_hand_over, args=(unused_port(), str(tmp_path)), nprocs=WORLD, join=True)
+
+    reports = [torch.load(tmp_path / f"hand-over-{r}.pt", weights_only=True) for r in range(WORLD)]
+    # One rank alone, from the same θ and trained states, keeping its residual.
+    alone = tmp_path / "alone"
+    alone.mkdir()
+    kept = None
+    for round_ in range(2):
+        quantized, kept = quantize_round_delta(
+            DeltaRequest(CODEC, str(alone / "feedback.pt"), 16),
+            job="job-a",
+            round_=round_,
+            region="eu-west",
+            base_path=str(base),
+            local=dict(_model(0.9 + 0.05 * round_).state_dict()),
+            residual_path=alone / f"round-{round_}.residual.pt",
+            kept=kept,
+            write_tensors=False,
+        )
+        (alone / f"round-{round_}.residual.pt").replace(alone / "feedback.pt")
+        stream, failure, id_ = reports[0][f"round {round_}"]
+        assert failure is None
+        assert stream == seal_quantized(quantized).to_bytes()  # round 1 used the kept one
+        assert all(r[f"round {round_}"][2] == id_ for r in reports)  # every rank keeps it
+        assert all(r[f"round {round_}"][:2] == (None, None) for r in reports[1:])
+    stream, failure, id_ = reports[0]["round 2"]
+    assert stream is None
+    assert id_ is None
+    assert failure.startswith("cannot hand over the delta")
+    assert "finite" in failure
+    # The first tensors' residual was replaced before the NaN: no rank keeps any of it.
+    assert all(r["round 2"] == (None, None, None) for r in reports[1:])
+    handoff = HandoffDir(tmp_path / "handoff")
+    assert not handoff.delta_stream_path("job-a", 2).exists()
+    assert not handoff.residual_path("job-a", 2).exists()
