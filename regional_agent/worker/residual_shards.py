@@ -54,12 +54,6 @@ class ResidualGroup:
     def alone(self) -> bool:
         return self.world_size == 1
 
-    def own(self, whole: torch.Tensor) -> torch.Tensor:
-        """This rank's slice of ``whole`` (a copy, on the device)."""
-        begin, end = span(whole.numel(), self.rank, self.world_size)
-        flat = whole.detach().reshape(-1)[begin:end]
-        return flat.to(device=self.device, dtype=torch.float32, copy=True)
-
     def gather(self, mine: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor | None:
         """Rank 0: the whole tensor of ``shape`` from every rank's slice (``mine`` this
         rank's); the other ranks: None. A collective."""

@@ -25,7 +25,7 @@ from regional_agent.worker.device_delta import hand_over_delta, quantize_round_d
 from regional_agent.worker.parallelism import ParallelModel
 from regional_agent.worker.persistence import write_out_residual
 from regional_agent.worker.place import RankPlace
-from regional_agent.worker.residual_shards import DeviceResidual, ResidualGroup
+from regional_agent.worker.residual_shards import DeviceResidual, ResidualGroup, span
 
 pytestmark = pytest.mark.integration
 
@@ -39,6 +39,12 @@ def _wholes(scale: float) -> dict[str, torch.Tensor]:
     return {name: torch.randn(shape, generator=generator) * scale for name, shape in SHAPES.items()}
 
 
+def _own(whole: torch.Tensor, rank: int) -> torch.Tensor:
+    """``rank``'s slice of ``whole`` (a copy)."""
+    begin, end = span(whole.numel(), rank, WORLD)
+    return whole.reshape(-1)[begin:end].clone()
+
+
 def _rank(rank: int, port: int, out: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
@@ -47,7 +53,7 @@ def _rank(rank: int, port: int, out: str) -> None:
         cpu = torch.device("cpu")
         group = ResidualGroup(rank, WORLD, cpu)
         old, new = _wholes(1.0), _wholes(2.0)
-        slices = {name: group.own(whole) for name, whole in old.items()}
+        slices = {name: _own(whole, rank) for name, whole in old.items()}
         report: dict[str, object] = {"sizes": {n: s.numel() for n, s in slices.items()}}
         gathered = {name: group.gather(slices[name], SHAPES[name]) for name in SHAPES}
         if rank == 0:
@@ -58,7 +64,7 @@ def _rank(rank: int, port: int, out: str) -> None:
         for name in SHAPES:
             into = slices[name]
             got = group.scatter(new[name] if rank == 0 else None, SHAPES[name], into)
-            same = same and got is into and torch.equal(got, group.own(new[name]))
+            same = same and got is into and torch.equal(got, _own(new[name], rank))
         report["scattered_in_place"] = same
         report["broadcast"] = group.broadcast("rank 0's word" if rank == 0 else None)
         kept = DeviceResidual("job-a", 4, "id-4", slices, dict(SHAPES), written=False)
