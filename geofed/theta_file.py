@@ -26,7 +26,7 @@ import os
 import shutil
 import struct
 from collections.abc import Iterable, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -71,7 +71,7 @@ class ThetaLayout:
     entries: tuple[ThetaEntry, ...]
     header: bytes
     #: The header's ``__metadata__`` beside its format (strings, as safetensors has them).
-    metadata: Mapping[str, str]
+    metadata: Mapping[str, str] = field(hash=False)
 
     @classmethod
     def of_shapes(

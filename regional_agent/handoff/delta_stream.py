@@ -109,6 +109,7 @@ class DeltaStreamWriter:
         self._bytes = 0
         self._sizes: list[int] = []
         self._error: BaseException | None = None
+        self._ended = False  # the sealing thread took the end of the payloads
         path.parent.mkdir(parents=True, exist_ok=True)
         self._atomic = AtomicFile(path, private=True)
         self._file = self._atomic.__enter__()
@@ -140,12 +141,15 @@ class DeltaStreamWriter:
             out(trailer.data)
         except BaseException as exc:
             self._error = exc
-            while self._queue.get() is not _END:  # let add() finish: the error is raised there
+            # Take what add() still puts until the end comes (the error is raised there),
+            # unless the end came already (a failure sealing the trailer).
+            while not self._ended and self._queue.get() is not _END:
                 pass
 
     def _queued(self) -> Iterator[tuple[ChunkSlot, torch.Tensor]]:
         while (item := self._queue.get()) is not _END:
             yield item  # type: ignore[misc]
+        self._ended = True
 
     def add(self, payloads: Sequence[torch.Tensor]) -> None:
         """Seal the next tensor's payloads (one per chunk, in order)."""
@@ -154,7 +158,7 @@ class DeltaStreamWriter:
             if slot is None:
                 raise InvalidHandoffData(f"{self.path}: more payloads than the stream's chunks")
             self._digest.update(payload.numpy().data)
-            self._bytes += payload.numel()
+            self._bytes += payload.nbytes
             self._queue.put((slot, payload))
         if self._error is not None:
             raise InvalidHandoffData(f"{self.path}: cannot seal the delta: {self._error}")

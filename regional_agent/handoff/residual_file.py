@@ -95,7 +95,6 @@ class ResidualWriter:
         self._file = self._atomic.__enter__()
         try:
             self._file.write(self._layout.header)
-            self._file.truncate(self._layout.size)
             self._file.flush()
         except BaseException:
             self.abort()
@@ -117,6 +116,11 @@ class ResidualWriter:
             missing = sorted(self._missing)[:5]
             self.abort()
             raise ResidualFileError(f"the residual was written without {missing}")
+        try:
+            self._file.truncate(self._layout.size)  # the tensors' bytes end the file
+        except BaseException:
+            self.abort()
+            raise
         self._atomic.__exit__(None, None, None)
         return self.id
 

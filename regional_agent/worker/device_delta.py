@@ -100,7 +100,8 @@ class RoundResidual:
         self._new: dict[str, torch.Tensor] = {}
         #: Rank 0: whether a put replaced part of the kept residual with a new one.
         self.altered = False
-        #: Rank 0: why a tensor carried from the residual's file could not be read.
+        #: Rank 0: why a tensor of the old residual could not be read, or of the new one
+        #: written (the round then fails).
         self.error: Exception | None = None
 
     def take(self, name: str) -> torch.Tensor | None:
@@ -122,8 +123,20 @@ class RoundResidual:
         self._new[name] = self._group.scatter(whole, self._shapes[name], into)
         if fresh and into is not None:
             self.altered = True
-        if self._writer is not None and whole is not None:
+        if whole is not None:
+            self._write(name, whole)
+
+    def _write(self, name: str, whole: torch.Tensor) -> None:
+        """Rank 0: write ``name`` to the round's residual file; a failure (a full disk)
+        is kept in :attr:`error` and drops the file, and the ranks' collectives go on."""
+        if self._writer is None:
+            return
+        try:
             self._writer.put(name, whole)
+        except Exception as exc:
+            self.error = self.error or exc
+            self._writer.abort()
+            self._writer = None
 
     def skip(self, name: str) -> None:
         """Put ``name``'s residual back as it was (a rank whose delta failed, or any rank
@@ -144,8 +157,8 @@ class RoundResidual:
             if self._plan.source == "kept":
                 if self._plan.write_tensors:
                     whole = self._group.gather(self._old[name], self._shapes[name])
-                    if self._writer is not None and whole is not None:
-                        self._writer.put(name, whole)
+                    if whole is not None:
+                        self._write(name, whole)
                 self._new[name] = self._old[name]
             else:
                 self.skip(name)
@@ -258,27 +271,27 @@ class RoundDeltaQuantizer:
             for name, shape in self._shapes.items()
             if name in held or name in self.wanted
         }
-        writer = ResidualWriter(residual_path, round_, self.leaves) if write_tensors else None
-        self._writer = writer
-        group = group or ResidualGroup(0, 1, device)
-        #: The round's residual on this rank: every rank of the group has its own.
-        self.residual = RoundResidual(group, self.plan, self._shapes, kept, from_file, writer)
+        self._specs = [TensorLayout(n, "float32", self._shapes[n]) for n in self.wanted]
+        self._payloads: list[torch.Tensor] = []
+        self._next = 0
         self._generator = (
             rounding_generator(job, round_, region, device)
             if request.codec.stochastic_rounding
             else None
         )
-        self._specs = [TensorLayout(n, "float32", self._shapes[n]) for n in self.wanted]
-        self._payloads: list[torch.Tensor] = []
-        if stream_path is not None:
-            try:
+        try:
+            writer = ResidualWriter(residual_path, round_, self.leaves) if write_tensors else None
+            self._writer = writer
+            if stream_path is not None:
                 self._stream = DeltaStreamWriter(
                     stream_path, self._specs, request.codec, request.chunk_elements
                 )
-            except BaseException:
-                self.abort()
-                raise
-        self._next = 0
+        except BaseException:
+            self.abort()
+            raise
+        group = group or ResidualGroup(0, 1, device)
+        #: The round's residual on this rank: every rank of the group has its own.
+        self.residual = RoundResidual(group, self.plan, self._shapes, kept, from_file, writer)
 
     @property
     def altered_kept(self) -> bool:
@@ -298,6 +311,8 @@ class RoundDeltaQuantizer:
             self.residual.put(name, old, fresh=False)
             raise
         self.residual.put(name, after, fresh=True)
+        if self.residual.error is not None:
+            raise self.residual.error
 
     def _advance(self, name: str) -> None:
         if self._next >= len(self.wanted) or self.wanted[self._next] != name:
@@ -345,6 +360,13 @@ class RoundDeltaQuantizer:
             raise UnusableDelta(f"the delta holds {self._next} of its {len(self.wanted)} tensors")
         if self.residual.error is not None:
             raise self.residual.error
+        del self._base
+        # The residual's file first: a delta sealed and renamed cannot be taken back.
+        written = self._writer is not None
+        if self._writer is not None:
+            id_ = self._writer.commit()
+        else:
+            id_ = write_held_residual(self._residual_path, self._round)
         quantized: QuantizedTensors | WrittenDelta
         if self._stream is not None:
             quantized = self._stream.finish()
@@ -352,12 +374,6 @@ class RoundDeltaQuantizer:
             quantized = QuantizedTensors(
                 self._specs, self._request.codec, self._request.chunk_elements, self._payloads
             )
-        del self._base
-        if self._writer is not None:
-            id_ = self._writer.commit()
-        else:
-            id_ = write_held_residual(self._residual_path, self._round)
-        written = self._writer is not None
         residual = DeviceResidual(
             self._job, self._round, id_, self.residual.slices(), self.leaves, written
         )

@@ -1,11 +1,14 @@
 """The error-feedback residual sharded over 3 gloo ranks: gathered whole on rank 0 from
 uneven slices, scattered back in place, and written out by a collective at a stop; a
 round's delta handed over by the group is the same bytes as one rank's, round after
-round, and a failure after part of the residual was replaced drops it on every rank."""
+round, and a failure after part of the residual was replaced (a NaN in a tensor, a file
+size limit on rank 0's writes) drops it on every rank and leaves no rank waiting."""
 
 from __future__ import annotations
 
 import os
+import resource
+import signal
 from pathlib import Path
 
 import pytest
@@ -20,7 +23,7 @@ from geofed.ports import unused_port
 from geofed.theta_file import write_theta
 from regional_agent.handoff.directory import HandoffDir
 from regional_agent.handoff.messages import DeltaRequest, RoundInstruction
-from regional_agent.handoff.residual_file import Residual, read_residual
+from regional_agent.handoff.residual_file import Residual, read_residual, write_residual
 from regional_agent.worker.device_delta import hand_over_delta, quantize_round_delta
 from regional_agent.worker.parallelism import ParallelModel
 from regional_agent.worker.persistence import write_out_residual
@@ -124,9 +127,11 @@ def _instruction(round_: int, base: Path, feedback: Path) -> RoundInstruction:
     )
 
 
-def _hand_over(rank: int, port: int, out: str) -> None:
+def _hand_over(rank: int, port: int, out: str, limit: int) -> None:
     """Rounds 0 and 1 handed over by the group (the residual kept between checkpoints,
-    each delta taken by the agent), then round 2 with a NaN in rank 0's third tensor."""
+    each delta taken by the agent), then round 2 with a NaN in rank 0's third tensor, then
+    rounds 3 (taken) and 4, a checkpoint round whose files rank 0 may write only up to
+    ``limit`` bytes."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=WORLD)
@@ -137,7 +142,7 @@ def _hand_over(rank: int, port: int, out: str) -> None:
         base, feedback = root / "theta.safetensors", root / "feedback.pt"
         report: dict[str, object] = {}
         kept: DeviceResidual | None = None
-        for round_ in range(3):
+        for round_ in range(5):
             model = _model(0.9 + 0.05 * round_)
             if round_ == 2 and rank == 0:
                 layer = model[1]
@@ -146,19 +151,26 @@ def _hand_over(rank: int, port: int, out: str) -> None:
                     layer.weight[0, 0] = float("nan")
             instruction = _instruction(round_, base, feedback)
             assert instruction.delta is not None
+            limited = round_ == 4 and rank == 0
+            if limited:  # a disk that fills up: writes past the limit fail (EFBIG)
+                signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+                _, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+                resource.setrlimit(resource.RLIMIT_FSIZE, (limit, hard))
             delta, failure, kept = hand_over_delta(
                 place,
                 instruction.delta,
                 instruction,
                 str(base),
                 ParallelModel("ddp", model, model),
-                False,
+                round_ == 4,
                 kept,
             )
+            if limited:
+                resource.setrlimit(resource.RLIMIT_FSIZE, (hard, hard))
             stream = None if delta is None else delta.path.read_bytes()
             report[f"round {round_}"] = (stream, failure, None if kept is None else kept.id)
             dist.barrier()
-            if rank == 0 and round_ < 2:  # the agent took the delta: it keeps its residual
+            if rank == 0 and round_ in (0, 1, 3):  # the agent took the delta and its residual
                 handoff.residual_path("job-a", round_).replace(feedback)
             dist.barrier()
         torch.save(report, root / f"hand-over-{rank}.pt")
@@ -172,7 +184,12 @@ def test_a_delta_handed_over_by_three_ranks_is_one_ranks_and_a_failure_drops_the
 ) -> None:
     base = tmp_path / "theta.safetensors"
     write_theta(base, dict(_model(1.0).state_dict()))
-    spawn(_hand_over, args=(unused_port(), str(tmp_path)), nprocs=WORLD, join=True)
+    # Rank 0 may write a residual file of this size less the last tensor's bytes but one.
+    probe = tmp_path / "probe"
+    write_residual(probe, 4, dict(_model(1.0).state_dict()))
+    limit = probe.stat().st_size - 4 * 5 + 1
+    probe.unlink()
+    spawn(_hand_over, args=(unused_port(), str(tmp_path), limit), nprocs=WORLD, join=True)
 
     reports = [torch.load(tmp_path / f"hand-over-{r}.pt", weights_only=True) for r in range(WORLD)]
     # One rank alone, from the same θ and trained states, keeping its residual.
@@ -207,3 +224,19 @@ def test_a_delta_handed_over_by_three_ranks_is_one_ranks_and_a_failure_drops_the
     handoff = HandoffDir(tmp_path / "handoff")
     assert not handoff.delta_stream_path("job-a", 2).exists()
     assert not handoff.residual_path("job-a", 2).exists()
+
+    # Round 4 writes its residual, and rank 0's disk fills up: the round fails there, every
+    # rank returns from it and drops what it held, and nothing of the round is left.
+    taken = reports[0]["round 3"]
+    assert taken[1] is None
+    assert all(r["round 3"][2] == taken[2] for r in reports)
+    stream, failure, id_ = reports[0]["round 4"]
+    assert stream is None
+    assert "File too large" in failure
+    assert all(r["round 4"] == (None, None, None) for r in reports[1:])
+    assert id_ is None
+    assert not handoff.delta_stream_path("job-a", 4).exists()
+    assert not handoff.residual_path("job-a", 4).exists()
+    assert (
+        sorted(p.name for p in handoff.job_dir("job-a").iterdir() if p.name.startswith(".")) == []
+    )
