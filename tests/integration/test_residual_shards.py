@@ -29,6 +29,7 @@ from regional_agent.worker.parallelism import ParallelModel
 from regional_agent.worker.persistence import write_out_residual
 from regional_agent.worker.place import RankPlace
 from regional_agent.worker.residual_shards import DeviceResidual, ResidualGroup, span
+from tests.support.worker_group import instruction
 
 pytestmark = pytest.mark.integration
 
@@ -112,19 +113,7 @@ def _model(scale: float) -> nn.Sequential:
 
 
 def _instruction(round_: int, base: Path, feedback: Path) -> RoundInstruction:
-    return RoundInstruction(
-        job="job-a",
-        round=round_,
-        base_params=str(base),
-        inner_steps=1,
-        task="tests.support.tiny_task:TinyTask",
-        task_options={},
-        seed=1,
-        region="eu-west",
-        region_index=0,
-        num_regions=2,
-        delta=DeltaRequest(CODEC, str(feedback), 16),
-    )
+    return instruction("job-a", round_, base, delta=DeltaRequest(CODEC, str(feedback), 16))
 
 
 def _hand_over(rank: int, port: int, out: str, limit: int) -> None:
@@ -149,8 +138,8 @@ def _hand_over(rank: int, port: int, out: str, limit: int) -> None:
                 assert isinstance(layer, nn.Linear)
                 with torch.no_grad():
                     layer.weight[0, 0] = float("nan")
-            instruction = _instruction(round_, base, feedback)
-            assert instruction.delta is not None
+            step = _instruction(round_, base, feedback)
+            assert step.delta is not None
             limited = round_ == 4 and rank == 0
             if limited:  # a disk that fills up: writes past the limit fail (EFBIG)
                 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
@@ -158,8 +147,8 @@ def _hand_over(rank: int, port: int, out: str, limit: int) -> None:
                 resource.setrlimit(resource.RLIMIT_FSIZE, (limit, hard))
             delta, failure, kept = hand_over_delta(
                 place,
-                instruction.delta,
-                instruction,
+                step.delta,
+                step,
                 str(base),
                 ParallelModel("ddp", model, model),
                 round_ == 4,
