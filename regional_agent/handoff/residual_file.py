@@ -37,7 +37,7 @@ from typing import Any
 import torch
 
 from geofed.fsutil import AtomicFile
-from geofed.theta_file import ThetaFileError, ThetaLayout, read_layout, read_theta
+from geofed.theta_file import ThetaFileError, ThetaLayout, ThetaReads, read_layout
 
 FORMAT_VERSION = 2
 _KIND = "error-feedback-residual"
@@ -158,7 +158,7 @@ def read_residual_id(path: Path) -> str | None:
     if _torch_saved(path):
         id_ = _load_torch_saved(path).get("id")
         return id_ if isinstance(id_, str) else None
-    return _metadata(path)[1]
+    return _metadata(path)[0][1]
 
 
 def read_residual(path: Path) -> Residual | HeldResidual | None:
@@ -169,20 +169,16 @@ def read_residual(path: Path) -> Residual | HeldResidual | None:
         return None
     if _torch_saved(path):
         return _read_torch_saved(path)
-    round_, id_, held = _metadata(path)
+    (round_, id_, held), layout = _metadata(path)
     if held:
         return HeldResidual(round_, id_)
-    try:
-        reads = read_theta(path)
-    except ThetaFileError as exc:
-        raise ResidualFileError(f"{path}: unreadable residual: {exc}") from None
-    return Residual(round_, id_, _CheckedReads(path, reads))
+    return Residual(round_, id_, _CheckedReads(path, ThetaReads(path, layout)))
 
 
 class _CheckedReads(Mapping[str, torch.Tensor]):
     """A residual file's tensors, each read when asked for and refused if not finite."""
 
-    def __init__(self, path: Path, reads: Mapping[str, torch.Tensor]) -> None:
+    def __init__(self, path: Path, reads: ThetaReads) -> None:
         self._path, self._reads = path, reads
 
     def __getitem__(self, name: str) -> torch.Tensor:
@@ -196,7 +192,7 @@ class _CheckedReads(Mapping[str, torch.Tensor]):
 
     def shapes(self) -> dict[str, tuple[int, ...]]:
         """Each tensor's shape, from the header (no value read)."""
-        return read_layout(self._path).shapes()
+        return self._reads.shapes()
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._reads)
@@ -213,15 +209,18 @@ def residual_shapes(residual: Residual) -> dict[str, tuple[int, ...]]:
     return {name: tuple(tensor.shape) for name, tensor in tensors.items()}
 
 
-def _metadata(path: Path) -> tuple[int, str, bool]:
+def _metadata(path: Path) -> tuple[tuple[int, str, bool], ThetaLayout]:
+    """The residual's round, id and held flag from its header, and the file's layout (the
+    header read once)."""
     try:
-        meta = read_layout(path).metadata
+        layout = read_layout(path)
     except ThetaFileError as exc:
         raise ResidualFileError(f"{path}: unreadable residual: {exc}") from None
+    meta = layout.metadata
     round_, id_ = meta.get("round", ""), meta.get("id", "")
     if meta.get("kind") != _KIND or not round_.isdigit() or not id_:
         raise ResidualFileError(f"{path}: not a format-{FORMAT_VERSION} residual file")
-    return int(round_), id_, meta.get("held") == "true"
+    return (int(round_), id_, meta.get("held") == "true"), layout
 
 
 def _torch_saved(path: Path) -> bool:

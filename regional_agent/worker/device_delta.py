@@ -135,8 +135,7 @@ class RoundResidual:
             self._writer.put(name, whole)
         except Exception as exc:
             self.error = self.error or exc
-            self._writer.abort()
-            self._writer = None
+            self.abort()
 
     def skip(self, name: str) -> None:
         """Put ``name``'s residual back as it was (a rank whose delta failed, or any rank
@@ -166,6 +165,18 @@ class RoundResidual:
     def slices(self) -> dict[str, torch.Tensor]:
         """This rank's slices of the round's new residual, in θ's order."""
         return {name: self._new[name] for name in self._shapes if name in self._new}
+
+    def commit(self) -> str:
+        """Rank 0: make the round's residual file durable; its id."""
+        if self._writer is None:
+            raise UnusableDelta("the round writes no residual file")
+        return self._writer.commit()
+
+    def abort(self) -> None:
+        """Rank 0: leave the round's residual file as it was."""
+        if self._writer is not None:
+            self._writer.abort()
+            self._writer = None
 
 
 def quantize_round_delta(
@@ -245,7 +256,6 @@ class RoundDeltaQuantizer:
         stream_path: Path | None = None,
     ) -> None:
         self._request, self._job, self._round, self._device = request, job, round_, device
-        self._writer: ResidualWriter | None = None
         self._stream: DeltaStreamWriter | None = None
         self._shapes = {name: tuple(shape) for name, shape in shapes.items()}
         self._residual_path = residual_path
@@ -279,19 +289,19 @@ class RoundDeltaQuantizer:
             if request.codec.stochastic_rounding
             else None
         )
-        try:
-            writer = ResidualWriter(residual_path, round_, self.leaves) if write_tensors else None
-            self._writer = writer
-            if stream_path is not None:
+        writer = ResidualWriter(residual_path, round_, self.leaves) if write_tensors else None
+        group = group or ResidualGroup(0, 1, device)
+        #: The round's residual on this rank (every rank of the group has its own), and
+        #: the file it writes.
+        self.residual = RoundResidual(group, self.plan, self._shapes, kept, from_file, writer)
+        if stream_path is not None:
+            try:
                 self._stream = DeltaStreamWriter(
                     stream_path, self._specs, request.codec, request.chunk_elements
                 )
-        except BaseException:
-            self.abort()
-            raise
-        group = group or ResidualGroup(0, 1, device)
-        #: The round's residual on this rank: every rank of the group has its own.
-        self.residual = RoundResidual(group, self.plan, self._shapes, kept, from_file, writer)
+            except BaseException:
+                self.abort()
+                raise
 
     @property
     def altered_kept(self) -> bool:
@@ -362,9 +372,9 @@ class RoundDeltaQuantizer:
             raise self.residual.error
         del self._base
         # The residual's file first: a delta sealed and renamed cannot be taken back.
-        written = self._writer is not None
-        if self._writer is not None:
-            id_ = self._writer.commit()
+        written = self.plan.write_tensors
+        if written:
+            id_ = self.residual.commit()
         else:
             id_ = write_held_residual(self._residual_path, self._round)
         quantized: QuantizedTensors | WrittenDelta
@@ -381,8 +391,7 @@ class RoundDeltaQuantizer:
 
     def abort(self) -> None:
         """Leave the round's residual and stream files as they were (a failed delta)."""
-        if self._writer is not None:
-            self._writer.abort()
+        self.residual.abort()
         if self._stream is not None:
             self._stream.abort()
 
