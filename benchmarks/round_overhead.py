@@ -270,10 +270,10 @@ def measure(
                 del prepared
             else:
                 mean = mean_of(shapes, blobs, sources)
-        # As in publish_round: the mean is held until the step returns, and the state of
-        # round r until round r + 1 is hashed.
+        # As in the daemon's publish_round: the step is taken in the state's own tensors
+        # (θ, the momentum) and the mean's, which becomes the new residual.
         publication = publication_step(
-            theta, mean, optimizer_state, residual, codec, phase=meter.phase
+            theta, mean, optimizer_state, residual, codec, phase=meter.phase, in_place=True
         )
         del mean
         state = WorkingState(version, theta, theta_hash, optimizer_state, residual)

@@ -109,6 +109,7 @@ class OuterOptimizer:
         pseudo_grad: Mapping[str, Tensor],
         *,
         consume: bool = False,
+        in_place: bool = False,
     ) -> dict[str, Tensor]:
         """Return the target parameters θ - lr·d for the averaged pseudo-gradient ``g``.
 
@@ -118,9 +119,13 @@ class OuterOptimizer:
         bad input :class:`OuterOptimizerError` is raised and the state is unchanged.
         ``consume``: ``pseudo_grad`` (a dict the caller hands over) loses each tensor once
         its target is made, so that the step never holds it beside all the new tensors.
+        ``in_place``: no new tensor but a first step's buffer: each target is made in its
+        pseudo-gradient's tensor (handed over) and each momentum buffer moves in its own
+        tensor (state tensors returned before change with it); the same ops in the same
+        order, so the same bits. Nothing is written before the input is checked.
         """
         _check_tensors(params, pseudo_grad, self._buffers)
-        targets, buffers = self._targets(params, pseudo_grad, self._steps, consume)
+        targets, buffers = self._targets(params, pseudo_grad, self._steps, consume, in_place)
         self._buffers = buffers
         self._steps += 1
         return targets
@@ -132,6 +137,7 @@ class OuterOptimizer:
         *,
         own_steps: int | None = None,
         consume: bool = False,
+        in_place: bool = False,
     ) -> dict[str, Tensor]:
         """:meth:`step` for some of the model's tensors only (a streaming round's fragment).
 
@@ -142,8 +148,8 @@ class OuterOptimizer:
         which set the warm-up's momentum instead of the step count, so the warm-up ramps
         over each tensor's own steps. The fragment's buffers must all exist or none (a
         fragment's tensors are always stepped together); otherwise, or on any bad input,
-        :class:`OuterOptimizerError` and the state is unchanged. ``consume`` is
-        :meth:`step`'s.
+        :class:`OuterOptimizerError` and the state is unchanged. ``consume`` and
+        ``in_place`` are :meth:`step`'s.
         """
         if not params:
             raise OuterOptimizerError("a partial outer step needs at least one tensor")
@@ -152,7 +158,11 @@ class OuterOptimizer:
         if own_steps is not None and own_steps < 0:
             raise OuterOptimizerError(f"own_steps must be >= 0, got {own_steps}")
         targets, buffers = self._targets(
-            params, pseudo_grad, self._steps if own_steps is None else own_steps, consume
+            params,
+            pseudo_grad,
+            self._steps if own_steps is None else own_steps,
+            consume,
+            in_place,
         )
         self._buffers = {**self._buffers, **buffers}
         self._steps += 1
@@ -164,10 +174,12 @@ class OuterOptimizer:
         pseudo_grad: Mapping[str, Tensor],
         steps: int,
         consume: bool = False,
+        in_place: bool = False,
     ) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
         """The targets of ``params`` after ``steps`` earlier steps and their new momentum
-        buffers (state untouched; ``pseudo_grad`` emptied as it is used when ``consume``)."""
-        if consume and not isinstance(pseudo_grad, dict):
+        buffers (state untouched unless ``in_place``; ``pseudo_grad`` emptied as it is used
+        when ``consume``)."""
+        if (consume or in_place) and not isinstance(pseudo_grad, dict):
             raise OuterOptimizerError("a consumed pseudo-gradient must be a dict")
         cfg = self._config
         momentum = cfg.momentum_at(steps)
@@ -180,11 +192,19 @@ class OuterOptimizer:
                 # The buffer accumulates from the first step even while a warm-up holds
                 # the step's momentum at 0, so the ramp only scales what is already there.
                 old = self._buffers.get(name)
-                buf = grad.clone() if old is None else old.mul(momentum).add(grad)
+                if old is None:
+                    buf = grad.clone()
+                elif in_place:
+                    buf = old.mul_(momentum).add_(grad)
+                else:
+                    buf = old.mul(momentum).add(grad)
                 buffers[name] = buf
                 if momentum != 0.0:
-                    direction = grad.add(buf, alpha=momentum)
-            targets[name] = param.add(direction, alpha=-cfg.lr)
+                    direction = (grad.add_ if in_place else grad.add)(buf, alpha=momentum)
+            if in_place:
+                targets[name] = torch.add(param, direction, alpha=-cfg.lr, out=direction)
+            else:
+                targets[name] = param.add(direction, alpha=-cfg.lr)
             del grad, direction
             if consume:
                 assert isinstance(pseudo_grad, dict)
@@ -195,7 +215,8 @@ class OuterOptimizer:
         """Return the state to persist: config, step count and momentum buffers.
 
         Only plain types and tensors, so ``torch.save``/``torch.load(weights_only=True)``
-        round-trip it bit-exactly. The tensors are not written to by later steps.
+        round-trip it bit-exactly. The tensors are not written to by later steps, unless
+        those are taken ``in_place``.
         """
         return {
             "version": _STATE_VERSION,
@@ -208,7 +229,8 @@ class OuterOptimizer:
         """Restore a state saved by :meth:`state_dict`; refuse one saved under another config.
 
         ``copy=False`` takes the state's momentum tensors as they are, for a caller that
-        never writes to them (a step makes new buffers; it never writes the old ones).
+        never writes to them (a step makes new buffers; it never writes the old ones) or
+        that hands them over (a step taken ``in_place`` moves them where they are).
         """
         if not isinstance(state, Mapping):
             raise OuterOptimizerError(f"saved state must be a mapping, not {type(state).__name__}")

@@ -112,8 +112,10 @@ def publication_step(
     own_steps: int | None = None,
     phase: Callable[[str], AbstractContextManager[object]] = _unmeasured,
     consume_mean: bool = False,
+    in_place: bool = False,
 ) -> PublicationStep:
-    """Apply the outer step to θ_r and encode the update; inputs are not modified.
+    """Apply the outer step to θ_r and encode the update; inputs are not modified unless
+    ``in_place``.
 
     ``names`` restricts the round to those tensors of θ_r (a streaming round's fragment,
     in θ's order): ``mean`` names exactly them, the optimizer steps only them
@@ -125,6 +127,15 @@ def publication_step(
     caller hands over) loses each tensor as soon as the step has used it, so the step
     never holds the whole mean beside its new tensors.
 
+    ``in_place``: the caller hands its inputs over and the step is taken in their own
+    tensors, making none of the model's size: θ_r's tensors become θ_{r+1}'s, the momentum
+    moves in its buffers, and the mean's tensors (``mean`` a dict) become the update the
+    coordinator intends, then the new residual; only the old residual's tensors are left
+    for the caller to drop. The same ops in the same order as out of place, so the same
+    bits. After an exception the inputs are not to be used (the daemon rebuilds its state
+    from storage: :mod:`coordinator.rounds.engine`); the input is checked before anything
+    is written.
+
     Each step named in :data:`PUBLICATION_PHASES` runs inside ``phase(name)``, so that a
     caller can measure the steps of the very computation the daemon runs (the
     round-overhead benchmark times them and takes their peak memory); ``decode_update``
@@ -134,14 +145,20 @@ def publication_step(
     # intermediates are reused in place: the round's peak memory is what the coordinator
     # must provision. Every in-place op is the out-of-place op's, so the bits are the same.
     stepped, carried = (params, residual) if names is None else _restricted(params, residual, names)
+    # Tensors that share memory (tied weights kept as one) would take their update twice.
+    in_place = in_place and _distinct_memory(stepped, optimizer_state, mean)
     with phase("outer_step"):
         # The step writes none of the state's momentum tensors: no copy of them.
         optimizer = OuterOptimizer.from_state_dict(optimizer_state, copy=False)
-        consume = consume_mean and isinstance(mean, dict)
+        if in_place and not isinstance(mean, dict):
+            raise TypeError("a step taken in place needs the mean as the caller's own dict")
+        consume = (consume_mean or in_place) and isinstance(mean, dict)
         if names is None:
-            target = optimizer.step(params, mean, consume=consume)
+            target = optimizer.step(params, mean, consume=consume, in_place=in_place)
         else:
-            target = optimizer.step_subset(stepped, mean, own_steps=own_steps, consume=consume)
+            target = optimizer.step_subset(
+                stepped, mean, own_steps=own_steps, consume=consume, in_place=in_place
+            )
     with phase("encode_update"):
         # The targets are the step's own new tensors: the update is formed in them.
         intended = _update_in_place(stepped, target, carried)
@@ -149,7 +166,7 @@ def publication_step(
         stream = encode_stream(intended, codec)
     with phase("decode_update"):
         # θ_{r+1} = θ_r + û and e' = intended - û, piece by piece: û is never held whole.
-        added, new_residual = _apply_pieces(stepped, intended, stream)
+        added, new_residual = _apply_pieces(stepped, intended, stream, in_place=in_place)
         del intended
     with phase("apply"):
         if names is None:
@@ -164,6 +181,18 @@ def publication_step(
         residual=new_residual,
         optimizer_state=optimizer.state_dict(),
     )
+
+
+def _distinct_memory(
+    params: Mapping[str, Tensor], optimizer_state: Mapping[str, Any], mean: Mapping[str, Tensor]
+) -> bool:
+    """Whether no two of these tensors (θ's, the momentum's, the mean's) share memory."""
+    buffers = optimizer_state.get("momentum_buffers")
+    tensors = [*params.values(), *mean.values()]
+    if isinstance(buffers, Mapping):
+        tensors += [t for t in buffers.values() if isinstance(t, Tensor)]
+    places = {t.untyped_storage().data_ptr() for t in tensors if t.numel()}
+    return len(places) == sum(1 for t in tensors if t.numel())
 
 
 def _update_in_place(
@@ -184,20 +213,32 @@ def _update_in_place(
 
 
 def _apply_pieces(
-    params: Mapping[str, Tensor], intended: dict[str, Tensor], stream: EncodedStream
+    params: Mapping[str, Tensor],
+    intended: dict[str, Tensor],
+    stream: EncodedStream,
+    *,
+    in_place: bool = False,
 ) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
     """Decode ``stream`` (the update û of ``intended``) piece by piece: each piece is added
-    to θ's slice into θ_{r+1} (:func:`geofed.deltas.apply_update`'s add) and taken off
-    ``intended``'s slice in place (:func:`geofed.deltas.feedback_residual`'s subtraction),
-    which becomes the new residual. Returns θ_{r+1}'s tensors of the update, in
-    ``intended``'s order, and the residual."""
+    to θ's slice into θ_{r+1} (:func:`geofed.deltas.apply_update`'s add; in θ's own
+    tensors when ``in_place``) and taken off ``intended``'s slice in place
+    (:func:`geofed.deltas.feedback_residual`'s subtraction), which becomes the new
+    residual. Returns θ_{r+1}'s tensors of the update, in ``intended``'s order, and the
+    residual."""
     if any(params[name].dtype != torch.float32 for name in intended):
+        if in_place:
+            raise TypeError("an update is applied in place to float32 parameters only")
         # Decoded values are float32: other dtypes go through the shared whole-tensor ops.
         decoded = decode(stream.frames())
         residual = feedback_residual(intended, decoded)
         return apply_update({name: params[name] for name in intended}, decoded), residual
-    added = {name: torch.empty_like(params[name]) for name in intended}
-    flat_params = {name: params[name].reshape(-1) for name in intended}
+    if in_place:
+        added = {name: params[name] for name in intended}
+        # A view or an error: a reshaped copy would take the update instead of θ.
+        flat_params = {name: params[name].view(-1) for name in intended}
+    else:
+        added = {name: torch.empty_like(params[name]) for name in intended}
+        flat_params = {name: params[name].reshape(-1) for name in intended}
     flat_added = {name: tensor.view(-1) for name, tensor in added.items()}
     flat_intended = {name: tensor.view(-1) for name, tensor in intended.items()}
     covered = dict.fromkeys(intended, 0)
@@ -352,11 +393,13 @@ def round_step(
     *,
     order: Sequence[str] | None = None,
     folded_sum: WeightedSum | None = None,
+    in_place: bool = False,
 ) -> tuple[PublicationStep, tuple[NormVerdict, ...]]:
     """Round ``state.version``'s outer step from its accepted ``sources`` summed in
     ``order`` (see :func:`publish_round`), and the norm check's verdicts. Publishing a
     round and replaying it after a restart (:mod:`coordinator.storage.replay`) both take
-    this step, so they give the same bits."""
+    this step, so they give the same bits. ``in_place``: taken in ``state``'s own tensors
+    (:func:`publication_step`), which the caller hands over."""
     if not sources:
         raise ValueError(f"job {job.job!r} round {state.version}: no delta to aggregate")
     if folded_sum is not None:
@@ -379,6 +422,7 @@ def round_step(
         names=job.layout.round_names(state.version),
         own_steps=job.layout.own_steps(state.version),
         consume_mean=True,
+        in_place=in_place,
     )
     return publication, combined.flagged
 
@@ -394,6 +438,7 @@ def publish_round(
     lineage: Mapping[str, JsonValue] | None = None,
     snapshot: bool | None = None,
     save_state: bool = True,
+    in_place: bool = False,
 ) -> PublishedRound:
     """Compute and store round ``state.version`` from the accepted ``sources``.
 
@@ -405,9 +450,13 @@ def publish_round(
     ``snapshot``: whether θ_{r+1} gets a snapshot (:mod:`coordinator.publication.snapshot_policy`);
     None: when r+1 is a multiple of ``job.snapshot_every``. ``save_state``: whether
     θ_{r+1}'s working state is saved
-    (:func:`coordinator.publication.snapshot_policy.decide_state_save`).
+    (:func:`coordinator.publication.snapshot_policy.decide_state_save`). ``in_place``:
+    θ_{r+1}'s state is made in ``state``'s tensors (:func:`publication_step`), which are
+    not to be used as θ_r's after the call, whether it returned or raised.
     """
-    publication, flagged = round_step(job, state, sources, order=order, folded_sum=folded_sum)
+    publication, flagged = round_step(
+        job, state, sources, order=order, folded_sum=folded_sum, in_place=in_place
+    )
     round_ = state.version
     tokens = sum(source.tokens for source in sources)
     took: list[float] = []

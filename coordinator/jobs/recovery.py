@@ -21,12 +21,13 @@ from coordinator.rounds.records import RoundRecord
 from coordinator.services import Services
 from coordinator.storage.checkpoints import CheckpointEntry, EntryKind
 from coordinator.storage.replay import ReplayRound, replay_inputs, replay_rounds
-from coordinator.storage.working_state import WorkingState, read_pointers
+from coordinator.storage.working_state import ParamsError, WorkingState, read_pointers
 
 __all__ = [
     "RecoveredRounds",
     "last_update_digest",
     "load_working_state",
+    "rebuilt_working_state",
     "recover_rounds",
     "replayed_rounds",
 ]
@@ -113,4 +114,21 @@ async def load_working_state(
         len(rounds),
         time.monotonic() - started,
     )
+    return state
+
+
+async def rebuilt_working_state(
+    services: Services, ctx: JobContext, spent: WorkingState
+) -> WorkingState:
+    """θ_version's working state again, from storage, as after a restart, for a
+    publication whose outer step (taken in ``spent``'s own tensors) failed part way;
+    ``ParamsError`` when it cannot be rebuilt or is not the θ ``spent`` held."""
+    pointers = await services.db.list_pointers(ctx.job)
+    state = await load_working_state(services, ctx, pointers)
+    if (state.version, state.params_hash) != (spent.version, spent.params_hash):
+        raise ParamsError(
+            f"job {ctx.job}: θ rebuilt from storage is θ_{state.version} ({state.params_hash}), "
+            f"not θ_{spent.version} ({spent.params_hash})"
+        )
+    log.info("job %s: θ_%d rebuilt from storage for the next try", ctx.job, spent.version)
     return state

@@ -179,6 +179,8 @@ class JobEvaluation:
         self._tasks: set[asyncio.Task[None]] = set()
         #: Versions the coordinator is evaluating now.
         self._evaluating: set[int] = set()
+        #: Copies of a state's parameters under way (the evaluation's own).
+        self._copies: set[asyncio.Future[bytes]] = set()
 
     def restore(self, pointers: Mapping[str, str]) -> None:
         """Take back the losses a previous run persisted in the job's pointers."""
@@ -208,7 +210,19 @@ class JobEvaluation:
             )
             return
         self._evaluating.add(state.version)
-        self._background(self._evaluate(state), f"evaluate-{self._ctx.job}-{state.version}")
+        # Copied at once, so that the next publication (taken in these very tensors) can
+        # wait for it: :meth:`params_released`.
+        copy = asyncio.ensure_future(asyncio.to_thread(_params_bytes, state.params))
+        self._copies.add(copy)
+        copy.add_done_callback(self._copies.discard)
+        self._background(
+            self._evaluate(state.version, copy), f"evaluate-{self._ctx.job}-{state.version}"
+        )
+
+    async def params_released(self) -> None:
+        """Wait until no evaluation still copies a state's parameters."""
+        if self._copies:
+            await asyncio.wait(set(self._copies))
 
     def ensure(self, state: WorkingState) -> None:
         """Evaluate θ_version of ``state`` unless it was or is being evaluated: the last
@@ -240,21 +254,21 @@ class JobEvaluation:
         if tasks:
             await asyncio.wait(tasks)
 
-    async def _evaluate(self, state: WorkingState) -> None:
+    async def _evaluate(self, version: int, copy: asyncio.Future[bytes]) -> None:
         job, spec = self._ctx.job, self._ctx.spec
         options = json.dumps(spec.task.options, sort_keys=True)
         try:
             try:
-                params = await asyncio.to_thread(_params_bytes, state.params)
+                params = await copy
                 metrics = await self._s.executors.evaluate(
                     evaluate_in_process, spec.task.spec, options, spec.seed, params
                 )
             except Exception:
-                log.exception("job %s: evaluating θ_%d failed", job, state.version)
+                log.exception("job %s: evaluating θ_%d failed", job, version)
                 return
-            await self._keep(state.version, metrics, "coordinator")
+            await self._keep(version, metrics, "coordinator")
         finally:
-            self._evaluating.discard(state.version)
+            self._evaluating.discard(version)
 
     async def _keep(
         self,

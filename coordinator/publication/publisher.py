@@ -11,8 +11,9 @@ in the round's recorded arrival order, folded as they arrived or decoded again);
 :meth:`~RoundPublisher.finish` drops what the round no longer needs and counts it.
 
 When computing or storing fails (the checkpoint storage is full or unwritable) the round
-stays closed with the same deltas: the next try aggregates the same ones and reuses the
-artifacts a failed try stored. :func:`plan_retry` says when that try is due (an
+stays closed with the same deltas: the engine rebuilds θ_r's working state from storage
+(the outer step is taken in its tensors), the next try aggregates the same deltas and
+reuses the artifacts a failed try stored. :func:`plan_retry` says when that try is due (an
 exponential back-off, ``publication_retry`` in the coordinator config) or that the tries
 are spent and the job fails. The regions' ``max_round_attempts`` is not spent on the
 coordinator's storage trouble.
@@ -199,7 +200,11 @@ class RoundPublisher:
         """Aggregate, step, encode, sign and store the round; :class:`PublicationFailed`.
 
         The deltas are summed in the round's arrival order: taken from ``accumulator``
-        when it holds exactly them, decoded from their durable streams otherwise.
+        when it holds exactly them, decoded from their durable streams otherwise. The
+        step is taken in ``working``'s own tensors (the round's peak memory is then θ,
+        the momentum, the residual and the mean): after the call, returned or raised,
+        ``working`` no longer holds θ_r, and the caller takes the new state or rebuilds
+        θ_r's from storage.
         """
         job, rs = self._ctx.job, record.state
         round_ = rs.config.round
@@ -246,6 +251,7 @@ class RoundPublisher:
                 lineage=lineage,
                 snapshot=snapshot.take,
                 save_state=save.take,
+                in_place=True,
             )
         except Exception as exc:
             raise PublicationFailed(exc) from exc

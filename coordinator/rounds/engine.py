@@ -19,7 +19,9 @@ What to do next is decided by :func:`coordinator.rounds.driver.next_step`, a pur
 function of the job's facts; the engine carries its steps out. A round that fails below
 quorum is re-opened (a new attempt, keeping accepted deltas) up to
 ``max_round_attempts`` times, then the job fails. A publication that fails keeps the
-round closed and is tried again after a back-off (``publication_retry``). Pausing
+round closed and is tried again after a back-off (``publication_retry``), from θ_r's
+working state rebuilt from storage (the outer step is taken in the state's own tensors,
+so that a round's peak is θ, the momentum, the residual and the mean). Pausing
 abandons the collecting round; resuming re-opens it. Every state change is decided under
 one lock, persisted, then announced.
 """
@@ -44,7 +46,7 @@ from coordinator.jobs.capacity_records import (
     record_preemption_pending,
 )
 from coordinator.jobs.context import JobContext
-from coordinator.jobs.recovery import load_working_state, recover_rounds
+from coordinator.jobs.recovery import load_working_state, rebuilt_working_state, recover_rounds
 from coordinator.jobs.regions import membership_of, with_membership
 from coordinator.jobs.status import job_status
 from coordinator.jobs.theta_zero import ThetaZeroRefused, create_theta_zero
@@ -644,9 +646,12 @@ class JobEngine:
         accumulator, self._accumulator = self._accumulator, None
         if accumulator is not None and accumulator.key != (rs.config.round, rs.config.opened_at):
             accumulator = None
+        # The step is taken in θ_r's own tensors: nothing may still be reading them.
+        await self._evaluation.params_released()
         try:
             computed = await self._publisher.compute(record, working, accumulator)
         except PublicationFailed as failure:
+            self.working = await rebuilt_working_state(self._s, self.ctx, working)
             await self._publication_failed(record, failure)
             return
         published = computed.published

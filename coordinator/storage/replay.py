@@ -77,7 +77,8 @@ def replay_rounds(
         )
     for replayed in rounds:
         try:
-            step, _ = round_step(job, state, replayed.sources, order=replayed.order)
+            # The state loaded for the replay is its own: each round steps in its tensors.
+            step, _ = round_step(job, state, replayed.sources, order=replayed.order, in_place=True)
         except (BlobStoreError, CodecError) as exc:
             raise ParamsError(
                 f"job {job.job}: round {replayed.round} cannot be replayed: a delta it "

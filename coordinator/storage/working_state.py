@@ -70,7 +70,10 @@ class WorkingState:
     """θ_version of a job and what the next outer step needs.
 
     ``residual`` is None until the first update was published (no quantization error
-    yet). Tensors are never modified in place once they are part of a state. ``saved``
+    yet). A state's tensors are its owner's: the engine's next publication takes its
+    outer step in them (:func:`coordinator.aggregation.outer_round.publication_step`,
+    ``in_place``), after which the state no longer holds θ_version; whatever else reads
+    them (an evaluation's copy) is done first. ``saved``
     is the newest version whose state is in the blob store (``version`` itself when
     this state was saved; None: not known, which only a state built outside the
     daemon has).

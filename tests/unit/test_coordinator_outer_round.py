@@ -10,9 +10,10 @@ the same bytes.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -125,7 +126,7 @@ def test_update_reconstructs_the_coordinators_parameters_bit_for_bit() -> None:
     assert second.optimizer_state["steps"] == 2
 
 
-def test_the_step_in_place_gives_the_bits_of_the_shared_ops_and_keeps_its_inputs() -> None:
+def test_the_default_step_gives_the_bits_of_the_shared_ops_and_keeps_its_inputs() -> None:
     theta = _params(0)
     mean = pseudo_gradient(theta, _local(theta, 5))
     optimizer = OuterOptimizer(OuterOptimizerConfig(lr=0.7, momentum=0.9))
@@ -159,6 +160,118 @@ def test_the_step_in_place_gives_the_bits_of_the_shared_ops_and_keeps_its_inputs
     assert all(
         not torch.equal(moved[n], first.optimizer_state["momentum_buffers"][n]) for n in theta
     )
+
+
+def _clone(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {name: t.clone() for name, t in tensors.items()}
+
+
+def _cloned_state(state: dict[str, Any]) -> dict[str, Any]:
+    return {**state, "momentum_buffers": _clone(state["momentum_buffers"])}
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        OuterOptimizerConfig(lr=0.7, momentum=0.9),  # warm-up: momentum 0 at first
+        OuterOptimizerConfig(lr=0.5, momentum=0.8, momentum_warmup_rounds=0),
+        OuterOptimizerConfig(kind="average"),
+    ],
+)
+def test_the_step_taken_in_place_gives_the_same_bits_in_the_inputs_own_tensors(
+    config: OuterOptimizerConfig,
+) -> None:
+    theta, state, residual = _params(0), OuterOptimizer(config).state_dict(), None
+    placed: dict[str, torch.Tensor] = _clone(theta)
+    placed_state, placed_residual = _cloned_state(state), None
+    for round_ in range(4):  # the first step (no buffer), then momentum and a residual
+        mean = pseudo_gradient(theta, _local(theta, 10 + round_))
+        expected = publication_step(theta, mean, state, residual, INT8)
+        handed = _clone(mean)
+        own = {
+            "theta": {n: t.data_ptr() for n, t in placed.items()},
+            "mean": {n: t.data_ptr() for n, t in handed.items()},
+            "momentum": {n: t.data_ptr() for n, t in placed_state["momentum_buffers"].items()},
+        }
+        got = publication_step(placed, handed, placed_state, placed_residual, INT8, in_place=True)
+        assert handed == {}
+        assert got.stream.to_bytes() == expected.stream.to_bytes()
+        for name in theta:
+            assert torch.equal(got.params[name], expected.params[name])
+            assert torch.equal(got.residual[name], expected.residual[name])
+            # θ_{r+1} in θ_r's tensors, the new residual in the mean's.
+            assert got.params[name].data_ptr() == own["theta"][name]
+            assert got.residual[name].data_ptr() == own["mean"][name]
+        moved = got.optimizer_state["momentum_buffers"]
+        wanted = expected.optimizer_state["momentum_buffers"]
+        assert moved.keys() == wanted.keys()
+        for name in moved:
+            assert torch.equal(moved[name], wanted[name])
+            if name in own["momentum"]:
+                assert moved[name].data_ptr() == own["momentum"][name]
+        theta, state, residual = expected.params, expected.optimizer_state, expected.residual
+        placed, placed_state = got.params, got.optimizer_state
+        placed_residual = got.residual
+
+
+def test_a_streaming_fragment_stepped_in_place_leaves_the_other_tensors_bit_for_bit() -> None:
+    theta = _params(0)
+    state = OuterOptimizer(OuterOptimizerConfig(lr=0.5, momentum=0.8)).state_dict()
+    fragment = ["layer.weight", "head.weight"]
+    mean = {n: t for n, t in pseudo_gradient(theta, _local(theta, 7)).items() if n in fragment}
+    expected = publication_step(theta, mean, state, None, INT8, names=fragment, own_steps=0)
+    placed = _clone(theta)
+    bias = placed["layer.bias"]
+    got = publication_step(
+        placed, _clone(mean), state, None, INT8, names=fragment, own_steps=0, in_place=True
+    )
+    assert list(got.params) == list(theta)
+    for name in theta:
+        assert torch.equal(got.params[name], expected.params[name])
+        assert got.params[name].data_ptr() == placed[name].data_ptr()
+    assert torch.equal(bias, theta["layer.bias"])
+    assert got.residual.keys() == expected.residual.keys() == set(fragment)
+
+
+def test_tensors_sharing_memory_are_stepped_out_of_place_and_left_as_they_were() -> None:
+    theta = _params(0)
+    theta["tied.weight"] = theta["layer.weight"]  # one tensor under two names
+    kept = _clone(theta)
+    mean = pseudo_gradient(kept, _local(kept, 5))
+    state = OuterOptimizer(OuterOptimizerConfig(kind="average")).state_dict()
+    expected = publication_step(kept, mean, state, None, INT8)
+    got = publication_step(theta, _clone(mean), state, None, INT8, in_place=True)
+    for name in theta:
+        assert torch.equal(got.params[name], expected.params[name])
+        assert torch.equal(theta[name], kept[name])  # not taken twice in one tensor
+
+
+def test_a_step_in_place_refuses_bad_input_before_writing_anything() -> None:
+    theta = _params(0)
+    kept = _clone(theta)
+    state = OuterOptimizer(OuterOptimizerConfig(lr=0.5, momentum=0.8)).state_dict()
+    mean = pseudo_gradient(theta, _local(theta, 5))
+    mean["head.weight"][0, 0] = float("nan")
+    with pytest.raises(ValueError, match="NaN"):
+        publication_step(theta, mean, state, None, INT8, in_place=True)
+    with pytest.raises(TypeError, match="own dict"):
+        publication_step(theta, _ReadOnly(mean), state, None, INT8, in_place=True)
+    for name in theta:
+        assert torch.equal(theta[name], kept[name])
+
+
+class _ReadOnly(Mapping[str, torch.Tensor]):
+    def __init__(self, tensors: dict[str, torch.Tensor]) -> None:
+        self._tensors = tensors
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self._tensors[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._tensors)
+
+    def __len__(self) -> int:
+        return len(self._tensors)
 
 
 def test_lossless_codec_leaves_no_residual() -> None:

@@ -165,6 +165,21 @@ async def test_where_coordinator_evaluates_the_chosen_parameters_in_its_process(
     assert evaluation.history[0] == expected
 
 
+async def test_the_parameters_are_released_once_copied_and_later_steps_change_nothing() -> None:
+    evaluation, services = _evaluation("evaluation: {where: coordinator, every: 1}\n")
+    state = _state(0)
+    evaluation.later(state)
+    await evaluation.params_released()  # what the engine awaits before its next step
+    for tensor in state.params.values():
+        tensor.add_(1.0)  # the next outer step, taken in θ's own tensors
+    await evaluation.finish()
+    task = load_task(EVALUATED, {"hidden": 8})
+    expected = evaluate_params(task, 0, initial_parameters(task, 0))["val_loss"]
+    assert evaluation.history == {0: expected}
+    assert services.executors.calls == ["evaluate_in_process"]
+    await evaluation.params_released()  # nothing under way: returns at once
+
+
 async def test_nobody_evaluates_under_where_none() -> None:
     evaluation, services = _evaluation("evaluation: {where: none}\n")
     evaluation.later(_state(2))
