@@ -5,9 +5,10 @@
 
 For each number of regions R, the coordinator's work once the last delta is accepted is
 timed phase by phase, by calling the functions the daemon's ``publish_round`` calls.
-Three ways to aggregate are measured: ``folded`` (the daemon's default: each delta was
-staged by its upload's verification and all but the last already summed when quorum is
-reached, so only the last fold and the division remain), ``streaming`` (decode the R
+Three ways to aggregate are measured: ``folded`` (the daemon's default: each delta is
+decoded again from its stored stream into the running sum once its upload's verification
+accepted it, all but the last already summed when quorum is reached, so only the last
+fold and the division remain), ``streaming`` (decode the R
 spooled deltas chunk by chunk into the weighted sum,
 :func:`coordinator.aggregation.outer_round.mean_delta`, as a restarted coordinator or a norm-checked
 job does) and ``naive`` (below); then the steps of
@@ -68,7 +69,7 @@ from coordinator.aggregation.outer_round import (
     publish_initial,
     store_round,
 )
-from coordinator.aggregation.weighted import DeltaStager, StagedDelta, WeightedSum
+from coordinator.aggregation.weighted import WeightedSum
 from coordinator.storage.working_state import WorkingState
 from geofed.blobstore import BlobStore, FsBlobStore
 from geofed.codec import decode, encode_stream
@@ -174,33 +175,33 @@ def publishing(root: Path, shapes: Shapes, codec: CodecParams, job: str) -> JobP
 @dataclass
 class Prefolded:
     """A round just before quorum, as the daemon holds it when deltas fold on arrival:
-    every delta but the last summed, the last one staged by its upload's verification."""
+    every delta but the last summed, the last one verified and stored."""
 
     total: WeightedSum
-    last: StagedDelta
-    weight: float
+    blobs: BlobStore
+    last: DeltaSource
+    limit: int
 
 
 def prefold(shapes: Shapes, blobs: BlobStore, sources: Sequence[DeltaSource]) -> Prefolded:
-    """Stage every delta (the verification's decode) and fold all but the last (untimed:
-    that work happens while the deltas arrive, before quorum)."""
-    total = WeightedSum(shapes)
-    staged = None
-    for source in sources:
-        stager = DeltaStager(source.region, shapes)
-        for piece in delta_pieces(blobs, source.blob_digest, 4 * _count(shapes)):
-            stager.add(piece)
-        if staged is not None:
-            total.add_staged(staged.region, float(REGION_TOKENS), staged)
-        staged = stager.finish()
-    if staged is None:
+    """Fold all deltas but the last (untimed: that work happens while the deltas arrive,
+    before quorum), each decoded from its stored stream as the daemon folds it."""
+    if not sources:
         raise ValueError("no delta to fold")
-    return Prefolded(total, staged, float(REGION_TOKENS))
+    total = WeightedSum(shapes)
+    limit = 4 * _count(shapes)
+    for source in sources[:-1]:
+        pieces = delta_pieces(blobs, source.blob_digest, limit)
+        total.add_verified(source.region, float(REGION_TOKENS), pieces)
+    return Prefolded(total, blobs, sources[-1], limit)
 
 
 def folded_mean(prepared: Prefolded) -> dict[str, torch.Tensor]:
-    """What remains at quorum: the last delta's fold, and the division."""
-    prepared.total.add_staged(prepared.last.region, prepared.weight, prepared.last)
+    """What remains at quorum: the last delta's fold (decoded from its stored stream),
+    and the division."""
+    last = prepared.last
+    pieces = delta_pieces(prepared.blobs, last.blob_digest, prepared.limit)
+    prepared.total.add_verified(last.region, float(REGION_TOKENS), pieces)
     return prepared.total.take_mean()
 
 
@@ -598,12 +599,12 @@ def run(settings: Settings) -> dict[str, Any]:
             "blob store, then publication_step); naive differs from it in the aggregate "
             "phase only.",
             "Folded on arrival is the daemon's default path (rule mean, no norm check): each "
-            "delta is decoded once by its upload's verification and summed as it is accepted, "
-            "so at quorum the aggregate phase is only the last delta's fold and the division; "
-            "staging and the earlier folds happen before quorum and are not timed here. Until "
-            "quorum the coordinator then holds the running sum (1x model) and, while a commit "
-            "is verified, that delta's staged values (1x model). Streaming is the path a "
-            "restarted coordinator, a norm check or a coordinate-wise rule takes.",
+            "delta is verified by its upload (decoded once, nothing kept) and, once accepted, "
+            "decoded again from its stored stream into the running sum, so at quorum the "
+            "aggregate phase is the last delta's decoding and fold and the division; the "
+            "earlier folds happen before quorum and are not timed here. Until quorum the "
+            "coordinator holds the running sum (1x model) and no decoded delta. Streaming is "
+            "the path a restarted coordinator, a norm check or a coordinate-wise rule takes.",
         ],
         "results": rows,
         "targets": targets(rows),

@@ -3,10 +3,13 @@
 A job whose aggregation is a plain token-weighted mean (no norm check:
 :func:`coordinator.aggregation.robust.folds_on_arrival`) has every accepted delta folded
 into a running :class:`~coordinator.aggregation.weighted.WeightedSum` right after its acceptance
-commits, from the values its upload's verification already decoded
-(:func:`coordinator.intake.delta_stream.verify_and_store` stages them). The engine folds under
-its lock, so the sum's order is the round's recorded arrival order; at quorum only the
-division, the outer step and the update's encoding remain.
+commits, decoded again from its durable stream piece by piece
+(:meth:`~coordinator.aggregation.weighted.WeightedSum.add_verified`): its upload's verification
+(:func:`coordinator.intake.delta_stream.verify_and_store`) checked every value, and no
+decoded copy of a delta is held, so that uploads verified side by side cost no memory of
+the model's size. The engine folds under its lock, so the sum's order is the round's
+recorded arrival order; at quorum only the division, the outer step and the update's
+encoding remain.
 
 The sum lives in memory only. Whenever it cannot stand for the round exactly (a fold
 failed or was cancelled, the coordinator restarted, the round was re-opened, the weights
@@ -18,9 +21,9 @@ Folding is CPU work: call :meth:`RoundAccumulator.fold` in a worker thread.
 from __future__ import annotations
 
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
-from coordinator.aggregation.weighted import StagedDelta, WeightedSum
+from coordinator.aggregation.weighted import PieceLike, WeightedSum
 
 __all__ = ["RoundAccumulator", "RoundKey"]
 
@@ -46,8 +49,9 @@ class RoundAccumulator:
         """The regions folded so far, in the order they were folded."""
         return self._sum.regions if self._sum is not None else ()
 
-    def fold(self, region: str, weight: float, staged: StagedDelta) -> None:
-        """Add ``weight x`` the region's staged delta (blocking); consumes ``staged``.
+    def fold(self, region: str, weight: float, pieces: Callable[[], Iterable[PieceLike]]) -> None:
+        """Add ``weight x`` the region's verified delta (blocking), decoded by ``pieces()``
+        piece by piece.
 
         A failed fold abandons the sum (its error propagates), since a half-added region
         would make it wrong.
@@ -58,7 +62,7 @@ class RoundAccumulator:
             try:
                 if self._sum is None:
                     self._sum = WeightedSum(self._shapes)  # one model of zeros: off the loop
-                self._sum.add_staged(region, weight, staged)
+                self._sum.add_verified(region, weight, pieces())
             except BaseException as exc:
                 self._abandoned = f"folding {region}'s delta failed: {exc}"
                 raise

@@ -129,12 +129,12 @@ def publication_step(
 
     ``in_place``: the caller hands its inputs over and the step is taken in their own
     tensors, making none of the model's size: θ_r's tensors become θ_{r+1}'s, the momentum
-    moves in its buffers, and the mean's tensors (``mean`` a dict) become the update the
-    coordinator intends, then the new residual; only the old residual's tensors are left
-    for the caller to drop. The same ops in the same order as out of place, so the same
-    bits. After an exception the inputs are not to be used (the daemon rebuilds its state
-    from storage: :mod:`coordinator.rounds.engine`); the input is checked before anything
-    is written.
+    moves in its buffers, the mean's tensors (``mean`` a dict) become the update the
+    coordinator intends, then the new residual, and a ``residual`` dict loses the round's
+    tensors once they are carried into the update. The same ops in the same order as out
+    of place, so the same bits. After an exception the inputs are not to be used (the
+    daemon rebuilds its state from storage: :mod:`coordinator.rounds.engine`); the input is
+    checked before anything is written.
 
     Each step named in :data:`PUBLICATION_PHASES` runs inside ``phase(name)``, so that a
     caller can measure the steps of the very computation the daemon runs (the
@@ -163,6 +163,11 @@ def publication_step(
         # The targets are the step's own new tensors: the update is formed in them.
         intended = _update_in_place(stepped, target, carried)
         del target
+        if in_place and isinstance(residual, dict):
+            # Handed over and carried into the update: its round's tensors are let go now.
+            for name in intended:
+                residual.pop(name, None)
+            carried = None
         stream = encode_stream(intended, codec)
     with phase("decode_update"):
         # θ_{r+1} = θ_r + û and e' = intended - û, piece by piece: û is never held whole.

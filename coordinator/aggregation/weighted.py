@@ -22,8 +22,8 @@ region, so the order of pieces within a region does not matter; the arithmetic u
 correctly rounded multiplies, adds and divides, so neither threads nor the CPU's SIMD
 width change a bit). :func:`aggregate` adds in sorted region names unless given an
 ``order``. The coordinator folds deltas in as they are accepted
-(:mod:`coordinator.aggregation.accumulator`, from values :class:`DeltaStager` checked while the
-upload was verified, :meth:`WeightedSum.add_staged`) and records that arrival order
+(:mod:`coordinator.aggregation.accumulator`, decoding each verified upload again piece by
+piece, :meth:`WeightedSum.add_verified`) and records that arrival order
 durably with the round, which it passes as ``order`` when it re-aggregates from its
 spool instead (after a restart): the same bits either way.
 """
@@ -166,6 +166,31 @@ class WeightedSum:
         }:
             raise AggregationError(f"region {region!r}: staged tensors differ from the sum's")
         self._fold(region, factor, staged)
+
+    def add_verified(self, region: str, weight: float, pieces: Iterable[PieceLike]) -> None:
+        """Add ``weight x`` a delta whose stream was verified whole before (its upload: every
+        value finite, every element once), each piece folded as it is decoded again: no
+        copy of the delta is ever held. The same arithmetic as :meth:`add_staged`, element
+        by element, so the same bits. Each piece is checked again; a failure part way
+        (the stored stream no longer decodes, or decodes to something else) leaves the
+        sum part-added, so the caller discards it
+        (:class:`~coordinator.aggregation.accumulator.RoundAccumulator` does).
+        """
+        factor = self._check_addition(region, weight)
+        sizes = {name: tensor.numel() for name, tensor in self._sum.items()}
+        covered = dict.fromkeys(sizes, 0)
+        with one_thread():
+            for piece in pieces:
+                name, offset, count, values = check_piece(region, piece, sizes)
+                # mul then add, each correctly rounded, as _fold_part does.
+                self._sum[name][offset : offset + count].add_(values.mul_(factor))
+                covered[name] += count
+        short = sorted(name for name, count in covered.items() if count != sizes[name])
+        if short:
+            raise AggregationError(
+                f"region {region!r}: the delta covers {short[:5]} with other than their elements"
+            )
+        self._weights[region] = factor
 
     def _check_addition(self, region: str, weight: float) -> float:
         try:

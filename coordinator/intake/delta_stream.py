@@ -4,10 +4,10 @@ Commit verification decodes the whole stream exactly once: every frame against t
 manifest, the header's tensors and codec against the manifest and the job, every decoded
 value for finiteness, the decoded size against the model's. The stream is copied into the
 content-addressed blob store in the same pass, and nothing is stored if any check fails.
-When asked, the same pass also stages the decoded values for the round's running sum
-(:class:`coordinator.aggregation.weighted.DeltaStager`), so a delta accepted into a round that
-folds deltas as they arrive is never decoded again. CPU and disk work: run these in a
-worker thread.
+No decoded value is kept: a round that folds deltas as they arrive decodes the stored
+stream again into its running sum (:mod:`coordinator.aggregation.accumulator`), so uploads
+verified side by side hold no copy of the model. CPU and disk work: run these in a worker
+thread.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from collections.abc import Iterator
 from datetime import UTC, datetime
 from pathlib import Path
 
-from coordinator.aggregation.weighted import AggregationError, DeltaStager, StagedDelta, all_finite
+from coordinator.aggregation.weighted import all_finite
 from coordinator.errors import BadRequest
 from coordinator.intake.delta_checks import DeltaExpectation, check_delta_manifest, verify_signature
 from geofed.blobstore import FsBlobStore
@@ -54,19 +54,18 @@ def verify_and_store(
     tensors: tuple[ManifestTensor, ...],
     blobs: FsBlobStore,
     *,
-    stage_as: str | None = None,
     adopt: Path | None = None,
-) -> tuple[str, int, StagedDelta | None]:
-    """Decode the stream once while copying it into ``blobs``; return (digest, size, staged).
+) -> tuple[str, int]:
+    """Decode the stream once while copying it into ``blobs``; return (digest, size).
 
     ``adopt``: the file ``frames`` are read from, which, once they all passed, becomes the
     blob itself (:meth:`FsBlobStore.adopt`) instead of being copied.
 
     Checks every frame against the manifest, the header's tensors and codec against the
     manifest and the job, every decoded value for finiteness, and the decoded size
-    against the model's. Raises the protocol's 400 errors; nothing is stored on error.
-    With ``stage_as`` (the region), the decoded values are also returned, staged
-    (one model's worth of fp32); otherwise ``staged`` is None.
+    against the model's (the codec's layout has every element come once). Raises the
+    protocol's 400 errors; nothing is stored on error. No decoded value is kept: the round's
+    sum decodes the stored stream again (:mod:`coordinator.aggregation.accumulator`).
     """
     manifest = signed.manifest
     digests = [record.sha256 for record in manifest.chunks]
@@ -77,13 +76,6 @@ def verify_and_store(
         max_decoded_bytes=4 * numel,
     )
     size = 0
-    stager = None
-    staged: list[StagedDelta] = []
-    if stage_as is not None:
-        # Every piece's values are checked for finiteness below, before it is staged.
-        stager = DeltaStager(
-            stage_as, {spec.name: tuple(spec.shape) for spec in tensors}, check_finite=False
-        )
 
     def checked() -> Iterator[bytes]:
         nonlocal size
@@ -96,16 +88,12 @@ def verify_and_store(
                         f"{piece.offset + piece.count}] hold NaN or Inf",
                         "non_finite",
                     )
-                if stager is not None:
-                    stager.add(piece)
             if not header_checked:
                 _check_header(decoder, signed, tensors)
                 header_checked = True
             size += len(frame)
             yield frame
         decoder.finish()
-        if stager is not None:
-            staged.append(stager.finish())  # before the blob is kept: all or nothing
 
     try:
         if adopt is None:
@@ -126,10 +114,7 @@ def verify_and_store(
         raise BadRequest(f"the stream does not decode: {exc}", code) from None
     except DecodeError as exc:
         raise BadRequest(f"the stream does not decode: {exc}", "decode_failed") from None
-    except AggregationError as exc:
-        # The header matched the job's tensors, so only the pieces' coverage can be off.
-        raise BadRequest(f"the stream does not cover the model: {exc}", "decode_failed") from None
-    return digest, size, staged[0] if staged else None
+    return digest, size
 
 
 def _check_header(

@@ -328,13 +328,12 @@ class UploadService:
         sizes = [chunk.size for chunk in signed.manifest.chunks]
         frames = self._spool.frames(job, round, region, digest, sizes)
         try:
-            stream_digest, size, staged = await self._s.executors.compute(
+            stream_digest, size = await self._s.executors.compute(
                 verify_and_store,
                 frames,
                 signed,
                 engine.ctx.round_tensor_specs(round),
                 self._s.runtime.deltas,
-                stage_as=region if engine.folds_on_arrival else None,
                 adopt=self._spool.stream_path(job, round, region, digest),
             )
         except FileNotFoundError:
@@ -361,8 +360,7 @@ class UploadService:
             base_eval=signed.manifest.base_eval,
             data_fingerprints=signed.manifest.data_fingerprints,
         )
-        receipt = await engine.accept(offer, staged)
-        del staged  # folded, or not needed: one model of fp32 per commit in flight
+        receipt = await engine.accept(offer)
         await self._s.executors.files(self._spool.discard, job, round, region)
         self._manifests.pop(digest, None)
         return {"state": "accepted", "receipt": receipt_json(receipt)}

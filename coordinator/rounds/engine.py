@@ -29,6 +29,7 @@ one lock, persisted, then announced.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections import deque
@@ -37,8 +38,8 @@ from dataclasses import dataclass
 from typing import Any, assert_never
 
 from coordinator.aggregation.accumulator import RoundAccumulator, RoundKey
+from coordinator.aggregation.outer_round import delta_pieces
 from coordinator.aggregation.robust import folds_on_arrival
-from coordinator.aggregation.weighted import StagedDelta
 from coordinator.errors import Unavailable
 from coordinator.jobs.capacity_records import (
     PREEMPTING_POINTER,
@@ -304,11 +305,11 @@ class JobEngine:
         """Whether accepted deltas are summed as they arrive (the upload stages them)."""
         return folds_on_arrival(self.ctx.spec.aggregation)
 
-    async def accept(self, offer: DeltaOffer, staged: StagedDelta | None = None) -> Receipt:
+    async def accept(self, offer: DeltaOffer) -> Receipt:
         """Count a delta in its round; commit receipt, round and audit entry together.
 
-        ``staged``, the delta's values decoded by its verification, is then folded into
-        the round's running sum (:mod:`coordinator.aggregation.accumulator`).
+        The delta, verified and durable, is then folded into the round's running sum
+        (:mod:`coordinator.aggregation.accumulator`) when the job's rule allows.
         """
         async with self._lock:
             self.check_open(offer.region, offer.round)
@@ -335,8 +336,8 @@ class JobEngine:
             except BaseException:
                 record.state = before  # the round never saw this delta
                 raise
-            if staged is not None and self.folds_on_arrival:
-                await self._fold(offer, staged, (offer.round, record.state.config.opened_at))
+            if self.folds_on_arrival:
+                await self._fold(offer, (offer.round, record.state.config.opened_at))
         metrics = self._s.metrics
         metrics.deltas_accepted.labels(job=self.job, region=offer.region).inc()
         metrics.fp32_equivalent_bytes.labels(direction="received").inc(
@@ -351,7 +352,7 @@ class JobEngine:
         self._wake.set()
         return receipt
 
-    async def _fold(self, offer: DeltaOffer, staged: StagedDelta, key: RoundKey) -> None:
+    async def _fold(self, offer: DeltaOffer, key: RoundKey) -> None:
         """Fold an accepted delta into its round's sum, under the lock (arrival order).
 
         The acceptance is committed already: a failed fold only costs the round its
@@ -360,9 +361,15 @@ class JobEngine:
         accumulator = self._accumulator
         if accumulator is None or accumulator.key != key:
             accumulator = self._accumulator = RoundAccumulator(key, self.ctx.round_shapes(key[0]))
+        pieces = functools.partial(
+            delta_pieces,
+            self.ctx.publishing.deltas,
+            offer.blob_digest,
+            self.ctx.round_fp32_bytes(offer.round),
+        )
         try:
             await self._s.executors.compute(
-                accumulator.fold, offer.region, float(offer.tokens), staged
+                accumulator.fold, offer.region, float(offer.tokens), pieces
             )
         except asyncio.CancelledError:
             accumulator.abandon(f"folding {offer.region}'s delta was cancelled")

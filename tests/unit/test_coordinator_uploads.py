@@ -11,6 +11,8 @@ import pytest
 import torch
 import zstandard
 
+from coordinator.aggregation.outer_round import delta_pieces
+from coordinator.aggregation.weighted import WeightedSum
 from coordinator.errors import ApiError
 from coordinator.intake.delta_checks import DeltaExpectation, check_delta_manifest, verify_signature
 from coordinator.intake.delta_stream import verify_and_store
@@ -200,26 +202,23 @@ def test_signature_refusals_map_to_protocol_codes(eu_west: Any, fed: Federation)
 def test_verified_stream_is_stored_whole(eu_west: Any, tmp_path: Path) -> None:
     stream = _encode(_tensors())
     blobs = FsBlobStore(tmp_path)
-    digest, size, staged = verify_and_store(
-        iter(stream.frames()), _signed(eu_west, stream), SPECS, blobs
-    )
+    digest, size = verify_and_store(iter(stream.frames()), _signed(eu_west, stream), SPECS, blobs)
     assert blobs.get(digest) == stream.to_bytes()
     assert size == stream.total_bytes
-    assert staged is None  # nobody asked for the values
 
 
-def test_verification_stages_the_decoded_values_once(eu_west: Any, tmp_path: Path) -> None:
+def test_a_stored_stream_folds_again_to_the_values_the_region_sent(
+    eu_west: Any, tmp_path: Path
+) -> None:
     stream = _encode(_tensors())
     blobs = FsBlobStore(tmp_path)
-    _, _, staged = verify_and_store(
-        iter(stream.frames()), _signed(eu_west, stream), SPECS, blobs, stage_as="eu-west"
-    )
-    assert staged is not None
-    assert staged.region == "eu-west"
+    digest, _ = verify_and_store(iter(stream.frames()), _signed(eu_west, stream), SPECS, blobs)
     decoded = decode(stream.frames())
-    assert set(staged.values) == set(decoded)
+    total = WeightedSum({name: tuple(t.shape) for name, t in decoded.items()})
+    total.add_verified("eu-west", 1.0, delta_pieces(blobs, digest, 4 * 10**6))
+    folded = total.take_mean()
     for name, tensor in decoded.items():
-        assert torch.equal(staged.values[name], tensor.reshape(-1))
+        assert torch.equal(folded[name], tensor)
 
 
 def test_frames_out_of_order_store_nothing(eu_west: Any, tmp_path: Path) -> None:

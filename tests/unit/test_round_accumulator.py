@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 import torch
@@ -42,6 +42,11 @@ def _staged(region: str, delta: dict[str, torch.Tensor]) -> StagedDelta:
     return stager.finish()
 
 
+def _decoding(delta: dict[str, torch.Tensor]) -> Callable[[], Iterator[Piece]]:
+    """What the engine hands a fold: a verified delta, decoded again when called."""
+    return lambda: _pieces(delta)
+
+
 DELTAS = {"us-east": _delta(1), "eu-west": _delta(2), "ap-south": _delta(3)}
 TOKENS = {"us-east": 300.0, "eu-west": 100.0, "ap-south": 7.0}
 ARRIVALS = ["us-east", "ap-south", "eu-west"]
@@ -55,7 +60,7 @@ def _decoded_mean(order: list[str]) -> dict[str, torch.Tensor]:
 def test_folding_on_arrival_gives_the_bits_of_decoding_in_arrival_order() -> None:
     accumulator = RoundAccumulator((3, 1000.0), SHAPES)
     for region in ARRIVALS:
-        accumulator.fold(region, TOKENS[region], _staged(region, DELTAS[region]))
+        accumulator.fold(region, TOKENS[region], _decoding(DELTAS[region]))
     held, why = accumulator.take(ARRIVALS, TOKENS)
     assert held is not None, why
     folded_mean = held.take_mean()
@@ -73,8 +78,8 @@ def test_the_order_changes_the_bits_so_it_must_be_the_recorded_one() -> None:
 
 def test_a_sum_that_is_not_the_rounds_is_refused_with_its_reason() -> None:
     accumulator = RoundAccumulator((3, 1000.0), SHAPES)
-    accumulator.fold("us-east", TOKENS["us-east"], _staged("us-east", DELTAS["us-east"]))
-    accumulator.fold("eu-west", TOKENS["eu-west"], _staged("eu-west", DELTAS["eu-west"]))
+    accumulator.fold("us-east", TOKENS["us-east"], _decoding(DELTAS["us-east"]))
+    accumulator.fold("eu-west", TOKENS["eu-west"], _decoding(DELTAS["eu-west"]))
     held, why = accumulator.take(["eu-west", "us-east"], TOKENS)
     assert held is None
     assert "folded ['us-east', 'eu-west']" in why
@@ -90,20 +95,58 @@ def test_a_sum_that_is_not_the_rounds_is_refused_with_its_reason() -> None:
 
 def test_a_failed_fold_abandons_the_sum() -> None:
     accumulator = RoundAccumulator((3, 1000.0), SHAPES)
-    accumulator.fold("us-east", TOKENS["us-east"], _staged("us-east", DELTAS["us-east"]))
+    accumulator.fold("us-east", TOKENS["us-east"], _decoding(DELTAS["us-east"]))
     with pytest.raises(AggregationError, match="already added"):
-        accumulator.fold("us-east", 1.0, _staged("us-east", DELTAS["us-east"]))
+        accumulator.fold("us-east", 1.0, _decoding(DELTAS["us-east"]))
     held, why = accumulator.take(["us-east"], TOKENS)
     assert held is None
     assert "folding us-east's delta failed" in why
     # Later folds are ignored: the publisher decodes the round instead.
-    accumulator.fold("eu-west", TOKENS["eu-west"], _staged("eu-west", DELTAS["eu-west"]))
+    accumulator.fold("eu-west", TOKENS["eu-west"], _decoding(DELTAS["eu-west"]))
     assert accumulator.take(["us-east", "eu-west"], TOKENS)[0] is None
+
+
+def test_a_fold_that_fails_part_way_abandons_the_sum_it_half_added_to() -> None:
+    accumulator = RoundAccumulator((3, 1000.0), SHAPES)
+    accumulator.fold("us-east", TOKENS["us-east"], _decoding(DELTAS["us-east"]))
+
+    def broken() -> Iterator[Piece]:
+        pieces = _pieces(DELTAS["eu-west"])
+        yield next(pieces)
+        raise OSError("the stored stream can no longer be read")
+
+    with pytest.raises(OSError, match="no longer be read"):
+        accumulator.fold("eu-west", TOKENS["eu-west"], broken)
+    held, why = accumulator.take(["us-east", "eu-west"], TOKENS)
+    assert held is None
+    assert "folding eu-west's delta failed" in why
+
+
+def test_a_verified_delta_that_decodes_short_is_refused_and_abandons_the_sum() -> None:
+    total = WeightedSum(SHAPES)
+    short = list(_pieces(DELTAS["us-east"]))[:-1]
+    with pytest.raises(AggregationError, match="other than their elements"):
+        total.add_verified("us-east", 1.0, short)
+    assert total.regions == ()
+    accumulator = RoundAccumulator((3, 1000.0), SHAPES)
+    with pytest.raises(AggregationError):
+        accumulator.fold("us-east", 1.0, lambda: iter(short))
+    assert accumulator.take(["us-east"], {"us-east": 1.0})[0] is None
+
+
+def test_folding_verified_pieces_gives_the_bits_of_folding_them_staged() -> None:
+    staged, verified = WeightedSum(SHAPES), WeightedSum(SHAPES)
+    for region in ARRIVALS:
+        staged.add_staged(region, TOKENS[region], _staged(region, DELTAS[region]))
+        verified.add_verified(region, TOKENS[region], _pieces(DELTAS[region]))
+    expected, got = staged.take_mean(), verified.take_mean()
+    for name in SHAPES:
+        assert torch.equal(got[name], expected[name])
 
 
 def test_an_abandoned_sum_is_never_handed_over() -> None:
     accumulator = RoundAccumulator((3, 1000.0), SHAPES)
-    accumulator.fold("us-east", TOKENS["us-east"], _staged("us-east", DELTAS["us-east"]))
+    accumulator.fold("us-east", TOKENS["us-east"], _decoding(DELTAS["us-east"]))
     accumulator.abandon("folding eu-west's delta was cancelled")
     held, why = accumulator.take(["us-east"], TOKENS)
     assert held is None

@@ -12,7 +12,9 @@ folded while they arrived.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import io
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -31,11 +33,11 @@ from coordinator.aggregation.outer_optimizer import (
 from coordinator.aggregation.outer_round import (
     DeltaSource,
     PublishedRound,
+    delta_pieces,
     publication_step,
     publish_initial,
     publish_round,
 )
-from coordinator.aggregation.weighted import StagedDelta
 from coordinator.errors import ApiError
 from coordinator.intake.delta_checks import DeltaExpectation, check_delta_manifest
 from coordinator.intake.delta_stream import verify_and_store
@@ -45,7 +47,7 @@ from coordinator.jobs.spec import parse_job_spec
 from coordinator.runtime import Runtime, load_runtime
 from coordinator.storage.working_state import WorkingState
 from geofed.artifact_check import apply_verified_update, snapshot_params, verify_artifact
-from geofed.codec import EncodedStream, decode, encode_stream
+from geofed.codec import EncodedStream, Piece, decode, encode_stream
 from geofed.codec_params import CodecParams
 from geofed.deltas import pseudo_gradient
 from geofed.fragments import fragment_plan
@@ -205,23 +207,22 @@ def test_a_delta_naming_other_tensors_than_the_rounds_is_refused(world: World) -
 
 def _upload(
     world: World, region: str, round_: int, theta: dict[str, torch.Tensor], base: str, seed: int
-) -> tuple[DeltaSource, StagedDelta]:
-    """A region's delta through the upload path's checks, stored and staged."""
+) -> tuple[DeltaSource, Callable[[], Iterator[Piece]]]:
+    """A region's delta through the upload path's checks, stored; and its decoding again,
+    as the engine folds it."""
     ctx = world.ctx
     stream = _fragment_delta(ctx, round_, theta, seed)
     signed = _signed(world, region, round_, stream, base)
     check_delta_manifest(signed, _expectation(world, region, round_, base))
-    digest, _, staged = verify_and_store(
-        iter(stream.frames()),
-        signed,
-        ctx.round_tensor_specs(round_),
-        world.runtime.deltas,
-        stage_as=region,
+    digest, _ = verify_and_store(
+        iter(stream.frames()), signed, ctx.round_tensor_specs(round_), world.runtime.deltas
     )
-    assert staged is not None
     tokens = signed.manifest.tokens
     assert tokens is not None
-    return DeltaSource(region, tokens, digest), staged
+    pieces = functools.partial(
+        delta_pieces, world.runtime.deltas, digest, ctx.round_fp32_bytes(round_)
+    )
+    return DeltaSource(region, tokens, digest), pieces
 
 
 def _round(world: World, state: WorkingState, seed: int) -> tuple[PublishedRound, PublishedRound]:
@@ -232,10 +233,10 @@ def _round(world: World, state: WorkingState, seed: int) -> tuple[PublishedRound
     accumulator = RoundAccumulator((round_, 1.0), ctx.round_shapes(round_))
     sources = []
     for offset, region in enumerate(order):
-        source, staged = _upload(
+        source, pieces = _upload(
             world, region, round_, state.params, state.params_hash, seed + offset
         )
-        accumulator.fold(region, float(source.tokens), staged)
+        accumulator.fold(region, float(source.tokens), pieces)
         sources.append(source)
     folded_sum, why = accumulator.take(order, {s.region: float(s.tokens) for s in sources})
     assert folded_sum is not None, why
