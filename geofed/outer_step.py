@@ -114,9 +114,10 @@ class OuterOptimizer:
         """Return the target parameters θ - lr·d for the averaged pseudo-gradient ``g``.
 
         ``d = g + μ·buf`` with ``buf = μ·buf + g`` (``buf = g`` at the first step), where
-        μ is :meth:`OuterOptimizerConfig.momentum_at` the step count. Inputs
-        are not mutated and previously returned state tensors are never written to; on
-        bad input :class:`OuterOptimizerError` is raised and the state is unchanged.
+        μ is :meth:`OuterOptimizerConfig.momentum_at` the step count. Unless
+        ``in_place``, inputs are not mutated and previously returned state tensors are
+        never written to; on bad input :class:`OuterOptimizerError` is raised and the
+        state is unchanged.
         ``consume``: ``pseudo_grad`` (a dict the caller hands over) loses each tensor once
         its target is made, so that the step never holds it beside all the new tensors.
         ``in_place``: no new tensor but a first step's buffer: each target is made in its

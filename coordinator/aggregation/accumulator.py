@@ -76,8 +76,11 @@ class RoundAccumulator:
         self, order: Sequence[str], weights: Mapping[str, float]
     ) -> tuple[WeightedSum | None, str]:
         """The sum, if it holds exactly the regions of ``order``, in that order, with
-        ``weights``; otherwise None. Either way, the reason. The sum is handed over once."""
-        with self._lock:
+        ``weights``; otherwise None. Either way, the reason. The sum is handed over once.
+        Never waits: a fold still running (its await was cancelled) makes it None."""
+        if not self._lock.acquire(blocking=False):
+            return None, "a fold is still running"
+        try:
             if self._abandoned:
                 return None, self._abandoned
             held = self._sum
@@ -90,3 +93,5 @@ class RoundAccumulator:
             self._sum = None
             self._abandoned = "handed over"
             return held, f"{len(order)} delta(s) folded as they arrived"
+        finally:
+            self._lock.release()

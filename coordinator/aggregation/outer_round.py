@@ -145,8 +145,9 @@ def publication_step(
     # intermediates are reused in place: the round's peak memory is what the coordinator
     # must provision. Every in-place op is the out-of-place op's, so the bits are the same.
     stepped, carried = (params, residual) if names is None else _restricted(params, residual, names)
-    # Tensors that share memory (tied weights kept as one) would take their update twice.
-    in_place = in_place and _distinct_memory(stepped, optimizer_state, mean)
+    # Tensors that share memory (tied weights kept as one) would take their update twice,
+    # and a strided θ cannot take it through flat views: those are stepped out of place.
+    in_place = in_place and _steppable_in_place(stepped, optimizer_state, mean)
     with phase("outer_step"):
         # The step writes none of the state's momentum tensors: no copy of them.
         optimizer = OuterOptimizer.from_state_dict(optimizer_state, copy=False)
@@ -188,14 +189,17 @@ def publication_step(
     )
 
 
-def _distinct_memory(
+def _steppable_in_place(
     params: Mapping[str, Tensor], optimizer_state: Mapping[str, Any], mean: Mapping[str, Tensor]
 ) -> bool:
-    """Whether no two of these tensors (θ's, the momentum's, the mean's) share memory."""
+    """Whether these tensors (θ's, the momentum's, the mean's) are all contiguous and no
+    two of them share memory."""
     buffers = optimizer_state.get("momentum_buffers")
     tensors = [*params.values(), *mean.values()]
     if isinstance(buffers, Mapping):
         tensors += [t for t in buffers.values() if isinstance(t, Tensor)]
+    if not all(t.is_contiguous() for t in tensors):
+        return False
     places = {t.untyped_storage().data_ptr() for t in tensors if t.numel()}
     return len(places) == sum(1 for t in tensors if t.numel())
 

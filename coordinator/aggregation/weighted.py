@@ -310,8 +310,8 @@ class DeltaStager:
     def add(self, piece: PieceLike) -> None:
         """Copy one checked piece into place (:func:`check_piece`).
 
-        On the calling thread alone, like the decoding that made the piece: regions and
-        uploads are staged side by side on their own threads.
+        On the calling thread alone, like the decoding that made the piece: regions are
+        staged side by side on their own threads (:func:`aggregate`).
         """
         with one_thread():
             name, offset, count, values = check_piece(

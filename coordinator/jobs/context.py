@@ -14,13 +14,14 @@ and the size limits all take it from there.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import functools
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from torch import Tensor
 
-from coordinator.aggregation.outer_round import JobPublishing
+from coordinator.aggregation.outer_round import JobPublishing, delta_pieces
 from coordinator.config import CoordinatorConfig
 from coordinator.intake.delta_checks import DeltaExpectation
 from coordinator.jobs.initial_build import (
@@ -33,6 +34,7 @@ from coordinator.jobs.initial_build import (
 from coordinator.jobs.spec import JobSpec
 from coordinator.rounds.layout import RoundLayout, fp32_bytes
 from coordinator.runtime import Runtime
+from geofed.codec import Piece
 from geofed.fragments import FragmentError, round_fragment
 from geofed.manifest import ArtifactProvenance, ManifestTensor
 from geofed.task import Task, TaskError, load_task
@@ -104,6 +106,12 @@ class JobContext:
         """The float32 size of round ``round_``'s delta (and of its update)."""
         return fp32_bytes(self.round_shapes(round_))
 
+    def stored_delta(self, round_: int, blob_digest: str) -> Callable[[], Iterator[Piece]]:
+        """A stored delta of round ``round_``, decoded piece by piece when called (the
+        round's sum folds accepted deltas from it)."""
+        deltas, limit = self.publishing.deltas, self.round_fp32_bytes(round_)
+        return functools.partial(delta_pieces, deltas, blob_digest, limit)
+
     def round_scope(self, round_: int) -> str:
         """What round ``round_``'s tensors are, for messages."""
         plan = self.layout.plan
@@ -167,14 +175,23 @@ def with_inherited(
     return {region: tuple(sorted(merged[region])) for region in sorted(merged)}
 
 
+#: Bytes a parameter of one job costs the coordinator at its peak, while it publishes a
+#: round: θ, the outer momentum, the error-feedback residual and the round's mean (4 each;
+#: the outer step is taken in them), and the update's codes (about 1 with int8); measured
+#: 17.6 on the 25M Llama (``benchmarks/results/scale.md``). A snapshot round adds its
+#: lossless stream (4), an evaluation in the coordinator a copy of θ (4).
+PEAK_BYTES_PER_PARAMETER = 18
+
+
 def size_refusal(count: int, max_parameters: int) -> str | None:
     """Why a model of ``count`` parameters is too large for this coordinator, or None."""
     if count <= max_parameters:
         return None
     return (
-        f"its model has {count:,} parameters ({4 * count / 2**30:,.1f} GiB in float32, of "
-        f"which the coordinator holds several copies); this coordinator takes at most "
-        f"{max_parameters:,} (limits.max_parameters in its config)"
+        f"its model has {count:,} parameters ({4 * count / 2**30:,.1f} GiB in float32; the "
+        f"coordinator holds about {PEAK_BYTES_PER_PARAMETER} bytes a parameter of a job while "
+        f"it publishes a round, {PEAK_BYTES_PER_PARAMETER * count / 2**30:,.1f} GiB); this "
+        f"coordinator takes at most {max_parameters:,} (limits.max_parameters in its config)"
     )
 
 

@@ -20,8 +20,7 @@ function of the job's facts; the engine carries its steps out. A round that fail
 quorum is re-opened (a new attempt, keeping accepted deltas) up to
 ``max_round_attempts`` times, then the job fails. A publication that fails keeps the
 round closed and is tried again after a back-off (``publication_retry``), from θ_r's
-working state rebuilt from storage (the outer step is taken in the state's own tensors,
-so that a round's peak is θ, the momentum, the residual and the mean). Pausing
+working state rebuilt from storage (the outer step is taken in its tensors). Pausing
 abandons the collecting round; resuming re-opens it. Every state change is decided under
 one lock, persisted, then announced.
 """
@@ -29,16 +28,15 @@ one lock, persisted, then announced.
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 import time
+import traceback
 from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, assert_never
 
 from coordinator.aggregation.accumulator import RoundAccumulator, RoundKey
-from coordinator.aggregation.outer_round import delta_pieces
 from coordinator.aggregation.robust import folds_on_arrival
 from coordinator.errors import Unavailable
 from coordinator.jobs.capacity_records import (
@@ -302,7 +300,7 @@ class JobEngine:
 
     @property
     def folds_on_arrival(self) -> bool:
-        """Whether accepted deltas are summed as they arrive (the upload stages them)."""
+        """Whether accepted deltas are summed as they arrive."""
         return folds_on_arrival(self.ctx.spec.aggregation)
 
     async def accept(self, offer: DeltaOffer) -> Receipt:
@@ -361,12 +359,7 @@ class JobEngine:
         accumulator = self._accumulator
         if accumulator is None or accumulator.key != key:
             accumulator = self._accumulator = RoundAccumulator(key, self.ctx.round_shapes(key[0]))
-        pieces = functools.partial(
-            delta_pieces,
-            self.ctx.publishing.deltas,
-            offer.blob_digest,
-            self.ctx.round_fp32_bytes(offer.round),
-        )
+        pieces = self.ctx.stored_delta(offer.round, offer.blob_digest)
         try:
             await self._s.executors.compute(
                 accumulator.fold, offer.region, float(offer.tokens), pieces
@@ -653,12 +646,20 @@ class JobEngine:
         accumulator, self._accumulator = self._accumulator, None
         if accumulator is not None and accumulator.key != (rs.config.round, rs.config.opened_at):
             accumulator = None
+        if not working.params:  # spent by a failed try: θ_r again, as after a restart
+            try:
+                working = self.working = await rebuilt_working_state(self._s, self.ctx, working)
+            except Exception as exc:
+                await self._publication_failed(record, PublicationFailed(exc))
+                return
         # The step is taken in θ_r's own tensors: nothing may still be reading them.
         await self._evaluation.params_released()
         try:
             computed = await self._publisher.compute(record, working, accumulator)
         except PublicationFailed as failure:
-            self.working = await rebuilt_working_state(self._s, self.ctx, working)
+            self.working = working.spent()  # its tensors hold part of θ_{r+1}: let them go
+            del working
+            traceback.clear_frames(failure.cause.__traceback__)
             await self._publication_failed(record, failure)
             return
         published = computed.published

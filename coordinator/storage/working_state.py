@@ -86,6 +86,12 @@ class WorkingState:
     residual: dict[str, Tensor] | None
     saved: Saved | None = None
 
+    def spent(self) -> WorkingState:
+        """This state's version and hashes without its tensors: what is left of it once a
+        publication that failed part way has taken its step in them (no ``params``: the
+        engine rebuilds θ_version from storage before it uses them again)."""
+        return WorkingState(self.version, {}, self.params_hash, {}, None, self.saved)
+
     @classmethod
     def initial(cls, params: dict[str, Tensor], optimizer_state: Mapping[str, Any]) -> WorkingState:
         params_hash = parameters_vector_hash(params)

@@ -12,10 +12,12 @@ their names and every index entry names stored blobs. Each test configures a sma
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import itertools
 import json
 import os
+import sqlite3
 import time
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -26,6 +28,9 @@ import aiohttp
 import pytest
 
 from coordinator.config import PublicationRetryConfig
+from coordinator.state.sqlite import DB_FILENAME
+from coordinator.storage.working_state import PARAMS
+from geofed.blobstore import FsBlobStore
 from tests.support.coordinator import (
     JOB,
     FakeRegion,
@@ -471,3 +476,51 @@ async def test_a_publication_backing_off_answers_pause_resume_and_cancel_at_once
             latest = await clients.latest()
             assert latest["round"] == 2, latest
         assert not visible_problems(ckpt)
+
+
+def saved_params_blob(setup: Setup) -> Path:
+    """The file of the job's saved θ (its working state's ``params`` blob), as the
+    coordinator's state store names it."""
+    state_dir = setup.config().state_dir
+    with contextlib.closing(sqlite3.connect(state_dir / DB_FILENAME)) as db:
+        row = db.execute(
+            "SELECT value FROM pointers WHERE job_id = ? AND name = ?", (JOB, PARAMS)
+        ).fetchone()
+    assert row is not None
+    assert row[0]
+    return FsBlobStore(state_dir / "blobs").path_of(row[0])
+
+
+async def test_a_retry_whose_state_cannot_be_rebuilt_backs_off_and_publishes_once_it_can(
+    tmp_path: Path,
+) -> None:
+    with mosquitto_setup(tmp_path) as setup, tmpfs(tmp_path / "ckpt") as ckpt:
+        configure_retry(setup, initial_s=0.05, max_s=0.2, max_attempts=1000)
+        async with coordinator(setup) as running:
+            clients = Clients(running)
+            await clients.submit(job_yaml(rounds=2))
+            job, _ = await first_round(clients)
+            # The first try's outer step is taken in the working state's tensors, so each
+            # later try rebuilds θ_1 from the saved θ_0 and round 0's delta: hide θ_0.
+            blob = saved_params_blob(setup)
+            hidden = blob.with_name(blob.name + ".hidden")
+            blob.rename(hidden)
+            filler = fill(ckpt)
+            await clients.deltas(1, job["params_hash"])
+            unrebuilt = await clients.until(
+                lambda b: "is missing" in (b["error"] or ""), "a failed rebuild"
+            )
+            assert unrebuilt["state"] == "running", unrebuilt
+            assert "publication of round 1 failed" in unrebuilt["error"], unrebuilt
+            assert "retrying at" in unrebuilt["error"], unrebuilt
+            hidden.rename(blob)
+            filler.unlink()
+            done = await clients.until(lambda b: b["state"] == "completed", "completion")
+            entries = await audit_after(clients.observer, 0)
+            reasons = [e["details"]["reason"] for e in entries if e["action"] == "round.fail"]
+            assert any(ENOSPC_TEXT in reason for reason in reasons), reasons
+            assert any("is missing" in reason for reason in reasons), reasons
+            assert [e["round"] for e in entries if e["action"] == "round.publish"] == [0, 1]
+            assert not [e for e in entries if e["action"] == "job.fail"], entries
+            # θ_2 is the round's, bit for bit: what a joiner restores hashes as published.
+            assert await clients.restores() == (done["params_hash"], 2)

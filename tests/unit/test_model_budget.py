@@ -28,6 +28,10 @@ def test_a_huge_model_is_refused_before_anything_is_allocated() -> None:
     assert refusal is not None
     assert refusal.startswith("its model has 9,600,")
     assert "this coordinator takes at most 2,000,000,000 (limits.max_parameters" in refusal
+    # The figures: the model in float32 and what the coordinator holds of it per job.
+    assert f"({4 * counted / 2**30:,.1f} GiB in float32;" in refusal
+    assert "18 bytes a parameter of a job while it publishes a round, " in refusal
+    assert f"{18 * counted / 2**30:,.1f} GiB)" in refusal
 
 
 def test_a_model_within_the_budget_passes_and_one_off_meta_is_counted_later() -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Iterator
 
 import pytest
@@ -142,6 +143,26 @@ def test_folding_verified_pieces_gives_the_bits_of_folding_them_staged() -> None
     expected, got = staged.take_mean(), verified.take_mean()
     for name in SHAPES:
         assert torch.equal(got[name], expected[name])
+
+
+def test_taking_the_sum_never_waits_for_a_fold_still_running() -> None:
+    accumulator = RoundAccumulator((3, 1000.0), SHAPES)
+    started, release = threading.Event(), threading.Event()
+
+    def slow() -> Iterator[Piece]:  # a fold whose await was cancelled, still decoding
+        started.set()
+        release.wait(10)
+        yield from _pieces(DELTAS["us-east"])
+
+    folding = threading.Thread(
+        target=accumulator.fold, args=("us-east", TOKENS["us-east"], slow), daemon=True
+    )
+    folding.start()
+    assert started.wait(10)
+    held, why = accumulator.take(["us-east"], TOKENS)
+    assert (held, why) == (None, "a fold is still running")
+    release.set()
+    folding.join(10)
 
 
 def test_an_abandoned_sum_is_never_handed_over() -> None:
