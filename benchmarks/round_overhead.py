@@ -37,6 +37,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import functools
 import gc
 import json
 import math
@@ -63,16 +64,17 @@ from coordinator.aggregation.outer_round import (
     PUBLICATION_PHASES,
     DeltaSource,
     JobPublishing,
-    delta_pieces,
     mean_delta,
     publication_step,
     publish_initial,
     store_round,
 )
-from coordinator.aggregation.weighted import WeightedSum
+from coordinator.aggregation.weighted import Feed, WeightedSum
+from coordinator.executors import usable_cpus
 from coordinator.storage.working_state import WorkingState
 from geofed.blobstore import BlobStore, FsBlobStore
 from geofed.codec import decode, encode_stream
+from geofed.codec.stored import decode_stored
 from geofed.codec_params import SCHEMES, CodecParams, Scheme
 from geofed.examples.charlm.model import CharTransformer
 from geofed.params import federated_state, parameters_vector_hash
@@ -191,17 +193,24 @@ def prefold(shapes: Shapes, blobs: BlobStore, sources: Sequence[DeltaSource]) ->
     total = WeightedSum(shapes)
     limit = 4 * _count(shapes)
     for source in sources[:-1]:
-        pieces = delta_pieces(blobs, source.blob_digest, limit)
-        total.add_verified(source.region, float(REGION_TOKENS), pieces)
+        total.add_verified(source.region, float(REGION_TOKENS), stored(blobs, source, limit))
     return Prefolded(total, blobs, sources[-1], limit)
+
+
+def stored(blobs: BlobStore, source: DeltaSource, limit: int) -> Feed:
+    """The daemon's decoding of an accepted delta for its fold: its stored stream's chunks
+    side by side on every usable CPU (``coordinator.jobs.context.JobContext.stored_delta``)."""
+    assert isinstance(blobs, FsBlobStore)
+    path = blobs.path_of(source.blob_digest)
+    return functools.partial(decode_stored, path, workers=usable_cpus(), max_decoded_bytes=limit)
 
 
 def folded_mean(prepared: Prefolded) -> dict[str, torch.Tensor]:
     """What remains at quorum: the last delta's fold (decoded from its stored stream),
     and the division."""
     last = prepared.last
-    pieces = delta_pieces(prepared.blobs, last.blob_digest, prepared.limit)
-    prepared.total.add_verified(last.region, float(REGION_TOKENS), pieces)
+    feed = stored(prepared.blobs, last, prepared.limit)
+    prepared.total.add_verified(last.region, float(REGION_TOKENS), feed)
     return prepared.total.take_mean()
 
 

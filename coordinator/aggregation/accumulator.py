@@ -3,8 +3,9 @@
 A job whose aggregation is a plain token-weighted mean (no norm check:
 :func:`coordinator.aggregation.robust.folds_on_arrival`) has every accepted delta folded
 into a running :class:`~coordinator.aggregation.weighted.WeightedSum` right after its acceptance
-commits, decoded again from its durable stream piece by piece
-(:meth:`~coordinator.aggregation.weighted.WeightedSum.add_verified`): its upload's verification
+commits, decoded again from its durable stream piece by piece, its chunks side by side
+(:meth:`~coordinator.aggregation.weighted.WeightedSum.add_verified`,
+:func:`geofed.codec.stored.decode_stored`): its upload's verification
 (:func:`coordinator.intake.delta_stream.verify_and_store`) checked every value, and no
 decoded copy of a delta is held, so that uploads verified side by side cost no memory of
 the model's size. The engine folds under its lock, so the sum's order is the round's
@@ -21,9 +22,9 @@ Folding is CPU work: call :meth:`RoundAccumulator.fold` in a worker thread.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
-from coordinator.aggregation.weighted import PieceLike, WeightedSum
+from coordinator.aggregation.weighted import Feed, WeightedSum
 
 __all__ = ["RoundAccumulator", "RoundKey"]
 
@@ -49,8 +50,8 @@ class RoundAccumulator:
         """The regions folded so far, in the order they were folded."""
         return self._sum.regions if self._sum is not None else ()
 
-    def fold(self, region: str, weight: float, pieces: Callable[[], Iterable[PieceLike]]) -> None:
-        """Add ``weight x`` the region's verified delta (blocking), decoded by ``pieces()``
+    def fold(self, region: str, weight: float, feed: Feed) -> None:
+        """Add ``weight x`` the region's verified delta (blocking), as ``feed`` decodes it
         piece by piece.
 
         A failed fold abandons the sum (its error propagates), since a half-added region
@@ -62,7 +63,7 @@ class RoundAccumulator:
             try:
                 if self._sum is None:
                     self._sum = WeightedSum(self._shapes)  # one model of zeros: off the loop
-                self._sum.add_verified(region, weight, pieces())
+                self._sum.add_verified(region, weight, feed)
             except BaseException as exc:
                 self._abandoned = f"folding {region}'s delta failed: {exc}"
                 raise

@@ -33,6 +33,7 @@ from __future__ import annotations
 import functools
 import math
 import os
+import threading
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -59,6 +60,7 @@ from geofed.types import InvalidName, validate_name
 __all__ = [
     "AggregationError",
     "DeltaStager",
+    "Feed",
     "PieceLike",
     "StagedDelta",
     "WeightedSum",
@@ -67,11 +69,27 @@ __all__ = [
     "apply_update",
     "check_coverage",
     "check_piece",
+    "fed",
     "feedback_residual",
     "pseudo_gradient",
     "regions_at_once",
     "update_to_publish",
 ]
+
+
+#: Calls its argument with each piece of one delta, each element once, possibly from
+#: several threads at once (:meth:`WeightedSum.add_verified`).
+Feed = Callable[[Callable[["PieceLike"], None]], None]
+
+
+def fed(pieces: Iterable[PieceLike]) -> Feed:
+    """A :data:`Feed` of ``pieces``, taken on the calling thread when it is called."""
+
+    def feed(consume: Callable[[PieceLike], None]) -> None:
+        for piece in pieces:
+            consume(piece)
+
+    return feed
 
 
 class AggregationError(ValueError):
@@ -167,24 +185,30 @@ class WeightedSum:
             raise AggregationError(f"region {region!r}: staged tensors differ from the sum's")
         self._fold(region, factor, staged)
 
-    def add_verified(self, region: str, weight: float, pieces: Iterable[PieceLike]) -> None:
+    def add_verified(self, region: str, weight: float, feed: Feed) -> None:
         """Add ``weight x`` a delta whose stream was verified whole before (its upload: every
-        value finite, every element once), each piece folded as it is decoded again: no
-        copy of the delta is ever held. The same arithmetic as :meth:`add_staged`, element
-        by element, so the same bits. Each piece is checked again; a failure part way
-        (the stored stream no longer decodes, or decodes to something else) leaves the
-        sum part-added, so the caller discards it
+        value finite, every element once), each piece folded where it falls as ``feed``
+        decodes it again (on several threads at once, :func:`geofed.codec.stored.decode_stored`,
+        or on this one, :func:`fed`): no copy of the delta is ever held. The same arithmetic
+        as :meth:`add_staged`, element by element, so the same bits. Each piece is checked
+        again; a failure part way (the stored stream no longer decodes, or decodes to
+        something else) leaves the sum part-added, so the caller discards it
         (:class:`~coordinator.aggregation.accumulator.RoundAccumulator` does).
         """
         factor = self._check_addition(region, weight)
         sizes = {name: tensor.numel() for name, tensor in self._sum.items()}
         covered = dict.fromkeys(sizes, 0)
-        with one_thread():
-            for piece in pieces:
-                name, offset, count, values = check_piece(region, piece, sizes)
-                # mul then add, each correctly rounded, as _fold_part does.
-                self._sum[name][offset : offset + count].add_(values.mul_(factor))
+        lock = threading.Lock()
+
+        def fold(piece: PieceLike) -> None:
+            name, offset, count, values = check_piece(region, piece, sizes)
+            # mul then add, each correctly rounded, as _fold_part does; pieces are disjoint.
+            self._sum[name][offset : offset + count].add_(values.mul_(factor))
+            with lock:
                 covered[name] += count
+
+        with one_thread():
+            feed(fold)
         short = sorted(name for name, count in covered.items() if count != sizes[name])
         if short:
             raise AggregationError(

@@ -15,14 +15,16 @@ and the size limits all take it from there.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from torch import Tensor
 
 from coordinator.aggregation.outer_round import JobPublishing, delta_pieces
+from coordinator.aggregation.weighted import Feed, fed
 from coordinator.config import CoordinatorConfig
+from coordinator.executors import usable_cpus
 from coordinator.intake.delta_checks import DeltaExpectation
 from coordinator.jobs.initial_build import (
     BuildFailed,
@@ -34,7 +36,8 @@ from coordinator.jobs.initial_build import (
 from coordinator.jobs.spec import JobSpec
 from coordinator.rounds.layout import RoundLayout, fp32_bytes
 from coordinator.runtime import Runtime
-from geofed.codec import Piece
+from geofed.blobstore import FsBlobStore
+from geofed.codec.stored import decode_stored
 from geofed.fragments import FragmentError, round_fragment
 from geofed.manifest import ArtifactProvenance, ManifestTensor
 from geofed.task import Task, TaskError, load_task
@@ -106,11 +109,17 @@ class JobContext:
         """The float32 size of round ``round_``'s delta (and of its update)."""
         return fp32_bytes(self.round_shapes(round_))
 
-    def stored_delta(self, round_: int, blob_digest: str) -> Callable[[], Iterator[Piece]]:
-        """A stored delta of round ``round_``, decoded piece by piece when called (the
-        round's sum folds accepted deltas from it)."""
+    def stored_delta(self, round_: int, blob_digest: str) -> Feed:
+        """A stored delta of round ``round_``, decoded piece by piece when fed (the round's
+        sum folds accepted deltas so): its chunks side by side on every usable CPU when
+        the blob is a file."""
         deltas, limit = self.publishing.deltas, self.round_fp32_bytes(round_)
-        return functools.partial(delta_pieces, deltas, blob_digest, limit)
+        if isinstance(deltas, FsBlobStore):
+            path = deltas.path_of(blob_digest)
+            return functools.partial(
+                decode_stored, path, workers=usable_cpus(), max_decoded_bytes=limit
+            )
+        return lambda consume: fed(delta_pieces(deltas, blob_digest, limit))(consume)
 
     def round_scope(self, round_: int) -> str:
         """What round ``round_``'s tensors are, for messages."""

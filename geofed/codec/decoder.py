@@ -130,6 +130,34 @@ class StreamDecoder:
         self._finished = False
         self._failure: BaseException | None = None
 
+    @classmethod
+    def from_chunk(
+        cls,
+        header: Bytes,
+        index: int,
+        position: int,
+        *,
+        max_decoded_bytes: int | None = None,
+    ) -> StreamDecoder:
+        """A decoder that has read the stream's ``header`` frame and takes its chunks from
+        chunk ``index`` on, that chunk's frame starting at stream byte ``position``: each
+        chunk is checked as a whole-stream decoder checks it (tag, place, header digest,
+        sizes), but the trailer is not its to read. For decoding parts of a stored stream
+        side by side (:mod:`geofed.codec.stored`)."""
+        decoder = cls(max_decoded_bytes=max_decoded_bytes)
+        for _ in decoder.feed(header):
+            pass
+        known = decoder._known_header()
+        if not 0 <= index <= known.chunk_total:
+            raise InvalidConfig(f"chunk {index} of a stream of {known.chunk_total} chunks")
+        slots = chunk_slots(known.specs, known.chunk_elements)
+        for _ in range(index):
+            next(slots)
+        decoder._slots = slots
+        decoder._next = next(slots, None)
+        decoder._position = position
+        return decoder
+
     @property
     def specs(self) -> list[TensorLayout]:
         """The tensors the stream describes; available once the header was read."""
@@ -139,6 +167,11 @@ class StreamDecoder:
     def codec(self) -> CodecParams:
         """The codec parameters the stream header names; available once it was read."""
         return self._known_header().codec
+
+    @property
+    def chunk_count(self) -> int:
+        """Chunks the stream's layout has, from the stream header."""
+        return self._known_header().chunk_total
 
     @property
     def chunk_elements(self) -> int:

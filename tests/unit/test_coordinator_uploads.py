@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from datetime import UTC, datetime
 from pathlib import Path
@@ -11,13 +12,13 @@ import pytest
 import torch
 import zstandard
 
-from coordinator.aggregation.outer_round import delta_pieces
 from coordinator.aggregation.weighted import WeightedSum
 from coordinator.errors import ApiError
 from coordinator.intake.delta_checks import DeltaExpectation, check_delta_manifest, verify_signature
 from coordinator.intake.delta_stream import verify_and_store
 from geofed.blobstore import FsBlobStore
 from geofed.codec import EncodedStream, decode, encode_stream
+from geofed.codec.stored import decode_stored
 from geofed.codec.wire import (
     ChunkFields,
     FrameKind,
@@ -215,7 +216,10 @@ def test_a_stored_stream_folds_again_to_the_values_the_region_sent(
     digest, _ = verify_and_store(iter(stream.frames()), _signed(eu_west, stream), SPECS, blobs)
     decoded = decode(stream.frames())
     total = WeightedSum({name: tuple(t.shape) for name, t in decoded.items()})
-    total.add_verified("eu-west", 1.0, delta_pieces(blobs, digest, 4 * 10**6))
+    # As the engine folds it: its chunks decoded side by side from the blob's file.
+    total.add_verified(
+        "eu-west", 1.0, functools.partial(decode_stored, blobs.path_of(digest), workers=3)
+    )
     folded = total.take_mean()
     for name, tensor in decoded.items():
         assert torch.equal(folded[name], tensor)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -14,9 +14,11 @@ from coordinator.aggregation.robust import folded, folds_on_arrival
 from coordinator.aggregation.weighted import (
     AggregationError,
     DeltaStager,
+    Feed,
     StagedDelta,
     WeightedSum,
     aggregate,
+    fed,
 )
 from geofed.codec import Piece
 
@@ -43,9 +45,9 @@ def _staged(region: str, delta: dict[str, torch.Tensor]) -> StagedDelta:
     return stager.finish()
 
 
-def _decoding(delta: dict[str, torch.Tensor]) -> Callable[[], Iterator[Piece]]:
-    """What the engine hands a fold: a verified delta, decoded again when called."""
-    return lambda: _pieces(delta)
+def _decoding(delta: dict[str, torch.Tensor]) -> Feed:
+    """What the engine hands a fold: a verified delta, decoded again when fed."""
+    return fed(_pieces(delta))
 
 
 DELTAS = {"us-east": _delta(1), "eu-west": _delta(2), "ap-south": _delta(3)}
@@ -117,7 +119,7 @@ def test_a_fold_that_fails_part_way_abandons_the_sum_it_half_added_to() -> None:
         raise OSError("the stored stream can no longer be read")
 
     with pytest.raises(OSError, match="no longer be read"):
-        accumulator.fold("eu-west", TOKENS["eu-west"], broken)
+        accumulator.fold("eu-west", TOKENS["eu-west"], fed(broken()))
     held, why = accumulator.take(["us-east", "eu-west"], TOKENS)
     assert held is None
     assert "folding eu-west's delta failed" in why
@@ -127,11 +129,11 @@ def test_a_verified_delta_that_decodes_short_is_refused_and_abandons_the_sum() -
     total = WeightedSum(SHAPES)
     short = list(_pieces(DELTAS["us-east"]))[:-1]
     with pytest.raises(AggregationError, match="other than their elements"):
-        total.add_verified("us-east", 1.0, short)
+        total.add_verified("us-east", 1.0, fed(short))
     assert total.regions == ()
     accumulator = RoundAccumulator((3, 1000.0), SHAPES)
     with pytest.raises(AggregationError):
-        accumulator.fold("us-east", 1.0, lambda: iter(short))
+        accumulator.fold("us-east", 1.0, fed(short))
     assert accumulator.take(["us-east"], {"us-east": 1.0})[0] is None
 
 
@@ -139,7 +141,7 @@ def test_folding_verified_pieces_gives_the_bits_of_folding_them_staged() -> None
     staged, verified = WeightedSum(SHAPES), WeightedSum(SHAPES)
     for region in ARRIVALS:
         staged.add_staged(region, TOKENS[region], _staged(region, DELTAS[region]))
-        verified.add_verified(region, TOKENS[region], _pieces(DELTAS[region]))
+        verified.add_verified(region, TOKENS[region], fed(_pieces(DELTAS[region])))
     expected, got = staged.take_mean(), verified.take_mean()
     for name in SHAPES:
         assert torch.equal(got[name], expected[name])
@@ -155,7 +157,7 @@ def test_taking_the_sum_never_waits_for_a_fold_still_running() -> None:
         yield from _pieces(DELTAS["us-east"])
 
     folding = threading.Thread(
-        target=accumulator.fold, args=("us-east", TOKENS["us-east"], slow), daemon=True
+        target=accumulator.fold, args=("us-east", TOKENS["us-east"], fed(slow())), daemon=True
     )
     folding.start()
     assert started.wait(10)

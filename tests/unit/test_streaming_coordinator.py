@@ -12,9 +12,7 @@ folded while they arrived.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import io
-from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -33,11 +31,11 @@ from coordinator.aggregation.outer_optimizer import (
 from coordinator.aggregation.outer_round import (
     DeltaSource,
     PublishedRound,
-    delta_pieces,
     publication_step,
     publish_initial,
     publish_round,
 )
+from coordinator.aggregation.weighted import Feed
 from coordinator.errors import ApiError
 from coordinator.intake.delta_checks import DeltaExpectation, check_delta_manifest
 from coordinator.intake.delta_stream import verify_and_store
@@ -47,7 +45,7 @@ from coordinator.jobs.spec import parse_job_spec
 from coordinator.runtime import Runtime, load_runtime
 from coordinator.storage.working_state import WorkingState
 from geofed.artifact_check import apply_verified_update, snapshot_params, verify_artifact
-from geofed.codec import EncodedStream, Piece, decode, encode_stream
+from geofed.codec import EncodedStream, decode, encode_stream
 from geofed.codec_params import CodecParams
 from geofed.deltas import pseudo_gradient
 from geofed.fragments import fragment_plan
@@ -207,7 +205,7 @@ def test_a_delta_naming_other_tensors_than_the_rounds_is_refused(world: World) -
 
 def _upload(
     world: World, region: str, round_: int, theta: dict[str, torch.Tensor], base: str, seed: int
-) -> tuple[DeltaSource, Callable[[], Iterator[Piece]]]:
+) -> tuple[DeltaSource, Feed]:
     """A region's delta through the upload path's checks, stored; and its decoding again,
     as the engine folds it."""
     ctx = world.ctx
@@ -219,10 +217,7 @@ def _upload(
     )
     tokens = signed.manifest.tokens
     assert tokens is not None
-    pieces = functools.partial(
-        delta_pieces, world.runtime.deltas, digest, ctx.round_fp32_bytes(round_)
-    )
-    return DeltaSource(region, tokens, digest), pieces
+    return DeltaSource(region, tokens, digest), ctx.stored_delta(round_, digest)
 
 
 def _round(world: World, state: WorkingState, seed: int) -> tuple[PublishedRound, PublishedRound]:
