@@ -187,7 +187,7 @@ def with_inherited(
 #: Bytes a parameter of one job costs the coordinator at its peak, while it publishes a
 #: round: θ, the outer momentum, the error-feedback residual and the round's mean (4 each;
 #: the outer step is taken in them), and the update's codes (about 1 with int8); measured
-#: 17.6 on the 25M Llama (``benchmarks/results/scale.md``). A snapshot round adds its
+#: 17.1 on the 25M Llama (``benchmarks/results/scale.md``). A snapshot round adds its
 #: lossless stream (4), an evaluation in the coordinator a copy of θ (4).
 PEAK_BYTES_PER_PARAMETER = 18
 
