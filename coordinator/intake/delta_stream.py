@@ -1,20 +1,19 @@
-"""A delta's stream, checked while it is copied into the blob store; its manifest, checked.
+"""A delta's stream, checked before its file becomes a blob; its manifest, checked.
 
-Commit verification decodes the whole stream exactly once: every frame against the
-manifest, the header's tensors and codec against the manifest and the job, every decoded
-value for finiteness, the decoded size against the model's. The stream is copied into the
-content-addressed blob store in the same pass, and nothing is stored if any check fails.
-No decoded value is kept: a round that folds deltas as they arrive decodes the stored
-stream again into its running sum (:mod:`coordinator.aggregation.accumulator`), so uploads
-verified side by side hold no copy of the model. CPU and disk work: run these in a worker
-thread.
+Commit verification decodes the whole stream once: every frame against the manifest, the
+header's tensors and codec against the manifest and the job, every decoded value for
+finiteness, the decoded size against the model's, its chunks side by side on every usable
+CPU. The stream's file then becomes its content-addressed blob (hashed in one sequential
+pass), and nothing is stored if any check fails. No decoded value is kept: a round
+that folds deltas as they arrive decodes the stored stream again into its running sum
+(:mod:`coordinator.aggregation.accumulator`), so uploads verified side by side hold no copy
+of the model. CPU and disk work: run these in a worker thread.
 """
 
 from __future__ import annotations
 
 import hashlib
 import math
-from collections.abc import Iterator
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -27,8 +26,10 @@ from geofed.codec import (
     DecodedSizeExceeded,
     DecodeError,
     DigestMismatch,
+    Piece,
     StreamDecoder,
 )
+from geofed.codec.stored import decode_stored
 from geofed.manifest import ManifestError, ManifestTensor, SignedManifest
 from geofed.pki import TrustBundle
 
@@ -49,61 +50,45 @@ def checked_manifest(
 
 
 def verify_and_store(
-    frames: Iterator[bytes],
+    path: Path,
     signed: SignedManifest,
     tensors: tuple[ManifestTensor, ...],
     blobs: FsBlobStore,
     *,
-    adopt: Path | None = None,
+    workers: int = 1,
 ) -> tuple[str, int]:
-    """Decode the stream once while copying it into ``blobs``; return (digest, size).
-
-    ``adopt``: the file ``frames`` are read from, which, once they all passed, becomes the
-    blob itself (:meth:`FsBlobStore.adopt`) instead of being copied.
+    """Verify the stream stored at ``path`` and make the file the delta's blob
+    (:meth:`FsBlobStore.adopt`); return (digest, size).
 
     Checks every frame against the manifest, the header's tensors and codec against the
     manifest and the job, every decoded value for finiteness, and the decoded size
-    against the model's (the codec's layout has every element come once). Raises the
-    protocol's 400 errors; nothing is stored on error. No decoded value is kept: the round's
-    sum decodes the stored stream again (:mod:`coordinator.aggregation.accumulator`).
+    against the model's (the codec's layout has every element come once), its chunks
+    decoded side by side on ``workers`` threads (:func:`geofed.codec.stored.decode_stored`).
+    Raises the protocol's 400 errors; nothing is stored on error. No decoded value is
+    kept: the round's sum decodes the stored stream again
+    (:mod:`coordinator.aggregation.accumulator`).
     """
     manifest = signed.manifest
-    digests = [record.sha256 for record in manifest.chunks]
     numel = sum(math.prod(spec.shape) for spec in tensors)
-    decoder = StreamDecoder(
-        expected_header_digest=digests[0],
-        expected_digests=digests[1:-1],
-        max_decoded_bytes=4 * numel,
-    )
-    size = 0
 
-    def checked() -> Iterator[bytes]:
-        nonlocal size
-        header_checked = False
-        for frame in frames:
-            for piece in decoder.feed(frame):
-                if not all_finite(piece.values):
-                    raise BadRequest(
-                        f"tensor {piece.name!r} elements [{piece.offset}:"
-                        f"{piece.offset + piece.count}] hold NaN or Inf",
-                        "non_finite",
-                    )
-            if not header_checked:
-                _check_header(decoder, signed, tensors)
-                header_checked = True
-            size += len(frame)
-            yield frame
-        decoder.finish()
+    def finite(piece: Piece) -> None:
+        if not all_finite(piece.values):
+            raise BadRequest(
+                f"tensor {piece.name!r} elements [{piece.offset}:"
+                f"{piece.offset + piece.count}] hold NaN or Inf",
+                "non_finite",
+            )
 
     try:
-        if adopt is None:
-            digest = blobs.put_stream(checked())
-        else:
-            hasher = hashlib.sha256()
-            for frame in checked():
-                hasher.update(frame)
-            digest = hasher.hexdigest()
-            blobs.adopt(adopt, digest)
+        digest, size = _whole(path, [record.size for record in manifest.chunks])
+        decode_stored(
+            path,
+            finite,
+            workers=workers,
+            max_decoded_bytes=4 * numel,
+            expected_digests=[record.sha256 for record in manifest.chunks],
+            check_header=lambda decoder: _check_header(decoder, signed, tensors),
+        )
     except DigestMismatch as exc:
         raise BadRequest(str(exc), "corrupt_chunk") from None
     except DecodedSizeExceeded as exc:
@@ -114,7 +99,28 @@ def verify_and_store(
         raise BadRequest(f"the stream does not decode: {exc}", code) from None
     except DecodeError as exc:
         raise BadRequest(f"the stream does not decode: {exc}", "decode_failed") from None
+    blobs.adopt(path, digest)
     return digest, size
+
+
+def _whole(path: Path, sizes: list[int]) -> tuple[str, int]:
+    """The sha256 and size of the stream file, which must be as long as its frames."""
+    hasher = hashlib.sha256()
+    size = 0
+    with path.open("rb", buffering=0) as file:
+        while part := file.read(_READ_BYTES):
+            hasher.update(part)
+            size += len(part)
+    if size != sum(sizes):
+        raise BadRequest(
+            f"the stream has {size} bytes; its manifest's {len(sizes)} frames have {sum(sizes)}",
+            "corrupt_chunk",
+        )
+    return hasher.hexdigest(), size
+
+
+#: Bytes read at a time to hash a stream file.
+_READ_BYTES = 1 << 20
 
 
 def _check_header(

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import os
 import shutil
-from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from geofed.blobstore import validate_digest
@@ -86,15 +85,6 @@ class Spool:
             os.fdatasync(fd)
         finally:
             os.close(fd)
-
-    def frames(
-        self, job: str, round: int, region: str, digest: str, sizes: Sequence[int]
-    ) -> Iterator[bytes]:
-        """The spooled frames of ``sizes`` in order, read one at a time (a frame never
-        received reads short or as zeros: its digest check refuses it)."""
-        with self.stream_path(job, round, region, digest).open("rb") as file:
-            for size in sizes:
-                yield file.read(size)
 
     def discard(self, job: str, round: int, region: str) -> None:
         """Remove every spooled upload of a region for a round."""

@@ -34,6 +34,7 @@ from coordinator.errors import (
     TooLarge,
     Unavailable,
 )
+from coordinator.executors import usable_cpus
 from coordinator.intake.chunk_commit import ChunkCommitter, ChunkWrite
 from coordinator.intake.delta_checks import DeltaExpectation
 from coordinator.intake.delta_stream import checked_manifest, verify_and_store
@@ -325,16 +326,14 @@ class UploadService:
                 "incomplete",
                 {"missing": missing[:1000]},
             )
-        sizes = [chunk.size for chunk in signed.manifest.chunks]
-        frames = self._spool.frames(job, round, region, digest, sizes)
         try:
             stream_digest, size = await self._s.executors.compute(
                 verify_and_store,
-                frames,
+                self._spool.stream_path(job, round, region, digest),
                 signed,
                 engine.ctx.round_tensor_specs(round),
                 self._s.runtime.deltas,
-                adopt=self._spool.stream_path(job, round, region, digest),
+                workers=usable_cpus(),
             )
         except FileNotFoundError:
             # Another commit of the same upload took the stream first, or it was lost.

@@ -112,12 +112,16 @@ class JobContext:
     def stored_delta(self, round_: int, blob_digest: str) -> Feed:
         """A stored delta of round ``round_``, decoded piece by piece when fed (the round's
         sum folds accepted deltas so): its chunks side by side on every usable CPU when
-        the blob is a file."""
+        the blob is a file (the file checked against the blob's digest meanwhile)."""
         deltas, limit = self.publishing.deltas, self.round_fp32_bytes(round_)
         if isinstance(deltas, FsBlobStore):
             path = deltas.path_of(blob_digest)
             return functools.partial(
-                decode_stored, path, workers=usable_cpus(), max_decoded_bytes=limit
+                decode_stored,
+                path,
+                workers=usable_cpus(),
+                max_decoded_bytes=limit,
+                expected_sha256=blob_digest,
             )
         return lambda consume: fed(delta_pieces(deltas, blob_digest, limit))(consume)
 

@@ -129,6 +129,10 @@ class StreamDecoder:
         self._draining = False
         self._finished = False
         self._failure: BaseException | None = None
+        #: The sha256 of each chunk frame decoded, in order, kept by a decoder made by
+        #: :meth:`from_chunk` (its caller chains them as the trailer's stream digest does).
+        self.chunk_digests: list[bytes] = []
+        self._records_digests = False
 
     @classmethod
     def from_chunk(
@@ -138,15 +142,22 @@ class StreamDecoder:
         position: int,
         *,
         max_decoded_bytes: int | None = None,
+        expected_digests: Sequence[str] | None = None,
+        expected_header_digest: str | None = None,
     ) -> StreamDecoder:
         """A decoder that has read the stream's ``header`` frame and takes its chunks from
         chunk ``index`` on, that chunk's frame starting at stream byte ``position``: each
         chunk is checked as a whole-stream decoder checks it (tag, place, header digest,
-        sizes), but the trailer is not its to read. For decoding parts of a stored stream
-        side by side (:mod:`geofed.codec.stored`)."""
-        decoder = cls(max_decoded_bytes=max_decoded_bytes)
-        for _ in decoder.feed(header):
-            pass
+        sizes, and the digests expected, which name every chunk of the stream), but the
+        trailer is not its to read. For decoding parts of a stored stream side by side
+        (:mod:`geofed.codec.stored`)."""
+        decoder = cls(
+            max_decoded_bytes=max_decoded_bytes,
+            expected_digests=expected_digests,
+            expected_header_digest=expected_header_digest,
+        )
+        if list(decoder.feed(header)) or decoder._frames.buffered or decoder._header is None:
+            raise InvalidConfig("from_chunk takes a stream's header frame, and that alone")
         known = decoder._known_header()
         if not 0 <= index <= known.chunk_total:
             raise InvalidConfig(f"chunk {index} of a stream of {known.chunk_total} chunks")
@@ -156,6 +167,7 @@ class StreamDecoder:
         decoder._slots = slots
         decoder._next = next(slots, None)
         decoder._position = position
+        decoder._records_digests = True
         return decoder
 
     @property
@@ -167,6 +179,16 @@ class StreamDecoder:
     def codec(self) -> CodecParams:
         """The codec parameters the stream header names; available once it was read."""
         return self._known_header().codec
+
+    @property
+    def header_digest(self) -> bytes:
+        """The sha256 of the stream's header frame; available once it was read."""
+        return self._known_header().digest
+
+    @property
+    def wire_version(self) -> int:
+        """The stream's wire-format version; available once its header was read."""
+        return self._known_header().version
 
     @property
     def chunk_count(self) -> int:
@@ -368,6 +390,8 @@ class StreamDecoder:
         payload = self._payload.fill(self._payload_bytes(fields, body, size, label))
         values = header.block_codec.decode(payload, slot.count, label=label, out=out)
         self._stream_hash.update(digest)
+        if self._records_digests:
+            self.chunk_digests.append(digest)
         self._next = next(self._slots, None)
         return Piece(spec.name, slot.offset, slot.count, values)
 

@@ -2,31 +2,39 @@
 
 A stream that arrived and was verified whole (a delta the coordinator accepted) is
 decoded again where its pieces are needed: :func:`decode_stored` finds its frames from
-their prefixes, checks the header and the trailer's counts, and hands each of ``workers``
-threads a run of consecutive chunks to decode with a decoder of its own
-(:meth:`~geofed.codec.decoder.StreamDecoder.from_chunk`), which checks every chunk as a
-whole-stream decoder does: its tag, its place in the layout, the header it belongs to, its
-sizes. The pieces go to ``consume`` on those threads, each element once, so a consumer
-writing each piece where it belongs needs no lock. Which thread decodes which chunk does
-not change a bit of any piece. The trailer's digest chain over the chunks is not
-recomputed (each chunk's own tag and index stand for it); its chunk, element and byte
-counts are checked.
+their prefixes (a header, chunks, a trailer that ends the file), checks the header and
+the trailer, and hands each of ``workers`` threads a run of consecutive chunks to decode
+with a decoder of its own (:meth:`~geofed.codec.decoder.StreamDecoder.from_chunk`), which
+checks every chunk as a whole-stream decoder does: its tag, its place in the layout, the
+header it belongs to, its sizes, its expected digest. The stream as a whole is checked
+too: the trailer's chunk, element and byte counts, its digest chain over the chunks
+(recomputed from the chunks' digests, in order, once every run is decoded), and, when
+given, the file's own sha256 (hashed on one more thread meanwhile). The pieces go to
+``consume`` on the decoding threads, each element once, so a consumer writing each piece
+where it belongs needs no lock. Which thread decodes which chunk does not change a bit of
+any piece. Each thread holds one chunk's frame and values at a time. After the first error
+every thread stops at its next chunk.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 from geofed.codec.decoder import Piece, StreamDecoder
-from geofed.codec.errors import CorruptStream, TruncatedStream
+from geofed.codec.errors import CorruptStream, DigestMismatch, TruncatedStream
 from geofed.codec.host_threads import one_thread
 from geofed.codec.wire import (
     PREFIX,
     TAG_SIZE,
+    TRAILER_FIELDS,
     FrameKind,
+    TrailerFields,
     frame_size,
     parse_prefix,
     parse_trailer_body,
@@ -35,6 +43,9 @@ from geofed.codec.wire import (
 
 __all__ = ["decode_stored"]
 
+#: Bytes read at a time to hash the file.
+_READ_BYTES = 1 << 20
+
 
 def decode_stored(
     path: str | os.PathLike[str],
@@ -42,46 +53,74 @@ def decode_stored(
     *,
     workers: int = 1,
     max_decoded_bytes: int | None = None,
+    expected_digests: Sequence[str] | None = None,
+    expected_sha256: str | None = None,
+    check_header: Callable[[StreamDecoder], None] | None = None,
 ) -> None:
     """Decode the stream stored at ``path``, each piece handed to ``consume`` on one of
-    ``workers`` threads (see the module docstring). Raises the codec's errors, and
-    whatever ``consume`` raises, once every thread stopped; pieces handed over before
-    an error must then be discarded."""
+    ``workers`` threads (see the module docstring). ``expected_digests``: the sha256 of
+    every frame, header to trailer (a manifest's); ``expected_sha256``: the whole file's
+    (a blob's name); ``check_header`` is called with a decoder that has read the header,
+    before any chunk is decoded. Raises the codec's errors, and whatever ``consume`` or
+    ``check_header`` raises, once every thread stopped; pieces handed over before an
+    error must then be discarded."""
     with open(path, "rb", buffering=0) as file:
         fd = file.fileno()
         frames = _frames(fd, Path(path))
+        if expected_digests is not None and len(expected_digests) != len(frames):
+            raise CorruptStream(
+                f"{path}: {len(frames)} frames, {len(expected_digests)} digests expected"
+            )
+        digests = _Digests(expected_digests)
         header = _read(fd, *frames[0])
         probe = StreamDecoder.from_chunk(
-            header, 0, frames[0][1], max_decoded_bytes=max_decoded_bytes
+            header, 0, frames[0][1], max_decoded_bytes=max_decoded_bytes, **digests.of_chunks()
         )
+        if check_header is not None:
+            check_header(probe)
         chunks = frames[1:-1]
-        total = len(chunks)
-        if probe.chunk_count != total:
+        if probe.chunk_count != len(chunks):
             raise CorruptStream(
-                f"{path}: {total} chunk frames, the header's layout has {probe.chunk_count}"
+                f"{path}: {len(chunks)} chunk frames, the header's layout has {probe.chunk_count}"
             )
-        _check_trailer(fd, frames[-1], total, sum(spec.numel for spec in probe.specs))
-        runs = _runs(total, max(1, min(workers, total)))
-        if not runs:
-            return  # only empty tensors: nothing to decode
+        trailer = _trailer(fd, frames[-1], probe, digests.trailer)
+        runs = _runs(len(chunks), max(1, min(workers, len(chunks))))
+        stop = threading.Event()
 
-        def decode_run(first: int, stop: int) -> None:
-            offset = chunks[first][0] if first < total else frames[-1][0]
+        def decode_run(first: int, end: int) -> list[bytes]:
             decoder = StreamDecoder.from_chunk(
-                header, first, offset, max_decoded_bytes=max_decoded_bytes
+                header,
+                first,
+                chunks[first][0],
+                max_decoded_bytes=max_decoded_bytes,
+                **digests.of_chunks(),
             )
-            with one_thread():
-                for index in range(first, stop):
-                    for piece in decoder.feed(_read(fd, *chunks[index])):
-                        consume(piece)
+            try:
+                with one_thread():
+                    for index in range(first, end):
+                        if stop.is_set():
+                            break
+                        for piece in decoder.feed(_read(fd, *chunks[index])):
+                            consume(piece)
+            except BaseException:
+                stop.set()
+                raise
+            return decoder.chunk_digests
 
-        if len(runs) == 1:
-            decode_run(*runs[0])
-            return
-        with ThreadPoolExecutor(len(runs), thread_name_prefix="geofed-decode") as pool:
-            futures = [pool.submit(decode_run, first, stop) for first, stop in runs]
-        for future in futures:
-            future.result()  # the first error, in chunk order
+        threads = max(1, len(runs) + (expected_sha256 is not None))
+        with ThreadPoolExecutor(threads, thread_name_prefix="geofed-decode") as pool:
+            hashed = None if expected_sha256 is None else pool.submit(_file_sha256, fd)
+            decoded = [pool.submit(decode_run, first, end) for first, end in runs]
+        chain = hashlib.sha256(probe.header_digest)
+        for future in decoded:
+            for digest in future.result():  # the first error, in chunk order
+                chain.update(digest)
+        if chain.digest() != trailer.stream_digest:
+            raise CorruptStream(f"{path}: the trailer's stream digest is not its chunks'")
+        if hashed is not None and hashed.result() != expected_sha256:
+            raise DigestMismatch(
+                f"{path}: sha256 {hashed.result()} is not the expected {expected_sha256}"
+            )
 
 
 def _frames(fd: int, path: Path) -> list[tuple[int, int]]:
@@ -91,6 +130,8 @@ def _frames(fd: int, path: Path) -> list[tuple[int, int]]:
     kinds: list[FrameKind] = []
     offset = 0
     while offset < end:
+        if kinds and kinds[-1] is FrameKind.TRAILER:
+            raise CorruptStream(f"{path}: {end - offset} bytes of data after the stream trailer")
         where = f"{path}: frame at byte {offset}"
         prefix_bytes = os.pread(fd, PREFIX.size, offset)
         if len(prefix_bytes) < PREFIX.size:
@@ -118,17 +159,60 @@ def _read(fd: int, offset: int, size: int) -> bytes:
     return data
 
 
-def _check_trailer(fd: int, frame: tuple[int, int], chunks: int, elements: int) -> None:
+def _file_sha256(fd: int) -> str:
+    hasher = hashlib.sha256()
+    offset = 0
+    while part := os.pread(fd, _READ_BYTES, offset):
+        hasher.update(part)
+        offset += len(part)
+    return hasher.hexdigest()
+
+
+class _Digests:
+    """The frames' expected digests, as a decoder and the trailer's check take them."""
+
+    def __init__(self, expected: Sequence[str] | None) -> None:
+        self._expected = None if expected is None else list(expected)
+
+    def of_chunks(self) -> dict[str, Any]:
+        if self._expected is None:
+            return {}
+        return {
+            "expected_header_digest": self._expected[0],
+            "expected_digests": self._expected[1:-1],
+        }
+
+    @property
+    def trailer(self) -> str | None:
+        return None if self._expected is None else self._expected[-1]
+
+
+def _trailer(
+    fd: int, frame: tuple[int, int], header: StreamDecoder, expected: str | None
+) -> TrailerFields:
+    """The trailer's fields, checked against the header's layout and the frame's place."""
     offset, size = frame
     data = memoryview(_read(fd, offset, size))
     where = f"trailer at byte {offset}"
-    verify_tag(data, where)
+    prefix = parse_prefix(data, where)
+    if prefix.version != header.wire_version:
+        raise CorruptStream(
+            f"{where}: wire-format version {prefix.version} in a version "
+            f"{header.wire_version} stream"
+        )
+    if prefix.body_len != TRAILER_FIELDS.size:
+        raise CorruptStream(
+            f"{where}: trailer body of {prefix.body_len} bytes, not {TRAILER_FIELDS.size}"
+        )
+    digest = verify_tag(data, where).hex()
+    if expected is not None and digest != expected:
+        raise DigestMismatch(f"{where}: sha256 {digest} is not the expected {expected}")
     fields = parse_trailer_body(data[PREFIX.size : size - TAG_SIZE])
     found = (fields.chunk_count, fields.total_elements, fields.total_bytes)
-    if found != (chunks, elements, offset):
-        raise CorruptStream(
-            f"{where}: (chunks, elements, bytes) is {found}, not {(chunks, elements, offset)}"
-        )
+    wanted = (header.chunk_count, sum(spec.numel for spec in header.specs), offset)
+    if found != wanted:
+        raise CorruptStream(f"{where}: (chunks, elements, bytes) is {found}, not {wanted}")
+    return fields
 
 
 def _runs(total: int, workers: int) -> list[tuple[int, int]]:

@@ -3,6 +3,7 @@ refuses what that decoder refuses."""
 
 from __future__ import annotations
 
+import hashlib
 import threading
 from pathlib import Path
 
@@ -12,8 +13,10 @@ import torch
 from geofed.codec import (
     CorruptStream,
     DecodedSizeExceeded,
+    DigestMismatch,
     OutOfOrder,
     Piece,
+    StreamDecoder,
     TruncatedStream,
     decode,
     encode_stream,
@@ -111,3 +114,62 @@ def test_a_consumers_error_reaches_the_caller(tmp_path: Path) -> None:
 def test_a_stream_bigger_than_allowed_is_refused_at_its_header(tmp_path: Path) -> None:
     with pytest.raises(DecodedSizeExceeded):
         decode_stored(_stored(tmp_path, _frames()), lambda piece: None, max_decoded_bytes=64)
+
+
+def test_every_frame_is_checked_against_the_digests_expected(tmp_path: Path) -> None:
+    frames = _frames()
+    path = _stored(tmp_path, frames)
+    digests = [hashlib.sha256(frame).hexdigest() for frame in frames]
+    decode_stored(path, lambda piece: None, workers=2, expected_digests=digests)
+    for index in (0, 5, len(frames) - 1):  # the header, a chunk, the trailer
+        wrong = list(digests)
+        wrong[index] = "0" * 64
+        with pytest.raises(DigestMismatch):
+            decode_stored(path, lambda piece: None, workers=2, expected_digests=wrong)
+    with pytest.raises(CorruptStream, match="digests expected"):
+        decode_stored(path, lambda piece: None, expected_digests=digests[:-1])
+
+
+def test_the_header_is_checked_before_any_chunk_is_decoded(tmp_path: Path) -> None:
+    decoded: list[Piece] = []
+
+    def refuse(decoder: StreamDecoder) -> None:
+        assert [spec.name for spec in decoder.specs] == list(_tensors())
+        raise ValueError("not this model")
+
+    with pytest.raises(ValueError, match="not this model"):
+        decode_stored(_stored(tmp_path, _frames()), decoded.append, check_header=refuse)
+    assert decoded == []
+
+
+def test_a_chunk_from_another_stream_of_the_same_layout_is_refused(tmp_path: Path) -> None:
+    # Every frame well formed, each chunk in its place under the same header: only the
+    # trailer's digest chain over the chunks tells the streams apart.
+    frames = _frames()
+    other = encode_stream({name: t + 1 for name, t in _tensors().items()}, INT8, chunk_elements=64)
+    frames[4] = bytes(list(other.frames())[4])
+    with pytest.raises(CorruptStream, match="stream digest"):
+        decode_stored(_stored(tmp_path, frames), lambda piece: None, workers=3)
+
+
+def test_the_file_is_checked_against_its_expected_sha256(tmp_path: Path) -> None:
+    frames = _frames()
+    path = _stored(tmp_path, frames)
+    whole = hashlib.sha256(b"".join(frames)).hexdigest()
+    decode_stored(path, lambda piece: None, workers=2, expected_sha256=whole)
+    with pytest.raises(DigestMismatch, match="is not the expected"):
+        decode_stored(path, lambda piece: None, workers=2, expected_sha256="0" * 64)
+
+
+def test_data_after_the_trailer_is_refused(tmp_path: Path) -> None:
+    frames = _frames()
+    for extra in (b"xy", frames[1]):
+        with pytest.raises(CorruptStream, match="after the stream trailer"):
+            decode_stored(_stored(tmp_path, [*frames, extra]), lambda piece: None)
+
+
+def test_a_stream_of_empty_tensors_only_decodes_to_nothing(tmp_path: Path) -> None:
+    frames = [bytes(f) for f in encode_stream({"e": torch.zeros(0)}, INT8).frames()]
+    decoded: list[Piece] = []
+    decode_stored(_stored(tmp_path, frames), decoded.append, workers=4, expected_sha256=None)
+    assert decoded == []

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+from collections.abc import Iterable
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -200,11 +201,20 @@ def test_signature_refusals_map_to_protocol_codes(eu_west: Any, fed: Federation)
     assert (caught.value.status, caught.value.code) == (403, "untrusted_certificate")
 
 
+def _spooled(tmp_path: Path, frames: Iterable[bytes]) -> Path:
+    """The stream as an upload's spool holds it: its frames in one file."""
+    path = tmp_path / "spooled-stream"
+    path.write_bytes(b"".join(bytes(frame) for frame in frames))
+    return path
+
+
 def test_verified_stream_is_stored_whole(eu_west: Any, tmp_path: Path) -> None:
     stream = _encode(_tensors())
-    blobs = FsBlobStore(tmp_path)
-    digest, size = verify_and_store(iter(stream.frames()), _signed(eu_west, stream), SPECS, blobs)
+    blobs = FsBlobStore(tmp_path / "blobs")
+    spooled = _spooled(tmp_path, stream.frames())
+    digest, size = verify_and_store(spooled, _signed(eu_west, stream), SPECS, blobs, workers=2)
     assert blobs.get(digest) == stream.to_bytes()
+    assert not spooled.exists()  # the spooled file became the blob
     assert size == stream.total_bytes
 
 
@@ -212,8 +222,9 @@ def test_a_stored_stream_folds_again_to_the_values_the_region_sent(
     eu_west: Any, tmp_path: Path
 ) -> None:
     stream = _encode(_tensors())
-    blobs = FsBlobStore(tmp_path)
-    digest, _ = verify_and_store(iter(stream.frames()), _signed(eu_west, stream), SPECS, blobs)
+    blobs = FsBlobStore(tmp_path / "blobs")
+    spooled = _spooled(tmp_path, stream.frames())
+    digest, _ = verify_and_store(spooled, _signed(eu_west, stream), SPECS, blobs)
     decoded = decode(stream.frames())
     total = WeightedSum({name: tuple(t.shape) for name, t in decoded.items()})
     # As the engine folds it: its chunks decoded side by side from the blob's file.
@@ -229,9 +240,9 @@ def test_frames_out_of_order_store_nothing(eu_west: Any, tmp_path: Path) -> None
     stream = _encode(_tensors())
     frames = list(stream.frames())
     frames[1], frames[2] = frames[2], frames[1]
-    blobs = FsBlobStore(tmp_path)
+    blobs = FsBlobStore(tmp_path / "blobs")
     with pytest.raises(ApiError) as caught:
-        verify_and_store(iter(frames), _signed(eu_west, stream), SPECS, blobs)
+        verify_and_store(_spooled(tmp_path, frames), _signed(eu_west, stream), SPECS, blobs)
     assert caught.value.code == "decode_failed"
     assert "where chunk 0 was expected" in caught.value.message
     assert list(blobs.iter_digests()) == []
@@ -242,9 +253,9 @@ def test_a_frame_other_than_the_manifests_is_a_corrupt_chunk(eu_west: Any, tmp_p
     other = _encode({name: t + 1 for name, t in _tensors().items()})
     frames = [stream.header, other.chunks[0].data, *[c.data for c in stream.chunks[1:]]]
     frames.append(stream.trailer)
-    blobs = FsBlobStore(tmp_path)
+    blobs = FsBlobStore(tmp_path / "blobs")
     with pytest.raises(ApiError) as caught:
-        verify_and_store(iter(frames), _signed(eu_west, stream), SPECS, blobs)
+        verify_and_store(_spooled(tmp_path, frames), _signed(eu_west, stream), SPECS, blobs)
     assert caught.value.code == "corrupt_chunk"
     assert list(blobs.iter_digests()) == []
 
@@ -253,9 +264,26 @@ def test_a_stream_for_another_model_is_a_shape_mismatch(eu_west: Any, tmp_path: 
     stream = _encode({"w": torch.zeros(8, 16), "c": torch.zeros(8)})
     with pytest.raises(ApiError) as caught:
         verify_and_store(
-            iter(stream.frames()), _signed(eu_west, stream), SPECS, FsBlobStore(tmp_path)
+            _spooled(tmp_path, stream.frames()),
+            _signed(eu_west, stream),
+            SPECS,
+            FsBlobStore(tmp_path / "blobs"),
         )
     assert caught.value.code == "shape_mismatch"
+
+
+def test_a_stream_cut_short_or_with_a_hole_is_refused_and_stores_nothing(
+    eu_west: Any, tmp_path: Path
+) -> None:
+    stream = _encode(_tensors())
+    whole = stream.to_bytes()
+    blobs = FsBlobStore(tmp_path / "blobs")
+    for data in (whole[:-5], whole[:40] + bytes(20) + whole[60:]):
+        (tmp_path / "spooled-stream").write_bytes(data)
+        with pytest.raises(ApiError) as caught:
+            verify_and_store(tmp_path / "spooled-stream", _signed(eu_west, stream), SPECS, blobs)
+        assert caught.value.code in ("corrupt_chunk", "decode_failed"), caught.value
+        assert list(blobs.iter_digests()) == []
 
 
 def _forged_fp32_stream(values: torch.Tensor) -> list[bytes]:
@@ -297,8 +325,8 @@ def test_non_finite_values_are_refused(eu_west: Any, tmp_path: Path) -> None:
         tokens=1,
     )
     signed = sign_manifest(manifest, eu_west.credential.private_key, eu_west.credential.certificate)
-    blobs = FsBlobStore(tmp_path)
+    blobs = FsBlobStore(tmp_path / "blobs")
     with pytest.raises(ApiError) as caught:
-        verify_and_store(iter(frames), signed, specs, blobs)
+        verify_and_store(_spooled(tmp_path, frames), signed, specs, blobs)
     assert caught.value.code == "non_finite"
     assert list(blobs.iter_digests()) == []

@@ -212,8 +212,10 @@ def _upload(
     stream = _fragment_delta(ctx, round_, theta, seed)
     signed = _signed(world, region, round_, stream, base)
     check_delta_manifest(signed, _expectation(world, region, round_, base))
+    spooled = world.runtime.config.state_dir / f"spooled-{region}-{round_}"
+    spooled.write_bytes(stream.to_bytes())
     digest, _ = verify_and_store(
-        iter(stream.frames()), signed, ctx.round_tensor_specs(round_), world.runtime.deltas
+        spooled, signed, ctx.round_tensor_specs(round_), world.runtime.deltas
     )
     tokens = signed.manifest.tokens
     assert tokens is not None
