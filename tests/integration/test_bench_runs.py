@@ -145,8 +145,11 @@ def test_round_overhead_smoke_measures_every_method(tmp_path: Path) -> None:
         assert figures["round_s_median"] > 0
         assert set(figures["phase_s_median"]) == set(round_overhead.PHASES)
         assert sum(figures["phase_s_median"].values()) <= figures["round_s_median"] * 1.01
-        # The round holds at least the mean delta; no sane round needs 50 models' worth.
-        assert 0.5 < figures["peak_growth_x_model"] < 50
+        # A round that sums at quorum makes the mean delta (a model's worth) then; folded
+        # on arrival, the sum existed before the round started and the outer step is
+        # taken in place, so only the update's codes grow. No sane round needs 50 models.
+        floor = 0.0 if method == "folded" else 0.5
+        assert floor < figures["peak_growth_x_model"] < 50
         assert figures["resident_rss_bytes"] > 3 * settings["model_fp32_bytes"]
         assert 0 < figures["update_bytes"] < settings["model_fp32_bytes"] / 3
     assert row["time_ratio_naive_over_streaming"] > 0
