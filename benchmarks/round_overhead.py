@@ -37,7 +37,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import functools
 import gc
 import json
 import math
@@ -68,13 +67,12 @@ from coordinator.aggregation.outer_round import (
     publication_step,
     publish_initial,
     store_round,
+    stored_delta,
 )
-from coordinator.aggregation.weighted import Feed, WeightedSum
-from coordinator.executors import usable_cpus
+from coordinator.aggregation.weighted import WeightedSum
 from coordinator.storage.working_state import WorkingState
 from geofed.blobstore import BlobStore, FsBlobStore
 from geofed.codec import decode, encode_stream
-from geofed.codec.stored import decode_stored
 from geofed.codec_params import SCHEMES, CodecParams, Scheme
 from geofed.examples.charlm.model import CharTransformer
 from geofed.params import federated_state, parameters_vector_hash
@@ -180,12 +178,12 @@ class Prefolded:
     every delta but the last summed, the last one verified and stored."""
 
     total: WeightedSum
-    blobs: BlobStore
+    blobs: FsBlobStore
     last: DeltaSource
     limit: int
 
 
-def prefold(shapes: Shapes, blobs: BlobStore, sources: Sequence[DeltaSource]) -> Prefolded:
+def prefold(shapes: Shapes, blobs: FsBlobStore, sources: Sequence[DeltaSource]) -> Prefolded:
     """Fold all deltas but the last (untimed: that work happens while the deltas arrive,
     before quorum), each decoded from its stored stream as the daemon folds it."""
     if not sources:
@@ -193,23 +191,17 @@ def prefold(shapes: Shapes, blobs: BlobStore, sources: Sequence[DeltaSource]) ->
     total = WeightedSum(shapes)
     limit = 4 * _count(shapes)
     for source in sources[:-1]:
-        total.add_verified(source.region, float(REGION_TOKENS), stored(blobs, source, limit))
+        total.add_verified(
+            source.region, float(REGION_TOKENS), stored_delta(blobs, source.blob_digest, limit)
+        )
     return Prefolded(total, blobs, sources[-1], limit)
-
-
-def stored(blobs: BlobStore, source: DeltaSource, limit: int) -> Feed:
-    """The daemon's decoding of an accepted delta for its fold: its stored stream's chunks
-    side by side on every usable CPU (``coordinator.jobs.context.JobContext.stored_delta``)."""
-    assert isinstance(blobs, FsBlobStore)
-    path = blobs.path_of(source.blob_digest)
-    return functools.partial(decode_stored, path, workers=usable_cpus(), max_decoded_bytes=limit)
 
 
 def folded_mean(prepared: Prefolded) -> dict[str, torch.Tensor]:
     """What remains at quorum: the last delta's fold (decoded from its stored stream),
     and the division."""
     last = prepared.last
-    feed = stored(prepared.blobs, last, prepared.limit)
+    feed = stored_delta(prepared.blobs, last.blob_digest, prepared.limit)
     prepared.total.add_verified(last.region, float(REGION_TOKENS), feed)
     return prepared.total.take_mean()
 
@@ -238,7 +230,7 @@ class _Meter:
 def measure(
     method: str,
     shapes: Shapes,
-    blobs: BlobStore,
+    blobs: FsBlobStore,
     sources: Sequence[DeltaSource],
     scheme: Scheme,
     repeats: int,

@@ -47,14 +47,23 @@ from torch import Tensor
 from coordinator.aggregation.config import AggregationConfig
 from coordinator.aggregation.outer_optimizer import OuterOptimizer
 from coordinator.aggregation.robust import Combined, NormVerdict, combine, folded
-from coordinator.aggregation.weighted import WeightedSum
+from coordinator.aggregation.weighted import Feed, PieceLike, WeightedSum
+from coordinator.executors import usable_cpus
 from coordinator.rounds.layout import RoundLayout, fp32_bytes
 from coordinator.state.store import Receipt
 from coordinator.storage.artifacts import Location, Signer, StoredArtifact, store_artifact
 from coordinator.storage.checkpoints import EntryKind
 from coordinator.storage.working_state import ParamsStore, Saved, WorkingState, advanced_pointers
-from geofed.blobstore import BlobStore
-from geofed.codec import EncodedStream, Piece, StreamDecoder, decode, encode_stream
+from geofed.blobstore import BlobStore, FsBlobStore
+from geofed.codec import (
+    DigestMismatch,
+    EncodedStream,
+    Piece,
+    StreamDecoder,
+    decode,
+    encode_stream,
+)
+from geofed.codec.stored import decode_stored
 from geofed.codec_params import CodecParams
 from geofed.deltas import apply_update, feedback_residual, update_to_publish
 from geofed.manifest import ArtifactProvenance, build_manifest
@@ -76,6 +85,7 @@ __all__ = [
     "publish_round",
     "round_step",
     "store_round",
+    "stored_delta",
     "summation_order",
 ]
 
@@ -328,6 +338,22 @@ def delta_pieces(blobs: BlobStore, digest: str, max_decoded_bytes: int) -> Itera
     decoder.finish()
 
 
+def stored_delta(deltas: FsBlobStore, digest: str, max_decoded_bytes: int) -> Feed:
+    """A stored delta, decoded piece by piece when fed (a round's sum folds accepted deltas
+    so): its chunks side by side on every usable CPU, the file checked against its
+    blob's digest."""
+    path = deltas.path_of(digest)
+
+    def feed(consume: Callable[[PieceLike], None]) -> None:
+        found = decode_stored(
+            path, consume, workers=usable_cpus(), max_decoded_bytes=max_decoded_bytes
+        )
+        if found != digest:
+            raise DigestMismatch(f"blob {digest} reads as {found}")
+
+    return feed
+
+
 def mean_delta(
     blobs: BlobStore,
     specs: Mapping[str, tuple[int, ...]],
@@ -367,7 +393,8 @@ class JobPublishing:
     location: Location
     signer: Signer
     params_store: ParamsStore
-    deltas: BlobStore
+    #: Where accepted deltas are, as files: a round's sum decodes them from there.
+    deltas: FsBlobStore
     aggregation: AggregationConfig = field(default_factory=AggregationConfig)
 
     @property

@@ -69,7 +69,6 @@ __all__ = [
     "apply_update",
     "check_coverage",
     "check_piece",
-    "fed",
     "feedback_residual",
     "pseudo_gradient",
     "regions_at_once",
@@ -80,16 +79,6 @@ __all__ = [
 #: Calls its argument with each piece of one delta, each element once, possibly from
 #: several threads at once (:meth:`WeightedSum.add_verified`).
 Feed = Callable[[Callable[["PieceLike"], None]], None]
-
-
-def fed(pieces: Iterable[PieceLike]) -> Feed:
-    """A :data:`Feed` of ``pieces``, taken on the calling thread when it is called."""
-
-    def feed(consume: Callable[[PieceLike], None]) -> None:
-        for piece in pieces:
-            consume(piece)
-
-    return feed
 
 
 class AggregationError(ValueError):
@@ -188,8 +177,8 @@ class WeightedSum:
     def add_verified(self, region: str, weight: float, feed: Feed) -> None:
         """Add ``weight x`` a delta whose stream was verified whole before (its upload: every
         value finite, every element once), each piece folded where it falls as ``feed``
-        decodes it again (on several threads at once, :func:`geofed.codec.stored.decode_stored`,
-        or on this one, :func:`fed`): no copy of the delta is ever held. The same arithmetic
+        decodes it again (on several threads at once: :func:`geofed.codec.stored.decode_stored`):
+        no copy of the delta is ever held. The same arithmetic
         as :meth:`add_staged`, element by element, so the same bits. Each piece is checked
         again; a failure part way (the stored stream no longer decodes, or decodes to
         something else) leaves the sum part-added, so the caller discards it
@@ -313,9 +302,7 @@ class DeltaStager:
         shapes: Mapping[str, tuple[int, ...]],
         *,
         buffers: dict[str, Tensor] | None = None,
-        check_finite: bool = True,
     ) -> None:
-        """``check_finite=False``: the caller has checked every piece's values already."""
         try:
             validate_name("region", region)
         except InvalidName as exc:
@@ -329,7 +316,6 @@ class DeltaStager:
         self._buffers = buffers
         self._sizes = {name: tensor.numel() for name, tensor in buffers.items()}
         self._spans: dict[str, list[tuple[int, int]]] = {name: [] for name in buffers}
-        self._check_finite = check_finite
 
     def add(self, piece: PieceLike) -> None:
         """Copy one checked piece into place (:func:`check_piece`).
@@ -338,9 +324,7 @@ class DeltaStager:
         staged side by side on their own threads (:func:`aggregate`).
         """
         with one_thread():
-            name, offset, count, values = check_piece(
-                self._region, piece, self._sizes, check_finite=self._check_finite
-            )
+            name, offset, count, values = check_piece(self._region, piece, self._sizes)
             self._buffers[name][offset : offset + count].copy_(values)
         self._spans[name].append((offset, count))
 
@@ -352,10 +336,10 @@ class DeltaStager:
 
 
 def check_piece(
-    region: str, piece: PieceLike, sizes: Mapping[str, int], *, check_finite: bool = True
+    region: str, piece: PieceLike, sizes: Mapping[str, int]
 ) -> tuple[str, int, int, Tensor]:
-    """A region's piece, checked against the tensors' element counts ``sizes`` (and its
-    values for NaN and Inf unless ``check_finite`` is False)."""
+    """A region's piece, checked against the tensors' element counts ``sizes`` and its
+    values for NaN and Inf."""
     name, offset, count, values = piece.name, piece.offset, piece.count, piece.values
     where = f"region {region!r}, tensor {name!r}"
     if name not in sizes:
@@ -376,7 +360,7 @@ def check_piece(
         raise AggregationError(
             f"{where}: values have shape {tuple(values.shape)}, expected ({count},)"
         )
-    if check_finite and not all_finite(values):
+    if not all_finite(values):
         raise AggregationError(f"{where}: slice [{offset}, {offset + count}) contains NaN or Inf")
     return name, offset, count, values
 

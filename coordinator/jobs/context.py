@@ -14,17 +14,15 @@ and the size limits all take it from there.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from torch import Tensor
 
-from coordinator.aggregation.outer_round import JobPublishing, delta_pieces
-from coordinator.aggregation.weighted import Feed, fed
+from coordinator.aggregation.outer_round import JobPublishing, stored_delta
+from coordinator.aggregation.weighted import Feed
 from coordinator.config import CoordinatorConfig
-from coordinator.executors import usable_cpus
 from coordinator.intake.delta_checks import DeltaExpectation
 from coordinator.jobs.initial_build import (
     BuildFailed,
@@ -36,8 +34,6 @@ from coordinator.jobs.initial_build import (
 from coordinator.jobs.spec import JobSpec
 from coordinator.rounds.layout import RoundLayout, fp32_bytes
 from coordinator.runtime import Runtime
-from geofed.blobstore import FsBlobStore
-from geofed.codec.stored import decode_stored
 from geofed.fragments import FragmentError, round_fragment
 from geofed.manifest import ArtifactProvenance, ManifestTensor
 from geofed.task import Task, TaskError, load_task
@@ -110,20 +106,9 @@ class JobContext:
         return fp32_bytes(self.round_shapes(round_))
 
     def stored_delta(self, round_: int, blob_digest: str) -> Feed:
-        """A stored delta of round ``round_``, decoded piece by piece when fed (the round's
-        sum folds accepted deltas so): its chunks side by side on every usable CPU when
-        the blob is a file (the file checked against the blob's digest meanwhile)."""
-        deltas, limit = self.publishing.deltas, self.round_fp32_bytes(round_)
-        if isinstance(deltas, FsBlobStore):
-            path = deltas.path_of(blob_digest)
-            return functools.partial(
-                decode_stored,
-                path,
-                workers=usable_cpus(),
-                max_decoded_bytes=limit,
-                expected_sha256=blob_digest,
-            )
-        return lambda consume: fed(delta_pieces(deltas, blob_digest, limit))(consume)
+        """A stored delta of round ``round_``, decoded piece by piece when fed
+        (:func:`coordinator.aggregation.outer_round.stored_delta`)."""
+        return stored_delta(self.publishing.deltas, blob_digest, self.round_fp32_bytes(round_))
 
     def round_scope(self, round_: int) -> str:
         """What round ``round_``'s tensors are, for messages."""

@@ -129,10 +129,10 @@ class StreamDecoder:
         self._draining = False
         self._finished = False
         self._failure: BaseException | None = None
-        #: The sha256 of each chunk frame decoded, in order, kept by a decoder made by
-        #: :meth:`from_chunk` (its caller chains them as the trailer's stream digest does).
+        #: The sha256 of each chunk frame decoded, in order (a decoder made by
+        #: :meth:`from_chunk` decodes part of a stream: its caller chains them as the
+        #: trailer's stream digest does).
         self.chunk_digests: list[bytes] = []
-        self._records_digests = False
 
     @classmethod
     def from_chunk(
@@ -167,7 +167,6 @@ class StreamDecoder:
         decoder._slots = slots
         decoder._next = next(slots, None)
         decoder._position = position
-        decoder._records_digests = True
         return decoder
 
     @property
@@ -390,8 +389,7 @@ class StreamDecoder:
         payload = self._payload.fill(self._payload_bytes(fields, body, size, label))
         values = header.block_codec.decode(payload, slot.count, label=label, out=out)
         self._stream_hash.update(digest)
-        if self._records_digests:
-            self.chunk_digests.append(digest)
+        self.chunk_digests.append(digest)
         self._next = next(self._slots, None)
         return Piece(spec.name, slot.offset, slot.count, values)
 

@@ -7,9 +7,10 @@ the trailer, and hands each of ``workers`` threads a run of consecutive chunks t
 with a decoder of its own (:meth:`~geofed.codec.decoder.StreamDecoder.from_chunk`), which
 checks every chunk as a whole-stream decoder does: its tag, its place in the layout, the
 header it belongs to, its sizes, its expected digest. The stream as a whole is checked
-too: the trailer's chunk, element and byte counts, its digest chain over the chunks
-(recomputed from the chunks' digests, in order, once every run is decoded), and, when
-given, the file's own sha256 (hashed on one more thread meanwhile). The pieces go to
+too: the trailer's chunk, element and byte counts and its digest chain over the chunks
+(recomputed from the chunks' digests, in order, once every run is decoded); the file's own
+sha256, hashed on one more thread meanwhile, is returned (a blob's name, to check or to
+give). The pieces go to
 ``consume`` on the decoding threads, each element once, so a consumer writing each piece
 where it belongs needs no lock. Which thread decodes which chunk does not change a bit of
 any piece. Each thread holds one chunk's frame and values at a time. After the first error
@@ -54,16 +55,15 @@ def decode_stored(
     workers: int = 1,
     max_decoded_bytes: int | None = None,
     expected_digests: Sequence[str] | None = None,
-    expected_sha256: str | None = None,
     check_header: Callable[[StreamDecoder], None] | None = None,
-) -> None:
+) -> str:
     """Decode the stream stored at ``path``, each piece handed to ``consume`` on one of
-    ``workers`` threads (see the module docstring). ``expected_digests``: the sha256 of
-    every frame, header to trailer (a manifest's); ``expected_sha256``: the whole file's
-    (a blob's name); ``check_header`` is called with a decoder that has read the header,
-    before any chunk is decoded. Raises the codec's errors, and whatever ``consume`` or
-    ``check_header`` raises, once every thread stopped; pieces handed over before an
-    error must then be discarded."""
+    ``workers`` threads (see the module docstring); return the file's sha256 (hex), hashed
+    on one more thread meanwhile. ``expected_digests``: the sha256 of every frame, header
+    to trailer (a manifest's); ``check_header`` is called with a decoder that has read the
+    header, before any chunk is decoded. Raises the codec's errors, and whatever
+    ``consume`` or ``check_header`` raises, once every thread stopped; pieces handed over
+    before an error must then be discarded."""
     with open(path, "rb", buffering=0) as file:
         fd = file.fileno()
         frames = _frames(fd, Path(path))
@@ -71,10 +71,15 @@ def decode_stored(
             raise CorruptStream(
                 f"{path}: {len(frames)} frames, {len(expected_digests)} digests expected"
             )
-        digests = _Digests(expected_digests)
+        expected: dict[str, Any] = {}
+        if expected_digests is not None:
+            expected = {
+                "expected_header_digest": expected_digests[0],
+                "expected_digests": expected_digests[1:-1],
+            }
         header = _read(fd, *frames[0])
         probe = StreamDecoder.from_chunk(
-            header, 0, frames[0][1], max_decoded_bytes=max_decoded_bytes, **digests.of_chunks()
+            header, 0, frames[0][1], max_decoded_bytes=max_decoded_bytes, **expected
         )
         if check_header is not None:
             check_header(probe)
@@ -83,7 +88,9 @@ def decode_stored(
             raise CorruptStream(
                 f"{path}: {len(chunks)} chunk frames, the header's layout has {probe.chunk_count}"
             )
-        trailer = _trailer(fd, frames[-1], probe, digests.trailer)
+        trailer = _trailer(
+            fd, frames[-1], probe, None if expected_digests is None else expected_digests[-1]
+        )
         runs = _runs(len(chunks), max(1, min(workers, len(chunks))))
         stop = threading.Event()
 
@@ -93,7 +100,7 @@ def decode_stored(
                 first,
                 chunks[first][0],
                 max_decoded_bytes=max_decoded_bytes,
-                **digests.of_chunks(),
+                **expected,
             )
             try:
                 with one_thread():
@@ -107,9 +114,8 @@ def decode_stored(
                 raise
             return decoder.chunk_digests
 
-        threads = max(1, len(runs) + (expected_sha256 is not None))
-        with ThreadPoolExecutor(threads, thread_name_prefix="geofed-decode") as pool:
-            hashed = None if expected_sha256 is None else pool.submit(_file_sha256, fd)
+        with ThreadPoolExecutor(len(runs) + 1, thread_name_prefix="geofed-decode") as pool:
+            hashed = pool.submit(_file_sha256, fd)
             decoded = [pool.submit(decode_run, first, end) for first, end in runs]
         chain = hashlib.sha256(probe.header_digest)
         for future in decoded:
@@ -117,10 +123,7 @@ def decode_stored(
                 chain.update(digest)
         if chain.digest() != trailer.stream_digest:
             raise CorruptStream(f"{path}: the trailer's stream digest is not its chunks'")
-        if hashed is not None and hashed.result() != expected_sha256:
-            raise DigestMismatch(
-                f"{path}: sha256 {hashed.result()} is not the expected {expected_sha256}"
-            )
+        return hashed.result()
 
 
 def _frames(fd: int, path: Path) -> list[tuple[int, int]]:
@@ -166,25 +169,6 @@ def _file_sha256(fd: int) -> str:
         hasher.update(part)
         offset += len(part)
     return hasher.hexdigest()
-
-
-class _Digests:
-    """The frames' expected digests, as a decoder and the trailer's check take them."""
-
-    def __init__(self, expected: Sequence[str] | None) -> None:
-        self._expected = None if expected is None else list(expected)
-
-    def of_chunks(self) -> dict[str, Any]:
-        if self._expected is None:
-            return {}
-        return {
-            "expected_header_digest": self._expected[0],
-            "expected_digests": self._expected[1:-1],
-        }
-
-    @property
-    def trailer(self) -> str | None:
-        return None if self._expected is None else self._expected[-1]
 
 
 def _trailer(

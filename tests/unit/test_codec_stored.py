@@ -152,13 +152,10 @@ def test_a_chunk_from_another_stream_of_the_same_layout_is_refused(tmp_path: Pat
         decode_stored(_stored(tmp_path, frames), lambda piece: None, workers=3)
 
 
-def test_the_file_is_checked_against_its_expected_sha256(tmp_path: Path) -> None:
+def test_the_files_sha256_is_returned(tmp_path: Path) -> None:
     frames = _frames()
-    path = _stored(tmp_path, frames)
     whole = hashlib.sha256(b"".join(frames)).hexdigest()
-    decode_stored(path, lambda piece: None, workers=2, expected_sha256=whole)
-    with pytest.raises(DigestMismatch, match="is not the expected"):
-        decode_stored(path, lambda piece: None, workers=2, expected_sha256="0" * 64)
+    assert decode_stored(_stored(tmp_path, frames), lambda piece: None, workers=2) == whole
 
 
 def test_data_after_the_trailer_is_refused(tmp_path: Path) -> None:
@@ -171,5 +168,5 @@ def test_data_after_the_trailer_is_refused(tmp_path: Path) -> None:
 def test_a_stream_of_empty_tensors_only_decodes_to_nothing(tmp_path: Path) -> None:
     frames = [bytes(f) for f in encode_stream({"e": torch.zeros(0)}, INT8).frames()]
     decoded: list[Piece] = []
-    decode_stored(_stored(tmp_path, frames), decoded.append, workers=4, expected_sha256=None)
+    decode_stored(_stored(tmp_path, frames), decoded.append, workers=4)
     assert decoded == []

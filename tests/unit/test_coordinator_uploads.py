@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import hashlib
 from collections.abc import Iterable
 from datetime import UTC, datetime
@@ -13,13 +12,13 @@ import pytest
 import torch
 import zstandard
 
+from coordinator.aggregation.outer_round import stored_delta
 from coordinator.aggregation.weighted import WeightedSum
 from coordinator.errors import ApiError
 from coordinator.intake.delta_checks import DeltaExpectation, check_delta_manifest, verify_signature
 from coordinator.intake.delta_stream import verify_and_store
 from geofed.blobstore import FsBlobStore
-from geofed.codec import EncodedStream, decode, encode_stream
-from geofed.codec.stored import decode_stored
+from geofed.codec import DigestMismatch, EncodedStream, decode, encode_stream
 from geofed.codec.wire import (
     ChunkFields,
     FrameKind,
@@ -228,12 +227,16 @@ def test_a_stored_stream_folds_again_to_the_values_the_region_sent(
     decoded = decode(stream.frames())
     total = WeightedSum({name: tuple(t.shape) for name, t in decoded.items()})
     # As the engine folds it: its chunks decoded side by side from the blob's file.
-    total.add_verified(
-        "eu-west", 1.0, functools.partial(decode_stored, blobs.path_of(digest), workers=3)
-    )
+    total.add_verified("eu-west", 1.0, stored_delta(blobs, digest, 4 * 10**6))
     folded = total.take_mean()
     for name, tensor in decoded.items():
         assert torch.equal(folded[name], tensor)
+    # A blob whose file holds another well-formed stream is refused by its name.
+    other = _encode({name: t + 1 for name, t in _tensors().items()})
+    blobs.path_of(digest).write_bytes(other.to_bytes())
+    again = WeightedSum({name: tuple(t.shape) for name, t in decoded.items()})
+    with pytest.raises(DigestMismatch, match=f"blob {digest} reads as"):
+        again.add_verified("eu-west", 1.0, stored_delta(blobs, digest, 4 * 10**6))
 
 
 def test_frames_out_of_order_store_nothing(eu_west: Any, tmp_path: Path) -> None:

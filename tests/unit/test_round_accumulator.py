@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 import pytest
 import torch
@@ -15,10 +15,10 @@ from coordinator.aggregation.weighted import (
     AggregationError,
     DeltaStager,
     Feed,
+    PieceLike,
     StagedDelta,
     WeightedSum,
     aggregate,
-    fed,
 )
 from geofed.codec import Piece
 
@@ -43,6 +43,16 @@ def _staged(region: str, delta: dict[str, torch.Tensor]) -> StagedDelta:
     for piece in _pieces(delta):
         stager.add(piece)
     return stager.finish()
+
+
+def fed(pieces: Iterable[Piece]) -> Feed:
+    """A feed of ``pieces``, taken on the calling thread."""
+
+    def feed(consume: Callable[[PieceLike], None]) -> None:
+        for piece in pieces:
+            consume(piece)
+
+    return feed
 
 
 def _decoding(delta: dict[str, torch.Tensor]) -> Feed:
