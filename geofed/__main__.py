@@ -4,6 +4,6 @@ An entry point of the face (:mod:`geofed_cli`), not part of the shared core: not
 the core imports it (``tests/unit/test_package_graph.py`` holds it to the face's rules).
 """
 
-from geofed_cli import main
+from geofed_cli import run
 
-raise SystemExit(main())
+run()

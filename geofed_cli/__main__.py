@@ -1,5 +1,5 @@
 """`python -m geofed_cli` runs the CLI (the ``geofed`` command without its console script)."""
 
-from geofed_cli import main
+from geofed_cli import run
 
-raise SystemExit(main())
+run()

@@ -14,12 +14,12 @@ from __future__ import annotations
 import argparse
 import logging
 import signal
-import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
 from types import FrameType
 
+from geofed.process_exit import exit_without_teardown
 from regional_agent.handoff.settings import LauncherConfigError
 from regional_agent.launch.launcher import LocalElasticLauncher, LocalLauncherConfig
 
@@ -88,4 +88,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_without_teardown(main())

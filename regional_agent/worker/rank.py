@@ -30,6 +30,7 @@ import torch.distributed as dist
 from torch.distributed.distributed_c10d import PrefixStore
 from torch.distributed.rendezvous import rendezvous
 
+from geofed.process_exit import exit_without_teardown
 from regional_agent.handoff.directory import HandoffDir
 from regional_agent.handoff.messages import RankStatus
 from regional_agent.handoff.settings import (
@@ -203,4 +204,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_without_teardown(main())

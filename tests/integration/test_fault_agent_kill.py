@@ -63,7 +63,7 @@ ROUNDS = 5
 CAP_BPS = 4_000
 #: Each round's fixed deadline (the coordinator's upload_s is below): long enough for a
 #: capped upload, and for a killed agent's restart and resume within its round.
-DEADLINE_S = 40
+DEADLINE_S = 30
 
 
 def spooled_frames(fed: FederationRun, region: str, round_: int) -> set[int]:
@@ -154,12 +154,12 @@ async def kill_mid_upload(
         "the dead agent's connections to close",
         killed=f"agent-{SLOW}",
     )
-    # With the connections closed nothing new can come; the spool has settled once 2 s
-    # pass without a change (a received frame is written within milliseconds).
+    # With the connections closed nothing new can come; the spool has settled once 1 s
+    # passes without a change (a received frame is written within milliseconds).
     held: set[int] | None = None
     while (now := spooled_frames(fed, SLOW, round_)) != held:
         held = now
-        await asyncio.sleep(2.0)
+        await asyncio.sleep(1.0)
     # Several frames travel at once (transfer.upload_window), so the held ones need not
     # be the first ones; the kill came before the last one.
     assert 0 < len(held) < len(sizes), (held, len(sizes))
