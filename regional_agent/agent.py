@@ -74,6 +74,7 @@ from regional_agent.launch.backends import make_launcher
 from regional_agent.launch.launcher import Launcher
 from regional_agent.launch.worker_group import WorkerGroup, WorkerGroupConfig, WorkerGroupFailed
 from regional_agent.metrics import AgentMetrics
+from regional_agent.rounds.measurements import RoundMeasurements
 from regional_agent.rounds.pipeline import PipelineRegion, RetryLater, RoundEnd, RoundPipeline
 from regional_agent.rounds.schedule import Running, Schedule, Stop
 from regional_agent.rounds.timeline import Timeline
@@ -131,6 +132,7 @@ class Agent:
         self._clock = clock
         self._rng = rng or random.Random()
         self._metrics = metrics or AgentMetrics(CollectorRegistry(), config.region)
+        self._measurements = RoundMeasurements(self._metrics)
         self._on_ready = on_ready
         self._refreshing = asyncio.Lock()
         self._ended_jobs: set[str] = set()
@@ -309,6 +311,7 @@ class Agent:
                 ),
                 self._status,
                 metrics=self._metrics,
+                measurements=self._measurements,
                 train_timeout_s=config.timeouts.round_deadline_s,
                 clock=self._clock,
                 timeline=self._timeline,
@@ -464,6 +467,7 @@ class Agent:
         for job in sorted(self._ended_jobs):
             if job != running:
                 self._metrics.forget_job(job)
+                self._measurements.forget(job)
                 self._ended_handoff.add(job)
         self._ended_jobs = {job for job in self._ended_jobs if job == running}
 

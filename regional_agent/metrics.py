@@ -33,7 +33,7 @@ from __future__ import annotations
 import math
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from datetime import datetime
 from typing import Final
@@ -47,7 +47,7 @@ from geofed.metric_spec import MetricSpec, counter, gauge, histogram
 from geofed.training_config import Precision
 from geofed.types import ArtifactKind, InvalidName, validate_name
 from regional_agent.handoff.flops import flops_utilisation, peak_flops
-from regional_agent.handoff.training_stats import TrainingStats
+from regional_agent.handoff.training_stats import RankTiming, TrainingStats
 
 __all__ = [
     "ACCELERATOR_ONLY",
@@ -244,6 +244,31 @@ GRAD_NORM = MetricSpec(
     ("job", "region"),
 )
 
+RANK_BUSY_SECONDS = MetricSpec(
+    "geofed_agent_rank_busy_seconds",
+    "gauge",
+    "Mean seconds a step each rank did not wait for its peers in the latest round (DDP).",
+    ("job", "region", "rank", "node"),
+)
+RANK_DATA_WAIT_SECONDS = MetricSpec(
+    "geofed_agent_rank_data_wait_seconds",
+    "gauge",
+    "Seconds each rank waited for training batches in the latest trained round.",
+    ("job", "region", "rank", "node"),
+)
+RANK_STRAGGLER = MetricSpec(
+    "geofed_agent_rank_straggler",
+    "gauge",
+    "1 while a rank is persistently slower than its peers (regional_agent/rounds/stragglers.py).",
+    ("job", "region", "rank", "node"),
+)
+#: Per-rank gauges, set by :meth:`AgentMetrics.ranks_measured`.
+PER_RANK: Final[tuple[MetricSpec, ...]] = (
+    RANK_BUSY_SECONDS,
+    RANK_DATA_WAIT_SECONDS,
+    RANK_STRAGGLER,
+)
+
 #: Per-job training gauges, set by :meth:`AgentMetrics.round_measured`.
 TRAINING: Final[tuple[MetricSpec, ...]] = (
     TRAIN_STEP_SECONDS,
@@ -279,6 +304,7 @@ CATALOGUE: Final[tuple[MetricSpec, ...]] = (
     POLICY_DENIALS,
     CERTIFICATE_EXPIRY,
     *TRAINING,
+    *PER_RANK,
 )
 
 
@@ -400,6 +426,10 @@ class AgentMetrics:
         self.allreduce_seconds = gauge(ALLREDUCE_SECONDS, registry)
         self.learning_rate = gauge(LEARNING_RATE, registry)
         self.grad_norm = gauge(GRAD_NORM, registry)
+        self.rank_busy_seconds = gauge(RANK_BUSY_SECONDS, registry)
+        self.rank_data_wait_seconds = gauge(RANK_DATA_WAIT_SECONDS, registry)
+        self.rank_straggler = gauge(RANK_STRAGGLER, registry)
+        self._rank_series: dict[str, set[tuple[str, str]]] = {}
         if peak_flops is not None and not (math.isfinite(peak_flops) and peak_flops > 0):
             raise MetricsError(f"peak_flops must be a finite number > 0, got {peak_flops}")
         self._peak_flops = peak_flops
@@ -485,6 +515,29 @@ class AgentMetrics:
             else:
                 collector.labels(job=job, region=self.region).set(value)
 
+    def ranks_measured(
+        self, job: str, timings: Sequence[RankTiming], stragglers: Collection[int]
+    ) -> None:
+        """Each rank's own times in ``job``'s latest round, and which ranks straggle; the
+        series of ranks no longer in the group are removed."""
+        _check_job(job)
+        series = {(str(t.rank), str(t.node)) for t in timings}
+        for rank, node in self._rank_series.get(job, set()) - series:
+            for collector in self._rank_gauges():
+                collector.remove(job, self.region, rank, node)
+        self._rank_series[job] = series
+        for t in timings:
+            labels = {"job": job, "region": self.region, "rank": str(t.rank), "node": str(t.node)}
+            if t.busy_seconds is None:
+                self.rank_busy_seconds.remove(job, self.region, str(t.rank), str(t.node))
+            else:
+                self.rank_busy_seconds.labels(**labels).set(t.busy_seconds)
+            self.rank_data_wait_seconds.labels(**labels).set(t.data_wait_seconds)
+            self.rank_straggler.labels(**labels).set(1.0 if t.rank in stragglers else 0.0)
+
+    def _rank_gauges(self) -> tuple[Gauge, ...]:
+        return (self.rank_busy_seconds, self.rank_data_wait_seconds, self.rank_straggler)
+
     def round_ended(self, job: str, outcome: str) -> None:
         """A round ended for this region: accepted, straggler, refused or failed."""
         _check_job(job)
@@ -525,6 +578,9 @@ class AgentMetrics:
             collector.remove(job, self.region)
         for collector in self._training_gauges():
             collector.remove(job, self.region)
+        for rank, node in self._rank_series.pop(job, set()):
+            for collector in self._rank_gauges():
+                collector.remove(job, self.region, rank, node)
         for outcome in OUTCOMES:
             self.round_outcomes.remove(job, self.region, outcome)
         for phase in ROUND_PHASES:

@@ -1,8 +1,9 @@
 """What a worker group measured while training one round, as it reports it to the agent.
 
-Times are the slowest rank's (the region steps at its pace); memory is the largest
-rank's. Figures that cannot be measured honestly are None rather than zero: peak memory
-on the CPU, and the gradient-communication time under FSDP (see
+Times are the slowest rank's (the region steps at its pace), and each rank's own are
+kept beside them (:class:`RankTiming`: a straggler inside the region shows there); memory
+is the largest rank's. Figures that cannot be measured honestly are None rather than
+zero: peak memory on the CPU, and the gradient-communication time under FSDP (see
 :mod:`regional_agent.worker.comm_timer`).
 """
 
@@ -13,7 +14,41 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
-__all__ = ["TrainingStats"]
+__all__ = ["RankTiming", "TrainingStats"]
+
+
+@dataclass(frozen=True, slots=True)
+class RankTiming:
+    """One rank's own times in a round."""
+
+    rank: int
+    node: int
+    """The index of the node the rank ran on (its rank over the ranks a node runs)."""
+    busy_seconds: float | None
+    """Mean seconds of one of its steps it was not waiting for its peers: the step's wall
+    time less the time it had a gradient all-reduce in flight. The group steps together,
+    so the wall time is every rank's; what a slow rank lacks is the waiting. None where
+    the waiting is not measured (FSDP: ``comm_seconds``)."""
+    data_wait_seconds: float
+    """Time it waited for the task's batches, the round's total."""
+
+    def __post_init__(self) -> None:
+        for name in ("rank", "node"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
+        if self.busy_seconds is not None:
+            _require_non_negative("busy_seconds", self.busy_seconds)
+        _require_non_negative("data_wait_seconds", self.data_wait_seconds)
+
+    @classmethod
+    def from_mapping(cls, data: object) -> RankTiming:
+        if not isinstance(data, Mapping):
+            raise TypeError(f"a rank's timing must be an object, got {data!r}")
+        names = {f.name for f in fields(cls)}
+        if set(data) != names:
+            raise ValueError(f"a rank's timing has the fields {sorted(names)}, got {sorted(data)}")
+        return cls(**data)
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,6 +75,8 @@ class TrainingStats:
     """Peak accelerator memory allocated during the round (CUDA only)."""
     accelerator: str | None = None
     """The device's name as torch reports it; None on the CPU."""
+    ranks: tuple[RankTiming, ...] = ()
+    """Each rank's own times, by rank (empty from workers that did not report them)."""
 
     def __post_init__(self) -> None:
         for name in ("step_seconds", "tokens_per_second", "data_wait_seconds", "flops_per_token"):
@@ -56,6 +93,8 @@ class TrainingStats:
             raise ValueError(f"peak_memory_bytes must be an integer >= 0, got {peak!r}")
         if self.accelerator is not None and not isinstance(self.accelerator, str):
             raise ValueError(f"accelerator must be a string, got {self.accelerator!r}")
+        if [timing.rank for timing in self.ranks] != list(range(len(self.ranks))):
+            raise ValueError("ranks must hold one timing per rank, in rank order from 0")
 
     @classmethod
     def from_mapping(cls, data: object) -> TrainingStats:
@@ -70,6 +109,10 @@ class TrainingStats:
         if unknown:
             raise ValueError(f"stats: unknown fields {unknown}")
         values: dict[str, Any] = dict(data)
+        ranks = values.get("ranks", ())
+        if not isinstance(ranks, list | tuple):
+            raise TypeError(f"stats: ranks must be a list, got {ranks!r}")
+        values["ranks"] = tuple(RankTiming.from_mapping(timing) for timing in ranks)
         try:
             return cls(**values)
         except TypeError as exc:

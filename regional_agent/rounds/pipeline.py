@@ -66,6 +66,7 @@ from regional_agent.rounds.delta import (
     encode_delta,
     sign_delta,
 )
+from regional_agent.rounds.measurements import RoundMeasurements
 from regional_agent.rounds.overlap_pipeline import DelayedRounds
 from regional_agent.rounds.residency import ExportGate
 from regional_agent.rounds.schedule import Progress, judge_lost_delta, judge_rollback
@@ -218,6 +219,7 @@ class RoundPipeline:
         status: StatusReporter,
         *,
         metrics: AgentMetrics,
+        measurements: RoundMeasurements | None = None,
         train_timeout_s: float,
         clock: Clock,
         timeline: Timeline | None = None,
@@ -230,6 +232,7 @@ class RoundPipeline:
         self._uploader = uploader
         self._status = status
         self._metrics = metrics
+        self._measurements = measurements or RoundMeasurements(metrics)
         self._train_timeout_s = train_timeout_s
         self._clock = clock
         self._monotonic = time.monotonic
@@ -420,12 +423,8 @@ class RoundPipeline:
         self._count_trained(announcement.job, announcement.round, summary.mean_loss)
         if summary.stats is not None:
             self._step_s[announcement.job] = summary.stats.step_seconds
-            self._metrics.round_measured(
-                announcement.job,
-                summary.stats,
-                summary.world_size,
-                announcement.training.precision,
-            )
+            stats, precision = summary.stats, announcement.training.precision
+            self._measurements.record(announcement.job, stats, summary.world_size, precision)
         return result, fragments
 
     async def _encode(

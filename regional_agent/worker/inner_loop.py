@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import os
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -39,7 +40,7 @@ from geofed.lr_schedule import apply_lr, job_step, lr_factor
 from geofed.task import DataShard, Task
 from geofed.training_config import TrainingConfig
 from regional_agent.handoff.messages import RoundInstruction
-from regional_agent.handoff.training_stats import TrainingStats
+from regional_agent.handoff.training_stats import RankTiming, TrainingStats
 from regional_agent.worker.parallelism import ParallelModel
 from regional_agent.worker.precision import autocast
 
@@ -207,19 +208,30 @@ def region_stats(
     group: dist.ProcessGroup | None = None,
 ) -> TrainingStats:
     """The region's measurements of a round: the slowest rank's times, the largest
-    rank's memory (a collective over ``group``, on the CPU)."""
+    rank's memory, and each rank's own times (a collective over ``group``, on the CPU)."""
     unknown = -1.0
-    spread = torch.tensor(
+    mine = torch.tensor(
         [
             totals.seconds,
             totals.data_wait_seconds,
             unknown if totals.comm_seconds is None else totals.comm_seconds,
             unknown if totals.peak_memory_bytes is None else float(totals.peak_memory_bytes),
+            float(node_index()),
         ],
         dtype=torch.float64,
     )
-    dist.all_reduce(spread, op=dist.ReduceOp.MAX, group=group)
-    seconds, data_wait, comm, peak = spread.tolist()
+    every = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(every, mine, group=group)
+    seconds, data_wait, comm, peak, _ = torch.stack(every).amax(dim=0).tolist()
+    ranks = tuple(
+        RankTiming(
+            rank=rank,
+            node=int(values[4]),
+            busy_seconds=None if values[2] < 0 else max(0.0, float(values[0] - values[2])) / steps,
+            data_wait_seconds=float(values[1]),
+        )
+        for rank, values in enumerate(every)
+    )
     return TrainingStats(
         step_seconds=seconds / steps,
         tokens_per_second=region_tokens / seconds if seconds > 0 else 0.0,
@@ -230,7 +242,15 @@ def region_stats(
         comm_seconds=None if comm < 0 else comm,
         peak_memory_bytes=None if peak < 0 else int(peak),
         accelerator=torch.cuda.get_device_name(device) if device.type == "cuda" else None,
+        ranks=ranks,
     )
+
+
+def node_index() -> int:
+    """This rank's node in its worker group, as the elastic launcher numbers them
+    (``GROUP_RANK``); 0 outside one."""
+    raw = os.environ.get("GROUP_RANK", "")
+    return int(raw) if raw.isdigit() else 0
 
 
 def _optimizer_step(

@@ -235,6 +235,10 @@ async def test_every_selected_metric_is_exported_by_its_daemon(tmp_path: Path) -
         ):
             assert values(text, name)[job_id] > 0, (region, name)
         assert values(text, "geofed_agent_data_wait_seconds")[job_id] >= 0, region
+        # Each rank's own figures (DDP: its busy time is measured), no straggler in one round.
+        assert values(text, "geofed_agent_rank_busy_seconds")[job_id] > 0, region
+        assert values(text, "geofed_agent_rank_data_wait_seconds")[job_id] >= 0, region
+        assert values(text, "geofed_agent_rank_straggler")[job_id] == 0, region
         assert values(text, "geofed_agent_peak_accelerator_memory_bytes") == {}, region
         # Tiny model, CPU ranks: far below the peak given, but the ratio it says.
         assert values(text, "geofed_agent_mfu_ratio")[job_id] < 1, region

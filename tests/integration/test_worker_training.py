@@ -6,8 +6,9 @@ killed mid-round under FSDP (optimizer state and schedule resume exactly); bf16 
 both; a Llama with a complex RoPE buffer, per-block FSDP units and activation
 checkpointing; the base parameters evaluated by the ranks before training, under DDP
 and FSDP; a job asking to checkpoint a model with nothing to checkpoint; what the
-rounds measured (step time, throughput, learning rate, gradient norm, all-reduce time);
-and last a clean stop of a group that ran sharded jobs.
+rounds measured (step time, throughput, learning rate, gradient norm, all-reduce time,
+each rank's own busy time); a rank slowed on purpose found straggling; and last a clean
+stop of a group that ran sharded jobs.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from regional_agent.handoff.directory import HandoffDir
 from regional_agent.handoff.messages import RoundResult
 from regional_agent.launch.launcher import LocalElasticLauncher
 from regional_agent.launch.worker_group import RoundFailed, WorkerGroup, WorkerGroupConfig
+from regional_agent.rounds.stragglers import StragglerRule, StragglerWatch
 from regional_agent.worker.optimizer_checkpoint import read_optimizer_state
 from tests.support.tiny_task import TinyTask
 from tests.support.worker_group import (
@@ -368,6 +370,8 @@ async def test_rounds_report_what_the_region_measured(region: Group) -> None:
         assert stats.flops_per_token == 6 * params  # the whole model's, sharded or not
         assert stats.peak_memory_bytes is None  # the CPU
         assert stats.accelerator is None
+        assert [(t.rank, t.node) for t in stats.ranks] == [(0, 0), (1, 0)]
+        assert all(0 <= t.data_wait_seconds <= stats.data_wait_seconds for t in stats.ranks)
     assert ddp.summary.stats is not None
     assert fsdp.summary.stats is not None
     assert math.isclose(ddp.summary.stats.grad_norm, fsdp.summary.stats.grad_norm, rel_tol=1e-4)
@@ -375,10 +379,41 @@ async def test_rounds_report_what_the_region_measured(region: Group) -> None:
     assert ddp.summary.stats.comm_seconds is not None
     assert 0 < ddp.summary.stats.comm_seconds < ddp.summary.stats.step_seconds * STEPS
     assert fsdp.summary.stats.comm_seconds is None
+    # So each rank's busy time (its step less its wait in an all-reduce): DDP's only.
+    for timing in ddp.summary.stats.ranks:
+        assert timing.busy_seconds is not None
+        assert 0 <= timing.busy_seconds <= ddp.summary.stats.step_seconds
+    assert all(t.busy_seconds is None for t in fsdp.summary.stats.ranks)
     # Without clipping the norm is still measured.
     assert unclipped.summary.stats is not None
     assert math.isfinite(unclipped.summary.stats.grad_norm)
     assert unclipped.summary.stats.grad_norm > 0
+
+
+@on_module_loop
+async def test_a_slow_rank_is_the_busy_one_and_is_found_straggling(region: Group) -> None:
+    # Rank 1 sleeps in every loss call. The ranks step together, so both take its time a
+    # step; only rank 0 spends it waiting, in the gradient all-reduce.
+    delay = 0.02
+    options = {"slow_rank": 1, "slow_rank_delay_s": delay}
+    watch = StragglerWatch(StragglerRule(ratio=1.3, window=3, min_rounds=3))
+    verdicts = []
+    for round_ in range(3):
+        inst = instruction("slow-rank", round_, region.base0, task_options=options)
+        stats = (await region.group.run_round(inst, 60)).summary.stats
+        assert stats is not None
+        fast, slow = stats.ranks
+        assert fast.busy_seconds is not None
+        assert slow.busy_seconds is not None
+        assert stats.step_seconds >= delay
+        assert slow.busy_seconds >= delay
+        assert slow.busy_seconds > 2 * fast.busy_seconds, stats.ranks
+        verdicts.append(watch.observe(stats.ranks))
+    assert [v.ranks for v in verdicts] == [(), (), (1,)], verdicts
+    assert verdicts[-1].nodes == (0,)
+    assert "rank 1 (node 0) over 1.3x the median busy time in 3 of the last 3" in (
+        verdicts[-1].reason
+    )
 
 
 @on_module_loop

@@ -3,7 +3,8 @@
 Implements the :class:`geofed.task.Task` API with synthetic data so worker-group tests
 train real rounds in milliseconds. The batch at a step is a pure function of
 ``(shard, step)``. ``step_delay_s`` slows every loss call down, so a test can act
-while a round is in progress.
+while a round is in progress; ``slow_rank`` with ``slow_rank_delay_s`` slows one rank's
+only (a straggler inside the region).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F  # noqa: N812 -- the conventional torch alias
 from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
@@ -33,6 +35,8 @@ class TinyOptions(BaseModel):
     lr: float = Field(default=1e-2, gt=0)
     seed: int = Field(default=0, ge=0)
     step_delay_s: float = Field(default=0.0, ge=0)
+    slow_rank: int | None = Field(default=None, ge=0)
+    slow_rank_delay_s: float = Field(default=0.0, ge=0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,6 +90,9 @@ class TinyTask(Task[TinyBatch]):
     def loss(self, model: nn.Module, batch: TinyBatch) -> torch.Tensor:
         if self.options.step_delay_s:
             time.sleep(self.options.step_delay_s)
+        slow = self.options.slow_rank
+        if slow is not None and dist.is_initialized() and dist.get_rank() == slow:
+            time.sleep(self.options.slow_rank_delay_s)
         device = next(model.parameters()).device
         return F.mse_loss(model(batch.inputs.to(device)), batch.targets.to(device))
 

@@ -12,7 +12,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from geofed.types import ArtifactKind
-from regional_agent.handoff.training_stats import TrainingStats
+from regional_agent.handoff.training_stats import RankTiming, TrainingStats
 from regional_agent.metrics import ACCELERATOR_ONLY, CATALOGUE, AgentMetrics, MetricsError
 
 #: A round measured on one H100 (bf16 peak 989e12 FLOPs/s per device).
@@ -36,6 +36,8 @@ CPU_ROUND = TrainingStats(
     grad_norm=0.75,
     flops_per_token=6e6,
 )
+
+TWO_RANKS = (RankTiming(0, 0, 0.25, 0.1), RankTiming(1, 1, 0.5, 0.3))
 
 
 class FakeClock:
@@ -127,6 +129,7 @@ def _populate(metrics: AgentMetrics) -> None:
     metrics.set_certificate_expiry("identity", datetime(2030, 1, 1, tzinfo=UTC))
     metrics.round_measured("charlm", GPU_ROUND, devices=1, precision="bf16")
     metrics.round_phases("charlm", {"sync": 1.5, "wait": 30.0})
+    metrics.ranks_measured("charlm", TWO_RANKS, stragglers={1})
 
 
 def test_every_catalogued_metric_is_exposed_as_declared_and_nothing_else(registry, metrics):
@@ -451,3 +454,27 @@ def test_certificate_expiry_is_unix_seconds_of_not_after(registry, metrics):
     text = generate_latest(registry).decode()
     assert 'certificate="tls"' not in text
     assert 'certificate="signing"' not in text
+
+
+def test_ranks_measured_exports_each_rank_and_drops_ranks_that_left(registry, metrics):
+    metrics.ranks_measured("charlm", TWO_RANKS, stragglers={1})
+
+    def rank(name: str, rank: str, node: str) -> float | None:
+        return sample(registry, name, job="charlm", rank=rank, node=node)
+
+    assert rank("geofed_agent_rank_busy_seconds", "0", "0") == 0.25
+    assert rank("geofed_agent_rank_busy_seconds", "1", "1") == 0.5
+    assert rank("geofed_agent_rank_data_wait_seconds", "1", "1") == 0.3
+    assert rank("geofed_agent_rank_straggler", "0", "0") == 0.0
+    assert rank("geofed_agent_rank_straggler", "1", "1") == 1.0
+    # Relaunched without node 1: its series go, rank 0's stay.
+    metrics.ranks_measured("charlm", TWO_RANKS[:1], stragglers=set())
+    assert rank("geofed_agent_rank_busy_seconds", "1", "1") is None
+    assert rank("geofed_agent_rank_straggler", "1", "1") is None
+    assert rank("geofed_agent_rank_busy_seconds", "0", "0") == 0.25
+    # Not measured (FSDP): no busy time, the rest stays.
+    metrics.ranks_measured("charlm", (RankTiming(0, 0, None, 0.2),), stragglers=set())
+    assert rank("geofed_agent_rank_busy_seconds", "0", "0") is None
+    assert rank("geofed_agent_rank_data_wait_seconds", "0", "0") == 0.2
+    metrics.forget_job("charlm")
+    assert 'job="charlm"' not in generate_latest(registry).decode()

@@ -275,6 +275,8 @@ def test_dashboard_shows_what_operators_watch(dashboard):
         "geofed_agent_peak_accelerator_memory_bytes",
         "geofed_agent_learning_rate",
         "geofed_agent_grad_norm",
+        "geofed_agent_rank_busy_seconds",  # stragglers inside a region
+        "geofed_agent_rank_straggler",
     }
     assert watched - shown == set()
 

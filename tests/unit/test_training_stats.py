@@ -14,7 +14,7 @@ from regional_agent.handoff.directory import HandoffDir
 from regional_agent.handoff.errors import InvalidHandoffData
 from regional_agent.handoff.flops import flops_utilisation, peak_flops
 from regional_agent.handoff.messages import RoundSummary
-from regional_agent.handoff.training_stats import TrainingStats
+from regional_agent.handoff.training_stats import RankTiming, TrainingStats
 from regional_agent.handoff.utilization import union_seconds
 
 STATS = TrainingStats(
@@ -25,6 +25,7 @@ STATS = TrainingStats(
     grad_norm=0.8,
     flops_per_token=6e6,
     comm_seconds=1.25,
+    ranks=(RankTiming(0, 0, 0.2, 0.4), RankTiming(1, 0, 0.15, 0.1)),
 )
 SUMMARY = RoundSummary(
     job="job-a",
@@ -146,5 +147,30 @@ def test_a_summary_without_stats_still_reads() -> None:
 )
 def test_bad_stats_in_a_done_marker_are_named(stats: object, message: str) -> None:
     body = {**json.loads(SUMMARY.to_json()), "stats": stats}
+    with pytest.raises(InvalidHandoffData, match=message):
+        RoundSummary.from_json(json.dumps(body).encode(), "done.json")
+
+
+def test_a_summary_of_workers_that_report_no_rank_timings_reads_without_them() -> None:
+    body = json.loads(SUMMARY.to_json())
+    del body["stats"]["ranks"]
+    read = RoundSummary.from_json(json.dumps(body).encode())
+    assert read.stats == replace(STATS, ranks=())
+
+
+@pytest.mark.parametrize(
+    ("ranks", "message"),
+    [
+        ({"0": 1}, "ranks must be a list"),
+        ([[0, 0, 0.1, 0.0]], "a rank's timing must be an object"),
+        ([{"rank": 0, "node": 0, "busy_seconds": 0.1}], "a rank's timing has the fields"),
+        ([{"rank": 0, "node": 0, "busy_seconds": -1, "data_wait_seconds": 0}], "busy_seconds"),
+        ([{"rank": 0, "node": -1, "busy_seconds": 1, "data_wait_seconds": 0}], "node must be"),
+        ([{"rank": 1, "node": 0, "busy_seconds": None, "data_wait_seconds": 0}], "in rank order"),
+    ],
+)
+def test_bad_rank_timings_in_a_done_marker_are_named(ranks: object, message: str) -> None:
+    body = json.loads(SUMMARY.to_json())
+    body["stats"]["ranks"] = ranks
     with pytest.raises(InvalidHandoffData, match=message):
         RoundSummary.from_json(json.dumps(body).encode(), "done.json")
