@@ -24,7 +24,12 @@ __all__ = ["exit_without_teardown"]
 
 def exit_without_teardown(code: int) -> NoReturn:
     """Exit with ``code``: ``atexit`` handlers run and the standard streams are flushed,
-    the modules' teardown is skipped; a normal exit while a non-daemon thread is alive."""
+    the modules' teardown is skipped; a normal exit while a non-daemon thread is alive.
+
+    Only the main thread may call it (from another, ``sys.exit`` ends that thread only).
+    The joining of non-daemon threads a normal exit does first is skipped too, which is
+    why there must be none.
+    """
     main = threading.main_thread()
     if threading.current_thread() is not main or any(
         thread is not main and not thread.daemon and thread.is_alive()

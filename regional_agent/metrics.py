@@ -247,7 +247,7 @@ GRAD_NORM = MetricSpec(
 RANK_BUSY_SECONDS = MetricSpec(
     "geofed_agent_rank_busy_seconds",
     "gauge",
-    "Mean seconds a step each rank did not wait for its peers in the latest round (DDP).",
+    "Approximate seconds a step each rank did not wait for its peers in the latest round (DDP).",
     ("job", "region", "rank", "node"),
 )
 RANK_DATA_WAIT_SECONDS = MetricSpec(

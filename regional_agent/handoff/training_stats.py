@@ -23,14 +23,19 @@ class RankTiming:
 
     rank: int
     node: int
-    """The index of the node the rank ran on (its rank over the ranks a node runs)."""
+    """The node the rank ran on, as the elastic launcher numbers the group's nodes
+    (``GROUP_RANK``: an index, not a host; see ``host``)."""
     busy_seconds: float | None
-    """Mean seconds of one of its steps it was not waiting for its peers: the step's wall
-    time less the time it had a gradient all-reduce in flight. The group steps together,
-    so the wall time is every rank's; what a slow rank lacks is the waiting. None where
-    the waiting is not measured (FSDP: ``comm_seconds``)."""
+    """Mean seconds a step it was not waiting for its peers, approximately: the step's
+    wall time less the time it had a gradient all-reduce in flight. The group steps
+    together, so the wall time is every rank's; what a slow rank lacks is the waiting.
+    An approximation: the backward computation that overlaps an all-reduce counts as
+    waiting, and a wait outside the all-reduces (another collective) as busy. None where
+    the waiting is not measured (FSDP and HSDP: ``comm_seconds``)."""
     data_wait_seconds: float
     """Time it waited for the task's batches, the round's total."""
+    host: str = ""
+    """The host name of the machine it ran on."""
 
     def __post_init__(self) -> None:
         for name in ("rank", "node"):
@@ -39,6 +44,8 @@ class RankTiming:
                 raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
         if self.busy_seconds is not None:
             _require_non_negative("busy_seconds", self.busy_seconds)
+        if not isinstance(self.host, str):
+            raise TypeError(f"host must be a string, got {self.host!r}")
         _require_non_negative("data_wait_seconds", self.data_wait_seconds)
 
     @classmethod

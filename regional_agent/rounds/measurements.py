@@ -30,15 +30,18 @@ class RoundMeasurements:
         self._straggling: dict[str, tuple[int, ...]] = {}
 
     def record(
-        self, job: str, stats: TrainingStats, devices: int, precision: Precision
+        self, job: str, round_: int, stats: TrainingStats, devices: int, precision: Precision
     ) -> StragglerVerdict | None:
-        """Export ``job``'s latest round as measured on ``devices``; the straggler verdict
-        when the workers reported each rank's times (None otherwise)."""
+        """Export round ``round_`` of ``job`` as measured on ``devices``; the straggler
+        verdict when the workers reported each rank's times (None otherwise: the job's
+        per-rank series and window are dropped rather than left at an older round's)."""
         self._metrics.round_measured(job, stats, devices, precision)
         if not stats.ranks:
+            self._metrics.ranks_measured(job, (), ())
+            self.forget(job)
             return None
         watch = self._watches.setdefault(job, StragglerWatch(self._rule))
-        verdict = watch.observe(stats.ranks)
+        verdict = watch.observe(round_, stats.ranks)
         self._metrics.ranks_measured(job, stats.ranks, verdict.ranks)
         before = self._straggling.get(job, ())
         if verdict.ranks != before:

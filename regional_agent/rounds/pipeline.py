@@ -424,7 +424,9 @@ class RoundPipeline:
         if summary.stats is not None:
             self._step_s[announcement.job] = summary.stats.step_seconds
             stats, precision = summary.stats, announcement.training.precision
-            self._measurements.record(announcement.job, stats, summary.world_size, precision)
+            self._measurements.record(
+                announcement.job, announcement.round, stats, summary.world_size, precision
+            )
         return result, fragments
 
     async def _encode(

@@ -2,13 +2,15 @@
 
 The region steps at its slowest rank's pace, so one slow GPU, node or data loader slows
 all of it. The ranks step together, so their step times are equal; what tells the slow
-one is that it does not wait for the others: the worker group reports each rank's busy
-time a step, its step time less the time it waited with a gradient all-reduce in flight
-(:class:`~regional_agent.handoff.training_stats.RankTiming`; measured under DDP). The
-rule, over a window of the latest rounds trained with the same ranks:
+one is that it waits less for the others: the worker group reports each rank's busy
+time a step, its step time less the time it had a gradient all-reduce in flight
+(:class:`~regional_agent.handoff.training_stats.RankTiming`; measured under DDP only).
+The rule, over a window of the latest rounds trained with the same ranks, each round
+counted once:
 
-- a rank is *slow in a round* when its busy time is over ``ratio`` times that round's
-  median busy time over the ranks (the median: robust to the slow rank itself);
+- a rank is *slow in a round* when its busy time is over ``ratio`` times the median busy
+  time of its peers in that round (the others: a slow rank, or a slow half of the group,
+  does not raise the bar it is measured against);
 - a rank is a *straggler* when it was slow in at least ``min_rounds`` of the window's
   rounds: one hiccup (a checkpoint, a page fault storm) is not a straggler.
 
@@ -67,15 +69,21 @@ class StragglerWatch:
     def __init__(self, rule: StragglerRule | None = None) -> None:
         self.rule = rule or StragglerRule()
         self._rounds: deque[tuple[RankTiming, ...]] = deque(maxlen=self.rule.window)
+        self._last: tuple[int, StragglerVerdict] | None = None
 
-    def observe(self, timings: Sequence[RankTiming]) -> StragglerVerdict:
-        """Add one round's timings (one per rank, in rank order) and judge the window."""
+    def observe(self, round_: int, timings: Sequence[RankTiming]) -> StragglerVerdict:
+        """Add round ``round_``'s timings (one per rank, in rank order) and judge the
+        window; a round already seen (a result read back again) changes nothing."""
+        if self._last is not None and round_ <= self._last[0]:
+            return self._last[1]
         layout = [(t.rank, t.node) for t in timings]
         if self._rounds and [(t.rank, t.node) for t in self._rounds[-1]] != layout:
             # Other ranks (a relaunch on other nodes, another size): compare like with like.
             self._rounds.clear()
         self._rounds.append(tuple(timings))
-        return judge(list(self._rounds), self.rule)
+        verdict = judge(list(self._rounds), self.rule)
+        self._last = (round_, verdict)
+        return verdict
 
 
 def judge(rounds: Sequence[Sequence[RankTiming]], rule: StragglerRule) -> StragglerVerdict:
@@ -94,9 +102,9 @@ def judge(rounds: Sequence[Sequence[RankTiming]], rule: StragglerRule) -> Stragg
     ratios: dict[int, list[float]] = {}
     for timings in rounds:
         busy = {t.rank: t.busy_seconds or 0.0 for t in timings}
-        median = statistics.median(busy.values())
         for t in timings:
-            ratio = busy[t.rank] / median if median > 0 else 1.0
+            peers = statistics.median(b for rank, b in busy.items() if rank != t.rank)
+            ratio = _ratio(busy[t.rank], peers)
             ratios.setdefault(t.rank, []).append(ratio)
             if ratio > rule.ratio:
                 slow_rounds[t.rank] = slow_rounds.get(t.rank, 0) + 1
@@ -106,17 +114,29 @@ def judge(rounds: Sequence[Sequence[RankTiming]], rule: StragglerRule) -> Stragg
         return StragglerVerdict(
             (),
             (),
-            f"no rank over {rule.ratio:g}x its round's median busy time in "
+            f"no rank over {rule.ratio:g}x its peers' median busy time in "
             f"{rule.min_rounds} of the last {len(rounds)} rounds",
         )
     parts = []
     for rank in stragglers:
         t = latest[rank]
         parts.append(
-            f"rank {rank} (node {t.node}) over {rule.ratio:g}x the median busy time in "
+            f"rank {rank} (node {t.node}{_on(t.host)}) over {rule.ratio:g}x its peers' median "
+            f"busy time in "
             f"{slow_rounds[rank]} of the last {len(rounds)} rounds (median "
             f"{statistics.median(ratios[rank]):.2f}x; latest {t.busy_seconds or 0.0:.3g} s busy "
             f"a step, {t.data_wait_seconds:.3g} s waiting for data in the round)"
         )
     nodes = tuple(sorted({latest[rank].node for rank in stragglers}))
     return StragglerVerdict(tuple(stragglers), nodes, "; ".join(parts))
+
+
+def _ratio(busy: float, peers: float) -> float:
+    """``busy`` over its peers' median; busy where the peers were not (0 s) is slow."""
+    if peers > 0:
+        return busy / peers
+    return float("inf") if busy > 0 else 1.0
+
+
+def _on(host: str) -> str:
+    return f" on {host}" if host else ""

@@ -28,6 +28,7 @@ from __future__ import annotations
 import hashlib
 import math
 import os
+import socket
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -222,6 +223,8 @@ def region_stats(
     )
     every = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
     dist.all_gather(every, mine, group=group)
+    hosts: list[object] = [None] * len(every)
+    dist.all_gather_object(hosts, socket.gethostname(), group=group)
     seconds, data_wait, comm, peak, _ = torch.stack(every).amax(dim=0).tolist()
     ranks = tuple(
         RankTiming(
@@ -229,6 +232,7 @@ def region_stats(
             node=int(values[4]),
             busy_seconds=None if values[2] < 0 else max(0.0, float(values[0] - values[2])) / steps,
             data_wait_seconds=float(values[1]),
+            host=str(hosts[rank]),
         )
         for rank, values in enumerate(every)
     )

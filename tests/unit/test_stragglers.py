@@ -14,27 +14,56 @@ from regional_agent.rounds.measurements import RoundMeasurements
 from regional_agent.rounds.stragglers import StragglerRule, StragglerWatch, judge
 
 
-def round_of(*seconds: float, nodes: tuple[int, ...] | None = None) -> tuple[RankTiming, ...]:
+def round_of(
+    *seconds: float, nodes: tuple[int, ...] | None = None, hosts: tuple[str, ...] | None = None
+) -> tuple[RankTiming, ...]:
     nodes = nodes or tuple(range(len(seconds)))
+    hosts = hosts or ("",) * len(seconds)
     return tuple(
-        RankTiming(rank, node, step, 0.01 * rank)
-        for rank, (step, node) in enumerate(zip(seconds, nodes, strict=True))
+        RankTiming(rank, node, step, 0.01 * rank, host)
+        for rank, (step, node, host) in enumerate(zip(seconds, nodes, hosts, strict=True))
     )
 
 
 def test_a_rank_slow_in_enough_rounds_of_the_window_is_a_straggler() -> None:
     watch = StragglerWatch(StragglerRule(ratio=1.3, window=5, min_rounds=3))
-    first = watch.observe(round_of(1.0, 1.0, 2.0, 1.0))
+    first = watch.observe(0, round_of(1.0, 1.0, 2.0, 1.0))
     assert first.ranks == ()
     assert "1 round(s) measured, 3 needed" in first.reason
-    assert watch.observe(round_of(1.0, 1.1, 1.9, 1.0)).ranks == ()
-    verdict = watch.observe(round_of(1.0, 0.9, 2.1, 1.0))
+    assert watch.observe(1, round_of(1.0, 1.1, 1.9, 1.0)).ranks == ()
+    verdict = watch.observe(2, round_of(1.0, 0.9, 2.1, 1.0, hosts=("a", "b", "gpu-7", "d")))
     assert verdict.ranks == (2,)
     assert verdict.nodes == (2,)
-    assert "rank 2 (node 2) over 1.3x the median busy time in 3 of the last 3 rounds" in (
-        verdict.reason
+    assert (
+        "rank 2 (node 2 on gpu-7) over 1.3x its peers' median busy time in 3 of the last 3 "
+        "rounds" in verdict.reason
     )
     assert "latest 2.1 s busy a step" in verdict.reason
+
+
+def test_a_round_read_back_again_counts_once() -> None:
+    watch = StragglerWatch(StragglerRule(ratio=1.3, window=5, min_rounds=3))
+    slow = round_of(1.0, 2.0)
+    for _ in range(3):
+        assert watch.observe(0, slow).ranks == ()
+    assert watch.observe(1, slow).ranks == ()
+    assert watch.observe(2, slow).ranks == (1,)
+    assert watch.observe(1, round_of(1.0, 1.0)).ranks == (1,)  # an older round: no change
+
+
+def test_half_a_group_slow_or_idle_peers_do_not_hide_a_straggler() -> None:
+    rule = StragglerRule(ratio=1.3, window=3, min_rounds=3)
+    # Two ranks, one 1.8x the other: each is measured against the other alone.
+    assert judge([round_of(1.0, 1.8)] * 3, rule).ranks == (1,)
+    # One node of two slow: each of its ranks against peers mostly fast.
+    half = round_of(1.0, 1.0, 2.0, 2.0, nodes=(0, 0, 1, 1))
+    assert judge([half] * 3, rule).ranks == (2, 3)
+    assert judge([half] * 3, rule).nodes == (1,)
+    three = round_of(1.0, 1.0, 1.0, 2.0, 2.0, nodes=(0, 0, 0, 1, 1))
+    assert judge([three] * 3, rule).ranks == (3, 4)
+    # Peers that measured no busy time at all: a busy rank is slow, idle ones are not.
+    assert judge([round_of(0.0, 0.0, 0.5)] * 3, rule).ranks == (2,)
+    assert judge([round_of(0.0, 0.0, 0.0)] * 3, rule).ranks == ()
 
 
 def test_one_slow_round_is_not_a_straggler_and_a_recovered_rank_is_let_go() -> None:
@@ -46,10 +75,10 @@ def test_one_slow_round_is_not_a_straggler_and_a_recovered_rank_is_let_go() -> N
     assert judge([slow, slow, slow, steady], rule).ranks == (1,)
     # The window moves on: two slow rounds of the last four are not enough.
     watch = StragglerWatch(rule)
-    for timings in (slow, slow, slow):
-        watch.observe(timings)
-    assert watch.observe(steady).ranks == (1,)
-    assert watch.observe(steady).ranks == ()
+    for round_, timings in enumerate((slow, slow, slow)):
+        watch.observe(round_, timings)
+    assert watch.observe(3, steady).ranks == (1,)
+    assert watch.observe(4, steady).ranks == ()
 
 
 def test_the_slope_under_the_ratio_is_not_slow() -> None:
@@ -63,10 +92,10 @@ def test_the_slope_under_the_ratio_is_not_slow() -> None:
 def test_a_single_rank_or_a_relaunch_on_other_nodes_decides_nothing() -> None:
     assert "no peers" in judge([round_of(5.0)] * 5, StragglerRule()).reason
     watch = StragglerWatch(StragglerRule(window=3, min_rounds=2))
-    watch.observe(round_of(1.0, 2.0))
-    assert watch.observe(round_of(1.0, 2.0)).ranks == (1,)
+    watch.observe(0, round_of(1.0, 2.0))
+    assert watch.observe(1, round_of(1.0, 2.0)).ranks == (1,)
     # Relaunched with rank 1 on another node: the window starts again.
-    moved = watch.observe(round_of(1.0, 2.0, nodes=(0, 3)))
+    moved = watch.observe(2, round_of(1.0, 2.0, nodes=(0, 3)))
     assert moved.ranks == ()
     assert "1 round(s) measured" in moved.reason
 
@@ -119,16 +148,16 @@ def test_measurements_export_the_verdict_and_log_its_changes(
 
     slow, steady = stats_of(round_of(1.0, 2.0)), stats_of(round_of(1.0, 1.0))
     with caplog.at_level(logging.INFO, logger="regional_agent.rounds.measurements"):
-        assert measurements.record("j", slow, 2, "fp32") is not None
+        assert measurements.record("j", 0, slow, 2, "fp32") is not None
         assert straggling(1) == 0.0
-        measurements.record("j", slow, 2, "fp32")
+        measurements.record("j", 1, slow, 2, "fp32")
         assert straggling(1) == 1.0
-        measurements.record("j", steady, 2, "fp32")
-        measurements.record("j", steady, 2, "fp32")
+        measurements.record("j", 2, steady, 2, "fp32")
+        measurements.record("j", 3, steady, 2, "fp32")
         assert straggling(1) == 0.0
     messages = [r.getMessage() for r in caplog.records]
     assert len(messages) == 2, messages
-    assert messages[0].startswith("job j: straggling ranks (1,): rank 1 (node 1)")
+    assert messages[0].startswith("job j: straggling ranks (1,): rank 1 (node 1) over")
     assert messages[1].startswith("job j: no straggling rank any more")
     assert (
         registry.get_sample_value(
@@ -136,8 +165,14 @@ def test_measurements_export_the_verdict_and_log_its_changes(
         )
         == 1.0
     )
-    # Workers that report no per-rank times: the region's figures only, no verdict.
-    assert measurements.record("j", replace(steady, ranks=()), 1, "fp32") is None
+    measurements.record("j", 4, slow, 2, "fp32")
+    measurements.record("j", 5, slow, 2, "fp32")
+    assert straggling(1) == 1.0
+    # Workers that report no per-rank times: the region's figures only, no verdict, and
+    # no per-rank series left at an older round's.
+    assert measurements.record("j", 6, replace(steady, ranks=()), 1, "fp32") is None
+    assert straggling(1) is None
+    assert straggling(0) is None
 
 
 def test_busy_times_not_measured_decide_nothing() -> None:

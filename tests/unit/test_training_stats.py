@@ -164,9 +164,22 @@ def test_a_summary_of_workers_that_report_no_rank_timings_reads_without_them() -
         ({"0": 1}, "ranks must be a list"),
         ([[0, 0, 0.1, 0.0]], "a rank's timing must be an object"),
         ([{"rank": 0, "node": 0, "busy_seconds": 0.1}], "a rank's timing has the fields"),
-        ([{"rank": 0, "node": 0, "busy_seconds": -1, "data_wait_seconds": 0}], "busy_seconds"),
-        ([{"rank": 0, "node": -1, "busy_seconds": 1, "data_wait_seconds": 0}], "node must be"),
-        ([{"rank": 1, "node": 0, "busy_seconds": None, "data_wait_seconds": 0}], "in rank order"),
+        (
+            [{"rank": 0, "node": 0, "busy_seconds": -1, "data_wait_seconds": 0, "host": ""}],
+            "busy_seconds",
+        ),
+        (
+            [{"rank": 0, "node": -1, "busy_seconds": 1, "data_wait_seconds": 0, "host": ""}],
+            "node must be",
+        ),
+        (
+            [{"rank": 1, "node": 0, "busy_seconds": None, "data_wait_seconds": 0, "host": ""}],
+            "in rank order",
+        ),
+        (
+            [{"rank": 0, "node": 0, "busy_seconds": None, "data_wait_seconds": 0, "host": 7}],
+            "host must be a string",
+        ),
     ],
 )
 def test_bad_rank_timings_in_a_done_marker_are_named(ranks: object, message: str) -> None:
