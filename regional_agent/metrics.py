@@ -48,6 +48,7 @@ from geofed.training_config import Precision
 from geofed.types import ArtifactKind, InvalidName, validate_name
 from regional_agent.handoff.flops import flops_utilisation, peak_flops
 from regional_agent.handoff.training_stats import RankTiming, TrainingStats
+from regional_agent.hardware_metrics import HARDWARE, HardwareMetrics
 
 __all__ = [
     "ACCELERATOR_ONLY",
@@ -262,6 +263,8 @@ RANK_STRAGGLER = MetricSpec(
     "1 while a rank is persistently slower than its peers (regional_agent/rounds/stragglers.py).",
     ("job", "region", "rank", "node"),
 )
+
+
 #: Per-rank gauges, set by :meth:`AgentMetrics.ranks_measured`.
 PER_RANK: Final[tuple[MetricSpec, ...]] = (
     RANK_BUSY_SECONDS,
@@ -282,7 +285,9 @@ TRAINING: Final[tuple[MetricSpec, ...]] = (
 )
 
 #: Names only an accelerator's worker group exports samples of (declared everywhere).
-ACCELERATOR_ONLY: Final = frozenset({PEAK_ACCELERATOR_MEMORY.name})
+ACCELERATOR_ONLY: Final = frozenset(
+    {PEAK_ACCELERATOR_MEMORY.name, *(spec.name for spec in HARDWARE if "gpu" in spec.labels)}
+)
 
 CATALOGUE: Final[tuple[MetricSpec, ...]] = (
     WORKER_RESTARTS,
@@ -305,6 +310,7 @@ CATALOGUE: Final[tuple[MetricSpec, ...]] = (
     CERTIFICATE_EXPIRY,
     *TRAINING,
     *PER_RANK,
+    *HARDWARE,
 )
 
 
@@ -430,6 +436,7 @@ class AgentMetrics:
         self.rank_data_wait_seconds = gauge(RANK_DATA_WAIT_SECONDS, registry)
         self.rank_straggler = gauge(RANK_STRAGGLER, registry)
         self._rank_series: dict[str, set[tuple[str, str]]] = {}
+        self.hardware = HardwareMetrics(registry, self.region)
         if peak_flops is not None and not (math.isfinite(peak_flops) and peak_flops > 0):
             raise MetricsError(f"peak_flops must be a finite number > 0, got {peak_flops}")
         self._peak_flops = peak_flops

@@ -239,6 +239,12 @@ async def test_every_selected_metric_is_exported_by_its_daemon(tmp_path: Path) -
         assert values(text, "geofed_agent_rank_busy_seconds")[job_id] > 0, region
         assert values(text, "geofed_agent_rank_data_wait_seconds")[job_id] >= 0, region
         assert values(text, "geofed_agent_rank_straggler")[job_id] == 0, region
+        # The node's hardware: its memory and state disk; no NVIDIA driver, so the GPU
+        # series are declared with no sample (absent, not zero).
+        found = series(text)
+        assert found["geofed_agent_state_disk_free_bytes"], region
+        assert found["geofed_agent_node_memory_available_bytes"], region
+        assert found["geofed_agent_gpu_utilization_ratio"] == [], region
         assert values(text, "geofed_agent_peak_accelerator_memory_bytes") == {}, region
         # Tiny model, CPU ranks: far below the peak given, but the ratio it says.
         assert values(text, "geofed_agent_mfu_ratio")[job_id] < 1, region

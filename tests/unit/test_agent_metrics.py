@@ -14,6 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from geofed.types import ArtifactKind
 from regional_agent.handoff.training_stats import RankTiming, TrainingStats
 from regional_agent.metrics import ACCELERATOR_ONLY, CATALOGUE, AgentMetrics, MetricsError
+from regional_agent.node_telemetry import GpuSample, NodeSample
 
 #: A round measured on one H100 (bf16 peak 989e12 FLOPs/s per device).
 GPU_ROUND = TrainingStats(
@@ -37,6 +38,8 @@ CPU_ROUND = TrainingStats(
     flops_per_token=6e6,
 )
 
+NODE = NodeSample(64 * 2**30, 48 * 2**30, 100 * 2**30, 500 * 2**30)
+ONE_GPU = GpuSample(0, 0.9, 40 * 2**30, 80 * 2**30, 71.0, 450.0, 3, 0, frozenset({"sw_power_cap"}))
 TWO_RANKS = (RankTiming(0, 0, 0.25, 0.1), RankTiming(1, 1, 0.5, 0.3))
 
 
@@ -130,6 +133,7 @@ def _populate(metrics: AgentMetrics) -> None:
     metrics.round_measured("charlm", GPU_ROUND, devices=1, precision="bf16")
     metrics.round_phases("charlm", {"sync": 1.5, "wait": 30.0})
     metrics.ranks_measured("charlm", TWO_RANKS, stragglers={1})
+    metrics.hardware.sampled("gpu-node-1", NODE, [ONE_GPU])
 
 
 def test_every_catalogued_metric_is_exposed_as_declared_and_nothing_else(registry, metrics):

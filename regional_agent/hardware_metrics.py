@@ -1,0 +1,134 @@
+"""The agent's metrics of its node's hardware (:mod:`regional_agent.node_telemetry`).
+
+GPU series carry ``node`` (the host) and ``gpu`` (NVML's index) labels, bounded by the
+node's GPUs; a node without NVML has none (declared, with no samples), and a figure a GPU
+does not report is absent rather than zero.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Final
+
+from prometheus_client import CollectorRegistry, Gauge
+
+from geofed.metric_spec import MetricSpec, gauge
+from regional_agent.node_telemetry import THROTTLE_REASONS, GpuSample, NodeSample
+
+__all__ = ["HARDWARE", "HardwareMetrics"]
+
+
+def _gpu(name: str, help_: str, *extra: str) -> MetricSpec:
+    return MetricSpec(name, "gauge", help_, ("region", "node", "gpu", *extra))
+
+
+GPU_UTILIZATION = _gpu(
+    "geofed_agent_gpu_utilization_ratio", "Share of the last sample period a GPU was busy (NVML)."
+)
+GPU_MEMORY_USED = _gpu("geofed_agent_gpu_memory_used_bytes", "Memory in use on a GPU (NVML).")
+GPU_MEMORY_TOTAL = _gpu("geofed_agent_gpu_memory_total_bytes", "A GPU's memory (NVML).")
+GPU_TEMPERATURE = _gpu("geofed_agent_gpu_temperature_celsius", "A GPU's temperature (NVML).")
+GPU_POWER = _gpu("geofed_agent_gpu_power_watts", "A GPU's power draw (NVML).")
+GPU_ECC_ERRORS = _gpu(
+    "geofed_agent_gpu_ecc_errors",
+    "ECC errors a GPU counted over its life, corrected or uncorrected (NVML aggregate).",
+    "kind",
+)
+GPU_THROTTLED = _gpu(
+    "geofed_agent_gpu_throttled",
+    "1 while a GPU's clocks are held down for the reason named (NVML clock event reasons).",
+    "reason",
+)
+NODE_MEMORY_TOTAL = MetricSpec(
+    "geofed_agent_node_memory_total_bytes", "gauge", "The agent node's memory.", ("region", "node")
+)
+NODE_MEMORY_AVAILABLE = MetricSpec(
+    "geofed_agent_node_memory_available_bytes",
+    "gauge",
+    "Memory available on the agent's node (MemAvailable).",
+    ("region", "node"),
+)
+STATE_DISK_FREE = MetricSpec(
+    "geofed_agent_state_disk_free_bytes",
+    "gauge",
+    "Free space on the disk of the agent's state directory.",
+    ("region", "node"),
+)
+#: The node's hardware, set by :meth:`HardwareMetrics.sampled`.
+HARDWARE: Final[tuple[MetricSpec, ...]] = (
+    GPU_UTILIZATION,
+    GPU_MEMORY_USED,
+    GPU_MEMORY_TOTAL,
+    GPU_TEMPERATURE,
+    GPU_POWER,
+    GPU_ECC_ERRORS,
+    GPU_THROTTLED,
+    NODE_MEMORY_TOTAL,
+    NODE_MEMORY_AVAILABLE,
+    STATE_DISK_FREE,
+)
+_GPU_FIGURES: Final = (
+    GPU_UTILIZATION,
+    GPU_MEMORY_USED,
+    GPU_MEMORY_TOTAL,
+    GPU_TEMPERATURE,
+    GPU_POWER,
+)
+
+
+class HardwareMetrics:
+    """The hardware gauges of one agent (registered in its registry)."""
+
+    def __init__(self, registry: CollectorRegistry, region: str) -> None:
+        self.region = region
+        self._hardware = {spec.name: gauge(spec, registry) for spec in HARDWARE}
+        self._gpu_series: set[tuple[str, str]] = set()
+
+    def sampled(self, node: str, sample: NodeSample, gpus: Sequence[GpuSample] | None) -> None:
+        """The node's hardware as sampled (``gpus`` None: no GPU reader, no GPU series);
+        a figure a GPU does not report is removed rather than left at an older value."""
+        hw, region = self._hardware, self.region
+        for spec, value in (
+            (NODE_MEMORY_TOTAL, sample.memory_total_bytes),
+            (NODE_MEMORY_AVAILABLE, sample.memory_available_bytes),
+            (STATE_DISK_FREE, sample.disk_free_bytes),
+        ):
+            _set_or_remove(hw[spec.name], (region, node), value)
+        seen = {(node, str(gpu.index)) for gpu in gpus or ()}
+        for gone in self._gpu_series - seen:
+            for spec in _GPU_FIGURES:
+                hw[spec.name].remove(region, *gone)
+            for kind in ("corrected", "uncorrected"):
+                hw[GPU_ECC_ERRORS.name].remove(region, *gone, kind)
+            for reason in THROTTLE_REASONS:
+                hw[GPU_THROTTLED.name].remove(region, *gone, reason)
+        self._gpu_series = seen
+        for gpu in gpus or ():
+            labels = (region, node, str(gpu.index))
+            for spec, figure in zip(_GPU_FIGURES, _figures(gpu), strict=True):
+                _set_or_remove(hw[spec.name], labels, figure)
+            for kind, count in (
+                ("corrected", gpu.ecc_corrected),
+                ("uncorrected", gpu.ecc_uncorrected),
+            ):
+                _set_or_remove(hw[GPU_ECC_ERRORS.name], (*labels, kind), count)
+            for reason in THROTTLE_REASONS:
+                held = None if gpu.throttle_reasons is None else reason in gpu.throttle_reasons
+                _set_or_remove(hw[GPU_THROTTLED.name], (*labels, reason), held)
+
+
+def _figures(gpu: GpuSample) -> tuple[float | None, ...]:
+    return (
+        gpu.utilization_ratio,
+        gpu.memory_used_bytes,
+        gpu.memory_total_bytes,
+        gpu.temperature_celsius,
+        gpu.power_watts,
+    )
+
+
+def _set_or_remove(collector: Gauge, labels: tuple[str, ...], value: float | None) -> None:
+    if value is None:
+        collector.remove(*labels)
+    else:
+        collector.labels(*labels).set(float(value))

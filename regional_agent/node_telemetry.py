@@ -1,0 +1,204 @@
+"""The hardware of the agent's node: its GPUs through NVML, its memory and state disk.
+
+What the operator of a large run watches besides the job: each GPU's utilization, memory,
+temperature, power, ECC error counts and the reasons its clocks are held down; the node's
+memory and the free space under the agent's state directory. GPUs are read through one
+narrow interface (:class:`GpuReader`); :class:`NvmlReader` is NVML's (``nvidia-ml-py``),
+opened on the first sample. Where NVML cannot be opened (no NVIDIA driver, as on a CPU
+region) there are no GPU figures at all, and a figure a device does not support is
+absent, never zero. Blocking: sample from a worker thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import socket
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Final, Protocol, TypeVar
+
+__all__ = [
+    "THROTTLE_REASONS",
+    "GpuReader",
+    "GpuSample",
+    "NodeSample",
+    "NodeTelemetry",
+    "NvmlReader",
+    "open_nvml",
+    "parse_meminfo",
+    "read_node",
+    "throttle_names",
+]
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+#: NVML's clock event (throttle) reason bits, by the name the metrics use.
+THROTTLE_REASONS: Final[dict[str, int]] = {
+    "gpu_idle": 0x1,
+    "applications_clocks_setting": 0x2,
+    "sw_power_cap": 0x4,
+    "hw_slowdown": 0x8,
+    "sync_boost": 0x10,
+    "sw_thermal_slowdown": 0x20,
+    "hw_thermal_slowdown": 0x40,
+    "hw_power_brake_slowdown": 0x80,
+    "display_clock_setting": 0x100,
+}
+
+
+def throttle_names(mask: int) -> frozenset[str]:
+    """The names of the reasons set in NVML's reason ``mask`` (unknown bits left out)."""
+    return frozenset(name for name, bit in THROTTLE_REASONS.items() if mask & bit)
+
+
+@dataclass(frozen=True, slots=True)
+class GpuSample:
+    """One GPU's figures at one moment; None: not supported by the device."""
+
+    index: int
+    utilization_ratio: float | None = None
+    memory_used_bytes: int | None = None
+    memory_total_bytes: int | None = None
+    temperature_celsius: float | None = None
+    power_watts: float | None = None
+    ecc_corrected: int | None = None
+    """Corrected ECC errors over the device's life (NVML's aggregate count)."""
+    ecc_uncorrected: int | None = None
+    throttle_reasons: frozenset[str] | None = None
+
+
+class GpuReader(Protocol):
+    """Where GPU figures come from (NVML, or a fake at this edge in tests)."""
+
+    def read(self) -> list[GpuSample]:
+        """Every GPU of the node, by index."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class NodeSample:
+    """The node's memory (None where /proc/meminfo is not readable) and state disk."""
+
+    memory_total_bytes: int | None
+    memory_available_bytes: int | None
+    disk_free_bytes: int
+    disk_total_bytes: int
+
+
+def parse_meminfo(text: str) -> tuple[int | None, int | None]:
+    """``MemTotal`` and ``MemAvailable`` of a /proc/meminfo text, in bytes."""
+    found: dict[str, int] = {}
+    for line in text.splitlines():
+        name, _, rest = line.partition(":")
+        fields = rest.split()
+        if name in ("MemTotal", "MemAvailable") and fields and fields[0].isdigit():
+            unit = 1024 if fields[1:] == ["kB"] else 1
+            found[name] = int(fields[0]) * unit
+    return found.get("MemTotal"), found.get("MemAvailable")
+
+
+def read_node(state_dir: Path, meminfo: Path = Path("/proc/meminfo")) -> NodeSample:
+    """The node's memory and the disk ``state_dir`` is on."""
+    try:
+        total, available = parse_meminfo(meminfo.read_text())
+    except OSError:
+        total, available = None, None
+    usage = shutil.disk_usage(state_dir)
+    return NodeSample(total, available, usage.free, usage.total)
+
+
+class NvmlReader:
+    """:class:`GpuReader` over an initialised ``pynvml`` module."""
+
+    def __init__(self, nvml: Any) -> None:
+        self._nvml = nvml
+
+    def read(self) -> list[GpuSample]:
+        nvml = self._nvml
+        return [self._sample(i, nvml.nvmlDeviceGetHandleByIndex(i)) for i in range(self._count())]
+
+    def _count(self) -> int:
+        return int(self._nvml.nvmlDeviceGetCount())
+
+    def _sample(self, index: int, handle: Any) -> GpuSample:
+        nvml = self._nvml
+        memory = self._field(lambda: nvml.nvmlDeviceGetMemoryInfo(handle))
+        utilization = self._field(lambda: nvml.nvmlDeviceGetUtilizationRates(handle).gpu)
+        power_mw = self._field(lambda: nvml.nvmlDeviceGetPowerUsage(handle))
+        reasons = self._field(lambda: nvml.nvmlDeviceGetCurrentClocksEventReasons(handle))
+
+        def ecc(kind: int) -> int | None:
+            total = self._field(
+                lambda: nvml.nvmlDeviceGetTotalEccErrors(handle, kind, nvml.NVML_AGGREGATE_ECC)
+            )
+            return None if total is None else int(total)
+
+        temperature = self._field(
+            lambda: nvml.nvmlDeviceGetTemperature(handle, nvml.NVML_TEMPERATURE_GPU)
+        )
+        return GpuSample(
+            index=index,
+            utilization_ratio=None if utilization is None else float(utilization) / 100.0,
+            memory_used_bytes=None if memory is None else int(memory.used),
+            memory_total_bytes=None if memory is None else int(memory.total),
+            temperature_celsius=None if temperature is None else float(temperature),
+            power_watts=None if power_mw is None else float(power_mw) / 1000.0,
+            ecc_corrected=ecc(nvml.NVML_MEMORY_ERROR_TYPE_CORRECTED),
+            ecc_uncorrected=ecc(nvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED),
+            throttle_reasons=None if reasons is None else throttle_names(int(reasons)),
+        )
+
+    def _field(self, read: Callable[[], T]) -> T | None:
+        """``read()``, or None where the device does not support it."""
+        try:
+            return read()
+        except self._nvml.NVMLError:
+            return None
+
+
+def open_nvml() -> tuple[NvmlReader | None, str]:
+    """NVML's reader, or None and why not (``nvidia-ml-py`` missing, no driver)."""
+    try:
+        import pynvml
+    except ImportError:
+        return None, "nvidia-ml-py is not installed"
+    try:
+        pynvml.nvmlInit()
+    except pynvml.NVMLError as exc:
+        return None, f"NVML is not available: {exc}"
+    return NvmlReader(pynvml), "NVML"
+
+
+class NodeTelemetry:
+    """Samples the node (:meth:`sample`, blocking); NVML is opened on the first sample."""
+
+    def __init__(
+        self,
+        state_dir: Path,
+        *,
+        gpus: GpuReader | None = None,
+        opener: Callable[[], tuple[GpuReader | None, str]] = open_nvml,
+        node: str | None = None,
+    ) -> None:
+        self.state_dir = state_dir
+        self.node = node or socket.gethostname()
+        self._gpus = gpus
+        self._opener = None if gpus is not None else opener
+
+    def sample(self) -> tuple[NodeSample, list[GpuSample] | None]:
+        """The node's figures, and its GPUs' (None: no GPU reader)."""
+        if self._opener is not None:
+            self._gpus, why = self._opener()
+            self._opener = None
+            log.info("GPU telemetry on %s: %s", self.node, why if self._gpus is None else "NVML")
+        gpus = None
+        if self._gpus is not None:
+            try:
+                gpus = self._gpus.read()
+            except Exception as exc:  # a driver gone wrong: no figures rather than no scrape
+                log.warning("reading the GPUs failed: %s", exc)
+        return read_node(self.state_dir), gpus

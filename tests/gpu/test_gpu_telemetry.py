@@ -1,0 +1,40 @@
+"""The node's GPUs through the real NVML (regional_agent/node_telemetry.py).
+
+On a machine with an NVIDIA driver the agent's telemetry opens NVML and reads every GPU
+torch sees: memory within the device's, utilization a ratio, a temperature and a clock
+event reason set (possibly empty) for each; the hardware gauges carry one series per GPU.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from prometheus_client import CollectorRegistry
+
+from regional_agent.hardware_metrics import HardwareMetrics
+from regional_agent.node_telemetry import NodeTelemetry, open_nvml
+from tests.support.gpu import require_cuda
+
+
+def test_nvml_reads_every_gpu_torch_sees(tmp_path: Path) -> None:
+    require_cuda()
+    reader, why = open_nvml()
+    assert reader is not None, why
+    gpus = reader.read()
+    assert len(gpus) >= torch.cuda.device_count()
+    for gpu in gpus:
+        assert gpu.memory_total_bytes is not None
+        assert gpu.memory_total_bytes > 0
+        assert gpu.memory_used_bytes is not None
+        assert 0 <= gpu.memory_used_bytes <= gpu.memory_total_bytes
+        assert gpu.utilization_ratio is not None
+        assert 0.0 <= gpu.utilization_ratio <= 1.0
+        assert gpu.temperature_celsius is not None
+        assert gpu.throttle_reasons is not None
+    registry = CollectorRegistry()
+    node, sampled = NodeTelemetry(tmp_path, node="gpu-node").sample()
+    assert sampled is not None
+    HardwareMetrics(registry, "eu-west").sampled("gpu-node", node, sampled)
+    labels = {"region": "eu-west", "node": "gpu-node", "gpu": "0"}
+    assert registry.get_sample_value("geofed_agent_gpu_memory_total_bytes", labels)

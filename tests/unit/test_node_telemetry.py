@@ -1,0 +1,173 @@
+"""The node's hardware figures (regional_agent/node_telemetry.py, hardware_metrics.py).
+
+NVML is read through one narrow interface; here a fake ``pynvml`` module stands in for
+it at that edge (``FakeNvml``, named as such), and the real ``open_nvml`` is asked on
+this machine, which has no NVIDIA driver. The GPU paths run for real in tests/gpu.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from regional_agent.hardware_metrics import HardwareMetrics
+from regional_agent.node_telemetry import (
+    GpuSample,
+    NodeSample,
+    NodeTelemetry,
+    NvmlReader,
+    open_nvml,
+    parse_meminfo,
+    read_node,
+    throttle_names,
+)
+
+MEMINFO = "MemTotal:       65843212 kB\nMemFree:         1000 kB\nMemAvailable:   50331648 kB\n"
+
+
+def test_meminfo_and_the_state_disk(tmp_path: Path) -> None:
+    assert parse_meminfo(MEMINFO) == (65843212 * 1024, 50331648 * 1024)
+    assert parse_meminfo("MemTotal: lots\n") == (None, None)
+    info = tmp_path / "meminfo"
+    info.write_text(MEMINFO)
+    node = read_node(tmp_path, info)
+    assert node.memory_available_bytes == 50331648 * 1024
+    assert 0 < node.disk_free_bytes <= node.disk_total_bytes
+    assert read_node(tmp_path, tmp_path / "absent").memory_total_bytes is None
+
+
+def test_throttle_reasons_by_name() -> None:
+    assert throttle_names(0) == frozenset()
+    assert throttle_names(0x4 | 0x40 | 0x10000) == {"sw_power_cap", "hw_thermal_slowdown"}
+
+
+class NVMLError(Exception):
+    pass
+
+
+@dataclass
+class FakeNvml:
+    """A fake ``pynvml`` at the outer edge: two GPUs, the second without power or ECC."""
+
+    NVMLError = NVMLError
+    NVML_AGGREGATE_ECC = 1
+    NVML_TEMPERATURE_GPU = 0
+    NVML_MEMORY_ERROR_TYPE_CORRECTED = 0
+    NVML_MEMORY_ERROR_TYPE_UNCORRECTED = 1
+
+    def nvmlDeviceGetCount(self) -> int:
+        return 2
+
+    def nvmlDeviceGetHandleByIndex(self, index: int) -> int:
+        return index
+
+    def nvmlDeviceGetMemoryInfo(self, handle: int) -> Any:
+        return SimpleNamespace(used=(handle + 1) * 2**30, total=80 * 2**30)
+
+    def nvmlDeviceGetUtilizationRates(self, handle: int) -> Any:
+        return SimpleNamespace(gpu=97 if handle == 0 else 3)
+
+    def nvmlDeviceGetPowerUsage(self, handle: int) -> int:
+        if handle == 1:
+            raise NVMLError("Not Supported")
+        return 612_500
+
+    def nvmlDeviceGetCurrentClocksEventReasons(self, handle: int) -> int:
+        return 0x40 if handle == 0 else 0x1
+
+    def nvmlDeviceGetTotalEccErrors(self, handle: int, kind: int, counter: int) -> int:
+        if handle == 1:
+            raise NVMLError("Not Supported")
+        assert counter == self.NVML_AGGREGATE_ECC
+        return 5 if kind == self.NVML_MEMORY_ERROR_TYPE_CORRECTED else 1
+
+    def nvmlDeviceGetTemperature(self, handle: int, sensor: int) -> int:
+        return 83
+
+
+def test_nvml_figures_and_what_a_gpu_does_not_support() -> None:
+    first, second = NvmlReader(FakeNvml()).read()
+    assert first == GpuSample(
+        index=0,
+        utilization_ratio=0.97,
+        memory_used_bytes=2**30,
+        memory_total_bytes=80 * 2**30,
+        temperature_celsius=83.0,
+        power_watts=612.5,
+        ecc_corrected=5,
+        ecc_uncorrected=1,
+        throttle_reasons=frozenset({"hw_thermal_slowdown"}),
+    )
+    assert second.power_watts is None
+    assert second.ecc_corrected is None
+    assert second.throttle_reasons == frozenset({"gpu_idle"})
+
+
+def test_without_a_driver_nvml_is_absent_and_says_why() -> None:
+    reader, why = open_nvml()  # this machine has no NVIDIA driver
+    assert reader is None
+    assert why.startswith("NVML is not available: "), why
+
+
+class BrokenGpus:
+    """A fake reader at the edge whose driver fails on every read."""
+
+    def read(self) -> list[GpuSample]:
+        raise RuntimeError("GPU is lost")
+
+
+def test_the_telemetry_opens_nvml_once_and_survives_a_failing_read(tmp_path: Path) -> None:
+    opened: list[int] = []
+
+    def opener() -> tuple[Any, str]:
+        opened.append(1)
+        return NvmlReader(FakeNvml()), "NVML"
+
+    telemetry = NodeTelemetry(tmp_path, opener=opener, node="n1")
+    for _ in range(2):
+        node, gpus = telemetry.sample()
+        assert node.disk_total_bytes > 0
+        assert gpus is not None
+        assert [g.index for g in gpus] == [0, 1]
+    assert opened == [1]
+    assert NodeTelemetry(tmp_path, gpus=BrokenGpus(), node="n1").sample()[1] is None
+    absent = NodeTelemetry(tmp_path, opener=lambda: (None, "no driver"), node="n1")
+    assert absent.sample()[1] is None
+
+
+def value(registry: CollectorRegistry, name: str, **labels: str) -> float | None:
+    return registry.get_sample_value(name, {"region": "eu-west", "node": "n1", **labels})
+
+
+def test_hardware_gauges_follow_the_samples(tmp_path: Path) -> None:
+    registry = CollectorRegistry()
+    metrics = HardwareMetrics(registry, "eu-west")
+    node = NodeSample(64, 48, 100, 500)
+    gpus = NvmlReader(FakeNvml()).read()
+    metrics.sampled("n1", node, gpus)
+    assert value(registry, "geofed_agent_node_memory_available_bytes") == 48
+    assert value(registry, "geofed_agent_state_disk_free_bytes") == 100
+    assert value(registry, "geofed_agent_gpu_utilization_ratio", gpu="0") == 0.97
+    assert value(registry, "geofed_agent_gpu_power_watts", gpu="0") == 612.5
+    assert value(registry, "geofed_agent_gpu_power_watts", gpu="1") is None  # unsupported
+    assert value(registry, "geofed_agent_gpu_ecc_errors", gpu="0", kind="uncorrected") == 1
+    assert value(registry, "geofed_agent_gpu_throttled", gpu="0", reason="hw_thermal_slowdown") == 1
+    assert value(registry, "geofed_agent_gpu_throttled", gpu="0", reason="gpu_idle") == 0
+    # GPU 1 gone from the node, then no GPU reader at all: their series go.
+    metrics.sampled("n1", node, gpus[:1])
+    assert value(registry, "geofed_agent_gpu_utilization_ratio", gpu="1") is None
+    assert value(registry, "geofed_agent_gpu_throttled", gpu="1", reason="gpu_idle") is None
+    metrics.sampled("n1", NodeSample(None, None, 100, 500), None)
+    assert value(registry, "geofed_agent_gpu_utilization_ratio", gpu="0") is None
+    assert value(registry, "geofed_agent_node_memory_total_bytes") is None
+    assert value(registry, "geofed_agent_state_disk_free_bytes") == 100
+
+
+@pytest.mark.parametrize("mask", [0, 0x1FF])
+def test_every_named_reason_is_one_bit(mask: int) -> None:
+    assert len(throttle_names(mask)) == bin(mask).count("1")
