@@ -74,7 +74,7 @@ from regional_agent.launch.backends import make_launcher
 from regional_agent.launch.launcher import Launcher
 from regional_agent.launch.worker_group import WorkerGroup, WorkerGroupConfig, WorkerGroupFailed
 from regional_agent.metrics import AgentMetrics
-from regional_agent.node_telemetry import NodeTelemetry
+from regional_agent.node_telemetry import NodeTelemetry, TelemetrySampler
 from regional_agent.rounds.measurements import RoundMeasurements
 from regional_agent.rounds.pipeline import PipelineRegion, RetryLater, RoundEnd, RoundPipeline
 from regional_agent.rounds.schedule import Running, Schedule, Stop
@@ -181,7 +181,7 @@ class Agent:
             capacity=lambda: probe_capacity(workers.count, workers.backend),
         )
         self._state = AgentState(config.state_dir)
-        self._telemetry = NodeTelemetry(config.state_dir)
+        self._telemetry = TelemetrySampler(NodeTelemetry(config.state_dir))
         self._timeline = Timeline(
             config.state_dir,
             on_round=lambda done: self._metrics.round_phases(
@@ -221,8 +221,9 @@ class Agent:
             restarts = await asyncio.to_thread(lambda: self._workers.restart_count)
             self._metrics.observe_worker_restarts(restarts)
             self._metrics.set_mqtt_connected(self._control.connected.is_set())
-            node, gpus = await asyncio.to_thread(self._telemetry.sample)
-            self._metrics.hardware.sampled(self._telemetry.node, node, gpus)
+            sample = await self._telemetry.sample()
+            if sample is not None:
+                self._metrics.hardware.sampled(self._telemetry.telemetry.node, *sample)
 
     def health(self) -> dict[str, str]:
         """What ``/healthz`` tells besides being alive."""
@@ -375,6 +376,7 @@ class Agent:
             await asyncio.wait([self._drain])
         self._status.update("offline", detail="stopping")
         self._metrics.set_participating(False)
+        self._telemetry.close()
         try:
             status = await self._workers.stop()
             log.info("worker group stopped (status %s)", status)

@@ -1,8 +1,10 @@
 """The agent's metrics of its node's hardware (:mod:`regional_agent.node_telemetry`).
 
-GPU series carry ``node`` (the host) and ``gpu`` (NVML's index) labels, bounded by the
-node's GPUs; a node without NVML has none (declared, with no samples), and a figure a GPU
-does not report is absent rather than zero.
+Series carry the ``host`` (its name; the per-rank series' ``node`` is the launcher's node
+index instead) and, for a GPU, ``gpu`` (NVML's index, in PCI order): bounded by the
+node's GPUs. A node without NVML has no GPU series (declared, with no samples), not even
+``geofed_agent_gpus``; one whose GPUs could not be read has ``geofed_agent_gpus`` 0; a
+figure a GPU does not report is absent rather than zero.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ __all__ = ["HARDWARE", "HardwareMetrics"]
 
 
 def _gpu(name: str, help_: str, *extra: str) -> MetricSpec:
-    return MetricSpec(name, "gauge", help_, ("region", "node", "gpu", *extra))
+    return MetricSpec(name, "gauge", help_, ("region", "host", "gpu", *extra))
 
 
 GPU_UTILIZATION = _gpu(
@@ -39,20 +41,32 @@ GPU_THROTTLED = _gpu(
     "1 while a GPU's clocks are held down for the reason named (NVML clock event reasons).",
     "reason",
 )
+GPUS = MetricSpec(
+    "geofed_agent_gpus",
+    "gauge",
+    "GPUs the agent's node read through NVML at the latest scrape (0: reading failed).",
+    ("region", "host"),
+)
 NODE_MEMORY_TOTAL = MetricSpec(
-    "geofed_agent_node_memory_total_bytes", "gauge", "The agent node's memory.", ("region", "node")
+    "geofed_agent_node_memory_total_bytes", "gauge", "The agent node's memory.", ("region", "host")
 )
 NODE_MEMORY_AVAILABLE = MetricSpec(
     "geofed_agent_node_memory_available_bytes",
     "gauge",
     "Memory available on the agent's node (MemAvailable).",
-    ("region", "node"),
+    ("region", "host"),
 )
 STATE_DISK_FREE = MetricSpec(
     "geofed_agent_state_disk_free_bytes",
     "gauge",
     "Free space on the disk of the agent's state directory.",
-    ("region", "node"),
+    ("region", "host"),
+)
+STATE_DISK_TOTAL = MetricSpec(
+    "geofed_agent_state_disk_total_bytes",
+    "gauge",
+    "Size of the disk of the agent's state directory.",
+    ("region", "host"),
 )
 #: The node's hardware, set by :meth:`HardwareMetrics.sampled`.
 HARDWARE: Final[tuple[MetricSpec, ...]] = (
@@ -63,9 +77,11 @@ HARDWARE: Final[tuple[MetricSpec, ...]] = (
     GPU_POWER,
     GPU_ECC_ERRORS,
     GPU_THROTTLED,
+    GPUS,
     NODE_MEMORY_TOTAL,
     NODE_MEMORY_AVAILABLE,
     STATE_DISK_FREE,
+    STATE_DISK_TOTAL,
 )
 _GPU_FIGURES: Final = (
     GPU_UTILIZATION,
@@ -84,7 +100,7 @@ class HardwareMetrics:
         self._hardware = {spec.name: gauge(spec, registry) for spec in HARDWARE}
         self._gpu_series: set[tuple[str, str]] = set()
 
-    def sampled(self, node: str, sample: NodeSample, gpus: Sequence[GpuSample] | None) -> None:
+    def sampled(self, host: str, sample: NodeSample, gpus: Sequence[GpuSample] | None) -> None:
         """The node's hardware as sampled (``gpus`` None: no GPU reader, no GPU series);
         a figure a GPU does not report is removed rather than left at an older value."""
         hw, region = self._hardware, self.region
@@ -92,9 +108,11 @@ class HardwareMetrics:
             (NODE_MEMORY_TOTAL, sample.memory_total_bytes),
             (NODE_MEMORY_AVAILABLE, sample.memory_available_bytes),
             (STATE_DISK_FREE, sample.disk_free_bytes),
+            (STATE_DISK_TOTAL, sample.disk_total_bytes),
+            (GPUS, None if gpus is None else len(gpus)),
         ):
-            _set_or_remove(hw[spec.name], (region, node), value)
-        seen = {(node, str(gpu.index)) for gpu in gpus or ()}
+            _set_or_remove(hw[spec.name], (region, host), value)
+        seen = {(host, str(gpu.index)) for gpu in gpus or ()}
         for gone in self._gpu_series - seen:
             for spec in _GPU_FIGURES:
                 hw[spec.name].remove(region, *gone)
@@ -104,7 +122,7 @@ class HardwareMetrics:
                 hw[GPU_THROTTLED.name].remove(region, *gone, reason)
         self._gpu_series = seen
         for gpu in gpus or ():
-            labels = (region, node, str(gpu.index))
+            labels = (region, host, str(gpu.index))
             for spec, figure in zip(_GPU_FIGURES, _figures(gpu), strict=True):
                 _set_or_remove(hw[spec.name], labels, figure)
             for kind, count in (

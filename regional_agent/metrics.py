@@ -263,8 +263,6 @@ RANK_STRAGGLER = MetricSpec(
     "1 while a rank is persistently slower than its peers (regional_agent/rounds/stragglers.py).",
     ("job", "region", "rank", "node"),
 )
-
-
 #: Per-rank gauges, set by :meth:`AgentMetrics.ranks_measured`.
 PER_RANK: Final[tuple[MetricSpec, ...]] = (
     RANK_BUSY_SECONDS,
@@ -286,7 +284,7 @@ TRAINING: Final[tuple[MetricSpec, ...]] = (
 
 #: Names only an accelerator's worker group exports samples of (declared everywhere).
 ACCELERATOR_ONLY: Final = frozenset(
-    {PEAK_ACCELERATOR_MEMORY.name, *(spec.name for spec in HARDWARE if "gpu" in spec.labels)}
+    {PEAK_ACCELERATOR_MEMORY.name, *(spec.name for spec in HARDWARE if "_gpu" in spec.name)}
 )
 
 CATALOGUE: Final[tuple[MetricSpec, ...]] = (

@@ -5,16 +5,21 @@ temperature, power, ECC error counts and the reasons its clocks are held down; t
 memory and the free space under the agent's state directory. GPUs are read through one
 narrow interface (:class:`GpuReader`); :class:`NvmlReader` is NVML's (``nvidia-ml-py``),
 opened on the first sample. Where NVML cannot be opened (no NVIDIA driver, as on a CPU
-region) there are no GPU figures at all, and a figure a device does not support is
-absent, never zero. Blocking: sample from a worker thread.
+region) there are no GPU figures at all; a figure a device does not report (unsupported,
+or an error reading it) is absent, never zero, and a GPU that cannot be read at all is
+left out. :class:`TelemetrySampler` takes the samples on a thread of its own, one at a
+time, so a hung driver holds up neither the event loop nor the other threads.
 """
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import logging
 import shutil
 import socket
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final, Protocol, TypeVar
@@ -26,6 +31,7 @@ __all__ = [
     "NodeSample",
     "NodeTelemetry",
     "NvmlReader",
+    "TelemetrySampler",
     "open_nvml",
     "parse_meminfo",
     "read_node",
@@ -81,12 +87,13 @@ class GpuReader(Protocol):
 
 @dataclass(frozen=True, slots=True)
 class NodeSample:
-    """The node's memory (None where /proc/meminfo is not readable) and state disk."""
+    """The node's memory (None where /proc/meminfo is not readable) and state disk
+    (None where the state directory is not there yet)."""
 
     memory_total_bytes: int | None
     memory_available_bytes: int | None
-    disk_free_bytes: int
-    disk_total_bytes: int
+    disk_free_bytes: int | None
+    disk_total_bytes: int | None
 
 
 def parse_meminfo(text: str) -> tuple[int | None, int | None]:
@@ -107,7 +114,10 @@ def read_node(state_dir: Path, meminfo: Path = Path("/proc/meminfo")) -> NodeSam
         total, available = parse_meminfo(meminfo.read_text())
     except OSError:
         total, available = None, None
-    usage = shutil.disk_usage(state_dir)
+    try:
+        usage = shutil.disk_usage(state_dir)
+    except OSError:
+        return NodeSample(total, available, None, None)
     return NodeSample(total, available, usage.free, usage.total)
 
 
@@ -118,11 +128,15 @@ class NvmlReader:
         self._nvml = nvml
 
     def read(self) -> list[GpuSample]:
-        nvml = self._nvml
-        return [self._sample(i, nvml.nvmlDeviceGetHandleByIndex(i)) for i in range(self._count())]
-
-    def _count(self) -> int:
-        return int(self._nvml.nvmlDeviceGetCount())
+        count = self._field(self._nvml.nvmlDeviceGetCount)
+        if count is None:
+            raise RuntimeError("NVML could not count the GPUs")
+        found = []
+        for index in range(int(count)):
+            handle = self._field(functools.partial(self._nvml.nvmlDeviceGetHandleByIndex, index))
+            if handle is not None:  # a GPU lost: the others are still read
+                found.append(self._sample(index, handle))
+        return found
 
     def _sample(self, index: int, handle: Any) -> GpuSample:
         nvml = self._nvml
@@ -153,10 +167,11 @@ class NvmlReader:
         )
 
     def _field(self, read: Callable[[], T]) -> T | None:
-        """``read()``, or None where the device does not support it."""
+        """``read()``, or None where the device does not report it (an NVML error, or a
+        function these bindings do not have)."""
         try:
             return read()
-        except self._nvml.NVMLError:
+        except (self._nvml.NVMLError, AttributeError):
             return None
 
 
@@ -171,6 +186,9 @@ def open_nvml() -> tuple[NvmlReader | None, str]:
     except pynvml.NVMLError as exc:
         return None, f"NVML is not available: {exc}"
     return NvmlReader(pynvml), "NVML"
+
+
+Sample = tuple[NodeSample, list[GpuSample] | None]
 
 
 class NodeTelemetry:
@@ -188,17 +206,50 @@ class NodeTelemetry:
         self.node = node or socket.gethostname()
         self._gpus = gpus
         self._opener = None if gpus is not None else opener
+        self._failed: str | None = None
 
-    def sample(self) -> tuple[NodeSample, list[GpuSample] | None]:
-        """The node's figures, and its GPUs' (None: no GPU reader)."""
+    def sample(self) -> Sample:
+        """The node's figures, and its GPUs' (None: no GPU reader; empty: reading failed).
+
+        Blocking."""
         if self._opener is not None:
             self._gpus, why = self._opener()
             self._opener = None
-            log.info("GPU telemetry on %s: %s", self.node, why if self._gpus is None else "NVML")
+            log.info("GPU telemetry on %s: %s", self.node, why)
         gpus = None
         if self._gpus is not None:
             try:
                 gpus = self._gpus.read()
+                failed = None
             except Exception as exc:  # a driver gone wrong: no figures rather than no scrape
-                log.warning("reading the GPUs failed: %s", exc)
+                gpus, failed = [], str(exc)
+            if failed != self._failed:  # logged when it changes, not at every scrape
+                self._failed = failed
+                if failed is None:
+                    log.info("reading the GPUs works again")
+                else:
+                    log.warning("reading the GPUs failed: %s", failed)
         return read_node(self.state_dir), gpus
+
+
+class TelemetrySampler:
+    """Samples a :class:`NodeTelemetry` on a thread of its own, one sample at a time."""
+
+    def __init__(self, telemetry: NodeTelemetry) -> None:
+        self.telemetry = telemetry
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="geofed-telemetry")
+        self._running: asyncio.Future[Sample] | None = None
+
+    async def sample(self) -> Sample | None:
+        """A fresh sample; None while the previous one is still being taken (a hung
+        driver: the gauges keep their values, and no thread piles up behind it)."""
+        if self._running is not None and not self._running.done():
+            return None
+        loop = asyncio.get_running_loop()
+        self._running = loop.run_in_executor(self._executor, self.telemetry.sample)
+        # Shielded: a scrape that gives up leaves the sample to finish on its thread.
+        return await asyncio.shield(self._running)
+
+    def close(self) -> None:
+        """Stop taking samples (a sample under way finishes on its own thread)."""
+        self._executor.shutdown(wait=False, cancel_futures=True)

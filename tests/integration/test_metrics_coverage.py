@@ -39,6 +39,7 @@ from geofed.pki import client_ssl_context, load_trust_bundle
 from geofed.pki.httpauth import VerifiedConnector
 from geofed.types import Identity, Role
 from regional_agent import metrics as agent_metrics
+from regional_agent.node_telemetry import open_nvml
 from tests.support.federation import FEDERATION, FederationRun, running_federation
 from tests.support.monitoring import DASHBOARD, RULES, catalogued, queries
 from tests.support.promql import selectors
@@ -222,6 +223,7 @@ async def test_every_selected_metric_is_exported_by_its_daemon(tmp_path: Path) -
     assert checked > 0
     assert problems == [], "dead alerts or empty panels:\n" + "\n".join(problems)
 
+    nvml, _ = open_nvml()  # whether this machine's agents can read GPUs
     # What the workers measured training the round, as each agent exports it.
     for region, text in trained.items():
         (job_id,) = values(text, "geofed_agent_train_tokens_per_second")
@@ -239,12 +241,16 @@ async def test_every_selected_metric_is_exported_by_its_daemon(tmp_path: Path) -
         assert values(text, "geofed_agent_rank_busy_seconds")[job_id] > 0, region
         assert values(text, "geofed_agent_rank_data_wait_seconds")[job_id] >= 0, region
         assert values(text, "geofed_agent_rank_straggler")[job_id] == 0, region
-        # The node's hardware: its memory and state disk; no NVIDIA driver, so the GPU
-        # series are declared with no sample (absent, not zero).
+        # The node's hardware: its memory and state disk; without an NVIDIA driver the
+        # GPU series are declared with no sample (absent, not zero).
         found = series(text)
         assert found["geofed_agent_state_disk_free_bytes"], region
         assert found["geofed_agent_node_memory_available_bytes"], region
-        assert found["geofed_agent_gpu_utilization_ratio"] == [], region
+        if nvml is None:
+            assert found["geofed_agent_gpus"] == [], region
+            assert found["geofed_agent_gpu_utilization_ratio"] == [], region
+        else:
+            assert found["geofed_agent_gpus"], region
         assert values(text, "geofed_agent_peak_accelerator_memory_bytes") == {}, region
         # Tiny model, CPU ranks: far below the peak given, but the ratio it says.
         assert values(text, "geofed_agent_mfu_ratio")[job_id] < 1, region

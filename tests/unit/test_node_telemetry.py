@@ -1,12 +1,15 @@
 """The node's hardware figures (regional_agent/node_telemetry.py, hardware_metrics.py).
 
 NVML is read through one narrow interface; here a fake ``pynvml`` module stands in for
-it at that edge (``FakeNvml``, named as such), and the real ``open_nvml`` is asked on
-this machine, which has no NVIDIA driver. The GPU paths run for real in tests/gpu.
+it at that edge (``FakeNvml``, and a driver that fails, ``FakeBrokenGpus``, named as
+such). The GPU paths run for real in tests/gpu.
 """
 
 from __future__ import annotations
 
+import asyncio
+import sys
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
@@ -21,6 +24,7 @@ from regional_agent.node_telemetry import (
     NodeSample,
     NodeTelemetry,
     NvmlReader,
+    TelemetrySampler,
     open_nvml,
     parse_meminfo,
     read_node,
@@ -37,8 +41,14 @@ def test_meminfo_and_the_state_disk(tmp_path: Path) -> None:
     info.write_text(MEMINFO)
     node = read_node(tmp_path, info)
     assert node.memory_available_bytes == 50331648 * 1024
+    assert node.disk_free_bytes is not None
+    assert node.disk_total_bytes is not None
     assert 0 < node.disk_free_bytes <= node.disk_total_bytes
     assert read_node(tmp_path, tmp_path / "absent").memory_total_bytes is None
+    # The state directory not made yet (the metrics are served before the agent runs).
+    early = read_node(tmp_path / "not-yet", info)
+    assert early.disk_free_bytes is None
+    assert early.memory_total_bytes == 65843212 * 1024
 
 
 def test_throttle_reasons_by_name() -> None:
@@ -52,7 +62,8 @@ class NVMLError(Exception):
 
 @dataclass
 class FakeNvml:
-    """A fake ``pynvml`` at the outer edge: two GPUs, the second without power or ECC."""
+    """A fake ``pynvml`` at the outer edge: three GPUs, the second without power or ECC
+    (and bindings without the clock event reasons), the third lost."""
 
     NVMLError = NVMLError
     NVML_AGGREGATE_ECC = 1
@@ -61,9 +72,11 @@ class FakeNvml:
     NVML_MEMORY_ERROR_TYPE_UNCORRECTED = 1
 
     def nvmlDeviceGetCount(self) -> int:
-        return 2
+        return 3
 
     def nvmlDeviceGetHandleByIndex(self, index: int) -> int:
+        if index == 2:
+            raise NVMLError("GPU is lost")
         return index
 
     def nvmlDeviceGetMemoryInfo(self, handle: int) -> Any:
@@ -78,7 +91,9 @@ class FakeNvml:
         return 612_500
 
     def nvmlDeviceGetCurrentClocksEventReasons(self, handle: int) -> int:
-        return 0x40 if handle == 0 else 0x1
+        if handle == 1:
+            raise AttributeError("older bindings")
+        return 0x40
 
     def nvmlDeviceGetTotalEccErrors(self, handle: int, kind: int, counter: int) -> int:
         if handle == 1:
@@ -105,16 +120,29 @@ def test_nvml_figures_and_what_a_gpu_does_not_support() -> None:
     )
     assert second.power_watts is None
     assert second.ecc_corrected is None
-    assert second.throttle_reasons == frozenset({"gpu_idle"})
+    assert second.throttle_reasons is None
+    assert second.temperature_celsius == 83.0
 
 
-def test_without_a_driver_nvml_is_absent_and_says_why() -> None:
-    reader, why = open_nvml()  # this machine has no NVIDIA driver
+class FakeDriverlessNvml:
+    """A fake ``pynvml`` at the edge on a machine without an NVIDIA driver."""
+
+    NVMLError = NVMLError
+
+    def nvmlInit(self) -> None:
+        raise NVMLError("NVML Shared Library Not Found")
+
+
+def test_without_a_driver_nvml_is_absent_and_says_why(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "pynvml", FakeDriverlessNvml())
+    reader, why = open_nvml()
     assert reader is None
-    assert why.startswith("NVML is not available: "), why
+    assert why == "NVML is not available: NVML Shared Library Not Found"
+    monkeypatch.setitem(sys.modules, "pynvml", None)  # not installed
+    assert open_nvml() == (None, "nvidia-ml-py is not installed")
 
 
-class BrokenGpus:
+class FakeBrokenGpus:
     """A fake reader at the edge whose driver fails on every read."""
 
     def read(self) -> list[GpuSample]:
@@ -131,17 +159,17 @@ def test_the_telemetry_opens_nvml_once_and_survives_a_failing_read(tmp_path: Pat
     telemetry = NodeTelemetry(tmp_path, opener=opener, node="n1")
     for _ in range(2):
         node, gpus = telemetry.sample()
-        assert node.disk_total_bytes > 0
+        assert node.disk_total_bytes is not None
         assert gpus is not None
-        assert [g.index for g in gpus] == [0, 1]
+        assert [g.index for g in gpus] == [0, 1]  # the lost one left out
     assert opened == [1]
-    assert NodeTelemetry(tmp_path, gpus=BrokenGpus(), node="n1").sample()[1] is None
+    assert NodeTelemetry(tmp_path, gpus=FakeBrokenGpus(), node="n1").sample()[1] == []
     absent = NodeTelemetry(tmp_path, opener=lambda: (None, "no driver"), node="n1")
     assert absent.sample()[1] is None
 
 
 def value(registry: CollectorRegistry, name: str, **labels: str) -> float | None:
-    return registry.get_sample_value(name, {"region": "eu-west", "node": "n1", **labels})
+    return registry.get_sample_value(name, {"region": "eu-west", "host": "n1", **labels})
 
 
 def test_hardware_gauges_follow_the_samples(tmp_path: Path) -> None:
@@ -158,16 +186,58 @@ def test_hardware_gauges_follow_the_samples(tmp_path: Path) -> None:
     assert value(registry, "geofed_agent_gpu_ecc_errors", gpu="0", kind="uncorrected") == 1
     assert value(registry, "geofed_agent_gpu_throttled", gpu="0", reason="hw_thermal_slowdown") == 1
     assert value(registry, "geofed_agent_gpu_throttled", gpu="0", reason="gpu_idle") == 0
-    # GPU 1 gone from the node, then no GPU reader at all: their series go.
+    assert value(registry, "geofed_agent_gpu_throttled", gpu="1", reason="gpu_idle") is None
+    assert value(registry, "geofed_agent_gpus") == 2
+    # GPU 1 gone from the node; reading failing; then no GPU reader at all.
     metrics.sampled("n1", node, gpus[:1])
     assert value(registry, "geofed_agent_gpu_utilization_ratio", gpu="1") is None
-    assert value(registry, "geofed_agent_gpu_throttled", gpu="1", reason="gpu_idle") is None
-    metrics.sampled("n1", NodeSample(None, None, 100, 500), None)
+    assert value(registry, "geofed_agent_gpu_memory_total_bytes", gpu="1") is None
+    metrics.sampled("n1", node, [])
+    assert value(registry, "geofed_agent_gpus") == 0
     assert value(registry, "geofed_agent_gpu_utilization_ratio", gpu="0") is None
+    metrics.sampled("n1", NodeSample(None, None, None, None), None)
+    assert value(registry, "geofed_agent_gpus") is None
     assert value(registry, "geofed_agent_node_memory_total_bytes") is None
-    assert value(registry, "geofed_agent_state_disk_free_bytes") == 100
+    assert value(registry, "geofed_agent_state_disk_free_bytes") is None
 
 
 @pytest.mark.parametrize("mask", [0, 0x1FF])
 def test_every_named_reason_is_one_bit(mask: int) -> None:
     assert len(throttle_names(mask)) == bin(mask).count("1")
+
+
+class FakeHungGpus:
+    """A fake reader at the edge whose driver hangs until the test lets it go."""
+
+    def __init__(self) -> None:
+        self.release = threading.Event()
+        self.calls = 0
+
+    def read(self) -> list[GpuSample]:
+        self.calls += 1
+        self.release.wait(10)
+        return []
+
+
+async def test_a_hung_driver_holds_up_one_thread_and_scrapes_keep_their_values(
+    tmp_path: Path,
+) -> None:
+    gpus = FakeHungGpus()
+    sampler = TelemetrySampler(NodeTelemetry(tmp_path, gpus=gpus, node="n1"))
+    try:
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(sampler.sample(), 0.2)  # a scrape gives up
+        assert await sampler.sample() is None  # the next finds it still running
+        assert gpus.calls == 1
+        gpus.release.set()
+        sample = None
+        for _ in range(100):
+            sample = await sampler.sample()
+            if sample is not None:
+                break
+            await asyncio.sleep(0.02)
+        assert sample is not None
+        assert sample[1] == []
+    finally:
+        gpus.release.set()
+        sampler.close()
