@@ -14,7 +14,7 @@ from typing import Literal
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-__all__ = ["MetricKind", "MetricSpec", "counter", "gauge", "histogram"]
+__all__ = ["MetricKind", "MetricSpec", "counter", "gauge", "histogram", "set_or_remove"]
 
 MetricKind = Literal["counter", "gauge", "histogram"]
 
@@ -51,3 +51,12 @@ def histogram(spec: MetricSpec, registry: CollectorRegistry, buckets: Sequence[f
     """The histogram of ``spec`` with upper bounds ``buckets``, registered in ``registry``."""
     _expect(spec, "histogram")
     return Histogram(spec.name, spec.help, spec.labels, registry=registry, buckets=buckets)
+
+
+def set_or_remove(collector: Gauge, labels: Sequence[str], value: float | None) -> None:
+    """Set the series ``labels`` of ``collector`` to ``value``; remove it where the value
+    is unknown (None), so a figure that was not measured is absent rather than stale."""
+    if value is None:
+        collector.remove(*labels)
+    else:
+        collector.labels(*labels).set(float(value))

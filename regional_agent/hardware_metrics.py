@@ -12,9 +12,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Final
 
-from prometheus_client import CollectorRegistry, Gauge
+from prometheus_client import CollectorRegistry
 
-from geofed.metric_spec import MetricSpec, gauge
+from geofed.metric_spec import MetricSpec, gauge, set_or_remove
 from regional_agent.node_telemetry import THROTTLE_REASONS, GpuSample, NodeSample
 
 __all__ = ["HARDWARE", "HardwareMetrics"]
@@ -111,7 +111,7 @@ class HardwareMetrics:
             (STATE_DISK_TOTAL, sample.disk_total_bytes),
             (GPUS, None if gpus is None else len(gpus)),
         ):
-            _set_or_remove(hw[spec.name], (region, host), value)
+            set_or_remove(hw[spec.name], (region, host), value)
         seen = {(host, str(gpu.index)) for gpu in gpus or ()}
         for gone in self._gpu_series - seen:
             for spec in _GPU_FIGURES:
@@ -124,15 +124,15 @@ class HardwareMetrics:
         for gpu in gpus or ():
             labels = (region, host, str(gpu.index))
             for spec, figure in zip(_GPU_FIGURES, _figures(gpu), strict=True):
-                _set_or_remove(hw[spec.name], labels, figure)
+                set_or_remove(hw[spec.name], labels, figure)
             for kind, count in (
                 ("corrected", gpu.ecc_corrected),
                 ("uncorrected", gpu.ecc_uncorrected),
             ):
-                _set_or_remove(hw[GPU_ECC_ERRORS.name], (*labels, kind), count)
+                set_or_remove(hw[GPU_ECC_ERRORS.name], (*labels, kind), count)
             for reason in THROTTLE_REASONS:
                 held = None if gpu.throttle_reasons is None else reason in gpu.throttle_reasons
-                _set_or_remove(hw[GPU_THROTTLED.name], (*labels, reason), held)
+                set_or_remove(hw[GPU_THROTTLED.name], (*labels, reason), held)
 
 
 def _figures(gpu: GpuSample) -> tuple[float | None, ...]:
@@ -143,10 +143,3 @@ def _figures(gpu: GpuSample) -> tuple[float | None, ...]:
         gpu.temperature_celsius,
         gpu.power_watts,
     )
-
-
-def _set_or_remove(collector: Gauge, labels: tuple[str, ...], value: float | None) -> None:
-    if value is None:
-        collector.remove(*labels)
-    else:
-        collector.labels(*labels).set(float(value))

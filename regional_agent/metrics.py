@@ -43,7 +43,7 @@ from prometheus_client.core import CounterMetricFamily
 from prometheus_client.registry import Collector
 
 from geofed import codec_params
-from geofed.metric_spec import MetricSpec, counter, gauge, histogram
+from geofed.metric_spec import MetricSpec, counter, gauge, histogram, set_or_remove
 from geofed.training_config import Precision
 from geofed.types import ArtifactKind, InvalidName, validate_name
 from regional_agent.handoff.flops import flops_utilisation, peak_flops
@@ -515,10 +515,7 @@ class AgentMetrics:
             (self.grad_norm, stats.grad_norm),
         )
         for collector, value in values:
-            if value is None:
-                collector.remove(job, self.region)
-            else:
-                collector.labels(job=job, region=self.region).set(value)
+            set_or_remove(collector, (job, self.region), value)
 
     def ranks_measured(
         self, job: str, timings: Sequence[RankTiming], stragglers: Collection[int]
@@ -532,13 +529,10 @@ class AgentMetrics:
                 collector.remove(job, self.region, rank, node)
         self._rank_series[job] = series
         for t in timings:
-            labels = {"job": job, "region": self.region, "rank": str(t.rank), "node": str(t.node)}
-            if t.busy_seconds is None:
-                self.rank_busy_seconds.remove(job, self.region, str(t.rank), str(t.node))
-            else:
-                self.rank_busy_seconds.labels(**labels).set(t.busy_seconds)
-            self.rank_data_wait_seconds.labels(**labels).set(t.data_wait_seconds)
-            self.rank_straggler.labels(**labels).set(1.0 if t.rank in stragglers else 0.0)
+            labels = (job, self.region, str(t.rank), str(t.node))
+            set_or_remove(self.rank_busy_seconds, labels, t.busy_seconds)
+            self.rank_data_wait_seconds.labels(*labels).set(t.data_wait_seconds)
+            self.rank_straggler.labels(*labels).set(1.0 if t.rank in stragglers else 0.0)
 
     def _rank_gauges(self) -> tuple[Gauge, ...]:
         return (self.rank_busy_seconds, self.rank_data_wait_seconds, self.rank_straggler)
