@@ -24,8 +24,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from coordinator.config import ConfigError, CoordinatorConfig
 from coordinator.faults import FaultError, FaultPoints
 from coordinator.storage.artifacts import Location, Signer
-from coordinator.storage.working_state import ParamsStore
-from geofed.blobstore import FsBlobStore
+from coordinator.storage.job_blobs import JobBlobStores
 from geofed.pki import (
     CertificateRefused,
     PKIError,
@@ -63,8 +62,7 @@ class Runtime:
     signer: Signer
     policy_cell: PolicyCell
     locations: dict[str, Location]
-    deltas: FsBlobStore
-    params: ParamsStore
+    job_blobs: JobBlobStores
     spool_dir: Path
     tls_certificate: x509.Certificate | None
     trust: ReloadingBundle
@@ -115,13 +113,21 @@ def load_runtime(config: CoordinatorConfig) -> Runtime:
         config.state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         spool = config.state_dir / "spool"
         spool.mkdir(exist_ok=True, mode=0o700)
-        deltas = FsBlobStore(config.state_dir / "blobs")
+        job_blobs = JobBlobStores(config.state_dir)
+        legacy = job_blobs.legacy_count()
     except OSError as exc:
         raise ConfigError([f"state_dir: cannot use {config.state_dir}: {exc}"]) from None
     try:
         faults = FaultPoints.from_environ(os.environ)
     except FaultError as exc:
         raise ConfigError([str(exc)]) from None
+    if legacy:
+        log.info(
+            "%d blob(s) written before each job had a store of its own remain in %s: read "
+            'when a job needs one, never deleted (docs/operations.md, "Working blobs")',
+            legacy,
+            job_blobs.legacy.root,
+        )
     if faults.pause_at is not None:
         log.warning("fault injection armed: %s", faults)
     signer = Signer(credential.identity, credential.certificate, credential.private_key)
@@ -132,8 +138,7 @@ def load_runtime(config: CoordinatorConfig) -> Runtime:
         signer,
         PolicyCell(policies),
         locations,
-        deltas,
-        ParamsStore(deltas),
+        job_blobs,
         spool,
         tls_certificate,
         ReloadingBundle(config.trust_bundle, bundle),

@@ -216,9 +216,14 @@ class FsBlobStore:
         return self._root
 
     def path_of(self, digest: str) -> Path:
-        """Where the blob with ``digest`` lives (whether or not it exists)."""
+        """Where the blob with ``digest`` is written (whether or not it exists)."""
         validate_digest(digest)
         return self._root / digest[:2] / digest[2:]
+
+    def read_path(self, digest: str) -> Path:
+        """Where the blob with ``digest`` is read from: :meth:`path_of`, unless a store
+        that also reads older blobs from elsewhere says otherwise."""
+        return self.path_of(digest)
 
     def put(self, data: Bytes, *, expected_digest: str | None = None) -> str:
         digest = sha256_hex(data)
@@ -290,7 +295,7 @@ class FsBlobStore:
         return digest
 
     def get(self, digest: str) -> bytes:
-        path = self.path_of(digest)
+        path = self.read_path(digest)
         try:
             data = path.read_bytes()
         except FileNotFoundError:
@@ -301,7 +306,7 @@ class FsBlobStore:
         return data
 
     def open(self, digest: str) -> BlobReader:
-        path = self.path_of(digest)
+        path = self.read_path(digest)
         try:
             file = path.open("rb")
         except FileNotFoundError:
@@ -310,7 +315,7 @@ class FsBlobStore:
         return BlobReader(file, digest, size, self._chunk_size)
 
     def exists(self, digest: str) -> bool:
-        return self.path_of(digest).is_file()
+        return self.read_path(digest).is_file()
 
     def delete(self, digest: str) -> bool:
         path = self.path_of(digest)
@@ -323,7 +328,7 @@ class FsBlobStore:
 
     def size(self, digest: str) -> int:
         try:
-            return self.path_of(digest).stat().st_size
+            return self.read_path(digest).stat().st_size
         except FileNotFoundError:
             raise BlobNotFound(f"no blob {digest} in {self._root}") from None
 

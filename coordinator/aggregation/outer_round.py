@@ -342,7 +342,7 @@ def stored_delta(deltas: FsBlobStore, digest: str, max_decoded_bytes: int) -> Fe
     """A stored delta, decoded piece by piece when fed (a round's sum folds accepted deltas
     so): its chunks side by side on every usable CPU, the file checked against its
     blob's digest."""
-    path = deltas.path_of(digest)
+    path = deltas.read_path(digest)
 
     def feed(consume: Callable[[PieceLike], None]) -> None:
         found = decode_stored(

@@ -332,7 +332,7 @@ class UploadService:
                 self._spool.stream_path(job, round, region, digest),
                 signed,
                 engine.ctx.round_tensor_specs(round),
-                self._s.runtime.deltas,
+                engine.ctx.publishing.deltas,
                 workers=usable_cpus(),
             )
         except FileNotFoundError:

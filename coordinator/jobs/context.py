@@ -34,6 +34,7 @@ from coordinator.jobs.initial_build import (
 from coordinator.jobs.spec import JobSpec
 from coordinator.rounds.layout import RoundLayout, fp32_bytes
 from coordinator.runtime import Runtime
+from coordinator.storage.working_state import ParamsStore
 from geofed.fragments import FragmentError, round_fragment
 from geofed.manifest import ArtifactProvenance, ManifestTensor
 from geofed.task import Task, TaskError, load_task
@@ -255,6 +256,7 @@ def build_context(spec: JobSpec, runtime: Runtime, location: str) -> JobContext:
         layout.plan  # noqa: B018  (a model with fewer tensors than F fails here, at start)
     except FragmentError as exc:
         raise JobContextError(str(exc)) from None
+    blobs = runtime.job_blobs.for_job(spec.job)
     publishing = JobPublishing(
         job=spec.job,
         codec=spec.codec.rounding_to_nearest(),
@@ -265,8 +267,8 @@ def build_context(spec: JobSpec, runtime: Runtime, location: str) -> JobContext:
         layout=layout,
         location=runtime.locations[location],
         signer=runtime.signer,
-        params_store=runtime.params,
-        deltas=runtime.deltas,
+        params_store=ParamsStore(blobs),
+        deltas=blobs,
         aggregation=spec.aggregation,
     )
     return JobContext(

@@ -337,7 +337,7 @@ class RoundPublisher:
                 record.publication_failures,
             )
         await self._s.executors.files(
-            discard_inputs, runtime.spool_dir, runtime.deltas, job, round_, replayable
+            discard_inputs, runtime.spool_dir, self._ctx.publishing.deltas, job, round_, replayable
         )
         contributions = ContributionLog(self._s.config.state_dir / "lineage")
         await self._s.executors.files(contributions.discard_round, job, round_)

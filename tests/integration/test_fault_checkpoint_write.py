@@ -29,8 +29,8 @@ import pytest
 
 from coordinator.config import PublicationRetryConfig
 from coordinator.state.sqlite import DB_FILENAME
+from coordinator.storage.job_blobs import JobBlobStores
 from coordinator.storage.working_state import PARAMS
-from geofed.blobstore import FsBlobStore
 from tests.support.coordinator import (
     JOB,
     FakeRegion,
@@ -488,7 +488,7 @@ def saved_params_blob(setup: Setup) -> Path:
         ).fetchone()
     assert row is not None
     assert row[0]
-    return FsBlobStore(state_dir / "blobs").path_of(row[0])
+    return JobBlobStores(state_dir).for_job(JOB).path_of(row[0])
 
 
 async def test_a_retry_whose_state_cannot_be_rebuilt_backs_off_and_publishes_once_it_can(

@@ -29,7 +29,7 @@ import pytest
 
 from coordinator.faults import FAULT_ENV
 from coordinator.storage.checkpoints import CheckpointStore
-from geofed.blobstore import FsBlobStore
+from coordinator.storage.job_blobs import JobBlobStores
 from geofed.ports import unused_port
 from geofed_cli import main
 from tests.support.coordinator import request, write_setup
@@ -96,7 +96,7 @@ async def test_killed_while_aggregating_and_publishing_the_round_is_bit_identica
             await daemon.wait_published(round_)
         killed = await outcome(daemon)
         entries = await daemon.audit()
-        blobs = list(FsBlobStore(daemon.state_dir / "blobs").iter_digests())
+        blobs = list(JobBlobStores(daemon.state_dir).for_job(JOB).iter_digests())
 
     # Bit for bit what the uninterrupted coordinator published, round after round.
     for round_ in range(ROUNDS):

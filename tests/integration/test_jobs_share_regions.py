@@ -1,15 +1,22 @@
 """Two jobs sharing two regions, with the real daemons: every region keeps each job's
 regional state apart (no job starts afresh after its first round), and once a job is done
-its regional checkpoint is removed from the region's hand-off directory."""
+its regional checkpoint is removed from the region's hand-off directory. The coordinator
+keeps each job's working state apart too: the two jobs train alike, so their blobs are the
+same bytes, and neither job's deletions take the other's."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import sqlite3
 import time
 from pathlib import Path
 
 import pytest
 
+from coordinator.state.sqlite import DB_FILENAME
+from coordinator.storage.job_blobs import JobBlobStores
+from coordinator.storage.working_state import ParamsStore
 from regional_agent.handoff.directory import HandoffDir
 from tests.support.federation import FederationRun, running_federation
 
@@ -57,3 +64,14 @@ async def test_jobs_sharing_regions_keep_their_own_regional_state(tmp_path: Path
         await wait_gone(
             fed, [handoff(fed, r).checkpoint_path(job) for r in REGIONS for job in JOBS]
         )
+        state_dir = fed.work / "coordinator"
+        stores = JobBlobStores(state_dir)
+        for job in JOBS:
+            database = f"file:{state_dir / DB_FILENAME}?mode=ro"
+            with contextlib.closing(sqlite3.connect(database, uri=True)) as db:
+                rows = db.execute(
+                    "SELECT name, value FROM pointers WHERE job_id = ?", (job,)
+                ).fetchall()
+            state = ParamsStore(stores.for_job(job)).load(dict(rows))
+            assert state.version == ROUNDS, (job, state.version)
+        assert stores.legacy_count() == 0

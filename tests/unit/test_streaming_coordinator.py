@@ -215,7 +215,7 @@ def _upload(
     spooled = world.runtime.config.state_dir / f"spooled-{region}-{round_}"
     spooled.write_bytes(stream.to_bytes())
     digest, _ = verify_and_store(
-        spooled, signed, ctx.round_tensor_specs(round_), world.runtime.deltas
+        spooled, signed, ctx.round_tensor_specs(round_), ctx.publishing.deltas
     )
     tokens = signed.manifest.tokens
     assert tokens is not None
