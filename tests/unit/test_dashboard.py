@@ -21,6 +21,7 @@ from coordinator.errors import CODES
 from coordinator.rounds.records import JobState
 from geofed.types import ArtifactKind
 from regional_agent import metrics as agent_metrics
+from regional_agent.node_telemetry import THROTTLE_REASONS
 from tests.support.monitoring import (
     CATALOGUE,
     DASHBOARD,
@@ -59,6 +60,9 @@ LABEL_VALUES: dict[tuple[str, str], frozenset[str]] = {
     ("geofed_agent_download_bytes_total", "kind"): frozenset(
         kind.value for kind in agent_metrics.DOWNLOAD_KINDS
     ),
+    ("geofed_agent_round_phase_seconds", "phase"): agent_metrics.ROUND_PHASES,
+    ("geofed_agent_gpu_throttled", "reason"): frozenset(THROTTLE_REASONS),
+    ("geofed_agent_gpu_ecc_errors", "kind"): frozenset({"corrected", "uncorrected"}),
 }
 
 
