@@ -46,6 +46,7 @@ from pydantic import (
     model_validator,
 )
 
+from coordinator.costs.prices import PriceTable
 from coordinator.rounds.quarantine import QuarantineConfig
 from geofed.backoff import Backoff
 from geofed.config_sections import ConfigSection, IdentityConfig, MqttConfig
@@ -399,6 +400,12 @@ class CoordinatorConfig(ConfigSection):
         "policies; a team not listed exports nowhere; admins may name any destination "
         "(coordinator.scheduling.teams)",
     )
+    prices: PriceTable | None = Field(
+        default=None,
+        description="what a GPU-hour, a GB sent and a GB-month stored cost per region and "
+        "location (coordinator.costs.prices), for usage reports (GET /v1/usage, geofed "
+        "usage); default: none, so reports count use without pricing it",
+    )
     log_level: LogLevel | None = Field(
         default=None,
         description="DEBUG, INFO, WARNING or ERROR; default: the command line's --log-level; "
@@ -430,6 +437,24 @@ class CoordinatorConfig(ConfigSection):
         repeated = sorted({name for name in names if names.count(name) > 1})
         if repeated:
             raise ValueError(f"storage names must be unique; repeated: {', '.join(repeated)}")
+        return value
+
+    @field_validator("prices")
+    @classmethod
+    def _priced_names(cls, value: PriceTable | None, info: ValidationInfo) -> PriceTable | None:
+        if value is None:
+            return value
+        for region in [*value.regions, *value.coordinator.egress_per_gb]:
+            if region != "default":
+                _region(region)
+        storage = info.data.get("storage") or ()
+        known = {entry.name for entry in storage}
+        unknown = sorted(set(value.storage) - known)
+        if unknown:
+            raise ValueError(
+                f"prices.storage names {', '.join(unknown)}, which the storage section does "
+                f"not configure (it has: {', '.join(sorted(known)) or 'none'})"
+            )
         return value
 
     @property

@@ -51,6 +51,8 @@ class ApiPaths:
     REGIONS: ClassVar[str] = _V1 + "/regions"
     QUEUE: ClassVar[str] = _V1 + "/queue"
     AUDIT: ClassVar[str] = _V1 + "/audit"
+    #: What each job and team used and cost over a period (readers).
+    USAGE: ClassVar[str] = _V1 + "/usage"
 
     DELTA: ClassVar[str] = _DELTA
     DELTA_MANIFEST: ClassVar[str] = _DELTA + "/manifest"

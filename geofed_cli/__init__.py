@@ -30,6 +30,7 @@ _COMMAND_MODULES: tuple[str, ...] = (
     "mqtt",
     "policy",
     "queue",
+    "usage",
 )
 
 

@@ -30,6 +30,7 @@ from coordinator.api import admin as api_admin
 from coordinator.api import data as api_data
 from coordinator.api import export as api_export
 from coordinator.api import lineage as api_lineage
+from coordinator.api import usage as api_usage
 from coordinator.api.auth import header_identity_middleware, refuse_identity_header_middleware
 from coordinator.api.cross_site import cross_site_refusal
 from coordinator.api.keys import JOBS, REGISTRY, RUNTIME, SERVICES, UPLOADS
@@ -158,6 +159,7 @@ def create_app(
     app.add_routes(api_data.routes)
     api_export.setup(app)
     app.add_routes(api_lineage.routes)
+    app.add_routes(api_usage.routes)
     status_page.install(app)
     return app
 

@@ -43,6 +43,7 @@ async def create_theta_zero(services: Services, ctx: JobContext) -> WorkingState
     )
     details = {
         "snapshot": snapshot.bundle_digest,
+        "size": snapshot.size,
         "params_hash": state.params_hash,
         "location": ctx.location_name,
     }

@@ -155,7 +155,11 @@ def publication_details(published: PublishedRound, rs: RoundState, location: str
         "location": location,
         "order": list(published.order),
         "summation": published.summation,
+        # What the chain stores (and each region fetches) of this round: usage reports.
+        "update_size": published.update.size,
     }
+    if published.snapshot is not None:
+        details["snapshot_size"] = published.snapshot.size
     if published.norm_checks:
         details["norm_checks"] = [verdict.record() for verdict in published.norm_checks]
     return details

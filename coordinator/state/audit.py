@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import sqlite3
 import threading
 import time
@@ -81,6 +82,14 @@ def canonical_json(value: Any) -> bytes:
 def format_time(epoch_s: float) -> str:
     """RFC 3339 UTC with microseconds, the entry time format."""
     return datetime.fromtimestamp(epoch_s, tz=UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+def entry_time(text: str) -> float:
+    """An entry's time (:func:`format_time`'s format) as epoch seconds; NaN if unreadable."""
+    try:
+        return datetime.strptime(text, "%Y-%m-%dT%H:%M:%S.%fZ").replace(tzinfo=UTC).timestamp()
+    except ValueError:
+        return math.nan
 
 
 @dataclass(frozen=True, slots=True)

@@ -2,29 +2,56 @@
 regional state apart (no job starts afresh after its first round), and once a job is done
 its regional checkpoint is removed from the region's hand-off directory. The coordinator
 keeps each job's working state apart too: the two jobs train alike, so their blobs are the
-same bytes, and neither job's deletions take the other's."""
+same bytes, and neither job's deletions take the other's. ``geofed usage`` then reports
+what each job sent and stored, priced, as computed by hand from the receipts and the
+checkpoint chains."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import csv
+import io
 import sqlite3
 import time
+from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from coordinator.costs.showback import GB, MONTH_S
 from coordinator.state.sqlite import DB_FILENAME
+from coordinator.storage.checkpoints import CheckpointStore
 from coordinator.storage.job_blobs import JobBlobStores
 from coordinator.storage.working_state import ParamsStore
 from regional_agent.handoff.directory import HandoffDir
-from tests.support.federation import FederationRun, running_federation
+from tests.support.federation import FederationRun, operator_cli, running_federation
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 REGIONS = ("eu-west", "us-east")
 JOBS = ("alpha", "beta")
 ROUNDS = 3
+#: A GB sent from each region to the coordinator, and from the coordinator to each.
+UPLOAD_PER_GB = {"eu-west": 0.09, "us-east": 0.12}
+DOWNLOAD_PER_GB = 0.05
+STORAGE_PER_GB_MONTH = 0.02
+
+
+def priced(name: str, config: dict[str, Any]) -> None:
+    if name == "coordinator":
+        config["prices"] = {
+            "currency": "EUR",
+            "regions": {
+                "eu-west": {"egress_per_gb": {"coordinator": UPLOAD_PER_GB["eu-west"]}},
+                "us-east": {"egress_per_gb": {"default": UPLOAD_PER_GB["us-east"]}},
+            },
+            "coordinator": {"egress_per_gb": {"default": DOWNLOAD_PER_GB}},
+            "storage": {
+                entry["name"]: {"per_gb_month": STORAGE_PER_GB_MONTH} for entry in config["storage"]
+            },
+        }
 
 
 def handoff(fed: FederationRun, region: str) -> HandoffDir:
@@ -42,7 +69,9 @@ async def wait_gone(fed: FederationRun, paths: list[Path], timeout_s: float = 60
 
 
 async def test_jobs_sharing_regions_keep_their_own_regional_state(tmp_path: Path) -> None:
-    async with running_federation(tmp_path, regions=REGIONS, rounds=ROUNDS, inner_steps=3) as fed:
+    async with running_federation(
+        tmp_path, regions=REGIONS, rounds=ROUNDS, inner_steps=3, customize=priced
+    ) as fed:
         spec = fed.job_spec()
         for job in JOBS:
             status, body = await fed.submit({**spec, "job": job})
@@ -75,3 +104,53 @@ async def test_jobs_sharing_regions_keep_their_own_regional_state(tmp_path: Path
             state = ParamsStore(stores.for_job(job)).load(dict(rows))
             assert state.version == ROUNDS, (job, state.version)
         assert stores.legacy_count() == 0
+        await usage_is_priced_as_computed_by_hand(fed, state_dir)
+
+
+async def usage_is_priced_as_computed_by_hand(fed: FederationRun, state_dir: Path) -> None:
+    until = time.time()
+    result = await operator_cli(
+        fed, "usage", "--csv", "--since", "1h",
+        "--until", datetime.fromtimestamp(until, UTC).isoformat(),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    rows = list(csv.DictReader(io.StringIO(result.stdout)))
+    jobs = {row["job"]: row for row in rows if row["scope"] == "job"}
+    assert sorted(jobs) == sorted(JOBS)
+    database = f"file:{state_dir / DB_FILENAME}?mode=ro"
+    totals = 0.0
+    for job in JOBS:
+        row = jobs[job]
+        with contextlib.closing(sqlite3.connect(database, uri=True)) as db:
+            receipts = db.execute(
+                "SELECT region, size, tokens FROM receipts WHERE job_id = ?", (job,)
+            ).fetchall()
+            (location,) = db.execute(
+                "SELECT value FROM pointers WHERE job_id = ? AND name = 'checkpoint_location'",
+                (job,),
+            ).fetchone()
+        assert len(receipts) == ROUNDS * len(REGIONS)
+        chain = CheckpointStore(location, fed.work / "checkpoints" / location)
+        sizes = [(e, chain.blobs.size(e.payload_digest)) for e in chain.entries(job)]
+        updates = [size for e, size in sizes if e.kind.value == "update"]
+        assert len(updates) == ROUNDS
+        upload_cost = sum(size / GB * UPLOAD_PER_GB[region] for region, size, _ in receipts)
+        # Every round included both regions, and each fetched the update.
+        download_gb = sum(updates) * len(REGIONS) / GB
+        stored = sum(size / GB * (until - e.recorded_at) / MONTH_S for e, size in sizes)
+        assert float(row["upload_gb"]) == pytest.approx(sum(r[1] for r in receipts) / GB)
+        assert float(row["upload_cost"]) == pytest.approx(upload_cost)
+        assert float(row["download_gb"]) == pytest.approx(download_gb)
+        assert float(row["download_cost"]) == pytest.approx(download_gb * DOWNLOAD_PER_GB)
+        # The report dates each checkpoint by its audit entry, a moment after the chain.
+        assert float(row["storage_gb_months"]) == pytest.approx(stored, rel=0.05)
+        assert float(row["storage_cost"]) == pytest.approx(
+            float(row["storage_gb_months"]) * STORAGE_PER_GB_MONTH
+        )
+        assert int(row["tokens"]) == sum(r[2] for r in receipts)
+        assert (int(row["rounds"]), float(row["gpu_hours"])) == (ROUNDS, 0.0)  # no GPUs stated
+        assert (row["currency"], row["unpriced"]) == ("EUR", "")
+        totals += float(row["total"])
+    (team,) = [row for row in rows if row["scope"] == "team"]
+    assert team["team"] == "default"
+    assert float(team["total"]) == pytest.approx(totals)

@@ -4,6 +4,7 @@ what a published round leaves behind. The back-off schedule itself is in
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -115,7 +116,12 @@ def test_the_publication_audit_details() -> None:
         "location": "eu-store",
         "order": ["us-east", "eu-west"],
         "summation": "folded on arrival",
+        "update_size": 100,
     }
+    snapshot = StoredArtifact(EntryKind.SNAPSHOT, 5, "33" * 32, "44" * 32, 700)
+    with_snapshot = dataclasses.replace(published, snapshot=snapshot)
+    details = publication_details(with_snapshot, rs, "eu-store")
+    assert (details["snapshot"], details["snapshot_size"]) == ("33" * 32, 700)
 
 
 def test_a_published_round_leaves_no_inputs_behind(tmp_path: Path) -> None:

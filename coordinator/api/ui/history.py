@@ -22,10 +22,9 @@ import math
 from collections import deque
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
 from typing import Any, Final
 
-from coordinator.state.audit import GENESIS_HASH, AuditEntry, verify_chain
+from coordinator.state.audit import GENESIS_HASH, AuditEntry, entry_time, verify_chain
 
 __all__ = [
     "MAX_EVENTS",
@@ -36,7 +35,6 @@ __all__ = [
     "ChainStatus",
     "JobHistory",
     "RoundFacts",
-    "entry_time",
 ]
 
 #: Rounds kept per job (the newest); the charts show these.
@@ -45,14 +43,6 @@ MAX_ROUNDS: Final = 1000
 MAX_EVENTS: Final = 10
 #: Audit entries kept as the log's tail.
 TAIL: Final = 30
-
-
-def entry_time(text: str) -> float:
-    """An audit entry's time (RFC 3339 UTC) as epoch seconds; NaN if unreadable."""
-    try:
-        return datetime.strptime(text, "%Y-%m-%dT%H:%M:%S.%fZ").replace(tzinfo=UTC).timestamp()
-    except ValueError:
-        return math.nan
 
 
 def _number(value: Any) -> float | None:

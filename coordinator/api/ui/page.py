@@ -19,9 +19,9 @@ from datetime import UTC, datetime
 from html import escape
 from typing import Any, Final
 
-from coordinator.api.ui.history import Accepted, AuditDigest, JobHistory, entry_time
+from coordinator.api.ui.history import Accepted, AuditDigest, JobHistory
 from coordinator.api.ui.svg import Bar, Series, bar_rows, line_chart, nice_number
-from coordinator.state.audit import AuditEntry
+from coordinator.state.audit import AuditEntry, entry_time
 
 __all__ = [
     "CONTENT_SECURITY_POLICY",

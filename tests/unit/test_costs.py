@@ -1,0 +1,259 @@
+"""Usage and cost: the price table, the audit log folded into usage, and showback against
+figures computed by hand."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+from pydantic import ValidationError
+
+from coordinator.config import ConfigError, parse_config
+from coordinator.costs.prices import PriceTable
+from coordinator.costs.showback import MONTH_S, CostFacts, Period, job_cost, team_costs
+from coordinator.costs.usage_facts import UsageFold
+from coordinator.state.audit import AuditEntry, format_time
+from tests.support.configs import MINIMAL_COORDINATOR
+
+PRICES = PriceTable.model_validate(
+    {
+        "currency": "EUR",
+        "regions": {
+            "eu-west": {
+                "gpu_hour": {
+                    "H100": {"on_demand": 4.0, "spot": 1.5},
+                    "default": {"on_demand": 3.0},
+                },
+                "egress_per_gb": {"coordinator": 0.05},
+            },
+            "us-east": {
+                "market": "spot",
+                "gpu_hour": {"default": {"on_demand": 2.0, "spot": 1.0}},
+                "egress_per_gb": {"default": 0.1},
+            },
+        },
+        "coordinator": {"egress_per_gb": {"eu-west": 0.0, "default": 0.08}},
+        "storage": {"archive": {"per_gb_month": 0.02}},
+    }
+)
+LLM = CostFacts("llm", "nlp", {"eu-west": (4, "H100"), "us-east": (2, None)})
+
+_seq = iter(range(1, 1_000_000))
+
+
+def entry(
+    at: float,
+    what: str,
+    job: str = "llm",
+    *,
+    verdict: str = "ok",
+    round_: int | None = None,
+    region: str | None = None,
+    **details: Any,
+) -> AuditEntry:
+    return AuditEntry(
+        seq=next(_seq),
+        time=format_time(at),
+        actor="spiffe://acme/coordinator/main",
+        action=what,
+        verdict=verdict,
+        job=job,
+        round=round_,
+        region=region,
+        details=details,
+        prev_hash="",
+        hash="",
+    )
+
+
+def llm_log() -> list[AuditEntry]:
+    """Admitted in both regions at 1000, one round, preempted at 8200 (2 hours); admitted
+    again in eu-west alone at 9000, cancelled at 12600 (1 hour)."""
+    return [
+        entry(1000, "job.admit", to="running", regions=["eu-west", "us-east"]),
+        entry(
+            4600, "delta.accept", round_=0, region="eu-west", size=2_000_000_000, tokens=1_000_000
+        ),
+        entry(4650, "delta.accept", round_=0, region="us-east", size=1_000_000_000, tokens=500_000),
+        # The same delta accepted again (a retried commit) counts once.
+        entry(4660, "delta.accept", round_=0, region="us-east", size=1_000_000_000, tokens=500_000),
+        entry(
+            4700,
+            "round.publish",
+            round_=0,
+            included=["eu-west", "us-east"],
+            update_size=500_000_000,
+            snapshot_size=4_000_000_000,
+            location="archive",
+        ),
+        entry(8200, "job.preempt"),
+        entry(9000, "job.admit", to="running", regions=["eu-west"]),
+        entry(12600, "job.cancel"),
+    ]
+
+
+def folded(
+    entries: list[AuditEntry], regions: dict[str, tuple[str, ...]] | None = None
+) -> UsageFold:
+    fold = UsageFold(regions or {"llm": ("eu-west", "us-east")})
+    fold.fold(entries)
+    return fold
+
+
+def test_a_job_is_priced_as_computed_by_hand() -> None:
+    until = 4700 + MONTH_S  # the checkpoints are stored a whole month of the period
+    cost = job_cost(folded(llm_log()).jobs["llm"], LLM, PRICES, Period(0, until))
+    # GPUs: 2 h x (4 H100 in eu-west at 4.0 + 2 in us-east at its spot 1.0) + 1 h x 4 x 4.0.
+    assert cost.gpu_hours == pytest.approx(2 * (4 + 2) + 4)
+    assert cost.gpu_cost == pytest.approx(2 * (4 * 4.0 + 2 * 1.0) + 4 * 4.0)
+    # WAN: 2 GB from eu-west at 0.05 and 1 GB from us-east at 0.1; the 0.5 GB update to
+    # each region: free to eu-west, 0.08 to us-east.
+    assert (cost.upload_gb, cost.upload_cost) == pytest.approx((3.0, 2 * 0.05 + 0.1))
+    assert (cost.download_gb, cost.download_cost) == pytest.approx((1.0, 0.5 * 0.08))
+    # Storage: the update (0.5 GB) and the snapshot (4 GB) for one month at 0.02.
+    assert (cost.storage_gb_months, cost.storage_cost) == pytest.approx((4.5, 4.5 * 0.02))
+    assert cost.total == pytest.approx(52.0 + 0.2 + 0.04 + 0.09)
+    assert (cost.tokens, cost.rounds) == (1_500_000, 1)
+    assert cost.per_million_tokens == pytest.approx(cost.total / 1.5)
+    assert cost.per_round == pytest.approx(cost.total)
+    assert cost.unpriced == ()
+
+
+def test_a_period_counts_only_what_falls_within_it() -> None:
+    cost = job_cost(folded(llm_log()).jobs["llm"], LLM, PRICES, Period(5000, 5000 + 1800))
+    assert cost.gpu_hours == pytest.approx(0.5 * (4 + 2))
+    assert (cost.upload_gb, cost.download_gb, cost.tokens, cost.rounds) == (0, 0, 0, 0)
+    assert cost.storage_gb_months == pytest.approx(4.5 * 1800 / MONTH_S)
+
+
+def test_what_the_table_does_not_price_is_counted_and_named_not_free() -> None:
+    facts = CostFacts("vit", "vision", {"ap-south": (1, "A100")})
+    log = [
+        entry(0, "job.admit", "vit", verdict="allow"),  # admitted at once: all its regions
+        entry(100, "delta.accept", "vit", round_=0, region="ap-south", size=10**9, tokens=7),
+    ]
+    usage = folded(log, {"vit": ("ap-south",)}).jobs["vit"]
+    cost = job_cost(usage, facts, PRICES, Period(0, 7200))
+    assert cost.gpu_hours == pytest.approx(2.0)  # still running: up to the period's end
+    assert (cost.gpu_cost, cost.upload_cost, cost.total) == (0, 0, 0)
+    assert cost.upload_gb == pytest.approx(1.0)
+    assert cost.unpriced == ("GPU-hours in ap-south (A100)", "WAN from ap-south")
+    assert cost.per_million_tokens == 0
+
+
+def test_queued_jobs_hold_nothing_and_a_final_state_ends_what_they_hold() -> None:
+    log = [
+        entry(0, "job.admit", verdict="allow", queued=True),
+        entry(3600, "job.admit", to="running", regions=["eu-west"]),
+        entry(5400, "job.admit", to="queued"),  # not a start
+    ]
+    fold = folded(log)
+    fold.ended("llm", 7200)  # completed (its record's state), no audit entry of its own
+    cost = job_cost(fold.jobs["llm"], LLM, PRICES, Period(0, 10_000))
+    assert cost.gpu_hours == pytest.approx(4 * 1.0)
+
+
+def test_a_region_joining_and_leaving_changes_what_the_job_holds() -> None:
+    log = [
+        entry(0, "job.admit", verdict="allow"),  # both regions of the spec
+        entry(3600, "job.regions", verdict="allow", region="us-east", action="remove"),
+        entry(7200, "job.regions", verdict="allow", region="us-east", action="add"),
+        entry(7200, "job.regions", verdict="deny", region="eu-west", action="remove"),
+        entry(10_800, "job.fail"),
+    ]
+    cost = job_cost(folded(log).jobs["llm"], LLM, PRICES, Period(0, 20_000))
+    assert cost.gpu_hours == pytest.approx(3 * 4 + 2 * 2)
+
+
+def test_a_pruned_checkpoint_is_stored_only_until_it_was_pruned() -> None:
+    log = [
+        entry(0, "checkpoint.snapshot", round_=0, size=10**9, location="archive"),
+        entry(
+            100,
+            "round.publish",
+            round_=0,
+            included=["eu-west"],
+            update_size=10**9,
+            location="archive",
+        ),
+        entry(100 + MONTH_S / 2, "checkpoint.prune", removed=[["snapshot", 0], ["update", 7]]),
+    ]
+    cost = job_cost(folded(log).jobs["llm"], LLM, PRICES, Period(0, 100 + MONTH_S))
+    assert cost.storage_gb_months == pytest.approx((100 + MONTH_S / 2) / MONTH_S + 1.0)
+
+
+def test_entries_of_an_older_version_without_sizes_are_named() -> None:
+    log = [entry(100, "round.publish", round_=0, included=["eu-west"], location="archive")]
+    cost = job_cost(folded(log).jobs["llm"], LLM, PRICES, Period(0, 200))
+    assert cost.rounds == 1
+    assert cost.download_gb == 0
+    assert cost.unpriced == ("1 audit entries without sizes (older version)",)
+
+
+def test_team_costs_sum_their_jobs() -> None:
+    usage = folded(llm_log()).jobs["llm"]
+    first = job_cost(usage, LLM, PRICES, Period(0, 20_000))
+    second = job_cost(usage, CostFacts("llm-2", "nlp", LLM.gpus), PRICES, Period(0, 20_000))
+    other = job_cost(usage, CostFacts("vit", "vision", {}), PRICES, Period(0, 20_000))
+    nlp, vision = team_costs([other, first, second])
+    assert (nlp.team, nlp.jobs, vision.team, vision.jobs) == ("nlp", 2, "vision", 1)
+    assert nlp.total == pytest.approx(2 * first.total)
+    assert nlp.gpu_hours == pytest.approx(2 * first.gpu_hours)
+    assert vision.gpu_hours == 0  # states no GPUs
+
+
+def test_prices_fall_back_to_default_and_follow_the_market() -> None:
+    assert PRICES.gpu_hour("eu-west", "H100") == 4.0
+    assert PRICES.gpu_hour("eu-west", "L4") == 3.0
+    assert PRICES.gpu_hour("eu-west", None) == 3.0
+    assert PRICES.gpu_hour("us-east", "H100") == 1.0  # spot
+    assert PRICES.gpu_hour("ap-south", None) is None
+    assert PRICES.upload_per_gb("us-east") == 0.1
+    assert PRICES.download_per_gb("eu-west") == 0.0
+    assert PRICES.download_per_gb("ap-south") == 0.08
+    assert PRICES.storage_per_gb_month("archive") == 0.02
+    assert PriceTable().upload_per_gb("eu-west") is None
+
+
+@pytest.mark.parametrize(
+    ("table", "message"),
+    [
+        (
+            {"regions": {"x": {"market": "spot", "gpu_hour": {"H100": {"on_demand": 1}}}}},
+            "market is spot, but gpu_hour H100 has no spot price",
+        ),
+        ({"regions": {"x": {"egress_per_gb": {"default": -1}}}}, "greater than or equal to 0"),
+        ({"currency": "euro"}, "should match pattern"),
+        ({"storage": {"a": {}}}, "per_gb_month"),
+    ],
+)
+def test_a_bad_price_table_is_refused(table: dict[str, Any], message: str) -> None:
+    with pytest.raises(ValidationError, match=message):
+        PriceTable.model_validate(table)
+
+
+def _problems(text: str) -> tuple[str, ...]:
+    with pytest.raises(ConfigError) as caught:
+        parse_config(text, "c.yaml", base=Path("/etc/geofed"))
+    return caught.value.problems
+
+
+def test_the_coordinators_config_names_the_line_of_a_bad_price() -> None:
+    assert parse_config(MINIMAL_COORDINATOR, "c.yaml", base=Path("/")).prices is None
+    good = MINIMAL_COORDINATOR + "prices:\n  storage:\n    eu-ckpt: {per_gb_month: 0.02}\n"
+    config = parse_config(good, "c.yaml", base=Path("/"))
+    assert config.prices is not None
+    assert config.prices.storage_per_gb_month("eu-ckpt") == 0.02
+    (problem,) = _problems(
+        MINIMAL_COORDINATOR + "prices:\n  storage:\n    us-ckpt: {per_gb_month: 1}\n"
+    )
+    assert problem.startswith("c.yaml:9: prices: ")
+    assert "prices.storage names us-ckpt, which the storage section does not configure" in problem
+    (problem,) = _problems(
+        MINIMAL_COORDINATOR
+        + "prices:\n  regions:\n    eu-west:\n      gpu_hour: {default: {on_demand: x}}\n"
+    )
+    assert problem.startswith("c.yaml:12: prices.regions.eu-west.gpu_hour.default.on_demand:")
+    (problem,) = _problems(MINIMAL_COORDINATOR + "prices:\n  regions:\n    'Bad Region': {}\n")
+    assert "region" in problem
