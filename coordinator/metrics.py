@@ -184,6 +184,29 @@ TEAM_QUOTA_WAITING = MetricSpec(
     "Jobs of each team waiting because the team is at its quota.",
     ("team",),
 )
+JOB_COST = MetricSpec(
+    "geofed_job_cost",
+    "gauge",
+    "What a job cost since it started, by kind (gpu, upload, download, storage), in the "
+    "price table's currency (coordinator.costs).",
+    ("job", "team", "kind"),
+)
+TEAM_COST = MetricSpec(
+    "geofed_team_cost",
+    "gauge",
+    "What a team's jobs cost over its budget's window (30 days without a budget).",
+    ("team",),
+)
+TEAM_BUDGET = MetricSpec(
+    "geofed_team_budget", "gauge", "A team's budget over its window (scheduling file).", ("team",)
+)
+TEAM_BUDGET_BURN_RATE = MetricSpec(
+    "geofed_team_budget_burn_rate",
+    "gauge",
+    "A team's spend over the last 6 hours as a share of what its budget allows in that time "
+    "(1: on course to spend exactly the budget over its window).",
+    ("team",),
+)
 MQTT_CONNECTED = MetricSpec(
     "geofed_mqtt_connected", "gauge", "1 while the control-plane connection is up."
 )
@@ -232,6 +255,10 @@ CATALOGUE: Final[tuple[MetricSpec, ...]] = (
     TEAM_GPUS_IN_USE,
     TEAM_GPU_SECONDS,
     TEAM_QUOTA_WAITING,
+    JOB_COST,
+    TEAM_COST,
+    TEAM_BUDGET,
+    TEAM_BUDGET_BURN_RATE,
     MQTT_CONNECTED,
     LEADER,
 )
@@ -278,6 +305,10 @@ class CoordinatorMetrics:
         self.team_gpus_in_use = gauge(TEAM_GPUS_IN_USE, registry)
         self.team_gpu_seconds = gauge(TEAM_GPU_SECONDS, registry)
         self.team_quota_waiting = gauge(TEAM_QUOTA_WAITING, registry)
+        self.job_cost = gauge(JOB_COST, registry)
+        self.team_cost = gauge(TEAM_COST, registry)
+        self.team_budget = gauge(TEAM_BUDGET, registry)
+        self.team_budget_burn_rate = gauge(TEAM_BUDGET_BURN_RATE, registry)
         self.mqtt_connected = gauge(MQTT_CONNECTED, registry)
         self.leader = gauge(LEADER, registry)
         # The full app runs only on the leader (or the only coordinator): it leads.

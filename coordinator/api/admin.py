@@ -9,8 +9,10 @@ region every other job answers exactly as one that does not exist
 
 from __future__ import annotations
 
+import asyncio
 import json
-from collections.abc import Mapping
+import logging
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 from aiohttp import web
@@ -18,7 +20,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from coordinator.api.auth import READERS, caller, require_role, unknown_job
 from coordinator.api.bodies import read_limited
-from coordinator.api.keys import JOBS, REGISTRY, RUNTIME, SERVICES
+from coordinator.api.keys import COSTS, JOBS, REGISTRY, RUNTIME, SERVICES
 from coordinator.errors import ApiError, BadRequest
 from coordinator.jobs.status import deltas_json
 from coordinator.rounds.engine import JobEngine
@@ -29,8 +31,16 @@ from geofed.api_paths import ApiPaths
 from geofed.timeouts import Timeout, wait_for
 from geofed.types import Identity, InvalidName, Role, validate_name
 
-__all__ = ["audit_page", "int_query", "parse_region_change", "routes", "visible_engine"]
+__all__ = [
+    "audit_page",
+    "int_query",
+    "parse_region_change",
+    "refresh_costs",
+    "routes",
+    "visible_engine",
+]
 
+log = logging.getLogger(__name__)
 routes = web.RouteTableDef()
 
 
@@ -68,8 +78,21 @@ async def metrics(request: web.Request) -> web.Response:
     # Job- and region-labelled series of every job: readers only, never a region.
     require_role(request, *READERS)
     request.app[JOBS].refresh_metrics()  # queue waits and GPU-seconds, as of now
+    timeout_s = request.app[SERVICES].config.timeouts.request_s / 2
+    await refresh_costs(request.app[COSTS].refresh, timeout_s)
     body = generate_latest(request.app[REGISTRY])
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+async def refresh_costs(refresh: Callable[[], Awaitable[object]], timeout_s: float) -> None:
+    """The cost gauges as of now (:meth:`CostWatch.refresh`); a refresh that fails or takes
+    longer than ``timeout_s`` leaves those of the last one (a scrape is never refused for
+    them)."""
+    try:
+        async with asyncio.timeout(timeout_s):
+            await refresh()
+    except Exception as exc:  # the figures wait for the next scrape; the scrape goes on
+        log.warning("cost gauges not refreshed: %s", str(exc) or type(exc).__name__)
 
 
 @routes.get(ApiPaths.JOBS)

@@ -33,10 +33,11 @@ from coordinator.api import lineage as api_lineage
 from coordinator.api import usage as api_usage
 from coordinator.api.auth import header_identity_middleware, refuse_identity_header_middleware
 from coordinator.api.cross_site import cross_site_refusal
-from coordinator.api.keys import JOBS, REGISTRY, RUNTIME, SERVICES, UPLOADS
+from coordinator.api.keys import COSTS, JOBS, REGISTRY, RUNTIME, SERVICES, UPLOADS
 from coordinator.api.server import error_code
 from coordinator.api.ui import handler as status_page
 from coordinator.control import ControlPlane
+from coordinator.costs.watch import CostWatch
 from coordinator.errors import ApiError, Forbidden
 from coordinator.executors import Executors
 from coordinator.ha.lease import Fence
@@ -185,6 +186,7 @@ def _lifecycle(
         app[SERVICES] = services
         app[JOBS] = jobs
         app[UPLOADS] = UploadService(services, jobs)
+        app[COSTS] = CostWatch(services, lambda: jobs.scheduling.teams)
         try:
             await jobs.start()
             # What start-up built lives as long as the process: frozen, the collector's

@@ -3,7 +3,7 @@ audit log read, folded and priced (:mod:`.usage_facts`, :mod:`.showback`) off th
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,7 +17,7 @@ from coordinator.costs.showback import (
     sorted_costs,
     team_costs,
 )
-from coordinator.costs.usage_facts import UsageFold
+from coordinator.costs.usage_facts import JobUsage, UsageFold
 from coordinator.executors import Executors
 from coordinator.jobs.spec import JobSpec, JobSpecError, parse_stored_spec
 from coordinator.rounds.records import JobState
@@ -25,7 +25,7 @@ from coordinator.state.async_store import AsyncStore
 from coordinator.state.audit import AuditEntry
 from coordinator.state.store import JobRecord
 
-__all__ = ["UsageReport", "usage_report"]
+__all__ = ["PAGE", "UsageReport", "cost_facts", "usage_report"]
 
 #: Audit entries read per page.
 PAGE = 1000
@@ -127,15 +127,16 @@ def _price(
         usage = fold.jobs.get(name)
         if usage is None:
             continue
-        # Regions that joined later hold what the spec's needs state for them too.
-        regions = {*spec.region_names, *(r for span in usage.all_spans() for r in span.regions)}
-        costs.append(job_cost(usage, _facts(spec, regions), prices, period))
+        costs.append(job_cost(usage, cost_facts(spec, usage), prices, period))
     return sorted_costs(costs)
 
 
-def _facts(spec: JobSpec, regions: Iterable[str]) -> CostFacts:
+def cost_facts(spec: JobSpec, usage: JobUsage) -> CostFacts:
+    """What ``spec`` says the costs of ``usage`` depend on: its team, and the GPUs its
+    needs state in each region it named or that joined it later."""
+    regions = {*spec.region_names, *(r for span in usage.all_spans() for r in span.regions)}
     gpus: dict[str, tuple[int, str | None]] = {}
-    for region in regions:
+    for region in sorted(regions):
         need = spec.need_in(region)
         if need is not None and need.gpus:
             gpus[region] = (need.gpus, need.gpu_kind)

@@ -29,6 +29,7 @@ __all__ = [
     "JobCost",
     "Period",
     "TeamCost",
+    "burn_rate",
     "job_cost",
     "sorted_costs",
     "team_costs",
@@ -186,6 +187,13 @@ def _add(
         unpriced[what] = None
     else:
         part.cost += quantity * price
+
+
+def burn_rate(recent_cost: float, recent_s: float, budget: float, window_s: float) -> float:
+    """How fast ``recent_cost`` (spent over the last ``recent_s`` seconds) spends a budget
+    of ``budget`` per ``window_s``: 1 spends exactly the budget over the window, 2 spends
+    it in half the window."""
+    return (recent_cost / recent_s) / (budget / window_s)
 
 
 def team_costs(costs: Iterable[JobCost]) -> list[TeamCost]:

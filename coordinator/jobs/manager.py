@@ -676,6 +676,11 @@ class JobManager:
         for priority, count in waiting.items():
             self._s.metrics.jobs_queued.labels(priority=priority).set(count)
 
+    @property
+    def scheduling(self) -> SchedulingConfig:
+        """The scheduling file in force (loaded at start)."""
+        return self._scheduling
+
     def refresh_metrics(self) -> None:
         """Bring the usage gauges up to now (waits and GPU-seconds grow between passes);
         the ``/metrics`` handler calls it before each scrape."""

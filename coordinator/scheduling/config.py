@@ -40,6 +40,7 @@ __all__ = [
     "AgeingConfig",
     "PreemptionConfig",
     "SchedulingConfig",
+    "TeamBudget",
     "TeamQuota",
     "load_scheduling_config",
     "parse_scheduling_config",
@@ -71,6 +72,16 @@ class PreemptionConfig(ConfigSection):
     )
 
 
+class TeamBudget(ConfigSection):
+    """What a team may spend over a sliding window, in the price table's currency (the
+    coordinator's ``prices``); watched by metrics and alerts, never enforced."""
+
+    amount: StrictFloat | StrictInt = Field(gt=0, le=1e15, allow_inf_nan=False)
+    window_s: StrictFloat | StrictInt = Field(
+        default=30 * 86400, gt=0, le=366 * 86400, allow_inf_nan=False
+    )
+
+
 class TeamQuota(ConfigSection):
     """A team's limits (each optional) and its fair-share weight."""
 
@@ -82,6 +93,9 @@ class TeamQuota(ConfigSection):
         default=None,
         description="the priority classes the team's jobs may use (a class that preempts is "
         "a right); unset: every class",
+    )
+    budget: TeamBudget | None = Field(
+        default=None, description="what the team may spend over a window (alerts only)"
     )
 
     @model_validator(mode="after")

@@ -24,7 +24,7 @@ import asyncio
 import json
 import re
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -85,10 +85,18 @@ def uses() -> Iterator[Use]:
         yield Use(f"variable ${variable['name']}", match["metric"], match["label"])
 
 
-def declare_peak_flops(name: str, data: dict[str, Any]) -> None:
-    """Give each agent a peak per rank, so that its MFU is known on the CPU."""
-    if name.startswith("agent-"):
-        data.setdefault("workers", {})["peak_flops"] = PEAK_FLOPS
+def configured(scheduling: Path) -> Callable[[str, dict[str, Any]], None]:
+    """Give each agent a peak per rank, so that its MFU is known on the CPU; give the
+    coordinator the scheduling file ``scheduling`` (a team budget: its cost series)."""
+
+    def configure(name: str, data: dict[str, Any]) -> None:
+        if name.startswith("agent-"):
+            data.setdefault("workers", {})["peak_flops"] = PEAK_FLOPS
+        if name == "coordinator":
+            assert data.get("prices"), "the example coordinator config prices the demo"
+            data["scheduling"] = str(scheduling)
+
+    return configure
 
 
 def exporter(name: str) -> str | None:
@@ -171,13 +179,15 @@ def test_rules_and_dashboard_select_metrics_of_both_daemons() -> None:
 
 
 async def test_every_selected_metric_is_exported_by_its_daemon(tmp_path: Path) -> None:
+    scheduling = tmp_path / "scheduling.yaml"
+    scheduling.write_text("teams:\n  default: {budget: {amount: 1000}}\n")
     async with running_federation(
         tmp_path,
         regions=REGIONS,
         rounds=ROUNDS,
         inner_steps=3,
         broker="mosquitto",
-        customize=declare_peak_flops,
+        customize=configured(scheduling),
     ) as fed:
         status, body = await fed.submit()
         assert status == 201, body
@@ -222,6 +232,28 @@ async def test_every_selected_metric_is_exported_by_its_daemon(tmp_path: Path) -
                 problems.append(problem)
     assert checked > 0
     assert problems == [], "dead alerts or empty panels:\n" + "\n".join(problems)
+
+    # The round's deltas and update are priced (the example's prices); CPU regions hold no GPU.
+    cost = {
+        sample.labels["kind"]: sample.value
+        for family in text_string_to_metric_families(coordinator_text)
+        for sample in family.samples
+        if sample.name == "geofed_job_cost"
+    }
+    assert cost["gpu"] == 0, cost
+    assert min(cost["upload"], cost["download"], cost["storage"]) > 0, cost
+    team = {
+        sample.name: sample.value
+        for family in text_string_to_metric_families(coordinator_text)
+        for sample in family.samples
+        if sample.name.startswith("geofed_team_") and sample.labels.get("team") == "default"
+    }
+    assert team["geofed_team_budget"] == 1000
+    assert team["geofed_team_cost"] == pytest.approx(sum(cost.values()))
+    # All of it spent within the last 6 hours: its pace against 1000 per 30 days.
+    assert team["geofed_team_budget_burn_rate"] == pytest.approx(
+        sum(cost.values()) / (6 * 3600) / (1000 / (30 * 86400))
+    )
 
     nvml, _ = open_nvml()  # whether this machine's agents can read GPUs
     # What the workers measured training the round, as each agent exports it.

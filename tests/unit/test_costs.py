@@ -3,15 +3,17 @@ figures computed by hand."""
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 from typing import Any
 
 import pytest
 from pydantic import ValidationError
 
+from coordinator.api.admin import refresh_costs
 from coordinator.config import ConfigError, parse_config
 from coordinator.costs.prices import PriceTable
-from coordinator.costs.showback import MONTH_S, CostFacts, Period, job_cost, team_costs
+from coordinator.costs.showback import MONTH_S, CostFacts, Period, burn_rate, job_cost, team_costs
 from coordinator.costs.usage_facts import UsageFold
 from coordinator.state.audit import AuditEntry, format_time
 from tests.support.configs import MINIMAL_COORDINATOR
@@ -257,3 +259,25 @@ def test_the_coordinators_config_names_the_line_of_a_bad_price() -> None:
     assert problem.startswith("c.yaml:12: prices.regions.eu-west.gpu_hour.default.on_demand:")
     (problem,) = _problems(MINIMAL_COORDINATOR + "prices:\n  regions:\n    'Bad Region': {}\n")
     assert "region" in problem
+
+
+def test_a_burn_rate_of_one_spends_the_budget_over_its_window() -> None:
+    day = 86400.0
+    assert burn_rate(100.0, day, 3000.0, 30 * day) == pytest.approx(1.0)
+    assert burn_rate(300.0, day / 4, 3000.0, 30 * day) == pytest.approx(12.0)
+    assert burn_rate(0.0, day, 3000.0, 30 * day) == 0
+
+
+async def test_a_cost_refresh_that_fails_or_hangs_leaves_the_scrape_to_go_on(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    async def broken() -> None:
+        raise OSError("database is locked")
+
+    async def hung() -> None:
+        await asyncio.sleep(60)
+
+    await refresh_costs(broken, 1.0)
+    await refresh_costs(hung, 0.05)
+    assert "cost gauges not refreshed: database is locked" in caplog.text
+    assert "cost gauges not refreshed: TimeoutError" in caplog.text

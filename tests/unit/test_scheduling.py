@@ -234,11 +234,16 @@ def test_scheduling_file_parses() -> None:
         "default_priority: research\n"
         "ageing: {every_s: 1800, boost: 5, max_boost: 40}\n"
         "teams:\n"
-        "  vision: {concurrent_gpus: 32, gpu_hours: 2000, window_s: 604800}\n",
+        "  vision: {concurrent_gpus: 32, gpu_hours: 2000, window_s: 604800}\n"
+        "  nlp: {budget: {amount: 500}}\n",
         "scheduling.yaml",
     )
     assert config.priority_of("production") == 100
     assert config.quota_of("vision").concurrent_gpus == 32
+    assert config.quota_of("vision").budget is None
+    budget = config.quota_of("nlp").budget
+    assert budget is not None
+    assert (budget.amount, budget.window_s) == (500, 30 * 86400)
     assert config.quota_of("nobody") == TeamQuota()
 
 
@@ -260,6 +265,8 @@ def test_scheduling_file_parses() -> None:
         ("teams:\n  Vision: {concurrent_gpus: 1}\n", "invalid team 'Vision'"),
         ("preemption: {enabeld: true}\n", "scheduling.yaml:1: preemption.enabeld: unknown key"),
         ("ageing: {every_s: 0}\n", "ageing.every_s"),
+        ("teams:\n  nlp: {budget: {amount: 0}}\n", "scheduling.yaml:2: teams.nlp.budget.amount:"),
+        ("teams:\n  nlp: {budget: {window_s: 60}}\n", "teams.nlp.budget.amount: missing"),
     ],
 )
 def test_scheduling_file_errors_name_file_line_and_key(text: str, problem: str) -> None:
