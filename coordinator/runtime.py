@@ -114,20 +114,12 @@ def load_runtime(config: CoordinatorConfig) -> Runtime:
         spool = config.state_dir / "spool"
         spool.mkdir(exist_ok=True, mode=0o700)
         job_blobs = JobBlobStores(config.state_dir)
-        legacy = job_blobs.legacy_count()
     except OSError as exc:
         raise ConfigError([f"state_dir: cannot use {config.state_dir}: {exc}"]) from None
     try:
         faults = FaultPoints.from_environ(os.environ)
     except FaultError as exc:
         raise ConfigError([str(exc)]) from None
-    if legacy:
-        log.info(
-            "%d blob(s) written before each job had a store of its own remain in %s: read "
-            'when a job needs one, never deleted (docs/operations.md, "Working blobs")',
-            legacy,
-            job_blobs.legacy.root,
-        )
     if faults.pause_at is not None:
         log.warning("fault injection armed: %s", faults)
     signer = Signer(credential.identity, credential.certificate, credential.private_key)

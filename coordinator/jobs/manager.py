@@ -43,6 +43,7 @@ from coordinator.jobs.capacity import (
 from coordinator.jobs.capacity_records import record_job_start, record_queued_job
 from coordinator.jobs.context import JobContext, JobContextError, build_context
 from coordinator.jobs.init_source import InitError, load_initial
+from coordinator.jobs.legacy_blobs import adopt_legacy_blobs
 from coordinator.jobs.queue_view import (
     Listed,
     gpus_held,
@@ -75,6 +76,7 @@ from coordinator.services import Services
 from coordinator.state.audit import AuditEntry, AuditEvent, AuditVerdict
 from coordinator.state.store import AlreadyExists, ConflictError
 from coordinator.state.transactions import LOCATION_POINTER, record_admitted_job, record_job_change
+from geofed.blobstore import BlobStoreError
 from geofed.timeouts import wait_event
 from geofed.types import Identity, InvalidName, validate_name
 from policies import JobPlacement, PlacementError, StorageLocation, admit_job
@@ -128,6 +130,10 @@ class JobManager:
         config = await asyncio.to_thread(load_scheduling_config, self._s.config.scheduling)
         self._scheduling = config
         records = await self._s.db.list_jobs()
+        try:
+            await adopt_legacy_blobs(self._s, [record.job_id for record in records])
+        except (OSError, BlobStoreError) as exc:  # the jobs still read the shared store
+            log.warning("the jobs could not adopt the shared store's blobs: %s", exc)
         for record in records:
             self._submitted[record.job_id] = record.created_at
             try:

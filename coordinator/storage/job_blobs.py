@@ -9,17 +9,21 @@ Every job therefore writes and deletes in a store of its own,
 ``<state_dir>/blobs/jobs/<job>/``.
 
 Blobs written before the jobs had their own stores lie directly under
-``<state_dir>/blobs/``. A job whose own store lacks a blob reads it from there, and
-nothing deletes them, since any job may still need one; they stop being read once every
-job has saved its working state again (``docs/operations.md``, "Working blobs").
+``<state_dir>/blobs/``. When the coordinator starts, each job adopts those it still needs
+(:meth:`JobBlobStore.adopt_legacy`, from :mod:`coordinator.jobs.legacy_blobs`); a job
+whose own store lacks a blob still reads it from there, and nothing deletes them
+(``docs/operations.md``, "Working blobs").
 """
 
 from __future__ import annotations
 
+import os
 import threading
+from collections.abc import Iterable
 from pathlib import Path
 
 from geofed.blobstore import FsBlobStore
+from geofed.fsutil import fsync_dir
 from geofed.types import validate_name
 
 __all__ = ["JobBlobStore", "JobBlobStores"]
@@ -38,6 +42,27 @@ class JobBlobStore(FsBlobStore):
             return own
         older = self._legacy.path_of(digest)
         return older if older.is_file() else own
+
+    def adopt_legacy(self, digests: Iterable[str]) -> int:
+        """Make the blobs ``digests`` that only the shared store holds this job's own too
+        (a hard link, or a checked copy across filesystems); how many it made. The shared
+        store's copies stay."""
+        adopted = 0
+        for digest in dict.fromkeys(digests):
+            own, older = self.path_of(digest), self._legacy.path_of(digest)
+            if own.is_file() or not older.is_file():
+                continue
+            self._make_dir(own.parent)
+            try:
+                os.link(older, own)
+                fsync_dir(own.parent)
+            except FileExistsError:
+                continue
+            except OSError:
+                with self._legacy.open(digest) as reader:
+                    self.put_stream(reader, expected_digest=digest)
+            adopted += 1
+        return adopted
 
 
 class JobBlobStores:

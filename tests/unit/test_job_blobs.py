@@ -78,3 +78,21 @@ def test_a_job_name_that_is_not_a_directory_name_is_refused(tmp_path: Path, job:
     assert not (tmp_path / "blobs" / "jobs").exists() or not any(
         (tmp_path / "blobs" / "jobs").iterdir()
     )
+
+
+def test_a_job_adopts_the_shared_blobs_it_names_and_only_those(tmp_path: Path) -> None:
+    legacy = FsBlobStore(tmp_path / "blobs")
+    needed, other = legacy.put(b"a delta the job replays"), legacy.put(b"another job's")
+    stores = JobBlobStores(tmp_path)
+    alpha = stores.for_job("alpha")
+    own = alpha.put(b"already the job's own")
+    missing = "0" * 64
+    assert alpha.adopt_legacy([needed, needed, own, missing]) == 1
+    assert alpha.path_of(needed).is_file()
+    assert not alpha.path_of(other).exists()
+    assert not alpha.path_of(missing).exists()
+    # A hard link: the shared store's copy stays, and removing it leaves the job's.
+    assert alpha.path_of(needed).stat().st_ino == legacy.path_of(needed).stat().st_ino
+    legacy.delete(needed)
+    assert alpha.get(needed) == b"a delta the job replays"
+    assert alpha.adopt_legacy([needed]) == 0
