@@ -1,7 +1,9 @@
 """``GET /v1/usage``: what each job and team used and cost over a period (readers).
 
 Query: ``since`` and ``until`` in epoch seconds (default: the 30 days up to now), ``job``
-to report one job. The answer is :meth:`coordinator.costs.report.UsageReport.to_json`.
+to report one job. The answer is :meth:`coordinator.costs.report.UsageReport.to_json`,
+from the coordinator's :class:`~coordinator.costs.watch.CostWatch` (the audit log is
+folded once, as it grows, not read again for each report).
 """
 
 from __future__ import annotations
@@ -14,8 +16,7 @@ from typing import Final
 from aiohttp import web
 
 from coordinator.api.auth import READERS, require_role
-from coordinator.api.keys import SERVICES
-from coordinator.costs.report import usage_report
+from coordinator.api.keys import COSTS
 from coordinator.costs.showback import Period
 from coordinator.errors import BadRequest
 from geofed.api_paths import ApiPaths
@@ -39,10 +40,7 @@ async def usage(request: web.Request) -> web.Response:
             validate_name("job", job)
         except InvalidName as exc:
             raise BadRequest(str(exc)) from None
-    services = request.app[SERVICES]
-    report = await usage_report(
-        services.db, services.executors, services.config.prices, period, job
-    )
+    report = await request.app[COSTS].report(period, job)
     return web.json_response(report.to_json())
 
 

@@ -1,5 +1,6 @@
-"""The usage report (``GET /v1/usage``, ``geofed usage``): the stored jobs and the whole
-audit log read, folded and priced (:mod:`.usage_facts`, :mod:`.showback`) off the loop."""
+"""The usage report (``GET /v1/usage``, ``geofed usage``): the stored jobs and the audit
+log folded (:mod:`.usage_facts`) into a :class:`UsageLedger`, priced over a period
+(:mod:`.showback`). Pure; :mod:`.watch` feeds it and runs it off the loop."""
 
 from __future__ import annotations
 
@@ -18,17 +19,12 @@ from coordinator.costs.showback import (
     team_costs,
 )
 from coordinator.costs.usage_facts import JobUsage, UsageFold
-from coordinator.executors import Executors
 from coordinator.jobs.spec import JobSpec, JobSpecError, parse_stored_spec
 from coordinator.rounds.records import JobState
-from coordinator.state.async_store import AsyncStore
 from coordinator.state.audit import AuditEntry
 from coordinator.state.store import JobRecord
 
-__all__ = ["PAGE", "UsageReport", "cost_facts", "usage_report"]
-
-#: Audit entries read per page.
-PAGE = 1000
+__all__ = ["UsageLedger", "UsageReport", "cost_facts"]
 
 
 @dataclass(frozen=True)
@@ -85,50 +81,49 @@ def _job_json(cost: JobCost) -> dict[str, Any]:
     }
 
 
-async def usage_report(
-    db: AsyncStore,
-    executors: Executors,
-    prices: PriceTable | None,
-    period: Period,
-    job: str | None = None,
-) -> UsageReport:
-    """The report of ``period`` (one job's, or every job's), priced by ``prices`` (None:
-    none configured, so nothing is priced)."""
-    records = [r for r in await db.list_jobs() if job is None or r.job_id == job]
-    entries: list[AuditEntry] = []
-    after = 0
-    while page := await db.audit_entries(after, PAGE, job):
-        entries.extend(page)
-        after = page[-1].seq
-    table = prices if prices is not None else PriceTable()
-    costs = await executors.compute(_price, records, entries, table, period)
-    return UsageReport(period, table.currency, prices is not None, costs, team_costs(costs))
+class UsageLedger:
+    """The jobs' specs and their usage folded from the audit log so far (pure; whoever
+    owns it lets one caller at a time use it: :class:`coordinator.costs.watch.CostWatch`)."""
 
+    def __init__(self) -> None:
+        self.specs: dict[str, JobSpec] = {}
+        self._regions: dict[str, tuple[str, ...]] = {}
+        self.fold = UsageFold(self._regions)
+        #: The last audit entry folded.
+        self.seq = 0
 
-def _price(
-    records: Sequence[JobRecord],
-    entries: Sequence[AuditEntry],
-    prices: PriceTable,
-    period: Period,
-) -> list[JobCost]:
-    specs: dict[str, JobSpec] = {}
-    for record in records:
-        try:
-            specs[record.job_id] = parse_stored_spec(record.spec)
-        except JobSpecError:
-            continue  # a spec this version cannot read: the job cannot run either
-    fold = UsageFold({name: spec.region_names for name, spec in specs.items()})
-    fold.fold(entries)
-    for record in records:
-        if JobState(record.state).final:
-            fold.ended(record.job_id, record.updated_at)
-    costs = []
-    for name, spec in specs.items():
-        usage = fold.jobs.get(name)
-        if usage is None:
-            continue
-        costs.append(job_cost(usage, cost_facts(spec, usage), prices, period))
-    return sorted_costs(costs)
+    def add(self, records: Sequence[JobRecord], entries: Sequence[AuditEntry]) -> None:
+        """Learn the jobs of ``records`` and fold ``entries`` (the next after :attr:`seq`)."""
+        for record in records:
+            if record.job_id not in self.specs:
+                try:
+                    spec = parse_stored_spec(record.spec)
+                except JobSpecError:
+                    continue  # a spec this version cannot read: the job cannot run either
+                self.specs[record.job_id] = spec
+                self._regions[record.job_id] = spec.region_names
+        self.fold.fold(entries)
+        if entries:
+            self.seq = entries[-1].seq
+        for record in records:
+            if JobState(record.state).final:
+                self.fold.ended(record.job_id, record.updated_at)
+
+    def costs(self, prices: PriceTable, period: Period, job: str | None = None) -> list[JobCost]:
+        """Each job's (or ``job``'s) cost over ``period``, by team then job."""
+        costs = []
+        for name, spec in self.specs.items():
+            usage = self.fold.jobs.get(name)
+            if usage is None or job not in (None, name):
+                continue
+            costs.append(job_cost(usage, cost_facts(spec, usage), prices, period))
+        return sorted_costs(costs)
+
+    def report(self, prices: PriceTable | None, period: Period, job: str | None) -> UsageReport:
+        """The report of ``period`` priced by ``prices`` (None: nothing is priced)."""
+        table = prices if prices is not None else PriceTable()
+        costs = self.costs(table, period, job)
+        return UsageReport(period, table.currency, prices is not None, costs, team_costs(costs))
 
 
 def cost_facts(spec: JobSpec, usage: JobUsage) -> CostFacts:

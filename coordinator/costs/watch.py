@@ -1,50 +1,59 @@
-"""The cost gauges: the audit log folded as it grows, priced at each scrape.
+"""The coordinator's view of what jobs cost: the audit log folded as it grows.
 
-:class:`CostWatch` keeps one :class:`~coordinator.costs.usage_facts.UsageFold` for the
-process and reads only the audit entries after the last it folded, so a scrape costs the
-entries since the one before plus pricing each job (:mod:`.showback`, in a worker thread).
-It sets, when the coordinator has a price table:
+:class:`CostWatch` keeps one :class:`~coordinator.costs.report.UsageLedger` for the
+process. Each use reads the audit entries after the last it folded, at most
+:data:`PAGES_PER_CATCH_UP` pages a step, and folds and prices them in a worker thread
+that a cancelled caller waits for (so the ledger is never left half-updated), one caller
+at a time. It answers ``GET /v1/usage`` (:meth:`CostWatch.report`: caught up to the log's
+head first) and, at each scrape, sets when the coordinator has a price table
+(:meth:`CostWatch.refresh`):
 
 - ``geofed_job_cost{job, team, kind}``: what a job cost since it started, by ``kind``
   (``gpu``, ``upload``, ``download``, ``storage``);
 - ``geofed_team_cost{team}``: what a team's jobs cost over its budget's window (30 days
   without a budget), with ``geofed_team_budget{team}`` where the scheduling file states one;
-- ``geofed_team_budget_burn_rate{team}``: its spend over the last 6 hours as a share of
-  what its budget allows in that time (1: on course to spend exactly the budget).
+- ``geofed_team_budget_burn_rate{team}``: its spend over the last 6 hours against what its
+  budget allows in that time (1: on course to spend exactly the budget).
 """
 
 from __future__ import annotations
 
 import asyncio
-import logging
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Final
+from dataclasses import dataclass
+from typing import Final, TypeVar
 
 from coordinator.costs.prices import PriceTable
-from coordinator.costs.report import PAGE, cost_facts
-from coordinator.costs.showback import JobCost, Period, burn_rate, job_cost
-from coordinator.costs.usage_facts import UsageFold
-from coordinator.jobs.spec import JobSpec, JobSpecError, parse_stored_spec
-from coordinator.metrics import CoordinatorMetrics
-from coordinator.rounds.records import JobState
+from coordinator.costs.report import UsageLedger, UsageReport
+from coordinator.costs.showback import JobCost, Period, burn_rate
 from coordinator.scheduling.config import TeamQuota
 from coordinator.services import Services
-from coordinator.state.audit import AuditEntry
+from coordinator.state.audit import MAX_PAGE, AuditEntry
 from coordinator.state.store import JobRecord
 
-__all__ = ["BURN_WINDOW_S", "DEFAULT_WINDOW_S", "CostFigures", "CostWatch"]
-
-log = logging.getLogger(__name__)
+__all__ = [
+    "BURN_WINDOW_S",
+    "DEFAULT_WINDOW_S",
+    "PAGES_PER_CATCH_UP",
+    "CostFigures",
+    "CostWatch",
+    "TeamFigures",
+]
 
 #: The recent spend a burn rate is measured over.
 BURN_WINDOW_S: Final = 6 * 3600.0
 #: The window of a team's cost without a budget of its own.
 DEFAULT_WINDOW_S: Final = 30 * 86400.0
+#: Audit pages (of :data:`~coordinator.state.audit.MAX_PAGE` entries) one step folds at most.
+PAGES_PER_CATCH_UP: Final = 20
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True, slots=True)
 class TeamFigures:
+    """A team's cost over its window, its budget and burn rate (None without a budget)."""
+
     cost: float
     budget: float | None
     burn_rate: float | None
@@ -58,43 +67,63 @@ class CostFigures:
     teams: Mapping[str, TeamFigures]
 
 
-@dataclass
-class _State:
-    regions: dict[str, tuple[str, ...]] = field(default_factory=dict)
-    fold: UsageFold | None = None
-    specs: dict[str, JobSpec] = field(default_factory=dict)
-    seq: int = 0
-
-
 class CostWatch:
-    """Keeps the cost gauges current (see the module docstring)."""
+    """See the module docstring."""
 
     def __init__(self, services: Services, teams: Callable[[], Mapping[str, TeamQuota]]) -> None:
         self._s = services
         self._teams = teams
-        self._state = _State()
-        self._state.fold = UsageFold(self._state.regions)
+        self._ledger = UsageLedger()
         self._lock = asyncio.Lock()
 
     async def refresh(self) -> CostFigures | None:
-        """Fold the new audit entries and set the gauges as of now; None without prices."""
+        """Fold up to :data:`PAGES_PER_CATCH_UP` pages of new entries and set the gauges
+        as of now; None (and nothing set) without a price table."""
         prices = self._s.config.prices
         if prices is None:
             return None
         async with self._lock:
-            records = await self._s.db.list_jobs()
-            entries: list[AuditEntry] = []
-            while page := await self._s.db.audit_entries(self._state.seq, PAGE):
-                entries.extend(page)
-                self._state.seq = page[-1].seq
-            figures = await self._s.executors.compute(
-                _refresh, self._state, records, entries, prices, self._teams(), self._s.clock()
+            records, entries = await self._read(PAGES_PER_CATCH_UP)
+            figures = await self._in_thread(
+                _refresh, self._ledger, records, entries, prices, self._teams(), self._s.clock()
             )
         self._show(figures)
         return figures
 
+    async def report(self, period: Period, job: str | None) -> UsageReport:
+        """The usage report of ``period``, with every audit entry up to now folded."""
+        async with self._lock:
+            while True:
+                records, entries = await self._read(PAGES_PER_CATCH_UP)
+                await self._in_thread(self._ledger.add, records, entries)
+                if len(entries) < PAGES_PER_CATCH_UP * MAX_PAGE:
+                    break
+            return await self._in_thread(self._ledger.report, self._s.config.prices, period, job)
+
+    async def _read(self, pages: int) -> tuple[list[JobRecord], list[AuditEntry]]:
+        records = await self._s.db.list_jobs()
+        entries: list[AuditEntry] = []
+        after = self._ledger.seq
+        for _ in range(pages):
+            page = await self._s.db.audit_entries(after, MAX_PAGE)
+            entries.extend(page)
+            if len(page) < MAX_PAGE:
+                break
+            after = page[-1].seq
+        return records, entries
+
+    async def _in_thread(self, function: Callable[..., T], *args: object) -> T:
+        """``function`` in the compute pool; a cancelled caller waits for it to end (the
+        ledger is then whole, and the lock is not given up while the thread changes it)."""
+        running = asyncio.ensure_future(self._s.executors.compute(function, *args))
+        try:
+            return await asyncio.shield(running)
+        except asyncio.CancelledError:
+            await asyncio.wait([running])
+            raise
+
     def _show(self, figures: CostFigures) -> None:
-        metrics: CoordinatorMetrics = self._s.metrics
+        metrics = self._s.metrics
         for cost in figures.jobs:
             for kind, value in (
                 ("gpu", cost.gpu_cost),
@@ -112,52 +141,34 @@ class CostWatch:
 
 
 def _refresh(
-    state: _State,
+    ledger: UsageLedger,
     records: Sequence[JobRecord],
     entries: Sequence[AuditEntry],
     prices: PriceTable,
     teams: Mapping[str, TeamQuota],
     now: float,
 ) -> CostFigures:
-    """Fold ``entries`` into ``state`` and price every job (in a worker thread)."""
-    for record in records:
-        if record.job_id not in state.specs:
-            try:
-                spec = parse_stored_spec(record.spec)
-            except JobSpecError:
-                continue
-            state.specs[record.job_id] = spec
-            state.regions[record.job_id] = spec.region_names
-    fold = state.fold
-    assert fold is not None
-    fold.fold(entries)
-    for record in records:
-        if JobState(record.state).final:
-            fold.ended(record.job_id, record.updated_at)
-    since_start = Period(0.0, now)
-    jobs: list[JobCost] = []
-    windowed: dict[str, list[float]] = {}
-    for name, spec in state.specs.items():
-        usage = fold.jobs.get(name)
-        if usage is None:
-            continue
-        facts = cost_facts(spec, usage)
-        jobs.append(job_cost(usage, facts, prices, since_start))
-        budget = teams.get(facts.team, TeamQuota()).budget
-        window = budget.window_s if budget is not None else DEFAULT_WINDOW_S
-        sums = windowed.setdefault(facts.team, [0.0, 0.0])
-        sums[0] += job_cost(usage, facts, prices, Period(now - window, now)).total
-        sums[1] += job_cost(usage, facts, prices, Period(now - BURN_WINDOW_S, now)).total
-    # A team with a budget always has its series, so that its alerts see 0, not nothing.
-    for name, quota in teams.items():
-        if quota.budget is not None:
-            windowed.setdefault(name, [0.0, 0.0])
+    """Fold ``entries`` into ``ledger`` and price every job (in a worker thread)."""
+    ledger.add(records, entries)
+    jobs = ledger.costs(prices, Period(0.0, now))
+    budgets = {name: quota.budget for name, quota in teams.items() if quota.budget is not None}
+    # Each team's cost over its own window: one pricing per distinct window.
+    windows = {
+        team: budgets[team].window_s if team in budgets else DEFAULT_WINDOW_S
+        for team in {*budgets, *(cost.team for cost in jobs)}
+    }
+    priced = {
+        window: ledger.costs(prices, Period(now - window, now))
+        for window in {*windows.values(), BURN_WINDOW_S}
+    }
     shown: dict[str, TeamFigures] = {}
-    for name, (cost, recent) in windowed.items():
-        budgeted = teams.get(name, TeamQuota()).budget
-        if budgeted is None:
-            shown[name] = TeamFigures(cost, None, None)
-        else:
-            rate = burn_rate(recent, BURN_WINDOW_S, budgeted.amount, budgeted.window_s)
-            shown[name] = TeamFigures(cost, budgeted.amount, rate)
+    for team, window in windows.items():
+        cost = sum(c.total for c in priced[window] if c.team == team)
+        budget = budgets.get(team)
+        if budget is None:
+            shown[team] = TeamFigures(cost, None, None)
+            continue
+        recent = sum(c.total for c in priced[BURN_WINDOW_S] if c.team == team)
+        rate = burn_rate(recent, BURN_WINDOW_S, budget.amount, budget.window_s)
+        shown[team] = TeamFigures(cost, budget.amount, rate)
     return CostFigures(jobs, shown)
