@@ -11,6 +11,9 @@ rule); the round engine calls :meth:`~ResidencyGate.decide` and fails the job on
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 from coordinator.errors import ApiError
 from coordinator.intake.delta_checks import delta_provenance
 from coordinator.jobs.context import JobContext
@@ -88,8 +91,10 @@ class ResidencyGate:
         job: str,
         round: int | None = None,
         region: str | None = None,
+        details: Mapping[str, Any] | None = None,
     ) -> Decision:
-        """Decide ``transfer``, count it and audit it (``policy.<kind>``); return the decision."""
+        """Decide ``transfer``, count it and audit it (``policy.<kind>``, with ``details``
+        about what moves besides the decision's); return the decision."""
         decision = decide_transfer(self._policies, transfer)
         kind = transfer.kind.value
         self._metrics.policy_decision(decision.allowed, kind)
@@ -101,7 +106,7 @@ class ResidencyGate:
                 job=job,
                 round=round,
                 region=region,
-                details=decision.as_dict(),
+                details={**(details or {}), **decision.as_dict()},
             )
         )
         return decision
@@ -115,9 +120,12 @@ class ResidencyGate:
         job: str,
         round: int | None = None,
         region: str | None = None,
+        details: Mapping[str, Any] | None = None,
     ) -> Decision:
         """:meth:`decide`, then refuse a denial: raise :func:`policy_denied` for ``what``."""
-        decision = await self.decide(transfer, actor=actor, job=job, round=round, region=region)
+        decision = await self.decide(
+            transfer, actor=actor, job=job, round=round, region=region, details=details
+        )
         if not decision.allowed:
             raise policy_denied(decision, what)
         return decision

@@ -102,6 +102,14 @@ def _money(value: object, currency: str) -> str:
     return f"{value:,.2f} {currency}" if isinstance(value, int | float) else "-"
 
 
+def _total(row: Mapping[str, Any], body: Mapping[str, Any]) -> str:
+    """A total: ``-`` without a price table, ``≥ x`` when part of the use is unpriced."""
+    if not body.get("priced"):
+        return "-"
+    money = _money(row.get("total"), str(body.get("currency", "")))
+    return f">= {money}" if row.get("unpriced") else money
+
+
 def _number(value: object, digits: int = 2) -> str:
     return f"{value:,.{digits}f}" if isinstance(value, int | float) else "-"
 
@@ -126,7 +134,7 @@ def usage_text(body: Mapping[str, Any]) -> str:
                 _number(job.get("storage_gb_months"), 4),
                 f"{job.get('tokens', 0):,}",
                 str(job.get("rounds", 0)),
-                _money(job.get("total"), currency),
+                _total(job, body),
                 _money(job.get("per_million_tokens"), currency),
             )
         )
@@ -143,13 +151,13 @@ def usage_text(body: Mapping[str, Any]) -> str:
                     _number(team.get("wan_gb"), 3),
                     _number(team.get("storage_gb_months"), 4),
                     f"{team.get('tokens', 0):,}",
-                    _money(team.get("total"), currency),
+                    _total(team, body),
                 )
             )
         lines += ["", queue_text(team_rows).rstrip("\n")]
     unpriced = [f"  {job['job']}: {what}" for job in jobs for what in job.get("unpriced") or ()]
     if unpriced and body.get("priced"):
-        lines += ["", "not priced (counted above, left out of the cost):", *unpriced]
+        lines += ["", "not priced (counted above, left out of the cost, >=):", *unpriced]
     return "\n".join(lines) + "\n"
 
 

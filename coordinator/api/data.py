@@ -9,6 +9,8 @@ and audited. Files are served with HTTP ``Range`` support so a download resumes.
 
 from __future__ import annotations
 
+import asyncio
+from pathlib import Path
 from typing import Any
 
 from aiohttp import web
@@ -186,11 +188,20 @@ def _download_access(request: web.Request) -> tuple[JobEngine, Identity]:
     return engine, identity
 
 
+def _size_of(path: Path) -> int | None:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return None
+
+
 async def _serve(
     request: web.Request, engine: JobEngine, identity: Identity, entry: CheckpointEntry, round_: int
 ) -> web.StreamResponse:
     services = request.app[SERVICES]
     ctx = engine.ctx
+    path = ctx.publishing.location.path_of(entry.payload_digest)
+    size = await asyncio.to_thread(_size_of, path)
     await services.residency.enforce(
         region_download(ctx, identity.name),
         what=f"sending this artifact to {identity.name}",
@@ -198,6 +209,9 @@ async def _serve(
         job=engine.job,
         round=round_,
         region=identity.name,
+        # What is sent, for usage reports (coordinator.costs): a resumed download counts
+        # the whole artifact again.
+        details={"artifact": entry.kind.value, "size": size},  # None: not there (404 below)
     )
     update = entry.kind is EntryKind.UPDATE
     kind = "global_update" if update else "global_checkpoint"
@@ -210,7 +224,7 @@ async def _serve(
             services.metrics.fp32_equivalent_bytes.labels(direction="sent").inc(fp32)
 
     return BoundedFile(
-        ctx.publishing.location.path_of(entry.payload_digest),
+        path,
         services.config.timeouts.download_s,
         headers={"Content-Type": "application/octet-stream"},
         on_sent=sent,

@@ -45,11 +45,12 @@ async def usage(request: web.Request) -> web.Response:
 
 
 def period_query(query: Mapping[str, str], now: float) -> Period:
-    """The period ``since``..``until`` a query names (epoch seconds), else 400."""
-    until = _seconds(query, "until", now)
+    """The period ``since``..``until`` a query names (epoch seconds), else 400. It ends
+    now at the latest: what has not happened yet is not reported (nor billed)."""
+    until = min(_seconds(query, "until", now), now)
     since = _seconds(query, "since", until - DEFAULT_DAYS * 86400)
     if since >= until:
-        raise BadRequest(f"since ({since:g}) must be before until ({until:g})")
+        raise BadRequest(f"since ({since:g}) must be before until ({until:g}, now at the latest)")
     return Period(since, until)
 
 

@@ -11,8 +11,8 @@ prices:
       market: spot                       # the GPU price that applies (default on_demand)
       gpu_hour:                          # by the GPU kind a job's needs name, or default
         NVIDIA H100 80GB HBM3: {on_demand: 4.10, spot: 1.60}
-        default: {on_demand: 2.00}
-      egress_per_gb: {coordinator: 0.02, default: 0.09}   # by destination
+        default: {on_demand: 2.00, spot: 0.80}
+      egress_per_gb: {coordinator: 0.02}   # what it sends the coordinator (or default)
   coordinator:
     egress_per_gb: {eu-west: 0.0, default: 0.09}          # updates sent to each region
   storage:
@@ -26,18 +26,17 @@ counting it as free.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Annotated, Final, Literal, Self
 
 from pydantic import Field, model_validator
 
 from geofed.config_sections import ConfigSection
 
-__all__ = ["COORDINATOR", "DEFAULT", "GpuPrice", "PriceTable", "RegionPrices", "StoragePrice"]
+__all__ = ["DEFAULT", "GpuPrice", "PriceTable", "RegionPrices", "StoragePrice"]
 
 #: The key of a price that applies where no other key matches.
 DEFAULT: Final = "default"
-#: The destination of a region's uploads (the coordinator), in ``egress_per_gb``.
-COORDINATOR: Final = "coordinator"
 
 Price = Annotated[float, Field(ge=0, le=1e9, allow_inf_nan=False)]
 Market = Literal["on_demand", "spot"]
@@ -57,9 +56,9 @@ class RegionPrices(ConfigSection):
     gpu_hour: dict[str, GpuPrice] = Field(
         default_factory=dict, description="GPU kind (as job needs name it) or default -> price"
     )
-    egress_per_gb: dict[str, Price] = Field(
+    egress_per_gb: dict[Literal["coordinator", "default"], Price] = Field(
         default_factory=dict,
-        description="destination (coordinator, a region, or default) -> price of a GB sent",
+        description="price of a GB the region sends the coordinator (coordinator, or default)",
     )
 
     @model_validator(mode="after")
@@ -112,7 +111,8 @@ class PriceTable(ConfigSection):
         prices = self.regions.get(region)
         if prices is None:
             return None
-        return _egress(prices.egress_per_gb, COORDINATOR)
+        egress = prices.egress_per_gb
+        return egress.get("coordinator", egress.get("default"))
 
     def download_per_gb(self, region: str) -> float | None:
         """A GB the coordinator sends to ``region``."""
@@ -124,6 +124,6 @@ class PriceTable(ConfigSection):
         return None if price is None else price.per_gb_month
 
 
-def _egress(prices: dict[str, float], destination: str) -> float | None:
+def _egress(prices: Mapping[str, float], destination: str) -> float | None:
     price = prices.get(destination)
     return prices.get(DEFAULT) if price is None else price

@@ -110,14 +110,21 @@ class UsageLedger:
                 self.fold.ended(record.job_id, record.updated_at)
 
     def costs(self, prices: PriceTable, period: Period, job: str | None = None) -> list[JobCost]:
-        """Each job's (or ``job``'s) cost over ``period``, by team then job."""
+        """The cost over ``period`` of each job (or ``job``) that used anything in it, by
+        team then job."""
         costs = []
         for name, spec in self.specs.items():
             usage = self.fold.jobs.get(name)
             if usage is None or job not in (None, name):
                 continue
-            costs.append(job_cost(usage, cost_facts(spec, usage), prices, period))
+            cost = job_cost(usage, cost_facts(spec, usage), prices, period)
+            if cost.used:
+                costs.append(cost)
         return sorted_costs(costs)
+
+    def knows(self, job: str) -> bool:
+        """Whether ``job`` is a stored job this ledger has read."""
+        return job in self.specs
 
     def report(self, prices: PriceTable | None, period: Period, job: str | None) -> UsageReport:
         """The report of ``period`` priced by ``prices`` (None: nothing is priced)."""

@@ -4,7 +4,7 @@
   long as it held them there (:class:`~coordinator.costs.usage_facts.Span`), at the
   region's price for that GPU kind in its market. A job that states no GPUs counts none.
 - **WAN**: each delta a region sent, at the region's price to the coordinator; each update
-  the coordinator sent to a region the round included, at the coordinator's price to it.
+  or snapshot the coordinator sent to a region, at the coordinator's price to it.
 - **Storage**: each checkpoint of the job's chain, for the part of the period it was
   stored, at its location's price per GB-month.
 
@@ -97,11 +97,25 @@ class JobCost:
 
     @property
     def per_million_tokens(self) -> float | None:
-        return self.total / self.tokens * 1e6 if self.tokens else None
+        """None without tokens, or while part of the use is unpriced (the total is then
+        only what was priced)."""
+        if not self.tokens or self.unpriced:
+            return None
+        return self.total / self.tokens * 1e6
 
     @property
     def per_round(self) -> float | None:
-        return self.total / self.rounds if self.rounds else None
+        if not self.rounds or self.unpriced:
+            return None
+        return self.total / self.rounds
+
+    @property
+    def used(self) -> bool:
+        """Whether the job used anything in the period."""
+        return any(
+            (self.gpu_hours, self.upload_gb, self.download_gb, self.storage_gb_months,
+             self.tokens, self.rounds)
+        )  # fmt: skip
 
 
 @dataclass(slots=True)
@@ -140,8 +154,9 @@ def job_cost(usage: JobUsage, facts: CostFacts, prices: PriceTable, period: Peri
             _add(storage, stored.size / GB * seconds / MONTH_S,
                  prices.storage_per_gb_month(stored.location),
                  f"storage {stored.location}", unpriced)  # fmt: skip
-    if usage.unsized:
-        unpriced[f"{usage.unsized} audit entries without sizes (older version)"] = None
+    unsized = sum(1 for at in usage.unsized if period.holds(at))
+    if unsized:
+        unpriced[f"{unsized} audit entries without sizes (older version)"] = None
     return JobCost(
         job=facts.job,
         team=facts.team,

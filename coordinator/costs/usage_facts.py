@@ -6,16 +6,22 @@ The audit log is the record (a restart forgets nothing, a backup carries it):
   regions the admission chose (a capacity pass, ``to: running``) or in all its regions
   (a job admitted straight away); ``queued`` admissions hold nothing yet;
 - ``job.regions`` (allowed): a region joins or leaves the job from then;
-- ``job.preempt``, ``job.cancel``, ``job.fail``: it holds nothing from then (pausing keeps
-  the GPUs); a job's final state ends it too (:meth:`UsageFold.ended`);
+- ``job.preempt``, ``job.cancel``, ``job.fail``, and the ``round.publish`` that completes
+  the job (``completed``): it holds nothing from then (pausing keeps the GPUs); an ending
+  after the job ended changes nothing; for entries written before completions were
+  recorded, the final state's time ends it (:meth:`UsageFold.ended`);
 - ``delta.accept``: a region sent a delta of ``size`` bytes and ``tokens`` tokens;
-- ``round.publish``: every region the round included fetches its ``update_size`` bytes,
-  and the chain stores them (and ``snapshot_size`` more with a snapshot) in ``location``;
+- ``policy.global_update`` (allowed, to a region): the coordinator sent the region an
+  update or a snapshot (``artifact``) of ``size`` bytes (a resumed download counts the
+  whole artifact again);
+- ``round.publish``: the chain stores ``update_size`` bytes (and ``snapshot_size`` more
+  with a snapshot) in ``location``;
 - ``checkpoint.snapshot`` (θ_0) and ``checkpoint.prune``: what the chain stores from, and
   until, when.
 
-Entries written before a figure existed (a publication without ``update_size``) count as
-nothing for it; :class:`JobUsage` says how many such entries it met.
+Entries written before a figure existed (a publication without ``update_size``, a
+download without ``size``) count as nothing for it; :class:`JobUsage` says when it met
+such entries.
 """
 
 from __future__ import annotations
@@ -29,6 +35,9 @@ from coordinator.jobs.usage import ENDING_ACTIONS
 from coordinator.state.audit import AuditEntry, entry_time
 
 __all__ = ["JobUsage", "Sent", "Span", "Stored", "UsageFold"]
+
+#: The residency decision of sending a region an update or a snapshot.
+_DOWNLOAD = "policy.global_update"
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,14 +80,14 @@ class JobUsage:
     spans: list[Span] = field(default_factory=list)
     #: Deltas the regions sent (region to coordinator), once per round and region.
     uploads: list[Sent] = field(default_factory=list)
-    #: Updates the coordinator sent (to each region a round included).
+    #: Updates and snapshots the coordinator sent to the regions.
     downloads: list[Sent] = field(default_factory=list)
     #: The chain's checkpoints, by (kind, round) as the chain names them.
     stored: dict[tuple[str, int], Stored] = field(default_factory=dict)
     #: When each round was published.
     published: list[float] = field(default_factory=list)
-    #: Entries that lacked a figure this report needs (written by an older version).
-    unsized: int = 0
+    #: When entries lacked a figure a report needs (written by an older version).
+    unsized: list[float] = field(default_factory=list)
     _open: Span | None = None
     _accepted: set[tuple[int, str]] = field(default_factory=set)
 
@@ -168,7 +177,13 @@ def _fold_one(usage: JobUsage, entry: AuditEntry, at: float) -> None:
         if size is not None:
             usage.stored[("snapshot", entry.round)] = Stored(size, str(details.get("location")), at)
         else:
-            usage.unsized += 1
+            usage.unsized.append(at)
+    elif action == _DOWNLOAD and entry.verdict == "allow" and entry.region is not None:
+        size = _size(details.get("size"))
+        if size is not None:
+            usage.downloads.append(Sent(at, entry.region, size))
+        else:
+            usage.unsized.append(at)
     elif action == "checkpoint.prune":
         for item in details.get("removed") or ():
             if isinstance(item, list) and len(item) == 2 and _is_count(item[1]):
@@ -179,13 +194,13 @@ def _fold_one(usage: JobUsage, entry: AuditEntry, at: float) -> None:
 
 def _publish(usage: JobUsage, round_: int, details: Mapping[str, Any], at: float) -> None:
     usage.published.append(at)
+    if details.get("completed") is True:
+        usage.stop(at)
     size = _size(details.get("update_size"))
     if size is None:
-        usage.unsized += 1
+        usage.unsized.append(at)
         return
     location = str(details.get("location"))
-    for region in _names(details.get("included")) or ():
-        usage.downloads.append(Sent(at, region, size))
     usage.stored[("update", round_)] = Stored(size, location, at)
     snapshot = _size(details.get("snapshot_size"))
     if snapshot is not None:

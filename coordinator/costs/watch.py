@@ -26,6 +26,7 @@ from typing import Final, TypeVar
 from coordinator.costs.prices import PriceTable
 from coordinator.costs.report import UsageLedger, UsageReport
 from coordinator.costs.showback import JobCost, Period, burn_rate
+from coordinator.errors import NotFound
 from coordinator.scheduling.config import TeamQuota
 from coordinator.services import Services
 from coordinator.state.audit import MAX_PAGE, AuditEntry
@@ -91,13 +92,16 @@ class CostWatch:
         return figures
 
     async def report(self, period: Period, job: str | None) -> UsageReport:
-        """The usage report of ``period``, with every audit entry up to now folded."""
+        """The usage report of ``period``, with every audit entry up to now folded;
+        :class:`NotFound` for a ``job`` the coordinator does not have."""
         async with self._lock:
             while True:
                 records, entries = await self._read(PAGES_PER_CATCH_UP)
                 await self._in_thread(self._ledger.add, records, entries)
                 if len(entries) < PAGES_PER_CATCH_UP * MAX_PAGE:
                     break
+            if job is not None and not self._ledger.knows(job):
+                raise NotFound(f"no job {job!r}")
             return await self._in_thread(self._ledger.report, self._s.config.prices, period, job)
 
     async def _read(self, pages: int) -> tuple[list[JobRecord], list[AuditEntry]]:

@@ -305,6 +305,9 @@ class RoundPublisher:
         ``record`` already says the round is published; the engine calls this under its
         lock, so no delta is judged against a half-published round.
         """
+        details = publication_details(published, record.state, self._ctx.location_name)
+        if completed:
+            details["completed"] = True  # the job's end is on the record (usage reports)
         await self._s.db.run(
             record_publication,
             self._ctx.job,
@@ -313,7 +316,7 @@ class RoundPublisher:
             published.pointers,
             completed=completed,
             actor=self._s.actor,
-            details=publication_details(published, record.state, self._ctx.location_name),
+            details=details,
         )
 
     async def finish(

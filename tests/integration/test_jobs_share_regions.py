@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import csv
 import io
+import json
 import sqlite3
 import time
 from datetime import UTC, datetime
@@ -129,14 +130,23 @@ async def usage_is_priced_as_computed_by_hand(fed: FederationRun, state_dir: Pat
                 "SELECT value FROM pointers WHERE job_id = ? AND name = 'checkpoint_location'",
                 (job,),
             ).fetchone()
+            fetched = db.execute(
+                "SELECT round, details FROM audit_log WHERE job = ? AND verdict = 'allow' AND "
+                "action = 'policy.global_update' AND region IS NOT NULL",
+                (job,),
+            ).fetchall()
         assert len(receipts) == ROUNDS * len(REGIONS)
         chain = CheckpointStore(location, fed.work / "checkpoints" / location)
         sizes = [(e, chain.blobs.size(e.payload_digest)) for e in chain.entries(job)]
         updates = [size for e, size in sizes if e.kind.value == "update"]
         assert len(updates) == ROUNDS
         upload_cost = sum(size / GB * UPLOAD_PER_GB[region] for region, size, _ in receipts)
-        # Every round included both regions, and each fetched the update.
-        download_gb = sum(updates) * len(REGIONS) / GB
+        # What the coordinator let each region fetch (θ_0's snapshot, then each update
+        # but the last, which ends the job), as the chain stores it.
+        by_entry = {(e.kind.value, e.round): size for e, size in sizes}
+        sent = [by_entry[(json.loads(details)["artifact"], r)] for r, details in fetched]
+        assert len(sent) >= len(REGIONS) * ROUNDS, fetched
+        download_gb = sum(sent) / GB
         stored = sum(size / GB * (until - e.recorded_at) / MONTH_S for e, size in sizes)
         assert float(row["upload_gb"]) == pytest.approx(sum(r[1] for r in receipts) / GB)
         assert float(row["upload_cost"]) == pytest.approx(upload_cost)

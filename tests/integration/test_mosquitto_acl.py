@@ -282,9 +282,11 @@ def mosquitto_sub() -> Path:
     return MOSQUITTO_SUB
 
 
-# How mosquitto logs a connection that ended without a DISCONNECT (a killed client).
+# How mosquitto logs a connection that ended without a DISCONNECT (a killed client): any
+# end but the clean "disconnected." (newer versions put the address after the name).
 CONNECTION_LOST = re.compile(
-    r"Client region\.eu-west (closed its connection|disconnected: Protocol error)"
+    r"Client region\.eu-west( \[[^\]]*\])? (closed its connection|disconnected[:,]"
+    r"|disconnected due to)|Socket error on client region\.eu-west"
 )
 
 

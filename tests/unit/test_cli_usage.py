@@ -81,22 +81,27 @@ def test_the_table_shows_each_job_each_team_and_what_went_unpriced() -> None:
     assert lines[2].split() == [
         "nlp", "llm", "16.00", "4.000", "4.5000", "1,500,000", "1", "52.33", "EUR", "34.89", "EUR",
     ]  # fmt: skip
+    # Part of vit's use is unpriced: its total is a floor.
     assert lines[3].split() == [
-        "vision", "vit", "2.00", "1.000", "0.0000", "0", "0", "0.00", "EUR", "-",
+        "vision", "vit", "2.00", "1.000", "0.0000", "0", "0", ">=", "0.00", "EUR", "-",
     ]  # fmt: skip
     rows = [line.split() for line in lines]
     assert ["TEAM", "JOBS", "GPU-H", "WAN-GB", "STORE-GB-MO", "TOKENS", "COST"] in rows
     assert ["nlp", "1", "16.00", "4.000", "4.5000", "1,500,000", "52.33", "EUR"] in rows
     assert text.endswith(
-        "not priced (counted above, left out of the cost):\n"
+        "not priced (counted above, left out of the cost, >=):\n"
         "  vit: GPU-hours in ap-south (A100)\n"
         "  vit: WAN from ap-south\n"
     )
 
 
-def test_without_a_price_table_the_table_says_so() -> None:
-    text = usage_text({**REPORT, "priced": False, "jobs": [], "teams": []})
+def test_without_a_price_table_the_table_says_so_and_shows_no_cost() -> None:
+    text = usage_text({**REPORT, "priced": False})
     assert "no price table (prices: in the coordinator's config): use only, no cost" in text
+    rows = [line.split() for line in text.splitlines()]
+    assert ["nlp", "llm", "16.00", "4.000", "4.5000", "1,500,000", "1", "-", "34.89", "EUR"] in rows
+    assert "not priced" not in text
+    text = usage_text({**REPORT, "priced": False, "jobs": [], "teams": []})
     assert "no job used anything in the period" in text
 
 

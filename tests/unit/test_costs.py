@@ -11,12 +11,18 @@ import pytest
 from pydantic import ValidationError
 
 from coordinator.api.admin import refresh_costs
+from coordinator.api.usage import period_query
 from coordinator.config import ConfigError, parse_config
 from coordinator.costs.prices import PriceTable
+from coordinator.costs.report import UsageLedger
 from coordinator.costs.showback import MONTH_S, CostFacts, Period, burn_rate, job_cost, team_costs
 from coordinator.costs.usage_facts import UsageFold
+from coordinator.errors import BadRequest
+from coordinator.jobs.spec import parse_job_spec
 from coordinator.state.audit import AuditEntry, format_time
+from coordinator.state.store import JobRecord
 from tests.support.configs import MINIMAL_COORDINATOR
+from tests.support.coordinator import job_yaml
 
 PRICES = PriceTable.model_validate(
     {
@@ -89,6 +95,34 @@ def llm_log() -> list[AuditEntry]:
             snapshot_size=4_000_000_000,
             location="archive",
         ),
+        # Each region fetches the update; a refused fetch sends nothing.
+        entry(
+            4710,
+            "policy.global_update",
+            verdict="allow",
+            round_=0,
+            region="eu-west",
+            artifact="update",
+            size=500_000_000,
+        ),
+        entry(
+            4720,
+            "policy.global_update",
+            verdict="allow",
+            round_=0,
+            region="us-east",
+            artifact="update",
+            size=500_000_000,
+        ),
+        entry(
+            4730,
+            "policy.global_update",
+            verdict="deny",
+            round_=0,
+            region="ap-south",
+            artifact="update",
+            size=500_000_000,
+        ),
         entry(8200, "job.preempt"),
         entry(9000, "job.admit", to="running", regions=["eu-west"]),
         entry(12600, "job.cancel"),
@@ -141,7 +175,8 @@ def test_what_the_table_does_not_price_is_counted_and_named_not_free() -> None:
     assert (cost.gpu_cost, cost.upload_cost, cost.total) == (0, 0, 0)
     assert cost.upload_gb == pytest.approx(1.0)
     assert cost.unpriced == ("GPU-hours in ap-south (A100)", "WAN from ap-south")
-    assert cost.per_million_tokens == 0
+    # The total is only what was priced: no cost per token or round is made of it.
+    assert (cost.per_million_tokens, cost.per_round) == (None, None)
 
 
 def test_queued_jobs_hold_nothing_and_a_final_state_ends_what_they_hold() -> None:
@@ -185,12 +220,31 @@ def test_a_pruned_checkpoint_is_stored_only_until_it_was_pruned() -> None:
     assert cost.storage_gb_months == pytest.approx((100 + MONTH_S / 2) / MONTH_S + 1.0)
 
 
-def test_entries_of_an_older_version_without_sizes_are_named() -> None:
-    log = [entry(100, "round.publish", round_=0, included=["eu-west"], location="archive")]
-    cost = job_cost(folded(log).jobs["llm"], LLM, PRICES, Period(0, 200))
+def test_entries_of_an_older_version_without_sizes_are_named_within_their_period() -> None:
+    log = [
+        entry(100, "round.publish", round_=0, included=["eu-west"], location="archive"),
+        entry(150, "policy.global_update", verdict="allow", round_=0, region="eu-west"),
+    ]
+    usage = folded(log).jobs["llm"]
+    cost = job_cost(usage, LLM, PRICES, Period(0, 200))
     assert cost.rounds == 1
-    assert cost.download_gb == 0
-    assert cost.unpriced == ("1 audit entries without sizes (older version)",)
+    assert (cost.download_gb, cost.storage_gb_months) == (0, 0)
+    assert cost.unpriced == ("2 audit entries without sizes (older version)",)
+    assert job_cost(usage, LLM, PRICES, Period(200, 300)).unpriced == ()
+
+
+def test_the_publication_that_completes_the_job_ends_what_it_holds() -> None:
+    log = [
+        entry(0, "job.admit", verdict="allow"),
+        entry(3600, "round.publish", round_=4, completed=True, update_size=1, location="archive"),
+        # A failure recorded after the job completed (its recovery at a later start) and
+        # the final state's time change nothing.
+        entry(90_000, "job.fail"),
+    ]
+    fold = folded(log)
+    fold.ended("llm", 90_000)
+    cost = job_cost(fold.jobs["llm"], LLM, PRICES, Period(0, 100_000))
+    assert cost.gpu_hours == pytest.approx(4 + 2)
 
 
 def test_team_costs_sum_their_jobs() -> None:
@@ -227,6 +281,8 @@ def test_prices_fall_back_to_default_and_follow_the_market() -> None:
         ),
         ({"regions": {"x": {"egress_per_gb": {"default": -1}}}}, "greater than or equal to 0"),
         ({"currency": "euro"}, "should match pattern"),
+        # A region sends only to the coordinator: a misspelt key is refused, not ignored.
+        ({"regions": {"x": {"egress_per_gb": {"cordinator": 1}}}}, "egress_per_gb.cordinator"),
         ({"storage": {"a": {}}}, "per_gb_month"),
     ],
 )
@@ -281,3 +337,57 @@ async def test_a_cost_refresh_that_fails_or_hangs_leaves_the_scrape_to_go_on(
     await refresh_costs(hung, 0.05)
     assert "cost gauges not refreshed: database is locked" in caplog.text
     assert "cost gauges not refreshed: TimeoutError" in caplog.text
+
+
+def _record(
+    job: str, state: str = "running", extra: str = "", updated_at: float = 0.0
+) -> JobRecord:
+    spec = parse_job_spec(job_yaml(job, extra=extra), "job.yaml")
+    return JobRecord(job, spec.to_json(), state, 0.0, updated_at)
+
+
+def test_the_ledger_prices_jobs_by_their_specs_needs_and_final_states() -> None:
+    needs = "needs: {gpus: 2, gpu_kind: H100}\nregion_needs: {us-east: {gpus: 1}}\nteam: nlp\n"
+    ledger = UsageLedger()
+    unreadable = JobRecord("broken", {"job": "broken"}, "running", 0.0, 0.0)
+    records = [
+        _record("llm", "completed", needs, updated_at=7200),
+        _record("idle"),
+        unreadable,
+    ]
+    ledger.add(records, [entry(0, "job.admit", "llm", verdict="allow")])
+    assert ledger.seq == next(_seq) - 1
+    assert (ledger.knows("llm"), ledger.knows("idle"), ledger.knows("broken")) == (
+        True,
+        True,
+        False,
+    )
+    report = ledger.report(PRICES, Period(0, 10_000), None)
+    # Completed at 7200 (its record): 2 H100 in eu-west, 1 GPU in us-east (spot) for 2 h.
+    (llm,) = report.jobs  # the idle job used nothing and is left out
+    assert (llm.job, llm.team) == ("llm", "nlp")
+    assert llm.gpu_hours == pytest.approx(2 * 3)
+    assert llm.gpu_cost == pytest.approx(2 * (2 * 4.0 + 1 * 1.0))
+    assert [team.team for team in report.teams] == ["nlp"]
+    assert report.to_json()["jobs"][0]["per_million_tokens"] is None  # no tokens
+    unpriced = ledger.report(None, Period(0, 10_000), "llm")
+    assert (unpriced.priced, unpriced.jobs[0].gpu_cost) == (False, 0)
+    assert unpriced.jobs[0].unpriced == (
+        "GPU-hours in eu-west (H100)",
+        "GPU-hours in us-east (any kind)",
+    )
+
+
+def test_a_period_ends_now_at_the_latest_and_is_checked() -> None:
+    now = 1_000_000.0
+    assert period_query({}, now) == Period(now - 30 * 86400, now)
+    assert period_query({"since": "10", "until": str(now + 86400)}, now) == Period(10, now)
+    for query, message in [
+        ({"since": str(now + 10)}, "must be before until"),
+        ({"since": "20", "until": "10"}, "must be before until"),
+        ({"since": "yesterday"}, "must be epoch seconds"),
+        ({"until": "nan"}, "must be epoch seconds"),
+        ({"since": "-1"}, "must be epoch seconds"),
+    ]:
+        with pytest.raises(BadRequest, match=message):
+            period_query(query, now)
