@@ -64,6 +64,14 @@ async def test_a_region_learns_nothing_of_jobs_it_is_not_in(tmp_path: Path) -> N
                     assert response.status == 403, text
                 assert "tiny" not in text
                 assert "geofed_" not in text
+                # Nor what jobs use and cost: that is for operators and observers.
+                for path in (ApiPaths.USAGE, f"{ApiPaths.USAGE}?job=tiny"):
+                    status, body = await request(region, "GET", path)
+                    assert (status, body["error"]) == (403, "forbidden"), body
+            status, body = await request(observer, "GET", f"{ApiPaths.USAGE}?job=tiny")
+            assert status == 200, body
+            status, body = await request(observer, "GET", f"{ApiPaths.USAGE}?job={UNKNOWN}")
+            assert (status, body["error"]) == (404, "not_found"), body
 
             # Every job-scoped answer to ap-south: the same as for a job that does not exist.
             for (method, forbidden), (_, unknown) in zip(
