@@ -31,10 +31,12 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from coordinator.jobs.usage import ENDING_ACTIONS
 from coordinator.state.audit import AuditEntry, entry_time
 
-__all__ = ["JobUsage", "Sent", "Span", "Stored", "UsageFold"]
+__all__ = ["ENDING_ACTIONS", "JobUsage", "Sent", "Span", "Stored", "UsageFold"]
+
+#: Audited actions after which a job holds nothing.
+ENDING_ACTIONS = frozenset({"job.preempt", "job.cancel", "job.fail"})
 
 #: The residency decision of sending a region an update or a snapshot.
 _DOWNLOAD = "policy.global_update"

@@ -4,22 +4,21 @@ A job holds its GPUs from the pass that starts it (``job.admit``, ok) until it i
 preempted, cancelled, fails or completes; pausing keeps them. The ledger is kept in
 memory as the job manager carries transitions out, and rebuilt at start-up from the
 audit log (:meth:`RunLedger.replay`), so a restart forgets no usage: the audit log is
-the record. A completed job's last span ends at its record's last update.
+the record, read as usage reports read it (:mod:`coordinator.costs.usage_facts`: a job
+admitted on fewer regions, or whose regions change, holds only theirs; the publication
+that completes it, or else its record's last update, ends its last span).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from datetime import datetime
 
+from coordinator.costs.usage_facts import UsageFold
 from coordinator.scheduling import RunInterval
 from coordinator.state.audit import AuditEntry
 
-__all__ = ["ENDING_ACTIONS", "RunLedger"]
-
-#: Audited actions after which a job holds nothing.
-ENDING_ACTIONS = frozenset({"job.preempt", "job.cancel", "job.fail"})
+__all__ = ["RunLedger"]
 
 
 @dataclass(slots=True)
@@ -73,23 +72,16 @@ class RunLedger:
         gpus: Mapping[str, Mapping[str, int]],
         finished: Mapping[str, float],
     ) -> None:
-        """Rebuild from the audit log (oldest first): ``teams`` job -> team, ``gpus`` job ->
-        region -> GPUs it needs there, ``finished`` final job -> when it ended."""
-        for entry in entries:
-            job = entry.job
-            if job is None or job not in gpus:
-                continue
-            at = datetime.fromisoformat(entry.time).timestamp()
-            details = entry.details
-            if (
-                entry.action == "job.admit"
-                and entry.verdict == "ok"
-                and details.get("to") == "running"
-            ):
-                regions = details.get("regions") or list(gpus[job])
-                held = sum(gpus[job].get(str(region), 0) for region in regions)
-                self.started(job, teams[job], held, at)
-            elif entry.action in ENDING_ACTIONS and entry.verdict != "deny":
-                self.stopped(job, at)
+        """Rebuild from the audit log (oldest first), read as usage reports read it
+        (:class:`~coordinator.costs.usage_facts.UsageFold`): ``teams`` job -> team, ``gpus``
+        job -> region -> GPUs it needs there, ``finished`` final job -> when it ended."""
+        fold = UsageFold({job: tuple(regions) for job, regions in gpus.items()})
+        fold.fold(entry for entry in entries if entry.job in gpus)
         for job, at in finished.items():
-            self.stopped(job, at)
+            fold.ended(job, at)
+        for job, usage in fold.jobs.items():
+            for span in usage.all_spans():
+                held = sum(gpus[job].get(region, 0) for region in span.regions)
+                self.started(job, teams[job], held, span.start)
+                if span.end is not None:
+                    self.stopped(job, span.end)

@@ -2,18 +2,17 @@
 
 from __future__ import annotations
 
-from datetime import UTC, datetime
 from typing import Any
 
 from coordinator.jobs.usage import RunLedger
 from coordinator.scheduling import RunInterval
-from coordinator.state.audit import AuditEntry
+from coordinator.state.audit import AuditEntry, format_time
 
 
 def _entry(seq: int, at: float, action: str, verdict: str, job: str, **details: Any) -> AuditEntry:
     return AuditEntry(
         seq=seq,
-        time=datetime.fromtimestamp(at, UTC).isoformat(),
+        time=format_time(at),
         actor="spiffe://acme/coordinator/main",
         action=action,
         verdict=verdict,
@@ -45,7 +44,7 @@ def test_live_spans_open_close_and_ignore_jobs_without_gpus() -> None:
 
 def test_replay_from_the_audit_log() -> None:
     entries = [
-        _entry(1, 100.0, "job.admit", "allow", "a"),  # recorded queued: holds nothing
+        _entry(1, 100.0, "job.admit", "allow", "a", queued=True),  # holds nothing yet
         _entry(2, 110.0, "job.admit", "ok", "a", to="running", regions=["eu", "us"]),
         _entry(3, 120.0, "job.preempt", "ok", "a"),
         _entry(4, 130.0, "job.admit", "ok", "a", to="running", regions=["eu"]),
