@@ -9,20 +9,18 @@ One :class:`JobEngine` per job runs as a task the job manager owns. Each round r
    (:meth:`JobEngine.accept`); each acceptance commits the receipt, the round state and
    an audit entry in one transaction. The engine ticks the round state machine on every
    acceptance and at its deadline: close, extend, or fail below quorum.
-3. **Publish**: :mod:`coordinator.publication.publisher` computes, stores and commits the update.
-   θ_r is evaluated where the job says (:mod:`coordinator.publication.evaluation`): by default a
-   region evaluated it before training and its accepted delta carries the metrics; the
-   coordinator evaluates in its own process only what is its to evaluate (the last θ,
-   or every chosen θ under ``where: coordinator``).
+3. **Publish**: :mod:`coordinator.publication.publisher` computes, stores and commits the
+   update. θ_r is evaluated where the job says (:mod:`coordinator.publication.evaluation`):
+   by default a region evaluated it before training and its delta carries the metrics; the
+   coordinator evaluates only what is its (the last θ, or each under ``where: coordinator``).
 
 What to do next is decided by :func:`coordinator.rounds.driver.next_step`, a pure
 function of the job's facts; the engine carries its steps out. A round that fails below
-quorum is re-opened (a new attempt, keeping accepted deltas) up to
-``max_round_attempts`` times, then the job fails. A publication that fails keeps the
-round closed and is tried again after a back-off (``publication_retry``), from θ_r's
-working state rebuilt from storage (the outer step is taken in its tensors). Pausing
-abandons the collecting round; resuming re-opens it. Every state change is decided under
-one lock, persisted, then announced.
+quorum is re-opened (a new attempt, keeping accepted deltas) up to ``max_round_attempts``
+times, then the job fails. A publication that fails keeps the round closed and is tried
+again after a back-off (``publication_retry``), from θ_r's working state rebuilt from
+storage (the outer step is taken in its tensors). Pausing abandons the collecting round;
+resuming re-opens it. Every state change is decided under one lock, persisted, announced.
 """
 
 from __future__ import annotations
@@ -185,8 +183,7 @@ class JobEngine:
         return None
 
     def check_open(self, region: str, round: int) -> None:
-        """Raise the 409 a delta of ``region`` for ``round`` would get now (read-only);
-        503 while the job is being recovered."""
+        """Raise the 409 a delta of ``region`` for ``round`` gets now; 503 while recovering."""
         if not self.recovered.is_set():
             # Not a 409: a region takes that as final for the round (a straggler), and the
             # round it uploads to may well be the one about to be recovered as open.
@@ -241,8 +238,7 @@ class JobEngine:
         return True
 
     def round_opened(self) -> bool:
-        """Whether a round of the current version was opened (a change of regions then
-        waits for the next round boundary)."""
+        """Whether a round of the current version was opened (region changes then wait)."""
         if self._opening == self.version:
             return True
         rs = self.round_state
@@ -398,8 +394,12 @@ class JobEngine:
         except asyncio.CancelledError:
             raise
         except Exception as exc:
-            log.exception("job %s failed", self.job, extra={"job": self.job})
-            await self._fail_job(f"{type(exc).__name__}: {exc}")
+            if not self._state.final:  # one that had ended keeps its end; its status says why
+                log.exception("job %s failed", self.job, extra={"job": self.job})
+                await self._fail_job(f"{type(exc).__name__}: {exc}")
+            else:
+                self.last_error = f"cannot be read back: {type(exc).__name__}: {exc}"
+                log.exception("job %s (%s) cannot be read back", self.job, self._state.value)
         finally:
             self.recovered.set()  # a failed recovery answers as the failed job it left
             self.ready.set()

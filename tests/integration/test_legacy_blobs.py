@@ -6,7 +6,7 @@ its jobs' blobs are put back the way earlier versions kept them (directly under
 (its saved working state, the deltas kept for replay and of the open round), finishes,
 and publishes the same bits as a job never interrupted. Then the shared store is removed
 as the docs say it may be, and a restarted coordinator still finds the completed job
-whole.
+whole; and with its own blobs gone too, the job stays completed, its status saying why.
 """
 
 from __future__ import annotations
@@ -82,5 +82,15 @@ async def test_a_job_adopts_the_shared_stores_blobs_and_publishes_the_same_bits(
         job = await daemon.job()
         assert (job["state"], job["round"]) == ("completed", ROUNDS), job
         assert "working-state blob" not in log_text(daemon)
+
+        # A completed job whose state cannot be read back stays completed, and says why.
+        await daemon.kill()
+        own = JobBlobStores(daemon.state_dir).for_job(JOB)
+        for digest in list(own.iter_digests()):
+            own.delete(digest)
+        await daemon.start()
+        job = await daemon.job()
+        assert job["state"] == "completed", job
+        assert "cannot be read back" in job["error"], job
 
     assert upgraded == reference
