@@ -404,8 +404,26 @@ def _print_job(body: dict[str, Any], out: TextIO) -> None:
             f"  queued since {queue['since']} (position {queue['position']}): {queue['reason']}",
             file=out,
         )
+    cost = body.get("cost")
+    if cost:
+        print(f"  {cost_line(cost)}", file=out)
     if body.get("error"):
         print(f"  error: {body['error']}", file=out)
+
+
+def cost_line(cost: dict[str, Any]) -> str:
+    """``cost so far 12.30 EUR (GPU 10.00, WAN 2.10, storage 0.20), projected 49.20``."""
+    currency = cost.get("currency", "")
+    floor = ">= " if cost.get("unpriced") else ""
+    line = (
+        f"cost so far {floor}{cost['total']:,.2f} {currency} (GPU {cost['gpu']:,.2f}, "
+        f"WAN {cost['wan']:,.2f}, storage {cost['storage']:,.2f})"
+    )
+    if cost.get("projected_total") is not None:
+        line += f", projected {cost['projected_total']:,.2f} over all its rounds"
+    if cost.get("unpriced"):
+        line += f"; not priced: {', '.join(cost['unpriced'])}"
+    return line
 
 
 def _slots(assignment: dict[str, int]) -> str:

@@ -21,6 +21,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from coordinator.api.auth import READERS, caller, require_role, unknown_job
 from coordinator.api.bodies import read_limited
 from coordinator.api.keys import COSTS, JOBS, REGISTRY, RUNTIME, SERVICES
+from coordinator.costs.report import cost_json
 from coordinator.errors import ApiError, BadRequest
 from coordinator.jobs.status import deltas_json
 from coordinator.rounds.engine import JobEngine
@@ -162,6 +163,12 @@ async def job_status(request: web.Request) -> web.Response:
         body["spec"] = engine.ctx.spec.to_json()
         totals = await request.app[SERVICES].db.receipt_totals(engine.job)
         body["deltas"] = deltas_json(totals)
+        costs = request.app[COSTS]
+        timeout_s = request.app[SERVICES].config.timeouts.request_s / 2
+        await refresh_costs(costs.refresh, timeout_s)
+        cost = costs.latest.get(engine.job)
+        if cost is not None:
+            body["cost"] = cost_json(cost, costs.currency, engine.ctx.spec.rounds)
     return web.json_response(body)
 
 

@@ -24,7 +24,7 @@ from coordinator.rounds.records import JobState
 from coordinator.state.audit import AuditEntry
 from coordinator.state.store import JobRecord
 
-__all__ = ["UsageLedger", "UsageReport", "cost_facts"]
+__all__ = ["UsageLedger", "UsageReport", "cost_facts", "cost_json"]
 
 
 @dataclass(frozen=True)
@@ -77,6 +77,23 @@ def _job_json(cost: JobCost) -> dict[str, Any]:
         "total": cost.total,
         "per_million_tokens": cost.per_million_tokens,
         "per_round": cost.per_round,
+        "unpriced": list(cost.unpriced),
+    }
+
+
+def cost_json(cost: JobCost, currency: str, rounds: int) -> dict[str, Any]:
+    """A job's cost since it started as its status shows it, with its projection to all
+    its ``rounds`` at the cost per round so far (None while part of it is unpriced or no
+    round is published)."""
+    per_round = cost.per_round
+    return {
+        "currency": currency,
+        "total": cost.total,
+        "gpu": cost.gpu_cost,
+        "wan": cost.upload_cost + cost.download_cost,
+        "storage": cost.storage_cost,
+        "per_million_tokens": cost.per_million_tokens,
+        "projected_total": None if per_round is None else per_round * rounds,
         "unpriced": list(cost.unpriced),
     }
 

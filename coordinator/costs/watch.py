@@ -76,6 +76,8 @@ class CostWatch:
         self._teams = teams
         self._ledger = UsageLedger()
         self._lock = asyncio.Lock()
+        #: Each job's cost since it started, as the last refresh found it.
+        self.latest: dict[str, JobCost] = {}
 
     async def refresh(self) -> CostFigures | None:
         """Fold up to :data:`PAGES_PER_CATCH_UP` pages of new entries and set the gauges
@@ -88,8 +90,15 @@ class CostWatch:
             figures = await self._in_thread(
                 _refresh, self._ledger, records, entries, prices, self._teams(), self._s.clock()
             )
+        self.latest = {cost.job: cost for cost in figures.jobs}
         self._show(figures)
         return figures
+
+    @property
+    def currency(self) -> str:
+        """The price table's currency ('' without one)."""
+        prices = self._s.config.prices
+        return prices.currency if prices is not None else ""
 
     async def report(self, period: Period, job: str | None) -> UsageReport:
         """The usage report of ``period``, with every audit entry up to now folded;

@@ -161,6 +161,15 @@ async def usage_is_priced_as_computed_by_hand(fed: FederationRun, state_dir: Pat
         assert (int(row["rounds"]), float(row["gpu_hours"])) == (ROUNDS, 0.0)  # no GPUs stated
         assert (row["currency"], row["unpriced"]) == ("EUR", "")
         totals += float(row["total"])
+        # The job's status and the status page show its cost so far: the same figures.
+        status = await fed.status(job)
+        assert status["cost"]["currency"] == "EUR"
+        assert status["cost"]["total"] == pytest.approx(float(row["total"]), rel=0.01)
+        assert status["cost"]["projected_total"] == pytest.approx(status["cost"]["total"])
+    async with fed.http.get(f"{fed.base}/ui?part=main") as response:
+        assert response.status == 200
+        page = await response.text()
+    assert page.count("Cost so far: ") == len(JOBS)
     (team,) = [row for row in rows if row["scope"] == "team"]
     assert team["team"] == "default"
     assert float(team["total"]) == pytest.approx(totals)

@@ -9,6 +9,7 @@ from datetime import UTC, datetime
 import pytest
 
 from geofed_cli import build_parser
+from geofed_cli.jobs import cost_line
 from geofed_cli.usage import CSV_COLUMNS, parse_when, usage_csv, usage_text
 
 NOW = datetime(2026, 12, 6, 12, 0, tzinfo=UTC).timestamp()
@@ -119,3 +120,17 @@ def test_the_csv_has_a_row_per_job_and_per_team() -> None:
     assert rows[0]["currency"] == "EUR"
     assert rows[1]["unpriced"] == "GPU-hours in ap-south (A100); WAN from ap-south"
     assert rows[1]["per_million_tokens"] == ""
+
+
+def test_a_jobs_status_line_shows_its_cost_and_projection() -> None:
+    cost = {"currency": "EUR", "total": 12.25, "gpu": 10.0, "wan": 2.0, "storage": 0.25,
+            "per_million_tokens": 6.125, "projected_total": 40.83, "unpriced": []}  # fmt: skip
+    assert cost_line(cost) == (
+        "cost so far 12.25 EUR (GPU 10.00, WAN 2.00, storage 0.25), "
+        "projected 40.83 over all its rounds"
+    )
+    partial = {**cost, "projected_total": None, "unpriced": ["WAN from ap-south"]}
+    assert cost_line(partial) == (
+        "cost so far >= 12.25 EUR (GPU 10.00, WAN 2.00, storage 0.25); "
+        "not priced: WAN from ap-south"
+    )

@@ -14,7 +14,7 @@ from coordinator.api.admin import refresh_costs
 from coordinator.api.usage import period_query
 from coordinator.config import ConfigError, parse_config
 from coordinator.costs.prices import PriceTable
-from coordinator.costs.report import UsageLedger
+from coordinator.costs.report import UsageLedger, cost_json
 from coordinator.costs.showback import MONTH_S, CostFacts, Period, burn_rate, job_cost, team_costs
 from coordinator.costs.usage_facts import UsageFold
 from coordinator.errors import BadRequest
@@ -391,3 +391,14 @@ def test_a_period_ends_now_at_the_latest_and_is_checked() -> None:
     ]:
         with pytest.raises(BadRequest, match=message):
             period_query(query, now)
+
+
+def test_a_jobs_status_projects_its_cost_to_all_its_rounds() -> None:
+    usage = folded(llm_log()).jobs["llm"]
+    cost = job_cost(usage, LLM, PRICES, Period(0, 4700 + MONTH_S))
+    shown = cost_json(cost, "EUR", rounds=10)
+    assert shown["total"] == pytest.approx(52.33)
+    assert shown["wan"] == pytest.approx(0.24)
+    assert shown["projected_total"] == pytest.approx(523.3)  # one round of ten so far
+    unpriced = job_cost(usage, LLM, PriceTable(), Period(0, 20_000))  # no prices at all
+    assert cost_json(unpriced, "EUR", rounds=10)["projected_total"] is None

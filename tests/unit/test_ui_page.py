@@ -9,6 +9,7 @@ from typing import Any
 
 from coordinator.api.ui.history import MAX_ROUNDS, AuditDigest
 from coordinator.api.ui.page import CONTENT_SECURITY_POLICY, PageFacts, render_main, render_page
+from coordinator.costs.showback import JobCost
 from coordinator.state.audit import (
     GENESIS_HASH,
     AuditEntry,
@@ -294,3 +295,27 @@ def test_past_the_kept_rounds_a_streaming_wan_line_compares_the_kept_rounds_only
         f"{MAX_ROUNDS} deltas, {MAX_ROUNDS / 4:.2f} MiB against {kept / MIB:.2f} MiB as fp32: "
         "8.00 times fewer bytes"
     )
+
+
+def _cost(**overrides: Any) -> JobCost:
+    fields: dict[str, Any] = {
+        "job": "llm", "team": "nlp", "gpu_hours": 4.0, "gpu_cost": 10.0, "upload_gb": 1.0,
+        "upload_cost": 1.5, "download_gb": 2.0, "download_cost": 0.5, "storage_gb_months": 1.0,
+        "storage_cost": 0.25, "tokens": 2_000_000, "rounds": 3, "unpriced": (),
+    }  # fmt: skip
+    fields.update(overrides)
+    return JobCost(**fields)
+
+
+def test_a_jobs_cost_so_far_is_shown_with_what_went_unpriced() -> None:
+    page = render_main(_facts(costs={"llm": _cost()}, currency="EUR"))
+    assert (
+        "Cost so far: 12.25 EUR (GPU 10.00, WAN 2.00, storage 0.25), 6.12 EUR per million tokens"
+    ) in page
+    page = render_main(
+        _facts(costs={"llm": _cost(unpriced=("WAN from ap-south",))}, currency="EUR")
+    )
+    assert "Cost so far: &gt;= 12.25 EUR (GPU 10.00" in page
+    assert "per million tokens" not in page
+    assert "not priced: WAN from ap-south" in page
+    assert "Cost so far" not in render_main(_facts())  # no price table: no line

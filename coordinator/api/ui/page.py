@@ -21,6 +21,7 @@ from typing import Any, Final
 
 from coordinator.api.ui.history import Accepted, AuditDigest, JobHistory
 from coordinator.api.ui.svg import Bar, Series, bar_rows, line_chart, nice_number
+from coordinator.costs.showback import JobCost
 from coordinator.state.audit import AuditEntry, entry_time
 
 __all__ = [
@@ -134,6 +135,9 @@ class PageFacts:
     fp32_bytes: Mapping[str, int] = field(default_factory=dict)
     refresh_s: int = 5
     round_fp32_bytes: Mapping[str, Callable[[int], int]] = field(default_factory=dict)
+    #: Each job's cost since it started (:mod:`coordinator.costs`), when prices are set.
+    costs: Mapping[str, JobCost] = field(default_factory=dict)
+    currency: str = ""
 
 
 def render_page(facts: PageFacts) -> str:
@@ -161,9 +165,9 @@ def render_main(facts: PageFacts) -> str:
     for job in facts.jobs:
         name = str(job.get("job", ""))
         history = facts.digest.jobs.get(name) or JobHistory(name)
-        parts.append(
-            _job_detail(job, history, facts.fp32_bytes.get(name), facts.round_fp32_bytes.get(name))
-        )
+        cost = _cost(facts.costs.get(name), facts.currency)
+        fp32, round_fp32 = facts.fp32_bytes.get(name), facts.round_fp32_bytes.get(name)
+        parts.append(_job_detail(job, history, fp32, round_fp32, cost))
     parts.append(_audit_section(facts))
     return "".join(parts)
 
@@ -296,6 +300,7 @@ def _job_detail(
     history: JobHistory,
     fp32_bytes: int | None,
     round_fp32_bytes: Callable[[int], int] | None,
+    cost: str = "",
 ) -> str:
     name = str(job.get("job", ""))
     val_points = [
@@ -326,11 +331,28 @@ def _job_detail(
     return (
         f'<section class="job" id="job-{escape(name)}"><h2>Job {text(name)}</h2>'
         f'<div class="charts">{val_chart}{train_chart}</div>'
-        f"{_wan(history, fp32_bytes, round_fp32_bytes)}{_timeline(history)}{_snapshot(history)}"
+        f"{_wan(history, fp32_bytes, round_fp32_bytes)}{cost}{_timeline(history)}"
+        f"{_snapshot(history)}"
         f"{_events('Recent policy decisions', history.policy, 'policy')}"
         f"{_events(_EVENTS_TITLE, history.events, 'events')}"
         "</section>"
     )
+
+
+def _cost(cost: JobCost | None, currency: str) -> str:
+    """A job's cost so far: what was priced, split, and per million tokens."""
+    if cost is None:
+        return ""
+    floor = ">= " if cost.unpriced else ""
+    line = (
+        f"{floor}{cost.total:,.2f} {currency} (GPU {cost.gpu_cost:,.2f}, WAN "
+        f"{cost.upload_cost + cost.download_cost:,.2f}, storage {cost.storage_cost:,.2f})"
+    )
+    if cost.per_million_tokens is not None:
+        line += f", {cost.per_million_tokens:,.2f} {currency} per million tokens"
+    if cost.unpriced:
+        line += f"; not priced: {', '.join(cost.unpriced)}"
+    return f'<p class="cost">Cost so far: {escape(line)}</p>'
 
 
 def _finite(value: Any) -> bool:
