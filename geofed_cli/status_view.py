@@ -13,9 +13,12 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
+from pydantic import ValidationError
 from rich.console import Group, RenderableType
 from rich.table import Table
 from rich.text import Text
+
+from geofed.control import HardwareSummary
 
 __all__ = ["StatusRows", "plain_text", "rich_view", "status_rows"]
 
@@ -28,6 +31,7 @@ REGION_HEADER = (
     "TRAIN_LOSS",
     "CAPACITY",
     "IN_USE",
+    "HARDWARE",
 )
 JOB_HEADER = ("JOB", "STATE", "ROUND", "VAL_LOSS", "LOSS_TREND", "LOCATION")
 #: Eight levels, lowest to highest, for a job's validation-loss trend.
@@ -60,6 +64,7 @@ def status_rows(
                 f"{loss:.4f}" if _number(loss) else "-",
                 capacity_text(region.get("capacity")),
                 in_use_text(region.get("in_use"), region.get("capacity")),
+                hardware_text(region.get("hardware")),
             )
         )
     job_rows = [JOB_HEADER]
@@ -77,6 +82,16 @@ def status_rows(
             )
         )
     return StatusRows(tuple(region_rows), tuple(job_rows))
+
+
+def hardware_text(summary: object) -> str:
+    """The region's node as its status reported it (``-``: not reported)."""
+    if not isinstance(summary, Mapping):
+        return "-"
+    try:
+        return HardwareSummary.model_validate(summary).describe()
+    except ValidationError:
+        return "-"
 
 
 def capacity_text(capacity: object) -> str:
@@ -137,7 +152,14 @@ def plain_text(rows: StatusRows) -> str:
 
 def rich_view(rows: StatusRows, *, updated: datetime, error: str | None = None) -> RenderableType:
     """Both tables for a live terminal view, with when they were read (and what failed)."""
-    parts: list[RenderableType] = [_table("Regions", rows.regions), _table("Jobs", rows.jobs)]
+    # The hardware lines are long: a table of their own, so the regions' columns fit.
+    at = rows.regions[0].index("HARDWARE")
+    regions = [row[:at] + row[at + 1 :] for row in rows.regions]
+    hardware = [("REGION", "HARDWARE")] + [(r[0], r[at]) for r in rows.regions[1:] if r[at] != "-"]
+    parts: list[RenderableType] = [_table("Regions", regions)]
+    if len(hardware) > 1:
+        parts.append(_table("Hardware", hardware))
+    parts.append(_table("Jobs", rows.jobs))
     footer = Text(f"updated {updated.isoformat(timespec='seconds')} — Ctrl-C to stop", style="dim")
     if error is not None:
         parts.append(Text(f"last refresh failed: {error}", style="bold red"))

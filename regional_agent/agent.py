@@ -56,6 +56,7 @@ from geofed.control import (
     Command,
     ControlClient,
     Deduplicator,
+    HardwareSummary,
     MessageError,
     RoundAnnouncement,
     TopicError,
@@ -74,7 +75,7 @@ from regional_agent.launch.backends import make_launcher
 from regional_agent.launch.launcher import Launcher
 from regional_agent.launch.worker_group import WorkerGroup, WorkerGroupConfig, WorkerGroupFailed
 from regional_agent.metrics import AgentMetrics
-from regional_agent.node_telemetry import NodeTelemetry, TelemetrySampler
+from regional_agent.node_telemetry import NodeTelemetry, TelemetrySampler, summarize
 from regional_agent.rounds.measurements import RoundMeasurements
 from regional_agent.rounds.pipeline import PipelineRegion, RetryLater, RoundEnd, RoundPipeline
 from regional_agent.rounds.schedule import Running, Schedule, Stop
@@ -91,6 +92,9 @@ T = TypeVar("T")
 Clock = Callable[[], datetime]
 #: How often an idle agent checks that its worker group is still alive.
 _WATCH_INTERVAL_S = 1.0
+#: How old the node's last reading may be in a status, and how long a new one may take.
+HARDWARE_MAX_AGE_S = 10.0
+HARDWARE_READ_S = 5.0
 
 
 class AgentFailed(Exception):
@@ -179,6 +183,7 @@ class Agent:
             timeout_s=timeouts.request_s,
             restarts=lambda: self._workers.restart_count,
             capacity=lambda: probe_capacity(workers.count, workers.backend),
+            hardware=self._hardware,
         )
         self._state = AgentState(config.state_dir)
         self._telemetry = TelemetrySampler(NodeTelemetry(config.state_dir))
@@ -224,6 +229,11 @@ class Agent:
             sample = await self._telemetry.sample()
             if sample is not None:
                 self._metrics.hardware.sampled(self._telemetry.telemetry.node, *sample)
+
+    async def _hardware(self) -> HardwareSummary | None:
+        """The node for the region's status: the last reading if recent, else a new one."""
+        sample = await self._telemetry.recent(HARDWARE_MAX_AGE_S, HARDWARE_READ_S)
+        return None if sample is None else summarize(sample, self._telemetry.telemetry.node)
 
     def health(self) -> dict[str, str]:
         """What ``/healthz`` tells besides being alive."""

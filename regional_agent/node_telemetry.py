@@ -18,13 +18,19 @@ import functools
 import logging
 import shutil
 import socket
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final, Protocol, TypeVar
 
+from pydantic import ValidationError
+
+from geofed.control import HardwareSummary
+
 __all__ = [
+    "SLOWDOWN_REASONS",
     "THROTTLE_REASONS",
     "GpuReader",
     "GpuSample",
@@ -35,6 +41,7 @@ __all__ = [
     "open_nvml",
     "parse_meminfo",
     "read_node",
+    "summarize",
     "throttle_names",
 ]
 
@@ -191,6 +198,41 @@ def open_nvml() -> tuple[NvmlReader | None, str]:
 Sample = tuple[NodeSample, list[GpuSample] | None]
 
 
+#: The reasons the hardware or heat holds a GPU's clocks down (a power cap set on purpose
+#: and idle clocks are not among them); the ``GeofedGpuThrottled`` alert selects these.
+SLOWDOWN_REASONS: Final = frozenset(
+    {"hw_slowdown", "hw_thermal_slowdown", "sw_thermal_slowdown", "hw_power_brake_slowdown"}
+)
+
+
+def summarize(sample: Sample, host: str) -> HardwareSummary:
+    """The node in a region's status (:class:`HardwareSummary`); figures a check refuses
+    (a driver reporting nonsense) are left out, never the status."""
+    node, gpus = sample
+    fields: dict[str, Any] = {
+        "memory_available_bytes": node.memory_available_bytes,
+        "state_disk_free_bytes": node.disk_free_bytes,
+    }
+    if gpus is not None:
+        utilization = [g.utilization_ratio for g in gpus if g.utilization_ratio is not None]
+        temperatures = [g.temperature_celsius for g in gpus if g.temperature_celsius is not None]
+        ecc = [g.ecc_uncorrected for g in gpus if g.ecc_uncorrected is not None]
+        reasons = [g.throttle_reasons for g in gpus if g.throttle_reasons is not None]
+        fields.update(
+            gpus=len(gpus),
+            gpu_utilization=sum(utilization) / len(utilization) if utilization else None,
+            max_temperature_c=max(temperatures, default=None),
+            ecc_uncorrected=sum(ecc) if ecc else None,
+            slowed_gpus=sum(1 for r in reasons if r & SLOWDOWN_REASONS) if reasons else None,
+        )
+    host = host[:255] or "unknown"
+    try:
+        return HardwareSummary(host=host, **fields)
+    except ValidationError as exc:
+        log.warning("hardware figures left out of the status: %s", exc)
+        return HardwareSummary(host=host)
+
+
 class NodeTelemetry:
     """Samples the node (:meth:`sample`, blocking); NVML is opened on the first sample."""
 
@@ -235,10 +277,14 @@ class NodeTelemetry:
 class TelemetrySampler:
     """Samples a :class:`NodeTelemetry` on a thread of its own, one sample at a time."""
 
-    def __init__(self, telemetry: NodeTelemetry) -> None:
+    def __init__(
+        self, telemetry: NodeTelemetry, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         self.telemetry = telemetry
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="geofed-telemetry")
         self._running: asyncio.Future[Sample] | None = None
+        self._clock = clock
+        self._latest: tuple[float, Sample] | None = None
 
     async def sample(self) -> Sample | None:
         """A fresh sample; None while the previous one is still being taken (a hung
@@ -248,7 +294,23 @@ class TelemetrySampler:
         loop = asyncio.get_running_loop()
         self._running = loop.run_in_executor(self._executor, self.telemetry.sample)
         # Shielded: a scrape that gives up leaves the sample to finish on its thread.
-        return await asyncio.shield(self._running)
+        sample = await asyncio.shield(self._running)
+        self._latest = (self._clock(), sample)
+        return sample
+
+    async def recent(self, max_age_s: float, timeout_s: float) -> Sample | None:
+        """The last sample if it is at most ``max_age_s`` old, else a fresh one taken
+        within ``timeout_s``; else (a hung driver) the last one, or None before any."""
+        if self._latest is not None and self._clock() - self._latest[0] <= max_age_s:
+            return self._latest[1]
+        try:
+            async with asyncio.timeout(timeout_s):
+                sample = await self.sample()
+        except TimeoutError:
+            sample = None
+        if sample is not None:
+            return sample
+        return None if self._latest is None else self._latest[1]
 
     def close(self) -> None:
         """Stop taking samples (a sample under way finishes on its own thread)."""

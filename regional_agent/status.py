@@ -12,7 +12,9 @@ caller's task: the daemon turns them into systemd ``STATUS=`` lines (:func:`desc
 
 Every live status carries the region's capacity (:func:`probe_capacity`: the visible
 accelerators from ``torch.cuda``, and the worker group's ranks as CPU worker slots),
-probed once, off the event loop, before the first publication.
+probed once, off the event loop, before the first publication; and the node's hardware
+as last read (``hardware``: the agent's :func:`regional_agent.node_telemetry.summarize`),
+read again before a publication when it is older than a few seconds.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import asyncio
 import logging
 import math
 import uuid
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import geofed
@@ -29,6 +31,7 @@ from geofed.control import (
     Capacity,
     ControlClient,
     ControlError,
+    HardwareSummary,
     Publication,
     RegionStatus,
     Topics,
@@ -58,6 +61,7 @@ class StatusReporter:
         timeout_s: float,
         restarts: Callable[[], int] = lambda: 0,
         capacity: Callable[[], Capacity | None] = lambda: None,
+        hardware: Callable[[], Awaitable[HardwareSummary | None]] | None = None,
     ) -> None:
         self._control = control
         self._topic = topics.region_status(region)
@@ -73,6 +77,8 @@ class StatusReporter:
         self._probe = capacity
         self._capacity: Capacity | None = None
         self._probed = False
+        self._read_hardware = hardware
+        self._hardware: HardwareSummary | None = None
         #: The last status the broker acknowledged (tests and logs read it).
         self.published: RegionStatus | None = None
         # This run of the agent, and how many statuses it published: the coordinator
@@ -95,6 +101,7 @@ class StatusReporter:
             agent_version=AGENT_VERSION,
             worker_restarts=worker_restarts,
             capacity=self._capacity,
+            hardware=self._hardware,
             boot=self._boot,
             seq=max(self._seq, 1),
             **self._fields,
@@ -149,6 +156,11 @@ class StatusReporter:
             except Exception:  # an unreadable device leaves the capacity unknown, not the agent
                 log.exception("cannot read this region's capacity; reporting none")
             self._probed = True
+        if self._read_hardware is not None:
+            try:
+                self._hardware = await self._read_hardware() or self._hardware
+            except Exception:  # the node unread leaves its last figures, not the status
+                log.exception("cannot read this node's hardware for the status")
         restarts = await asyncio.to_thread(self._restarts)
         self._restarts_seen = restarts
         self._seq += 1

@@ -288,6 +288,7 @@ async def regions(request: web.Request) -> web.Response:
                 worker_restarts=status.worker_restarts,
                 detail=status.detail,
                 updated_at=status.sent_at.isoformat(),
+                hardware=None if status.hardware is None else status.hardware.model_dump(),
             )
         body.append(entry)
     return web.json_response({"regions": body})

@@ -258,6 +258,49 @@ class Capacity(BaseModel):
     cpu_slots: int = Field(default=0, ge=0, le=1_000_000)
 
 
+class HardwareSummary(BaseModel):
+    """The agent's node as the agent last read it (:attr:`RegionStatus.hardware`).
+
+    ``gpus`` read through NVML (None: no NVML on the node), their mean utilization, the
+    hottest one's temperature, their uncorrectable ECC errors over their lives (summed),
+    how many the hardware or heat slows down now; the node's available memory and the
+    free space of the agent's state disk. A figure no device reported is None.
+    """
+
+    model_config = ConfigDict(strict=True, extra="forbid", frozen=True, allow_inf_nan=False)
+
+    host: Annotated[str, StringConstraints(min_length=1, max_length=255)]
+    gpus: int | None = Field(default=None, ge=0, le=1_000_000)
+    gpu_utilization: float | None = Field(default=None, ge=0, le=1)
+    max_temperature_c: float | None = Field(default=None, ge=-273, le=1000)
+    ecc_uncorrected: int | None = Field(default=None, ge=0, lt=2**63)
+    slowed_gpus: int | None = Field(default=None, ge=0, le=1_000_000)
+    memory_available_bytes: int | None = Field(default=None, ge=0, lt=2**63)
+    state_disk_free_bytes: int | None = Field(default=None, ge=0, lt=2**63)
+
+    def describe(self) -> str:
+        """One line for humans: ``gpu-node-1: 8 GPUs 92% busy, hottest 71 °C, ...``."""
+        parts = []
+        if self.gpus is None:
+            parts.append("no GPU read")
+        else:
+            gpus = f"{self.gpus} GPU{'' if self.gpus == 1 else 's'}"
+            if self.gpu_utilization is not None:
+                gpus += f" {self.gpu_utilization:.0%} busy"
+            parts.append(gpus)
+            if self.max_temperature_c is not None:
+                parts.append(f"hottest {self.max_temperature_c:.0f} °C")
+            if self.slowed_gpus:
+                parts.append(f"{self.slowed_gpus} slowed down")
+            if self.ecc_uncorrected:
+                parts.append(f"{self.ecc_uncorrected} uncorrectable ECC errors")
+        if self.memory_available_bytes is not None:
+            parts.append(f"{self.memory_available_bytes / 2**30:.1f} GiB memory free")
+        if self.state_disk_free_bytes is not None:
+            parts.append(f"{self.state_disk_free_bytes / 2**30:.1f} GiB disk free")
+        return f"{self.host}: {', '.join(parts)}"
+
+
 class RegionStatus(_Message):
     """What a region's agent is doing (retained on ``regions/<region>/status``).
 
@@ -291,6 +334,9 @@ class RegionStatus(_Message):
     refused: bool = False
     boot: Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{32}$")] | None = None
     seq: int | None = Field(default=None, ge=1, lt=2**63)
+    #: The agent's node (GPUs, memory, disk) as last read; None from agents that predate
+    #: it, before the first reading, and in a Last Will.
+    hardware: HardwareSummary | None = None
 
 
 class Command(_Message):

@@ -215,6 +215,7 @@ async def test_every_selected_metric_is_exported_by_its_daemon(tmp_path: Path) -
             trained[region] = text
         job = await fed.status()
         assert job["state"] == "running", "the job ended before the scrape: per-job series gone"
+        regions = {r["region"]: r for r in (await fed.get("/v1/regions"))["regions"]}
 
     problems: list[str] = []
     checked = 0
@@ -256,6 +257,13 @@ async def test_every_selected_metric_is_exported_by_its_daemon(tmp_path: Path) -
     )
 
     nvml, _ = open_nvml()  # whether this machine's agents can read GPUs
+    # Each region's status summarizes its node: memory and disk, GPUs where NVML reads them.
+    for region in REGIONS:
+        hardware = regions[region]["hardware"]
+        assert hardware["host"], hardware
+        assert hardware["memory_available_bytes"] > 0, hardware
+        assert hardware["state_disk_free_bytes"] > 0, hardware
+        assert (hardware["gpus"] is None) == (nvml is None), hardware
     # What the workers measured training the round, as each agent exports it.
     for region, text in trained.items():
         (job_id,) = values(text, "geofed_agent_train_tokens_per_second")

@@ -6,7 +6,7 @@ from typing import Any, cast
 
 import pytest
 
-from geofed.control import ControlClient, RegionStatus, Topics, decode
+from geofed.control import ControlClient, HardwareSummary, RegionStatus, Topics, decode
 from regional_agent.status import AGENT_VERSION, StatusReporter
 
 TOPICS = Topics("acme")
@@ -81,3 +81,27 @@ def test_a_refusal_is_said_for_the_status_that_carries_it_only() -> None:
     assert status.current().refused
     status.update("online", job="llm")
     assert not status.current().refused
+
+
+async def test_each_status_carries_the_nodes_hardware_as_last_read() -> None:
+    readings: list[HardwareSummary | None] = [
+        HardwareSummary(host="gpu-node-1", gpus=8, gpu_utilization=0.9),
+        None,  # nothing new (a driver still busy): the last reading stays
+    ]
+
+    async def hardware() -> HardwareSummary | None:
+        if not readings:
+            raise OSError("/proc is gone")
+        return readings.pop(0)
+
+    fake = Publishes()
+    status = StatusReporter(
+        cast(Any, fake), TOPICS, "eu-west", interval_s=1.0, timeout_s=1.0, hardware=hardware
+    )
+    for _ in range(3):  # the third reading fails: the status goes out all the same
+        await status.publish_now()
+    assert [s.hardware for s in fake.sent] == [
+        HardwareSummary(host="gpu-node-1", gpus=8, gpu_utilization=0.9)
+    ] * 3
+    # Without a reader (and in the Last Will) there is none.
+    assert reporter().current().hardware is None

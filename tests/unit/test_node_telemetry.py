@@ -8,6 +8,7 @@ such). The GPU paths run for real in tests/gpu.
 from __future__ import annotations
 
 import asyncio
+import re
 import sys
 import threading
 from dataclasses import dataclass
@@ -16,10 +17,14 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+import yaml
 from prometheus_client import CollectorRegistry
 
+from geofed.control import HardwareSummary
 from regional_agent.hardware_metrics import HardwareMetrics
 from regional_agent.node_telemetry import (
+    SLOWDOWN_REASONS,
+    THROTTLE_REASONS,
     GpuSample,
     NodeSample,
     NodeTelemetry,
@@ -28,8 +33,11 @@ from regional_agent.node_telemetry import (
     open_nvml,
     parse_meminfo,
     read_node,
+    summarize,
     throttle_names,
 )
+
+ROOT = Path(__file__).resolve().parents[2]
 
 MEMINFO = "MemTotal:       65843212 kB\nMemFree:         1000 kB\nMemAvailable:   50331648 kB\n"
 
@@ -238,6 +246,79 @@ async def test_a_hung_driver_holds_up_one_thread_and_scrapes_keep_their_values(
             await asyncio.sleep(0.02)
         assert sample is not None
         assert sample[1] == []
+    finally:
+        gpus.release.set()
+        sampler.close()
+
+
+def test_a_node_is_summarized_for_the_regions_status() -> None:
+    node = NodeSample(64 * 2**30, 40 * 2**30, 500 * 2**30, 900 * 2**30)
+    gpus = NvmlReader(FakeNvml()).read()  # GPU 0: 97% busy, hot and slowed; GPU 1 less
+    summary = summarize((node, gpus), "gpu-node-1")
+    assert summary.host == "gpu-node-1"
+    assert summary.gpus == 2
+    assert summary.max_temperature_c == 83.0
+    assert summary.ecc_uncorrected == 1  # GPU 1 does not report ECC
+    assert summary.slowed_gpus == 1  # hw_thermal_slowdown on GPU 0; GPU 1 reports none
+    assert summary.gpu_utilization == pytest.approx(sum(g.utilization_ratio or 0 for g in gpus) / 2)
+    assert (summary.memory_available_bytes, summary.state_disk_free_bytes) == (
+        40 * 2**30,
+        500 * 2**30,
+    )
+    assert summary.describe().startswith("gpu-node-1: 2 GPUs ")
+    assert "hottest 83 °C, 1 slowed down, 1 uncorrectable ECC errors" in summary.describe()
+    # No NVML: no GPU figure at all, not zeros.
+    cpu = summarize((node, None), "cpu-node")
+    assert (cpu.gpus, cpu.gpu_utilization, cpu.slowed_gpus) == (None, None, None)
+    assert cpu.describe() == "cpu-node: no GPU read, 40.0 GiB memory free, 500.0 GiB disk free"
+    # A driver reporting nonsense leaves its figures out, never the status.
+    broken = summarize((node, [GpuSample(0, utilization_ratio=7.0)]), "bad-node")
+    assert broken == HardwareSummary(host="bad-node")
+
+
+def test_the_status_slowdowns_are_the_throttle_alerts() -> None:
+    """One list of the reasons that slow a GPU down: the alert selects the same."""
+    rules = yaml.safe_load((ROOT / "deploy/prometheus/geofed-rules.yml").read_text())
+    (expr,) = [
+        r["expr"]
+        for g in rules["groups"]
+        for r in g["rules"]
+        if r.get("alert") == "GeofedGpuThrottled"
+    ]
+    selected = re.search(r'reason=~"([^"]+)"', expr)
+    assert selected is not None
+    assert frozenset(selected[1].split("|")) == SLOWDOWN_REASONS
+    assert set(THROTTLE_REASONS) >= SLOWDOWN_REASONS
+
+
+async def test_a_recent_sample_is_kept_and_a_hung_driver_gives_the_last_one(
+    tmp_path: Path,
+) -> None:
+    now = [0.0]
+    gpus = FakeHungGpus()
+    gpus.release.set()
+    sampler = TelemetrySampler(NodeTelemetry(tmp_path, gpus=gpus, node="n1"), lambda: now[0])
+    try:
+        first = await sampler.recent(10.0, 1.0)
+        assert first is not None
+        assert gpus.calls == 1
+        now[0] = 5.0
+        assert await sampler.recent(10.0, 1.0) is first  # young enough: not read again
+        assert gpus.calls == 1
+        now[0] = 20.0
+        gpus.release.clear()  # the driver hangs now
+        assert await sampler.recent(10.0, 0.1) is first  # the last, within the time given
+        assert gpus.calls == 2
+    finally:
+        gpus.release.set()
+        sampler.close()
+
+
+async def test_a_recent_sample_before_any_is_none_when_the_driver_hangs(tmp_path: Path) -> None:
+    gpus = FakeHungGpus()
+    sampler = TelemetrySampler(NodeTelemetry(tmp_path, gpus=gpus, node="n1"))
+    try:
+        assert await sampler.recent(10.0, 0.1) is None
     finally:
         gpus.release.set()
         sampler.close()

@@ -20,8 +20,15 @@ REGIONS: list[dict[str, Any]] = [
         "train_loss": 2.5,
         "capacity": {"gpus": 2, "gpu_kind": "H100", "gpu_memory_gib": 80.0, "cpu_slots": 2},
         "in_use": {"gpus": 1, "cpu_slots": 0, "jobs": ["llm"]},
+        "hardware": {"host": "gpu-node-1", "gpus": 2, "gpu_utilization": 0.5, "slowed_gpus": 1},
     },
-    {"region": "us-east", "state": "offline", "capacity": None, "in_use": {"cpu_slots": 3}},
+    {
+        "region": "us-east",
+        "state": "offline",
+        "capacity": None,
+        "in_use": {"cpu_slots": 3},
+        "hardware": {"host": "x", "gpus": -1},  # not a summary: shown as unknown
+    },
 ]
 JOBS: list[dict[str, Any]] = [
     {
@@ -48,8 +55,11 @@ def test_rows_show_every_region_and_job_and_what_is_unknown() -> None:
         "2.5000",
         "2 GPU H100 80GiB, 2 slots",
         "1/2 GPU, 0/2 slots",
+        "gpu-node-1: 2 GPUs 50% busy, 1 slowed down",
     )
-    assert rows.regions[2] == ("us-east", "-", "offline", "-", "-", "-", "unknown", "3 slots")
+    assert rows.regions[2] == (
+        "us-east", "-", "offline", "-", "-", "-", "unknown", "3 slots", "-",
+    )  # fmt: skip
     assert rows.jobs[1] == ("llm", "running", "4/10", "2.2500", "█▄▂▁", "eu-ckpt")
     assert rows.jobs[2] == ("queued-one", "paused", "0/3", "-", "-", "-")
 
@@ -72,6 +82,7 @@ def test_plain_text_is_aligned_and_the_live_view_names_a_failed_refresh() -> Non
     console.print(rich_view(status_rows(REGIONS, JOBS), updated=updated, error="timed out"))
     shown = console.export_text()
     assert "eu-west" in shown
+    assert "gpu-node-1: 2 GPUs 50% busy, 1 slowed down" in shown  # a table of its own
     assert "queued-one" in shown
     assert "last refresh failed: timed out" in shown
     assert "updated 2026-11-24T18:00:00+00:00" in shown

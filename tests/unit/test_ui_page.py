@@ -319,3 +319,17 @@ def test_a_jobs_cost_so_far_is_shown_with_what_went_unpriced() -> None:
     assert "per million tokens" not in page
     assert "not priced: WAN from ap-south" in page
     assert "Cost so far" not in render_main(_facts())  # no price table: no line
+
+
+def test_a_regions_hardware_is_shown_and_trouble_stands_out() -> None:
+    fine = {"host": "gpu-node-1", "gpus": 8, "gpu_utilization": 0.92, "max_temperature_c": 71.0}
+    erring = {"host": "gpu-node-2", "gpus": 8, "ecc_uncorrected": 2}
+    regions = [
+        {"region": "eu-west", "state": "training", "hardware": fine},
+        {"region": "us-east", "state": "training", "hardware": erring},
+        {"region": "ap-south", "state": "idle"},
+    ]
+    page = render_main(_facts(regions=regions))
+    assert '<span class="hardware">gpu-node-1: 8 GPUs 92% busy, hottest 71 °C</span>' in page
+    assert '<span class="bad">gpu-node-2: 8 GPUs, 2 uncorrectable ECC errors</span>' in page
+    assert "hardware" not in render_main(_facts())  # no region reports it: no column

@@ -19,10 +19,13 @@ from datetime import UTC, datetime
 from html import escape
 from typing import Any, Final
 
+from pydantic import ValidationError
+
 from coordinator.api.ui.history import Accepted, AuditDigest, JobHistory
 from coordinator.api.ui.svg import Bar, Series, bar_rows, line_chart, nice_number
 from coordinator.costs.showback import JobCost
 from coordinator.state.audit import AuditEntry, entry_time
+from geofed.control import HardwareSummary
 
 __all__ = [
     "CONTENT_SECURITY_POLICY",
@@ -194,8 +197,10 @@ def _table(headers: Sequence[str], rows: Sequence[Sequence[str]], css_id: str) -
 
 def _regions_section(facts: PageFacts) -> str:
     with_capacity = any("capacity" in r or "in_use" in r for r in facts.regions)
+    with_hardware = any(r.get("hardware") for r in facts.regions)
     headers = ["region", "jurisdiction", "state", "job · round", "train loss", "last seen"]
     headers += ["capacity", "in use"] if with_capacity else []
+    headers += ["hardware"] if with_hardware else []
     headers += ["quarantine", "agent version", "detail"]
     rows = []
     for region in facts.regions:
@@ -212,6 +217,8 @@ def _regions_section(facts: PageFacts) -> str:
         ]
         if with_capacity:
             row += [text(region.get("capacity")), text(region.get("in_use"))]
+        if with_hardware:
+            row.append(_hardware(region.get("hardware")))
         row += [
             f'<span class="bad">{text(quarantined)}</span>' if quarantined else "no",
             text(region.get("agent_version")),
@@ -222,6 +229,18 @@ def _regions_section(facts: PageFacts) -> str:
         f'<section id="federation"><h2>Federation · {len(facts.regions)} regions</h2>'
         f"{_table(headers, rows, 'regions')}</section>"
     )
+
+
+def _hardware(summary: Any) -> str:
+    """A region's node as its status reported it; slowed or erring GPUs stand out."""
+    if not isinstance(summary, Mapping):
+        return text(None)
+    try:
+        hardware = HardwareSummary.model_validate(summary)
+    except ValidationError:
+        return text(None)
+    css = "bad" if hardware.slowed_gpus or hardware.ecc_uncorrected else "hardware"
+    return f'<span class="{css}">{text(hardware.describe())}</span>'
 
 
 _JOB_EXTRAS: Final = (
