@@ -396,6 +396,9 @@ def _print_job(body: dict[str, Any], out: TextIO) -> None:
             f"{snapshot['reason']}",
             file=out,
         )
+        risk = snapshot.get("risk")
+        if risk and risk.get("score"):
+            print(f"  hardware risk {risk['score']:.2f}: {risk['reason']}", file=out)
     if body.get("priority"):
         print(f"  priority {body['priority']}, team {body.get('team') or '-'}", file=out)
     queue = body.get("queue")

@@ -9,7 +9,9 @@ the job's combined MTBF M). :func:`plan_interval` turns them into whole rounds w
 bounded by ``snapshot_min_rounds`` and ``snapshot_max_rounds``); :func:`decide_snapshot`
 says, at each publication, whether the new θ is snapshotted: once the rounds since the
 newest snapshot in the chain reach the interval. Snapshot rounds are then irregular:
-whatever reads the chain finds them by listing it.
+whatever reads the chain finds them by listing it. In either mode, a job whose hardware
+risk (:mod:`coordinator.scheduling.hardware_risk`) reaches 0.7 snapshots at once, once,
+until the risk falls back (:func:`risk_snapshot`).
 
 A job with no snapshot cost measured yet takes its shortest interval (to measure one);
 with no failure observed, its longest. :func:`load_stats` and :func:`save_stats` keep
@@ -32,6 +34,7 @@ from coordinator.scheduling.checkpoint_interval import (
     observed_mtbf,
     snapshot_interval,
 )
+from coordinator.scheduling.hardware_risk import SNAPSHOT_RISK, Risk
 from geofed.fsutil import atomic_write_bytes
 
 __all__ = [
@@ -45,6 +48,7 @@ __all__ = [
     "load_stats",
     "next_snapshot_round",
     "plan_interval",
+    "risk_snapshot",
     "save_stats",
     "snapshot_status",
 ]
@@ -239,6 +243,17 @@ def decide_snapshot(version: int, last_round: int | None, plan: SnapshotPlan) ->
     )
 
 
+def risk_snapshot(risk: Risk, acted: bool) -> SnapshotDecision | None:
+    """A snapshot at once because the job's hardware risk reached
+    :data:`~coordinator.scheduling.hardware_risk.SNAPSHOT_RISK` (``acted``: one was taken
+    since it did, so the interval rules again until it falls back); None: no such cause."""
+    if risk.score < SNAPSHOT_RISK or acted:
+        return None
+    return SnapshotDecision(
+        True, f"hardware risk {risk.score:.2f} reached {SNAPSHOT_RISK}: {risk.reason}"
+    )
+
+
 def decide_state_save(
     version: int, saved: int | None, *, snapshot: bool, last: bool, every: int
 ) -> SnapshotDecision:
@@ -274,9 +289,12 @@ def next_snapshot_round(version: int, last_round: int | None, plan: SnapshotPlan
     return max(last_round + every, version + 1)
 
 
-def snapshot_status(plan: SnapshotPlan, version: int, last_round: int | None) -> dict[str, Any]:
-    """The ``snapshot`` object of the job's status."""
+def snapshot_status(
+    plan: SnapshotPlan, version: int, last_round: int | None, risk: Risk | None = None
+) -> dict[str, Any]:
+    """The ``snapshot`` object of the job's status (``risk``: the job's hardware risk)."""
     return {
+        "risk": None if risk is None else {"score": risk.score, "reason": risk.reason},
         "mode": plan.mode,
         "every_rounds": plan.every_rounds,
         "tau_s": plan.tau_s,

@@ -5,7 +5,11 @@ and the snapshot cost from each published round, the failures of the job's regio
 from the control plane (a region of the job going offline while the job runs) and from
 the rounds (a participant that missed a published round's deadline without having gone
 offline), and the newest snapshot by listing the job's checkpoint chain when the engine
-recovers. The measurements are saved in the state directory after each round.
+recovers. The measurements are saved in the state directory after each round. The
+job's hardware risk (:mod:`coordinator.scheduling.hardware_risk`) comes from its
+regions' statuses and the failures counted here; new uncorrectable ECC errors are
+counted from the first status this coordinator process took of each region
+(``ControlPlane.ecc_first_seen``).
 """
 
 from __future__ import annotations
@@ -25,10 +29,18 @@ from coordinator.publication.snapshot_policy import (
     load_stats,
     next_snapshot_round,
     plan_interval,
+    risk_snapshot,
     save_stats,
     snapshot_status,
 )
 from coordinator.rounds.state import RoundState
+from coordinator.scheduling.hardware_risk import (
+    FAILURE_WINDOW_S,
+    SNAPSHOT_RISK,
+    Risk,
+    job_risk,
+    region_risk,
+)
 from coordinator.services import Services
 from coordinator.storage.checkpoints import EntryKind
 
@@ -57,6 +69,10 @@ class JobSnapshots:
         self._offline_at: dict[str, float] = {}
         #: The round duration the plan was last made with.
         self._round_s: float | None = None
+        #: When each region failed (its failures of the last hour count for the risk).
+        self._failed_at: dict[str, list[float]] = {}
+        #: A snapshot was taken for the risk since it reached the threshold.
+        self._risk_acted = False
         self.plan: SnapshotPlan = self._replan(None)
         services.control.on_region_change(self._region_changed)
 
@@ -70,7 +86,20 @@ class JobSnapshots:
 
     def status(self, version: int) -> dict[str, Any]:
         """The ``snapshot`` object of the job's status at θ_version."""
-        return snapshot_status(self.plan, version, self.last_round)
+        return snapshot_status(self.plan, version, self.last_round, self.risk())
+
+    def risk(self) -> Risk:
+        """The job's hardware risk now, from its regions' statuses and failures."""
+        now = self._s.clock()
+        risks = {}
+        control = self._s.control
+        for region in self._ctx.spec.regions:
+            view = control.regions.get(region)
+            hardware = None if view is None else view.status.hardware
+            failed = self._failed_at.get(region, [])
+            first = control.ecc_first_seen.get(region)
+            risks[region] = region_risk(hardware, first, failed, now)
+        return job_risk(risks)
 
     async def recover(self) -> None:
         """Read the saved measurements and find the newest snapshot in the chain."""
@@ -87,12 +116,20 @@ class JobSnapshots:
         if round_s is None:
             round_s = _duration(rs, self._s.clock())
         plan = self._replan(round_s)
+        risk = self.risk()
+        self._risk_acted = self._risk_acted and risk.score >= SNAPSHOT_RISK
+        urgent = risk_snapshot(risk, self._risk_acted)
+        if urgent is not None:
+            log.warning("job %s: snapshot now: %s", self._ctx.job, urgent.reason)
+            return urgent
         return decide_snapshot(rs.config.round + 1, self.last_round, plan)
 
     def stored(self, version: int, snapshot_s: float) -> None:
         """θ_version's snapshot is in the chain; it took ``snapshot_s`` wall seconds."""
         self.stats.snapshot_took(snapshot_s)
         self.last_round = version if self.last_round is None else max(self.last_round, version)
+        # Stored, not just decided: a publication tried again snapshots for the risk again.
+        self._risk_acted = self.risk().score >= SNAPSHOT_RISK
         # The status may be read before the round's publication ends: it shows the plan
         # this cost makes at once, never the new snapshot with the plan that had no cost.
         self._replan(self._round_s)
@@ -132,6 +169,9 @@ class JobSnapshots:
 
     def _failed(self, region: str, what: str) -> None:
         self.stats.region_failed(region, what)
+        now = self._s.clock()
+        recent = [at for at in self._failed_at.get(region, []) if at >= now - FAILURE_WINDOW_S]
+        self._failed_at[region] = [*recent, now]
         log.info(
             "job %s: region %s %s (a failure, for the snapshot interval)",
             self._ctx.job,

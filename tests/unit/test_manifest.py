@@ -356,7 +356,9 @@ def _negative_serial(doc: dict[str, Any]) -> None:
     version = der.index(b"\xa0\x03\x02\x01\x02")  # [0] EXPLICIT INTEGER 2 (v3)
     serial = version + 5
     assert der[serial] == 0x02  # INTEGER
-    der[serial + 2] |= 0x80
+    # 0x80 first: negative, and minimally encoded whatever followed (a sign bit set on
+    # 0x7f before a byte with its top bit set would be a DER error, not a negative serial).
+    der[serial + 2] = 0x80
     encoded = base64.encodebytes(bytes(der)).decode()
     doc["certificate"] = f"-----BEGIN CERTIFICATE-----\n{encoded}-----END CERTIFICATE-----\n"
 

@@ -26,6 +26,7 @@ from coordinator.publication.snapshot_policy import (
     snapshot_status,
 )
 from coordinator.publication.snapshots import JobSnapshots
+from coordinator.scheduling.hardware_risk import Risk
 from coordinator.storage.checkpoints import CheckpointEntry, EntryKind
 from coordinator.storage.retention import RetentionConfig, plan_retention
 from geofed_cli.jobs import _print_job
@@ -232,7 +233,10 @@ def test_the_status_object_says_mode_interval_reason_and_rounds() -> None:
         "next_round": 7,
         "cost_s": 1.0,
         "mtbf_s": 800.0,
+        "risk": None,
     }
+    risky = snapshot_status(AUTO_4, 6, 3, Risk(0.8, "eu-west: ecc"))["risk"]
+    assert risky == {"score": 0.8, "reason": "eu-west: ecc"}
     # The interval shrank below the rounds already run: the next publication takes one.
     assert snapshot_status(AUTO_4, 9, 3)["next_round"] == 10
 
@@ -352,7 +356,7 @@ def test_a_stored_snapshot_replans_at_once_so_the_status_never_shows_it_without_
     gauge = _Gauge()
     services: Any = SimpleNamespace(
         config=SimpleNamespace(state_dir=tmp_path),
-        control=SimpleNamespace(regions={}, on_region_change=lambda _: None),
+        control=SimpleNamespace(regions={}, ecc_first_seen={}, on_region_change=lambda _: None),
         metrics=SimpleNamespace(snapshot_interval=gauge),
         clock=lambda: 100.0,
     )

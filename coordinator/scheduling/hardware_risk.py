@@ -1,0 +1,83 @@
+"""How likely a region is to fail soon, from what its hardware and its record say (pure).
+
+Each region's status carries its node's hardware (:class:`~geofed.control.HardwareSummary`).
+:func:`region_risk` turns it, with the region's recent failures, into a score in [0, 1]
+and the reasons behind it: each sign is a chance of failure on its own, and they combine
+as independent chances do (1 - Π(1 - pᵢ)):
+
+- uncorrectable ECC errors new since the coordinator first saw the region: 0.8, and 0.05
+  more for each error past the first (a GPU with them usually fails soon after);
+- GPUs the hardware or heat slows down: 0.3, plus 0.4 times the share of the node's GPUs;
+- the hottest GPU: 0.3 from 85 °C, 0.5 from 90 °C;
+- failures of the region in the last hour (offline, or a deadline missed): 0.2 each.
+
+A job's risk is its riskiest region's (:func:`job_risk`). At :data:`SNAPSHOT_RISK` the
+snapshot policy snapshots at once (:mod:`coordinator.publication.snapshot_policy`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Final
+
+from geofed.control import HardwareSummary
+
+__all__ = ["FAILURE_WINDOW_S", "SNAPSHOT_RISK", "Risk", "job_risk", "region_risk"]
+
+#: The score at which a job snapshots at once.
+SNAPSHOT_RISK: Final = 0.7
+#: How far back a region's failures count.
+FAILURE_WINDOW_S: Final = 3600.0
+
+
+@dataclass(frozen=True, slots=True)
+class Risk:
+    """A score in [0, 1] and why (``region``: whose, for a job's)."""
+
+    score: float
+    reason: str
+    region: str | None = None
+
+
+def region_risk(
+    hardware: HardwareSummary | None,
+    ecc_seen_first: int | None,
+    failures_at: Iterable[float],
+    now: float,
+) -> Risk:
+    """A region's risk now: its node as last reported (None: not reported), the
+    uncorrectable ECC count it had when first seen, and when it failed."""
+    signs: list[tuple[float, str]] = []
+    if hardware is not None:
+        ecc, baseline = hardware.ecc_uncorrected, ecc_seen_first
+        if ecc is not None and baseline is not None and ecc > baseline:
+            new = ecc - baseline
+            signs.append(
+                (min(1.0, 0.8 + 0.05 * (new - 1)), f"{new} new uncorrectable ECC error(s)")
+            )
+        if hardware.slowed_gpus:
+            share = hardware.slowed_gpus / hardware.gpus if hardware.gpus else 1.0
+            signs.append(
+                (0.3 + 0.4 * min(1.0, share), f"{hardware.slowed_gpus} GPU(s) slowed down")
+            )
+        hottest = hardware.max_temperature_c
+        if hottest is not None and hottest >= 85:
+            signs.append((0.5 if hottest >= 90 else 0.3, f"a GPU at {hottest:.0f} °C"))
+    recent = sum(1 for at in failures_at if now - FAILURE_WINDOW_S <= at <= now)
+    if recent:
+        signs.append((min(1.0, 0.2 * recent), f"{recent} failure(s) in the last hour"))
+    if not signs:
+        return Risk(0.0, "no sign of trouble")
+    score = 1.0 - math.prod(1.0 - p for p, _ in signs)
+    return Risk(score, "; ".join(f"{why} ({p:.2f})" for p, why in signs))
+
+
+def job_risk(risks: Mapping[str, Risk]) -> Risk:
+    """The job's risk: its riskiest region's (ties: the first by name)."""
+    if not risks:
+        return Risk(0.0, "no region reported")
+    region = max(sorted(risks), key=lambda name: risks[name].score)
+    risk = risks[region]
+    return Risk(risk.score, f"{region}: {risk.reason}", region)
