@@ -30,6 +30,7 @@ from geofed.control import (
     ControlError,
     Deduplicator,
     Event,
+    HardwareSummary,
     MessageError,
     RegionStatus,
     RoundAnnouncement,
@@ -73,9 +74,11 @@ class ControlPlane:
         self._retained: dict[str, bytes] = {}
         self._dedup = Deduplicator()
         self.regions: dict[str, RegionView] = {}
-        #: Each region's uncorrectable ECC count in the first status this process took
-        #: that had one: new errors are counted from it (hardware risk).
-        self.ecc_first_seen: dict[str, int] = {}
+        #: Each region's hardware as last reported (a Last Will carries none: kept).
+        self.last_hardware: dict[str, HardwareSummary] = {}
+        #: The uncorrectable ECC count of each (region, host) in the first status this
+        #: process took that had one: new errors are counted from it (hardware risk).
+        self.ecc_first_seen: dict[tuple[str, str], int] = {}
         self._region_listeners: list[Callable[[str], None]] = []
         self._refusal_listeners: list[Callable[[str, RegionStatus], Awaitable[None]]] = []
         for region in known_regions:
@@ -171,8 +174,12 @@ class ControlPlane:
             return
         before = self.regions.get(region)
         self.regions[region] = view
-        if status.hardware is not None and status.hardware.ecc_uncorrected is not None:
-            self.ecc_first_seen.setdefault(region, status.hardware.ecc_uncorrected)
+        hardware = status.hardware
+        if hardware is not None:
+            self.last_hardware[region] = hardware
+            if hardware.ecc_uncorrected is not None:
+                key = (region, hardware.host)
+                self.ecc_first_seen.setdefault(key, hardware.ecc_uncorrected)
         if before is None or (before.up, before.status.capacity) != (view.up, status.capacity):
             for listener in self._region_listeners:
                 listener(region)

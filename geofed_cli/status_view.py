@@ -172,7 +172,8 @@ def _table(title: str, rows: Sequence[tuple[str, ...]]) -> Table:
     for name in rows[0]:
         table.add_column(name, no_wrap=True)
     for row in rows[1:]:
-        table.add_row(*row)
+        # Text, not markup: a name or host with brackets is shown, never interpreted.
+        table.add_row(*(Text(cell) for cell in row))
     return table
 
 

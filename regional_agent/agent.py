@@ -94,7 +94,7 @@ Clock = Callable[[], datetime]
 _WATCH_INTERVAL_S = 1.0
 #: How old the node's last reading may be in a status, and how long a new one may take.
 HARDWARE_MAX_AGE_S = 10.0
-HARDWARE_READ_S = 5.0
+HARDWARE_READ_S = 1.0
 
 
 class AgentFailed(Exception):

@@ -41,6 +41,11 @@ GPU_THROTTLED = _gpu(
     "1 while a GPU's clocks are held down for the reason named (NVML clock event reasons).",
     "reason",
 )
+GPU_XID_ERRORS = _gpu(
+    "geofed_agent_gpu_xid_errors",
+    "Critical XID errors a GPU raised since the agent started, by XID code (NVML events).",
+    "xid",
+)
 GPUS = MetricSpec(
     "geofed_agent_gpus",
     "gauge",
@@ -77,6 +82,7 @@ HARDWARE: Final[tuple[MetricSpec, ...]] = (
     GPU_POWER,
     GPU_ECC_ERRORS,
     GPU_THROTTLED,
+    GPU_XID_ERRORS,
     GPUS,
     NODE_MEMORY_TOTAL,
     NODE_MEMORY_AVAILABLE,
@@ -99,6 +105,7 @@ class HardwareMetrics:
         self.region = region
         self._hardware = {spec.name: gauge(spec, registry) for spec in HARDWARE}
         self._gpu_series: set[tuple[str, str]] = set()
+        self._xid_series: set[tuple[str, str, str]] = set()
 
     def sampled(self, host: str, sample: NodeSample, gpus: Sequence[GpuSample] | None) -> None:
         """The node's hardware as sampled (``gpus`` None: no GPU reader, no GPU series);
@@ -133,6 +140,17 @@ class HardwareMetrics:
             for reason in THROTTLE_REASONS:
                 held = None if gpu.throttle_reasons is None else reason in gpu.throttle_reasons
                 set_or_remove(hw[GPU_THROTTLED.name], (*labels, reason), held)
+        # XIDs by code: a series per code raised; those of GPUs gone or unwatched removed.
+        xids = {
+            (host, str(gpu.index), str(xid)): count
+            for gpu in gpus or ()
+            for xid, count in (gpu.xid_errors or {}).items()
+        }
+        for stale in self._xid_series - set(xids):
+            hw[GPU_XID_ERRORS.name].remove(region, *stale)
+        for raised, count in xids.items():
+            hw[GPU_XID_ERRORS.name].labels(region, *raised).set(count)
+        self._xid_series = set(xids)
 
 
 def _figures(gpu: GpuSample) -> tuple[float | None, ...]:

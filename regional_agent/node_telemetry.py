@@ -19,15 +19,16 @@ import logging
 import shutil
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Final, Protocol, TypeVar
 
 from pydantic import ValidationError
 
 from geofed.control import HardwareSummary
+from regional_agent.xid_events import XidWatcher
 
 __all__ = [
     "SLOWDOWN_REASONS",
@@ -82,6 +83,8 @@ class GpuSample:
     """Corrected ECC errors over the device's life (NVML's aggregate count)."""
     ecc_uncorrected: int | None = None
     throttle_reasons: frozenset[str] | None = None
+    xid_errors: Mapping[int, int] | None = None
+    """Critical XID events since the agent started, by code (None: not watched)."""
 
 
 class GpuReader(Protocol):
@@ -129,21 +132,36 @@ def read_node(state_dir: Path, meminfo: Path = Path("/proc/meminfo")) -> NodeSam
 
 
 class NvmlReader:
-    """:class:`GpuReader` over an initialised ``pynvml`` module."""
+    """:class:`GpuReader` over an initialised ``pynvml`` module; from its first read it
+    also watches the GPUs' XID events (:mod:`regional_agent.xid_events`)."""
 
-    def __init__(self, nvml: Any) -> None:
+    def __init__(self, nvml: Any, *, watch_xid: bool = True) -> None:
         self._nvml = nvml
+        self._watch_xid = watch_xid
+        self._xid: XidWatcher | None = None
 
     def read(self) -> list[GpuSample]:
         count = self._field(self._nvml.nvmlDeviceGetCount)
         if count is None:
             raise RuntimeError("NVML could not count the GPUs")
-        found = []
+        handles = {}
         for index in range(int(count)):
             handle = self._field(functools.partial(self._nvml.nvmlDeviceGetHandleByIndex, index))
             if handle is not None:  # a GPU lost: the others are still read
-                found.append(self._sample(index, handle))
-        return found
+                handles[index] = handle
+        if self._watch_xid:
+            self._watch_xid = False  # once: a GPU that could not be registered stays out
+            self._xid = XidWatcher.start(self._nvml, handles)
+        xids = self._xid.counts() if self._xid is not None else {}
+        return [
+            replace(self._sample(index, handle), xid_errors=xids.get(index))
+            for index, handle in handles.items()
+        ]
+
+    def close(self) -> None:
+        """Stop watching XID events."""
+        if self._xid is not None:
+            self._xid.close()
 
     def _sample(self, index: int, handle: Any) -> GpuSample:
         nvml = self._nvml
@@ -218,7 +236,9 @@ def summarize(sample: Sample, host: str) -> HardwareSummary:
         temperatures = [g.temperature_celsius for g in gpus if g.temperature_celsius is not None]
         ecc = [g.ecc_uncorrected for g in gpus if g.ecc_uncorrected is not None]
         reasons = [g.throttle_reasons for g in gpus if g.throttle_reasons is not None]
+        xids = [sum(g.xid_errors.values()) for g in gpus if g.xid_errors is not None]
         fields.update(
+            xid_errors=sum(xids) if xids else None,
             gpus=len(gpus),
             gpu_utilization=sum(utilization) / len(utilization) if utilization else None,
             max_temperature_c=max(temperatures, default=None),
@@ -273,6 +293,12 @@ class NodeTelemetry:
                     log.warning("reading the GPUs failed: %s", failed)
         return read_node(self.state_dir), gpus
 
+    def close(self) -> None:
+        """Stop what the GPU reader runs on its own (its XID watcher), if anything."""
+        close = getattr(self._gpus, "close", None)
+        if close is not None:
+            close()
+
 
 class TelemetrySampler:
     """Samples a :class:`NodeTelemetry` on a thread of its own, one sample at a time."""
@@ -285,18 +311,23 @@ class TelemetrySampler:
         self._running: asyncio.Future[Sample] | None = None
         self._clock = clock
         self._latest: tuple[float, Sample] | None = None
+        self._closed = False
 
     async def sample(self) -> Sample | None:
         """A fresh sample; None while the previous one is still being taken (a hung
         driver: the gauges keep their values, and no thread piles up behind it)."""
-        if self._running is not None and not self._running.done():
+        if self._closed or (self._running is not None and not self._running.done()):
             return None
         loop = asyncio.get_running_loop()
         self._running = loop.run_in_executor(self._executor, self.telemetry.sample)
+        # Kept when it ends, even after the caller gave up waiting for it.
+        self._running.add_done_callback(self._keep)
         # Shielded: a scrape that gives up leaves the sample to finish on its thread.
-        sample = await asyncio.shield(self._running)
-        self._latest = (self._clock(), sample)
-        return sample
+        return await asyncio.shield(self._running)
+
+    def _keep(self, done: asyncio.Future[Sample]) -> None:
+        if not done.cancelled() and done.exception() is None:
+            self._latest = (self._clock(), done.result())
 
     async def recent(self, max_age_s: float, timeout_s: float) -> Sample | None:
         """The last sample if it is at most ``max_age_s`` old, else a fresh one taken
@@ -314,4 +345,6 @@ class TelemetrySampler:
 
     def close(self) -> None:
         """Stop taking samples (a sample under way finishes on its own thread)."""
+        self._closed = True
         self._executor.shutdown(wait=False, cancel_futures=True)
+        self.telemetry.close()

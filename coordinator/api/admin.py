@@ -159,6 +159,10 @@ async def job_status(request: web.Request) -> web.Response:
     identity = caller(request)
     engine = visible_engine(request, identity)
     body = engine.status()
+    snapshot = body.get("snapshot")
+    if identity.role not in READERS and isinstance(snapshot, dict) and snapshot.get("risk"):
+        # Its reason names other regions' hardware: a region sees only the score.
+        snapshot["risk"] = {"score": snapshot["risk"]["score"], "reason": None}
     if identity.role in READERS:
         body["spec"] = engine.ctx.spec.to_json()
         totals = await request.app[SERVICES].db.receipt_totals(engine.job)

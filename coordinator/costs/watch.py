@@ -19,6 +19,7 @@ head first) and, at each scrape, sets when the coordinator has a price table
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Final, TypeVar
@@ -35,6 +36,7 @@ from coordinator.state.store import JobRecord
 __all__ = [
     "BURN_WINDOW_S",
     "DEFAULT_WINDOW_S",
+    "FRESH_S",
     "PAGES_PER_CATCH_UP",
     "CostFigures",
     "CostWatch",
@@ -47,6 +49,9 @@ BURN_WINDOW_S: Final = 6 * 3600.0
 DEFAULT_WINDOW_S: Final = 30 * 86400.0
 #: Audit pages (of :data:`~coordinator.state.audit.MAX_PAGE` entries) one step folds at most.
 PAGES_PER_CATCH_UP: Final = 20
+#: Figures younger than this are reused: the status page, job statuses and scrapes
+#: asking together cost one refresh.
+FRESH_S: Final = 2.0
 
 T = TypeVar("T")
 
@@ -78,6 +83,8 @@ class CostWatch:
         self._lock = asyncio.Lock()
         #: Each job's cost since it started, as the last refresh found it.
         self.latest: dict[str, JobCost] = {}
+        self._figures: CostFigures | None = None
+        self._at = 0.0
 
     async def refresh(self) -> CostFigures | None:
         """Fold up to :data:`PAGES_PER_CATCH_UP` pages of new entries and set the gauges
@@ -86,10 +93,14 @@ class CostWatch:
         if prices is None:
             return None
         async with self._lock:
+            # Callers that queued behind a refresh take its figures: no work piles up.
+            if self._figures is not None and time.monotonic() - self._at < FRESH_S:
+                return self._figures
             records, entries = await self._read(PAGES_PER_CATCH_UP)
             figures = await self._in_thread(
                 _refresh, self._ledger, records, entries, prices, self._teams(), self._s.clock()
             )
+            self._figures, self._at = figures, time.monotonic()
         self.latest = {cost.job: cost for cost in figures.jobs}
         self._show(figures)
         return figures

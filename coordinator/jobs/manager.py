@@ -163,12 +163,16 @@ class JobManager:
         if not any(q.gpu_hours is not None for q in self._scheduling.teams.values()):
             return
         teams: dict[str, str] = {}
+        regions: dict[str, tuple[str, ...]] = {}
         gpus: dict[str, dict[str, int]] = {}
+        every = tuple(self._s.runtime.policies)
         for job, engine in self._engines.items():
-            spec = engine.ctx.spec
+            spec = engine.submitted.spec  # as submitted: the audit log has the changes
             if spec.needs is not None:
                 teams[job] = spec.team_name
-                gpus[job] = {region: gpus_needed(spec, region) for region in spec.regions}
+                regions[job] = spec.region_names
+                # Any region may join it later: each holds what the spec needs there.
+                gpus[job] = {region: gpus_needed(spec, region) for region in every}
         finished = {
             record.job_id: record.updated_at
             for record in records
@@ -182,7 +186,7 @@ class JobManager:
                 break
             entries.extend(e for e in page if e.job in gpus)
             after = page[-1].seq
-        self._ledger.replay(entries, teams, gpus, finished)
+        self._ledger.replay(entries, teams, regions, gpus, finished)
 
     async def stop(self) -> None:
         """Cancel every engine (and the admission task) and wait for them."""

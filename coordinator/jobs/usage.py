@@ -69,13 +69,15 @@ class RunLedger:
         self,
         entries: Iterable[AuditEntry],
         teams: Mapping[str, str],
+        regions: Mapping[str, tuple[str, ...]],
         gpus: Mapping[str, Mapping[str, int]],
         finished: Mapping[str, float],
     ) -> None:
         """Rebuild from the audit log (oldest first), read as usage reports read it
-        (:class:`~coordinator.costs.usage_facts.UsageFold`): ``teams`` job -> team, ``gpus``
-        job -> region -> GPUs it needs there, ``finished`` final job -> when it ended."""
-        fold = UsageFold({job: tuple(regions) for job, regions in gpus.items()})
+        (:class:`~coordinator.costs.usage_facts.UsageFold`): ``teams`` job -> team,
+        ``regions`` job -> its regions as submitted, ``gpus`` job -> region -> GPUs it
+        needs there (any region it may hold), ``finished`` final job -> when it ended."""
+        fold = UsageFold(regions)
         fold.fold(entry for entry in entries if entry.job in gpus)
         for job, at in finished.items():
             fold.ended(job, at)

@@ -10,8 +10,8 @@ bounded by ``snapshot_min_rounds`` and ``snapshot_max_rounds``); :func:`decide_s
 says, at each publication, whether the new θ is snapshotted: once the rounds since the
 newest snapshot in the chain reach the interval. Snapshot rounds are then irregular:
 whatever reads the chain finds them by listing it. In either mode, a job whose hardware
-risk (:mod:`coordinator.scheduling.hardware_risk`) reaches 0.7 snapshots at once, once,
-until the risk falls back (:func:`risk_snapshot`).
+risk (:mod:`coordinator.scheduling.hardware_risk`) reaches 0.7 snapshots at once, and
+again only if it rises further or falls back and rises anew (:func:`risk_snapshot`).
 
 A job with no snapshot cost measured yet takes its shortest interval (to measure one);
 with no failure observed, its longest. :func:`load_stats` and :func:`save_stats` keep
@@ -34,7 +34,7 @@ from coordinator.scheduling.checkpoint_interval import (
     observed_mtbf,
     snapshot_interval,
 )
-from coordinator.scheduling.hardware_risk import SNAPSHOT_RISK, Risk
+from coordinator.scheduling.hardware_risk import REARM_RISK, RISK_STEP, SNAPSHOT_RISK, Risk
 from geofed.fsutil import atomic_write_bytes
 
 __all__ = [
@@ -48,6 +48,7 @@ __all__ = [
     "load_stats",
     "next_snapshot_round",
     "plan_interval",
+    "rearmed",
     "risk_snapshot",
     "save_stats",
     "snapshot_status",
@@ -243,15 +244,24 @@ def decide_snapshot(version: int, last_round: int | None, plan: SnapshotPlan) ->
     )
 
 
-def risk_snapshot(risk: Risk, acted: bool) -> SnapshotDecision | None:
+def risk_snapshot(risk: Risk, acted_at: float | None) -> SnapshotDecision | None:
     """A snapshot at once because the job's hardware risk reached
-    :data:`~coordinator.scheduling.hardware_risk.SNAPSHOT_RISK` (``acted``: one was taken
-    since it did, so the interval rules again until it falls back); None: no such cause."""
-    if risk.score < SNAPSHOT_RISK or acted:
+    :data:`~coordinator.scheduling.hardware_risk.SNAPSHOT_RISK`; ``acted_at``: the score a
+    risk snapshot was last taken at, while the risk has not fallen below
+    :data:`~coordinator.scheduling.hardware_risk.REARM_RISK` since (None: none such).
+    Again only at a rise of ``RISK_STEP`` over it. None: no such cause."""
+    if risk.score < SNAPSHOT_RISK:
+        return None
+    if acted_at is not None and risk.score < acted_at + RISK_STEP:
         return None
     return SnapshotDecision(
         True, f"hardware risk {risk.score:.2f} reached {SNAPSHOT_RISK}: {risk.reason}"
     )
+
+
+def rearmed(risk: Risk, acted_at: float | None) -> float | None:
+    """``acted_at`` after the risk is ``risk``: forgotten once it fell below REARM_RISK."""
+    return None if risk.score < REARM_RISK else acted_at
 
 
 def decide_state_save(

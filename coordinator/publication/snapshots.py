@@ -7,9 +7,9 @@ the rounds (a participant that missed a published round's deadline without havin
 offline), and the newest snapshot by listing the job's checkpoint chain when the engine
 recovers. The measurements are saved in the state directory after each round. The
 job's hardware risk (:mod:`coordinator.scheduling.hardware_risk`) comes from its
-regions' statuses and the failures counted here; new uncorrectable ECC errors are
-counted from the first status this coordinator process took of each region
-(``ControlPlane.ecc_first_seen``).
+serving regions' last reported hardware and the failures counted here; new uncorrectable
+ECC errors are counted from the first status this coordinator process took of each
+region's host (``ControlPlane.ecc_first_seen``).
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from coordinator.publication.snapshot_policy import (
     load_stats,
     next_snapshot_round,
     plan_interval,
+    rearmed,
     risk_snapshot,
     save_stats,
     snapshot_status,
@@ -71,8 +72,8 @@ class JobSnapshots:
         self._round_s: float | None = None
         #: When each region failed (its failures of the last hour count for the risk).
         self._failed_at: dict[str, list[float]] = {}
-        #: A snapshot was taken for the risk since it reached the threshold.
-        self._risk_acted = False
+        #: The score a risk snapshot was last stored at (None: none since it fell back).
+        self._risk_acted_at: float | None = None
         self.plan: SnapshotPlan = self._replan(None)
         services.control.on_region_change(self._region_changed)
 
@@ -93,12 +94,23 @@ class JobSnapshots:
         now = self._s.clock()
         risks = {}
         control = self._s.control
-        for region in self._ctx.spec.regions:
+        for region in sorted(set(control.regions) | set(self._ctx.spec.regions)):
+            if not self._serving(region):
+                continue  # a region that left (or has not joined) adds no risk
             view = control.regions.get(region)
-            hardware = None if view is None else view.status.hardware
-            failed = self._failed_at.get(region, [])
-            first = control.ecc_first_seen.get(region)
-            risks[region] = region_risk(hardware, first, failed, now)
+            # The last hardware reported: a Last Will (offline) carries none.
+            hardware = control.last_hardware.get(region)
+            capacity = None if view is None else view.status.capacity
+            first = (
+                None if hardware is None else control.ecc_first_seen.get((region, hardware.host))
+            )
+            risks[region] = region_risk(
+                hardware,
+                first,
+                self._failed_at.get(region, []),
+                now,
+                gpus_offered=0 if capacity is None else capacity.gpus,
+            )
         return job_risk(risks)
 
     async def recover(self) -> None:
@@ -117,8 +129,8 @@ class JobSnapshots:
             round_s = _duration(rs, self._s.clock())
         plan = self._replan(round_s)
         risk = self.risk()
-        self._risk_acted = self._risk_acted and risk.score >= SNAPSHOT_RISK
-        urgent = risk_snapshot(risk, self._risk_acted)
+        self._risk_acted_at = rearmed(risk, self._risk_acted_at)
+        urgent = risk_snapshot(risk, self._risk_acted_at)
         if urgent is not None:
             log.warning("job %s: snapshot now: %s", self._ctx.job, urgent.reason)
             return urgent
@@ -129,7 +141,9 @@ class JobSnapshots:
         self.stats.snapshot_took(snapshot_s)
         self.last_round = version if self.last_round is None else max(self.last_round, version)
         # Stored, not just decided: a publication tried again snapshots for the risk again.
-        self._risk_acted = self.risk().score >= SNAPSHOT_RISK
+        risk = self.risk()
+        if risk.score >= SNAPSHOT_RISK:
+            self._risk_acted_at = risk.score
         # The status may be read before the round's publication ends: it shows the plan
         # this cost makes at once, never the new snapshot with the plan that had no cost.
         self._replan(self._round_s)

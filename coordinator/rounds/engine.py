@@ -394,7 +394,7 @@ class JobEngine:
         except asyncio.CancelledError:
             raise
         except Exception as exc:
-            if not self._state.final:  # one that had ended keeps its end; its status says why
+            if not (self._state.final and not self.recovered.is_set()):  # ended before: kept
                 log.exception("job %s failed", self.job, extra={"job": self.job})
                 await self._fail_job(f"{type(exc).__name__}: {exc}")
             else:

@@ -9,10 +9,14 @@ as independent chances do (1 - Π(1 - pᵢ)):
   more for each error past the first (a GPU with them usually fails soon after);
 - GPUs the hardware or heat slows down: 0.3, plus 0.4 times the share of the node's GPUs;
 - the hottest GPU: 0.3 from 85 °C, 0.5 from 90 °C;
-- failures of the region in the last hour (offline, or a deadline missed): 0.2 each.
+- failures of the region in the last hour (offline, or a deadline missed): 0.2 each;
+- fewer GPUs read than its capacity offers (a GPU lost, or a driver no longer answering,
+  which leaves the other figures out too): 0.5.
 
 A job's risk is its riskiest region's (:func:`job_risk`). At :data:`SNAPSHOT_RISK` the
-snapshot policy snapshots at once (:mod:`coordinator.publication.snapshot_policy`).
+snapshot policy snapshots at once (:mod:`coordinator.publication.snapshot_policy`), and
+again only once the risk rose by :data:`RISK_STEP` more, or fell below
+:data:`REARM_RISK` and rose again.
 """
 
 from __future__ import annotations
@@ -24,10 +28,22 @@ from typing import Final
 
 from geofed.control import HardwareSummary
 
-__all__ = ["FAILURE_WINDOW_S", "SNAPSHOT_RISK", "Risk", "job_risk", "region_risk"]
+__all__ = [
+    "FAILURE_WINDOW_S",
+    "REARM_RISK",
+    "RISK_STEP",
+    "SNAPSHOT_RISK",
+    "Risk",
+    "job_risk",
+    "region_risk",
+]
 
 #: The score at which a job snapshots at once.
 SNAPSHOT_RISK: Final = 0.7
+#: Below it, the next rise to :data:`SNAPSHOT_RISK` snapshots again.
+REARM_RISK: Final = 0.5
+#: A rise this much above the score last acted on snapshots again.
+RISK_STEP: Final = 0.1
 #: How far back a region's failures count.
 FAILURE_WINDOW_S: Final = 3600.0
 
@@ -46,10 +62,16 @@ def region_risk(
     ecc_seen_first: int | None,
     failures_at: Iterable[float],
     now: float,
+    gpus_offered: int = 0,
 ) -> Risk:
     """A region's risk now: its node as last reported (None: not reported), the
-    uncorrectable ECC count it had when first seen, and when it failed."""
+    uncorrectable ECC count it had when first seen, when it failed, and the GPUs its
+    capacity offers (``gpus_offered``)."""
     signs: list[tuple[float, str]] = []
+    if hardware is not None and hardware.gpus is not None and hardware.gpus < gpus_offered:
+        # A GPU lost, or a driver that no longer answers (its figures then missing too).
+        missing = gpus_offered - hardware.gpus
+        signs.append((0.5, f"{missing} of its {gpus_offered} GPU(s) not read"))
     if hardware is not None:
         ecc, baseline = hardware.ecc_uncorrected, ecc_seen_first
         if ecc is not None and baseline is not None and ecc > baseline:

@@ -263,8 +263,9 @@ class HardwareSummary(BaseModel):
 
     ``gpus`` read through NVML (None: no NVML on the node), their mean utilization, the
     hottest one's temperature, their uncorrectable ECC errors over their lives (summed),
-    how many the hardware or heat slows down now; the node's available memory and the
-    free space of the agent's state disk. A figure no device reported is None.
+    how many the hardware or heat slows down now, the critical XID errors they raised
+    since the agent started; the node's available memory and the free space of the
+    agent's state disk. A figure no device reported is None.
     """
 
     model_config = ConfigDict(strict=True, extra="forbid", frozen=True, allow_inf_nan=False)
@@ -275,6 +276,7 @@ class HardwareSummary(BaseModel):
     max_temperature_c: float | None = Field(default=None, ge=-273, le=1000)
     ecc_uncorrected: int | None = Field(default=None, ge=0, lt=2**63)
     slowed_gpus: int | None = Field(default=None, ge=0, le=1_000_000)
+    xid_errors: int | None = Field(default=None, ge=0, lt=2**63)
     memory_available_bytes: int | None = Field(default=None, ge=0, lt=2**63)
     state_disk_free_bytes: int | None = Field(default=None, ge=0, lt=2**63)
 
@@ -294,6 +296,8 @@ class HardwareSummary(BaseModel):
                 parts.append(f"{self.slowed_gpus} slowed down")
             if self.ecc_uncorrected:
                 parts.append(f"{self.ecc_uncorrected} uncorrectable ECC errors")
+            if self.xid_errors:
+                parts.append(f"{self.xid_errors} XID errors")
         if self.memory_available_bytes is not None:
             parts.append(f"{self.memory_available_bytes / 2**30:.1f} GiB memory free")
         if self.state_disk_free_bytes is not None:

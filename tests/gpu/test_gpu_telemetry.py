@@ -3,7 +3,7 @@
 On a machine with an NVIDIA driver the agent's telemetry opens NVML and reads every GPU
 torch sees: memory within the device's and a temperature for each, its utilization a
 ratio and its clock event reasons a set where the device reports them (a MIG instance
-does not); the hardware gauges carry one series per GPU.
+does not); the hardware gauges carry one series per GPU; no XID error counted.
 """
 
 from __future__ import annotations
@@ -40,3 +40,7 @@ def test_nvml_reads_every_gpu_torch_sees(tmp_path: Path) -> None:
     assert registry.get_sample_value("geofed_agent_gpu_memory_total_bytes", labels)
     host = {"region": "eu-west", "host": "gpu-node"}
     assert registry.get_sample_value("geofed_agent_gpus", host) == len(sampled)
+    # XID events are watched on the devices that support them: none raised on a healthy GPU.
+    for gpu in reader.read():
+        assert gpu.xid_errors in (None, {})
+    reader.close()

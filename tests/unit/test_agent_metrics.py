@@ -39,7 +39,9 @@ CPU_ROUND = TrainingStats(
 )
 
 NODE = NodeSample(64 * 2**30, 48 * 2**30, 100 * 2**30, 500 * 2**30)
-ONE_GPU = GpuSample(0, 0.9, 40 * 2**30, 80 * 2**30, 71.0, 450.0, 3, 0, frozenset({"sw_power_cap"}))
+ONE_GPU = GpuSample(
+    0, 0.9, 40 * 2**30, 80 * 2**30, 71.0, 450.0, 3, 0, frozenset({"sw_power_cap"}), {79: 1}
+)
 TWO_RANKS = (RankTiming(0, 0, 0.25, 0.1), RankTiming(1, 1, 0.5, 0.3))
 
 

@@ -4,8 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from coordinator.publication.snapshot_policy import risk_snapshot
-from coordinator.scheduling.hardware_risk import SNAPSHOT_RISK, Risk, job_risk, region_risk
+from coordinator.publication.snapshot_policy import rearmed, risk_snapshot
+from coordinator.scheduling.hardware_risk import (
+    REARM_RISK,
+    SNAPSHOT_RISK,
+    Risk,
+    job_risk,
+    region_risk,
+)
 from geofed.control import HardwareSummary
 
 NOW = 10_000.0
@@ -58,14 +64,27 @@ def test_a_jobs_risk_is_its_riskiest_regions() -> None:
     assert job_risk({}).score == 0.0
 
 
-def test_a_risk_at_the_threshold_snapshots_once_until_it_falls_back() -> None:
+def test_a_risk_snapshot_comes_again_only_at_a_further_rise_or_after_it_fell_back() -> None:
     high = Risk(0.82, "eu-west: 2 new uncorrectable ECC error(s) (0.85)", "eu-west")
-    decision = risk_snapshot(high, acted=False)
+    decision = risk_snapshot(high, acted_at=None)
     assert decision is not None
     assert decision.take
     assert decision.reason == (
         f"hardware risk 0.82 reached {SNAPSHOT_RISK}: "
         "eu-west: 2 new uncorrectable ECC error(s) (0.85)"
     )
-    assert risk_snapshot(high, acted=True) is None  # taken already: the interval rules
-    assert risk_snapshot(Risk(0.69, "below"), acted=False) is None
+    assert risk_snapshot(high, acted_at=0.82) is None  # taken already: the interval rules
+    assert risk_snapshot(Risk(0.88, "a bit worse"), acted_at=0.82) is None
+    assert risk_snapshot(Risk(0.95, "another region"), acted_at=0.82) is not None  # worse
+    assert risk_snapshot(Risk(0.69, "below"), acted_at=None) is None
+    # A dip that stays above REARM_RISK (a reading missing) does not re-arm it...
+    assert rearmed(Risk(0.6, "dip"), 0.82) == 0.82
+    # ...falling below it does: the next rise to 0.7 snapshots again.
+    assert rearmed(Risk(REARM_RISK - 0.01, "calm"), 0.82) is None
+
+
+def test_gpus_not_read_against_the_capacity_are_a_sign() -> None:
+    risk = region_risk(node(gpus=6), None, [], NOW, gpus_offered=8)
+    assert (risk.score, risk.reason) == (0.5, "2 of its 8 GPU(s) not read (0.50)")
+    assert region_risk(node(gpus=8), None, [], NOW, gpus_offered=8).score == 0.0
+    assert region_risk(node(gpus=0), None, [], NOW, gpus_offered=0).score == 0.0

@@ -8,9 +8,11 @@ such). The GPU paths run for real in tests/gpu.
 from __future__ import annotations
 
 import asyncio
+import queue
 import re
 import sys
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
@@ -322,3 +324,105 @@ async def test_a_recent_sample_before_any_is_none_when_the_driver_hangs(tmp_path
     finally:
         gpus.release.set()
         sampler.close()
+
+
+class NVMLError_Timeout(NVMLError):  # noqa: N801 - pynvml's name
+    pass
+
+
+class FakeEventNvml(FakeNvml):
+    """The fake ``pynvml`` with NVML's event API: GPU 1 cannot be registered; events
+    are handed out as the test queues them, else each wait times out."""
+
+    NVMLError_Timeout = NVMLError_Timeout
+    nvmlEventTypeXidCriticalError = 8  # noqa: N815 - pynvml's name
+
+    def __init__(self) -> None:
+        self.events: queue.Queue[Any] = queue.Queue()
+        self.freed = threading.Event()
+        self.fail_waits = False
+
+    def nvmlEventSetCreate(self) -> str:
+        return "event-set"
+
+    def nvmlDeviceRegisterEvents(self, handle: int, types: int, event_set: str) -> None:
+        assert (types, event_set) == (8, "event-set")
+        if handle == 1:
+            raise NVMLError("Not Supported")
+
+    def nvmlEventSetWait_v2(self, event_set: str, timeout_ms: int) -> Any:
+        if self.fail_waits:
+            raise NVMLError("Unknown Error")
+        try:
+            return self.events.get(timeout=0.02)
+        except queue.Empty:
+            raise NVMLError_Timeout("Timeout") from None
+
+    def nvmlEventSetFree(self, event_set: str) -> None:
+        self.freed.set()
+
+
+def wait_for(condition: Any) -> None:
+    for _ in range(250):
+        if condition():
+            return
+        time.sleep(0.02)
+    raise AssertionError("never happened")
+
+
+def test_xid_events_are_counted_per_gpu_and_code() -> None:
+    nvml = FakeEventNvml()
+    reader = NvmlReader(nvml)
+    try:
+        first, second = reader.read()
+        assert (first.xid_errors, second.xid_errors) == ({}, None)  # GPU 1 is not watched
+        for xid in (79, 48, 79):
+            nvml.events.put(SimpleNamespace(device=0, eventData=xid))
+        nvml.events.put(SimpleNamespace(device=7, eventData=13))  # not a GPU it watches
+        wait_for(lambda: reader.read()[0].xid_errors == {79: 2, 48: 1})
+        summary = summarize((NodeSample(None, None, None, None), reader.read()), "n1")
+        assert summary.xid_errors == 3
+        assert "3 XID errors" in summary.describe()
+    finally:
+        reader.close()
+    assert nvml.freed.wait(2)  # the watcher ends and lets go of the event set
+
+
+def test_a_failing_wait_stops_the_watcher_and_the_counts_stay() -> None:
+    nvml = FakeEventNvml()
+    reader = NvmlReader(nvml)
+    try:
+        reader.read()
+        nvml.events.put(SimpleNamespace(device=0, eventData=94))
+        wait_for(lambda: reader.read()[0].xid_errors == {94: 1})
+        nvml.fail_waits = True
+        assert nvml.freed.wait(2)
+        assert reader.read()[0].xid_errors == {94: 1}
+    finally:
+        reader.close()
+
+
+def test_bindings_without_events_watch_no_xid() -> None:
+    first, _ = NvmlReader(FakeNvml()).read()
+    assert first.xid_errors is None
+
+
+def test_the_xid_gauges_follow_the_gpus(tmp_path: Path) -> None:
+    registry = CollectorRegistry()
+    metrics = HardwareMetrics(registry, "eu-west")
+    node = NodeSample(None, None, None, None)
+    name = "geofed_agent_gpu_xid_errors"
+    metrics.sampled("n1", node, [GpuSample(0, xid_errors={79: 2}), GpuSample(1, xid_errors={})])
+    assert (
+        registry.get_sample_value(
+            name, {"region": "eu-west", "host": "n1", "gpu": "0", "xid": "79"}
+        )
+        == 2
+    )
+    metrics.sampled("n1", node, [GpuSample(1, xid_errors={})])  # GPU 0 gone
+    assert (
+        registry.get_sample_value(
+            name, {"region": "eu-west", "host": "n1", "gpu": "0", "xid": "79"}
+        )
+        is None
+    )

@@ -356,7 +356,9 @@ def test_a_stored_snapshot_replans_at_once_so_the_status_never_shows_it_without_
     gauge = _Gauge()
     services: Any = SimpleNamespace(
         config=SimpleNamespace(state_dir=tmp_path),
-        control=SimpleNamespace(regions={}, ecc_first_seen={}, on_region_change=lambda _: None),
+        control=SimpleNamespace(
+            regions={}, ecc_first_seen={}, last_hardware={}, on_region_change=lambda _: None
+        ),
         metrics=SimpleNamespace(snapshot_interval=gauge),
         clock=lambda: 100.0,
     )

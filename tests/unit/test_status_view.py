@@ -86,3 +86,11 @@ def test_plain_text_is_aligned_and_the_live_view_names_a_failed_refresh() -> Non
     assert "queued-one" in shown
     assert "last refresh failed: timed out" in shown
     assert "updated 2026-11-24T18:00:00+00:00" in shown
+
+
+def test_names_with_markup_are_shown_as_they_are() -> None:
+    regions = [{"region": "eu-west", "state": "online", "hardware": {"host": "evil[/]", "gpus": 1}}]
+    console = Console(file=io.StringIO(), width=160, record=True)
+    updated = datetime(2026, 11, 24, 18, 0, tzinfo=UTC)
+    console.print(rich_view(status_rows(regions, []), updated=updated, error=None))
+    assert "evil[/]: 1 GPU" in console.export_text()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from coordinator.jobs.usage import RunLedger
@@ -58,6 +59,7 @@ def test_replay_from_the_audit_log() -> None:
     ledger.replay(
         entries,
         teams={"a": "vision", "b": "nlp", "c": "nlp"},
+        regions={"a": ("eu", "us"), "b": ("eu", "us"), "c": ("eu", "us")},
         gpus={"a": {"eu": 1, "us": 3}, "b": {"eu": 2, "us": 2}, "c": {"eu": 1, "us": 1}},
         finished={"c": 180.0},  # completed: no audit entry, its record's last update
     )
@@ -66,4 +68,25 @@ def test_replay_from_the_audit_log() -> None:
         RunInterval("vision", 1, 130.0, 140.0),
         RunInterval("nlp", 4, 150.0, None),
         RunInterval("nlp", 2, 160.0, 180.0),
+    ]
+
+
+def test_replay_follows_a_region_that_joined() -> None:
+    joined = replace(_entry(2, 150.0, "job.regions", "allow", "d"), region="us")
+    entries = [
+        _entry(1, 100.0, "job.admit", "ok", "d", to="running", regions=["eu"]),
+        replace(joined, details={"action": "add"}),
+        _entry(3, 200.0, "job.cancel", "ok", "d"),
+    ]
+    ledger = RunLedger()
+    ledger.replay(
+        entries,
+        teams={"d": "nlp"},
+        regions={"d": ("eu",)},
+        gpus={"d": {"eu": 4, "us": 4}},  # us holds what the spec needs there once it joins
+        finished={},
+    )
+    assert ledger.intervals() == [
+        RunInterval("nlp", 4, 100.0, 150.0),
+        RunInterval("nlp", 8, 150.0, 200.0),
     ]
