@@ -7,23 +7,12 @@ from typing import Any
 
 from coordinator.jobs.usage import RunLedger
 from coordinator.scheduling import RunInterval
-from coordinator.state.audit import AuditEntry, format_time
+from coordinator.state.audit import AuditEntry
+from tests.support.audit_entries import audit_entry
 
 
 def _entry(seq: int, at: float, action: str, verdict: str, job: str, **details: Any) -> AuditEntry:
-    return AuditEntry(
-        seq=seq,
-        time=format_time(at),
-        actor="spiffe://acme/coordinator/main",
-        action=action,
-        verdict=verdict,
-        job=job,
-        round=None,
-        region=None,
-        details=details,
-        prev_hash="",
-        hash="",
-    )
+    return audit_entry(at, action, job, verdict=verdict, seq=seq, **details)
 
 
 def test_live_spans_open_close_and_ignore_jobs_without_gpus() -> None:
