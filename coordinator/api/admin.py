@@ -172,7 +172,9 @@ async def job_status(request: web.Request) -> web.Response:
         await refresh_costs(costs.refresh, timeout_s)
         cost = costs.latest.get(engine.job)
         if cost is not None:
-            body["cost"] = cost_json(cost, costs.currency, engine.ctx.spec.rounds)
+            # A job that ended has no projection: what it cost is what it costs.
+            rounds = None if engine.state.final else engine.ctx.spec.rounds
+            body["cost"] = cost_json(cost, costs.currency, rounds)
     return web.json_response(body)
 
 

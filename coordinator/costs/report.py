@@ -81,11 +81,11 @@ def _job_json(cost: JobCost) -> dict[str, Any]:
     }
 
 
-def cost_json(cost: JobCost, currency: str, rounds: int) -> dict[str, Any]:
+def cost_json(cost: JobCost, currency: str, rounds: int | None) -> dict[str, Any]:
     """A job's cost since it started as its status shows it, with its projection to all
-    its ``rounds`` at the cost per round so far (None while part of it is unpriced or no
-    round is published)."""
-    per_round = cost.per_round
+    its ``rounds`` at the cost per round so far (None while part of it is unpriced, no
+    round is published, or ``rounds`` is None: a job that ended)."""
+    per_round = None if rounds is None else cost.per_round
     return {
         "currency": currency,
         "total": cost.total,
@@ -93,7 +93,7 @@ def cost_json(cost: JobCost, currency: str, rounds: int) -> dict[str, Any]:
         "wan": cost.upload_cost + cost.download_cost,
         "storage": cost.storage_cost,
         "per_million_tokens": cost.per_million_tokens,
-        "projected_total": None if per_round is None else per_round * rounds,
+        "projected_total": None if per_round is None or rounds is None else per_round * rounds,
         "unpriced": list(cost.unpriced),
     }
 

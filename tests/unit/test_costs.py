@@ -387,5 +387,6 @@ def test_a_jobs_status_projects_its_cost_to_all_its_rounds() -> None:
     assert shown["total"] == pytest.approx(52.33)
     assert shown["wan"] == pytest.approx(0.24)
     assert shown["projected_total"] == pytest.approx(523.3)  # one round of ten so far
+    assert cost_json(cost, "EUR", rounds=None)["projected_total"] is None  # a job that ended
     unpriced = job_cost(usage, LLM, PriceTable(), Period(0, 20_000))  # no prices at all
     assert cost_json(unpriced, "EUR", rounds=10)["projected_total"] is None

@@ -310,7 +310,7 @@ async def test_a_recent_sample_is_kept_and_a_hung_driver_gives_the_last_one(
         now[0] = 20.0
         gpus.release.clear()  # the driver hangs now
         assert await sampler.recent(10.0, 0.1) is first  # the last, within the time given
-        assert gpus.calls == 2
+        wait_for(lambda: gpus.calls == 2)  # the new reading started (and hangs)
     finally:
         gpus.release.set()
         sampler.close()
