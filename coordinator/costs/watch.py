@@ -49,8 +49,8 @@ BURN_WINDOW_S: Final = 6 * 3600.0
 DEFAULT_WINDOW_S: Final = 30 * 86400.0
 #: Audit pages (of :data:`~coordinator.state.audit.MAX_PAGE` entries) one step folds at most.
 PAGES_PER_CATCH_UP: Final = 20
-#: Figures younger than this are reused: the status page, job statuses and scrapes
-#: asking together cost one refresh.
+#: Figures younger than this are reused while the audit log has not grown: the status
+#: page, job statuses and scrapes asking together cost one refresh.
 FRESH_S: Final = 2.0
 
 T = TypeVar("T")
@@ -93,8 +93,11 @@ class CostWatch:
         if prices is None:
             return None
         async with self._lock:
-            # Callers that queued behind a refresh take its figures: no work piles up.
-            if self._figures is not None and time.monotonic() - self._at < FRESH_S:
+            # Callers that queued behind a refresh take its figures, unless the log grew
+            # since: no work piles up, and nothing recorded is missed.
+            head, _ = await self._s.db.audit_head()
+            fresh = time.monotonic() - self._at < FRESH_S and head == self._ledger.seq
+            if self._figures is not None and fresh:
                 return self._figures
             records, entries = await self._read(PAGES_PER_CATCH_UP)
             figures = await self._in_thread(
