@@ -22,6 +22,7 @@ from coordinator.api.auth import READERS, caller, require_role, unknown_job
 from coordinator.api.bodies import read_limited
 from coordinator.api.keys import COSTS, JOBS, REGISTRY, RUNTIME, SERVICES
 from coordinator.costs.report import cost_json
+from coordinator.costs.watch import CostWatch
 from coordinator.errors import ApiError, BadRequest
 from coordinator.jobs.status import deltas_json
 from coordinator.rounds.engine import JobEngine
@@ -34,6 +35,7 @@ from geofed.types import Identity, InvalidName, Role, validate_name
 
 __all__ = [
     "audit_page",
+    "current_costs",
     "int_query",
     "parse_region_change",
     "refresh_costs",
@@ -79,10 +81,17 @@ async def metrics(request: web.Request) -> web.Response:
     # Job- and region-labelled series of every job: readers only, never a region.
     require_role(request, *READERS)
     request.app[JOBS].refresh_metrics()  # queue waits and GPU-seconds, as of now
-    timeout_s = request.app[SERVICES].config.timeouts.request_s / 2
-    await refresh_costs(request.app[COSTS].refresh, timeout_s)
+    await current_costs(request.app)
     body = generate_latest(request.app[REGISTRY])
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+async def current_costs(app: web.Application) -> CostWatch:
+    """The app's cost figures, refreshed as of now within half the request timeout
+    (:func:`refresh_costs`): for the scrape, the job statuses and the status page alike."""
+    costs = app[COSTS]
+    await refresh_costs(costs.refresh, app[SERVICES].config.timeouts.request_s / 2)
+    return costs
 
 
 async def refresh_costs(refresh: Callable[[], Awaitable[object]], timeout_s: float) -> None:
@@ -167,9 +176,7 @@ async def job_status(request: web.Request) -> web.Response:
         body["spec"] = engine.ctx.spec.to_json()
         totals = await request.app[SERVICES].db.receipt_totals(engine.job)
         body["deltas"] = deltas_json(totals)
-        costs = request.app[COSTS]
-        timeout_s = request.app[SERVICES].config.timeouts.request_s / 2
-        await refresh_costs(costs.refresh, timeout_s)
+        costs = await current_costs(request.app)
         cost = costs.latest.get(engine.job)
         if cost is not None:
             # A job that ended has no projection: what it cost is what it costs.

@@ -21,7 +21,7 @@ from aiohttp import web
 
 from coordinator.api import admin as api_admin
 from coordinator.api.auth import READERS, require_role
-from coordinator.api.keys import COSTS, JOBS, RUNTIME, SERVICES
+from coordinator.api.keys import JOBS, RUNTIME, SERVICES
 from coordinator.api.ui.history import AuditDigest
 from coordinator.api.ui.page import CONTENT_SECURITY_POLICY, PageFacts, render_main, render_page
 from coordinator.state.async_store import AsyncStore
@@ -95,8 +95,7 @@ async def status_page(request: web.Request) -> web.Response:
         for engine in engines
         if engine.ctx.spec.overlap == "streaming"
     }
-    costs = request.app[COSTS]
-    await api_admin.refresh_costs(costs.refresh, services.config.timeouts.request_s / 2)
+    costs = await api_admin.current_costs(request.app)
     follower = request.app[FOLLOWER]
     async with follower.lock:
         head = await follower.catch_up(services.db)
