@@ -55,6 +55,7 @@ demo: $(STAMP)
 # The convergence H/warm-start sweep: $(PY) -m benchmarks.convergence --sweep
 # Aggregation rules under one hostile region: $(PY) -m benchmarks.convergence --robust
 # The outer optimizer's lr/momentum/warm-up sweep: $(PY) -m benchmarks.convergence --outer-sweep
+# The tuned, seeded baseline with confidence intervals (~90 min): $(PY) -m benchmarks.baseline
 bench: $(STAMP) system-deps
 	$(PY) -m benchmarks.codec_bench
 	$(PY) -m benchmarks.round_overhead

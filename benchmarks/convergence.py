@@ -357,7 +357,9 @@ def parse_args(argv: Sequence[str] | None) -> Settings:
         warm_start_steps=warm,
         out=out,
         note=args.note,
-        task_options={"val_batches": 2} if smoke else {},
+        # Smoke: batches of 4 sequences of 32 bytes (the task's defaults: 16 of 64), so
+        # that a step and an evaluation take milliseconds; the code paths are a full run's.
+        task_options={"val_batches": 2, "batch_size": 4, "seq_len": 32} if smoke else {},
     )
 
 

@@ -55,6 +55,7 @@ from geofed.manifest import MAX_SIGNED_MANIFEST_BYTES
 from geofed.reload import LogLevel
 from geofed.task import DEFAULT_TASK_MODULES, validate_module_pattern
 from geofed.timeouts import Timeouts
+from geofed.tracing import TracingConfig
 from geofed.types import validate_name
 from policies.destinations import validate_jurisdiction
 from policies.errors import PolicyLoadError, Problem
@@ -289,6 +290,20 @@ class LimitsConfig(ConfigSection):
     )
 
 
+class HardwareRiskConfig(ConfigSection):
+    """The ``hardware_risk`` section: when a risky region is drained
+    (:mod:`coordinator.scheduling.hardware_risk`)."""
+
+    drain_at: float | None = Field(
+        default=0.9,
+        ge=0.7,  # the score that snapshots at once: a drain never comes before it
+        le=1.0,
+        description="the hardware risk score at which a region is drained (it finishes its "
+        "round and its agent stops, until an operator starts it again); at least 0.7, the "
+        "score that snapshots at once; null: never drain",
+    )
+
+
 class PublicationRetryConfig(ConfigSection):
     """How a round whose publication failed (checkpoint storage trouble) is tried again.
 
@@ -406,6 +421,16 @@ class CoordinatorConfig(ConfigSection):
         "location (coordinator.costs.prices), for usage reports (GET /v1/usage, geofed "
         "usage); default: none, so reports count use without pricing it",
     )
+    hardware_risk: HardwareRiskConfig = Field(
+        default_factory=HardwareRiskConfig,
+        description="what a region's hardware risk makes the coordinator do besides "
+        "snapshots (coordinator.scheduling.hardware_risk)",
+    )
+    tracing: TracingConfig = Field(
+        default_factory=TracingConfig,
+        description="where the coordinator's round spans go over OTLP/HTTP (geofed.tracing); "
+        "default: nowhere",
+    )
     log_level: LogLevel | None = Field(
         default=None,
         description="DEBUG, INFO, WARNING or ERROR; default: the command line's --log-level; "
@@ -508,6 +533,7 @@ class CoordinatorConfig(ConfigSection):
             "scheduling": fix(self.scheduling) if self.scheduling is not None else None,
             "import_dirs": tuple(fix(path) for path in self.import_dirs),
             "storage": tuple(s.model_copy(update={"path": fix(s.path)}) for s in self.storage),
+            "tracing": self.tracing.resolved(fix),
         }
         return self.model_copy(update=update)
 

@@ -44,7 +44,7 @@ __all__ = ["ControlPlane", "RegionView"]
 
 log = logging.getLogger(__name__)
 
-CommandAction = Literal["pause", "resume", "cancel", "resync", "drain"]
+CommandAction = Literal["pause", "resume", "cancel", "resync", "drain", "checkpoint"]
 
 
 class ControlPlane:
@@ -129,19 +129,30 @@ class ControlPlane:
         message = Event(kind=kind, job=job, round=round, region=region, detail=detail[:4096])
         await self._publish(self.topics.events(), encode(message), retain=False, wait=False)
 
-    async def command(self, region: str, action: CommandAction, job: str, reason: str) -> None:
-        message = Command(action=action, job=job, reason=reason[:4096])
-        await self._publish(self.topics.region_commands(region), encode(message), retain=False)
+    async def command(
+        self,
+        region: str,
+        action: CommandAction,
+        job: str,
+        reason: str,
+        round: int | None = None,
+    ) -> bool:
+        """Send ``region`` a command; whether the broker took it (False: not now)."""
+        message = Command(action=action, job=job, reason=reason[:4096], round=round)
+        return await self._publish(
+            self.topics.region_commands(region), encode(message), retain=False
+        )
 
     async def _publish(
         self, topic: str, payload: bytes, *, retain: bool, wait: bool = True
-    ) -> None:
-        """Publish; with ``wait`` False, give up at once while the broker is unreachable."""
+    ) -> bool:
+        """Publish; with ``wait`` False, give up at once while the broker is unreachable.
+        Whether the broker took the message."""
         if not wait and not self.connected:
             # Waiting would hold the round engine up for the request timeout per message;
             # the latest announcement is re-sent on reconnect, events are informational.
             log.warning("control message to %s not delivered now: no broker connection", topic)
-            return
+            return False
         try:
             # Not waiting: a connection lost mid-publish gives up too (re-sent on reconnect).
             await self.client.publish(
@@ -149,6 +160,8 @@ class ControlPlane:
             )
         except ControlError as exc:
             log.warning("control message to %s not delivered now: %s", topic, exc)
+            return False
+        return True
 
     async def _on_connect(self) -> None:
         for topic, payload in list(self._retained.items()):

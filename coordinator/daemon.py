@@ -142,6 +142,8 @@ async def _run(
     finally:
         loop.remove_signal_handler(signal.SIGHUP)
         await reloader.close()
+        if runtime.traces.enabled:  # the spans finished so far go out, if they can in time
+            await asyncio.to_thread(runtime.traces.shutdown, runtime.config.tracing.timeout_s)
 
 
 async def _lead_and_serve(

@@ -191,6 +191,19 @@ JOB_COST = MetricSpec(
     "price table's currency (coordinator.costs).",
     ("job", "team", "kind"),
 )
+JOB_BUDGET = MetricSpec(
+    "geofed_job_budget",
+    "gauge",
+    "The budget a running job's spec states (budget:), in the price table's currency.",
+    ("job", "team"),
+)
+JOB_PROJECTED_COST = MetricSpec(
+    "geofed_job_projected_cost",
+    "gauge",
+    "What all of a running job's rounds would cost at its cost per round so far (absent "
+    "before a round is published or while part of its use is unpriced).",
+    ("job", "team"),
+)
 TEAM_COST = MetricSpec(
     "geofed_team_cost",
     "gauge",
@@ -256,6 +269,8 @@ CATALOGUE: Final[tuple[MetricSpec, ...]] = (
     TEAM_GPU_SECONDS,
     TEAM_QUOTA_WAITING,
     JOB_COST,
+    JOB_BUDGET,
+    JOB_PROJECTED_COST,
     TEAM_COST,
     TEAM_BUDGET,
     TEAM_BUDGET_BURN_RATE,
@@ -306,6 +321,8 @@ class CoordinatorMetrics:
         self.team_gpu_seconds = gauge(TEAM_GPU_SECONDS, registry)
         self.team_quota_waiting = gauge(TEAM_QUOTA_WAITING, registry)
         self.job_cost = gauge(JOB_COST, registry)
+        self.job_budget = gauge(JOB_BUDGET, registry)
+        self.job_projected_cost = gauge(JOB_PROJECTED_COST, registry)
         self.team_cost = gauge(TEAM_COST, registry)
         self.team_budget = gauge(TEAM_BUDGET, registry)
         self.team_budget_burn_rate = gauge(TEAM_BUDGET_BURN_RATE, registry)

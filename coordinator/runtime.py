@@ -23,6 +23,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 
 from coordinator.config import ConfigError, CoordinatorConfig
 from coordinator.faults import FaultError, FaultPoints
+from coordinator.rounds.round_traces import RoundTraces
 from coordinator.storage.artifacts import Location, Signer
 from coordinator.storage.job_blobs import JobBlobStores
 from geofed.pki import (
@@ -37,6 +38,7 @@ from geofed.pki import (
 )
 from geofed.pki.authority import IssuedCredential
 from geofed.pki.bundle_source import ReloadingBundle
+from geofed.tracing import RoundTracer
 from geofed.types import Role
 from policies import PolicyLoadError, PolicySet, load_policies
 
@@ -67,6 +69,8 @@ class Runtime:
     tls_certificate: x509.Certificate | None
     trust: ReloadingBundle
     faults: FaultPoints = field(default_factory=FaultPoints)
+    #: Each job's open round span, when the config names a trace collector.
+    traces: RoundTraces = field(default_factory=lambda: RoundTraces(None))
 
     @property
     def policies(self) -> PolicySet:
@@ -116,6 +120,9 @@ def load_runtime(config: CoordinatorConfig) -> Runtime:
         job_blobs = JobBlobStores(config.state_dir)
     except OSError as exc:
         raise ConfigError([f"state_dir: cannot use {config.state_dir}: {exc}"]) from None
+    ca = config.tracing.certificate_file
+    if ca is not None and not ca.is_file():
+        raise ConfigError([f"tracing.certificate_file: {ca} is not a readable file"])
     try:
         faults = FaultPoints.from_environ(os.environ)
     except FaultError as exc:
@@ -135,6 +142,11 @@ def load_runtime(config: CoordinatorConfig) -> Runtime:
         tls_certificate,
         ReloadingBundle(config.trust_bundle, bundle),
         faults,
+        RoundTraces(
+            RoundTracer.configured(
+                config.tracing, "geofed-coordinator", {"geofed.coordinator": config.name}
+            )
+        ),
     )
 
 

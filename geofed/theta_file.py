@@ -20,10 +20,10 @@ A state dict saved by ``torch.save`` (θ of the format before) is still mapped b
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
-import shutil
 import struct
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -309,15 +309,18 @@ def patch_theta(
     where it falls, in float32, element by element); return the result's hash.
 
     Each element is patched at most once per call (an update's stream names each element
-    once), so a piece's base values are read from ``source``. ``pieces`` may raise part
-    way: ``target`` is then left as it was.
+    once), so a piece's base values are read from ``source``. Pieces in file order (an
+    update's, in θ's order) are written once: the bytes before each are copied from
+    ``source`` just ahead of it, so no page is written twice (a copy followed by the
+    patches would write a large θ twice once writeback starts mid-copy); one out of order
+    is written over the copy. ``pieces`` may raise part way: ``target`` is then left as
+    it was.
     """
     layout = read_layout(source)
     by_name = {entry.name: entry for entry in layout.entries}
     atomic = AtomicFile(target, private=private)
     with open(source, "rb", buffering=0) as src, atomic as dst:
-        shutil.copyfileobj(src, dst, CHUNK_BYTES)
-        dst.flush()
+        copied = 0  # source bytes [0, copied) are in the target already
         buffer = torch.empty(0, dtype=torch.float32)  # one, grown as pieces need
         for name, offset, values in pieces:
             where = _piece_bytes(by_name, name, offset, values)
@@ -328,9 +331,37 @@ def patch_theta(
             if os.preadv(src.fileno(), [raw.data], where) != raw.nbytes:
                 raise ThetaFileError(f"{source}: ends inside tensor {name!r}")
             base.add_(values.reshape(-1).to(torch.float32))
+            if where >= copied:
+                _copy_range(src.fileno(), dst.fileno(), copied, where)
+                copied = where + raw.nbytes
             os.pwrite(dst.fileno(), raw.data, where)
-        dst.flush()
+        _copy_range(src.fileno(), dst.fileno(), copied, layout.size)
         return _hash_open(_written(atomic), layout)
+
+
+#: What ``copy_file_range`` fails with where the kernel or the filesystems cannot do it.
+_NO_KERNEL_COPY = frozenset(
+    {errno.EXDEV, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL, errno.EPERM}
+)
+
+
+def _copy_range(src: int, dst: int, start: int, end: int) -> None:
+    """Copy bytes [start, end) of ``src`` to the same place in ``dst``: in the kernel
+    where it can, else through a buffer (a filesystem without the call, two of them)."""
+    while start < end:
+        count = min(end - start, CHUNK_BYTES)
+        try:
+            done = os.copy_file_range(src, dst, count, start, start)
+        except OSError as exc:
+            if exc.errno not in _NO_KERNEL_COPY:
+                raise
+            done = 0
+        if done <= 0:  # refused, or none copied where bytes remain: copy them ourselves
+            chunk = os.pread(src, count, start)
+            if not chunk:
+                raise ThetaFileError(f"the source θ ends at byte {start}, before {end}")
+            done = os.pwrite(dst, chunk, start)
+        start += done
 
 
 def fill_theta(

@@ -410,6 +410,9 @@ def _print_job(body: dict[str, Any], out: TextIO) -> None:
     cost = body.get("cost")
     if cost:
         print(f"  {cost_line(cost)}", file=out)
+    budget = (body.get("cost_estimate") or {}).get("budget")
+    if budget:
+        print(f"  {budget_line(budget, body['cost_estimate'].get('currency') or '')}", file=out)
     if body.get("error"):
         print(f"  error: {body['error']}", file=out)
 
@@ -427,6 +430,29 @@ def cost_line(cost: dict[str, Any]) -> str:
     if cost.get("unpriced"):
         line += f"; not priced: {', '.join(cost['unpriced'])}"
     return line
+
+
+def budget_line(budget: dict[str, Any], currency: str) -> str:
+    """``budget 500.00 USD: expected 120.00, within (<basis>)``."""
+    expected = budget.get("expected")
+    if expected is None:
+        return f"budget {budget['amount']:,.2f} {currency}: no estimate ({budget['basis']})"
+    verdict = "within" if budget.get("within") else "OVER"
+    return (
+        f"budget {budget['amount']:,.2f} {currency}: expected {expected:,.2f}, {verdict} "
+        f"({budget['basis']})"
+    )
+
+
+def estimate_text(estimate: dict[str, Any] | None) -> str:
+    """A queue row's ``ESTIMATE`` cell: ``120.00/500 USD``, ``120.00 USD``, or ``-``."""
+    if not estimate or estimate.get("amount") is None:
+        return "-"
+    currency = estimate.get("currency") or ""
+    budget = estimate.get("budget")
+    if budget:
+        return f"{estimate['amount']:,.2f}/{budget['amount']:g} {currency}"
+    return f"{estimate['amount']:,.2f} {currency}"
 
 
 def _slots(assignment: dict[str, int]) -> str:

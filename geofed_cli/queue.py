@@ -13,11 +13,11 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from geofed.api_paths import ApiPaths
-from geofed_cli.jobs import _connection_arguments, show
+from geofed_cli.jobs import _connection_arguments, estimate_text, show
 
 __all__ = ["QUEUE_HEADER", "queue_rows", "queue_text", "register", "wait_text"]
 
-QUEUE_HEADER = ("POSITION", "JOB", "STATE", "PRIORITY", "TEAM", "WAIT", "REASON")
+QUEUE_HEADER = ("POSITION", "JOB", "STATE", "PRIORITY", "TEAM", "WAIT", "ESTIMATE", "REASON")
 
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -53,6 +53,7 @@ def queue_rows(jobs: Sequence[Mapping[str, Any]]) -> tuple[tuple[str, ...], ...]
                 str(job.get("priority") or "-"),
                 str(job.get("team") or "-"),
                 wait_text(job.get("wait_s")),
+                estimate_text(job.get("cost_estimate")),
                 str(job.get("reason") or "-"),
             )
         )

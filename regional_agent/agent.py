@@ -17,6 +17,10 @@ An earlier round announced after a later one (a coordinator restored from an old
 backup) is run again; the pipeline confirms the rollback with the coordinator before it
 discards the job's regional state.
 
+A ``checkpoint`` command (the region's hardware risk made the coordinator snapshot)
+leaves an ask for a regional checkpoint in the hand-off directory, which the workers
+honour at the end of the first round they finish from the command's round on.
+
 Commands: ``pause``/``resume`` hold and release a job, ``cancel`` drops it, ``resync``
 discards the held θ (the next sync is a full resync), ``drain`` finishes the round in
 progress and then stops the agent cleanly. :meth:`Agent.request_drain` (SIGTERM, a spot
@@ -67,19 +71,23 @@ from geofed.control.messages import RegionState
 from geofed.data.location import DatasetLocation
 from geofed.pki import client_ssl_context, mqtt_username
 from geofed.timeouts import wait_event
+from geofed.tracing import REGION_KEY, RoundTracer
 from policies import PolicySet
 from regional_agent.config import AgentConfig, dataset_locations, training_datasets
 from regional_agent.credentials import Credentials
 from regional_agent.drain import DrainDecision, decide
+from regional_agent.hardware_history import HARDWARE_HISTORY_FILE, HardwareHistory
 from regional_agent.launch.backends import make_launcher
+from regional_agent.launch.exclusion import NodeExclusions, apply_exclusions
 from regional_agent.launch.launcher import Launcher
 from regional_agent.launch.worker_group import WorkerGroup, WorkerGroupConfig, WorkerGroupFailed
 from regional_agent.metrics import AgentMetrics
 from regional_agent.node_telemetry import NodeTelemetry, TelemetrySampler, summarize
 from regional_agent.rounds.measurements import RoundMeasurements
 from regional_agent.rounds.pipeline import PipelineRegion, RetryLater, RoundEnd, RoundPipeline
+from regional_agent.rounds.round_spans import RegionTraces
 from regional_agent.rounds.schedule import Running, Schedule, Stop
-from regional_agent.rounds.timeline import Timeline
+from regional_agent.rounds.timeline import RoundTimeline, Timeline
 from regional_agent.state import AgentState
 from regional_agent.status import StatusReporter, offline_status, probe_capacity
 from regional_agent.transfer.coordinator_client import CoordinatorClient, build_session
@@ -175,6 +183,7 @@ class Agent:
             ),
             rng=self._rng,
         )
+        self._exclusions = NodeExclusions(workers.stragglers, workers.nnodes)
         self._status = StatusReporter(
             self._control,
             self._topics,
@@ -186,13 +195,12 @@ class Agent:
             hardware=self._hardware,
         )
         self._state = AgentState(config.state_dir)
-        self._telemetry = TelemetrySampler(NodeTelemetry(config.state_dir))
-        self._timeline = Timeline(
-            config.state_dir,
-            on_round=lambda done: self._metrics.round_phases(
-                done.job, {name: done.seconds(name) for name in done.phases}
-            ),
+        history = HardwareHistory(config.state_dir / HARDWARE_HISTORY_FILE)
+        self._telemetry = TelemetrySampler(NodeTelemetry(config.state_dir, history=history.observe))
+        self._traces = RegionTraces(
+            RoundTracer.configured(config.tracing, "geofed-agent", {REGION_KEY: config.region})
         )
+        self._timeline = Timeline(config.state_dir, on_round=self._round_timed)
         self._dedup = Deduplicator()
         self._schedule = Schedule(config.region)
         self._running: _RoundTask | None = None
@@ -398,6 +406,9 @@ class Agent:
         await asyncio.wait([status_task])
         await self._control.close(self._status.offline("stopped"))
         await asyncio.wait([background[0]], timeout=self._config.timeouts.request_s)
+        # Last: a collector that is down costs the stop its timeout at most, after the
+        # offline status went out.
+        await asyncio.to_thread(self._traces.shutdown, self._config.tracing.timeout_s)
         for task in background:
             task.cancel()
         await asyncio.wait(background)
@@ -463,6 +474,20 @@ class Agent:
         )
         if state == "error":
             log.error("job %s round %d: %s", job, round_, end.detail)
+        await self._leave_out_stragglers(job, round_)
+
+    async def _leave_out_stragglers(self, job: str, round_: int) -> None:
+        """At this round boundary, relaunch the group without its straggling nodes, or
+        with a node left out before back (``workers.stragglers``)."""
+        if self._schedule.draining:
+            return  # the group stops anyway: no relaunch holds the drain up
+        verdict = self._measurements.verdict(job, round_)
+        try:
+            change = await apply_exclusions(self._workers, self._exclusions, verdict)
+        except Exception as exc:  # the group is stopped: the agent cannot go on
+            raise AgentFailed(f"relaunching the worker group failed: {exc}") from exc
+        if change is not None:
+            self._metrics.nodes_excluded(len(change.excluded))
 
     async def _pause(self, delay: float) -> None:
         """Wait ``delay`` seconds, or less if something new arrives."""
@@ -503,6 +528,17 @@ class Agent:
             else:
                 log.info("job %s ended: removed its regional checkpoint", job)
 
+    async def _ask_checkpoint(self, job: str, round_: int, reason: str) -> None:
+        log.warning("job %s: a regional checkpoint from round %d is asked: %s", job, round_, reason)
+        try:
+            await asyncio.to_thread(self._workers.handoff.ask_checkpoint, job, round_)
+        except OSError as exc:  # the cadence still saves; nothing else waits on the ask
+            log.warning("job %s: cannot leave the checkpoint ask: %s", job, exc)
+
+    def _round_timed(self, done: RoundTimeline) -> None:
+        self._traces.finished(done)
+        self._metrics.round_phases(done.job, {name: done.seconds(name) for name in done.phases})
+
     def _running_view(self) -> Running | None:
         running = self._running
         if running is None:
@@ -527,6 +563,7 @@ class Agent:
         if not self._dedup.first_time(announcement.message_id):
             return
         self._stop_running(self._schedule.offer(announcement, self._running_view()))
+        self._traces.announced(announcement)
         if self._pipeline is not None:  # overlap: delayed; a round started ahead may end here
             await self._pipeline.announced(announcement)
         job = announcement.job
@@ -552,7 +589,12 @@ class Agent:
         self._stop_running(self._schedule.command(command, self._running_view()))
         self._metrics_follow_schedule()
         job, reason = command.job, command.reason
-        if command.action == "drain":
+        if command.action == "checkpoint" and job is not None and command.round is not None:
+            if self._schedule.ended(job):  # its files go with it; an ask would outlive them
+                log.info("job %s ended: no regional checkpoint to take", job)
+            else:
+                await self._ask_checkpoint(job, command.round, reason)
+        elif command.action == "drain":
             self._status.update("draining", detail=reason or "finishing the current round")
         elif command.action == "pause" and job is not None:
             self._status.update("paused", job=job, detail=reason or "paused by the coordinator")

@@ -69,13 +69,15 @@ from geofed.located_yaml import KeyPath, LineMap, format_key_path
 from geofed.loopback import is_loopback
 from geofed.reload import LogLevel
 from geofed.timeouts import Timeouts
+from geofed.tracing import TracingConfig
 from geofed.types import Identity, Role, validate_name
 from policies import PolicyLoadError, PolicySet, Problem, load_policies
 from policies.validation import validate_document
 from policies.yaml_loader import load_located
 from regional_agent.credentials import AgentIdentityConfig, CredentialsError, load_credentials
 from regional_agent.drain import DrainConfig
-from regional_agent.handoff.settings import LauncherConfigError
+from regional_agent.handoff.settings import MIN_COLLECTIVE_TIMEOUT_S, LauncherConfigError
+from regional_agent.launch.exclusion import StragglerExclusionConfig
 from regional_agent.launch.launcher import LocalLauncherConfig
 from regional_agent.launch.ranks import AUTO
 from regional_agent.launch.spec import check_env_patterns, parse_endpoint, passthrough_env
@@ -206,7 +208,14 @@ class WorkersConfig(ConfigSection):
         ),
     )
     start_timeout_s: float = Field(default=300.0, gt=0, allow_inf_nan=False)
-    collective_timeout_s: float = Field(default=600.0, gt=0, allow_inf_nan=False)
+    collective_timeout_s: float = Field(
+        default=600.0, ge=MIN_COLLECTIVE_TIMEOUT_S, allow_inf_nan=False
+    )
+    stragglers: StragglerExclusionConfig = Field(
+        default_factory=StragglerExclusionConfig,
+        description="whether a node whose ranks straggle is left out of the group "
+        "(regional_agent.launch.exclusion)",
+    )
     regional_checkpoint_every: StrictInt = Field(
         default=4,
         ge=1,
@@ -279,6 +288,15 @@ class WorkersConfig(ConfigSection):
 
     @model_validator(mode="after")
     def _launcher_accepts(self) -> WorkersConfig:
+        if self.stragglers.exclude and self.launcher != "slurm":
+            raise ValueError(
+                "stragglers.exclude needs the slurm launcher, which starts every node itself "
+                "(the local launcher's other nodes are started by their own hosts)"
+            )
+        if self.stragglers.min_nodes > self.nnodes:
+            raise ValueError(
+                f"stragglers.min_nodes ({self.stragglers.min_nodes}) exceeds nnodes ({self.nnodes})"
+            )
         if self.launcher == "slurm" and (self.rdzv_endpoint or self.rdzv_id):
             raise ValueError(
                 "rdzv_endpoint and rdzv_id are for the local launcher: under slurm the "
@@ -323,6 +341,11 @@ class AgentConfig(ConfigSection):
     metrics: MetricsConfig = Field(default_factory=MetricsConfig)
     transfer: TransferConfig = Field(default_factory=TransferConfig)
     drain: DrainConfig = Field(default_factory=DrainConfig)
+    tracing: TracingConfig = Field(
+        default_factory=TracingConfig,
+        description="where the region's round spans go over OTLP/HTTP (geofed.tracing); "
+        "default: nowhere",
+    )
     log_level: LogLevel | None = Field(
         default=None,
         description="DEBUG, INFO, WARNING or ERROR; default: the command line's --log-level; "
@@ -444,6 +467,7 @@ def _resolve(config: AgentConfig, base: Path) -> AgentConfig:
             "state_dir": state_dir,
             "identity": identity,
             "datasets": datasets,
+            "tracing": config.tracing.resolved(absolute),
         }
     )
 
@@ -461,6 +485,9 @@ def _check_files(config: AgentConfig, file: str, lines: LineMap) -> None:
             value = getattr(value, str(part))
         if not isinstance(value, Path) or not value.is_file():
             problems.append(problem(key, f"{value} is not a readable file"))
+    ca = config.tracing.certificate_file
+    if ca is not None and not ca.is_file():
+        problems.append(problem(("tracing", "certificate_file"), f"{ca} is not a readable file"))
     if problems:
         raise AgentConfigError(problems)
     try:

@@ -96,6 +96,12 @@ WORKER_RESTARTS = MetricSpec(
     "Worker-group restarts of any kind: in place by the launcher, or relaunches.",
     ("region",),
 )
+NODES_EXCLUDED = MetricSpec(
+    "geofed_agent_nodes_excluded",
+    "gauge",
+    "Nodes of the worker group left out for straggling (workers.stragglers.exclude).",
+    ("region",),
+)
 ROUNDS_TRAINED = MetricSpec(
     "geofed_agent_rounds_trained_total",
     "counter",
@@ -289,6 +295,7 @@ ACCELERATOR_ONLY: Final = frozenset(
 
 CATALOGUE: Final[tuple[MetricSpec, ...]] = (
     WORKER_RESTARTS,
+    NODES_EXCLUDED,
     ROUNDS_TRAINED,
     ROUND_OUTCOMES,
     ROUND,
@@ -407,6 +414,7 @@ class AgentMetrics:
             raise MetricsError(str(exc)) from None
         self.registry = registry
         self.worker_restarts = counter(WORKER_RESTARTS, registry)
+        self.nodes_excluded_gauge = gauge(NODES_EXCLUDED, registry)
         self.rounds_trained = counter(ROUNDS_TRAINED, registry)
         self.round_outcomes = counter(ROUND_OUTCOMES, registry)
         self.round = gauge(ROUND, registry)
@@ -446,6 +454,7 @@ class AgentMetrics:
         self.upload_bytes.labels(region=self.region)
         self.upload_retries.labels(region=self.region)
         self.mqtt_connected.labels(region=self.region).set(0)
+        self.nodes_excluded_gauge.labels(region=self.region).set(0)
         for kind in ArtifactKind:
             self.policy_denials.labels(region=self.region, kind=kind.value)
 
@@ -557,6 +566,10 @@ class AgentMetrics:
         """θ was rebuilt from the latest global checkpoint."""
         _check_job(job)
         self.resyncs.labels(job=job, region=self.region).inc()
+
+    def nodes_excluded(self, count: int) -> None:
+        """The worker group runs without ``count`` of its nodes (stragglers left out)."""
+        self.nodes_excluded_gauge.labels(region=self.region).set(count)
 
     def observe_worker_restarts(self, total: int) -> None:
         """The worker group's own running count of restarts; counts what is new.

@@ -19,7 +19,7 @@ import logging
 import shutil
 import socket
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -85,6 +85,12 @@ class GpuSample:
     throttle_reasons: frozenset[str] | None = None
     xid_errors: Mapping[int, int] | None = None
     """Critical XID events since the agent started, by code (None: not watched)."""
+    uuid: str | None = None
+    ecc_uncorrected_new: int | None = None
+    """Uncorrectable ECC errors since the agent first saw this GPU, across restarts
+    (:mod:`regional_agent.hardware_history`; None: no history kept, or no ECC)."""
+    xid_recent: int | None = None
+    """Critical XID events of the last day, across restarts (None: not watched)."""
 
 
 class GpuReader(Protocol):
@@ -139,6 +145,9 @@ class NvmlReader:
         self._nvml = nvml
         self._watch_xid = watch_xid
         self._xid: XidWatcher | None = None
+        # A GPU's UUID, once read: a failing GPU may stop answering, and its history
+        # (kept by UUID) must still be found.
+        self._uuids: dict[int, str] = {}
 
     def read(self) -> list[GpuSample]:
         count = self._field(self._nvml.nvmlDeviceGetCount)
@@ -179,8 +188,13 @@ class NvmlReader:
         temperature = self._field(
             lambda: nvml.nvmlDeviceGetTemperature(handle, nvml.NVML_TEMPERATURE_GPU)
         )
+        if index not in self._uuids:
+            uuid = self._field(lambda: nvml.nvmlDeviceGetUUID(handle))
+            if uuid is not None:
+                self._uuids[index] = str(uuid)
         return GpuSample(
             index=index,
+            uuid=self._uuids.get(index),
             utilization_ratio=None if utilization is None else float(utilization) / 100.0,
             memory_used_bytes=None if memory is None else int(memory.used),
             memory_total_bytes=None if memory is None else int(memory.total),
@@ -237,8 +251,12 @@ def summarize(sample: Sample, host: str) -> HardwareSummary:
         ecc = [g.ecc_uncorrected for g in gpus if g.ecc_uncorrected is not None]
         reasons = [g.throttle_reasons for g in gpus if g.throttle_reasons is not None]
         xids = [sum(g.xid_errors.values()) for g in gpus if g.xid_errors is not None]
+        ecc_new = [g.ecc_uncorrected_new for g in gpus if g.ecc_uncorrected_new is not None]
+        xid_recent = [g.xid_recent for g in gpus if g.xid_recent is not None]
         fields.update(
             xid_errors=sum(xids) if xids else None,
+            ecc_uncorrected_new=sum(ecc_new) if ecc_new else None,
+            xid_errors_recent=sum(xid_recent) if xid_recent else None,
             gpus=len(gpus),
             gpu_utilization=sum(utilization) / len(utilization) if utilization else None,
             max_temperature_c=max(temperatures, default=None),
@@ -254,7 +272,10 @@ def summarize(sample: Sample, host: str) -> HardwareSummary:
 
 
 class NodeTelemetry:
-    """Samples the node (:meth:`sample`, blocking); NVML is opened on the first sample."""
+    """Samples the node (:meth:`sample`, blocking); NVML is opened on the first sample.
+
+    ``history`` adds to each GPU's sample what happened to it before (the agent's
+    :class:`~regional_agent.hardware_history.HardwareHistory`)."""
 
     def __init__(
         self,
@@ -263,9 +284,11 @@ class NodeTelemetry:
         gpus: GpuReader | None = None,
         opener: Callable[[], tuple[GpuReader | None, str]] = open_nvml,
         node: str | None = None,
+        history: Callable[[Sequence[GpuSample]], list[GpuSample]] | None = None,
     ) -> None:
         self.state_dir = state_dir
         self.node = node or socket.gethostname()
+        self._history = history
         self._gpus = gpus
         self._opener = None if gpus is not None else opener
         self._failed: str | None = None
@@ -281,7 +304,7 @@ class NodeTelemetry:
         gpus = None
         if self._gpus is not None:
             try:
-                gpus = self._gpus.read()
+                gpus = self._with_history(self._gpus.read())
                 failed = None
             except Exception as exc:  # a driver gone wrong: no figures rather than no scrape
                 gpus, failed = [], str(exc)
@@ -292,6 +315,16 @@ class NodeTelemetry:
                 else:
                     log.warning("reading the GPUs failed: %s", failed)
         return read_node(self.state_dir), gpus
+
+    def _with_history(self, gpus: list[GpuSample]) -> list[GpuSample]:
+        """``gpus`` with their history's figures; without them where it fails (logged)."""
+        if self._history is None:
+            return gpus
+        try:
+            return self._history(gpus)
+        except Exception:  # the history is an addition: the figures go on without it
+            log.exception("the node's hardware history failed; its figures are left out")
+            return gpus
 
     def close(self) -> None:
         """Stop what the GPU reader runs on its own (its XID watcher), if anything."""

@@ -21,7 +21,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from coordinator.api.auth import READERS, caller, require_role, unknown_job
 from coordinator.api.bodies import read_limited
 from coordinator.api.keys import COSTS, JOBS, REGISTRY, RUNTIME, SERVICES
-from coordinator.costs.report import cost_json
+from coordinator.costs.report import cost_json, expected_cost
 from coordinator.costs.watch import CostWatch
 from coordinator.errors import ApiError, BadRequest
 from coordinator.jobs.status import deltas_json
@@ -178,10 +178,13 @@ async def job_status(request: web.Request) -> web.Response:
         body["deltas"] = deltas_json(totals)
         costs = await current_costs(request.app)
         cost = costs.latest.get(engine.job)
+        expected = None
         if cost is not None:
+            ended, rounds = engine.state.final, engine.ctx.spec.rounds
             # A job that ended has no projection: what it cost is what it costs.
-            rounds = None if engine.state.final else engine.ctx.spec.rounds
-            body["cost"] = cost_json(cost, costs.currency, rounds)
+            body["cost"] = cost_json(cost, costs.currency, None if ended else rounds)
+            expected = expected_cost(cost, rounds, ended=ended)
+        body["cost_estimate"] = request.app[JOBS].cost_estimate(engine, expected)
     return web.json_response(body)
 
 

@@ -24,7 +24,14 @@ from coordinator.rounds.records import JobState
 from coordinator.state.audit import AuditEntry
 from coordinator.state.store import JobRecord
 
-__all__ = ["UsageLedger", "UsageReport", "cost_facts", "cost_json"]
+__all__ = [
+    "UsageLedger",
+    "UsageReport",
+    "cost_facts",
+    "cost_json",
+    "expected_cost",
+    "projected_total",
+]
 
 
 @dataclass(frozen=True)
@@ -81,11 +88,26 @@ def _job_json(cost: JobCost) -> dict[str, Any]:
     }
 
 
+def projected_total(cost: JobCost, rounds: int | None) -> float | None:
+    """What all ``rounds`` of a job would cost at its cost per round so far (None while
+    part of it is unpriced, no round is published, or ``rounds`` is None: a job that
+    ended)."""
+    per_round = cost.per_round
+    return None if per_round is None or rounds is None else per_round * rounds
+
+
+def expected_cost(cost: JobCost, rounds: int, *, ended: bool) -> float | None:
+    """What a job is expected to cost in all: while it runs, its projection to all its
+    ``rounds``; once it ended, what it cost (None while part of it is unpriced)."""
+    if ended:
+        return None if cost.unpriced else cost.total
+    return projected_total(cost, rounds)
+
+
 def cost_json(cost: JobCost, currency: str, rounds: int | None) -> dict[str, Any]:
     """A job's cost since it started as its status shows it, with its projection to all
     its ``rounds`` at the cost per round so far (None while part of it is unpriced, no
     round is published, or ``rounds`` is None: a job that ended)."""
-    per_round = None if rounds is None else cost.per_round
     return {
         "currency": currency,
         "total": cost.total,
@@ -93,7 +115,7 @@ def cost_json(cost: JobCost, currency: str, rounds: int | None) -> dict[str, Any
         "wan": cost.upload_cost + cost.download_cost,
         "storage": cost.storage_cost,
         "per_million_tokens": cost.per_million_tokens,
-        "projected_total": None if per_round is None or rounds is None else per_round * rounds,
+        "projected_total": projected_total(cost, rounds),
         "unpriced": list(cost.unpriced),
     }
 

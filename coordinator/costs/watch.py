@@ -10,6 +10,9 @@ head first) and, at each scrape, sets when the coordinator has a price table
 
 - ``geofed_job_cost{job, team, kind}``: what a job cost since it started, by ``kind``
   (``gpu``, ``upload``, ``download``, ``storage``);
+- ``geofed_job_budget{job, team}``, while a job whose spec states a budget runs, with
+  ``geofed_job_projected_cost{job, team}``: what all its rounds would cost at its cost
+  per round so far (both gone once it ended: ``geofed usage`` tells what it cost);
 - ``geofed_team_cost{team}``: what a team's jobs cost over its budget's window (30 days
   without a budget), with ``geofed_team_budget{team}`` where the scheduling file states one;
 - ``geofed_team_budget_burn_rate{team}``: its spend over the last 6 hours against what its
@@ -21,13 +24,14 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Final, TypeVar
 
 from coordinator.costs.prices import PriceTable
-from coordinator.costs.report import UsageLedger, UsageReport
+from coordinator.costs.report import UsageLedger, UsageReport, projected_total
 from coordinator.costs.showback import JobCost, Period, burn_rate
 from coordinator.errors import NotFound
+from coordinator.rounds.records import JobState
 from coordinator.scheduling.config import TeamQuota
 from coordinator.services import Services
 from coordinator.state.audit import MAX_PAGE, AuditEntry
@@ -41,6 +45,7 @@ __all__ = [
     "CostFigures",
     "CostWatch",
     "TeamFigures",
+    "job_budgets",
 ]
 
 #: The recent spend a burn rate is measured over.
@@ -71,6 +76,8 @@ class CostFigures:
 
     jobs: Sequence[JobCost]
     teams: Mapping[str, TeamFigures]
+    #: Running job -> (team, its spec's budget, the projection of its cost or None).
+    budgets: Mapping[str, tuple[str, float, float | None]] = field(default_factory=dict)
 
 
 class CostWatch:
@@ -85,6 +92,8 @@ class CostWatch:
         self.latest: dict[str, JobCost] = {}
         self._figures: CostFigures | None = None
         self._at = 0.0
+        self._budgets: set[tuple[str, str]] = set()
+        self._projected: set[tuple[str, str]] = set()
 
     async def refresh(self) -> CostFigures | None:
         """Fold up to :data:`PAGES_PER_CATCH_UP` pages of new entries and set the gauges
@@ -159,6 +168,20 @@ class CostWatch:
                 ("storage", cost.storage_cost),
             ):
                 metrics.job_cost.labels(job=cost.job, team=cost.team, kind=kind).set(value)
+        budgets: set[tuple[str, str]] = set()
+        projected: set[tuple[str, str]] = set()
+        for job, (team, budget, projection) in figures.budgets.items():
+            metrics.job_budget.labels(job=job, team=team).set(budget)
+            budgets.add((job, team))
+            if projection is not None:
+                metrics.job_projected_cost.labels(job=job, team=team).set(projection)
+                projected.add((job, team))
+        # A job that ended is no longer watched against its budget: its alerts clear.
+        for job, team in self._budgets - budgets:
+            metrics.job_budget.remove(job, team)
+        for job, team in self._projected - projected:
+            metrics.job_projected_cost.remove(job, team)
+        self._budgets, self._projected = budgets, projected
         for team, shown in figures.teams.items():
             metrics.team_cost.labels(team=team).set(shown.cost)
             if shown.budget is not None:
@@ -198,4 +221,17 @@ def _refresh(
         recent = sum(c.total for c in priced[BURN_WINDOW_S] if c.team == team)
         rate = burn_rate(recent, BURN_WINDOW_S, budget.amount, budget.window_s)
         shown[team] = TeamFigures(cost, budget.amount, rate)
-    return CostFigures(jobs, shown)
+    return CostFigures(jobs, shown, job_budgets(ledger, records, jobs))
+
+
+def job_budgets(
+    ledger: UsageLedger, records: Sequence[JobRecord], jobs: Sequence[JobCost]
+) -> dict[str, tuple[str, float, float | None]]:
+    """Each running priced job with a budget: its team, budget and projection."""
+    running = {r.job_id for r in records if not JobState(r.state).final}
+    found: dict[str, tuple[str, float, float | None]] = {}
+    for job in jobs:
+        spec = ledger.specs[job.job]
+        if spec.budget is not None and job.job in running:
+            found[job.job] = (job.team, spec.budget, projected_total(job, spec.rounds))
+    return found

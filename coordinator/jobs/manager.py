@@ -28,6 +28,7 @@ import logging
 from collections.abc import Iterable, Mapping
 from typing import Any, Literal
 
+from coordinator.costs.estimate import outlook_json
 from coordinator.errors import ApiError, BadRequest, Conflict, Forbidden, NotFound, Unavailable
 from coordinator.jobs.capacity import (
     JobFacts,
@@ -61,7 +62,8 @@ from coordinator.jobs.submission_checks import (
     overridden,
 )
 from coordinator.jobs.usage import RunLedger
-from coordinator.rounds.engine import JobEngine, JobScheduling
+from coordinator.rounds.engine import JobEngine
+from coordinator.rounds.job_scheduling import JobScheduling
 from coordinator.rounds.records import JobState
 from coordinator.rounds.region_refusals import RegionRefusals
 from coordinator.scheduling import SchedulingConfig
@@ -328,6 +330,7 @@ class JobManager:
             "checkpoint_location": location,
             "decisions": len(admission.decisions),
             **engine.scheduling.status(),
+            "cost_estimate": self.cost_estimate(engine),
         }
 
     async def _resolve_init(self, spec: JobSpec, actor: Identity) -> JobSpec:
@@ -671,9 +674,17 @@ class JobManager:
                 engine.scheduling.team,
                 engine.ctx.spec.needs is not None,
                 self._submitted.get(job),
+                self.cost_estimate(engine),
             )
             for job, engine in self._engines.items()
         }
+
+    def cost_estimate(self, engine: JobEngine, projected: float | None = None) -> dict[str, Any]:
+        """What ``engine``'s job will cost against its budget (``projected``: the
+        projection of what it cost so far once there is one; what it cost, once ended)."""
+        spec, round_s = engine.ctx.spec, engine.snapshots.stats.round_s
+        prices, ended = self._s.config.prices, engine.state.final
+        return outlook_json(spec, prices, round_s, projected, ended=ended)
 
     def _show_queue(self, queue: Mapping[str, QueueEntry]) -> None:
         """Each job's place in the queue (None: not waiting), and the queue per class."""

@@ -30,13 +30,16 @@ class Listed:
     team: str
     scheduled: bool
     submitted_at: float | None
+    #: What it will cost against its budget (:func:`coordinator.costs.estimate.outlook_json`).
+    cost_estimate: dict[str, Any] | None = None
 
 
 def queue_rows(
     jobs: Iterable[Listed], queue: Mapping[str, QueueEntry], now: float
 ) -> list[dict[str, Any]]:
     """The jobs waiting (in queue order, then by name) and running, as ``GET /v1/queue``
-    shows them; a job of unknown submission time is shown as submitted ``now``."""
+    shows them, each with its cost estimate; a job of unknown submission time is shown as
+    submitted ``now``."""
     rows: list[dict[str, Any]] = []
     for each in jobs:
         if each.state is not JobState.QUEUED and each.state.final:
@@ -54,6 +57,7 @@ def queue_rows(
                 "submitted_at": datetime.fromtimestamp(since, UTC).isoformat(),
                 "wait_s": round(max(0.0, now - since), 3) if entry is not None else None,
                 "scheduled": each.scheduled,
+                "cost_estimate": each.cost_estimate,
             }
         )
     rows.sort(key=lambda row: (row["position"] is None, row["position"] or 0, row["job"]))

@@ -51,6 +51,7 @@ the line and the key. The spec is stored as submitted, in its validated JSON for
     needs: {cpu_slots: 2}              # in each region: gpus, gpu_kind, min_gpu_memory_gib,
                                        # cpu_slots; default: none (not capacity-scheduled)
     region_needs: {us-east: {gpus: 4, gpu_kind: NVIDIA H100 80GB HBM3}}   # per region
+    budget: 500                        # optional: what it may cost (price table currency)
 
 A job that states ``needs`` starts only when ``min_regions`` of its regions have that
 much free at once (:mod:`coordinator.jobs.capacity`); until then it is ``queued``. A job
@@ -367,6 +368,14 @@ class JobSpec(_Section):
     region_needs: dict[RegionName, NeedSpec] = Field(
         default_factory=dict, description="region -> its own need, instead of needs"
     )
+    budget: float | None = Field(
+        default=None,
+        gt=0,
+        allow_inf_nan=False,
+        description="what the job may cost, in the coordinator's price table's currency: "
+        "the queue, the submission's answer and the job's status show its estimate against "
+        "it (coordinator.costs.estimate); default: none",
+    )
 
     @field_validator("overlap", mode="before")
     @classmethod
@@ -522,6 +531,10 @@ class JobSpec(_Section):
 
     def to_json(self) -> dict[str, JsonValue]:
         data: dict[str, JsonValue] = self.model_dump(mode="json")
+        if data.get("budget", 0) is None:
+            # Left out unless stated: the spec of every job before it reads (and hashes,
+            # in its lineage) as it did.
+            del data["budget"]
         return data
 
 

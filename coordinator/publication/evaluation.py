@@ -172,7 +172,8 @@ class JobEvaluation:
         self._ctx = ctx
         #: The newest evaluated (version, validation loss), if any.
         self.val_loss: tuple[int, float] | None = None
-        #: The validation loss of every evaluated version.
+        #: The validation loss of every evaluated version (one dict for the job's life:
+        #: the snapshot policy reads it live).
         self.history: dict[int, float] = {}
         #: Every metric of the newest evaluated version (:func:`kept_metrics`), if any.
         self.metrics: tuple[int, dict[str, float]] | None = None
@@ -190,7 +191,8 @@ class JobEvaluation:
             self._gauge(self.val_loss[1])
         history = pointers.get(VAL_HISTORY_POINTER)
         if history:
-            self.history = parse_history(history)
+            self.history.clear()
+            self.history.update(parse_history(history))
         metrics = pointers.get(METRICS_POINTER)
         if metrics:
             self.metrics = parse_metrics(metrics)

@@ -185,6 +185,9 @@ class ComputedRound:
     published: PublishedRound
     sources: list[DeltaSource]
     elapsed_s: float
+    #: When the computation ended (the service clock): the round's ``publish`` span ends
+    #: there.
+    computed_at: float
 
 
 class RoundPublisher:
@@ -263,7 +266,7 @@ class RoundPublisher:
         if published.snapshot_s is not None:
             self._snapshots.stored(round_ + 1, published.snapshot_s)
         await faults.reached("publish", state_dir, job, round_)
-        return ComputedRound(published, sources, elapsed)
+        return ComputedRound(published, sources, elapsed, self._s.clock())
 
     async def _kept_deltas(self, old_pointers: Mapping[str, str], round_: int) -> list[str]:
         """The deltas kept for replay of the rounds from the previously saved state up to
@@ -349,6 +352,14 @@ class RoundPublisher:
         contributions = ContributionLog(self._s.config.state_dir / "lineage")
         await self._s.executors.files(contributions.discard_round, job, round_)
         await self._snapshots.published(rs)
+        self._s.runtime.traces.published(
+            job,
+            round_,
+            closed_at=rs.closed_at or rs.ended_at or computed.computed_at,
+            publish_s=computed.elapsed_s,
+            published_at=computed.computed_at,
+            included=len(rs.included),
+        )
         if published.snapshot is not None:
             await self._retain(round_)
         metrics = self._s.metrics

@@ -12,6 +12,8 @@ newest snapshot in the chain reach the interval. Snapshot rounds are then irregu
 whatever reads the chain finds them by listing it. In either mode, a job whose hardware
 risk (:mod:`coordinator.scheduling.hardware_risk`) reaches 0.7 snapshots at once, and
 again only if it rises further or falls back and rises anew (:func:`risk_snapshot`).
+While the job's validation loss falls steadily, an auto interval measured from cost and
+failures is stretched (:mod:`coordinator.publication.loss_trend`).
 
 A job with no snapshot cost measured yet takes its shortest interval (to measure one);
 with no failure observed, its longest. :func:`load_stats` and :func:`save_stats` keep
@@ -29,6 +31,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from coordinator.jobs.spec import JobSpec
+from coordinator.publication.loss_trend import LossTrend
 from coordinator.scheduling.checkpoint_interval import (
     combined_mtbf,
     observed_mtbf,
@@ -90,6 +93,11 @@ class SnapshotStats:
     exposure_s: dict[str, float] = field(default_factory=dict)
     #: region -> what its newest failure was ("offline", "missed the deadline").
     last_failure: dict[str, str] = field(default_factory=dict)
+    #: region -> when (wall time) it failed lately: the hardware risk counts the last hour's.
+    failed_at: dict[str, list[float]] = field(default_factory=dict)
+    #: The regions drained for their risk, until it fell below the re-arm score: an
+    #: operator who starts one again is not overruled by a restarted coordinator.
+    drained: set[str] = field(default_factory=set)
 
     @property
     def cost_s(self) -> float | None:
@@ -133,6 +141,8 @@ class SnapshotStats:
             "failures": dict(self.failures),
             "exposure_s": dict(self.exposure_s),
             "last_failure": dict(self.last_failure),
+            "failed_at": {region: list(times) for region, times in self.failed_at.items()},
+            "drained": sorted(self.drained),
         }
 
     @classmethod
@@ -148,14 +158,27 @@ class SnapshotStats:
                 failures={str(k): int(v) for k, v in dict(data["failures"]).items()},
                 exposure_s={str(k): float(v) for k, v in dict(data["exposure_s"]).items()},
                 last_failure={str(k): str(v) for k, v in dict(data["last_failure"]).items()},
+                # Absent from the files of coordinators before them.
+                failed_at={
+                    str(k): [float(at) for at in _list(v)]
+                    for k, v in dict(data.get("failed_at", {})).items()
+                },
+                drained={str(region) for region in _list(data.get("drained", []))},
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"malformed: {exc}") from None
-        numbers = (stats.cost_s_sum, stats.round_s_sum, *stats.exposure_s.values())
+        times = [at for ats in stats.failed_at.values() for at in ats]
+        numbers = (stats.cost_s_sum, stats.round_s_sum, *stats.exposure_s.values(), *times)
         counts = (stats.cost_count, stats.round_count, *stats.failures.values())
         if any(not math.isfinite(x) or x < 0 for x in numbers) or any(n < 0 for n in counts):
             raise ValueError("negative or non-finite measurement")
         return stats
+
+
+def _list(data: object) -> list[Any]:
+    if not isinstance(data, list):
+        raise TypeError(f"expected a list, got {type(data).__name__}")
+    return data
 
 
 def _object(data: object) -> dict[str, Any]:
@@ -181,11 +204,14 @@ def plan_interval(
     stats: SnapshotStats,
     regions: Iterable[str],
     round_s: float | None,
+    trend: LossTrend | None = None,
 ) -> SnapshotPlan:
     """The job's snapshot interval from its settings and measurements.
 
     ``round_s`` is the job's round duration (its measured mean, or the current round's
-    before any was measured).
+    before any was measured); ``trend``: its validation loss's
+    (:func:`~coordinator.publication.loss_trend.loss_trend`), which stretches a measured
+    auto interval while the loss falls steadily (None: not known).
     """
     regions = tuple(regions)
     cost, mtbf = stats.cost_s, stats.mtbf_s(regions)
@@ -213,7 +239,17 @@ def plan_interval(
             for r in failed
         )
         reason += f"; measured MTBF {mtbf:.0f} s from the failures seen ({seen})"
-    return SnapshotPlan("auto", chosen.rounds, chosen.tau_s, reason, cost, mtbf)
+    rounds = chosen.rounds
+    if trend is not None and trend.stretch == 1:
+        reason += f"; not stretched: {trend.reason}"
+    elif trend is not None:
+        stretched = min(high, rounds * trend.stretch)
+        if stretched > rounds:
+            reason += f"; x{trend.stretch} ({rounds} -> {stretched} rounds) while {trend.reason}"
+        else:
+            reason += f"; at snapshot_max_rounds already while {trend.reason}"
+        rounds = stretched
+    return SnapshotPlan("auto", rounds, chosen.tau_s, reason, cost, mtbf)
 
 
 @dataclass(frozen=True, slots=True)

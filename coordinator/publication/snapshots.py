@@ -5,21 +5,30 @@ and the snapshot cost from each published round, the failures of the job's regio
 from the control plane (a region of the job going offline while the job runs) and from
 the rounds (a participant that missed a published round's deadline without having gone
 offline), and the newest snapshot by listing the job's checkpoint chain when the engine
-recovers. The measurements are saved in the state directory after each round. The
-job's hardware risk (:mod:`coordinator.scheduling.hardware_risk`) comes from its
-serving regions' last reported hardware and the failures counted here; new uncorrectable
-ECC errors are counted from the first status this coordinator process took of each
-region's host (``ControlPlane.ecc_first_seen``).
+recovers. The measurements are saved in the state directory after each round, with the
+last hour's failures and the regions drained (so a restart neither forgets a failure
+nor drains again a region an operator started again). The job's hardware risk
+(:mod:`coordinator.scheduling.hardware_risk`) comes from its serving regions' last
+reported hardware and the failures counted here; new uncorrectable ECC errors are those
+the agent's hardware history counts, or for an agent that keeps none, those since the
+first status this coordinator process took of the region's host
+(``ControlPlane.ecc_first_seen``). The plan is made again with the trend
+of the job's validation losses each time it is (each publication, each failure).
+A risk snapshot asks the regions at that risk for a regional checkpoint from the next
+round on (a ``checkpoint`` command after the publication); after each published round,
+a region whose hardware alone is at ``hardware_risk.drain_at`` is sent a ``drain``
+command (again after the next round if the broker did not take it).
 """
 
 from __future__ import annotations
 
 import copy
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from coordinator.jobs.context import JobContext
+from coordinator.publication.loss_trend import loss_trend
 from coordinator.publication.snapshot_policy import (
     SnapshotDecision,
     SnapshotPlan,
@@ -39,6 +48,7 @@ from coordinator.scheduling.hardware_risk import (
     FAILURE_WINDOW_S,
     SNAPSHOT_RISK,
     Risk,
+    drain_due,
     job_risk,
     region_risk,
 )
@@ -54,13 +64,21 @@ class JobSnapshots:
     """The snapshot policy of one job (see the module docstring).
 
     ``serving(region)`` says whether the region serves the running job now: its
-    failures count only then.
+    failures count only then. ``losses``: the job's validation loss by evaluated version,
+    kept up to date by its owner (its trend stretches an auto interval).
     """
 
-    def __init__(self, services: Services, ctx: JobContext, serving: Callable[[str], bool]) -> None:
+    def __init__(
+        self,
+        services: Services,
+        ctx: JobContext,
+        serving: Callable[[str], bool],
+        losses: Mapping[int, float],
+    ) -> None:
         self._s = services
         self._ctx = ctx
         self._serving = serving
+        self._losses = losses
         self.settings = SnapshotSettings.of(ctx.spec)
         self.stats = SnapshotStats()
         #: The version of the newest snapshot in the job's chain (None: not read yet).
@@ -70,10 +88,10 @@ class JobSnapshots:
         self._offline_at: dict[str, float] = {}
         #: The round duration the plan was last made with.
         self._round_s: float | None = None
-        #: When each region failed (its failures of the last hour count for the risk).
-        self._failed_at: dict[str, list[float]] = {}
         #: The score a risk snapshot was last stored at (None: none since it fell back).
         self._risk_acted_at: float | None = None
+        #: The round whose announcement asks these regions for a regional checkpoint.
+        self._checkpoint_ask: tuple[int, tuple[str, ...]] = (-1, ())
         self.plan: SnapshotPlan = self._replan(None)
         services.control.on_region_change(self._region_changed)
 
@@ -91,6 +109,11 @@ class JobSnapshots:
 
     def risk(self) -> Risk:
         """The job's hardware risk now, from its regions' statuses and failures."""
+        return job_risk(self.region_risks())
+
+    def region_risks(self, *, hardware_only: bool = False) -> dict[str, Risk]:
+        """The hardware risk of each region serving the job now (``hardware_only``: from
+        its hardware alone, its failures left out)."""
         now = self._s.clock()
         risks = {}
         control = self._s.control
@@ -107,11 +130,11 @@ class JobSnapshots:
             risks[region] = region_risk(
                 hardware,
                 first,
-                self._failed_at.get(region, []),
+                [] if hardware_only else self.stats.failed_at.get(region, []),
                 now,
                 gpus_offered=0 if capacity is None else capacity.gpus,
             )
-        return job_risk(risks)
+        return risks
 
     async def recover(self) -> None:
         """Read the saved measurements and find the newest snapshot in the chain."""
@@ -128,11 +151,22 @@ class JobSnapshots:
         if round_s is None:
             round_s = _duration(rs, self._s.clock())
         plan = self._replan(round_s)
-        risk = self.risk()
+        risks = self.region_risks()
+        risk = job_risk(risks)
         self._risk_acted_at = rearmed(risk, self._risk_acted_at)
         urgent = risk_snapshot(risk, self._risk_acted_at)
         if urgent is not None:
-            log.warning("job %s: snapshot now: %s", self._ctx.job, urgent.reason)
+            asked = tuple(
+                region for region in sorted(risks) if risks[region].score >= SNAPSHOT_RISK
+            )
+            self._checkpoint_ask = (rs.config.round + 1, asked)
+            log.warning(
+                "job %s: snapshot now, and a regional checkpoint of %s with round %d: %s",
+                self._ctx.job,
+                ", ".join(asked),
+                rs.config.round + 1,
+                urgent.reason,
+            )
             return urgent
         return decide_snapshot(rs.config.round + 1, self.last_round, plan)
 
@@ -155,15 +189,48 @@ class JobSnapshots:
             if self._offline_at.get(region, float("-inf")) < rs.config.opened_at:
                 self._failed(region, f"missed the deadline of round {rs.config.round}")
         self._replan(self.stats.round_s)
+        await self._ask_checkpoints(rs.config.round + 1)
+        await self._drain_risky()
         kept = copy.deepcopy(self.stats)  # the region listener may count a failure meanwhile
         try:
             await self._s.executors.files(save_stats, self._path, kept)
         except OSError as exc:  # measured again after a restart
             log.warning("job %s: cannot save its snapshot measurements: %s", self._ctx.job, exc)
 
+    async def _ask_checkpoints(self, version: int) -> None:
+        """Ask the regions of the risk snapshot of θ_version for a regional checkpoint
+        from round ``version`` on (a command to each: agents that predate it ignore it)."""
+        asked_round, regions = self._checkpoint_ask
+        if asked_round != version:
+            return
+        self._checkpoint_ask = (-1, ())
+        reason = f"hardware risk: θ_{version} was snapshotted for it"
+        for region in regions:
+            await self._s.control.command(
+                region, "checkpoint", self._ctx.job, reason, round=version
+            )
+
+    async def _drain_risky(self) -> None:
+        """Drain each region whose hardware alone reached ``hardware_risk.drain_at``,
+        once a rise (:func:`~coordinator.scheduling.hardware_risk.drain_due`)."""
+        drain_at = self._s.config.hardware_risk.drain_at
+        for region, risk in self.region_risks(hardware_only=True).items():
+            reason, drained = drain_due(risk, drain_at, region in self.stats.drained)
+            if not drained:
+                self.stats.drained.discard(region)
+            if reason is None:
+                continue
+            log.warning("job %s: draining region %s: %s", self._ctx.job, region, reason)
+            if await self._s.control.command(region, "drain", self._ctx.job, reason):
+                self.stats.drained.add(region)  # else tried again after the next round
+                await self._s.control.event(
+                    "region.drain", job=self._ctx.job, region=region, detail=reason
+                )
+
     def _replan(self, round_s: float | None) -> SnapshotPlan:
         self._round_s = round_s
-        self.plan = plan_interval(self.settings, self.stats, self._ctx.spec.regions, round_s)
+        trend = loss_trend(self._losses)
+        self.plan = plan_interval(self.settings, self.stats, self._ctx.spec.regions, round_s, trend)
         self._s.metrics.snapshot_interval.labels(job=self._ctx.job).set(self.plan.every_rounds)
         return self.plan
 
@@ -184,8 +251,9 @@ class JobSnapshots:
     def _failed(self, region: str, what: str) -> None:
         self.stats.region_failed(region, what)
         now = self._s.clock()
-        recent = [at for at in self._failed_at.get(region, []) if at >= now - FAILURE_WINDOW_S]
-        self._failed_at[region] = [*recent, now]
+        failed_at = self.stats.failed_at
+        recent = [at for at in failed_at.get(region, []) if at >= now - FAILURE_WINDOW_S]
+        failed_at[region] = [*recent, now]
         log.info(
             "job %s: region %s %s (a failure, for the snapshot interval)",
             self._ctx.job,

@@ -31,7 +31,6 @@ import time
 import traceback
 from collections import deque
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
 from typing import Any, assert_never
 
 from coordinator.aggregation.accumulator import RoundAccumulator, RoundKey
@@ -54,6 +53,7 @@ from coordinator.residency import checkpoint_storage
 from coordinator.rounds.acceptance import accepted_again, refusal
 from coordinator.rounds.deadline import RoundTiming, next_deadline
 from coordinator.rounds.driver import Step, next_step
+from coordinator.rounds.job_scheduling import JobScheduling
 from coordinator.rounds.quarantine import Outcome, Quarantine
 from coordinator.rounds.records import JobState, RoundRecord, announcement
 from coordinator.rounds.state import (
@@ -79,27 +79,13 @@ from coordinator.storage.working_state import WorkingState
 from geofed.control.messages import AnnouncedPhase
 from geofed.timeouts import wait_event
 
-__all__ = ["DeltaOffer", "JobEngine", "JobScheduling"]
+__all__ = ["DeltaOffer", "JobEngine"]
 
 log = logging.getLogger(__name__)
 
 
 async def _nothing(reason: str) -> None:
     return None
-
-
-@dataclass(slots=True)
-class JobScheduling:
-    """How the job manager schedules the job, as its status shows it: its ``priority``
-    class and ``team``, and ``queue``, its place while it waits (None otherwise), which
-    the manager's admission passes keep current."""
-
-    priority: str
-    team: str
-    queue: dict[str, Any] | None = None
-
-    def status(self) -> dict[str, Any]:
-        return {"priority": self.priority, "team": self.team, "queue": self.queue}
 
 
 class JobEngine:
@@ -140,7 +126,7 @@ class JobEngine:
         self._quarantine = Quarantine(services.config.quarantine)
         self._evaluation = JobEvaluation(services, ctx)
         #: When the job takes its snapshots (coordinator.publication.snapshots), and why.
-        self.snapshots = JobSnapshots(services, ctx, self._serving)
+        self.snapshots = JobSnapshots(services, ctx, self._serving, self._evaluation.history)
         self._publisher = RoundPublisher(services, ctx, self.snapshots)
         self._announced: tuple[int, str, float] | None = None
         #: When the next try of a failed publication is due (wall clock); None otherwise.
@@ -404,6 +390,7 @@ class JobEngine:
             self.recovered.set()  # a failed recovery answers as the failed job it left
             self.ready.set()
             self._export_quarantine()  # an ended job holds no region back
+            self._s.runtime.traces.ended(self.job, self._s.clock())
             await self._evaluation.stop()
 
     async def _drive(self) -> None:
@@ -759,6 +746,13 @@ class JobEngine:
             await self._announce("cancelled")
         await self._s.control.event("job.failed", job=self.job, detail=reason)
 
+    def _trace(self, phase: AnnouncedPhase) -> str | None:
+        """The open round's traceparent (its span started when first announced open)."""
+        rs, traces = self.round_state, self._s.runtime.traces
+        if phase != "open" or rs is None or rs.config.round != self.version:
+            return None
+        return traces.traceparent(self.job, self.version, rs.config.opened_at, self._s.clock())
+
     async def _announce(self, phase: AnnouncedPhase) -> None:
         working = self.working
         if working is None:
@@ -795,6 +789,7 @@ class JobEngine:
             shards=self.applied.slots,
             datasets={r: self.applied.datasets[r] for r in self.applied.assignment},
             task_fingerprint=self.ctx.task_fingerprint,
+            trace=self._trace(phase),
         )
         await self._s.control.announce(message)
         self._announced = key

@@ -114,6 +114,7 @@ def announcement(
     shards: int | None = None,
     datasets: Mapping[str, Sequence[str]] | None = None,
     task_fingerprint: str | None = None,
+    trace: str | None = None,
 ) -> RoundAnnouncement:
     """The announcement of round ``version`` in ``state``.
 
@@ -161,4 +162,5 @@ def announcement(
         shards=shards if assignment else None,
         datasets={region: tuple(names) for region, names in (datasets or {}).items()},
         task_fingerprint=task_fingerprint,
+        trace=trace,
     )

@@ -5,8 +5,13 @@ Each region's status carries its node's hardware (:class:`~geofed.control.Hardwa
 and the reasons behind it: each sign is a chance of failure on its own, and they combine
 as independent chances do (1 - Π(1 - pᵢ)):
 
-- uncorrectable ECC errors new since the coordinator first saw the region: 0.8, and 0.05
-  more for each error past the first (a GPU with them usually fails soon after);
+- uncorrectable ECC errors new since the region's agent first saw each GPU (its hardware
+  history, kept across restarts: :mod:`regional_agent.hardware_history`) or since this
+  coordinator process first saw the host, whichever is more (the latter covers an agent
+  that keeps no history, or whose history began after the errors): 0.8, and 0.05 more for
+  each error past the first (a GPU with them usually fails soon after);
+- critical XID errors of the last day (the agent's history too): 0.5, and 0.1 more for
+  each past the first;
 - GPUs the hardware or heat slows down: 0.3, plus 0.4 times the share of the node's GPUs;
 - the hottest GPU: 0.3 from 85 °C, 0.5 from 90 °C;
 - failures of the region in the last hour (offline, or a deadline missed): 0.2 each;
@@ -16,7 +21,12 @@ as independent chances do (1 - Π(1 - pᵢ)):
 A job's risk is its riskiest region's (:func:`job_risk`). At :data:`SNAPSHOT_RISK` the
 snapshot policy snapshots at once (:mod:`coordinator.publication.snapshot_policy`), and
 again only once the risk rose by :data:`RISK_STEP` more, or fell below
-:data:`REARM_RISK` and rose again.
+:data:`REARM_RISK` and rose again; the regions at that risk are asked for a regional
+checkpoint from the next round on. A region whose hardware alone scores the coordinator's
+``hardware_risk.drain_at`` (:class:`~coordinator.config.HardwareRiskConfig`, 0.9 by
+default) is drained: it finishes its round and its agent stops, as at a spot notice,
+until an operator starts it again (:func:`drain_due`; the coordinator remembers the drain
+across its restarts: :class:`~coordinator.publication.snapshot_policy.SnapshotStats`).
 """
 
 from __future__ import annotations
@@ -34,6 +44,7 @@ __all__ = [
     "RISK_STEP",
     "SNAPSHOT_RISK",
     "Risk",
+    "drain_due",
     "job_risk",
     "region_risk",
 ]
@@ -74,10 +85,19 @@ def region_risk(
         signs.append((0.5, f"{missing} of its {gpus_offered} GPU(s) not read"))
     if hardware is not None:
         ecc, baseline = hardware.ecc_uncorrected, ecc_seen_first
-        if ecc is not None and baseline is not None and ecc > baseline:
-            new = ecc - baseline
+        seen_here = None if ecc is None or baseline is None else max(0, ecc - baseline)
+        # The agent's history survives restarts; the coordinator's own count covers an
+        # agent that keeps none, or whose history began after errors this process saw.
+        counts = (hardware.ecc_uncorrected_new, seen_here)
+        new = max((n for n in counts if n is not None), default=0)
+        if new:
             signs.append(
                 (min(1.0, 0.8 + 0.05 * (new - 1)), f"{new} new uncorrectable ECC error(s)")
+            )
+        xids = hardware.xid_errors_recent
+        if xids:
+            signs.append(
+                (min(1.0, 0.5 + 0.1 * (xids - 1)), f"{xids} critical XID error(s) in the last day")
             )
         if hardware.slowed_gpus:
             share = hardware.slowed_gpus / hardware.gpus if hardware.gpus else 1.0
@@ -103,3 +123,14 @@ def job_risk(risks: Mapping[str, Risk]) -> Risk:
     region = max(sorted(risks), key=lambda name: risks[name].score)
     risk = risks[region]
     return Risk(risk.score, f"{region}: {risk.reason}", region)
+
+
+def drain_due(risk: Risk, drain_at: float | None, drained: bool) -> tuple[str | None, bool]:
+    """Why a region at ``risk`` (its hardware's alone: failures, a slow WAN's missed
+    deadlines among them, never drain a region) is to be drained now (None: it is not),
+    and whether it counts as drained after: at ``drain_at`` (None: never), once until its
+    risk fell below :data:`REARM_RISK` (``drained``: it was drained since)."""
+    drained = drained and risk.score >= REARM_RISK
+    if drain_at is None or drained or risk.score < drain_at:
+        return None, drained
+    return f"hardware risk {risk.score:.2f} reached {drain_at}: {risk.reason}", drained

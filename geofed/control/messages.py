@@ -13,6 +13,7 @@ resubscription, so receivers drop repeats with a :class:`Deduplicator` keyed by
 
 from __future__ import annotations
 
+import re
 from collections import OrderedDict
 from datetime import UTC, datetime
 from typing import Annotated, Any, Literal, Self, TypeVar
@@ -53,6 +54,15 @@ def _utc_now() -> datetime:
     return datetime.now(UTC)
 
 
+_TRACEPARENT = re.compile(r"^[0-9a-f]{2}-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}$")
+
+
+def _traceparent_or_none(value: object) -> object:
+    """A W3C ``traceparent``, or None for anything else: a trace that cannot be read
+    costs the round's spans their parent, never the round."""
+    return value if isinstance(value, str) and _TRACEPARENT.fullmatch(value) else None
+
+
 def _as_tuple(value: Any) -> Any:
     # Strict mode wants a tuple in Python; callers naturally pass lists.
     return tuple(value) if isinstance(value, list) else value
@@ -79,7 +89,7 @@ finished; ``cancelled``: the job was cancelled; ``paused``: regions hold until r
 RegionState = Literal[
     "online", "offline", "training", "uploading", "syncing", "paused", "draining", "error"
 ]
-CommandAction = Literal["pause", "resume", "cancel", "resync", "drain"]
+CommandAction = Literal["pause", "resume", "cancel", "resync", "drain", "checkpoint"]
 
 
 class _Message(BaseModel):
@@ -156,6 +166,10 @@ class RoundAnnouncement(_Message):
     #: The task's fingerprint as the coordinator read it (:meth:`geofed.task.Task.fingerprint`):
     #: a region whose workers read another refuses to train. None: the task reads no files.
     task_fingerprint: str | None = Field(default=None, pattern=r"^[0-9a-f]{64}$")
+    #: The W3C ``traceparent`` of the coordinator's span of this round, when it traces
+    #: rounds (:mod:`geofed.tracing`): the regions' spans of the round go under it. Left
+    #: out when None.
+    trace: Annotated[str | None, BeforeValidator(_traceparent_or_none)] = None
 
     @model_validator(mode="after")
     def _fragments_with_streaming(self) -> RoundAnnouncement:
@@ -170,10 +184,13 @@ class RoundAnnouncement(_Message):
     def _without_absent_fragments(
         self, handler: SerializerFunctionWrapHandler, info: SerializationInfo
     ) -> dict[str, Any]:
-        # Left out unless streaming, so agents that predate the key read every other job.
+        # Left out unless set, so agents that predate these keys read every other
+        # announcement (a job not streaming, rounds not traced).
         data: dict[str, Any] = handler(self)
         if data.get("fragments", 0) is None:
             del data["fragments"]
+        if data.get("trace", "") is None:
+            del data["trace"]
         return data
 
     def data_shard(self, region: str) -> tuple[int, int]:
@@ -264,8 +281,11 @@ class HardwareSummary(BaseModel):
     ``gpus`` read through NVML (None: no NVML on the node), their mean utilization, the
     hottest one's temperature, their uncorrectable ECC errors over their lives (summed),
     how many the hardware or heat slows down now, the critical XID errors they raised
-    since the agent started; the node's available memory and the free space of the
-    agent's state disk. A figure no device reported is None.
+    since the agent started; from the node's hardware history (kept across restarts), the
+    uncorrectable ECC errors new since the agent first saw each GPU and the critical XID
+    errors of the last day; the node's available memory and the free space of the agent's
+    state disk. A figure no device reported is None (also the history's, from an agent
+    that keeps none).
     """
 
     model_config = ConfigDict(strict=True, extra="forbid", frozen=True, allow_inf_nan=False)
@@ -277,6 +297,8 @@ class HardwareSummary(BaseModel):
     ecc_uncorrected: int | None = Field(default=None, ge=0, lt=2**63)
     slowed_gpus: int | None = Field(default=None, ge=0, le=1_000_000)
     xid_errors: int | None = Field(default=None, ge=0, lt=2**63)
+    ecc_uncorrected_new: int | None = Field(default=None, ge=0, lt=2**63)
+    xid_errors_recent: int | None = Field(default=None, ge=0, lt=2**63)
     memory_available_bytes: int | None = Field(default=None, ge=0, lt=2**63)
     state_disk_free_bytes: int | None = Field(default=None, ge=0, lt=2**63)
 
@@ -295,9 +317,14 @@ class HardwareSummary(BaseModel):
             if self.slowed_gpus:
                 parts.append(f"{self.slowed_gpus} slowed down")
             if self.ecc_uncorrected:
-                parts.append(f"{self.ecc_uncorrected} uncorrectable ECC errors")
+                ecc = f"{self.ecc_uncorrected} uncorrectable ECC errors"
+                if self.ecc_uncorrected_new:
+                    ecc += f" ({self.ecc_uncorrected_new} new)"
+                parts.append(ecc)
             if self.xid_errors:
                 parts.append(f"{self.xid_errors} XID errors")
+            if self.xid_errors_recent:
+                parts.append(f"{self.xid_errors_recent} XID errors in the last day")
         if self.memory_available_bytes is not None:
             parts.append(f"{self.memory_available_bytes / 2**30:.1f} GiB memory free")
         if self.state_disk_free_bytes is not None:
@@ -355,12 +382,27 @@ class Command(_Message):
     job: JobName | None = None
     reason: Text = ""
     command_id: UUID = Field(default_factory=uuid4)
+    #: ``checkpoint`` only: the round from which the region is to save its regional
+    #: checkpoint (at the end of the first round it finishes from it on). Left out
+    #: otherwise, so agents that predate it read every other command.
+    round: RoundNumber | None = None
 
     @model_validator(mode="after")
     def _job_when_needed(self) -> Self:
         if self.job is None and self.action != "drain":
             raise ValueError(f"a {self.action} command must name its job")
+        if (self.action == "checkpoint") != (self.round is not None):
+            raise ValueError("a checkpoint command, and only one, names its round")
         return self
+
+    @model_serializer(mode="wrap")
+    def _without_absent_round(
+        self, handler: SerializerFunctionWrapHandler, info: SerializationInfo
+    ) -> dict[str, Any]:
+        data: dict[str, Any] = handler(self)
+        if data.get("round", 0) is None:
+            del data["round"]
+        return data
 
 
 class Event(_Message):

@@ -76,6 +76,13 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         help="overrides of the example task's options, e.g. '{\"d_model\": 64}'",
     )
     parser.add_argument(
+        "--workers",
+        type=_positive,
+        default=None,
+        help="worker ranks per region on a machine without a GPU (default: 2 gloo ranks); "
+        "refused where a GPU is visible: each region then runs one rank per GPU of its share",
+    )
+    parser.add_argument(
         "--chaos",
         action="store_true",
         help="while the job runs, kill -9 an agent, a worker and the coordinator, restart the "
@@ -131,6 +138,7 @@ def _run(args: argparse.Namespace) -> int:
         overlap=args.overlap,
         task_options=args.task_options,
         chaos=args.chaos,
+        workers=args.workers,
     )
     try:
         asyncio.run(_stoppable(run_demo(options, echo=lambda line: print(line, flush=True))))

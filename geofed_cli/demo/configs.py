@@ -158,8 +158,9 @@ def _place_workers(agent: dict[str, Any], placement: Placement, region: str) -> 
     share = placement.of(region)
     workers = agent.setdefault("workers", {})
     workers["backend"] = share.backend
-    # The agent's launcher decides the same count from the devices it is given.
-    workers["count"] = AUTO
+    # The agent's launcher decides the same count from the devices it is given, unless
+    # a count was asked for.
+    workers["count"] = AUTO if placement.asked_ranks is None else placement.asked_ranks
     if share.devices:
         env = dict(workers.get("env") or {})
         env[VISIBLE_DEVICES_ENV] = ",".join(share.devices)

@@ -1,12 +1,14 @@
 """Where the demo's regions train: a pure decision from the visible GPUs, with its reason.
 
-No GPU: every region runs 2 gloo ranks on the CPU, as a real deployment's CI does. Fewer
+No GPU: every region runs 2 gloo ranks on the CPU, as a real deployment's CI does, or as
+many as asked (``geofed demo --workers N``: one rank a region on a small machine). Fewer
 GPUs than regions (a workstation with one): the regions share them round-robin, one NCCL
 rank each, since NCCL refuses two ranks of one group on one GPU. At least as many GPUs
 as regions: the GPUs are split into contiguous shares (sizes differing by at most one)
 and each region runs one NCCL rank per GPU of its share. Each agent gets its share as
 ``CUDA_VISIBLE_DEVICES`` in ``workers.env`` and ``workers.count: auto``, so its own
-launcher arrives at the same rank count (:func:`regional_agent.launch.ranks.choose_ranks`).
+launcher arrives at the same rank count (:func:`regional_agent.launch.ranks.choose_ranks`);
+a count asked for is written as is.
 """
 
 from __future__ import annotations
@@ -40,6 +42,8 @@ class Placement:
 
     regions: tuple[RegionPlacement, ...]
     reason: str
+    asked_ranks: int | None = None
+    """Each region's rank count as asked (a CPU run); None: the launcher's ``auto``."""
 
     def of(self, region: str) -> RegionPlacement:
         for share in self.regions:
@@ -65,17 +69,35 @@ class Placement:
         return f"{agents}, {workers} ({', '.join(backends)})"
 
 
-def place(devices: Sequence[str], regions: Sequence[str]) -> Placement:
-    """Decide each region's devices, backend and ranks from the GPUs ``devices`` visible."""
+class PlacementRefused(ValueError):
+    """The regions cannot be placed as asked."""
+
+
+def place(
+    devices: Sequence[str], regions: Sequence[str], cpu_ranks: int | None = None
+) -> Placement:
+    """Decide each region's devices, backend and ranks from the GPUs ``devices`` visible.
+
+    ``cpu_ranks``: each region's gloo ranks when no GPU is visible (default: the
+    launcher's ``auto``); refused with a GPU, where a region runs a rank per GPU.
+    """
     if not regions:
-        raise ValueError("no regions to place")
+        raise PlacementRefused("no regions to place")
     gpus, count = len(devices), len(regions)
     shares: list[tuple[str, tuple[str, ...]]] = []
     if gpus == 0:
-        ranks = choose_ranks(AUTO, "gloo", 0).count
+        ranks = choose_ranks(AUTO, "gloo", 0).count if cpu_ranks is None else cpu_ranks
+        if ranks < 1:
+            raise PlacementRefused(f"a region needs at least 1 worker, not {ranks}")
         shares = [(region, ()) for region in regions]
-        reason = f"no GPU visible: {ranks} gloo ranks per region on the CPU"
-        return Placement(_shares(shares, "gloo"), reason)
+        plural = "s" if ranks != 1 else ""
+        reason = f"no GPU visible: {ranks} gloo rank{plural} per region on the CPU"
+        return Placement(_shares(shares, "gloo", ranks), reason, cpu_ranks)
+    if cpu_ranks is not None:
+        raise PlacementRefused(
+            f"{_gpus(gpus)} visible: each region runs one nccl rank per GPU of its share; "
+            "a worker count is for CPU runs only"
+        )
     if gpus < count:
         shares = [(region, (devices[i % gpus],)) for i, region in enumerate(regions)]
         sharing = "share it" if gpus == 1 else "share them in turn"
@@ -96,10 +118,15 @@ def place(devices: Sequence[str], regions: Sequence[str]) -> Placement:
 
 
 def _shares(
-    shares: Sequence[tuple[str, tuple[str, ...]]], backend: str
+    shares: Sequence[tuple[str, tuple[str, ...]]], backend: str, ranks: int | None = None
 ) -> tuple[RegionPlacement, ...]:
     return tuple(
-        RegionPlacement(region, devices, backend, choose_ranks(AUTO, backend, len(devices)).count)
+        RegionPlacement(
+            region,
+            devices,
+            backend,
+            ranks if ranks is not None else choose_ranks(AUTO, backend, len(devices)).count,
+        )
         for region, devices in shares
     )
 

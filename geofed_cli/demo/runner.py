@@ -33,7 +33,7 @@ from geofed_cli.demo.chaos import BrokerHolder, ChaosMonkey, judge_chaos, plan_c
 from geofed_cli.demo.configs import DEMO_REGIONS, DemoConfigs, find_examples, write_demo_configs
 from geofed_cli.demo.federation import DemoFederation, create_demo_federation
 from geofed_cli.demo.metrics_text import RestartSafeTotals, wan_bytes
-from geofed_cli.demo.placement import Placement, place, visible_devices
+from geofed_cli.demo.placement import Placement, PlacementRefused, place, visible_devices
 from geofed_cli.demo.processes import ChildSet
 from geofed_cli.demo.supervisor import RestartPolicy
 from geofed_cli.demo.utilization import format_utilization, utilization_by_region
@@ -69,6 +69,8 @@ class DemoOptions:
     task_options: dict[str, Any] | None = None
     #: Inject real faults while the job runs (:mod:`geofed_cli.demo.chaos`).
     chaos: bool = False
+    #: Each region's gloo ranks on a machine without a GPU; None: the launcher's auto.
+    workers: int | None = None
 
 
 @dataclass
@@ -122,6 +124,10 @@ async def run_demo(options: DemoOptions, *, echo: Callable[[str], None] = print)
     """Run the demo to the end of its job and return (and write) its summary."""
     regions, work = _regions_and_workdir(options)
     examples = find_examples(options.examples)
+    try:  # before anything is written or started
+        placement = place(await asyncio.to_thread(visible_devices), regions, options.workers)
+    except PlacementRefused as err:
+        raise DemoFailed(str(err)) from None
     started = time.monotonic()
 
     echo(f"geofed demo: {len(regions)} regions ({', '.join(regions)}), {options.rounds} rounds")
@@ -143,7 +149,6 @@ async def run_demo(options: DemoOptions, *, echo: Callable[[str], None] = print)
         echo(f"  MQTT      embedded broker on 127.0.0.1:{broker.port} (plain text, loopback only)")
         if options.wan is not None:
             echo(f"  WAN       each region to the coordinator: {options.wan.describe()} (emulated)")
-        placement = place(await asyncio.to_thread(visible_devices), regions)
         configs = await asyncio.to_thread(
             write_demo_configs,
             examples=examples,

@@ -25,6 +25,8 @@ moment and pick up where the other left off::
                                             cursor, and which optimizer state is saved
     jobs/<job>/optimizer-round-<r>/         every rank its part (DCP): the inner optimizer
                                             state at the end of round r
+    jobs/<job>/checkpoint-asked             agent -> workers: save the regional checkpoint
+                                            at the end of round r or the first one after
     jobs/<job>/inner-checkpoint.pt          rank 0, last: a round stopped mid-way (its step,
                                             each rank's RNG states and totals)
     jobs/<job>/inner-checkpoint/            every rank its part (DCP): that round's
@@ -86,6 +88,7 @@ from regional_agent.handoff.messages import (
 _CHECKPOINT_NAME = "regional-checkpoint.pt"
 _RECORD_NAME = "regional-checkpoint.json"
 _INNER_CHECKPOINT_NAME = "inner-checkpoint.pt"
+_CHECKPOINT_ASK_NAME = "checkpoint-asked"
 _OPTIMIZER_DIR_RE = re.compile(r"optimizer-round-(\d+)")
 _ROUND_FILE_RE = re.compile(r"^round-(\d+)\.instruction\.json$")
 
@@ -511,6 +514,7 @@ class HandoffDir:
         shutil.rmtree(inner_tensors_dir(self.inner_checkpoint_path(job)), ignore_errors=True)
         self.checkpoint_path(job).unlink(missing_ok=True)
         self.whole_checkpoint_path(job).unlink(missing_ok=True)
+        (self.job_dir(job) / _CHECKPOINT_ASK_NAME).unlink(missing_ok=True)
         self.remove_optimizer_states(job)
         legacy = self.legacy_checkpoint_path
         try:
@@ -532,6 +536,22 @@ class HandoffDir:
         path.parent.mkdir(parents=True, exist_ok=True)
         atomic_write_bytes(path, checkpoint.record())
         self.whole_checkpoint_path(checkpoint.job).unlink(missing_ok=True)
+
+    def ask_checkpoint(self, job: str, round_: int) -> None:
+        """Ask the workers for ``job``'s regional checkpoint at the end of round ``round_``
+        (or of the first round they finish after it): the coordinator asked, for the
+        region's hardware risk."""
+        path = self.job_dir(job) / _CHECKPOINT_ASK_NAME
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_bytes(path, f"{round_}\n".encode())
+
+    def checkpoint_asked(self, job: str) -> int | None:
+        """The round from which ``job``'s regional checkpoint was asked for (None: never,
+        or the ask is unreadable: the cadence alone decides)."""
+        try:
+            return int((self.job_dir(job) / _CHECKPOINT_ASK_NAME).read_text().strip())
+        except (OSError, ValueError):
+            return None
 
     def has_checkpoint(self, job: str) -> bool:
         return self.checkpoint_path(job).is_file() or self.whole_checkpoint_path(job).is_file()

@@ -43,6 +43,12 @@ def resolve_backend(requested: str | None) -> str:
     return requested
 
 
+#: The shortest collective timeout the workers take: an idle group's ranks wait in a
+#: collective for up to :data:`regional_agent.worker.idle_agreement.IDLE_AGREE_S` (0.5 s)
+#: plus a poll, and a hand-off step (rank 0 reading θ) holds the others longer.
+MIN_COLLECTIVE_TIMEOUT_S = 5.0
+
+
 def require_positive(what: str, value: float) -> None:
     """Raise :class:`LauncherConfigError` unless ``value`` is a finite number above zero."""
     if isinstance(value, bool) or not math.isfinite(value) or value <= 0:
@@ -72,6 +78,11 @@ class WorkerSettings:
         require_positive("poll_interval_s", self.poll_interval_s)
         require_positive("progress_interval_s", self.progress_interval_s)
         require_positive("collective_timeout_s", self.collective_timeout_s)
+        if self.collective_timeout_s < MIN_COLLECTIVE_TIMEOUT_S:
+            raise LauncherConfigError(
+                f"collective_timeout_s must be >= {MIN_COLLECTIVE_TIMEOUT_S:g} s (idle ranks "
+                f"wait in a collective up to 0.5 s), got {self.collective_timeout_s!r}"
+            )
 
     def to_argv(self) -> list[str]:
         return [

@@ -23,8 +23,8 @@ class RankTiming:
 
     rank: int
     node: int
-    """The node the rank ran on, as the elastic launcher numbers the group's nodes
-    (``GROUP_RANK``: an index, not a host; see ``host``)."""
+    """The node the rank ran on: an index, rank 0's node first (see ``host`` for its
+    name)."""
     busy_seconds: float | None
     """Mean seconds a step it was not waiting for its peers, approximately: the step's
     wall time less the time it had a gradient all-reduce in flight. The group steps

@@ -84,6 +84,28 @@ class SlurmLauncher(LocalElasticLauncher):
             launcher_options=launcher_options,
         )
         self._slurm = slurm
+        self._excluded: frozenset[str] = frozenset()
+
+    def exclude(self, nodes: frozenset[str]) -> None:
+        """Run the next step without ``nodes`` (Slurm node names), on as many fewer nodes."""
+        if len(nodes) >= self._config.nnodes:
+            raise LauncherConfigError(
+                f"cannot leave out {len(nodes)} of the group's {self._config.nnodes} nodes"
+            )
+        self._excluded = frozenset(nodes)
+
+    @property
+    def excluded(self) -> frozenset[str]:
+        return self._excluded
+
+    @property
+    def nnodes(self) -> int:
+        """The nodes of the next step: the group's, less those left out."""
+        return self._config.nnodes - len(self._excluded)
+
+    @property
+    def world_size(self) -> int:
+        return self.ranks.count * self.nnodes
 
     @staticmethod
     def _check_rendezvous(config: LocalLauncherConfig) -> None:
@@ -102,7 +124,7 @@ class SlurmLauncher(LocalElasticLauncher):
             cfg.python,
             self._flags.spelled,
             ElasticSpec(
-                nnodes=cfg.nnodes,
+                nnodes=self.nnodes,
                 nproc_per_node=self.ranks.count,
                 rdzv_endpoint=f"{HEAD_PLACEHOLDER}:{slurm.rdzv_port}",
                 rdzv_id=launch_id,
@@ -117,12 +139,13 @@ class SlurmLauncher(LocalElasticLauncher):
         node = [cfg.python, "-m", "regional_agent.launch.slurm_node", "--scontrol", slurm.scontrol]
         environ = os.environ if self._environ is None else self._environ
         spec = SrunSpec(
-            nnodes=cfg.nnodes,
+            nnodes=self.nnodes,
             job_id=slurm.job_id or environ.get("SLURM_JOB_ID"),
             job_name=f"geofed-{launch_id}",
             partition=slurm.partition,
             time_limit=slurm.time_limit,
             extra_args=slurm.extra_args,
+            exclude=tuple(sorted(self._excluded)),
         )
         return srun_command(slurm.srun, spec, [*node, "--", *elastic])
 

@@ -130,6 +130,8 @@ class SrunSpec:
     partition: str | None = None
     time_limit: str | None = None
     extra_args: tuple[str, ...] = ()
+    exclude: tuple[str, ...] = ()
+    """Nodes the step must not run on (stragglers left out)."""
 
 
 def srun_command(srun: str, spec: SrunSpec, node_command: Sequence[str]) -> list[str]:
@@ -155,6 +157,8 @@ def srun_command(srun: str, spec: SrunSpec, node_command: Sequence[str]) -> list
         argv.append(f"--partition={spec.partition}")
     if spec.time_limit is not None:
         argv.append(f"--time={spec.time_limit}")
+    if spec.exclude:
+        argv.append(f"--exclude={','.join(spec.exclude)}")
     return [*argv, *spec.extra_args, *node_command]
 
 

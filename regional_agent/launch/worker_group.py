@@ -133,12 +133,9 @@ class WorkerGroup:
         """Launch the group and wait until every rank is ready (or raise, leaving nothing)."""
         if self._supervisor is not None or self._stopped:
             raise WorkerGroupError("a worker group is started once; build a new one to restart")
-        await asyncio.to_thread(self._prepare_workdir)
-        await self._launcher_call(self._launcher.start)
-        self._launched_at = self._retry.now()
-        self._supervisor = asyncio.create_task(self._supervise(), name="worker-group-supervisor")
+        await self._launch()
         try:
-            await wait_for(self._until_ready(), self._config.start_timeout_s, "worker group start")
+            await self._ready_within("worker group start")
         except BaseException:
             await self.stop()
             raise
@@ -177,6 +174,38 @@ class WorkerGroup:
         if self._stopped:
             return None
         self._stopped = True
+        await self._end_supervisor()
+        return await self._stop_launcher()
+
+    async def relaunch(self, why: str) -> None:
+        """Stop the group as :meth:`stop` does (the workers park their jobs: nothing is
+        lost) and launch it again, e.g. with nodes left out or back; rounds asked
+        meanwhile wait for it. Raises as :meth:`start` does, the group then stopped."""
+        async with self._round_lock:
+            self._check_running()
+            log.warning("relaunching the worker group: %s", why)
+            await self._end_supervisor()
+            await self._stop_launcher()
+            try:
+                await self._launch()
+                await self._ready_within("worker group relaunch")
+            except BaseException:
+                self._stopped = True
+                await self._end_supervisor()
+                await self._stop_launcher()
+                raise
+
+    async def _launch(self) -> None:
+        """Launch the workers and supervise them (:meth:`start` and :meth:`relaunch`)."""
+        await self._start_launcher()
+        self._supervisor = asyncio.create_task(self._supervise(), name="worker-group-supervisor")
+
+    async def _start_launcher(self) -> None:
+        await asyncio.to_thread(self._prepare_workdir)
+        await self._launcher_call(self._launcher.start)
+        self._launched_at = self._retry.now()
+
+    async def _end_supervisor(self) -> None:
         if self._supervisor is not None:
             self._supervisor.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
@@ -184,6 +213,9 @@ class WorkerGroup:
         if self._inflight is not None:
             with contextlib.suppress(Exception):
                 await self._inflight
+
+    async def _stop_launcher(self) -> int | None:
+        """Ask the workers to stop, kill what is left after the deadline; the status."""
         status: int | None = None
         if self._launcher.poll() is None and self._launcher.pid is not None:
             await asyncio.to_thread(self.handoff.request_stop)
@@ -218,6 +250,16 @@ class WorkerGroup:
             raise self._failure
         if self._supervisor is None or self._stopped:
             raise WorkerGroupNotRunning("the worker group is not running")
+
+    async def _ready_within(self, what: str) -> None:
+        """Wait for every rank to be ready; on expiry log the workers' last output, which
+        says where they stood (importing, in the rendezvous, warming up)."""
+        try:
+            await wait_for(self._until_ready(), self._config.start_timeout_s, what)
+        except Timeout:
+            tails = await asyncio.to_thread(self._log_tails)
+            log.warning("%s: not every rank was ready; last output:\n%s", what, tails)
+            raise
 
     async def _until_ready(self) -> None:
         while True:
@@ -308,9 +350,7 @@ class WorkerGroup:
             )
             await retry.wait(delay)
             await self._launcher_call(self._launcher.kill)
-            await asyncio.to_thread(self._prepare_workdir)
-            await self._launcher_call(self._launcher.start)
-            self._launched_at = retry.now()
+            await self._start_launcher()
             self._relaunches += 1
 
     def _log_tails(self) -> str:
@@ -331,6 +371,6 @@ def _tail(path: Path, lines: int, max_bytes: int = 64 * 1024) -> list[str]:
             size = f.tell()
             f.seek(max(0, size - max_bytes))
             text = f.read().decode(errors="replace")
-    except FileNotFoundError:
+    except OSError:  # gone, or unreadable: a tail is help, never a failure of its own
         return []
     return text.splitlines()[-lines:] if lines else []

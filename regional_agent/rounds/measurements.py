@@ -28,6 +28,8 @@ class RoundMeasurements:
         self._rule = rule or StragglerRule()
         self._watches: dict[str, StragglerWatch] = {}
         self._straggling: dict[str, tuple[int, ...]] = {}
+        #: job -> the round its latest verdict was made after, and the verdict.
+        self._verdicts: dict[str, tuple[int, StragglerVerdict]] = {}
 
     def record(
         self, job: str, round_: int, stats: TrainingStats, devices: int, precision: Precision
@@ -42,6 +44,7 @@ class RoundMeasurements:
             return None
         watch = self._watches.setdefault(job, StragglerWatch(self._rule))
         verdict = watch.observe(round_, stats.ranks)
+        self._verdicts[job] = (round_, verdict)
         self._metrics.ranks_measured(job, stats.ranks, verdict.ranks)
         before = self._straggling.get(job, ())
         if verdict.ranks != before:
@@ -52,7 +55,13 @@ class RoundMeasurements:
                 log.info("job %s: no straggling rank any more: %s", job, verdict.reason)
         return verdict
 
+    def verdict(self, job: str, round_: int) -> StragglerVerdict | None:
+        """The straggler verdict made after round ``round_`` of ``job`` (None: none was)."""
+        found = self._verdicts.get(job)
+        return found[1] if found is not None and found[0] == round_ else None
+
     def forget(self, job: str) -> None:
         """Drop an ended job's window."""
         self._watches.pop(job, None)
         self._straggling.pop(job, None)
+        self._verdicts.pop(job, None)

@@ -106,8 +106,8 @@ class Schedule:
         if command.action == "drain":
             self.draining = True
             return None
-        if job is None:
-            return None
+        if job is None or command.action == "checkpoint":
+            return None  # a checkpoint ask leaves the round running (the agent records it)
         if command.action == "resume":
             self._paused.discard(job)
             return None
@@ -186,6 +186,14 @@ class Schedule:
 
     def request_resync(self, job: str) -> None:
         self._resync.add(job)
+
+    def ended(self, job: str) -> bool:
+        """Whether ``job`` is over for this region (done or cancelled, as last announced
+        or commanded): nothing the region keeps for it outlives it."""
+        latest = self._latest.get(job)
+        return job in self._cancelled or (
+            latest is not None and latest.state in ("done", "cancelled")
+        )
 
     def paused(self, job: str) -> bool:
         return job in self._paused or (

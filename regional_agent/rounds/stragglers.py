@@ -61,6 +61,8 @@ class StragglerVerdict:
     ranks: tuple[int, ...]
     nodes: tuple[int, ...]
     reason: str
+    #: Each straggling node with its name (its Slurm node name, else its host name).
+    node_hosts: tuple[tuple[int, str], ...] = ()
 
 
 class StragglerWatch:
@@ -76,8 +78,8 @@ class StragglerWatch:
         window; a round already seen (a result read back again) changes nothing."""
         if self._last is not None and round_ <= self._last[0]:
             return self._last[1]
-        layout = [(t.rank, t.node) for t in timings]
-        if self._rounds and [(t.rank, t.node) for t in self._rounds[-1]] != layout:
+        layout = [(t.rank, t.node, t.host) for t in timings]
+        if self._rounds and [(t.rank, t.node, t.host) for t in self._rounds[-1]] != layout:
             # Other ranks (a relaunch on other nodes, another size): compare like with like.
             self._rounds.clear()
         self._rounds.append(tuple(timings))
@@ -127,8 +129,9 @@ def judge(rounds: Sequence[Sequence[RankTiming]], rule: StragglerRule) -> Stragg
             f"{statistics.median(ratios[rank]):.2f}x; latest {t.busy_seconds or 0.0:.3g} s busy "
             f"a step, {t.data_wait_seconds:.3g} s waiting for data in the round)"
         )
-    nodes = tuple(sorted({latest[rank].node for rank in stragglers}))
-    return StragglerVerdict(tuple(stragglers), nodes, "; ".join(parts))
+    node_hosts = tuple(sorted({(latest[rank].node, latest[rank].host) for rank in stragglers}))
+    nodes = tuple(sorted({node for node, _ in node_hosts}))
+    return StragglerVerdict(tuple(stragglers), nodes, "; ".join(parts), node_hosts)
 
 
 def _ratio(busy: float, peers: float) -> float:

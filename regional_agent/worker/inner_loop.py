@@ -217,14 +217,16 @@ def region_stats(
             totals.data_wait_seconds,
             unknown if totals.comm_seconds is None else totals.comm_seconds,
             unknown if totals.peak_memory_bytes is None else float(totals.peak_memory_bytes),
-            float(node_index()),
+            float(node_index(dist.get_rank(group))),
         ],
         dtype=torch.float64,
     )
     every = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
     dist.all_gather(every, mine, group=group)
     hosts: list[object] = [None] * len(every)
-    dist.all_gather_object(hosts, socket.gethostname(), group=group)
+    # The node's name as the scheduler knows it (what srun --exclude takes), else its host's.
+    name = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+    dist.all_gather_object(hosts, name, group=group)
     seconds, data_wait, comm, peak, _ = torch.stack(every).amax(dim=0).tolist()
     ranks = tuple(
         RankTiming(
@@ -250,11 +252,12 @@ def region_stats(
     )
 
 
-def node_index() -> int:
-    """This rank's node in its worker group, as the elastic launcher numbers them
-    (``GROUP_RANK``); 0 outside one."""
-    raw = os.environ.get("GROUP_RANK", "")
-    return int(raw) if raw.isdigit() else 0
+def node_index(rank: int) -> int:
+    """The node of ``rank`` in its worker group: the ranks are numbered head node first
+    (rank 0's node is 0), each node's ranks together (``LOCAL_WORLD_SIZE`` of them)."""
+    raw = os.environ.get("LOCAL_WORLD_SIZE", "")
+    per_node = int(raw) if raw.isdigit() and int(raw) > 0 else 1
+    return rank // per_node
 
 
 def _optimizer_step(

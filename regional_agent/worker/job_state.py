@@ -28,7 +28,7 @@ from torch import nn
 from geofed.lr_schedule import apply_lr
 from geofed.params import check_federated_state, parameters_vector_hash
 from geofed.task import Task, load_task
-from geofed.theta_file import ThetaReads, read_theta
+from geofed.theta_file import ThetaReads, hash_theta, read_theta
 from geofed.training_config import TrainingConfig, is_sharded
 from regional_agent.handoff.messages import RegionalCheckpoint, RoundInstruction
 from regional_agent.worker.activation_checkpointing import (
@@ -232,7 +232,9 @@ def read_base(model: nn.Module, path: str) -> BaseParams:
     it resident (a mapped file's pages would stay resident while mapped)."""
     base = read_theta(path)  # ThetaFileError is a ValueError
     check_federated_state(model, _declared(base))
-    return BaseParams(base, parameters_vector_hash(base))
+    # Hashed from the file in chunks: hashing the tensors would read all of θ at once.
+    digest = hash_theta(path) if isinstance(base, ThetaReads) else parameters_vector_hash(base)
+    return BaseParams(base, digest)
 
 
 def _declared(base: Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:

@@ -19,8 +19,10 @@ part fails the load on every rank and the state starts afresh, as after a crash 
 checkpoints).
 
 :func:`save_due` is the pure cadence: a save at the first round, then every
-``training.regional_checkpoint_every`` rounds; the worker also saves when it parks a job
-for another and when the group stops, so only a crash costs inner optimizer state.
+``training.regional_checkpoint_every`` rounds, and at once when the coordinator asks (a
+round announcement naming the region, for its hardware risk: the agent leaves the ask in
+the hand-off directory); the worker also saves when it parks a job for another and when
+the group stops, so only a crash costs inner optimizer state.
 """
 
 from __future__ import annotations
@@ -59,13 +61,19 @@ class SaveDecision:
     reason: str
 
 
-def save_due(round_: int, saved_round: int | None, every: int) -> SaveDecision:
+def save_due(
+    round_: int, saved_round: int | None, every: int, asked: int | None = None
+) -> SaveDecision:
     """Whether the optimizer state of round ``round_`` is to be saved.
 
-    ``saved_round`` is the round whose state the current checkpoint holds (None: none).
+    ``saved_round`` is the round whose state the current checkpoint holds (None: none);
+    ``asked``: the round from which the coordinator asked for a checkpoint (its hardware
+    risk; None: never), honoured once a state of that round or a later one is saved.
     """
     if saved_round is None:
         return SaveDecision(True, "no inner optimizer state is saved yet")
+    if asked is not None and saved_round < asked <= round_:
+        return SaveDecision(True, f"asked for from round {asked} (the region's hardware risk)")
     behind = round_ - saved_round
     if behind >= every:
         return SaveDecision(True, f"{behind} rounds since the last save (every {every})")

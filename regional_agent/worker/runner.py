@@ -42,9 +42,9 @@ trains the round serially. Under ``overlap: streaming`` the delta holds only the
 fragment (the request's ``names``) and a speculative round folds in only the tensors its
 ``fold`` names; a serial round loads θ whole, as under ``delayed``.
 
-Every idle poll and every training step starts with a tiny all-reduce (gloo, on the
-CPU) of each rank's stop wish (stop file, SIGTERM/SIGINT/SIGHUP, launcher gone), so
-all ranks stop at the same step and none is left waiting in a collective.
+Every training step, and an idle group at most every 0.5 s (``idle_agreement``), starts
+with a tiny all-reduce (gloo, on the CPU) of each rank's stop wish (stop file, signals,
+launcher gone), so all ranks stop at the same step and none is left in a collective.
 """
 
 from __future__ import annotations
@@ -75,6 +75,7 @@ from regional_agent.handoff.settings import WorkerSettings
 from regional_agent.worker.base_evaluation import evaluate_base
 from regional_agent.worker.delayed_round import DelayedFold, evaluator
 from regional_agent.worker.device_delta import hand_over_delta
+from regional_agent.worker.idle_agreement import IdleAgreement
 from regional_agent.worker.inner_checkpoint import (
     RoundIdentity,
     discard_inner_checkpoint,
@@ -90,7 +91,7 @@ from regional_agent.worker.inner_loop import (
 )
 from regional_agent.worker.inner_state import keep_inner_state, load_for_resume
 from regional_agent.worker.job_state import BaseParams, TaskFilesDiffer, WorkerJobState, read_base
-from regional_agent.worker.optimizer_checkpoint import save_due
+from regional_agent.worker.optimizer_checkpoint import SaveDecision, save_due
 from regional_agent.worker.parallelism import ParallelModel
 from regional_agent.worker.persistence import (
     park_job,
@@ -150,9 +151,15 @@ class RoundRunner:
     def serve(self) -> None:
         if self._rank == 0:
             self._migrate_legacy_checkpoint()
+        idle = IdleAgreement(self._rank)
         while True:
             pending = self._handoff.pending_instruction() if self._rank == 0 else None
-            stop, has_work = self._agree(self._wants_stop(), pending is not None)
+            wants_stop = self._wants_stop()
+            if idle.wait_alone(pending is not None, wants_stop):
+                time.sleep(self._settings.poll_interval_s)
+                continue
+            stop, has_work = self._agree(wants_stop, pending is not None)
+            idle.agreed()
             if stop:
                 log.info("stopping: %s", self._stop_reason() or "asked by another rank")
                 if self._state is not None:
@@ -651,7 +658,8 @@ class RoundRunner:
             self._control,
         )
         cursor = state.cursor + totals.micro_batches
-        params, delta, failure = self._hand_over(state, parallel, instruction, fold)
+        due = self._checkpoint_due(state, instruction)
+        params, delta, failure = self._hand_over(state, parallel, instruction, fold, due.save)
         (failed,) = self._agree(failure is not None)
         if failed:
             self._state = None  # as a diverged round: resume from the last checkpoint
@@ -662,7 +670,10 @@ class RoundRunner:
             return
         # The optimizer state is saved sharded, every few rounds; the record rank 0
         # writes names the one saved last.
-        self._save_optimizer_if_due(state, parallel, optimizer, instruction.round)
+        if due.save:
+            save_job_optimizer(
+                self._place, state, parallel, optimizer, instruction.round, due.reason
+            )
         if self._rank == 0:
             summary = RoundSummary(
                 job=instruction.job,
@@ -702,41 +713,30 @@ class RoundRunner:
         parallel: ParallelModel,
         instruction: RoundInstruction,
         fold: DelayedFold | None,
+        checkpoint_round: bool,
     ) -> tuple[Mapping[str, torch.Tensor] | None, WrittenDelta | None, str | None]:
         """What the round hands the agent: θ whole on rank 0, or the quantized delta an
         instruction's ``delta`` asks for; and rank 0's failure, if any (a collective under
-        FSDP: every rank takes part)."""
+        FSDP: every rank takes part). The residual's tensors are written with the
+        regional checkpoint (``checkpoint_round``)."""
         request = instruction.delta
         if request is None:
             return parallel.full_state(), None, None  # rank 0 receives the whole
         base_path = (fold.base_path if fold is not None else "") or instruction.base_params
-        # The residual's tensors are written with the regional checkpoint: the same
-        # cadence, decided before this round's save.
-        checkpoint_round = save_due(
-            instruction.round,
-            state.saved_optimizer_round,
-            self._settings.regional_checkpoint_every,
-        ).save
         delta, failure, self._residual = hand_over_delta(
             self._place, request, instruction, base_path, parallel, checkpoint_round, self._residual
         )
         return None, delta, failure
 
-    def _save_optimizer_if_due(
-        self,
-        state: WorkerJobState,
-        parallel: ParallelModel,
-        optimizer: torch.optim.Optimizer,
-        round_: int,
-    ) -> None:
-        """Save the optimizer state of ``round_`` when rank 0's cadence says so (a
-        collective; only rank 0's settings count, so every rank decides alike)."""
-        decision = save_due(
-            round_, state.saved_optimizer_round, self._settings.regional_checkpoint_every
-        )
+    def _checkpoint_due(self, state: WorkerJobState, instruction: RoundInstruction) -> SaveDecision:
+        """Whether this round saves the regional checkpoint (optimizer state, residual):
+        rank 0's cadence and the agent's ask decide for every rank (a collective)."""
+        job, round_ = instruction.job, instruction.round
+        asked = self._handoff.checkpoint_asked(job) if self._rank == 0 else None
+        every = self._settings.regional_checkpoint_every
+        decision = save_due(round_, state.saved_optimizer_round, every, asked)
         (due,) = self._agree(self._rank == 0 and decision.save)
-        if due:
-            save_job_optimizer(self._place, state, parallel, optimizer, round_, decision.reason)
+        return SaveDecision(due, decision.reason)
 
     def _park(self, state: WorkerJobState, why: str) -> None:
         """Park ``state`` (:func:`~regional_agent.worker.persistence.park_job`, a collective)

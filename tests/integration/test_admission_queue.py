@@ -104,11 +104,12 @@ async def test_the_queue_from_the_command_line_and_across_a_restart(
             assert await _geofed("queue") == 0
             lines = capsys.readouterr().out.splitlines()
             assert lines[0].split() == [
-                "POSITION", "JOB", "STATE", "PRIORITY", "TEAM", "WAIT", "REASON"
+                "POSITION", "JOB", "STATE", "PRIORITY", "TEAM", "WAIT", "ESTIMATE", "REASON"
             ]  # fmt: skip
             assert lines[1].split()[:5] == ["1", "second", "queued", "production", "default"]
             assert "0 of 1 CPU worker slots free" in lines[1]
             assert lines[2].split()[:5] == ["-", "first", "running", "research", "nlp"]
+            assert lines[2].split()[5:7] == ["-", "-"], "no wait; no price table, no estimate"
 
             assert await _geofed("job", "status", "second") == 0
             out = capsys.readouterr().out

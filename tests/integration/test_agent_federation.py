@@ -39,6 +39,7 @@ from tests.support.coordinator import (
     job_yaml,
     write_setup,
 )
+from tests.support.waiting import eventually
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -86,6 +87,14 @@ async def test_two_agents_train_a_job_through_an_agent_crash(tmp_path: Path) -> 
                     "the Last Will of the killed agent",
                 )
                 await group.start("us-east")
+                # While the job runs (round 2 waits for us-east), a checkpoint ask (a
+                # hardware risk) is left for eu-west's workers, the agent running on.
+                topic = Topics(FEDERATION).region_commands("eu-west")
+                ask = Command(action="checkpoint", job=JOB, round=7, reason="hardware risk")
+                await watcher.client.publish(topic, encode(ask))
+                asked = setup.root / "agents" / "eu-west" / "workers" / "jobs" / JOB
+                await eventually(lambda: (asked / "checkpoint-asked").is_file(), timeout_s=30)
+                assert (asked / "checkpoint-asked").read_text() == "7\n"
 
                 await watcher.until(
                     lambda: all(delivered(watcher, r, 2) for r in REGIONS),
@@ -99,9 +108,11 @@ async def test_two_agents_train_a_job_through_an_agent_crash(tmp_path: Path) -> 
                         if job["state"] != "running":
                             break
                         await asyncio.sleep(0.2)
-                # A drained agent finishes what it does and exits 0 on its own.
+                # The job's files (the ask among them) went with it; a drained agent
+                # finishes what it does and exits 0.
+                await eventually(lambda: not (asked / "checkpoint-asked").exists(), timeout_s=30)
+                assert group.procs["eu-west"].returncode is None
                 drain = Command(action="drain", reason="maintenance")
-                topic = Topics(FEDERATION).region_commands("eu-west")
                 await watcher.client.publish(topic, encode(drain))
                 assert await asyncio.wait_for(group.procs["eu-west"].wait(), 30) == 0
                 assert group.procs["us-east"].returncode is None

@@ -1,5 +1,5 @@
-"""The convergence, round-overhead, training-throughput and hand-off benchmarks run end to
-end in their smoke modes.
+"""The convergence, baseline, round-overhead, training-throughput and hand-off benchmarks
+run end to end in their smoke modes.
 
 These check that the benchmarks still run and write figures of the right shape and of
 sane magnitude; they assert nothing about speed. The round-overhead benchmark measures
@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from benchmarks import convergence, handoff, round_overhead, training_throughput
+from benchmarks import baseline, convergence, handoff, round_overhead, training_throughput
 
 LN_256 = math.log(256)
 
@@ -223,6 +223,40 @@ def test_overlap_sweep_smoke_chooses_a_fold_and_confirms_it_against_none(tmp_pat
     assert len(sweep["targets"]) == 1
     seeds = {r["seed"] for c in report["configs"].values() for r in c["runs"]}
     assert seeds == {0, 1}
+
+
+def test_baseline_smoke_tunes_both_methods_and_pairs_every_row_with_the_baseline(
+    tmp_path: Path,
+) -> None:
+    out = tmp_path / "baseline.json"
+    assert baseline.main(["--smoke", "--out", str(out)]) == 0
+    report = _load(out)
+
+    assert report["benchmark"] == "baseline"
+    assert report["machine"]["git"]
+    assert set(report["grid"]) == {"sync@0.003", "sync@0.006", "diloco@0.003", "diloco@0.006"}
+    for method in ("sync", "diloco"):
+        means = {lr: report["grid"][f"{method}@{lr:g}"]["mean"] for lr in (0.003, 0.006)}
+        assert report["chosen_lr"][method] == min(means, key=means.__getitem__)
+    rows = report["rows"]
+    assert set(rows) == {"sync", "diloco", "streaming_h", "streaming_h_long", "replicas"}
+    # The table runs on seeds the choice did not see.
+    assert {r["seed"] for r in report["runs"] if "@" in r["config"]} == {0, 1}
+    assert {r["seed"] for r in report["runs"] if "@" not in r["config"]} == {2, 3}
+    chosen_sync = report["grid"][f"sync@{report['chosen_lr']['sync']:g}"]
+    assert rows["sync"]["finals"] != chosen_sync["finals"]
+    for name, row in rows.items():
+        assert row["n"] == 2, name
+        assert all(1.0 < loss < LN_256 + 0.5 for loss in row["finals"]), name
+    for name, gap in report["gaps_vs_sync"].items():
+        pairs = zip(rows["sync"]["finals"], rows[name]["finals"], strict=True)
+        differences = [o - b for b, o in pairs]
+        assert gap["mean"] == pytest.approx(sum(differences) / 2)
+        assert gap["low"] <= gap["mean"] <= gap["high"]
+    tokens = {run["tokens"] for run in report["runs"]}
+    assert len(tokens) == 1, "every run must see the same tokens"
+    assert len(report["runs"]) == 2 * 2 * 2 + 5 * 2
+    assert "published (35M, C4)" in out.with_suffix(".md").read_text()
 
 
 def test_handoff_smoke_times_both_ways_on_real_files(tmp_path: Path) -> None:

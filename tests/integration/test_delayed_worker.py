@@ -32,7 +32,7 @@ from tests.support.worker_group import DelayedRegion, instruction, save_state, w
 pytestmark = pytest.mark.integration
 on_module_loop = pytest.mark.asyncio(loop_scope="module")
 
-STEPS = 150  # long enough that θ can come while the round trains
+STEPS = 60  # long enough that θ can come while the round trains
 
 
 class Group(DelayedRegion):

@@ -30,7 +30,7 @@ from tests.support.worker_group import DelayedRegion, instruction, save_state
 pytestmark = pytest.mark.integration
 on_module_loop = pytest.mark.asyncio(loop_scope="module")
 
-STEPS = 60
+STEPS = 20
 LATE_S = 1.0  # S comes this long after the instruction: the ranks must wait for it
 
 

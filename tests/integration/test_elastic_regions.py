@@ -23,7 +23,11 @@ from tests.support.observe import audit_entries
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
-ROUNDS = 48  # about 20 s of rounds: the job must outlast the operator calls below
+# The job must outlast the operator calls below: the refusals come by about round 7 and
+# the coordinator's restart by about round 10 on a busy machine (a quiet one trains more
+# rounds in that time, hence the margin); later rounds only show that the restarted
+# coordinator runs on the durable assignment.
+ROUNDS = 32
 REGIONS = ("eu-west", "us-east", "ap-south")
 DATASETS = {
     "eu-west": ["eu-parliament-proceedings"],

@@ -72,7 +72,8 @@ async def test_export_rebuilds_the_published_model(tmp_path: Path) -> None:
         assert summary["parameters_hash"] == final["params_hash"]
         state = load_file(st_file)
         assert parameters_vector_hash(state) == final["params_hash"]
-        assert evaluate(spec, state) == pytest.approx(loss["value"], rel=1e-6, abs=1e-7)
+        reproduced = evaluate(spec, state)
+        assert reproduced == pytest.approx(loss["value"], rel=1e-6, abs=1e-7)
         with safe_open(st_file, "pt") as opened:
             meta = opened.metadata()
         assert meta["job"] == job
@@ -129,7 +130,6 @@ async def test_export_rebuilds_the_published_model(tmp_path: Path) -> None:
         assert evaluate(spec, loaded["state_dict"]) == pytest.approx(loss["value"], rel=1e-6)
         for name, tensor in state.items():
             assert torch.equal(tensor, loaded["state_dict"][name]), name
-        reproduced = evaluate(spec, state)
         print(
             f"export round trip: safetensors {st_file.stat().st_size} B, torch "
             f"{pt_file.stat().st_size} B, {summary['parameters']} parameters in "

@@ -1,11 +1,16 @@
 """A regional agent killed with SIGKILL in the middle of its upload, twice.
 
 A real federation (embedded broker, coordinator and two agents as processes, mutual TLS,
-SQLite), each round with a fixed deadline and a quorum of one. eu-west reaches the
+SQLite), a quorum of one. The round eu-west is first killed in, and stays down through,
+has a short deadline (round 0's median arrival, at least 10 s): only the test waits for
+it to pass. Every other round's is 60 s, long enough for a killed agent's restart and
+resume within its round (a round both regions deliver closes at once, whatever its
+deadline). eu-west reaches the
 coordinator through a userspace WAN proxy (``tests/support/wanproxy.py``) whose upstream
 is capped at a few KB/s, so its delta takes seconds to go out; it is killed (the agent's
 process group) once the coordinator has spooled some of the delta's frames but not all.
-An observer records every status and round announcement on the broker.
+An observer records every status and round announcement on the broker. Nothing is
+evaluated (``evaluation: none``): no assertion here looks at a loss.
 
 * Past the deadline: eu-west stays down until its round closes without it. Restarted,
   it drops its stale delta, syncs to the latest published parameters and delivers
@@ -61,9 +66,29 @@ ROUNDS = 5
 #: On from the start: a round's upload follows the previous publication too closely to
 #: switch the cap on in between.
 CAP_BPS = 4_000
-#: Each round's fixed deadline (the coordinator's upload_s is below): long enough for a
-#: capped upload, and for a killed agent's restart and resume within its round.
-DEADLINE_S = 30
+#: The deadline of round 0 and of every round from 2 on: long enough for a capped upload,
+#: and for a killed agent's restart and resume within its round on a loaded machine (a
+#: restart starts three torch processes: the agent, its launcher and its rank).
+DEADLINE_S = 60
+#: The killed round's deadline at least (the median arrival of round 0 if longer): the
+#: dead agent's round only has to close without it. Above the coordinator's upload_s.
+KILLED_DEADLINE_S = 10
+#: The job's adaptive deadline (coordinator/rounds/deadline.py) set to give exactly that:
+#: round 0 has no samples (initial_s); round 1 has round 0's two, whose median (k = 0, no
+#: slack) is clamped to at least min_s; from round 2 on the straggler of round 1 is in the
+#: window (any share of stragglers grows it), so it grows 10-fold and is capped at max_s.
+DEADLINE = {
+    "initial_s": DEADLINE_S,
+    "min_s": KILLED_DEADLINE_S,
+    "max_s": DEADLINE_S,
+    "min_samples": 2,
+    "k": 0,
+    "min_slack_ratio": 0,
+    "straggler_fraction": 0,
+    "growth": 10,
+}
+#: The coordinator's spool has settled once it went this long without a change.
+SETTLE_S = 1.0
 
 
 def spooled_frames(fed: FederationRun, region: str, round_: int) -> set[int]:
@@ -82,30 +107,28 @@ def agent_spool(fed: FederationRun, region: str, round_: int) -> Path:
     return fed.work / "agents" / region / "jobs" / fed.job / "spool" / f"round-{round_}"
 
 
-def configure(
-    proxy: WanProxy, *, deadline_s: int | None = None
-) -> Callable[[str, dict[str, Any]], None]:
+def configure(proxy: WanProxy) -> Callable[[str, dict[str, Any]], None]:
     """Route the slow region through ``proxy``; one worker per region (the fault is the
-    agent's); with ``deadline_s``, a fixed short deadline and a quorum of one."""
+    agent's); the deadlines above, a quorum of one, no evaluation."""
 
     def customize(name: str, data: dict[str, Any]) -> None:
         if name == "coordinator":
             proxy.target_port = int(data["listen"]["port"])
-            if deadline_s is not None:
-                data["timeouts"] = {
-                    "connect_s": 5,
-                    "heartbeat_s": 2,
-                    "request_s": 5,
-                    "upload_s": deadline_s // 2,
-                    "download_s": deadline_s // 2,
-                    "round_deadline_s": 2 * deadline_s,
-                }
+            data["timeouts"] = {
+                "connect_s": 5,
+                "heartbeat_s": 2,
+                "request_s": 5,
+                "upload_s": KILLED_DEADLINE_S - 2,
+                "download_s": KILLED_DEADLINE_S - 2,
+                "round_deadline_s": 2 * DEADLINE_S,
+            }
         elif name.startswith("agent-"):
             if name == f"agent-{SLOW}":
                 data["coordinator_url"] = f"https://localhost:{proxy.port}"
-        elif name == "job" and deadline_s is not None:
+        elif name == "job":
             data["min_regions"] = 1
-            data["deadline"] = {"initial_s": deadline_s, "min_s": deadline_s, "max_s": deadline_s}
+            data["deadline"] = DEADLINE
+            data["evaluation"] = {"where": "none"}
 
     return customize
 
@@ -155,11 +178,14 @@ async def kill_mid_upload(
         killed=f"agent-{SLOW}",
     )
     # With the connections closed nothing new can come; the spool has settled once 1 s
-    # passes without a change (a received frame is written within milliseconds).
-    held: set[int] | None = None
-    while (now := spooled_frames(fed, SLOW, round_)) != held:
-        held = now
-        await asyncio.sleep(1.0)
+    # passes without a change (a received frame is written within milliseconds). Looked
+    # at every 0.1 s: a change restarts the second from when it was seen.
+    held = spooled_frames(fed, SLOW, round_)
+    changed_at = time.monotonic()
+    while time.monotonic() - changed_at < SETTLE_S:
+        await asyncio.sleep(0.1)
+        if (now := spooled_frames(fed, SLOW, round_)) != held:
+            held, changed_at = now, time.monotonic()
     # Several frames travel at once (transfer.upload_window), so the held ones need not
     # be the first ones; the kill came before the last one.
     assert 0 < len(held) < len(sizes), (held, len(sizes))
@@ -168,7 +194,7 @@ async def kill_mid_upload(
 
 @contextlib.asynccontextmanager
 async def slow_federation(
-    tmp_path: Path, *, rounds: int, seed: int, deadline_s: int | None = None
+    tmp_path: Path, *, rounds: int, seed: int
 ) -> AsyncIterator[tuple[FederationRun, WanProxy, ControlObserver]]:
     """Both regions training under an observer, the slow one through a capped proxy."""
     proxy = WanProxy(
@@ -181,7 +207,7 @@ async def slow_federation(
             regions=REGIONS,
             rounds=rounds,
             inner_steps=INNER_STEPS,
-            customize=configure(proxy, deadline_s=deadline_s),
+            customize=configure(proxy),
         ) as (fed, observer),
     ):
         try:
@@ -193,11 +219,7 @@ async def slow_federation(
 async def test_an_agent_killed_mid_upload_rejoins_or_resumes_and_loses_only_its_rounds(
     tmp_path: Path,
 ) -> None:
-    async with slow_federation(tmp_path, rounds=ROUNDS, seed=2, deadline_s=DEADLINE_S) as (
-        fed,
-        proxy,
-        observer,
-    ):
+    async with slow_federation(tmp_path, rounds=ROUNDS, seed=2) as (fed, proxy, observer):
         # Down past the deadline: the round closes with the quorum of one, without it.
         await fed.wait_round(KILLED_ROUND)
         lost = await kill_mid_upload(fed, proxy, observer, KILLED_ROUND)
@@ -232,7 +254,11 @@ async def test_an_agent_killed_mid_upload_rejoins_or_resumes_and_loses_only_its_
         accepted_at, report = observer.accepted(SLOW, resumed_round)[-1]
         upstream_resumed = proxy.stats().bytes_upstream - upstream_before
 
-        final = await fed.wait_completed(timeout_s=WAIT_S + ROUNDS * DEADLINE_S)
+        final = await fed.wait_for(
+            lambda job: job.get("state") == "completed",
+            timeout_s=WAIT_S + (ROUNDS - resumed_round) * DEADLINE_S,
+            what="the job to complete",
+        )
         entries = await audit_entries(fed, job=fed.job, verify=True)
         metrics = await fed.metrics_text()
         check_same_parameters(

@@ -1,12 +1,15 @@
 """One region partitioned from the coordinator for longer than a round's deadline.
 
-A coordinator and three regional agents as real processes, Mosquitto with mutual TLS,
-and ap-south's data plane (HTTPS to the coordinator) routed through a userspace WAN
-proxy (tests/support/wanproxy.py) with 100 ms of latency each way, so that its round 1
-takes seconds. Once ap-south's delta of round 0 is accepted, its link is partitioned:
-everything it sends is held, nothing comes back. The job needs a quorum of 2 of 3; the
-coordinator quarantines a region after 2 bad rounds in a row, for a cool-down of 8
-rounds. The link heals, without latency, once ap-south is quarantined.
+A coordinator and two regional agents (eu-west and ap-south) as real processes,
+Mosquitto with mutual TLS, and ap-south's data plane (HTTPS to the coordinator) routed
+through a userspace WAN proxy (tests/support/wanproxy.py) with 100 ms of latency each
+way, so that its round 1 takes seconds. Once ap-south's delta of round 0 is accepted, its
+link is partitioned: everything it sends is held, nothing comes back. The job needs a
+quorum of 1 of 2 and adapts its deadline from 2 samples on (slack: one spread, not
+three), growing it when more than 30% of the samples are stragglers; the coordinator
+quarantines a region after 2 bad rounds in a row, for a cool-down of 8 rounds. The link
+heals, without latency, once ap-south is quarantined. Nothing is evaluated
+(``evaluation: none``): no assertion here looks at a loss.
 
 What it proves (the issue's scenarios 5 and 7):
 
@@ -44,7 +47,19 @@ COOLDOWN = 8  # rounds sat out (half a second each at best): time to look at the
 BACK = 3 + COOLDOWN  # quarantined after round 2, let back in for this round
 ROUNDS = BACK + 1
 CUT = "ap-south"  # the partitioned region
-DEADLINE = {"initial_s": 30.0, "min_s": 8.0, "max_s": 30.0}
+#: Two regions: one to partition, one to carry the rounds with the quorum of one.
+REGIONS = ("eu-west", CUT)
+# Round 0's two arrivals are enough to adapt round 1's deadline; round 2 counts 1
+# straggler in 4 samples (25%, no growth), round 3 2 in 6 (33%, grown). With k = 1 the
+# spread of so few samples does not push the rounds waited out (1 and 2) past min_s.
+DEADLINE = {
+    "initial_s": 30.0,
+    "min_s": 8.0,
+    "max_s": 30.0,
+    "min_samples": 2,
+    "k": 1.0,
+    "straggler_fraction": 0.3,
+}
 QUARANTINE = {"max_consecutive_bad": 2, "cooldown_rounds": COOLDOWN}
 # The deadline's min_s must exceed the coordinator's upload_s.
 COORDINATOR_TIMEOUTS = {
@@ -85,12 +100,18 @@ async def test_a_partitioned_region_straggles_is_quarantined_and_catches_up(
                 if name == f"agent-{CUT}":
                     data["coordinator_url"] = f"https://localhost:{wan.port}"
             elif name == "job":
-                data["min_regions"] = 2
+                data["min_regions"] = 1
                 data["deadline"] = DEADLINE
+                data["evaluation"] = {"where": "none"}
 
         async with (
             running_federation(
-                tmp_path, rounds=ROUNDS, inner_steps=3, broker="mosquitto", customize=customize
+                tmp_path,
+                regions=REGIONS,
+                rounds=ROUNDS,
+                inner_steps=3,
+                broker="mosquitto",
+                customize=customize,
             ) as fed,
             ControlObserver.with_certificate(fed).running() as observer,
         ):
@@ -180,7 +201,9 @@ async def _scenario(
     assert job["quarantined"] == {}, job
     metrics = await fed.metrics_text()
     assert sample(metrics, "geofed_region_quarantined", job=fed.job, region=CUT) == 0
-    await fed.wait_completed(timeout_s=120)
+    await fed.wait_for(
+        lambda s: s.get("state") == "completed", timeout_s=120, what="the job to complete"
+    )
     await stop_agents(fed)
 
     entries = await audit_entries(fed, job=fed.job)
@@ -207,8 +230,8 @@ async def _scenario(
     assert set(deadlines) == set(range(ROUNDS)), deadlines
     assert deadlines[0] == pytest.approx(DEADLINE["initial_s"], abs=0.01)
     assert deadlines[1] < deadlines[0], deadlines
-    # Rounds 1 and 2 each had one straggler: 2 of round 3's 9 samples (22% > 20%), so
-    # its deadline grew to at least 1.5 x the last one, however fast the others were.
+    # Rounds 1 and 2 each had one straggler: 2 of round 3's 6 samples (33% > 30%), so
+    # its deadline grew to at least 1.5 x the last one, however fast the other was.
     assert deadlines[3] >= min(DEADLINE["max_s"], 1.5 * deadlines[2]) - 0.01, deadlines
     for round_, value in deadlines.items():
         assert DEADLINE["min_s"] - 0.01 <= value <= DEADLINE["max_s"] + 0.01, (round_, value)

@@ -16,13 +16,13 @@ with every region's delta; every region ends on the parameters the coordinator
 published; the coordinator stored each accepted delta's bytes once (no acknowledged
 chunk was sent twice).
 
-What it measures, and prints: the bytes re-sent. The agents' own counters see the
-uploader's retries (upload bytes beyond the accepted deltas) and downloads resumed
-(bytes beyond the artifacts needed); but aiohttp repeats an idempotent request (a chunk
-PUT, a GET) once by itself when a reused keep-alive connection drops, which no agent
-counter sees. So the same job also runs as a control, through the same proxies with no
-reset: the difference in what the proxies carried is what the resets cost on the wire
-(repeated requests and new TLS handshakes included).
+What it measures, and prints: the bytes re-sent, as the agents' own counters see them
+(upload bytes beyond the accepted deltas, download bytes beyond the artifacts needed)
+and what each proxy carried. aiohttp repeats an idempotent request (a chunk PUT, a GET)
+once by itself when a reused keep-alive connection drops, which no agent counter sees;
+the proxies' totals include it. (That a link planned with no reset resets nothing is
+tested on the planner alone: test_wanproxy.py's
+test_plan_reset_edges_never_and_always_within_the_window.)
 """
 
 from __future__ import annotations
@@ -59,8 +59,6 @@ def link(share: float) -> LinkSettings:
 def seeds(settings: LinkSettings, count: int) -> list[int]:
     """From SEED on, the first ``count`` seeds whose plan resets a proxy's first connection
     within HANDSHAKE_BYTES."""
-    if settings.reset_probability == 0:
-        return [SEED + i for i in range(count)]
     found: list[int] = []
     seed = SEED
     while len(found) < count:
@@ -87,8 +85,8 @@ def needed_download_bytes(fed: FederationRun) -> int:
     raise AssertionError("no checkpoint location holds the job")
 
 
-@pytest.mark.parametrize("share", [0.3, 0.0], ids=["30-percent-reset", "control"])
-async def test_training_completes_when_connections_reset(tmp_path: Path, share: float) -> None:
+async def test_training_completes_when_30_percent_of_connections_reset(tmp_path: Path) -> None:
+    share = 0.3
     settings = link(share)
     async with AsyncExitStack() as stack:
         proxies: dict[str, WanProxy] = {}
@@ -163,11 +161,8 @@ async def _check(
     stats = {region: proxy.stats() for region, proxy in proxies.items()}
     resets = sum(s.connections_reset for s in stats.values())
     connections = sum(s.connections_accepted for s in stats.values())
-    if share:
-        # Each proxy's first connection was planned to reset within its TLS handshake.
-        assert all(s.connections_reset >= 1 for s in stats.values()), stats
-    else:
-        assert resets == 0, stats
+    # Each proxy's first connection was planned to reset within its TLS handshake.
+    assert all(s.connections_reset >= 1 for s in stats.values()), stats
 
     needed_down = needed_download_bytes(fed)
     lines = []

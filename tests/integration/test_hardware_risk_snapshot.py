@@ -1,11 +1,13 @@
 """A region whose GPU starts counting uncorrectable memory errors gets its job snapshotted
-at once, with the real coordinator, over MQTT and HTTPS.
+at once, a regional checkpoint asked of it, and then drained, with the real coordinator,
+over MQTT and HTTPS.
 
 The job snapshots every 2 rounds, so θ_1 is normally not snapshotted. eu-west's status
 reports its node; between its first status and round 0's publication it reports two new
 uncorrectable ECC errors: the hardware risk passes 0.7, round 0's publication snapshots
-θ_1 and the job's status gives the risk and why; the next round, the risk unchanged, the
-interval rules again.
+θ_1, eu-west (only) gets a ``checkpoint`` command from round 1 on, and the job's status
+gives the risk and why. Two errors more before round 1's publication take the risk
+past the drain threshold (0.9): eu-west is sent a ``drain`` command.
 """
 
 from __future__ import annotations
@@ -17,11 +19,19 @@ from typing import Any
 import pytest
 
 from coordinator.storage.checkpoints import CheckpointStore
-from geofed.control import ControlClient, HardwareSummary, RegionStatus, Topics, encode
+from geofed.control import (
+    Command,
+    ControlClient,
+    HardwareSummary,
+    RegionStatus,
+    Topics,
+    encode,
+)
 from geofed.control.broker import EmbeddedBroker
 from tests.support.coordinator import (
     Announcements,
     Running,
+    Subscribed,
     coordinator,
     job_yaml,
     request,
@@ -65,7 +75,13 @@ async def deliver(running: Running, round_: int, base: str) -> None:
 
 
 async def test_new_uncorrectable_errors_get_the_job_snapshotted_at_once(tmp_path: Any) -> None:
-    async with EmbeddedBroker() as broker, Announcements(broker.port) as announcements:
+    async with (
+        EmbeddedBroker() as broker,
+        Announcements(broker.port) as announcements,
+        Subscribed(
+            broker.port, Topics("acme").region_commands("eu-west"), Command, "eu-west-commands"
+        ) as commands,
+    ):
         setup = write_setup(tmp_path, broker.port)
         async with coordinator(setup) as running:
             await report(broker.port, ecc=0)
@@ -88,9 +104,22 @@ async def test_new_uncorrectable_errors_get_the_job_snapshotted_at_once(tmp_path
             risk = job["snapshot"]["risk"]
             assert risk["score"] == pytest.approx(0.85)
             assert risk["reason"] == "eu-west: 2 new uncorrectable ECC error(s) (0.85)"
+            ask = await asyncio.wait_for(commands.queue.get(), timeout=10)
+            assert (ask.action, ask.job, ask.round) == ("checkpoint", "tiny", 1)
+            assert commands.queue.empty(), "0.85 is below the drain threshold"
 
+            await report(broker.port, ecc=4)
+            await seen(running, 4)
             await deliver(running, 1, second.base_hash)
             await announcements.until(round=2, state="open")
+            # The risk rose by 0.1 more: another snapshot, another ask, then the drain.
+            again = await asyncio.wait_for(commands.queue.get(), timeout=10)
+            assert (again.action, again.round) == ("checkpoint", 2)
+            drain = await asyncio.wait_for(commands.queue.get(), timeout=10)
+            assert (drain.action, drain.job) == ("drain", "tiny")
+            assert drain.reason == (
+                "hardware risk 0.95 reached 0.9: 4 new uncorrectable ECC error(s) (0.95)"
+            )
 
         store = CheckpointStore("eu-ckpt", tmp_path / "ckpt" / "eu")
         snapshots = [e.round for e in store.entries("tiny") if e.kind.value == "snapshot"]

@@ -13,6 +13,7 @@ import contextlib
 import csv
 import io
 import json
+import re
 import sqlite3
 import time
 from datetime import UTC, datetime
@@ -38,6 +39,8 @@ ROUNDS = 3
 UPLOAD_PER_GB = {"eu-west": 0.09, "us-east": 0.12}
 DOWNLOAD_PER_GB = 0.05
 STORAGE_PER_GB_MONTH = 0.02
+#: alpha's budget: below what its WAN and storage cost.
+BUDGET = 1e-9
 
 
 def priced(name: str, config: dict[str, Any]) -> None:
@@ -75,8 +78,30 @@ async def test_jobs_sharing_regions_keep_their_own_regional_state(tmp_path: Path
     ) as fed:
         spec = fed.job_spec()
         for job in JOBS:
-            status, body = await fed.submit({**spec, "job": job})
+            budget = {"budget": BUDGET} if job == "alpha" else {}
+            status, body = await fed.submit({**spec, "job": job, **budget})
             assert status == 201, body
+            # No GPUs stated: nothing to price before a round is measured.
+            assert body["cost_estimate"] == {
+                "currency": "EUR",
+                "amount": None,
+                "reason": "the job states no GPUs: no GPU time to estimate",
+                "budget": None
+                if job == "beta"
+                else {
+                    "amount": BUDGET,
+                    "expected": None,
+                    "within": None,
+                    "basis": "the job states no GPUs: no GPU time to estimate",
+                },
+            }, body
+        queue = await fed.get("/v1/queue")
+        assert {
+            r["job"]: (r["cost_estimate"]["budget"] or {}).get("amount") for r in queue["jobs"]
+        } == {
+            "alpha": BUDGET,
+            "beta": None,
+        }
         for job in JOBS:
             await fed.wait_for(
                 lambda s: s.get("state") == "completed",
@@ -166,6 +191,17 @@ async def usage_is_priced_as_computed_by_hand(fed: FederationRun, state_dir: Pat
         assert status["cost"]["currency"] == "EUR"
         assert status["cost"]["total"] == pytest.approx(float(row["total"]), rel=0.01)
         assert status["cost"]["projected_total"] is None  # it ended: no projection
+        # alpha's budget against what it cost: over it (the budget is tiny on purpose).
+        budget = status["cost_estimate"]["budget"]
+        if job == "alpha":
+            assert budget["expected"] == pytest.approx(status["cost"]["total"])
+            assert (budget["within"], budget["basis"]) == (False, "what it cost"), budget
+            shown = await operator_cli(fed, "job", "status", job)
+            assert re.search(
+                r"budget 0.00 EUR: expected [0-9.]+, OVER \(what it cost\)", shown.stdout
+            )
+        else:
+            assert budget is None
     async with fed.http.get(f"{fed.base}/ui?part=main") as response:
         assert response.status == 200
         page = await response.text()

@@ -11,6 +11,10 @@ alert or an empty panel; the failure names the alert or panel.
 A series that appears only at its first increment is a failure too: ``increase()`` over
 a counter born at 1 is 0, so the alert on it would miss the first event.
 
+The same federation traces its rounds (``tracing`` in every daemon's config, a fake OTLP
+collector at the outer edge, ``tests/support/otlp_collector.py``): each round is one
+trace, the coordinator's ``round`` span with the regions' spans of it under it.
+
 The regions train on the CPU. Their MFU is exported because the agents are given a peak
 (``workers.peak_flops``), as an operator of CPU regions would; the names the catalogue
 marks accelerator-only (``regional_agent.metrics.ACCELERATOR_ONLY``: peak GPU memory)
@@ -42,7 +46,9 @@ from regional_agent import metrics as agent_metrics
 from regional_agent.node_telemetry import open_nvml
 from tests.support.federation import FEDERATION, FederationRun, running_federation
 from tests.support.monitoring import DASHBOARD, RULES, catalogued, queries
+from tests.support.otlp_collector import CollectedSpan, otlp_collector
 from tests.support.promql import selectors
+from tests.support.waiting import eventually
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -85,11 +91,14 @@ def uses() -> Iterator[Use]:
         yield Use(f"variable ${variable['name']}", match["metric"], match["label"])
 
 
-def configured(scheduling: Path) -> Callable[[str, dict[str, Any]], None]:
+def configured(scheduling: Path, collector: str) -> Callable[[str, dict[str, Any]], None]:
     """Give each agent a peak per rank, so that its MFU is known on the CPU; give the
-    coordinator the scheduling file ``scheduling`` (a team budget: its cost series)."""
+    coordinator the scheduling file ``scheduling`` (a team budget: its cost series);
+    send every daemon's round spans to ``collector`` (exported every 0.2 s)."""
 
     def configure(name: str, data: dict[str, Any]) -> None:
+        if name == "coordinator" or name.startswith("agent-"):
+            data["tracing"] = {"otlp_endpoint": collector, "export_interval_s": 0.2}
         if name.startswith("agent-"):
             data.setdefault("workers", {})["peak_flops"] = PEAK_FLOPS
         if name == "coordinator":
@@ -97,6 +106,16 @@ def configured(scheduling: Path) -> Callable[[str, dict[str, Any]], None]:
             data["scheduling"] = str(scheduling)
 
     return configure
+
+
+def round_spans(spans: list[CollectedSpan], round_: int) -> list[CollectedSpan]:
+    """The coordinator's ``round`` span and the regions' ``region round`` spans of
+    ``round_``."""
+    return [
+        span
+        for span in spans
+        if span.name in ("round", "region round") and span.attributes["geofed.round"] == round_
+    ]
 
 
 def exporter(name: str) -> str | None:
@@ -181,17 +200,24 @@ def test_rules_and_dashboard_select_metrics_of_both_daemons() -> None:
 async def test_every_selected_metric_is_exported_by_its_daemon(tmp_path: Path) -> None:
     scheduling = tmp_path / "scheduling.yaml"
     scheduling.write_text("teams:\n  default: {budget: {amount: 1000}}\n")
-    async with running_federation(
-        tmp_path,
-        regions=REGIONS,
-        rounds=ROUNDS,
-        inner_steps=3,
-        broker="mosquitto",
-        customize=configured(scheduling),
-    ) as fed:
-        status, body = await fed.submit()
+    async with (
+        otlp_collector() as collector,
+        running_federation(
+            tmp_path,
+            regions=REGIONS,
+            rounds=ROUNDS,
+            inner_steps=3,
+            broker="mosquitto",
+            customize=configured(scheduling, collector.url),
+        ) as fed,
+    ):
+        status, body = await fed.submit({**fed.job_spec(), "budget": 100.0})
         assert status == 201, body
         await fed.wait_round(1)
+        # Round 0's spans: the coordinator's at its publication, each region's once the
+        # next announcement closed its timeline.
+        await eventually(lambda: len(round_spans(collector.spans, 0)) >= 3, timeout_s=30)
+        traced = round_spans(collector.spans, 0)
 
         bundle = load_trust_bundle(fed.federation.trust_bundle)
         observer = client_ssl_context(bundle, fed.observer.cert, fed.observer.key)
@@ -249,12 +275,38 @@ async def test_every_selected_metric_is_exported_by_its_daemon(tmp_path: Path) -
         for sample in family.samples
         if sample.name.startswith("geofed_team_") and sample.labels.get("team") == "default"
     }
+    budget = {
+        sample.name: sample.value
+        for family in text_string_to_metric_families(coordinator_text)
+        for sample in family.samples
+        if sample.name in ("geofed_job_budget", "geofed_job_projected_cost")
+    }
+    # All its rounds at its cost per round so far: more than one round's cost.
+    assert budget["geofed_job_budget"] == 100
+    assert budget["geofed_job_projected_cost"] > sum(cost.values())
     assert team["geofed_team_budget"] == 1000
     assert team["geofed_team_cost"] == pytest.approx(sum(cost.values()))
     # All of it spent within the last 6 hours: its pace against 1000 per 30 days.
     assert team["geofed_team_budget_burn_rate"] == pytest.approx(
         sum(cost.values()) / (6 * 3600) / (1000 / (30 * 86400))
     )
+
+    # Round 0 is one trace: the coordinator's round span, each region's under it.
+    (root,) = [span for span in traced if span.name == "round"]
+    assert root.service == "geofed-coordinator"
+    assert root.attributes["geofed.round.outcome"] == "published"
+    assert {span.trace_id for span in traced} == {root.trace_id}
+    by_region = {span.attributes["geofed.region"]: span for span in traced if span.parent_id}
+    assert set(by_region) == set(REGIONS), traced
+    assert all(span.parent_id == root.span_id for span in by_region.values())
+    for region, top in by_region.items():
+        phases = {
+            span.name
+            for span in collector.spans
+            if span.parent_id == top.span_id and span.trace_id == root.trace_id
+        }
+        assert {"sync", "train", "encode", "upload"} <= phases, (region, phases)
+        assert root.start <= top.start <= top.end <= root.end + 5, (region, root, top)
 
     nvml, _ = open_nvml()  # whether this machine's agents can read GPUs
     # Each region's status summarizes its node: memory and disk, GPUs where NVML reads them.

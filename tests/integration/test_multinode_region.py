@@ -23,6 +23,7 @@ import pytest
 import torch
 
 from geofed.ports import unused_port
+from geofed.timeouts import Timeout
 from regional_agent.handoff.directory import HandoffDir
 from regional_agent.launch.launcher import LocalElasticLauncher, descendants
 from regional_agent.launch.worker_group import WorkerGroup, WorkerGroupConfig
@@ -85,9 +86,14 @@ async def test_two_node_region_trains_and_recovers_a_lost_node(tmp_path: Path) -
             env={"PYTHONPATH": str(REPO_ROOT), "GLOO_SOCKET_IFNAME": pair.head_if},
         )
         launcher = LocalElasticLauncher(workdir, config)
-        group = WorkerGroup(workdir, launcher, WorkerGroupConfig(start_timeout_s=60.0))
+        group = WorkerGroup(workdir, launcher, WorkerGroupConfig(start_timeout_s=120.0))
         try:
-            await group.start()
+            try:
+                await group.start()
+            except Timeout:
+                node_logs = [tmp_path / "node1.log", *sorted(node_dir.glob("logs/*.log"))]
+                tails = "\n".join(f"--- {p.name} ---\n{p.read_text()[-2000:]}" for p in node_logs)
+                pytest.fail(f"the two-node group did not start; the other node's logs:\n{tails}")
             handoff = HandoffDir(workdir)
             statuses = {s.rank: s for s in handoff.read_rank_statuses()}
             assert set(statuses) == {0, 1}

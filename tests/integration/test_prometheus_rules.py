@@ -116,7 +116,7 @@ def test_scrape_config_passes_promtool_with_real_certificates(promtool, tmp_path
     shutil.copy(RULES, tmp_path / RULES.name)
     result = _run(promtool, "check", "config", "prometheus.yml", cwd=tmp_path)
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "SUCCESS: 31 rules found" in result.stdout
+    assert "SUCCESS: 33 rules found" in result.stdout
     for job in yaml.safe_load(config)["scrape_configs"]:
         for key in ("ca_file", "cert_file", "key_file"):
             assert Path(job["tls_config"][key]).is_file(), (job["job_name"], key)
@@ -184,7 +184,7 @@ def test_promtool_check_metrics_does_report_problems(promtool):
 
 def test_every_alert_has_for_severity_summary_description_and_runbook():
     alerts = _alerts()
-    assert len(alerts) == 31
+    assert len(alerts) == 33
     names = [alert["alert"] for alert in alerts]
     assert len(names) == len(set(names))
     for alert in alerts:

@@ -6,7 +6,9 @@ one elastic launcher per node, and the group of one gloo rank per node trains ro
 exactly as two DDP ranks would; a rank killed mid-round is restarted by the elastic
 launchers and the round redone from the regional checkpoint. An agent inside an
 allocation (``SLURM_JOB_ID`` set, as in an ``sbatch`` script; here one that
-``salloc --no-shell`` made) runs its step in that allocation.
+``salloc --no-shell`` made) runs its step in that allocation. A node whose rank is slowed
+on purpose is found straggling, left out (a new step with ``--exclude``, on the other node
+alone) and brought back after its rounds out.
 """
 
 from __future__ import annotations
@@ -25,8 +27,14 @@ import torch
 
 from geofed.ports import unused_port
 from regional_agent.handoff.directory import HandoffDir
+from regional_agent.launch.exclusion import (
+    NodeExclusions,
+    StragglerExclusionConfig,
+    apply_exclusions,
+)
 from regional_agent.launch.slurm import SlurmLauncher, SlurmOptions
 from regional_agent.launch.worker_group import WorkerGroup, WorkerGroupConfig
+from regional_agent.rounds.stragglers import StragglerRule, StragglerWatch
 from tests.support.slurm import SlurmCluster, slurm_cluster
 from tests.support.tiny_task import TinyTask
 from tests.support.worker_group import (
@@ -91,7 +99,7 @@ def slurm_group(cluster: SlurmCluster, workdir: Path, job_id: str | None) -> Wor
         SlurmOptions(rdzv_port=unused_port()),
         environ=environ,
     )
-    return WorkerGroup(workdir, launcher, WorkerGroupConfig(start_timeout_s=60.0))
+    return WorkerGroup(workdir, launcher, WorkerGroupConfig(start_timeout_s=120.0))
 
 
 def rank_tasks(handoff: HandoffDir) -> dict[int, dict[str, str]]:
@@ -163,3 +171,47 @@ async def test_an_agent_inside_an_allocation_runs_its_step_there(
     for result, reference in zip(results, simulate_region(theta0, rounds=2), strict=True):
         for name, tensor in reference.items():
             torch.testing.assert_close(result.params[name], tensor, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.asyncio
+async def test_a_straggling_node_is_left_out_and_brought_back(
+    cluster: SlurmCluster, tmp_path: Path
+) -> None:
+    """Rank 1, alone on gfnode2, sleeps in every loss call. After 2 rounds the straggler
+    rule names its node (by its Slurm name), the group is relaunched at the round boundary
+    on gfnode1 alone, trains a round there, and gets gfnode2 back (whose rank, still
+    slow, would be found again)."""
+    workdir = tmp_path / "workers"
+    base = save_state(tmp_path / "base.pt", TinyTask().build_model(seed=3).state_dict())
+    group = slurm_group(cluster, workdir, None)
+    watch = StragglerWatch(StragglerRule(ratio=1.3, window=2, min_rounds=2))
+    config = StragglerExclusionConfig(exclude=True, readmit_after_rounds=1)
+    exclusions = NodeExclusions(config, nnodes=2)
+    slow = {"slow_rank": 1, "slow_rank_delay_s": 0.05}
+    sizes, nodes, changes = [], [], []
+    try:
+        await group.start()
+        for round_ in range(4):
+            inst = instruction("straggle", round_, base, task_options=slow)
+            result = await group.run_round(inst, 120)
+            sizes.append(result.summary.world_size)
+            stats = result.summary.stats
+            assert stats is not None
+            nodes.append(sorted(t.host for t in stats.ranks))
+            verdict = watch.observe(round_, stats.ranks)
+            change = await apply_exclusions(group, exclusions, verdict)
+            if change is not None:
+                changes.append(change)
+    finally:
+        status = await group.stop()
+    assert status == 0, cluster.logs() + group.handoff.launcher_log_path.read_text()[-3000:]
+    assert sizes == [2, 2, 1, 2], sizes
+    assert nodes[0] == ["gfnode1", "gfnode2"], "each rank named by its Slurm node"
+    assert nodes[2] == ["gfnode1"]
+    left, back = changes
+    assert left.excluded == {"gfnode2"}
+    assert left.reason.startswith("node(s) gfnode2 left out: rank 1 (node 1 on gfnode2) over 1.3x")
+    assert (back.excluded, back.reason) == (
+        frozenset(),
+        "node gfnode2 back after 1 round(s) left out",
+    )

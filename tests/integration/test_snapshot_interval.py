@@ -61,6 +61,9 @@ async def test_the_interval_adapts_to_the_measured_cost_and_failures(tmp_path: P
             "snapshot_every": "auto",
             "snapshot_min_rounds": 2,
             "snapshot_max_rounds": 4,
+            # No evaluations, so no loss trend stretches the interval: it follows the
+            # measured cost and failures alone (the stretch: tests/unit/test_loss_trend.py).
+            "evaluation": {"where": "none"},
         }
         spec.pop("retention", None)
         status, body = await fed.submit(spec)

@@ -35,7 +35,8 @@ from tests.support.worker_group import DelayedRegion, instruction, save_state, w
 pytestmark = pytest.mark.integration
 on_module_loop = pytest.mark.asyncio(loop_scope="module")
 
-STEPS = 150  # long enough that θ can come while the round trains
+STEPS = 60  # long enough that θ can come while the round trains
+SHORT = 20  # where θ is there before the first step, rounds need no length
 FRAGMENTS = 2
 CODEC = CodecParams(scheme="fp32")
 THETA0 = TinyTask().build_model(seed=3).state_dict()
@@ -47,22 +48,22 @@ class Region(DelayedRegion):
         super().__init__(workdir, STEPS)
 
     async def plain(
-        self, job: str, round_: int, base: Path, training: TrainingConfig
+        self, job: str, round_: int, base: Path, training: TrainingConfig, steps: int = STEPS
     ) -> RoundResult:
         """A serial round handing over its parameters (the reference)."""
         step = instruction(
-            job, round_, base, inner_steps=STEPS, training=training, overlap="delayed"
+            job, round_, base, inner_steps=steps, training=training, overlap="delayed"
         )
         return await self.group.run_round(step, 60)
 
-    def streaming(self, job: str, training: TrainingConfig) -> RoundInstruction:
+    def streaming(self, job: str, training: TrainingConfig, steps: int = STEPS) -> RoundInstruction:
         """Round 0 of a streaming job: the delta of fragment 0."""
         request = DeltaRequest(CODEC, str(self.workdir / job / "feedback.pt"), names=PLAN.names(0))
         return instruction(
             job,
             0,
             self.base0,
-            inner_steps=STEPS,
+            inner_steps=steps,
             training=training,
             overlap="streaming",
             delta=request,
@@ -104,8 +105,8 @@ async def test_a_streaming_round_hands_its_fragment_and_folds_only_the_last_one(
 
     # Round 0, serial: the delta names fragment 0 only, Δ = θ_0 - y_0 there.
     job = f"streaming-{parallelism}"
-    reference0 = await region.plain(f"plain-{parallelism}", 0, region.base0, training)
-    first = region.streaming(job, training)
+    reference0 = await region.plain(f"plain-{parallelism}", 0, region.base0, training, SHORT)
+    first = region.streaming(job, training, SHORT)
     result0 = await region.group.run_round(first, 60)
     delta0 = delta_of(result0)
     assert tuple(delta0) == fragment0
@@ -139,7 +140,7 @@ async def test_a_streaming_round_hands_its_fragment_and_folds_only_the_last_one(
         name: (moved[name] if name in fragment0 else reference0.params[name]) for name in THETA0
     }
     base = save_state(region.workdir / f"plain-{parallelism}-1.pt", start)
-    reference1 = await region.plain(f"plain-{parallelism}", 1, base, training)
+    reference1 = await region.plain(f"plain-{parallelism}", 1, base, training, SHORT)
     delta1 = delta_of(result1)
     assert tuple(delta1) == fragment1
     for name in fragment1:

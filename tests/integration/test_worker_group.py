@@ -27,6 +27,7 @@ from geofed.backoff import Backoff
 from geofed.heap import RANK_HEAP_ENV
 from geofed.params import parameters_vector_hash
 from geofed.task import DataShard
+from geofed.timeouts import Timeout
 from regional_agent.handoff.directory import HandoffDir
 from regional_agent.handoff.messages import RankStatus, RoundResult
 from regional_agent.handoff.settings import LauncherConfigError, WorkerSettings
@@ -312,6 +313,32 @@ async def test_rounds_the_region_is_past_are_republished_or_refused(started: Sta
 
 
 @on_module_loop
+async def test_a_signal_to_one_idle_rank_stops_every_rank(started: Started) -> None:
+    """Idle, only rank 0 polls and the ranks meet now and then: a SIGTERM to rank 1 alone
+    still reaches rank 0 at the next meeting, and both stop cleanly (the group is then
+    relaunched)."""
+    group, launcher, workdir = started.group, started.launcher, started.workdir
+    handoff = HandoffDir(workdir)
+    workers = launcher.worker_pids()
+    assert sorted(workers) == list(range(WORLD))
+    offsets = {rank: handoff.rank_log_path(rank).stat().st_size for rank in range(WORLD)}
+    relaunches = group.relaunch_count
+
+    os.kill(workers[1], signal.SIGTERM)
+    await eventually(lambda: not any(alive(pid) for pid in workers.values()), timeout_s=30)
+    said = {}
+    for rank, offset in offsets.items():
+        with handoff.rank_log_path(rank).open() as f:
+            f.seek(offset)
+            said[rank] = f.read()
+        assert "worker stopped cleanly" in said[rank], said[rank]
+    assert "stopping: received SIGTERM" in said[1], said[1]
+    assert "stopping: asked by another rank" in said[0], said[0]
+    await eventually(lambda: group.relaunch_count == relaunches + 1, timeout_s=60)
+    await eventually(lambda: len(launcher.worker_pids()) == WORLD, timeout_s=120)
+
+
+@on_module_loop
 async def test_stop_mid_round_exits_cleanly_and_leaves_no_process(started: Started) -> None:
     group, launcher, workdir = started.group, started.launcher, started.workdir
     base = save_state(workdir / "slow-base.pt", TinyTask().build_model().state_dict())
@@ -413,11 +440,13 @@ def test_start_kills_a_group_left_running_by_a_previous_supervisor(tmp_path: Pat
 
 
 class CrashingLauncherFake(Launcher):
-    """Fake of the process launcher (the outer edge): ranks come up, then it exits 1."""
+    """Fake of the process launcher (the outer edge): ``ready`` of its 2 ranks come up,
+    then it exits 1 after ``lives_s``."""
 
-    def __init__(self, workdir: Path, lives_s: float) -> None:
+    def __init__(self, workdir: Path, lives_s: float, ready: int = 2) -> None:
         self._handoff = HandoffDir(workdir)
         self._lives_s = lives_s
+        self._ready = ready
         self._started_at: float | None = None
         self._launches = 0
         self.kills = 0
@@ -425,7 +454,7 @@ class CrashingLauncherFake(Launcher):
     def start(self) -> None:
         self._launches += 1
         self._started_at = time.monotonic()
-        for rank in range(2):
+        for rank in range(self._ready):
             self._handoff.write_rank_status(
                 RankStatus(rank, rank, 2, 1, self.launch_id or "", 0, "gloo", "cpu", "ready")
             )
@@ -480,6 +509,20 @@ async def test_crash_loop_backs_off_then_fails_with_the_log_tail(tmp_path: Path)
     assert delays == [1.0, 2.0, 3.0]
     assert group.restart_count == group.relaunch_count == 3
     await group.stop()
+
+
+@on_module_loop
+async def test_a_group_not_ready_in_time_is_stopped_and_logs_the_workers_output(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    launcher = CrashingLauncherFake(tmp_path, lives_s=3600, ready=1)  # rank 1 never joins
+    config = WorkerGroupConfig(poll_interval_s=0.01, start_timeout_s=0.2, stop_timeout_s=0.2)
+    group = WorkerGroup(tmp_path, launcher, config)
+    with pytest.raises(Timeout, match=r"worker group start timed out after 0\.2 s"):
+        await group.start()
+    assert not group.running
+    assert "not every rank was ready" in caplog.text
+    assert "boom in launch 1" in caplog.text  # the ranks' last output, where they stood
 
 
 @on_module_loop

@@ -10,6 +10,7 @@ parameters, ``quantized`` its delta; the agent's side is played by the test (it 
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -213,7 +214,8 @@ async def test_between_checkpoints_rank_zero_holds_the_residual(tmp_path: Path) 
     """``regional_checkpoint_every: 3``: a round that saves no checkpoint writes a held
     residual file, not the tensors, and its delta is still the agent's own encoding with
     the residual the agent holds; a stopped group writes rank 0's copy out and the next
-    group reads it; a delta the coordinator did not take costs the residual."""
+    group reads it; a delta the coordinator did not take costs the residual. A checkpoint
+    the agent asks for (the coordinator's hardware-risk ask) is saved at once, once."""
 
     def new_group() -> WorkerGroup:
         launcher = LocalElasticLauncher(tmp_path, launcher_config(regional_checkpoint_every=3))
@@ -242,6 +244,8 @@ async def test_between_checkpoints_rank_zero_holds_the_residual(tmp_path: Path) 
     await region.group.start()
     try:
         for number in range(3):
+            if number == 2:
+                region.handoff.ask_checkpoint("sparse", 2)
             await round_(number)
     finally:
         await region.group.stop()
@@ -255,9 +259,15 @@ async def test_between_checkpoints_rank_zero_holds_the_residual(tmp_path: Path) 
     finally:
         await region.group.stop()
     # Round 0 saves the first checkpoint; after that each round parks the job (the plain
-    # one runs between), which saves its optimizer state, so no round is due one again.
-    assert kinds == ["Residual"] + ["HeldResidual"] * 5
+    # one runs between), which saves its optimizer state, so no round is due one again
+    # but round 2, asked for; the ask, still there, is honoured once.
+    assert kinds == ["Residual", "HeldResidual", "Residual"] + ["HeldResidual"] * 3
     log = region.handoff.rank_log_path(0).read_text()
+    assert re.search(
+        r"job sparse: inner optimizer state of round 2 saved in [0-9.]+ s "
+        r"\(asked for from round 2 \(the region's hardware risk\)\)",
+        log,
+    ), log
     assert "wrote out the residual of round" in log
     assert log.count("starting it anew") == 1
     assert "the error-feedback residual of round 3 was held by the workers only" in log

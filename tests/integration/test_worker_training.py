@@ -234,20 +234,22 @@ async def test_hsdp_trains_the_same_rounds_as_ddp(region: Group) -> None:
 async def test_fsdp_worker_killed_mid_round_resumes_state_and_schedule_exactly(
     region: Group,
 ) -> None:
-    reference = await region.rounds("fsdp-ref", ROUNDS, TUNED_FSDP, chained=True)
-    await region.rounds("fsdp-crash", ROUNDS - 1, TUNED_FSDP, chained=True)
+    # Killed in round 1, past the warmup: it resumes from round 0's optimizer state.
+    killed = 1
+    reference = await region.rounds("fsdp-ref", killed + 1, TUNED_FSDP, chained=True)
+    await region.rounds("fsdp-crash", killed, TUNED_FSDP, chained=True)
     restarts = region.group.restart_count
 
     last = instruction(
         "fsdp-crash",
-        ROUNDS - 1,
-        region.workdir / f"fsdp-crash-{ROUNDS - 1}.pt",
+        killed,
+        region.workdir / f"fsdp-crash-{killed}.pt",
         task_options={"step_delay_s": 0.02},
         training=TUNED_FSDP,
         total_steps=TOTAL,
     )
     round_task = asyncio.create_task(region.group.run_round(last, 120))
-    await wait_for_progress(region.handoff, "fsdp-crash", ROUNDS - 1, steps=5)
+    await wait_for_progress(region.handoff, "fsdp-crash", killed, steps=5)
     os.kill(region.launcher.worker_pids()[1], signal.SIGKILL)
     result = await round_task
 
@@ -258,11 +260,11 @@ async def test_fsdp_worker_killed_mid_round_resumes_state_and_schedule_exactly(
     assert result.summary.params_hash == expected.summary.params_hash
     checkpoint = region.handoff.read_checkpoint("fsdp-crash")
     assert checkpoint is not None
-    assert checkpoint.last_round == ROUNDS - 1
+    assert checkpoint.last_round == killed
     optimizer_state = read_optimizer_state(region.handoff, "fsdp-crash")
     assert optimizer_state is not None
     assert math.isclose(
-        optimizer_state["param_groups"][0]["lr"], scheduled_lr(ROUNDS - 1), rel_tol=1e-12
+        optimizer_state["param_groups"][0]["lr"], scheduled_lr(killed), rel_tol=1e-12
     )
 
 

@@ -16,7 +16,7 @@ from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, Generic, Self, TypeVar
 
 import aiohttp
 import torch
@@ -30,7 +30,7 @@ from coordinator.runtime import load_runtime
 from geofed.artifact_bundle import pack_bundle, split_bundle
 from geofed.codec import EncodedStream, decode, encode_stream
 from geofed.codec_params import CodecParams
-from geofed.control import ControlClient, RoundAnnouncement, Topics
+from geofed.control import Command, ControlClient, Event, RegionStatus, RoundAnnouncement, Topics
 from geofed.control import decode as decode_message
 from geofed.lineage import Software
 from geofed.manifest import (
@@ -233,19 +233,25 @@ async def coordinator(setup: Setup) -> AsyncIterator[Running]:
         await runner.cleanup()
 
 
-class Announcements:
-    """Collects the round announcements the coordinator publishes on MQTT."""
+M = TypeVar("M", RoundAnnouncement, RegionStatus, Command, Event)
 
-    def __init__(self, port: int) -> None:
-        self.client = ControlClient("127.0.0.1", port, client_id="test-watcher", timeout_s=5.0)
-        self.queue: asyncio.Queue[RoundAnnouncement] = asyncio.Queue()
+
+class Subscribed(Generic[M]):
+    """Collects the control messages of one type published on ``topic`` (in ``queue``),
+    as a watcher on the broker at ``port``."""
+
+    def __init__(self, port: int, topic: str, kind: type[M], client_id: str) -> None:
+        self.client = ControlClient("127.0.0.1", port, client_id=client_id, timeout_s=5.0)
+        self.queue: asyncio.Queue[M] = asyncio.Queue()
+        self._topic = topic
+        self._kind: type[M] = kind
         self._task: asyncio.Task[None] | None = None
 
     async def _on_message(self, topic: str, payload: bytes) -> None:
-        await self.queue.put(decode_message(payload, RoundAnnouncement))
+        await self.queue.put(decode_message(payload, self._kind))
 
-    async def __aenter__(self) -> Announcements:
-        await self.client.subscribe(Topics(FEDERATION).all_job_rounds(), self._on_message)
+    async def __aenter__(self) -> Self:
+        await self.client.subscribe(self._topic, self._on_message)
         self._task = asyncio.create_task(self.client.run())
         await self.client.wait_connected(5.0)
         return self
@@ -254,6 +260,14 @@ class Announcements:
         await self.client.close(timeout_s=5.0)
         if self._task is not None:
             await asyncio.wait([self._task])
+
+
+class Announcements(Subscribed[RoundAnnouncement]):
+    """Collects the round announcements the coordinator publishes on MQTT."""
+
+    def __init__(self, port: int) -> None:
+        topic = Topics(FEDERATION).all_job_rounds()
+        super().__init__(port, topic, RoundAnnouncement, "test-watcher")
 
     async def until(
         self, round: int, state: str, timeout_s: float = 20.0, job: str | None = None

@@ -41,6 +41,9 @@ REPO = Path(__file__).resolve().parents[2]
 EXAMPLES = REPO / "configs"
 FEDERATION = "demo"
 REGIONS: tuple[str, ...] = ("eu-west", "us-east", "ap-south")
+#: How often the waits on a job's status ask for it (a status is cheap; a test waiting on
+#: a round that closed should see it soon).
+STATUS_POLL_S = 0.1
 
 #: The example task, small enough that a round of a few steps takes a second per region.
 TINY_CHARLM: dict[str, Any] = {
@@ -175,11 +178,11 @@ class FederationRun:
             try:
                 last = await self.status(job)
             except (aiohttp.ClientError, AssertionError):
-                await asyncio.sleep(0.5)
+                await asyncio.sleep(STATUS_POLL_S)
                 continue
             if predicate(last):
                 return last
-            await asyncio.sleep(0.5)
+            await asyncio.sleep(STATUS_POLL_S)
         raise AssertionError(
             f"timed out after {timeout_s} s waiting for {what}; last status {last}\n"
             f"{self.log_tails()}"

@@ -33,7 +33,12 @@ from geofed.pki import client_ssl_context, load_trust_bundle
 from geofed.pki.httpauth import VerifiedConnector
 from geofed.types import Identity, Role
 from regional_agent.launch.launcher import descendants
-from tests.support.federation import FEDERATION, FederationRun, running_federation
+from tests.support.federation import (
+    FEDERATION,
+    STATUS_POLL_S,
+    FederationRun,
+    running_federation,
+)
 
 #: How long a fault test waits for one step of its scenario.
 WAIT_S = 120.0
@@ -188,7 +193,7 @@ async def wait_job(
             return job
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout_s} s waiting for {what}: {job}")
-        await asyncio.sleep(0.5)
+        await asyncio.sleep(STATUS_POLL_S)
 
 
 async def start_agents(fed: FederationRun, observer: ControlObserver) -> None:

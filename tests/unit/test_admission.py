@@ -310,7 +310,7 @@ def test_worker_slots_resolve_auto_as_the_launcher_does(
 # -- geofed queue ----------------------------------------------------------------------------
 
 
-def test_the_queue_table_shows_place_priority_team_wait_and_reason() -> None:
+def test_the_queue_table_shows_place_priority_team_wait_estimate_and_reason() -> None:
     rows = queue_rows(
         [
             {
@@ -321,8 +321,19 @@ def test_the_queue_table_shows_place_priority_team_wait_and_reason() -> None:
                 "position": 1,
                 "reason": "needs 2 region(s) at once",
                 "wait_s": 185.2,
+                "cost_estimate": {
+                    "currency": "USD",
+                    "amount": 120.0,
+                    "reason": "...",
+                    "budget": {"amount": 500.0, "expected": 120.0, "within": True, "basis": "..."},
+                },
             },
             {"job": "a", "state": "running", "priority": "research", "team": "default"},
+            {
+                "job": "c",
+                "state": "running",
+                "cost_estimate": {"currency": "EUR", "amount": 7.5, "reason": "", "budget": None},
+            },
         ]
     )
     assert rows[1] == (
@@ -332,9 +343,11 @@ def test_the_queue_table_shows_place_priority_team_wait_and_reason() -> None:
         "production",
         "nlp",
         "3m05s",
+        "120.00/500 USD",
         "needs 2 region(s) at once",
     )
-    assert rows[2] == ("-", "a", "running", "research", "default", "-", "-")
+    assert rows[2] == ("-", "a", "running", "research", "default", "-", "-", "-")
+    assert rows[3][6] == "7.50 EUR"
     assert queue_text(rows).splitlines()[0].startswith("POSITION  JOB  STATE")
     assert [wait_text(s) for s in (5, 3600 * 2 + 7 * 60, None)] == ["5s", "2h07m", "-"]
 

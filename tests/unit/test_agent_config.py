@@ -92,6 +92,11 @@ def test_relative_paths_resolve_against_the_config_file(
             {"extra": "workers: {env: {'bad name': x}}\n"},
             "agent.yaml:11: workers.env: 'bad name' is not an environment variable name",
         ),
+        (
+            {"extra": "workers: {collective_timeout_s: 1}\n"},
+            "agent.yaml:11: workers.collective_timeout_s: Input should be greater than or "
+            "equal to 5",
+        ),
         ({"extra": "state_dir: again\n"}, "agent.yaml:11: state_dir: duplicate key"),
         ({"extra": "datasets: [a, a]\n"}, "agent.yaml:11: datasets: a dataset is listed twice"),
     ],
@@ -318,3 +323,17 @@ def test_drain_grace_defaults_to_two_minutes_and_is_bounded(
     for bad in ("drain: {grace_s: -1}\n", "drain: {grace_s: 3601}\n", "drain: {grace: 5}\n"):
         found = problems(write(tmp_path, federation, extra=bad))
         assert any("agent.yaml:11: drain." in p for p in found), found
+
+
+def test_a_trace_collectors_ca_is_resolved_beside_the_file_and_must_exist(
+    tmp_path: Path, federation: Federation
+) -> None:
+    extra = "tracing: {otlp_endpoint: 'https://otel:4318/v1/traces', certificate_file: ca.pem}\n"
+    found = problems(write(tmp_path, federation, extra=extra))
+    assert found == [
+        f"{tmp_path / 'agent.yaml'}:11: tracing.certificate_file: {tmp_path / 'ca.pem'} is not "
+        "a readable file"
+    ]
+    (tmp_path / "ca.pem").write_text("a CA bundle\n")
+    config = load_config(write(tmp_path, federation, extra=extra))
+    assert config.tracing.certificate_file == tmp_path / "ca.pem"

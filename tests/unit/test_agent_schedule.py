@@ -135,6 +135,28 @@ def test_drain_runs_no_new_round() -> None:
     assert schedule.next_round() is None
 
 
+def test_a_checkpoint_ask_leaves_the_running_round_alone() -> None:
+    schedule = Schedule(REGION)
+    first = announce()
+    schedule.offer(first, None)
+    ask = Command(action="checkpoint", job="llm", round=1, reason="hardware risk")
+    assert schedule.command(ask, Running("llm", 1)) is None
+    assert schedule.next_round() is first
+
+
+@pytest.mark.parametrize("end", ["done", "cancelled", "cancel command"])
+def test_a_job_ends_when_announced_done_or_cancelled(end: str) -> None:
+    schedule = Schedule(REGION)
+    schedule.offer(announce(), None)
+    assert not schedule.ended("llm")
+    if end == "cancel command":
+        schedule.command(command("cancel"), None)
+    else:
+        schedule.offer(announce(round_=2, state=end), None)
+    assert schedule.ended("llm")
+    assert not schedule.ended("other")
+
+
 def test_a_round_reopened_with_a_new_deadline_runs_again_unless_accepted() -> None:
     schedule = Schedule(REGION)
     first = announce(round_=4)

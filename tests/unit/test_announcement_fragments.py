@@ -1,4 +1,4 @@
-"""The round announcement's ``fragments``: present for streaming jobs only, on the wire too."""
+"""Optional keys of control messages (``fragments``, ``trace``, a command's ``round``)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from geofed.control import MessageError, RoundAnnouncement
+from geofed.control import Command, MessageError, RoundAnnouncement
 from geofed.control.messages import decode, encode
 from tests.support.control_messages import announcement
 
@@ -36,3 +36,24 @@ def test_fragments_without_streaming_or_streaming_without_them_is_refused(
     data.update(overlap=overlap, fragments=fragments)
     with pytest.raises(MessageError, match="fragments"):
         decode(json.dumps(data).encode(), RoundAnnouncement)
+
+
+def test_a_checkpoint_command_names_its_round_which_other_commands_leave_out() -> None:
+    """The ask for a regional checkpoint (a region's hardware risk) is a command of its
+    own, with its round; every other command is sent as before, without the key."""
+    ask = Command(action="checkpoint", job="llm", round=4, reason="hardware risk")
+    assert json.loads(encode(ask))["round"] == 4
+    assert decode(encode(ask), Command) == ask
+    assert "round" not in json.loads(encode(Command(action="pause", job="llm")))
+    with pytest.raises(ValueError, match="names its round"):
+        Command(action="checkpoint", job="llm")
+    with pytest.raises(ValueError, match="names its round"):
+        Command(action="pause", job="llm", round=3)
+
+
+def test_an_unreadable_traceparent_is_none_and_the_round_stays() -> None:
+    good = "00-" + "a" * 32 + "-" + "b" * 16 + "-01"
+    assert announcement(trace=good).trace == good
+    data = json.loads(encode(announcement()))
+    data["trace"] = "not a traceparent"
+    assert decode(json.dumps(data).encode(), RoundAnnouncement).trace is None

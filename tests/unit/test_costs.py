@@ -4,6 +4,7 @@ figures computed by hand."""
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -14,9 +15,10 @@ from coordinator.api.admin import refresh_costs
 from coordinator.api.usage import period_query
 from coordinator.config import ConfigError, parse_config
 from coordinator.costs.prices import PriceTable
-from coordinator.costs.report import UsageLedger, cost_json
+from coordinator.costs.report import UsageLedger, cost_json, expected_cost
 from coordinator.costs.showback import MONTH_S, CostFacts, Period, burn_rate, job_cost, team_costs
 from coordinator.costs.usage_facts import UsageFold
+from coordinator.costs.watch import job_budgets
 from coordinator.errors import BadRequest
 from coordinator.jobs.spec import parse_job_spec
 from coordinator.state.audit import AuditEntry
@@ -390,3 +392,31 @@ def test_a_jobs_status_projects_its_cost_to_all_its_rounds() -> None:
     assert cost_json(cost, "EUR", rounds=None)["projected_total"] is None  # a job that ended
     unpriced = job_cost(usage, LLM, PriceTable(), Period(0, 20_000))  # no prices at all
     assert cost_json(unpriced, "EUR", rounds=10)["projected_total"] is None
+    # What it is expected to cost in all: the projection while it runs, what it cost after.
+    assert expected_cost(cost, 10, ended=False) == pytest.approx(523.3)
+    assert expected_cost(cost, 10, ended=True) == pytest.approx(52.33)
+    assert expected_cost(unpriced, 10, ended=True) is None
+
+
+def test_a_running_jobs_budget_is_shown_with_its_projection() -> None:
+    needs = "needs: {gpus: 2}\nteam: nlp\n"
+    records = [
+        _record("llm", "running", needs + "budget: 400\n"),
+        _record("done", "completed", needs + "budget: 50\n", updated_at=9000),
+        _record("free", "running", needs),
+    ]
+    # The same use for each job: its own copy of the log.
+    logs = [[replace(e, job=job) for e in llm_log()] for job in ("llm", "done", "free")]
+    ledger = UsageLedger()
+    ledger.add(records, sorted((e for log in logs for e in log), key=lambda e: e.seq))
+    costs = ledger.costs(PRICES, Period(0, 20_000))
+    by_job = {cost.job: cost for cost in costs}
+    assert set(by_job) == {"llm", "done", "free"}
+    assert by_job["llm"].rounds == 1
+    assert by_job["llm"].total > 0
+    found = job_budgets(ledger, records, costs)
+    # "free" states no budget; "done" ended: what it cost is in the usage report.
+    assert set(found) == {"llm"}
+    team, budget, projected = found["llm"]
+    assert (team, budget) == ("nlp", 400)
+    assert projected == pytest.approx(3 * by_job["llm"].total)  # one round of three so far

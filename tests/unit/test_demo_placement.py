@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from geofed_cli.demo.configs import find_examples, write_demo_configs
+from geofed_cli.demo.configs import DemoConfigs, find_examples, write_demo_configs
 from geofed_cli.demo.federation import DemoFederation, create_demo_federation
-from geofed_cli.demo.placement import Placement, RegionPlacement, place
+from geofed_cli.demo.placement import Placement, PlacementRefused, RegionPlacement, place
 from regional_agent.config import load_config
 
 REGIONS = ("eu-west", "us-east", "ap-south", "sa-east")
@@ -118,15 +118,13 @@ def federation(tmp_path_factory: pytest.TempPathFactory) -> DemoFederation:
     return create_demo_federation(root, "demo", ["eu-west", "us-east", "ap-south"])
 
 
-@pytest.mark.parametrize("count", [0, 1, 8])
-def test_each_agent_config_carries_its_share(
-    tmp_path: Path, federation: DemoFederation, count: int
-) -> None:
-    regions = ["eu-west", "us-east", "ap-south"]
-    placement = place(gpus(count), regions)
-    configs = write_demo_configs(
+def demo_configs(
+    work: Path, federation: DemoFederation, regions: list[str], placement: Placement
+) -> DemoConfigs:
+    """The demo's configs of a 2-round job for ``regions`` placed as ``placement`` says."""
+    return write_demo_configs(
         examples=find_examples(),
-        work=tmp_path,
+        work=work,
         federation=federation,
         regions=regions,
         http_port=8443,
@@ -135,6 +133,15 @@ def test_each_agent_config_carries_its_share(
         inner_steps=2,
         placement=placement,
     )
+
+
+@pytest.mark.parametrize("count", [0, 1, 8])
+def test_each_agent_config_carries_its_share(
+    tmp_path: Path, federation: DemoFederation, count: int
+) -> None:
+    regions = ["eu-west", "us-east", "ap-south"]
+    placement = place(gpus(count), regions)
+    configs = demo_configs(tmp_path, federation, regions, placement)
     for share in placement.regions:
         written = yaml.safe_load(configs.agents[share.region].read_text())["workers"]
         assert (written["count"], written["backend"]) == ("auto", share.backend)
@@ -142,3 +149,21 @@ def test_each_agent_config_carries_its_share(
         assert workers.env.get("CUDA_VISIBLE_DEVICES") == (
             ",".join(share.devices) if share.devices else None
         )
+
+
+def test_a_cpu_run_takes_the_worker_count_asked_and_writes_it(
+    tmp_path: Path, federation: DemoFederation
+) -> None:
+    regions = ["eu-west", "us-east"]
+    placement = place((), regions, cpu_ranks=1)
+    assert layout(placement) == [((), "gloo", 1)] * 2
+    assert placement.reason == "no GPU visible: 1 gloo rank per region on the CPU"
+    assert placement.agents_line() == "2 regional agents, 1 local worker each (gloo)"
+    configs = demo_configs(tmp_path, federation, regions, placement)
+    for region in regions:
+        assert load_config(configs.agents[region]).workers.count == 1
+
+
+def test_a_worker_count_is_refused_with_a_gpu() -> None:
+    with pytest.raises(PlacementRefused, match=r"1 GPU visible: .* a worker count is for CPU runs"):
+        place(gpus(1), ("eu-west",), cpu_ranks=1)

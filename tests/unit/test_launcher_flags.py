@@ -3,6 +3,7 @@ torch lacks is dropped (optional) or refused (required)."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import sys
 from pathlib import Path
@@ -76,3 +77,10 @@ def test_spell_flags_prefers_hyphens_and_falls_back_to_underscores() -> None:
     )
     with pytest.raises(MissingLauncherFlag, match="no --max-restarts option"):
         spell_flags(flags, {"--nproc-per-node"})
+
+
+def test_a_collective_timeout_shorter_than_an_idle_meeting_is_refused(tmp_path: Path) -> None:
+    """Idle ranks wait in a collective for up to half a second between meetings."""
+    short = dataclasses.replace(CONFIG, collective_timeout_s=1.0)
+    with pytest.raises(LauncherConfigError, match=r"collective_timeout_s must be >= 5 s"):
+        LocalElasticLauncher(tmp_path, short, environ={})

@@ -169,6 +169,21 @@ def test_srun_command_inside_an_allocation_and_requesting_one() -> None:
     assert own[-2:] == ["--gpus-per-node=8", "cmd"]
 
 
+def test_a_slurm_step_leaves_out_the_nodes_excluded(tmp_path: Path) -> None:
+    launcher = SlurmLauncher(tmp_path, cfg(nnodes=3), SlurmOptions(), environ={})
+    assert "--exclude" not in " ".join(launcher.command(port=1, launch_id="a"))
+    launcher.exclude(frozenset({"node-c", "node-b"}))
+    command = launcher.command(port=1, launch_id="a")
+    assert "--exclude=node-b,node-c" in command
+    assert "--nodes=1" in command
+    assert "--nnodes=1" in command, "the elastic launchers expect one node"
+    assert launcher.world_size == launcher.ranks.count
+    with pytest.raises(LauncherConfigError, match="cannot leave out 3 of the group's 3 nodes"):
+        launcher.exclude(frozenset({"a", "b", "c"}))
+    launcher.exclude(frozenset())
+    assert "--nodes=3" in launcher.command(port=1, launch_id="a")
+
+
 def test_slurm_launcher_command_runs_one_elastic_launcher_per_node(tmp_path: Path) -> None:
     config = cfg(nnodes=2)
     launcher = SlurmLauncher(
@@ -287,6 +302,14 @@ def test_workers_config_selects_and_shapes_the_launcher(
         (
             "workers:\n  slurm: {extra_args: [gpus]}\n",
             "agent.yaml:12: workers.slurm.extra_args: 'gpus' is not an srun option",
+        ),
+        (
+            "workers:\n  stragglers: {exclude: true}\n",
+            "agent.yaml:11: workers: stragglers.exclude needs the slurm launcher",
+        ),
+        (
+            "workers:\n  launcher: slurm\n  stragglers: {exclude: true, min_nodes: 3}\n",
+            "agent.yaml:11: workers: stragglers.min_nodes (3) exceeds nnodes (1)",
         ),
     ],
 )

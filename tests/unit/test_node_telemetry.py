@@ -115,6 +115,23 @@ class FakeNvml:
         return 83
 
 
+def test_a_gpus_uuid_is_kept_once_read_though_a_failing_gpu_stops_giving_it() -> None:
+    class FlakyUuids(FakeNvml):
+        answers = 1
+
+        def nvmlDeviceGetUUID(self, handle: int) -> str:
+            if self.answers <= 0:
+                raise NVMLError("GPU is lost")
+            if handle == 1:
+                self.answers -= 1
+            return f"GPU-{handle}"
+
+    reader = NvmlReader(FlakyUuids(), watch_xid=False)
+    assert [g.uuid for g in reader.read()] == ["GPU-0", "GPU-1"]
+    assert [g.uuid for g in reader.read()] == ["GPU-0", "GPU-1"]  # no longer answered
+    assert [g.uuid for g in NvmlReader(FakeNvml(), watch_xid=False).read()] == [None, None]
+
+
 def test_nvml_figures_and_what_a_gpu_does_not_support() -> None:
     first, second = NvmlReader(FakeNvml()).read()
     assert first == GpuSample(
@@ -269,6 +286,9 @@ def test_a_node_is_summarized_for_the_regions_status() -> None:
     )
     assert summary.describe().startswith("gpu-node-1: 2 GPUs ")
     assert "hottest 83 °C, 1 slowed down, 1 uncorrectable ECC errors" in summary.describe()
+    history = summary.model_copy(update={"ecc_uncorrected_new": 1, "xid_errors_recent": 2})
+    assert "1 uncorrectable ECC errors (1 new)" in history.describe()
+    assert "2 XID errors in the last day" in history.describe()
     # No NVML: no GPU figure at all, not zeros.
     cpu = summarize((node, None), "cpu-node")
     assert (cpu.gpus, cpu.gpu_utilization, cpu.slowed_gpus) == (None, None, None)

@@ -11,10 +11,12 @@ import pytest
 import torch
 from torch import nn
 
+from geofed.params import parameters_vector_hash
+from geofed.theta_file import ThetaReads, write_theta
 from regional_agent.handoff.directory import HandoffDir
 from regional_agent.handoff.errors import InvalidHandoffData
 from regional_agent.handoff.messages import RegionalCheckpoint
-from regional_agent.worker.job_state import WorkerJobState
+from regional_agent.worker.job_state import WorkerJobState, read_base
 from regional_agent.worker.optimizer_checkpoint import (
     ShardedCheckpointError,
     load_optimizer,
@@ -278,6 +280,32 @@ def test_the_optimizer_state_is_saved_first_then_every_few_rounds() -> None:
     assert all(save_due(r, r - 1, every=1).save for r in range(1, 4))
 
 
+def test_an_asked_checkpoint_is_saved_at_once_and_once() -> None:
+    """The coordinator's ask (a hardware risk) from round 5: saved at the first round
+    from 5 on, whatever the cadence; once a state of round 5 or later is saved, not again."""
+    asked = save_due(5, 3, every=10, asked=5)
+    assert (asked.save, asked.reason) == (
+        True,
+        "asked for from round 5 (the region's hardware risk)",
+    )
+    assert save_due(7, 3, every=10, asked=5).save, "a round finished after the ask"
+    assert not save_due(4, 3, every=10, asked=5).save, "not before the round asked"
+    assert not save_due(6, 5, every=10, asked=5).save, "honoured already"
+    assert save_due(0, None, every=10, asked=0).reason == "no inner optimizer state is saved yet"
+
+
+def test_the_ask_is_a_file_of_the_job_an_unreadable_one_is_none(tmp_path: Path) -> None:
+    handoff = HandoffDir(tmp_path)
+    assert handoff.checkpoint_asked("alpha") is None
+    handoff.ask_checkpoint("alpha", 3)
+    assert (handoff.checkpoint_asked("alpha"), handoff.checkpoint_asked("beta")) == (3, None)
+    (handoff.job_dir("alpha") / "checkpoint-asked").write_text("three\n")
+    assert handoff.checkpoint_asked("alpha") is None
+    handoff.ask_checkpoint("alpha", 4)
+    handoff.forget_job("alpha")
+    assert handoff.checkpoint_asked("alpha") is None
+
+
 def test_only_the_named_optimizer_states_are_kept(tmp_path: Path) -> None:
     handoff = HandoffDir(tmp_path)
     for round_ in (1, 3, 5):
@@ -300,3 +328,19 @@ def test_a_missing_or_torn_optimizer_state_fails_as_an_error_saying_where(tmp_pa
     (missing / ".metadata").write_bytes(b"torn")
     with pytest.raises(ShardedCheckpointError, match="cannot load"):
         load_optimizer(model, optimizer, missing)
+
+
+def test_a_rounds_base_is_hashed_from_its_file_and_its_tensors_read_when_asked(
+    tmp_path: Path,
+) -> None:
+    """Rank 0's base θ: the hash of the file's bytes (read in chunks, never all tensors at
+    once) equals the tensors' hash, and the tensors stay to be read one at a time; a
+    torch.save-d state (the format before) hashes the same."""
+    model = TinyTask().build_model(seed=1)
+    state = {name: t.detach().float() for name, t in model.state_dict().items()}
+    digest = write_theta(tmp_path / "theta.safetensors", state)
+    base = read_base(model, str(tmp_path / "theta.safetensors"))
+    assert base.hash == digest == parameters_vector_hash(state)
+    assert isinstance(base.state, ThetaReads)
+    torch.save(state, tmp_path / "theta.pt")
+    assert read_base(model, str(tmp_path / "theta.pt")).hash == digest

@@ -250,6 +250,14 @@ def test_stats_are_saved_and_loaded(tmp_path: Path) -> None:
     save_stats(path, stats)
     assert load_stats(path) == stats
     assert load_stats(tmp_path / "none.json") == SnapshotStats()
+    stats.failed_at["eu-west"] = [1_800_000_000.0]
+    stats.drained.add("eu-west")
+    save_stats(path, stats)
+    assert load_stats(path) == stats
+    # A file of a coordinator before failures and drains were saved still loads.
+    older = {k: v for k, v in stats.to_json().items() if k not in ("failed_at", "drained")}
+    path.write_text(json.dumps(older))
+    assert load_stats(path) == _stats(1.5, 12.0, {"eu-west": 2}, 300.0)
 
 
 @pytest.mark.parametrize(
@@ -259,6 +267,8 @@ def test_stats_are_saved_and_loaded(tmp_path: Path) -> None:
         b"[]",
         b'{"cost_s_sum": 1}',
         json.dumps({**_stats(1.0).to_json(), "cost_count": -1}).encode(),
+        json.dumps({**_stats(1.0).to_json(), "failed_at": {"eu-west": [-1.0]}}).encode(),
+        json.dumps({**_stats(1.0).to_json(), "drained": "eu-west"}).encode(),
     ],
 )
 def test_unreadable_stats_are_measured_afresh(tmp_path: Path, content: bytes) -> None:
@@ -363,7 +373,7 @@ def test_a_stored_snapshot_replans_at_once_so_the_status_never_shows_it_without_
         clock=lambda: 100.0,
     )
     ctx: Any = SimpleNamespace(job="tiny", spec=spec)
-    snapshots = JobSnapshots(services, ctx, serving=lambda _: True)
+    snapshots = JobSnapshots(services, ctx, serving=lambda _: True, losses={})
     snapshots.stats.round_took(10.0, spec.regions)
     rs: Any = SimpleNamespace(config=SimpleNamespace(round=1, opened_at=90.0), ended_at=100.0)
     assert snapshots.decide(rs).take

@@ -27,11 +27,12 @@ def round_of(
 
 def test_a_rank_slow_in_enough_rounds_of_the_window_is_a_straggler() -> None:
     watch = StragglerWatch(StragglerRule(ratio=1.3, window=5, min_rounds=3))
-    first = watch.observe(0, round_of(1.0, 1.0, 2.0, 1.0))
+    hosts = ("a", "b", "gpu-7", "d")
+    first = watch.observe(0, round_of(1.0, 1.0, 2.0, 1.0, hosts=hosts))
     assert first.ranks == ()
     assert "1 round(s) measured, 3 needed" in first.reason
-    assert watch.observe(1, round_of(1.0, 1.1, 1.9, 1.0)).ranks == ()
-    verdict = watch.observe(2, round_of(1.0, 0.9, 2.1, 1.0, hosts=("a", "b", "gpu-7", "d")))
+    assert watch.observe(1, round_of(1.0, 1.1, 1.9, 1.0, hosts=hosts)).ranks == ()
+    verdict = watch.observe(2, round_of(1.0, 0.9, 2.1, 1.0, hosts=hosts))
     assert verdict.ranks == (2,)
     assert verdict.nodes == (2,)
     assert (

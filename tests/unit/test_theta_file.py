@@ -3,7 +3,9 @@ bit for bit what the same tensors in memory give, and refused when they are anyt
 
 from __future__ import annotations
 
+import errno
 import json
+import os
 import struct
 from pathlib import Path
 
@@ -170,3 +172,56 @@ def test_tensors_read_one_at_a_time_are_new_and_equal(tmp_path: Path) -> None:
     pickled = tmp_path / "theta.pt"
     torch.save(tensors, pickled)  # the format before is mapped instead
     assert all(torch.equal(read_theta(pickled)[n], t) for n, t in tensors.items())
+
+
+@pytest.mark.parametrize("order", ["file", "reversed", "none"])
+def test_pieces_in_any_order_give_the_same_theta(tmp_path: Path, order: str) -> None:
+    """In file order each byte is written once (copied just ahead of its piece); out of
+    order, pieces are written over the copy; with none, θ_r is copied whole: the same
+    bytes every way."""
+    tensors = theta()
+    source = tmp_path / "round-0.safetensors"
+    write_theta(source, tensors)
+    generator = torch.Generator().manual_seed(9)
+    pieces = [  # each element once: a third of each tensor a piece, and what is left
+        (name, start, torch.randn(min(step, t.numel() - start), generator=generator))
+        for name, t in tensors.items()
+        for step in [max(1, t.numel() // 3)]
+        for start in range(0, t.numel(), step)
+    ]
+    expected = {n: t.clone().reshape(-1) for n, t in tensors.items()}
+    for name, start, values in pieces:
+        expected[name][start : start + values.numel()] += values
+    if order == "reversed":
+        pieces.reverse()
+    target = tmp_path / "round-1.safetensors"
+    chosen = [] if order == "none" else pieces
+    found = patch_theta(source, target, chosen)
+    want = {
+        n: (expected[n] if chosen else t.reshape(-1)).reshape(t.shape) for n, t in tensors.items()
+    }
+    assert found == parameters_vector_hash(want) == hash_theta(target)
+    assert target.stat().st_size == source.stat().st_size
+
+
+@pytest.mark.parametrize("refusal", [errno.EXDEV, errno.ENOSYS, None])
+def test_without_a_kernel_copy_theta_is_copied_through_a_buffer(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, refusal: int | None
+) -> None:
+    """Where ``copy_file_range`` is refused (another filesystem, an old kernel) or copies
+    nothing, the same bytes are copied by reading and writing them."""
+
+    def refused(*_: object) -> int:  # a fake at the outer edge: the kernel's answer
+        if refusal is None:
+            return 0
+        raise OSError(refusal, os.strerror(refusal))
+
+    monkeypatch.setattr(os, "copy_file_range", refused)
+    tensors = theta()
+    source, target = tmp_path / "round-0.safetensors", tmp_path / "round-1.safetensors"
+    write_theta(source, tensors)
+    bias = torch.ones(7)
+    expected = {n: t.clone() for n, t in tensors.items()}
+    add_update_in_place(expected, {"bias": bias.clone()})
+    assert patch_theta(source, target, [("bias", 0, bias)]) == hash_theta(target)
+    assert hash_theta(target) == parameters_vector_hash(expected)

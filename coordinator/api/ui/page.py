@@ -239,7 +239,13 @@ def _hardware(summary: Any) -> str:
         hardware = HardwareSummary.model_validate(summary)
     except ValidationError:
         return text(None)
-    css = "bad" if hardware.slowed_gpus or hardware.ecc_uncorrected else "hardware"
+    trouble = (
+        hardware.slowed_gpus,
+        hardware.ecc_uncorrected,
+        hardware.ecc_uncorrected_new,
+        hardware.xid_errors_recent,
+    )
+    css = "bad" if any(trouble) else "hardware"
     return f'<span class="{css}">{text(hardware.describe())}</span>'
 
 
