@@ -1,7 +1,8 @@
 """The coordinator restored from an older backup: the regions follow it back by themselves.
 
 A real federation (embedded broker, coordinator and two agents as processes, mutual TLS,
-SQLite), two regions and a quorum of two. The coordinator is stopped once θ_1 is
+SQLite), two regions, a quorum of two and nothing evaluated (``evaluation: none``: no
+assertion here looks at a loss). The coordinator is stopped once θ_1 is
 published, its state (database, blobs, checkpoint chains) copied as a backup, and
 started again; the federation goes on two rounds past the backup's. Then the coordinator
 is killed, its state replaced by the backup, and started again: it announces the backup's
@@ -48,6 +49,15 @@ REGIONS = ("eu-west", "us-east")
 # round later than BACKUP_ROUND, and a fast round may go one further before the kill.
 ROUNDS = 6
 BACKUP_ROUND = 1
+#: Inner steps per round: a round is short, and the test allows for one that outruns a
+#: look and a stop (the backup a round later, a region a round further at the kill).
+INNER_STEPS = 3
+
+
+def configure(name: str, data: dict[str, Any]) -> None:
+    """No evaluation."""
+    if name == "job":
+        data["evaluation"] = {"where": "none"}
 
 
 def rollbacks(log: str) -> list[tuple[int, int]]:
@@ -138,7 +148,11 @@ async def test_agents_follow_a_coordinator_restored_from_an_older_backup(
 ) -> None:
     backup = tmp_path / "backup"
     async with running_federation(
-        tmp_path / "fed", regions=REGIONS, rounds=ROUNDS, inner_steps=10
+        tmp_path / "fed",
+        regions=REGIONS,
+        rounds=ROUNDS,
+        inner_steps=INNER_STEPS,
+        customize=configure,
     ) as fed:
         status, body = await fed.submit()
         assert status == 201, body
@@ -161,6 +175,9 @@ async def test_agents_follow_a_coordinator_restored_from_an_older_backup(
         # one further before the kill; each region may or may not hold the last θ yet.
         ahead = {region: reached(fed, region) for region in REGIONS}
         assert all(reached_round - 1 <= a < ROUNDS for a in ahead.values()), ahead
+        # The agents still run: one that had fetched the last θ before the kill may record
+        # it only after this look, never a round past what the killed coordinator reached.
+        killed_at, _ = backup_round(state_dirs(fed)[0], fed.job)
         for part in state_dirs(fed):
             shutil.rmtree(part)
             shutil.copytree(backup / part.name, part, symlinks=True)
@@ -176,7 +193,9 @@ async def test_agents_follow_a_coordinator_restored_from_an_older_backup(
 
         first = await fed.wait_round(at + 1, timeout_s=120.0)
         first_round_s = time.monotonic() - restored_at
-        final = await fed.wait_completed(timeout_s=240.0)
+        final = await fed.wait_for(
+            lambda job: job.get("state") == "completed", timeout_s=240.0, what="the job to complete"
+        )
         completed_s = time.monotonic() - restored_at
         assert int(first["round"]) >= at + 1, first
         assert int(final["round"]) == ROUNDS, final
@@ -204,7 +223,7 @@ async def test_agents_follow_a_coordinator_restored_from_an_older_backup(
             assert len(seen) == 1, (region, seen, log[-4000:])
             assert log.count("coordinator rolled back") == 1, (region, log[-4000:])
             (start, to) = seen[0]
-            assert start == ahead[region], (region, ahead, seen)
+            assert ahead[region] <= start <= killed_at, (region, ahead, killed_at, seen)
             assert at <= to <= at + 1, (region, at, seen)
             # Back to the very round it was at only when its delta of that round is lost.
             assert to < start or start == at + 1, (region, at, seen)
