@@ -121,10 +121,11 @@ class HardwareHistory:
         now = self._clock()
         changed = False
         new_events = []
+        ecc: dict[str, int] = {}  # errors new since each GPU's baseline
         for gpu in gpus:
             key = gpu_key(gpu)
             if gpu.ecc_uncorrected is not None:
-                _, kept, why = ecc_new(self._baselines.get(key), gpu.ecc_uncorrected)
+                ecc[key], kept, why = ecc_new(self._baselines.get(key), gpu.ecc_uncorrected)
                 if why is not None:
                     log.warning("GPU %s: uncorrectable ECC errors: %s", key, why)
                 changed |= self._baselines.get(key) != kept
@@ -139,16 +140,12 @@ class HardwareHistory:
             changed = True
         if changed:
             self._save()
-        return [self._figures(gpu, now) for gpu in gpus]
+        return [self._figures(gpu, ecc.get(gpu_key(gpu)), now) for gpu in gpus]
 
-    def _figures(self, gpu: GpuSample, now: float) -> GpuSample:
-        key = gpu_key(gpu)
-        new = None
-        if gpu.ecc_uncorrected is not None:
-            new, _, _ = ecc_new(self._baselines.get(key), gpu.ecc_uncorrected)
+    def _figures(self, gpu: GpuSample, ecc_new_count: int | None, now: float) -> GpuSample:
         watched = gpu.xid_errors is not None
-        xids = recent_xids(self._events, key, now) if watched else None
-        return replace(gpu, ecc_uncorrected_new=new, xid_recent=xids)
+        xids = recent_xids(self._events, gpu_key(gpu), now) if watched else None
+        return replace(gpu, ecc_uncorrected_new=ecc_new_count, xid_recent=xids)
 
     def _load(self) -> tuple[dict[str, int], tuple[XidEvent, ...]]:
         try:
