@@ -26,11 +26,18 @@ default, is at the end of the inner phase: communication that takes a whole phas
 applies y ← y + (θ_{r+1} - S), so that Δ_{r+1} is formed against θ_{r+1} as usual. The
 inner optimizer's state and the data order carry on throughout.
 
-Two corrections of that rule can be measured (both off by default):
+Corrections of that rule can be measured (all off by default):
 
 * ``fold_mix`` a: the fold is y ← θ_{r+1} + a·(y - S), damping the progress made on the
   stale start (a = 1 is the rule above, computed as above so it is bit for bit the same;
   a = 0 keeps none of it).
+* ``fold_blend`` alpha: Streaming DiLoCo's merge instead (Douillard et al. 2025), y ← alpha·y +
+  (1 - alpha)·θ_{r+1}: the region's parameters averaged with the global ones it receives.
+* ``stale_weight``: a staleness-aware outer step. A round whose first f·H inner steps were
+  trained from a stale start (f: ``arrival_fraction``) is f outer steps behind on average
+  per step, and its mean pseudo-gradient is scaled by 1 / (1 + f) before the outer step
+  (staleness-aware SGD's lr / τ with τ = 1 + f; Zhang et al. 2016): the outer learning rate
+  of delayed rounds, 0.3 at f = 0, is 0.2 at f = 1/2 and 0.15 at f = 1.
 * ``delayed_start``: where the region trains from until θ_{r+1} arrives. ``local`` is
   y_r (the rule above); ``global`` is θ_r, the last global parameters it has; ``eager``
   is θ_r plus an outer step on an estimate of round r's mean delta made from what a
@@ -121,6 +128,8 @@ class RunSpec:
     overlap: Overlap = "none"
     arrival_fraction: float = 1.0
     fold_mix: float = 1.0
+    fold_blend: float | None = None
+    stale_weight: bool = False
     delayed_start: DelayedStart = "local"
     fragments: int | None = None
 
@@ -136,6 +145,13 @@ class RunSpec:
             )
         if not 0.0 <= self.fold_mix <= 1.0:
             raise SimulationError(f"fold_mix must be in [0, 1], got {self.fold_mix}")
+        if self.fold_blend is not None and (
+            not 0.0 <= self.fold_blend <= 1.0 or self.fold_mix != 1.0
+        ):
+            raise SimulationError(
+                f"fold_blend must be in [0, 1] and fold_mix 1, got fold_blend "
+                f"{self.fold_blend} and fold_mix {self.fold_mix}"
+            )
         if (self.overlap == "streaming") != (self.fragments is not None):
             raise SimulationError(
                 f"fragments is set exactly with overlap 'streaming', got overlap "
@@ -156,6 +172,13 @@ class RunSpec:
     @property
     def total_steps(self) -> int:
         return self.warmup_steps + self.rounds * self.inner_steps
+
+    @property
+    def stale_scale(self) -> float:
+        """What a delayed round's mean pseudo-gradient is scaled by (see ``stale_weight``)."""
+        if not self.stale_weight:
+            return 1.0
+        return 1.0 / (1.0 + self.arrival_step / self.inner_steps)
 
 
 @dataclass(frozen=True, slots=True)
@@ -273,8 +296,12 @@ class SimCoordinator:
         deltas: Mapping[str, tuple[int, EncodedDelta]],
         names: Sequence[str] | None = None,
         own_steps: int | None = None,
+        scale: float = 1.0,
     ) -> EncodedStream:
         """Fold the encoded deltas (region -> tokens, delta) in, step, return the update.
+
+        ``scale``: what the mean pseudo-gradient is multiplied by before the step (1: as
+        the daemon steps).
 
         ``names``: a streaming round's fragment, stepped as the daemon steps it
         (:func:`publication_step` with ``names`` and ``own_steps``: only those tensors,
@@ -287,6 +314,8 @@ class SimCoordinator:
             for region, (tokens, delta) in deltas.items()
         }
         mean = combine(specs, sources, self._aggregation).delta
+        if scale != 1.0:
+            mean = {name: tensor * scale for name, tensor in mean.items()}
         publication = publication_step(
             self.params,
             mean,
@@ -401,6 +430,8 @@ def _run_rounds(
         previous_base = base
         names = tuple(base) if plan is None else plan.names(round_)
         deltas: dict[str, tuple[int, EncodedDelta]] = {}
+        # Every region folds a late θ in every round after the first, or none does.
+        scale = spec.stale_scale if snapshots[0] is not None else 1.0
         for index, (model, optimizer) in enumerate(zip(models, optimizers, strict=True)):
             tick = time.perf_counter()
             snapshot = snapshots[index]
@@ -410,7 +441,7 @@ def _run_rounds(
             else:
                 early = spec.arrival_step
                 tokens = train_steps(task, model, optimizer, shards[index], early)
-                _apply_late_update(model, base, snapshot, spec.fold_mix)
+                _apply_late_update(model, base, snapshot, spec.fold_mix, spec.fold_blend)
                 tokens += train_steps(
                     task, model, optimizer, shards[index], spec.inner_steps - early
                 )
@@ -438,9 +469,9 @@ def _run_rounds(
             result.comm_s += time.perf_counter() - tick
         tick = time.perf_counter()
         if plan is None:
-            update = coordinator.close_round(deltas)
+            update = coordinator.close_round(deltas, scale=scale)
         else:
-            update = coordinator.close_round(deltas, names, round_ // plan.count)
+            update = coordinator.close_round(deltas, names, round_ // plan.count, scale=scale)
         _check_reconstruction(base, update, coordinator.params, round_)
         result.comm_s += time.perf_counter() - tick
         _count_bytes(result, [delta for _, delta in deltas.values()], update)
@@ -453,16 +484,20 @@ def _apply_late_update(
     params: Mapping[str, torch.Tensor],
     snapshot: Mapping[str, torch.Tensor],
     mix: float = 1.0,
+    blend: float | None = None,
 ) -> None:
     """y ← θ + a·(y - S): move a region that trained on from S onto θ, keeping a of its
     progress since S. a = 1 is computed as y + (θ - S), the simulator's original form.
+    ``blend`` alpha instead: y ← alpha·y + (1 - alpha)·θ (Streaming DiLoCo's merge).
 
     Only the tensors ``snapshot`` holds are folded (under streaming, the fragment of the
     round whose θ arrived); every other tensor keeps its local value.
     """
     folded = state_to_fp32(model)
     for name, start in snapshot.items():
-        if mix == 1.0:
+        if blend is not None:
+            folded[name] = blend * folded[name] + (1.0 - blend) * params[name]
+        elif mix == 1.0:
             folded[name] = folded[name] + (params[name] - start)
         else:
             folded[name] = params[name] + mix * (folded[name] - start)

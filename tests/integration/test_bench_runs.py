@@ -1,5 +1,5 @@
-"""The convergence, baseline, round-overhead, training-throughput and hand-off benchmarks
-run end to end in their smoke modes.
+"""The convergence, baseline, delayed-fold (staleness), round-overhead,
+training-throughput and hand-off benchmarks run end to end in their smoke modes.
 
 These check that the benchmarks still run and write figures of the right shape and of
 sane magnitude; they assert nothing about speed. The round-overhead benchmark measures
@@ -16,7 +16,14 @@ from typing import Any
 
 import pytest
 
-from benchmarks import baseline, convergence, handoff, round_overhead, training_throughput
+from benchmarks import (
+    baseline,
+    convergence,
+    handoff,
+    round_overhead,
+    staleness,
+    training_throughput,
+)
 
 LN_256 = math.log(256)
 
@@ -257,6 +264,26 @@ def test_baseline_smoke_tunes_both_methods_and_pairs_every_row_with_the_baseline
     assert len(tokens) == 1, "every run must see the same tokens"
     assert len(report["runs"]) == 2 * 2 * 2 + 5 * 2
     assert "published (35M, C4)" in out.with_suffix(".md").read_text()
+
+
+def test_staleness_smoke_pairs_every_correction_with_no_overlap(tmp_path: Path) -> None:
+    out = tmp_path / "staleness.json"
+    assert staleness.main(["--smoke", "--lags", "0.5", "--out", str(out)]) == 0
+    report = _load(out)
+
+    assert report["benchmark"] == "staleness"
+    assert report["machine"]["git"]
+    names = {"none"} | {f"{c}@0.5" for c in staleness.CORRECTIONS}
+    assert set(report["configs"]) == names
+    none = report["configs"]["none"]["finals"]
+    for name, gap in report["gaps_vs_none"].items():
+        finals = report["configs"][name]["finals"]
+        assert all(1.0 < loss < LN_256 + 0.5 for loss in finals), name
+        assert finals != none, f"{name} trained as if nothing were late"
+        assert gap["low"] <= gap["mean"] <= gap["high"]
+    assert report["best"] in staleness.CORRECTIONS
+    assert len({run["tokens"] for run in report["runs"]}) == 1, "every run, the same tokens"
+    assert len(report["runs"]) == 2 * len(names)
 
 
 def test_handoff_smoke_times_both_ways_on_real_files(tmp_path: Path) -> None:

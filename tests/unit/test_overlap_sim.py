@@ -134,6 +134,46 @@ def test_run_spec_refuses_a_mix_outside_zero_one(mix: float) -> None:
         RunSpec("x", "diloco", 2, 1, 1, 1, 0, overlap="delayed", fold_mix=mix)
 
 
+def test_blend_averages_the_region_with_the_theta_it_receives(task: CharLMTask) -> None:
+    model = task.build_model(seed=0)
+    before = state_to_fp32(model)
+    theta = {name: t + 1.0 for name, t in before.items()}
+    snapshot = {name: t - 0.5 for name, t in before.items()}  # Streaming's merge ignores S
+    _apply_late_update(model, theta, snapshot, blend=0.25)
+    after = state_to_fp32(model)
+    for name in theta:
+        assert torch.allclose(after[name], 0.25 * before[name] + 0.75 * theta[name], atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [({"fold_blend": 1.5}, "fold_blend must be in"), ({"fold_blend": 0.5, "fold_mix": 0.5}, "")],
+)
+def test_run_spec_refuses_a_blend_outside_zero_one_or_with_a_mix(
+    fields: dict[str, object], message: str
+) -> None:
+    with pytest.raises(SimulationError, match="fold_blend must be in"):
+        RunSpec("x", "diloco", 2, 1, 1, 4, 0, overlap="delayed", **fields)  # type: ignore[arg-type]
+
+
+def test_the_stale_weight_scales_by_the_lag_in_inner_phases() -> None:
+    spec = RunSpec("x", "diloco", 2, 1, 1, 4, 0, overlap="delayed", arrival_fraction=0.5)
+    assert spec.stale_scale == 1.0  # off by default
+    assert replace(spec, stale_weight=True).stale_scale == pytest.approx(1 / 1.5)
+    late = replace(spec, stale_weight=True, arrival_fraction=1.0)
+    assert late.stale_scale == pytest.approx(0.5)
+
+
+def test_the_stale_weight_leaves_round_zero_and_damps_the_later_rounds(task: CharLMTask) -> None:
+    # Plain averaging: θ_(r+1) = θ_r - s * mean Δ. Round 0 folds no late θ (s = 1 there);
+    # in round 1, half a phase late, the step is 2/3 of the plain one.
+    two = {"outer": AVERAGE, "arrival_fraction": 0.5, "rounds": 2}
+    plain = simulate(task, _delayed(**two))
+    weighted = simulate(task, _delayed(stale_weight=True, **two))
+    assert _losses(weighted)[:2] == _losses(plain)[:2]
+    assert _losses(weighted)[-1] != _losses(plain)[-1]
+
+
 # -- overlap: streaming --------------------------------------------------------------
 
 
