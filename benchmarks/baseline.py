@@ -39,6 +39,7 @@ from typing import Any
 
 import torch
 
+from benchmarks._args import given, positive_floats
 from benchmarks._confidence import Gap, paired_gap
 from benchmarks._federation_sim import RunSpec, SimulationError, loss_stats, simulate, warm_up
 from benchmarks._machine import describe_machine, machine_line, targets_table
@@ -384,16 +385,6 @@ def row_labels(settings: Settings) -> dict[str, str]:
     }
 
 
-def _float_list(text: str) -> tuple[float, ...]:
-    try:
-        values = tuple(sorted({float(part) for part in text.split(",")}))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list") from None
-    if not values or min(values) <= 0:
-        raise argparse.ArgumentTypeError(f"{text!r}: every rate must be > 0")
-    return values
-
-
 def parse(argv: Sequence[str] | None) -> Settings:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.baseline", description=__doc__)
     parser.add_argument(
@@ -406,21 +397,23 @@ def parse(argv: Sequence[str] | None) -> Settings:
     parser.add_argument("--h-long", type=int, help="the longer streaming H (default 100; smoke 8)")
     parser.add_argument("--fragments", type=int, default=2, help="streaming fragments F")
     parser.add_argument("--regions", type=int, default=2, help="regions (replicas)")
-    parser.add_argument("--lr-grid", type=_float_list, help="rates (default 0.0015,0.003,0.006)")
+    parser.add_argument(
+        "--lr-grid", type=positive_floats, help="rates (default 0.0015,0.003,0.006)"
+    )
     parser.add_argument("--jobs", type=int, help="runs at once (default 2; smoke 1)")
     parser.add_argument("--smoke", action="store_true", help="a run of a few seconds")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
     smoke = args.smoke
     settings = Settings(
-        seeds=_given(args.seeds, 2 if smoke else 3),
-        steps=_given(args.steps, 8 if smoke else 1200),
-        h=_given(args.h, 4 if smoke else 30),
-        h_long=_given(args.h_long, 8 if smoke else 100),
+        seeds=given(args.seeds, 2 if smoke else 3),
+        steps=given(args.steps, 8 if smoke else 1200),
+        h=given(args.h, 4 if smoke else 30),
+        h_long=given(args.h_long, 8 if smoke else 100),
         fragments=args.fragments,
         regions=args.regions,
         lr_grid=args.lr_grid or ((0.003, 0.006) if smoke else (0.0015, 0.003, 0.006)),
-        jobs=_given(args.jobs, 1 if smoke else 2),
+        jobs=given(args.jobs, 1 if smoke else 2),
         smoke=smoke,
         out=args.out or RESULTS / ("baseline.smoke.json" if smoke else "baseline.json"),
         task_options=SMOKE_OPTIONS if smoke else TASK_OPTIONS,
@@ -429,10 +422,6 @@ def parse(argv: Sequence[str] | None) -> Settings:
     if problem is not None:
         parser.error(problem)
     return settings
-
-
-def _given(value: int | None, default: int) -> int:
-    return default if value is None else value
 
 
 def _problem(s: Settings) -> str | None:

@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from benchmarks._args import given, positive_floats
 from benchmarks._confidence import Gap, paired_gap
 from benchmarks._federation_sim import RunSpec, SimulationError, loss_stats
 from benchmarks._machine import describe_machine, machine_line, targets_table
@@ -248,22 +249,12 @@ def _markdown(
     return "\n".join(lines) + "\n"
 
 
-def _float_list(text: str) -> tuple[float, ...]:
-    try:
-        values = tuple(sorted({float(part) for part in text.split(",")}))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list") from None
-    if not values or min(values) <= 0 or max(values) > 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: every lag must be in (0, 1]")
-    return values
-
-
 def parse(argv: Sequence[str] | None) -> Settings:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.staleness", description=__doc__)
     parser.add_argument("--seeds", type=int, help="seeds (default 3; smoke 2)")
     parser.add_argument("--steps", type=int, help="steps per run (default 360; smoke 8)")
     parser.add_argument("--h", type=int, help="inner steps per round (default 24; smoke 4)")
-    parser.add_argument("--lags", type=_float_list, help="lags in inner phases (0.25,0.5,1)")
+    parser.add_argument("--lags", type=positive_floats, help="lags in inner phases (0.25,0.5,1)")
     parser.add_argument("--regions", type=int, default=2, help="regions")
     parser.add_argument("--lr", type=float, default=0.0015, help="inner learning rate")
     parser.add_argument("--jobs", type=int, help="runs at once (default 2; smoke 1)")
@@ -272,13 +263,13 @@ def parse(argv: Sequence[str] | None) -> Settings:
     args = parser.parse_args(argv)
     smoke = args.smoke
     settings = Settings(
-        seeds=args.seeds or (2 if smoke else 3),
-        steps=args.steps or (8 if smoke else 360),
-        h=args.h or (4 if smoke else 24),
+        seeds=given(args.seeds, 2 if smoke else 3),
+        steps=given(args.steps, 8 if smoke else 360),
+        h=given(args.h, 4 if smoke else 24),
         lags=args.lags or (0.25, 0.5, 1.0),
         regions=args.regions,
         lr=args.lr,
-        jobs=args.jobs or (1 if smoke else 2),
+        jobs=given(args.jobs, 1 if smoke else 2),
         smoke=smoke,
         out=args.out or RESULTS / ("staleness.smoke.json" if smoke else "staleness.json"),
         task_options=SMOKE_OPTIONS if smoke else TASK_OPTIONS,
@@ -297,6 +288,8 @@ def _problem(s: Settings) -> str | None:
         return "--steps, --h, --regions and --jobs must be >= 1, --lr > 0"
     if s.steps % s.h or s.steps // s.h < 2:
         return f"--steps {s.steps}: a multiple of --h {s.h}, at least two rounds"
+    if max(s.lags) > 1:
+        return f"--lags {max(s.lags):g}: a lag is at most one inner phase"
     for lag in s.lags:
         if abs(lag * s.h - round(lag * s.h)) > 1e-9:
             return f"--lags {lag:g}: f·H must be whole steps with --h {s.h}"

@@ -74,7 +74,7 @@ def test_the_best_rate_is_the_lowest_mean_and_a_tie_takes_the_lower_rate() -> No
         (["--steps", "1020"], "H and H/F must divide the steps"),  # 30 does, 100 not
         (["--h", "30", "--fragments", "4"], "F must divide H"),
         (["--steps", "0"], "must be >= 1"),
-        (["--lr-grid", "0.003,-1"], "every rate must be > 0"),
+        (["--lr-grid", "0.003,-1"], "every value must be > 0"),
     ],
 )
 def test_settings_that_break_equal_tokens_or_pairing_are_refused(

@@ -111,7 +111,21 @@ def test_settings_that_cannot_give_equal_tokens_or_exact_lags_are_refused(
     assert message in capsys.readouterr().err
 
 
-def test_a_lag_outside_zero_one_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.parametrize(
+    ("lags", "message"),
+    [("0,0.5", "every value must be > 0"), ("0.5,1.5", "a lag is at most one inner phase")],
+)
+def test_a_lag_outside_zero_one_is_refused(
+    lags: str, message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
     with pytest.raises(SystemExit):
-        staleness.parse(["--lags", "0,0.5"])
-    assert "every lag must be in (0, 1]" in capsys.readouterr().err
+        staleness.parse(["--lags", lags])
+    assert message in capsys.readouterr().err
+
+
+def test_a_count_of_zero_is_refused_not_taken_for_the_default(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    with pytest.raises(SystemExit):
+        staleness.parse(["--smoke", "--jobs", "0"])
+    assert "must be >= 1" in capsys.readouterr().err
