@@ -20,12 +20,13 @@ each lag (the math of each: :mod:`benchmarks._federation_sim`):
 Every run sees the same tokens; ``none`` (no overlap) is the reference, and every gap to it
 is paired by seed with its 95 % interval (:mod:`benchmarks._confidence`). The task and the
 inner learning rate are those of :mod:`benchmarks.baseline` (its 1.07M-parameter model, and
-the rate it chose for DiLoCo, 0.0015), where DiLoCo's seeds agree within about 0.02 from
-360 steps on (a smaller model at 360 steps was still leaving its early plateau, some seeds
-sooner than others, and its final losses were two clusters, not a spread); the outer
-optimizer keeps the job's defaults. 39 runs of 360 steps take over an hour on 2 cores.
-The correction with the lowest mean gap over the lags is reported as the best. Figures go to
-``--out`` (JSON) and the same path with ``.md``; both are printed too.
+the rate it chose for DiLoCo, 0.0015), where the standard deviation of DiLoCo's final
+loss across seeds is about 0.02 from 360 steps on (a smaller model at 360 steps was still
+leaving its early plateau, some seeds sooner than others, and its final losses were two
+clusters, not a spread); the outer optimizer keeps the job's defaults. 39 runs of 360
+steps take over an hour on 2 cores. The correction with the lowest mean gap over the lags
+is reported as the best. Figures go to ``--out`` (JSON) and the same path with ``.md``;
+both are printed too.
 """
 
 from __future__ import annotations

@@ -27,9 +27,10 @@ the cores: ``--threads`` split evenly between the ranks, which the plain loop ru
 too, as rank 0). The target is a ratio of at least 0.95. The region's figures are the
 worker's own
 (:func:`regional_agent.worker.inner_loop.region_stats`: the slowest rank's time, the largest
-rank's peak CUDA memory, the time waiting for batches and, under DDP, with a gradient
-all-reduce in flight). MFU is :func:`regional_agent.handoff.flops.flops_utilisation` of the
-task's ``flops_per_token`` and the devices' peak: the table of known GPUs by precision
+rank's peak CUDA memory, the time waiting for batches and, under DDP and FSDP, with a
+data-parallel collective in flight). MFU is
+:func:`regional_agent.handoff.flops.flops_utilisation` of the task's ``flops_per_token``
+and the devices' peak: the table of known GPUs by precision
 (:func:`regional_agent.handoff.flops.peak_flops`) or ``--peak-flops``; on a CPU without
 ``--peak-flops`` it is left out, never guessed.
 

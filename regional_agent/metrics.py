@@ -235,7 +235,8 @@ DATA_WAIT_SECONDS = MetricSpec(
 ALLREDUCE_SECONDS = MetricSpec(
     "geofed_agent_allreduce_seconds",
     "gauge",
-    "Seconds with a gradient all-reduce in flight on the slowest rank in the latest round.",
+    "Seconds with a data-parallel collective in flight (DDP: the gradient all-reduce; FSDP: the "
+    "all-gathers and reduce-scatters) on the rank with the most in the latest round.",
     ("job", "region"),
 )
 LEARNING_RATE = MetricSpec(
@@ -254,7 +255,8 @@ GRAD_NORM = MetricSpec(
 RANK_BUSY_SECONDS = MetricSpec(
     "geofed_agent_rank_busy_seconds",
     "gauge",
-    "Approximate seconds a step each rank did not wait for its peers in the latest round (DDP).",
+    "Approximate seconds a step each rank did not wait for its peers in the latest round "
+    "(DDP and FSDP).",
     ("job", "region", "rank", "node"),
 )
 RANK_DATA_WAIT_SECONDS = MetricSpec(

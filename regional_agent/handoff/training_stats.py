@@ -27,11 +27,12 @@ class RankTiming:
     name)."""
     busy_seconds: float | None
     """Mean seconds a step it was not waiting for its peers, approximately: the step's
-    wall time less the time it had a gradient all-reduce in flight. The group steps
-    together, so the wall time is every rank's; what a slow rank lacks is the waiting.
-    An approximation: the backward computation that overlaps an all-reduce counts as
-    waiting, and a wait outside the all-reduces (another collective) as busy. None where
-    the waiting is not measured (FSDP and HSDP: ``comm_seconds``)."""
+    wall time less the time it had a data-parallel collective in flight (DDP's gradient
+    all-reduce, FSDP's all-gathers and reduce-scatters). The group steps together, so the
+    wall time is every rank's; what a slow rank lacks is the waiting. An approximation:
+    computation that overlaps a collective counts as waiting, and a wait outside those
+    collectives (another one) as busy. None where the waiting is not measured (HSDP:
+    ``comm_seconds``)."""
     data_wait_seconds: float
     """Time it waited for the task's batches, the round's total."""
     host: str = ""
@@ -77,7 +78,8 @@ class TrainingStats:
     flops_per_token: float
     """The task's training FLOPs per token (:meth:`geofed.task.Task.flops_per_token`)."""
     comm_seconds: float | None = None
-    """Wall time with a gradient all-reduce in flight, the round's total (DDP only)."""
+    """Wall time with a data-parallel collective in flight, the round's total (DDP and
+    FSDP; None under HSDP, see :mod:`regional_agent.worker.comm_timer`)."""
     peak_memory_bytes: int | None = None
     """Peak accelerator memory allocated during the round (CUDA only)."""
     accelerator: str | None = None

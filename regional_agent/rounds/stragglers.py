@@ -3,8 +3,9 @@
 The region steps at its slowest rank's pace, so one slow GPU, node or data loader slows
 all of it. The ranks step together, so their step times are equal; what tells the slow
 one is that it waits less for the others: the worker group reports each rank's busy
-time a step, its step time less the time it had a gradient all-reduce in flight
-(:class:`~regional_agent.handoff.training_stats.RankTiming`; measured under DDP only).
+time a step, its step time less the time it had a data-parallel collective in flight
+(:class:`~regional_agent.handoff.training_stats.RankTiming`; measured under DDP and FSDP,
+not HSDP).
 The rule, over a window of the latest rounds trained with the same ranks, each round
 counted once:
 
@@ -15,7 +16,7 @@ counted once:
   rounds: one hiccup (a checkpoint, a page fault storm) is not a straggler.
 
 A region of one rank has no peers to compare with; a round whose busy times were not
-measured (FSDP) and a window with fewer than ``min_rounds`` rounds decide nothing.
+measured (HSDP) and a window with fewer than ``min_rounds`` rounds decide nothing.
 Pure: the verdict carries its reason.
 """
 
@@ -94,7 +95,7 @@ def judge(rounds: Sequence[Sequence[RankTiming]], rule: StragglerRule) -> Stragg
         return StragglerVerdict((), (), "a single rank has no peers to compare with")
     if any(t.busy_seconds is None for timings in rounds for t in timings):
         return StragglerVerdict(
-            (), (), "the ranks' busy time is not measured under this parallelism (DDP only)"
+            (), (), "the ranks' busy time is not measured under this parallelism (HSDP)"
         )
     if len(rounds) < rule.min_rounds:
         return StragglerVerdict(

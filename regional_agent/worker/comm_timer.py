@@ -1,31 +1,42 @@
-"""Time spent in DDP's gradient all-reduce, measured by a communication hook.
+"""Time a rank spends with its data-parallel collectives in flight.
 
-:class:`CommTimer` wraps DDP's default hook (``allreduce_hook``, which divides each
-bucket by the world size and sums it across ranks, as DDP does without a hook: the
-gradients are unchanged) and notes when each bucket's all-reduce starts and when its
-result is ready. Buckets overlap, so the time reported is the union of those intervals:
-the wall time during which at least one all-reduce was in flight.
+:class:`CommTimer` notes when each collective starts and when its result is ready, and
+reports the union of those intervals: the wall time during which at least one was in
+flight (buckets and layers overlap). Two ways in, both leaving what the ranks compute
+unchanged:
 
-On the CPU (gloo) the times are the host clock's, taken when the hook runs and when the
-all-reduce's future completes. On CUDA (NCCL) the future completes as soon as the work
-is queued, so the times are CUDA events instead: the start recorded on the stream that
-produced the bucket, the end on the stream the reduced bucket is ready on, read once at
-the end of the round.
+- DDP: a communication hook (:meth:`CommTimer.attach`) wrapping DDP's default
+  ``allreduce_hook``, which divides each bucket by the world size and sums it across
+  ranks, as DDP does without a hook;
+- FSDP2: the all-gathers and reduce-scatters of every ``fully_shard`` unit
+  (:meth:`CommTimer.attach_fsdp`, through FSDP2's ``set_custom_all_gather`` and
+  ``set_custom_reduce_scatter``), each the same ``all_gather_single`` or
+  ``reduce_scatter_single`` call into a ``torch.empty`` buffer that FSDP2 makes by
+  default. HSDP's all-reduce between its replicas has no such entry: HSDP is not timed.
 
-FSDP2 offers no such hook around its reduce-scatters, so its communication time is not
-measured (reported as None rather than estimated).
+On the CPU (gloo) the times are the host clock's, taken when the collective is called and
+when its result is ready. On CUDA (NCCL) a collective returns once queued, so the times are
+CUDA events instead: recorded on the stream the collective is issued on (DDP: the stream
+that produced the bucket, then the one the reduced bucket is ready on), read once at the
+end of the round. An FSDP2 collective issued asynchronously on CUDA (FSDP2's
+``unshard_async_op``, which geofed never sets) has no event marking its end: the round's
+time is then not measured (None), rather than estimated.
 """
 
 # Without postponed annotations: DDP checks the hook's annotations as real objects.
 
 import threading
 import time
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch._C._distributed_c10d import GradBucket  # dist.GradBucket, as mypy sees it
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
 from torch.nn.parallel import DistributedDataParallel
 
 from regional_agent.handoff.utilization import union_seconds
@@ -34,31 +45,43 @@ __all__ = ["CommTimer"]
 
 
 class CommTimer:
-    """The all-reduce time of one DDP model, per round (:meth:`start`, :meth:`seconds`)."""
+    """The collective time of one wrapped model, per round (:meth:`start`, :meth:`seconds`)."""
 
     def __init__(self, device: torch.device) -> None:
         self._cuda = device.type == "cuda"
         self._lock = threading.Lock()
         self._intervals: list[tuple[Any, Any]] = []
         self._origin: Any = None
+        self._unmeasured = False
 
     def attach(self, ddp: DistributedDataParallel) -> None:
         """Register as ``ddp``'s communication hook (before its first forward)."""
         ddp.register_comm_hook(ddp.process_group, self.hook)
+
+    def attach_fsdp(self, modules: Iterable[nn.Module]) -> None:
+        """Time the all-gathers and reduce-scatters of every FSDP2 module in ``modules``."""
+        for module in modules:
+            if isinstance(module, FSDPModule):
+                module.set_custom_all_gather(_TimedAllGather(self))
+                module.set_custom_reduce_scatter(_TimedReduceScatter(self))
 
     def start(self) -> None:
         """Forget what was measured so far: a new round begins."""
         with self._lock:
             self._intervals = []
             self._origin = self._now()
+            self._unmeasured = False
 
-    def seconds(self) -> float:
-        """The wall seconds with an all-reduce in flight since :meth:`start`.
+    def seconds(self) -> float | None:
+        """The wall seconds with a collective in flight since :meth:`start`; None when a
+        collective's end could not be marked (see the module's docstring).
 
         On CUDA this waits for the device to finish the work queued so far.
         """
         with self._lock:
             intervals, origin = list(self._intervals), self._origin
+            if self._unmeasured:
+                return None
         if self._cuda:
             torch.cuda.synchronize()
             intervals = [
@@ -75,12 +98,28 @@ class CommTimer:
         reduced = allreduce_hook(state, bucket)
 
         def finished(future: torch.futures.Future[torch.Tensor]) -> torch.Tensor:
-            ended = self._now()
-            with self._lock:
-                self._intervals.append((started, ended))
+            self._note(started, self._now())
             return future.value()
 
         return reduced.then(finished)
+
+    def issue(self, collective: Callable[[], dist.Work | None]) -> dist.Work | None:
+        """Call ``collective`` and note its interval: until it returns, or, when it returns
+        a work in flight (an asynchronous call), until that work completes."""
+        started = self._now()
+        work = collective()
+        if work is None:
+            self._note(started, self._now())
+        elif self._cuda:
+            with self._lock:
+                self._unmeasured = True
+        else:
+            work.get_future().then(lambda _: self._note(started, self._now()))
+        return work
+
+    def _note(self, started: Any, ended: Any) -> None:
+        with self._lock:
+            self._intervals.append((started, ended))
 
     def _now(self) -> Any:
         if self._cuda:
@@ -88,3 +127,54 @@ class CommTimer:
             event.record()
             return event
         return time.perf_counter()
+
+
+class _TimedAllGather(AllGather):
+    """FSDP2's default all-gather, timed by ``timer``."""
+
+    def __init__(self, timer: CommTimer) -> None:
+        self._timer = timer
+
+    def allocate(
+        self, size: Sequence[int | torch.SymInt], *, dtype: torch.dtype, device: torch.device
+    ) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(
+        self,
+        output_tensor: torch.Tensor,
+        input_tensor: torch.Tensor,
+        group: dist.ProcessGroup,
+        async_op: bool = False,
+    ) -> dist.Work | None:
+        return self._timer.issue(
+            lambda: dist.all_gather_single(
+                output_tensor, input_tensor, group=group, async_op=async_op
+            )
+        )
+
+
+class _TimedReduceScatter(ReduceScatter):
+    """FSDP2's default reduce-scatter, timed by ``timer``."""
+
+    def __init__(self, timer: CommTimer) -> None:
+        self._timer = timer
+
+    def allocate(
+        self, size: Sequence[int | torch.SymInt], *, dtype: torch.dtype, device: torch.device
+    ) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(
+        self,
+        output_tensor: torch.Tensor,
+        input_tensor: torch.Tensor,
+        group: dist.ProcessGroup,
+        op: Any,
+        async_op: bool = False,
+    ) -> dist.Work | None:
+        return self._timer.issue(
+            lambda: dist.reduce_scatter_single(
+                output=output_tensor, input=input_tensor, group=group, op=op, async_op=async_op
+            )
+        )

@@ -96,7 +96,7 @@ class RankTotals:
     data_wait_seconds: float = 0.0
     """Time spent in ``next(batches)``."""
     comm_seconds: float | None = None
-    """Time with a gradient all-reduce in flight (DDP only)."""
+    """Time with a data-parallel collective in flight (DDP and FSDP; None under HSDP)."""
     peak_memory_bytes: int | None = None
     """Peak CUDA memory allocated during the round; None on the CPU."""
 
@@ -136,9 +136,8 @@ def train_round(
     grad_norm: torch.Tensor | None = None
 
     def comm_seconds() -> float | None:
-        if parallel.comm is None:
-            return None
-        return parallel.comm.seconds() + (before.comm_seconds or 0.0)
+        seconds = None if parallel.comm is None else parallel.comm.seconds()
+        return None if seconds is None else seconds + (before.comm_seconds or 0.0)
 
     def peak_memory() -> int | None:
         if device.type != "cuda":

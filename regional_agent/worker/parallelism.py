@@ -61,8 +61,9 @@ class ParallelModel:
 
     ``model`` is the bare module ``build_model`` returned (sharded in place under FSDP);
     ``module`` is what the forward runs through (the DDP wrapper, or the FSDP root).
-    ``comm`` times the gradient all-reduce under DDP; None under FSDP, which cannot be
-    timed the same way (see :mod:`regional_agent.worker.comm_timer`).
+    ``comm`` times the collectives: DDP's gradient all-reduce, FSDP's all-gathers and
+    reduce-scatters; None under HSDP, whose all-reduce between replicas cannot be timed
+    the same way (see :mod:`regional_agent.worker.comm_timer`).
     """
 
     kind: Parallelism
@@ -248,7 +249,11 @@ def wrap(
         if on_meta and materialize is not None:
             model.to_empty(device=device)
             materialize(model)
-        return ParallelModel(parallelism, model, model)
+        if parallelism == "hsdp":  # its all-reduce between replicas cannot be timed
+            return ParallelModel(parallelism, model, model)
+        comm = CommTimer(device)
+        comm.attach_fsdp([*fsdp_units, model])
+        return ParallelModel(parallelism, model, model, comm)
     if on_meta and materialize is not None:
         model.to_empty(device=device)
         materialize(model)

@@ -66,3 +66,9 @@ async def test_nccl_rounds_under_ddp_fp32_and_fsdp_bf16(
             assert stats.peak_memory_bytes is not None
             assert stats.peak_memory_bytes > 0
             assert stats.tokens_per_second > 0
+            # The collectives are timed with CUDA events under DDP and FSDP alike (a
+            # group of one GPU may issue none).
+            assert stats.comm_seconds is not None
+            assert 0 <= stats.comm_seconds < stats.step_seconds * STEPS
+            assert stats.comm_seconds > 0 or gpus == 1
+            assert all(t.busy_seconds is not None for t in stats.ranks)

@@ -1,6 +1,7 @@
-"""DDP's gradient all-reduce, timed by a communication hook, with 2 gloo ranks.
+"""The data-parallel collectives timed, with 2 gloo ranks: DDP's gradient all-reduce by a
+communication hook, FSDP2's all-gathers and reduce-scatters by its custom collectives.
 
-The hook must change nothing the ranks compute: the same model, data and steps with and
+The timing must change nothing the ranks compute: the same model, data and steps with and
 without it give bit-identical parameters, and the time it reports is positive and
 within the wall time of the steps.
 """
@@ -16,6 +17,8 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
 from torch.multiprocessing.spawn import spawn
 from torch.nn.parallel import DistributedDataParallel
 
@@ -28,13 +31,32 @@ WORLD = 2
 STEPS = 4
 
 
-def _train(rank: int, timer: CommTimer | None) -> tuple[dict[str, torch.Tensor], float]:
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(32, 64), nn.Tanh(), nn.Linear(64, 8))
+def _wrap(model: nn.Sequential, kind: str, timer: CommTimer | None) -> nn.Module:
+    if kind == "fsdp":
+        # Each Linear its own unit: several all-gathers and reduce-scatters a step.
+        units = [model[0], model[2]]
+        for unit in units:
+            fully_shard(unit)
+        fully_shard(model)
+        if timer is not None:
+            timer.attach_fsdp([*units, model])
+        return model
     # Small buckets: several all-reduces per backward, in flight together.
     ddp = DistributedDataParallel(model, bucket_cap_mb=0.005)
     if timer is not None:
         timer.attach(ddp)
+    return ddp
+
+
+def _full(tensor: torch.Tensor) -> torch.Tensor:
+    return (tensor.full_tensor() if isinstance(tensor, DTensor) else tensor).detach().clone()
+
+
+def _train(rank: int, kind: str, timer: CommTimer | None) -> tuple[dict[str, torch.Tensor], float]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.Tanh(), nn.Linear(64, 8))
+    ddp = _wrap(model, kind, timer)
+    if timer is not None:
         timer.start()
     optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1)
     data = torch.Generator().manual_seed(rank)
@@ -45,7 +67,7 @@ def _train(rank: int, timer: CommTimer | None) -> tuple[dict[str, torch.Tensor],
         ddp(x).square().mean().backward()
         optimizer.step()
     wall = time.perf_counter() - started
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}, wall
+    return {k: _full(v) for k, v in model.state_dict().items()}, wall
 
 
 def _rank(rank: int, port: int, out: str) -> None:
@@ -53,13 +75,14 @@ def _rank(rank: int, port: int, out: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=WORLD)
     try:
-        plain, _ = _train(rank, None)
-        timer = CommTimer(torch.device("cpu"))
-        timed, wall = _train(rank, timer)
-        torch.save(
-            {"plain": plain, "timed": timed, "seconds": timer.seconds(), "wall": wall},
-            Path(out) / f"rank-{rank}.pt",
-        )
+        for kind in ("ddp", "fsdp"):
+            plain, _ = _train(rank, kind, None)
+            timer = CommTimer(torch.device("cpu"))
+            timed, wall = _train(rank, kind, timer)
+            torch.save(
+                {"plain": plain, "timed": timed, "seconds": timer.seconds(), "wall": wall},
+                Path(out) / f"{kind}-rank-{rank}.pt",
+            )
     finally:
         # The DDP reducers go first, and every rank reaches the teardown before any
         # leaves, as the worker does: gloo aborts the process when a peer closes the
@@ -69,15 +92,18 @@ def _rank(rank: int, port: int, out: str) -> None:
         dist.destroy_process_group()
 
 
-def test_the_timed_all_reduce_changes_nothing_and_measures_time(tmp_path: Path) -> None:
+def test_the_timed_collectives_change_nothing_and_measure_time(tmp_path: Path) -> None:
     spawn(_rank, args=(unused_port(), str(tmp_path)), nprocs=WORLD, join=True)
 
-    results = [torch.load(tmp_path / f"rank-{r}.pt", weights_only=True) for r in range(WORLD)]
-    for result in results:
-        assert result["plain"].keys() == result["timed"].keys()
-        for name, tensor in result["plain"].items():
-            assert torch.equal(result["timed"][name], tensor), name
-        assert 0 < result["seconds"] <= result["wall"]
-    # The ranks stayed in step with each other, too.
-    for name, tensor in results[0]["timed"].items():
-        assert torch.equal(results[1]["timed"][name], tensor), name
+    for kind in ("ddp", "fsdp"):
+        results = [
+            torch.load(tmp_path / f"{kind}-rank-{r}.pt", weights_only=True) for r in range(WORLD)
+        ]
+        for result in results:
+            assert result["plain"].keys() == result["timed"].keys()
+            for name, tensor in result["plain"].items():
+                assert torch.equal(result["timed"][name], tensor), (kind, name)
+            assert 0 < result["seconds"] <= result["wall"], kind
+        # The ranks stayed in step with each other, too.
+        for name, tensor in results[0]["timed"].items():
+            assert torch.equal(results[1]["timed"][name], tensor), (kind, name)

@@ -29,7 +29,7 @@ from coordinator.publication.evaluation import evaluate_params
 from geofed.lr_schedule import apply_lr, job_step, lr_factor
 from geofed.params import federated_names
 from geofed.task import DataShard, load_task
-from geofed.training_config import LrSchedule, TrainingConfig
+from geofed.training_config import LrSchedule, Parallelism, TrainingConfig
 from regional_agent.handoff.directory import HandoffDir
 from regional_agent.handoff.messages import RoundResult
 from regional_agent.launch.launcher import LocalElasticLauncher
@@ -378,15 +378,23 @@ async def test_rounds_report_what_the_region_measured(region: Group) -> None:
     assert ddp.summary.stats is not None
     assert fsdp.summary.stats is not None
     assert math.isclose(ddp.summary.stats.grad_norm, fsdp.summary.stats.grad_norm, rel_tol=1e-4)
-    # DDP's all-reduce is timed by its communication hook; FSDP's reduce-scatter is not.
-    assert ddp.summary.stats.comm_seconds is not None
-    assert 0 < ddp.summary.stats.comm_seconds < ddp.summary.stats.step_seconds * STEPS
-    assert fsdp.summary.stats.comm_seconds is None
-    # So each rank's busy time (its step less its wait in an all-reduce): DDP's only.
-    for timing in ddp.summary.stats.ranks:
-        assert timing.busy_seconds is not None
-        assert 0 <= timing.busy_seconds <= ddp.summary.stats.step_seconds
-    assert all(t.busy_seconds is None for t in fsdp.summary.stats.ranks)
+    # DDP's all-reduce is timed by its communication hook, FSDP's all-gathers and
+    # reduce-scatters through its custom collectives; HSDP's all-reduce between its
+    # replicas has no such entry, and nothing of HSDP is timed.
+    for timed in (ddp, fsdp):
+        stats = timed.summary.stats
+        assert stats is not None
+        assert stats.comm_seconds is not None
+        assert 0 < stats.comm_seconds < stats.step_seconds * STEPS
+        # So each rank's busy time (its step less its wait in a collective).
+        for timing in stats.ranks:
+            assert timing.busy_seconds is not None
+            assert 0 <= timing.busy_seconds <= stats.step_seconds
+    hsdp = region.handoff.read_completed("tuned-hsdp", 1)
+    assert hsdp is not None
+    assert hsdp.summary.stats is not None
+    assert hsdp.summary.stats.comm_seconds is None
+    assert all(t.busy_seconds is None for t in hsdp.summary.stats.ranks)
     # Without clipping the norm is still measured.
     assert unclipped.summary.stats is not None
     assert math.isfinite(unclipped.summary.stats.grad_norm)
@@ -394,15 +402,26 @@ async def test_rounds_report_what_the_region_measured(region: Group) -> None:
 
 
 @on_module_loop
-async def test_a_slow_rank_is_the_busy_one_and_is_found_straggling(region: Group) -> None:
+@pytest.mark.parametrize("parallelism", ["ddp", "fsdp"])
+async def test_a_slow_rank_is_the_busy_one_and_is_found_straggling(
+    region: Group, parallelism: Parallelism
+) -> None:
     # Rank 1 sleeps in every loss call. The ranks step together, so both take its time a
-    # step; only rank 0 spends it waiting, in the gradient all-reduce.
+    # step; only rank 0 spends it waiting: in DDP's gradient all-reduce, in FSDP's
+    # reduce-scatter of the last unit's gradients.
     delay = 0.02
     options = {"slow_rank": 1, "slow_rank_delay_s": delay}
+    training = TrainingConfig(parallelism=parallelism)
     watch = StragglerWatch(StragglerRule(ratio=1.3, window=3, min_rounds=3))
     verdicts = []
     for round_ in range(3):
-        inst = instruction("slow-rank", round_, region.base0, task_options=options)
+        inst = instruction(
+            f"slow-rank-{parallelism}",
+            round_,
+            region.base0,
+            task_options=options,
+            training=training,
+        )
         stats = (await region.group.run_round(inst, 60)).summary.stats
         assert stats is not None
         fast, slow = stats.ranks
