@@ -1,14 +1,24 @@
-"""Every tier: ``tests/gpu`` is collected only when named.
+"""Every tier: ``tests/gpu`` is collected only when named; torch runs single-threaded.
 
 The GPU tests need a CUDA device and fail without one, so ``pytest tests`` (``make
 test``, CI) leaves them out; ``make test-gpu`` names the folder (``pytest tests/gpu``).
+
+``OMP_NUM_THREADS=1`` (unless the environment sets it) holds for the pytest processes and
+every process a test starts, as the demo's daemons and the workers already run: two pytest
+workers share two cores with the daemons they start, and a torch process's idle OpenMP
+threads spin on a core another process needs (the unit tier took a third more CPU time
+with torch's default of one thread a core). A test about threads sets its own count.
 """
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
+
+# Before torch is first imported here or in a child: OpenMP reads it once, at start.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 GPU_TESTS = Path(__file__).resolve().parent / "gpu"
 
