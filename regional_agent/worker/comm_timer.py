@@ -129,8 +129,8 @@ class CommTimer:
         return time.perf_counter()
 
 
-class _TimedAllGather(AllGather):
-    """FSDP2's default all-gather, timed by ``timer``."""
+class _TimedComm:
+    """What FSDP2's default collectives share: a ``torch.empty`` buffer, and the timer."""
 
     def __init__(self, timer: CommTimer) -> None:
         self._timer = timer
@@ -139,6 +139,10 @@ class _TimedAllGather(AllGather):
         self, size: Sequence[int | torch.SymInt], *, dtype: torch.dtype, device: torch.device
     ) -> torch.Tensor:
         return torch.empty(*size, dtype=dtype, device=device)
+
+
+class _TimedAllGather(_TimedComm, AllGather):
+    """FSDP2's default all-gather, timed."""
 
     def __call__(
         self,
@@ -154,16 +158,8 @@ class _TimedAllGather(AllGather):
         )
 
 
-class _TimedReduceScatter(ReduceScatter):
-    """FSDP2's default reduce-scatter, timed by ``timer``."""
-
-    def __init__(self, timer: CommTimer) -> None:
-        self._timer = timer
-
-    def allocate(
-        self, size: Sequence[int | torch.SymInt], *, dtype: torch.dtype, device: torch.device
-    ) -> torch.Tensor:
-        return torch.empty(*size, dtype=dtype, device=device)
+class _TimedReduceScatter(_TimedComm, ReduceScatter):
+    """FSDP2's default reduce-scatter, timed."""
 
     def __call__(
         self,
