@@ -56,7 +56,7 @@ demo: $(STAMP)
 # Aggregation rules under one hostile region: $(PY) -m benchmarks.convergence --robust
 # The outer optimizer's lr/momentum/warm-up sweep: $(PY) -m benchmarks.convergence --outer-sweep
 # The tuned, seeded baseline with confidence intervals (~90 min): $(PY) -m benchmarks.baseline
-# Delayed folds at lags of 1/4, 1/2 and 1 phase, four corrections (over an hour): $(PY) -m benchmarks.staleness
+# Delayed folds at lags of 1/4, 1/2 and 1 phase, four corrections (about 35 minutes): $(PY) -m benchmarks.staleness
 bench: $(STAMP) system-deps
 	$(PY) -m benchmarks.codec_bench
 	$(PY) -m benchmarks.round_overhead

@@ -24,7 +24,7 @@ the rate it chose for DiLoCo, 0.0015), where the standard deviation of DiLoCo's 
 loss across seeds is about 0.02 from 360 steps on (a smaller model at 360 steps was still
 leaving its early plateau, some seeds sooner than others, and its final losses were two
 clusters, not a spread); the outer optimizer keeps the job's defaults. 39 runs of 360
-steps take over an hour on 2 cores. The correction with the lowest mean gap over the lags
+steps take about 35 minutes on 2 cores. The correction with the lowest mean gap over the lags
 is reported as the best. Figures go to ``--out`` (JSON) and the same path with ``.md``;
 both are printed too.
 """
