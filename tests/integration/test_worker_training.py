@@ -408,7 +408,7 @@ async def test_a_slow_rank_is_the_busy_one_and_is_found_straggling(
 ) -> None:
     # Rank 1 sleeps in every loss call. The ranks step together, so both take its time a
     # step; only rank 0 spends it waiting: in DDP's gradient all-reduce, in FSDP's
-    # reduce-scatter of the last unit's gradients.
+    # reduce-scatter of the gradients (the tiny task's model is one FSDP unit).
     delay = 0.02
     options = {"slow_rank": 1, "slow_rank_delay_s": delay}
     training = TrainingConfig(parallelism=parallelism)
