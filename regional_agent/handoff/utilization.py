@@ -30,20 +30,20 @@ class Utilization:
         return min(1.0, self.busy_s / self.span_s)
 
 
+def merged_intervals(intervals: Iterable[tuple[float, float]]) -> list[tuple[float, float]]:
+    """The union of ``[start, end]`` intervals as disjoint intervals, in order."""
+    merged: list[tuple[float, float]] = []
+    for start, end in sorted(intervals):
+        if merged and start <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], end))
+        else:
+            merged.append((start, end))
+    return merged
+
+
 def union_seconds(intervals: Iterable[tuple[float, float]]) -> float:
     """Total length of the union of ``[start, end]`` intervals."""
-    total = 0.0
-    current: tuple[float, float] | None = None
-    for start, end in sorted(intervals):
-        if current is None or start > current[1]:
-            if current is not None:
-                total += current[1] - current[0]
-            current = (start, end)
-        else:
-            current = (current[0], max(current[1], end))
-    if current is not None:
-        total += current[1] - current[0]
-    return total
+    return sum(end - start for start, end in merged_intervals(intervals))
 
 
 def compute_utilization(intervals: Iterable[tuple[float, float]]) -> Utilization:

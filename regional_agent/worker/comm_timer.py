@@ -17,14 +17,19 @@ unchanged:
 On the CPU (gloo) the times are the host clock's, taken when the collective is called and
 when its result is ready. On CUDA (NCCL) a collective returns once queued, so the times are
 CUDA events instead: recorded on the stream the collective is issued on (DDP: the stream
-that produced the bucket, then the one the reduced bucket is ready on), read once at the
-end of the round. An FSDP2 collective issued asynchronously on CUDA (FSDP2's
+that produced the bucket, then the one the reduced bucket is ready on). What is kept stays
+small whatever the round's length (FSDP2 issues a few collectives per unit and
+micro-batch): every :data:`COMPACT_AT` intervals noted, those that have completed (on CUDA,
+whose events have) are merged into disjoint intervals in seconds, and the merged ones that
+nothing in flight can overlap are added up; the rest are read at the end of the round. An
+FSDP2 collective issued asynchronously on CUDA (FSDP2's
 ``unshard_async_op``, which geofed never sets) has no event marking its end: the round's
 time is then not measured (None), rather than estimated.
 """
 
 # Without postponed annotations: DDP checks the hook's annotations as real objects.
 
+import math
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -39,9 +44,12 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
 from torch.nn.parallel import DistributedDataParallel
 
-from regional_agent.handoff.utilization import union_seconds
+from regional_agent.handoff.utilization import merged_intervals, union_seconds
 
-__all__ = ["CommTimer"]
+__all__ = ["COMPACT_AT", "CommTimer"]
+
+#: Intervals noted between two merges of the completed ones.
+COMPACT_AT = 256
 
 
 class CommTimer:
@@ -50,7 +58,16 @@ class CommTimer:
     def __init__(self, device: torch.device) -> None:
         self._cuda = device.type == "cuda"
         self._lock = threading.Lock()
+        self._open: dict[int, Any] = {}
+        """The starts of the collectives in flight, by the order they were issued in."""
+        self._issued = 0
+        self._noted = 0
         self._intervals: list[tuple[Any, Any]] = []
+        """Noted and not merged yet: host clock readings, or CUDA events."""
+        self._merged: list[tuple[float, float]] = []
+        """Completed, in seconds (from :attr:`_origin` on CUDA), disjoint, in order."""
+        self._folded_s = 0.0
+        """The length of the merged intervals nothing in flight or to come can overlap."""
         self._origin: Any = None
         self._unmeasured = False
 
@@ -68,7 +85,10 @@ class CommTimer:
     def start(self) -> None:
         """Forget what was measured so far: a new round begins."""
         with self._lock:
+            self._open = {}
             self._intervals = []
+            self._merged = []
+            self._folded_s = 0.0
             self._origin = self._now()
             self._unmeasured = False
 
@@ -78,27 +98,23 @@ class CommTimer:
 
         On CUDA this waits for the device to finish the work queued so far.
         """
-        with self._lock:
-            intervals, origin = list(self._intervals), self._origin
-            if self._unmeasured:
-                return None
         if self._cuda:
             torch.cuda.synchronize()
-            intervals = [
-                (origin.elapsed_time(a) / 1000.0, origin.elapsed_time(b) / 1000.0)
-                for a, b in intervals
-            ]
-        return union_seconds(intervals)
+        with self._lock:
+            if self._unmeasured:
+                return None
+            noted = [*self._merged, *(self._in_seconds(i) for i in self._intervals)]
+            return self._folded_s + union_seconds(noted)
 
     def hook(
         self, state: dist.ProcessGroup, bucket: GradBucket
     ) -> torch.futures.Future[torch.Tensor]:
         """DDP's default all-reduce of ``bucket``, timed."""
-        started = self._now()
+        started, token = self._begin()
         reduced = allreduce_hook(state, bucket)
 
         def finished(future: torch.futures.Future[torch.Tensor]) -> torch.Tensor:
-            self._note(started, self._now())
+            self._note(token, started, self._now())
             return future.value()
 
         return reduced.then(finished)
@@ -106,20 +122,63 @@ class CommTimer:
     def issue(self, collective: Callable[[], dist.Work | None]) -> dist.Work | None:
         """Call ``collective`` and note its interval: until it returns, or, when it returns
         a work in flight (an asynchronous call), until that work completes."""
-        started = self._now()
+        started, token = self._begin()
         work = collective()
         if work is None:
-            self._note(started, self._now())
+            self._note(token, started, self._now())
         elif self._cuda:
             with self._lock:
+                self._open.pop(token, None)
                 self._unmeasured = True
         else:
-            work.get_future().then(lambda _: self._note(started, self._now()))
+            work.get_future().then(lambda _: self._note(token, started, self._now()))
         return work
 
-    def _note(self, started: Any, ended: Any) -> None:
+    def _begin(self) -> tuple[Any, int]:
+        started = self._now()
         with self._lock:
+            self._issued += 1
+            self._open[self._issued] = started
+            return started, self._issued
+
+    def _note(self, token: int, started: Any, ended: Any) -> None:
+        with self._lock:
+            if self._open.pop(token, None) is None:
+                return  # issued before start(): another round's
             self._intervals.append((started, ended))
+            self._noted += 1
+            if self._noted % COMPACT_AT == 0:
+                self._compact()
+
+    def _compact(self) -> None:
+        """Merge the completed intervals noted, and fold those that nothing in flight or
+        to come can overlap into :attr:`_folded_s` (under the lock).
+
+        A collective issued later starts after every end read now; one in flight, or
+        noted but not read yet, started at its start if that has been recorded, else
+        later too.
+        """
+        done: list[tuple[Any, Any]] = []
+        pending: list[tuple[Any, Any]] = []
+        for interval in self._intervals:
+            (done if all(map(self._recorded, interval)) else pending).append(interval)
+        self._intervals = pending
+        merged = merged_intervals([*self._merged, *(self._in_seconds(i) for i in done)])
+        starts = [*self._open.values(), *(start for start, _ in pending)]
+        cutoff = min(
+            (self._at(start) for start in starts if self._recorded(start)), default=math.inf
+        )
+        self._folded_s += sum(end - start for start, end in merged if end < cutoff)
+        self._merged = [interval for interval in merged if interval[1] >= cutoff]
+
+    def _recorded(self, mark: Any) -> bool:
+        return not self._cuda or bool(self._origin.query() and mark.query())
+
+    def _at(self, mark: Any) -> float:
+        return float(self._origin.elapsed_time(mark) / 1000.0) if self._cuda else float(mark)
+
+    def _in_seconds(self, interval: tuple[Any, Any]) -> tuple[float, float]:
+        return self._at(interval[0]), self._at(interval[1])
 
     def _now(self) -> Any:
         if self._cuda:
