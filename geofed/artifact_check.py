@@ -171,6 +171,19 @@ class FileFrames(Sequence[bytes]):
         self._sizes = list(sizes)
         self._starts = list(itertools.accumulate(self._sizes[:-1], initial=start))
 
+    @property
+    def path(self) -> Path:
+        return self._path
+
+    @property
+    def start(self) -> int:
+        """Where the first frame starts in the file."""
+        return self._starts[0]
+
+    @property
+    def sizes(self) -> tuple[int, ...]:
+        return tuple(self._sizes)
+
     def __len__(self) -> int:
         return len(self._sizes)
 

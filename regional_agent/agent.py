@@ -324,6 +324,7 @@ class Agent:
                     clock=self._clock,
                     metrics=self._metrics,
                     download_window=config.transfer.download_window,
+                    theta_file_every=config.transfer.theta_file_every,
                 ),
                 Uploader(
                     client,

@@ -4,10 +4,17 @@ Everything here stays in the region (its policy keeps ``regional_checkpoint`` ho
 worker group keeps the rest of the regional checkpoint (inner optimizer state, data
 cursor) in its own hand-off directory. Layout under the state directory::
 
+    jobs/<job>/params/round-<v>.chain.json
+                                        θ_v: a θ file and the updates after it
+                                        (:mod:`geofed.theta_chain`; immutable); the workers
+                                        are given this path
     jobs/<job>/params/round-<v>.safetensors
-                                        θ_v, a θ file (:mod:`geofed.theta_file`; immutable)
+                                        θ_v written whole, a θ file (:mod:`geofed.theta_file`;
+                                        immutable): after a resync, and every
+                                        ``transfer.theta_file_every`` rounds
+    jobs/<job>/params/update-<r>.bundle round r's verified update, kept while a chain names it
     jobs/<job>/params/current.json      {"round": v, "hash": ..., "file": ...}: which θ is
-                                        held (and its file's size, mtime, inode), last
+                                        held (and its chain file's size, mtime, inode), last
     jobs/<job>/downloads/               an update or snapshot being downloaded, until applied
     jobs/<job>/feedback.pt              error-feedback residual after the last accepted delta
                                         (or a held file: rank 0 keeps its tensors)
@@ -47,7 +54,8 @@ from torch import Tensor
 from geofed.codec import ErrorFeedback, ErrorFeedbackError
 from geofed.fsutil import AtomicFile, atomic_write_bytes, fsync_dir, replace_durably
 from geofed.manifest import ManifestError, SignedManifest, verify_chunk
-from geofed.theta_file import ThetaFileError, hash_theta, write_theta
+from geofed.theta_chain import ThetaChain, params_hash
+from geofed.theta_file import ThetaFileError, write_theta
 from geofed.types import validate_name
 from regional_agent.handoff.residual_file import (
     HeldResidual,
@@ -60,6 +68,8 @@ log = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1
 _PARAMS_RE = re.compile(r"^round-(\d+)\.(?:safetensors|pt)$")
+_CHAIN_RE = re.compile(r"^round-(\d+)\.chain\.json$")
+_UPDATE_RE = re.compile(r"^update-(\d+)\.bundle$")
 _SPOOL_RE = re.compile(r"^round-(\d+)$")
 #: θ files kept besides the current one, for a worker group still reading an older one.
 _KEEP_OLD_PARAMS = 1
@@ -159,7 +169,17 @@ class JobDirectory:
     # -- θ ----------------------------------------------------------------------------
 
     def params_path(self, round_: int) -> Path:
+        """Where θ_round is written whole, as a θ file."""
         return self._params / f"round-{round_}.safetensors"
+
+    def held_path(self, round_: int) -> Path:
+        """The description of θ_round as the agent holds it (:mod:`geofed.theta_chain`):
+        its θ file, or an earlier one and the updates after it."""
+        return self._params / f"round-{round_}.chain.json"
+
+    def update_path(self, round_: int) -> Path:
+        """Where round ``round_``'s verified update is kept for a chain."""
+        return self._params / f"update-{round_}.bundle"
 
     def prepare_params(self) -> None:
         """Create the directories θ files (:meth:`params_path`) and the downloads that
@@ -194,8 +214,9 @@ class JobDirectory:
     def load_params(self) -> HeldTheta | None:
         """The θ held and its file; None when nothing (or nothing intact) is held.
 
-        A file whose size, modification time and inode are those recorded when it was
-        made the one held is taken as it was hashed then; any other (changed since, or
+        A θ whose files (its chain's and every file the chain names) have the sizes,
+        modification times and inodes recorded when it was made the one held is taken as
+        it was hashed then; any other (changed since, or
         recorded by an agent of the format before) is re-hashed, read in chunks. A θ
         that no longer matches its recorded hash, or a θ of the format before (a
         torch.save file), is dropped (with a warning), so the caller resyncs rather than
@@ -204,11 +225,13 @@ class JobDirectory:
         version, recorded = self._current()
         if version is None:
             return None
-        path = self.params_path(version.round)
-        if recorded is not None and recorded == _file_identity(path):
+        path = self.held_path(version.round)
+        if recorded is not None and recorded == _held_identity(path):
             return HeldTheta(version, path)
         try:
-            found = hash_theta(path)
+            if not path.exists():  # held by an agent that wrote θ files only
+                ThetaChain(self.params_path(version.round), version.round).save(path)
+            found = params_hash(path)
         except ThetaFileError as exc:
             log.warning("dropping the held parameters: %s", exc)
             self.forget_params()
@@ -220,15 +243,15 @@ class JobDirectory:
         return HeldTheta(version, path)
 
     def record_params(self, version: ParamsVersion) -> Path:
-        """Make θ of ``version``, already written at :meth:`params_path` and hashed, the one
-        held (with its file's identity: :meth:`load_params` need not hash it again);
-        prune older θ files."""
-        path = self.params_path(version.round)
+        """Make θ of ``version``, already described at :meth:`held_path` and hashed, the
+        one held (with its file's identity: :meth:`load_params` need not hash it again);
+        prune the files no chain kept needs."""
+        path = self.held_path(version.round)
         body = {
             "format": FORMAT_VERSION,
             "round": version.round,
             "hash": version.hash,
-            "file": _file_identity(path),
+            "file": _held_identity(path),
         }
         atomic_write_bytes(self._params / "current.json", json.dumps(body).encode())
         self._prune_params(version.round)
@@ -238,6 +261,9 @@ class JobDirectory:
         """Store θ of ``version`` (its tensors) and make it the one held."""
         self.prepare_params()
         write_theta(self.params_path(version.round), params)
+        ThetaChain(self.params_path(version.round), version.round).save(
+            self.held_path(version.round)
+        )
         return self.record_params(version)
 
     def forget_params(self) -> None:
@@ -271,16 +297,28 @@ class JobDirectory:
         self.eager_path.unlink(missing_ok=True)
 
     def _prune_params(self, current: int) -> None:
-        found = sorted(
-            (int(m.group(1)), entry)
+        """Remove every θ file, chain and kept update that neither the held θ's chain nor
+        the newest older one (a worker group may still read it) names."""
+        chains = sorted(
+            int(m.group(1))
             for entry in self._params.iterdir()
-            if (m := _PARAMS_RE.fullmatch(entry.name)) is not None
+            if (m := _CHAIN_RE.fullmatch(entry.name)) is not None
         )
-        # θ files of the format before (round-<v>.pt) go with the older ones.
-        older = [entry for _, entry in found if entry != self.params_path(current)]
-        kept = [entry for entry in older if entry.suffix == ".safetensors"][-_KEEP_OLD_PARAMS:]
-        for entry in older:
-            if entry not in kept:
+        older = [round_ for round_ in chains if round_ < current][-_KEEP_OLD_PARAMS:]
+        keep: set[str] = set()
+        for round_ in (*older, current):
+            path = self.held_path(round_)
+            keep.add(path.name)
+            try:
+                chain = ThetaChain.load(path)
+            except ThetaFileError:
+                continue
+            keep.add(chain.base.name)
+            keep.update(update.path.name for update in chain.updates)
+        for entry in self._params.iterdir():
+            name = entry.name
+            ours = any(r.fullmatch(name) for r in (_PARAMS_RE, _CHAIN_RE, _UPDATE_RE))
+            if ours and name not in keep:
                 entry.unlink(missing_ok=True)
 
     # -- error feedback ---------------------------------------------------------------
@@ -498,6 +536,17 @@ def _file_identity(path: Path) -> list[int] | None:
     except FileNotFoundError:
         return None
     return [st.st_size, st.st_mtime_ns, st.st_ino]
+
+
+def _held_identity(path: Path) -> list[list[int] | None] | None:
+    """:func:`_file_identity` of a held θ's chain file and of every file it names; None
+    when the chain is unreadable."""
+    try:
+        chain = ThetaChain.load(path)
+    except ThetaFileError:
+        return None
+    files = (path, chain.base, *(update.path for update in chain.updates))
+    return [_file_identity(file) for file in files]
 
 
 def _read_json(path: Path) -> dict[str, Any] | None:

@@ -29,7 +29,8 @@ from geofed.codec import CodecError
 from geofed.eager_start import EagerStartError, OuterReplica
 from geofed.outer_step import OuterOptimizerConfig
 from geofed.params import parameters_vector_hash
-from geofed.theta_file import ThetaFileError, hash_theta, map_theta
+from geofed.theta_chain import map_params, params_hash
+from geofed.theta_file import ThetaFileError
 from regional_agent.handoff.delta_stream import DeltaStream
 from regional_agent.handoff.directory import HandoffDir
 from regional_agent.handoff.messages import StartReady
@@ -144,7 +145,7 @@ def hand_start(
             except EagerStartError as exc:
                 log.warning("job %s: dropping the eager-start state: %s", job.job, exc)
         before = _previous_theta(job, saved, round_)
-        theta = map_theta(theta_path)
+        theta = map_params(theta_path)
         if delta is not None:
             decoded = delta.decode()
             local = {name: theta[name] - decoded[name] for name in theta}
@@ -183,13 +184,13 @@ def hand_start(
 
 def _previous_theta(
     job: JobDirectory, saved: EagerState | None, round_: int
-) -> dict[str, torch.Tensor] | None:
-    """θ_{round_-1}, when the saved replica stands at it and its file is still held."""
+) -> Mapping[str, torch.Tensor] | None:
+    """θ_{round_-1}, when the saved replica stands at it and its files are still held."""
     if saved is None or not replays(saved, round_):
         return None
-    path = job.params_path(round_ - 1)
+    path = job.held_path(round_ - 1)
     try:
-        found = hash_theta(path)
+        found = params_hash(path)
     except ThetaFileError as exc:
         log.info(
             "job %s: θ_%d is not held (%s); the replica starts at zero", job.job, round_ - 1, exc
@@ -200,4 +201,4 @@ def _previous_theta(
             "job %s: θ_%d is not the one the replica saw; it starts at zero", job.job, round_ - 1
         )
         return None
-    return map_theta(path)
+    return map_params(path)

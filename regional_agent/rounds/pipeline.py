@@ -415,7 +415,7 @@ class RoundPipeline:
         await self._delayed.speculate(
             announcement,
             instruction,
-            job.params_path(announcement.round + 1),
+            job.held_path(announcement.round + 1),
             result=result,
             job=job,
             names=fragments.next_names,
@@ -526,7 +526,7 @@ class RoundPipeline:
         return RoundInstruction(
             job=announcement.job,
             round=announcement.round,
-            base_params=str(job.params_path(synced.version.round)),
+            base_params=str(job.held_path(synced.version.round)),
             inner_steps=announcement.inner_steps,
             task=announcement.task,
             task_options=dict(announcement.task_options),

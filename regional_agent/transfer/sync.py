@@ -8,12 +8,16 @@ the manifest's ``parameters_hash``.
 :class:`Synchronizer` decides how to get there (protocol: "Round lifecycle", step 2):
 nothing to do when the held θ already has the announced hash; the update when the held
 θ is the version just before; a full resync otherwise, and whenever an update is
-refused. θ lives in files (:mod:`geofed.theta_file`): an update is decoded piece by
-piece into a copy of the held θ's file, a snapshot into a new one, so the agent never
-holds θ in memory (and gives the buffers it streamed through back to the system after
-each, :func:`geofed.heap.trim_heap`). Verification and the tensor arithmetic run in a
-worker thread. A resync fetches up to ``download_window`` artifacts of the chain at once
-(agent config ``transfer.download_window``) and still verifies and applies them in order; each
+refused. θ lives in files: a snapshot is decoded piece by piece into a θ file
+(:mod:`geofed.theta_file`), and an update, once verified, is kept in its file and chained
+after the held θ (:mod:`geofed.theta_chain`: θ_{r+1} is the held chain's θ file plus the
+updates after it, checked by hashing it a tensor at a time), or, every
+``theta_file_every`` rounds, θ is written whole as a θ file again, so the agent never
+holds θ in memory and writes it whole only now and then (and gives the buffers it
+streamed through back to the system after each, :func:`geofed.heap.trim_heap`).
+Verification and the tensor arithmetic run in a worker thread. A resync fetches up to
+``download_window`` artifacts of the checkpoint's chain at once (agent config
+``transfer.download_window``) and still verifies and applies them in order; each
 artifact is one streamed GET that resumes with ``Range`` after a drop.
 
 With :class:`~regional_agent.metrics.AgentMetrics` it counts the bytes downloaded (as
@@ -42,7 +46,14 @@ from geofed.control import RoundAnnouncement
 from geofed.heap import trim_heap
 from geofed.pki import TrustBundle
 from geofed.pki.bundle_source import BundleSource, current
-from geofed.theta_file import ThetaFileError, map_theta, read_layout
+from geofed.theta_chain import (
+    ThetaChain,
+    chain_update,
+    held_chain,
+    map_params,
+    params_shapes,
+)
+from geofed.theta_file import ThetaFileError
 from geofed.types import ArtifactKind
 from regional_agent.metrics import AgentMetrics, MetricsError
 from regional_agent.state import HeldTheta, ParamsVersion
@@ -73,7 +84,8 @@ class ResyncFailed(SyncError):
 
 @dataclass(frozen=True)
 class Synced:
-    """The θ reached (its file), its version, and how (``held``, ``update`` or ``resync``)."""
+    """The θ reached (its chain's file, :mod:`geofed.theta_chain`), its version, and how
+    (``held``, ``update`` or ``resync``)."""
 
     path: Path
     version: ParamsVersion
@@ -82,12 +94,12 @@ class Synced:
     """Why an update was refused before the resync, if one was."""
 
     def shapes(self) -> dict[str, tuple[int, ...]]:
-        """θ's tensors' names (in θ's order) and shapes, from the file's header."""
-        return read_layout(self.path).shapes()
+        """θ's tensors' names (in θ's order) and shapes, from the files' headers."""
+        return params_shapes(self.path)
 
-    def tensors(self) -> dict[str, Tensor]:
-        """θ's tensors mapped from the file (pages come in as they are read)."""
-        return map_theta(self.path)
+    def tensors(self) -> Mapping[str, Tensor]:
+        """θ's tensors, mapped from its θ file or read from its chain as they are used."""
+        return map_params(self.path)
 
 
 def _utc_now() -> datetime:
@@ -132,10 +144,14 @@ class Synchronizer:
         clock: Clock = _utc_now,
         metrics: AgentMetrics | None = None,
         download_window: int = 1,
+        theta_file_every: int = 1,
     ) -> None:
         if download_window < 1:
             raise ValueError(f"download window must be >= 1, got {download_window}")
+        if theta_file_every < 1:
+            raise ValueError(f"theta_file_every must be >= 1, got {theta_file_every}")
         self._download_window = download_window
+        self._theta_file_every = theta_file_every
         self._client = client
         self._bundle = bundle
         self._clock = clock
@@ -146,10 +162,11 @@ class Synchronizer:
     ) -> Synced:
         """θ_r for ``announcement``, from ``held`` when it can be, as a θ file.
 
-        A θ reached by an update or a resync is written at ``places.params_path(round)``
-        (:mod:`geofed.theta_file`: decoded piece by piece into the file, never whole in
-        memory), each artifact downloaded to ``places.download_path`` first and removed
-        once used; a held θ stays where it is.
+        A θ reached by an update or a resync is described at ``places.held_path(round)``
+        (a chain, :mod:`geofed.theta_chain`; never whole in memory), each artifact
+        downloaded to ``places.download_path`` first, then kept in
+        ``places.update_path(round)`` for a chain or removed once used; a held θ stays
+        where it is.
         """
         target = ParamsVersion(announcement.base_round, announcement.base_hash)
         if held is not None and held.version.hash == target.hash:
@@ -165,11 +182,11 @@ class Synchronizer:
             else:
                 if version == target:
                     self._applied(counted)
-                    return Synced(places.params_path(version.round), version, "update")
+                    return Synced(places.held_path(version.round), version, "update")
                 refused = f"update gives θ hash {version.hash}, announced {target.hash}"
                 log.warning("%s; resyncing", refused)
         version = await self.resync(announcement.job, target, places)
-        return Synced(places.params_path(version.round), version, "resync", refused)
+        return Synced(places.held_path(version.round), version, "resync", refused)
 
     async def _update(
         self, announcement: RoundAnnouncement, url: str, held: HeldTheta, places: ThetaPlaces
@@ -221,7 +238,7 @@ class Synchronizer:
 
     async def resync(self, job: str, target: ParamsVersion, places: ThetaPlaces) -> ParamsVersion:
         """θ of ``target`` from the latest checkpoint, its snapshot then its updates, each
-        θ on the way written at ``places.params_path(round)``."""
+        θ on the way described at ``places.held_path(round)``."""
         answer = await self._client.request("GET", ApiPaths.latest_checkpoint(job))
         snapshot, updates = _chain(answer.json(), job, target.round)
         applied: list[Counted] = []  # counted once the chain reaches θ_r
@@ -300,7 +317,7 @@ class Synchronizer:
         """The update of ``round_`` downloaded to ``bundle``, verified, its frames left in the
         file to be decoded into θ's (no larger than θ when decoded)."""
         try:
-            size = read_layout(theta).size
+            size = 4 * sum(math.prod(shape) for shape in params_shapes(theta).values())
         except ThetaFileError as exc:
             raise ArtifactRejected(f"update {job}/{round_}: the held {exc}") from None
         return self._verified(bundle, ArtifactKind.GLOBAL_UPDATE, job, round_, size)
@@ -325,13 +342,21 @@ class Synchronizer:
         self, update: VerifiedArtifact, theta: Path, version: ParamsVersion, places: ThetaPlaces
     ) -> tuple[ParamsVersion, Counted]:
         counted = Counted.of(update)
+        round_ = version.round
         try:
-            found = artifact_check.apply_update_to_file(
-                theta, places.params_path(version.round + 1), version.round, version.hash, update
+            held = held_chain(theta, round_)
+            whole = len(held.updates) + 1 >= self._theta_file_every
+            chain, found = chain_update(
+                held,
+                version.hash,
+                update,
+                keep_at=places.update_path(round_),
+                whole_at=places.params_path(round_ + 1) if whole else None,
             )
-        except ArtifactRefused as exc:
+            chain.save(places.held_path(round_ + 1))
+        except (ArtifactRefused, ThetaFileError) as exc:
             raise ArtifactRejected(str(exc)) from None
-        return ParamsVersion(version.round + 1, found), counted
+        return ParamsVersion(round_ + 1, found), counted
 
     def _verify_snapshot(
         self, bundle: Path, job: str, part: ListedPart, places: ThetaPlaces
@@ -340,7 +365,10 @@ class Synchronizer:
         part.check_digest(snapshot)
         try:
             found = artifact_check.snapshot_to_file(places.params_path(part.round), snapshot)
-        except ArtifactRefused as exc:
+            ThetaChain(places.params_path(part.round), part.round).save(
+                places.held_path(part.round)
+            )
+        except (ArtifactRefused, ThetaFileError) as exc:
             raise ArtifactRejected(str(exc)) from None
         finally:
             trim_heap()
@@ -354,7 +382,7 @@ class Synchronizer:
         version: ParamsVersion,
         places: ThetaPlaces,
     ) -> tuple[ParamsVersion, Counted]:
-        theta = places.params_path(version.round)
+        theta = places.held_path(version.round)
         update = self._verified_update(bundle, job, part.round, theta)
         part.check_digest(update)
         try:
@@ -369,10 +397,14 @@ def _remove(paths: list[Path]) -> None:
 
 
 class ThetaPlaces(Protocol):
-    """Where a job's θ files and its downloads go (the agent's
+    """Where a job's θ files, chains, kept updates and downloads go (the agent's
     :class:`~regional_agent.state.JobDirectory`)."""
 
     def params_path(self, round_: int) -> Path: ...
+
+    def held_path(self, round_: int) -> Path: ...
+
+    def update_path(self, round_: int) -> Path: ...
 
     def download_path(self, name: str) -> Path: ...
 

@@ -36,7 +36,8 @@ import torch
 from geofed.codec import QuantizedTensors, quantize_tensors
 from geofed.codec.tensors import TensorLayout
 from geofed.params import federated_state
-from geofed.theta_file import ThetaFileError, read_theta
+from geofed.theta_chain import read_params
+from geofed.theta_file import ThetaFileError
 from regional_agent.handoff.delta_stream import DeltaStreamWriter, WrittenDelta
 from regional_agent.handoff.delta_terms import UnusableDelta, rounding_generator
 from regional_agent.handoff.messages import DeltaRequest, RoundInstruction
@@ -261,7 +262,7 @@ class RoundDeltaQuantizer:
         self._residual_path = residual_path
         try:
             # Read a tensor at a time as the delta takes it: θ's pages are not kept.
-            self._base = read_theta(base_path)
+            self._base = read_params(base_path)
         except ThetaFileError as exc:
             raise UnusableDelta(str(exc)) from None
         base = self._base

@@ -28,7 +28,8 @@ from torch import nn
 from geofed.lr_schedule import apply_lr
 from geofed.params import check_federated_state, parameters_vector_hash
 from geofed.task import Task, load_task
-from geofed.theta_file import ThetaReads, hash_theta, read_theta
+from geofed.theta_chain import ChainReads, chain_hash, read_params
+from geofed.theta_file import ThetaReads, hash_theta
 from geofed.training_config import TrainingConfig, is_sharded
 from regional_agent.handoff.messages import RegionalCheckpoint, RoundInstruction
 from regional_agent.worker.activation_checkpointing import (
@@ -220,26 +221,32 @@ def _node_ranks() -> int | None:
 
 @dataclass(frozen=True, slots=True)
 class BaseParams:
-    """A round's base θ as rank 0 read it (mapped from its file), and its hash."""
+    """A round's base θ as rank 0 read it (from its file or its chain), and its hash."""
 
     state: Mapping[str, torch.Tensor]
     hash: str
 
 
 def read_base(model: nn.Module, path: str) -> BaseParams:
-    """The base θ at ``path``, checked to fit ``model`` (from its header) and hashed (rank
-    0). Its tensors are read when asked for, one at a time: loading θ never keeps all of
-    it resident (a mapped file's pages would stay resident while mapped)."""
-    base = read_theta(path)  # ThetaFileError is a ValueError
+    """The base θ at ``path`` (a θ file or a chain, :mod:`geofed.theta_chain`), checked to
+    fit ``model`` (from its header) and hashed (rank 0). Its tensors are read when asked
+    for, one at a time: loading θ never keeps all of it resident (a mapped file's pages
+    would stay resident while mapped)."""
+    base = read_params(path)  # ThetaFileError is a ValueError
     check_federated_state(model, _declared(base))
-    # Hashed from the file in chunks: hashing the tensors would read all of θ at once.
-    digest = hash_theta(path) if isinstance(base, ThetaReads) else parameters_vector_hash(base)
+    # Hashed a piece or a tensor at a time: hashing the tensors would read all of θ at once.
+    if isinstance(base, ThetaReads):
+        digest = hash_theta(path)
+    elif isinstance(base, ChainReads):
+        digest = chain_hash(base)
+    else:
+        digest = parameters_vector_hash(base)
     return BaseParams(base, digest)
 
 
 def _declared(base: Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
     """θ's tensors as its header declares them (shapes only, no value read)."""
-    if not isinstance(base, ThetaReads):
+    if not isinstance(base, ThetaReads | ChainReads):
         return base  # the format before: mapped, so its shapes cost no read
     return {name: torch.empty(shape, device="meta") for name, shape in base.shapes().items()}
 

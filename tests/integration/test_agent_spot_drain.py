@@ -30,6 +30,8 @@ from pathlib import Path
 import pytest
 
 from geofed.control.broker import EmbeddedBroker
+from geofed.theta_chain import read_params
+from geofed.theta_file import write_theta
 from regional_agent.handoff.directory import HandoffDir
 from regional_agent.handoff.messages import RoundInstruction
 from regional_agent.launch.launcher import LocalElasticLauncher
@@ -71,8 +73,8 @@ def keep_for_reference(workers: Path, reference: Path) -> RoundInstruction:
     handoff, copy = HandoffDir(workers), HandoffDir(reference)
     instruction = handoff.read_instruction(JOB, 1)
     reference.mkdir()
-    base = reference / "theta-1.pt"
-    shutil.copyfile(instruction.base_params, base)
+    base = reference / "theta-1.safetensors"  # written whole: the agent's chain moves on
+    write_theta(base, read_params(instruction.base_params))
     copy.job_dir(JOB).mkdir(parents=True)
     shutil.copyfile(handoff.checkpoint_path(JOB), copy.checkpoint_path(JOB))
     record = handoff.read_checkpoint(JOB)

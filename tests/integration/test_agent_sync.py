@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -29,7 +29,7 @@ from geofed.control import RoundAnnouncement
 from geofed.deltas import apply_update
 from geofed.manifest import ArtifactProvenance, Manifest, build_manifest, sign_manifest
 from geofed.params import parameters_vector_hash, state_to_fp32
-from geofed.theta_file import hash_theta
+from geofed.theta_chain import ThetaChain, params_hash
 from geofed.timeouts import Timeouts
 from geofed.types import ArtifactKind
 from regional_agent.state import AgentState, HeldTheta, JobDirectory, ParamsVersion
@@ -251,7 +251,7 @@ async def synchronizer(
         yield Synchronizer(client, federation.bundle())
 
 
-def assert_same(left: Params, right: Params) -> None:
+def assert_same(left: Mapping[str, torch.Tensor], right: Mapping[str, torch.Tensor]) -> None:
     assert left.keys() == right.keys()
     for name in left:
         assert torch.equal(left[name], right[name]), name
@@ -283,14 +283,64 @@ async def test_apply_update_and_resync_reconstruct_identical_theta(
     assert by_update.method == "update"
     assert by_resync.method == "resync"
     assert by_update.version == by_resync.version == ParamsVersion(2, chain.hashes[2])
-    assert by_update.path == place_in(tmp_path / "update").params_path(2)
+    assert by_update.path == place_in(tmp_path / "update").held_path(2)
     assert_same(by_update.tensors(), by_resync.tensors())
     assert_same(by_update.tensors(), chain.thetas[2])
     assert list(by_resync.tensors()) == list(chain.thetas[2])  # θ's order, for fragments
     # A new file: the held θ (which the workers may still be reading) is as it was.
-    assert hash_theta(held.path) == chain.hashes[1]
+    assert params_hash(held.path) == chain.hashes[1]
     assert fake.hits[f"/v1/jobs/{JOB}/rounds/1/update"] == 1
     assert fake.hits["/artifacts/snapshot-0"] == 1
+
+
+@pytest.mark.parametrize("every", [2, 3])
+async def test_updates_are_chained_and_theta_written_whole_every_few_rounds(
+    chain: Chain,
+    served: tuple[FakeCoordinatorFiles, str],
+    federation: Federation,
+    every: int,
+    tmp_path: Path,
+) -> None:
+    """θ_1 and θ_2 from θ_0 by their updates, ``theta_file_every`` 2 or 3: each update is
+    kept in its file and chained after θ_0's, until the chain would reach ``every``
+    files; then θ is written whole again. Every θ is the published one, bit for bit."""
+    timeouts = Timeouts(connect_s=2, heartbeat_s=1, request_s=5, upload_s=10, download_s=10)
+    job = place_in(tmp_path)
+    held = held_theta(chain, 0, tmp_path)
+    async with aiohttp.ClientSession() as session:
+        client = CoordinatorClient(session, served[1], timeouts)
+        sync = Synchronizer(client, federation.bundle(), theta_file_every=every)
+        for round_ in (1, 2):
+            synced = await sync.sync(announce(chain, round_), held, job)
+            assert synced.method == "update"
+            assert synced.path == job.held_path(round_)
+            assert_same(synced.tensors(), chain.thetas[round_])
+            assert params_hash(synced.path) == chain.hashes[round_]
+            job.record_params(synced.version)
+            held = HeldTheta(synced.version, synced.path)
+    described = ThetaChain.load(job.held_path(2))
+    params = tmp_path / "jobs" / JOB / "params"
+    files = sorted(p.name for p in params.iterdir() if p.name != "current.json")
+    if every == 3:  # θ_0's file and both updates
+        assert (described.base, described.base_round) == (job.params_path(0), 0)
+        assert [u.path for u in described.updates] == [job.update_path(0), job.update_path(1)]
+        assert files == [
+            "round-0.safetensors",
+            "round-1.chain.json",
+            "round-2.chain.json",
+            "update-0.bundle",
+            "update-1.bundle",
+        ]
+    else:  # θ_2 written whole: θ_1's chain kept (a worker group may still read it)
+        assert (described.base, described.updates) == (job.params_path(2), ())
+        assert files == [
+            "round-0.safetensors",
+            "round-1.chain.json",
+            "round-2.chain.json",
+            "round-2.safetensors",
+            "update-0.bundle",
+        ]
+    assert job.load_params() == HeldTheta(ParamsVersion(2, chain.hashes[2]), job.held_path(2))
 
 
 async def test_held_theta_with_the_announced_hash_needs_no_download(

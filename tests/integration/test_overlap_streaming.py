@@ -10,6 +10,7 @@ round's speculative steps (and the local progress of fragments not synchronized 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +21,7 @@ from coordinator.storage.artifacts import Location, find_entry
 from coordinator.storage.checkpoints import INDEX_NAME, EntryKind
 from geofed.fragments import fragment_plan
 from geofed.manifest import SignedManifest
-from geofed.theta_file import map_theta
+from geofed.theta_chain import map_params
 from tests.support.federation import FederationRun
 from tests.support.observe import (
     WAIT_S,
@@ -58,9 +59,9 @@ def update_tensors(fed: FederationRun, round_: int) -> list[str]:
     return [tensor.name for tensor in signed.manifest.tensors]
 
 
-def held_theta(fed: FederationRun, region: str, round_: int) -> dict[str, torch.Tensor]:
+def held_theta(fed: FederationRun, region: str, round_: int) -> Mapping[str, torch.Tensor]:
     params = fed.work / "agents" / region / "jobs" / fed.job / "params"
-    return map_theta(params / f"round-{round_}.safetensors")
+    return map_params(params / f"round-{round_}.chain.json")
 
 
 async def test_streaming_rounds_publish_one_fragment_each_and_survive_a_killed_worker(

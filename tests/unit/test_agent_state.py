@@ -12,7 +12,7 @@ import torch
 from geofed.codec import ErrorFeedback, decode
 from geofed.codec_params import CodecParams
 from geofed.params import parameters_vector_hash, state_to_fp32
-from geofed.theta_file import map_theta
+from geofed.theta_chain import map_params
 from geofed.training_config import LrSchedule, TrainingConfig
 from geofed.types import ArtifactKind
 from regional_agent.credentials import Credentials
@@ -85,18 +85,24 @@ def test_params_round_trip_and_older_files_are_pruned(tmp_path: Path) -> None:
     held = state.load_params()
     assert held is not None
     assert held.version == ParamsVersion(3, parameters_vector_hash(theta(3)))
-    params = map_theta(held.path)
-    assert list(params) == list(theta(3))  # θ's own order survives the file
-    assert all(torch.equal(params[n], theta(3)[n]) for n in params)
+    held_params = map_params(held.path)
+    assert list(held_params) == list(theta(3))  # θ's own order survives the file
+    assert all(torch.equal(held_params[n], theta(3)[n]) for n in held_params)
     files = sorted(p.name for p in (tmp_path / "jobs" / JOB / "params").glob("round-*"))
-    # the current one and one before it
-    assert files == ["round-2.safetensors", "round-3.safetensors"]
+    # the current one and one before it, each a θ file and the chain naming it alone
+    assert files == [
+        "round-2.chain.json",
+        "round-2.safetensors",
+        "round-3.chain.json",
+        "round-3.safetensors",
+    ]
 
 
 def test_damaged_params_are_dropped_so_the_next_sync_resyncs(tmp_path: Path) -> None:
     state = AgentState(tmp_path).job(JOB)
     params = theta(0)
-    path = state.save_params(ParamsVersion(0, parameters_vector_hash(params)), params)
+    state.save_params(ParamsVersion(0, parameters_vector_hash(params)), params)
+    path = state.params_path(0)
     flip_last_bit(path)
     later = path.stat().st_mtime_ns + 10**9  # a second later, whatever the clock's grain
     os.utime(path, ns=(later, later))
@@ -116,7 +122,8 @@ def test_an_untouched_held_theta_is_not_read_again(tmp_path: Path) -> None:
     state = AgentState(tmp_path).job(JOB)
     params = theta(0)
     version = ParamsVersion(0, parameters_vector_hash(params))
-    path = state.save_params(version, params)
+    state.save_params(version, params)
+    path = state.params_path(0)
     recorded = path.stat()
     # Bytes changed behind the file's back, its size, mtime and inode as recorded: taken as
     # it was hashed when it was made the one held (rank 0 hashes what it trains from).

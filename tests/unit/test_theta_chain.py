@@ -1,0 +1,251 @@
+"""θ held as a base θ file and the verified updates after it (:mod:`geofed.theta_chain`).
+
+Real signed update bundles, verified from their files as an agent verifies a download,
+chained after θ_0's file: every tensor, the hash and the file written from the chain are
+bit for bit those of θ_3's file built the way the agent builds it today (each update
+patched into a copy of the previous θ's file). A streaming round's update naming some
+tensors changes only those. A chain whose update file changed on disk, whose rounds do
+not follow one another, or whose update does not fit θ is refused, naming the file; a
+chain's description survives a save and a load, and a malformed one is refused naming
+the key.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import UTC, datetime
+from pathlib import Path
+
+import pytest
+import torch
+
+from geofed.artifact_bundle import pack_bundle
+from geofed.artifact_check import (
+    VerifiedArtifact,
+    apply_update_to_file,
+    verify_artifact_file,
+)
+from geofed.codec import decode, encode_stream
+from geofed.codec_params import CodecParams
+from geofed.deltas import apply_partial_update
+from geofed.manifest import ArtifactProvenance, build_manifest, sign_manifest
+from geofed.params import parameters_vector_hash
+from geofed.theta_chain import (
+    ChainReads,
+    StoredUpdate,
+    ThetaChain,
+    ThetaChainError,
+    chain_hash,
+    write_chain,
+)
+from geofed.theta_file import hash_theta, map_theta, write_theta
+from geofed.types import ArtifactKind
+from tests.support.pki import Federation, make_federation
+
+INT8 = CodecParams(scheme="int8", block_size=32, zstd_level=1)
+JOB = "job-1"
+#: Each round's update names these tensors (round 1 is a streaming round's fragment).
+NAMES: tuple[tuple[str, ...], ...] = (
+    ("embed", "layer.weight", "layer.bias", "head"),
+    ("layer.weight", "head"),
+    ("embed", "layer.weight", "layer.bias", "head"),
+)
+
+
+def _theta() -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(0)
+    return {
+        "embed": torch.randn(10, 6, generator=gen),
+        "layer.weight": torch.randn(6, 6, generator=gen),
+        "layer.bias": torch.randn(6, generator=gen),
+        "head": torch.randn(3, 6, generator=gen),
+    }
+
+
+@pytest.fixture(scope="module")
+def fed(tmp_path_factory: pytest.TempPathFactory) -> Federation:
+    return make_federation(tmp_path_factory.mktemp("fed"))
+
+
+def _published(
+    fed: Federation, round_: int, update: dict[str, torch.Tensor], theta: dict[str, torch.Tensor]
+) -> tuple[bytes, dict[str, torch.Tensor], datetime]:
+    """Round ``round_``'s signed update bundle from θ ``theta``, and θ_{round_+1}."""
+    stream = encode_stream(update, INT8, chunk_elements=32)
+    after = apply_partial_update(theta, decode(stream.frames()))
+    now = datetime.now(UTC)
+    manifest = build_manifest(
+        kind=ArtifactKind.GLOBAL_UPDATE,
+        job=JOB,
+        round=round_,
+        producer=fed.coordinator().identity,
+        stream=stream,
+        provenance=(ArtifactProvenance(region="eu-west", jurisdiction="EU", datasets=("a",)),),
+        created_at=now,
+        base_round=round_,
+        base_hash=parameters_vector_hash(theta),
+        parameters_hash=parameters_vector_hash(after),
+        tokens=10,
+    )
+    cred = fed.coordinator().credential
+    signed = sign_manifest(manifest, cred.private_key, cred.certificate)
+    return pack_bundle(signed.to_bytes(), stream.frames()), after, now
+
+
+@pytest.fixture(scope="module")
+def rounds(
+    fed: Federation, tmp_path_factory: pytest.TempPathFactory
+) -> tuple[Path, list[VerifiedArtifact], list[Path]]:
+    """θ_0's file, the updates of rounds 0..2 verified from their files, and θ_1..θ_3's
+    files each patched from the previous one (what the agent writes every round)."""
+    root = tmp_path_factory.mktemp("rounds")
+    theta = _theta()
+    base = root / "theta-0.st"
+    write_theta(base, theta)
+    verified, files, held = [], [], base
+    for round_, names in enumerate(NAMES):
+        gen = torch.Generator().manual_seed(10 + round_)
+        update = {n: 0.01 * torch.randn(theta[n].shape, generator=gen) for n in names}
+        data, theta, now = _published(fed, round_, update, theta)
+        bundle = root / f"update-{round_}.bundle"
+        bundle.write_bytes(data)
+        artifact = verify_artifact_file(
+            bundle, fed.bundle(), kind=ArtifactKind.GLOBAL_UPDATE, job=JOB, round_=round_, now=now
+        )
+        verified.append(artifact)
+        target = root / f"theta-{round_ + 1}.st"
+        apply_update_to_file(held, target, round_, hash_theta(held), artifact)
+        files.append(target)
+        held = target
+    return base, verified, files
+
+
+def _chain(base: Path, verified: list[VerifiedArtifact], count: int) -> ThetaChain:
+    chain = ThetaChain(base, 0)
+    for artifact in verified[:count]:
+        chain = chain.then(StoredUpdate.of(artifact))
+    return chain
+
+
+def test_a_chain_reads_hashes_and_writes_theta_bit_for_bit(
+    rounds: tuple[Path, list[VerifiedArtifact], list[Path]], tmp_path: Path
+) -> None:
+    base, verified, files = rounds
+    for count in range(len(verified) + 1):
+        chain = _chain(base, verified, count)
+        assert chain.round == count
+        reads = ChainReads(chain)
+        expected = map_theta(files[count - 1] if count else base)
+        assert list(reads) == list(expected)  # θ's order
+        assert reads.shapes() == {name: tuple(t.shape) for name, t in expected.items()}
+        for name, tensor in expected.items():
+            assert torch.equal(reads[name], tensor), (count, name)
+        assert chain_hash(reads) == parameters_vector_hash(expected)
+    # Round 1 named two tensors: the others are θ_1's, bit for bit.
+    after_1, after_2 = map_theta(files[0]), map_theta(files[1])
+    for name in ("embed", "layer.bias"):
+        assert torch.equal(after_1[name], after_2[name])
+    target = tmp_path / "theta-3.st"
+    found = write_chain(ChainReads(_chain(base, verified, 3)), target)
+    assert found == hash_theta(files[2]) == verified[2].manifest.parameters_hash
+    assert target.read_bytes() == files[2].read_bytes()
+
+
+def test_a_chain_reads_one_tensor_at_a_time_and_none_twice(
+    rounds: tuple[Path, list[VerifiedArtifact], list[Path]],
+) -> None:
+    base, verified, _ = rounds
+    reads = ChainReads(_chain(base, verified, 3))
+    first, again = reads["head"], reads["head"]
+    assert torch.equal(first, again)
+    assert first.data_ptr() != again.data_ptr()  # a new tensor each time: nothing kept
+    first.add_(1.0)
+    assert not torch.equal(reads["head"], first)
+
+
+def test_an_update_file_changed_on_disk_is_refused_when_its_tensor_is_read(
+    rounds: tuple[Path, list[VerifiedArtifact], list[Path]], tmp_path: Path
+) -> None:
+    base, verified, _ = rounds
+    stored = StoredUpdate.of(verified[1])
+    copy = tmp_path / "update-1.bundle"
+    data = bytearray(stored.path.read_bytes())
+    # A byte inside the frame of the last chunk (of "head", the last tensor).
+    data[stored.start + sum(stored.sizes[:-1]) - 40] ^= 0x01
+    copy.write_bytes(bytes(data))
+    changed = StoredUpdate(stored.round, copy, stored.start, stored.sizes, stored.digests)
+    chain = ThetaChain(base, 0, (StoredUpdate.of(verified[0]), changed))
+    reads = ChainReads(chain)
+    reads["embed"]  # a tensor the changed chunk does not hold
+    with pytest.raises(ThetaChainError, match=rf"update of round 1 at {copy}: tensor 'head'"):
+        reads["head"]
+
+
+def test_a_chain_that_does_not_describe_theta_is_refused(
+    rounds: tuple[Path, list[VerifiedArtifact], list[Path]], fed: Federation, tmp_path: Path
+) -> None:
+    base, verified, _ = rounds
+    with pytest.raises(ThetaChainError, match=r"updates of rounds \[1\] do not follow"):
+        ThetaChain(base, 0, (StoredUpdate.of(verified[1]),))
+    with pytest.raises(ThetaChainError, match=r"updates of rounds \[0, 2\]"):
+        _chain(base, verified, 1).then(StoredUpdate.of(verified[2]))
+    # An update of another model: a tensor θ lacks, then a shape θ's differs from.
+    for update, message in (
+        ({"ghost": torch.zeros(4)}, r"names tensors θ does not have: \['ghost'\]"),
+        ({"head": torch.zeros(6, 3)}, r"tensors \['head'\] differ in shape"),
+    ):
+        data, _, now = _published(fed, 0, update, update)
+        bundle = tmp_path / "other.bundle"
+        bundle.write_bytes(data)
+        other = verify_artifact_file(
+            bundle, fed.bundle(), kind=ArtifactKind.GLOBAL_UPDATE, job=JOB, round_=0, now=now
+        )
+        with pytest.raises(ThetaChainError, match=message):
+            ChainReads(ThetaChain(base, 0, (StoredUpdate.of(other),)))
+    empty = tmp_path / "empty.st"
+    empty.write_bytes(b"")
+    with pytest.raises(ThetaChainError, match=r"the chain's base: .*too short"):
+        ChainReads(ThetaChain(empty, 0))
+
+
+def test_a_chain_s_description_is_saved_and_loaded_and_checked(
+    rounds: tuple[Path, list[VerifiedArtifact], list[Path]], tmp_path: Path
+) -> None:
+    base, verified, files = rounds
+    chain = _chain(base, verified, 3)
+    described = tmp_path / "theta-3.chain.json"
+    chain.save(described)
+    loaded = ThetaChain.load(described)
+    assert loaded == chain
+    assert chain_hash(ChainReads(loaded)) == hash_theta(files[2])
+
+    document = json.loads(described.read_text())
+    broken = {
+        "no base": ({k: v for k, v in document.items() if k != "base"}, "no key 'base'"),
+        "round": ({**document, "base_round": -1}, r"base_round: -1 is not a natural"),
+        "sizes": (
+            {**document, "updates": [{**document["updates"][0], "sizes": [1]}]},
+            r"updates\[0\]: 1 frame sizes and",
+        ),
+        "format": ({**document, "format": "other"}, "not a θ chain of format"),
+    }
+    for label, (content, message) in broken.items():
+        path = tmp_path / f"{label}.json"
+        path.write_text(json.dumps(content))
+        with pytest.raises(ThetaChainError, match=message):
+            ThetaChain.load(path)
+    not_json = tmp_path / "not.json"
+    not_json.write_text("{")
+    with pytest.raises(ThetaChainError, match="not JSON"):
+        ThetaChain.load(not_json)
+
+
+def test_an_update_verified_in_memory_cannot_join_a_chain(
+    rounds: tuple[Path, list[VerifiedArtifact], list[Path]],
+) -> None:
+    _, verified, _ = rounds
+    in_memory = VerifiedArtifact(
+        verified[0].manifest, {}, verified[0].manifest_digest, verified[0].signed, [b""]
+    )
+    with pytest.raises(ThetaChainError, match="verified in memory"):
+        StoredUpdate.of(in_memory)
