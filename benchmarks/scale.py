@@ -28,7 +28,10 @@ figure likewise adds its regional checkpoint (the inner optimizer state every ra
 every ``workers.regional_checkpoint_every`` rounds, default 4, and when it stops, and the
 error-feedback residual rank 0 writes with it, 4 B per parameter; no such save falls
 inside the window of a 4-round run) amortized: the size of its last one over that
-interval.
+interval; and the θ file its agent writes whole every ``transfer.theta_file_every``
+rounds (default 4; in between θ is the last θ file and the updates after it, and the
+window of a run of at most that many rounds holds no such write): 4 B per parameter over
+that interval.
 
 The round's gap is the seconds from a round's last inner step to the next round's first
 (rank 0's ``train_finished_at`` and ``train_started_at``, from each agent's
@@ -71,6 +74,7 @@ from geofed.examples.llama import LlamaOptions, LlamaTask
 from geofed.task import DataShard
 from regional_agent.config import WorkersConfig
 from regional_agent.rounds.timeline import RoundTimeline, read_timeline
+from regional_agent.transfer.config import TransferConfig
 from tests.support.federation import running_federation
 
 REGIONS = ("eu-west", "us-east")
@@ -95,6 +99,10 @@ SAVE_INTERVAL = min(
 CHECKPOINT_INTERVAL: int = WorkersConfig.model_fields["regional_checkpoint_every"].default
 #: The residual's file with the regional checkpoint: float32 per federated parameter.
 RESIDUAL_BYTES_PER_PARAMETER = 4
+#: Rounds between the θ files an agent writes whole, by default.
+THETA_FILE_INTERVAL: int = TransferConfig.model_fields["theta_file_every"].default
+#: A θ file: float32 per federated parameter.
+THETA_FILE_BYTES_PER_PARAMETER = 4
 
 ROLES = ("rank0", "rank0_extra", "other_rank", "agent", "coordinator")
 ROLE_NAMES = {
@@ -490,12 +498,14 @@ def run_figures(
     inner_steps: int,
     saves: int = 0,
     checkpoints: dict[str, int] | None = None,
+    theta_file: int = 0,
 ) -> dict[str, Any]:
     """Per role: peak RSS and bytes written of one run; the round's gap and rank 0's pace.
     ``saves``: the bytes of one working-state save and one snapshot, amortized over
     :data:`SAVE_INTERVAL` rounds into the coordinator's writes per round; ``checkpoints``:
     each region's regional checkpoint, amortized over :data:`CHECKPOINT_INTERVAL` rounds
-    into its writes."""
+    into its writes; ``theta_file``: a θ file's bytes, amortized over
+    :data:`THETA_FILE_INTERVAL` rounds into each region's writes."""
     by_region: dict[str, dict[str, Any]] = {}
     for region in REGIONS:
         mine = [r for r in records if r.region == region]
@@ -531,8 +541,11 @@ def run_figures(
             "write_bytes_per_round_whole_run": _written(mine) / rounds,
             "write_bytes_per_round_steady": steady,
             "checkpoint_bytes": checkpoint,
+            "theta_file_bytes": theta_file,
             "write_bytes_per_round": (
-                None if steady is None else steady + checkpoint / CHECKPOINT_INTERVAL
+                None
+                if steady is None
+                else steady + checkpoint / CHECKPOINT_INTERVAL + theta_file / THETA_FILE_INTERVAL
             ),
             "rounds_recorded": len(entries),
             "gaps_s": gaps,
@@ -573,6 +586,7 @@ def run_figures(
         "region_writes": most("write_bytes_per_round"),
         "region_writes_steady": most("write_bytes_per_round_steady"),
         "region_checkpoint": most("checkpoint_bytes"),
+        "region_theta_file": most("theta_file_bytes"),
         "region_writes_whole_run": most("write_bytes_per_round_whole_run"),
         "coordinator_writes": (
             None if coordinator_steady is None else coordinator_steady + saves / SAVE_INTERVAL
@@ -598,6 +612,7 @@ FIGURES = (
     "region_writes",
     "region_writes_steady",
     "region_checkpoint",
+    "region_theta_file",
     "region_writes_whole_run",
     "coordinator_writes",
     "coordinator_writes_steady",
@@ -717,6 +732,7 @@ async def measure(settings: Settings) -> dict[str, Any]:
                     settings.inner_steps,
                     saves,
                     checkpoints,
+                    THETA_FILE_BYTES_PER_PARAMETER * count,
                 )
                 runs[size] = {
                     "task_options": options,
@@ -755,6 +771,7 @@ async def measure(settings: Settings) -> dict[str, Any]:
             "codec": "the example job's (int8)",
             "save_interval_rounds": SAVE_INTERVAL,
             "checkpoint_interval_rounds": CHECKPOINT_INTERVAL,
+            "theta_file_interval_rounds": THETA_FILE_INTERVAL,
             "quick": settings.quick,
             "note": settings.note,
         },
@@ -768,6 +785,14 @@ def _mib(value: float | None) -> str:
 
 def _num(value: float | None, digits: int) -> str:
     return "-" if value is None else f"{value:.{digits}f}"
+
+
+def _theta_file_text(per: dict[str, Any], settings: dict[str, Any]) -> str:
+    """The θ file written whole every few rounds, when the run amortized one."""
+    interval = settings.get("theta_file_interval_rounds")
+    if interval is None:  # a run from before θ was kept as a chain
+        return ""
+    return f" + {_b(per.get('region_theta_file'))} every {interval} rounds"
 
 
 def _b(value: float | None) -> str:
@@ -828,8 +853,9 @@ def render(report: dict[str, Any], before: dict[str, Any] | None = None) -> str:
                 measured += (
                     f" ({_b(per.get('region_writes_steady'))} a round + "
                     f"{_b(per.get('region_checkpoint'))} every "
-                    f"{settings.get('checkpoint_interval_rounds', CHECKPOINT_INTERVAL)} rounds; "
-                    f"{_b(per.get(figure + '_whole_run'))})"
+                    f"{settings.get('checkpoint_interval_rounds', CHECKPOINT_INTERVAL)} rounds"
+                    + _theta_file_text(per, settings)
+                    + f"; {_b(per.get(figure + '_whole_run'))})"
                 )
             elif figure == "coordinator_writes":
                 measured += (

@@ -343,6 +343,33 @@ async def test_updates_are_chained_and_theta_written_whole_every_few_rounds(
     assert job.load_params() == HeldTheta(ParamsVersion(2, chain.hashes[2]), job.held_path(2))
 
 
+async def test_a_kept_update_changed_on_disk_is_refused_and_the_region_resyncs(
+    chain: Chain,
+    served: tuple[FakeCoordinatorFiles, str],
+    federation: Federation,
+    tmp_path: Path,
+) -> None:
+    """θ_1 held as θ_0's file and round 0's update; a byte of that update changes on disk.
+    Reaching θ_2 reads the chain to hash it: the changed chunk is refused, and θ_2 comes
+    from a resync, bit for bit."""
+    timeouts = Timeouts(connect_s=2, heartbeat_s=1, request_s=5, upload_s=10, download_s=10)
+    job = place_in(tmp_path)
+    async with aiohttp.ClientSession() as session:
+        client = CoordinatorClient(session, served[1], timeouts)
+        sync = Synchronizer(client, federation.bundle(), theta_file_every=3)
+        first = await sync.sync(announce(chain, 1), held_theta(chain, 0, tmp_path), job)
+        kept = job.update_path(0)
+        stored = ThetaChain.load(first.path).updates[0]
+        data = bytearray(kept.read_bytes())
+        data[stored.start + stored.sizes[0] + stored.sizes[1] - 40] ^= 0x01  # chunk 0
+        kept.write_bytes(bytes(data))
+        second = await sync.sync(announce(chain, 2), HeldTheta(first.version, first.path), job)
+    assert second.method == "resync"
+    assert second.refused is not None
+    assert f"update of round 0 at {kept}" in second.refused, second.refused
+    assert_same(second.tensors(), chain.thetas[2])
+
+
 async def test_held_theta_with_the_announced_hash_needs_no_download(
     chain: Chain,
     synchronizer: Synchronizer,
