@@ -823,9 +823,11 @@ def render(report: dict[str, Any], before: dict[str, Any] | None = None) -> str:
         "between the middle of round 1's inner loop and the last round's (steady state), "
         "plus what is saved only every few rounds, amortized: a region's regional checkpoint "
         "(its last inner optimizer state's size plus the residual's, 4 B a parameter, over "
-        "its interval), the coordinator's working state and "
-        "snapshot (over theirs); in brackets the steady state, the saves, and the whole run "
-        "over its rounds. A region's writes are its agent's, its "
+        "its interval) and the θ file its agent writes whole every few rounds (4 B a "
+        "parameter; in between θ is the last θ file and the updates after it), the "
+        "coordinator's working state and snapshot (over theirs); in brackets the steady "
+        "state, the saves, and the whole run over its rounds. A region's writes are its "
+        "agent's, its "
         "elastic launcher's and its ranks'. Each figure is the largest region's (and rank's).",
     ]
     if settings["quick"]:

@@ -5,7 +5,10 @@
 of rounds k..r-1 (each verified once, where it was downloaded, and left in its file) holds
 θ_r without writing it: :class:`ChainReads` reads each tensor as θ_k's values plus every
 update's pieces of it, added in the rounds' order: the additions ``patch_theta`` makes,
-in the same order, so every value is bit for bit θ_r's. An update's pieces of one tensor
+in the same order, so every value is bit for bit θ_r's. Each element's additions happen
+in that order on one thread; a large tensor's elements are split into ranges read side by
+side on ``threads`` threads (zstd and torch release the GIL; each range's ops stay on its
+thread, :func:`geofed.codec.host_threads.one_thread`). An update's pieces of one tensor
 are found from its stream's header (the chunks' layout is the header's,
 :func:`geofed.codec.layout.chunk_slots`), so reading a tensor costs that tensor's chunks of
 each update, each checked against the digest its manifest gave, as a whole-stream decoder
@@ -23,6 +26,7 @@ import dataclasses
 import json
 import os
 from collections.abc import Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -33,6 +37,7 @@ from torch import Tensor
 from geofed.artifact_check import FileFrames, VerifiedArtifact, apply_update_to_file
 from geofed.codec.decoder import StreamDecoder
 from geofed.codec.errors import CodecError
+from geofed.codec.host_threads import one_thread
 from geofed.codec.layout import chunk_slots
 from geofed.fsutil import AtomicFile
 from geofed.params import StateHasher
@@ -47,6 +52,8 @@ from geofed.theta_file import (
 )
 
 FORMAT = "geofed-theta-chain-1"
+#: Threads a chain's reader uses at most by default: one per usable CPU, up to this.
+MAX_READ_THREADS = 8
 #: How a chain's description starts (its JSON, compact, the format first): no θ file
 #: starts so, as these bytes read as a header length no θ file has.
 _MAGIC = b'{"format":"' + FORMAT.encode() + b'"'
@@ -195,6 +202,7 @@ class _UpdateReader:
         except CodecError as exc:
             raise ThetaChainError(f"{self._where}: {exc}") from None
         specs = probe.specs
+        self.chunk_elements = probe.chunk_elements
         self.shapes = {spec.name: tuple(spec.shape) for spec in specs}
         self.dtypes = {spec.name: spec.dtype for spec in specs}
         self.runs: dict[str, _Run] = {}
@@ -209,17 +217,21 @@ class _UpdateReader:
             run = self.runs.get(name)
             self.runs[name] = _Run(slot.index, 1) if run is None else _Run(run.first, run.count + 1)
 
-    def add_to(self, name: str, flat: Tensor) -> None:
-        """Add this update's pieces of tensor ``name`` to its values ``flat``."""
+    def add_to(self, name: str, flat: Tensor, start: int, end: int) -> None:
+        """Add this update's pieces of tensor ``name`` to its values ``flat``, elements
+        ``start`` to ``end`` only (the chunks holding them are decoded whole)."""
         run = self.runs.get(name)
-        if run is None:
+        if run is None or start >= end:
             return
+        first = run.first + start // self.chunk_elements
+        last = run.first + min(run.count, -(-end // self.chunk_elements))
         try:
-            decoder = self._decoder(run.first)
-            for index in range(run.first, run.first + run.count):
+            decoder = self._decoder(first)
+            for index in range(first, last):
                 for piece in decoder.feed(self._frame(1 + index)):
-                    values = piece.values.reshape(-1)
-                    flat[piece.offset : piece.offset + values.numel()].add_(values)
+                    low, high = max(start, piece.offset), min(end, piece.offset + piece.count)
+                    values = piece.values.reshape(-1)[low - piece.offset : high - piece.offset]
+                    flat[low:high].add_(values)
         except CodecError as exc:
             raise ThetaChainError(f"{self._where}: tensor {name!r}: {exc}") from None
 
@@ -250,10 +262,12 @@ class ChainReads(Mapping[str, Tensor]):
     every time, in θ's order); :meth:`shapes` from the headers alone.
 
     Every update must name tensors of θ with θ's shapes, in float32, or the chain is
-    refused here, before any value is read.
+    refused here, before any value is read. ``threads``: how many read a tensor's element
+    ranges side by side (default one per usable CPU, at most :data:`MAX_READ_THREADS`).
     """
 
-    def __init__(self, chain: ThetaChain) -> None:
+    def __init__(self, chain: ThetaChain, threads: int | None = None) -> None:
+        self._threads = max(1, threads if threads is not None else _usable_cpus())
         try:
             layout = read_layout(chain.base)
         except ThetaFileError as exc:
@@ -287,9 +301,31 @@ class ChainReads(Mapping[str, Tensor]):
         except ThetaFileError as exc:
             raise ThetaChainError(f"the chain's base: {exc}") from None
         flat = tensor.view(-1)
-        for reader in self._updates:
-            reader.add_to(name, flat)
+        ranges = self._ranges(name, flat.numel())
+        if len(ranges) == 1:
+            self._add_range(name, flat, *ranges[0])
+            return tensor
+        with ThreadPoolExecutor(len(ranges), thread_name_prefix="geofed-chain") as pool:
+            done = [pool.submit(self._add_range, name, flat, *r) for r in ranges]
+        for future in done:
+            future.result()  # the first failure, once every range stopped
         return tensor
+
+    def _add_range(self, name: str, flat: Tensor, start: int, end: int) -> None:
+        with one_thread():
+            for reader in self._updates:  # in the rounds' order, element by element
+                reader.add_to(name, flat, start, end)
+
+    def _ranges(self, name: str, numel: int) -> list[tuple[int, int]]:
+        """Element ranges of ``name`` read side by side: whole chunks of the first update
+        naming it, as many ranges as threads (one for a tensor of one chunk)."""
+        readers = [reader for reader in self._updates if name in reader.runs]
+        if not readers or self._threads == 1:
+            return [(0, numel)]
+        step = readers[0].chunk_elements
+        chunks = -(-numel // step)
+        per = -(-chunks // min(self._threads, chunks))
+        return [(start, min(numel, start + per * step)) for start in range(0, numel, per * step)]
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._base)
@@ -413,6 +449,14 @@ def params_shapes(path: str | os.PathLike[str]) -> dict[str, tuple[int, ...]]:
     """θ's tensors' names (in θ's order) and shapes, from the headers alone."""
     base = ThetaChain.load(path).base if is_chain(path) else path
     return read_layout(base).shapes()
+
+
+def _usable_cpus() -> int:
+    try:
+        count = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        count = os.cpu_count() or 1
+    return min(MAX_READ_THREADS, count)
 
 
 def _natural(value: object, where: str) -> int:

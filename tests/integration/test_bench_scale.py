@@ -49,8 +49,12 @@ def test_scale_quick_reports_every_role(tmp_path: Path) -> None:
         assert figures["region_writes"] > 0
         # The inner optimizer state (AdamW: 8 B a parameter), amortized over its interval.
         assert figures["region_checkpoint"] > 8 * run["parameters"] / 2
+        # And the θ file its agent writes whole every few rounds (4 B a parameter).
+        assert figures["region_theta_file"] == 4 * run["parameters"]
         assert figures["region_writes"] == pytest.approx(
-            figures["region_writes_steady"] + figures["region_checkpoint"] / 4
+            figures["region_writes_steady"]
+            + figures["region_checkpoint"] / 4
+            + figures["region_theta_file"] / scale.THETA_FILE_INTERVAL
         )
         # One working-state save (θ, momentum, residual: 12 B a parameter) and one
         # snapshot (up to 4 B, zstd may shave a little).

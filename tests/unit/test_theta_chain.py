@@ -68,10 +68,14 @@ def fed(tmp_path_factory: pytest.TempPathFactory) -> Federation:
 
 
 def _published(
-    fed: Federation, round_: int, update: dict[str, torch.Tensor], theta: dict[str, torch.Tensor]
+    fed: Federation,
+    round_: int,
+    update: dict[str, torch.Tensor],
+    theta: dict[str, torch.Tensor],
+    chunk_elements: int = 32,
 ) -> tuple[bytes, dict[str, torch.Tensor], datetime]:
     """Round ``round_``'s signed update bundle from θ ``theta``, and θ_{round_+1}."""
-    stream = encode_stream(update, INT8, chunk_elements=32)
+    stream = encode_stream(update, INT8, chunk_elements=chunk_elements)
     after = apply_partial_update(theta, decode(stream.frames()))
     now = datetime.now(UTC)
     manifest = build_manifest(
@@ -106,7 +110,8 @@ def rounds(
     for round_, names in enumerate(NAMES):
         gen = torch.Generator().manual_seed(10 + round_)
         update = {n: 0.01 * torch.randn(theta[n].shape, generator=gen) for n in names}
-        data, theta, now = _published(fed, round_, update, theta)
+        # Round 2's chunks are twice the others': a range of one is part of one of its.
+        data, theta, now = _published(fed, round_, update, theta, 64 if round_ == 2 else 32)
         bundle = root / f"update-{round_}.bundle"
         bundle.write_bytes(data)
         artifact = verify_artifact_file(
@@ -127,14 +132,16 @@ def _chain(base: Path, verified: list[VerifiedArtifact], count: int) -> ThetaCha
     return chain
 
 
+@pytest.mark.parametrize("threads", [1, 2, 3])
 def test_a_chain_reads_hashes_and_writes_theta_bit_for_bit(
-    rounds: tuple[Path, list[VerifiedArtifact], list[Path]], tmp_path: Path
+    rounds: tuple[Path, list[VerifiedArtifact], list[Path]], tmp_path: Path, threads: int
 ) -> None:
+    """On one thread or several, each reading its range of a tensor's elements."""
     base, verified, files = rounds
     for count in range(len(verified) + 1):
         chain = _chain(base, verified, count)
         assert chain.round == count
-        reads = ChainReads(chain)
+        reads = ChainReads(chain, threads=threads)
         expected = map_theta(files[count - 1] if count else base)
         assert list(reads) == list(expected)  # θ's order
         assert reads.shapes() == {name: tuple(t.shape) for name, t in expected.items()}
@@ -146,7 +153,7 @@ def test_a_chain_reads_hashes_and_writes_theta_bit_for_bit(
     for name in ("embed", "layer.bias"):
         assert torch.equal(after_1[name], after_2[name])
     target = tmp_path / "theta-3.st"
-    found = write_chain(ChainReads(_chain(base, verified, 3)), target)
+    found = write_chain(ChainReads(_chain(base, verified, 3), threads=threads), target)
     assert found == hash_theta(files[2]) == verified[2].manifest.parameters_hash
     assert target.read_bytes() == files[2].read_bytes()
 
