@@ -12,7 +12,7 @@ import torch
 from geofed.codec import ErrorFeedback, decode
 from geofed.codec_params import CodecParams
 from geofed.params import parameters_vector_hash, state_to_fp32
-from geofed.theta_chain import map_params
+from geofed.theta_chain import ThetaChain, map_params
 from geofed.training_config import LrSchedule, TrainingConfig
 from geofed.types import ArtifactKind
 from regional_agent.credentials import Credentials
@@ -132,6 +132,22 @@ def test_an_untouched_held_theta_is_not_read_again(tmp_path: Path) -> None:
     held = state.load_params()
     assert held is not None
     assert held.version == version
+
+
+def test_a_theta_file_held_before_theta_chains_is_held_as_a_chain_of_itself(
+    tmp_path: Path,
+) -> None:
+    """An agent that wrote θ files only held θ_3 as round-3.safetensors: it still holds it."""
+    state = AgentState(tmp_path).job(JOB)
+    version = ParamsVersion(3, parameters_vector_hash(theta(3)))
+    state.save_params(version, theta(3))
+    state.held_path(3).unlink()  # what the agent before left: the θ file and current.json
+    held = state.load_params()
+    assert held is not None
+    assert (held.version, held.path) == (version, state.held_path(3))
+    chain = ThetaChain.load(held.path)
+    assert (chain.base, chain.base_round, chain.updates) == (state.params_path(3), 3, ())
+    assert all(torch.equal(t, theta(3)[n]) for n, t in map_params(held.path).items())
 
 
 def test_params_of_the_format_before_are_dropped_and_pruned(tmp_path: Path) -> None:
