@@ -383,14 +383,30 @@ def apply_update_to_file(
     On a refusal ``target`` is left as it was."""
     manifest = update.manifest
     where = f"update {manifest.job}/{manifest.round}"
-    if manifest.round != round_:
-        raise ArtifactRefused(f"{where} applies to θ_{manifest.round}; θ_{round_} is held")
-    if manifest.base_hash != params_hash:
-        raise ArtifactRefused(f"{where} has base_hash {manifest.base_hash}, θ is {params_hash}")
     try:
         shapes = read_layout(source).shapes()
     except ThetaFileError as exc:
         raise ArtifactRefused(f"{where}: {exc}") from None
+    check_update_fits(update, round_, params_hash, shapes)
+    try:
+        found = patch_theta(source, target, decoded_pieces(update, where))
+    except ThetaFileError as exc:
+        raise ArtifactRefused(f"{where}: {exc}") from None
+    return _checked_file(target, found, manifest, where)
+
+
+def check_update_fits(
+    update: VerifiedArtifact, round_: int, params_hash: str, shapes: Mapping[str, tuple[int, ...]]
+) -> None:
+    """Refuse (:class:`ArtifactRefused`) an update that is not round ``round_``'s from θ of
+    ``params_hash``, or that names no tensor, or a tensor θ (of ``shapes``) lacks or has
+    in another shape."""
+    manifest = update.manifest
+    where = f"update {manifest.job}/{manifest.round}"
+    if manifest.round != round_:
+        raise ArtifactRefused(f"{where} applies to θ_{manifest.round}; θ_{round_} is held")
+    if manifest.base_hash != params_hash:
+        raise ArtifactRefused(f"{where} has base_hash {manifest.base_hash}, θ is {params_hash}")
     declared = {t.name: tuple(t.shape) for t in manifest.tensors}
     unknown = sorted(set(declared) - set(shapes))
     if unknown:
@@ -400,11 +416,6 @@ def apply_update_to_file(
     differ = sorted(n for n in declared if declared[n] != shapes[n])
     if differ:
         raise ArtifactRefused(f"{where}: tensors {differ[:5]} differ in shape from θ's")
-    try:
-        found = patch_theta(source, target, decoded_pieces(update, where))
-    except ThetaFileError as exc:
-        raise ArtifactRefused(f"{where}: {exc}") from None
-    return _checked_file(target, found, manifest, where)
 
 
 def snapshot_to_file(target: StrPath, snapshot: VerifiedArtifact) -> str:

@@ -34,7 +34,12 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from geofed.artifact_check import FileFrames, VerifiedArtifact, apply_update_to_file
+from geofed.artifact_check import (
+    FileFrames,
+    VerifiedArtifact,
+    apply_update_to_file,
+    check_update_fits,
+)
 from geofed.codec.decoder import StreamDecoder
 from geofed.codec.errors import CodecError
 from geofed.codec.host_threads import one_thread
@@ -371,17 +376,17 @@ def chain_update(
     ``whole_at`` None: the update's file is moved to ``keep_at`` and chained after
     ``held``; else θ is written whole at ``whole_at`` (a θ file, the chain then its base
     alone) and the update's file is left where it is. On a refusal
-    (:class:`ThetaChainError`, or :class:`~geofed.artifact_check.ArtifactRefused` from
-    :func:`~geofed.artifact_check.apply_update_to_file`) nothing was moved or written.
+    (:class:`ThetaChainError`, or :class:`~geofed.artifact_check.ArtifactRefused` for an
+    update that does not fit θ, :func:`~geofed.artifact_check.check_update_fits`) nothing
+    was moved or written.
     """
     manifest = update.manifest
     where = f"update {manifest.job}/{manifest.round}"
-    if manifest.round != held.round:
-        raise ThetaChainError(f"{where} applies to θ_{manifest.round}; θ_{held.round} is held")
-    if manifest.base_hash != held_hash:
-        raise ThetaChainError(f"{where} has base_hash {manifest.base_hash}, θ is {held_hash}")
-    if not manifest.tensors:
-        raise ThetaChainError(f"{where}: names no tensor")
+    try:
+        shapes = read_layout(held.base).shapes()
+    except ThetaFileError as exc:
+        raise ThetaChainError(f"the chain's base: {exc}") from None
+    check_update_fits(update, held.round, held_hash, shapes)
     if whole_at is not None and not held.updates:
         found = apply_update_to_file(held.base, whole_at, held.round, held_hash, update)
         return ThetaChain(whole_at, held.round + 1), found

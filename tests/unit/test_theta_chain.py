@@ -12,7 +12,9 @@ the key.
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import shutil
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -21,6 +23,8 @@ import torch
 
 from geofed.artifact_bundle import pack_bundle
 from geofed.artifact_check import (
+    ArtifactRefused,
+    FileFrames,
     VerifiedArtifact,
     apply_update_to_file,
     verify_artifact_file,
@@ -36,6 +40,7 @@ from geofed.theta_chain import (
     ThetaChain,
     ThetaChainError,
     chain_hash,
+    chain_update,
     write_chain,
 )
 from geofed.theta_file import hash_theta, map_theta, write_theta
@@ -256,3 +261,42 @@ def test_an_update_verified_in_memory_cannot_join_a_chain(
     )
     with pytest.raises(ThetaChainError, match="verified in memory"):
         StoredUpdate.of(in_memory)
+
+
+def _copied(artifact: VerifiedArtifact, into: Path) -> VerifiedArtifact:
+    """``artifact`` with its bundle copied into ``into`` (chaining moves the file)."""
+    frames = artifact.frames
+    assert isinstance(frames, FileFrames)
+    copy = into / frames.path.name
+    shutil.copyfile(frames.path, copy)
+    return dataclasses.replace(artifact, frames=FileFrames(copy, frames.start, frames.sizes))
+
+
+def test_an_update_is_chained_or_written_whole_and_a_misfit_changes_nothing(
+    rounds: tuple[Path, list[VerifiedArtifact], list[Path]], tmp_path: Path
+) -> None:
+    base, verified, files = rounds
+    held = _chain(base, verified, 1)
+    held_hash = hash_theta(files[0])
+    update = _copied(verified[1], tmp_path)
+    downloaded = StoredUpdate.of(update).path
+    with pytest.raises(ArtifactRefused, match="has base_hash"):
+        chain_update(held, "0" * 64, update, keep_at=tmp_path / "kept.bundle")
+    with pytest.raises(ArtifactRefused, match=r"applies to θ_1; θ_0 is held"):
+        chain_update(ThetaChain(base, 0), hash_theta(base), update, keep_at=tmp_path / "k")
+    assert downloaded.exists()
+    assert not (tmp_path / "kept.bundle").exists()
+
+    chained, found = chain_update(held, held_hash, update, keep_at=tmp_path / "kept.bundle")
+    assert found == hash_theta(files[1])
+    assert chained.round == 2
+    assert chained.updates[-1].path == tmp_path / "kept.bundle"
+    assert not downloaded.exists()
+    assert chain_hash(ChainReads(chained)) == found
+
+    whole = tmp_path / "theta-2.st"
+    again = _copied(verified[1], tmp_path)
+    written, found = chain_update(held, held_hash, again, keep_at=tmp_path / "x", whole_at=whole)
+    assert (written.base, written.base_round, written.updates) == (whole, 2, ())
+    assert whole.read_bytes() == files[1].read_bytes()
+    assert not (tmp_path / "x").exists()  # the update's file stays where it was downloaded
