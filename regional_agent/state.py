@@ -71,7 +71,8 @@ _PARAMS_RE = re.compile(r"^round-(\d+)\.(?:safetensors|pt)$")
 _CHAIN_RE = re.compile(r"^round-(\d+)\.chain\.json$")
 _UPDATE_RE = re.compile(r"^update-(\d+)\.bundle$")
 _SPOOL_RE = re.compile(r"^round-(\d+)$")
-#: θ files kept besides the current one, for a worker group still reading an older one.
+#: θ chains (and the files they name) kept besides the current one, for a worker group
+#: still reading an older one.
 _KEEP_OLD_PARAMS = 1
 
 
@@ -216,8 +217,8 @@ class JobDirectory:
 
         A θ whose files (its chain's and every file the chain names) have the sizes,
         modification times and inodes recorded when it was made the one held is taken as
-        it was hashed then; any other (changed since, or
-        recorded by an agent of the format before) is re-hashed, read in chunks. A θ
+        it was hashed then; any other (changed since, or recorded by an agent of the format
+        before) is re-hashed, read in chunks. A θ
         that no longer matches its recorded hash, or a θ of the format before (a
         torch.save file), is dropped (with a warning), so the caller resyncs rather than
         training from damaged state. (Rank 0 hashes the θ it trains from every round too.)
@@ -244,7 +245,7 @@ class JobDirectory:
 
     def record_params(self, version: ParamsVersion) -> Path:
         """Make θ of ``version``, already described at :meth:`held_path` and hashed, the
-        one held (with its file's identity: :meth:`load_params` need not hash it again);
+        one held (with its files' identities: :meth:`load_params` need not hash it again);
         prune the files no chain kept needs."""
         path = self.held_path(version.round)
         body = {
