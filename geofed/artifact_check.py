@@ -287,11 +287,7 @@ def apply_verified_update(
     of the result's hash it holds θ_r plus the update, and is not to be used.
     """
     manifest = update.manifest
-    where = f"update {manifest.job}/{manifest.round}"
-    if manifest.round != round_:
-        raise ArtifactRefused(f"{where} applies to θ_{manifest.round}; θ_{round_} is held")
-    if manifest.base_hash != params_hash:
-        raise ArtifactRefused(f"{where} has base_hash {manifest.base_hash}, θ is {params_hash}")
+    where = _check_update_base(update, round_, params_hash)
     try:
         if in_place:
             if not isinstance(params, dict):
@@ -395,6 +391,18 @@ def apply_update_to_file(
     return _checked_file(target, found, manifest, where)
 
 
+def _check_update_base(update: VerifiedArtifact, round_: int, params_hash: str) -> str:
+    """Refuse an update that is not round ``round_``'s from θ of ``params_hash``; return
+    how messages name it."""
+    manifest = update.manifest
+    where = f"update {manifest.job}/{manifest.round}"
+    if manifest.round != round_:
+        raise ArtifactRefused(f"{where} applies to θ_{manifest.round}; θ_{round_} is held")
+    if manifest.base_hash != params_hash:
+        raise ArtifactRefused(f"{where} has base_hash {manifest.base_hash}, θ is {params_hash}")
+    return where
+
+
 def check_update_fits(
     update: VerifiedArtifact, round_: int, params_hash: str, shapes: Mapping[str, tuple[int, ...]]
 ) -> None:
@@ -402,11 +410,7 @@ def check_update_fits(
     ``params_hash``, or that names no tensor, or a tensor θ (of ``shapes``) lacks or has
     in another shape."""
     manifest = update.manifest
-    where = f"update {manifest.job}/{manifest.round}"
-    if manifest.round != round_:
-        raise ArtifactRefused(f"{where} applies to θ_{manifest.round}; θ_{round_} is held")
-    if manifest.base_hash != params_hash:
-        raise ArtifactRefused(f"{where} has base_hash {manifest.base_hash}, θ is {params_hash}")
+    where = _check_update_base(update, round_, params_hash)
     declared = {t.name: tuple(t.shape) for t in manifest.tensors}
     unknown = sorted(set(declared) - set(shapes))
     if unknown:

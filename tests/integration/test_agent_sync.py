@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 from collections.abc import AsyncIterator, Callable, Mapping
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -241,14 +242,28 @@ async def served(chain: Chain) -> AsyncIterator[tuple[FakeCoordinatorFiles, str]
         await server.close()
 
 
+@asynccontextmanager
+async def synchronizing(
+    url: str, federation: Federation, *, download_window: int = 1, theta_file_every: int = 1
+) -> AsyncIterator[Synchronizer]:
+    """A synchronizer of the coordinator at ``url``, for as long as its HTTP session lasts."""
+    timeouts = Timeouts(connect_s=2, heartbeat_s=1, request_s=5, upload_s=10, download_s=10)
+    async with aiohttp.ClientSession() as session:
+        client = CoordinatorClient(session, url, timeouts)
+        yield Synchronizer(
+            client,
+            federation.bundle(),
+            download_window=download_window,
+            theta_file_every=theta_file_every,
+        )
+
+
 @pytest_asyncio.fixture
 async def synchronizer(
     served: tuple[FakeCoordinatorFiles, str], federation: Federation
 ) -> AsyncIterator[Synchronizer]:
-    timeouts = Timeouts(connect_s=2, heartbeat_s=1, request_s=5, upload_s=10, download_s=10)
-    async with aiohttp.ClientSession() as session:
-        client = CoordinatorClient(session, served[1], timeouts)
-        yield Synchronizer(client, federation.bundle())
+    async with synchronizing(served[1], federation) as sync:
+        yield sync
 
 
 def assert_same(left: Mapping[str, torch.Tensor], right: Mapping[str, torch.Tensor]) -> None:
@@ -304,12 +319,9 @@ async def test_updates_are_chained_and_theta_written_whole_every_few_rounds(
     """θ_1 and θ_2 from θ_0 by their updates, ``theta_file_every`` 2 or 3: each update is
     kept in its file and chained after θ_0's, until the chain would reach ``every``
     files; then θ is written whole again. Every θ is the published one, bit for bit."""
-    timeouts = Timeouts(connect_s=2, heartbeat_s=1, request_s=5, upload_s=10, download_s=10)
     job = place_in(tmp_path)
     held = held_theta(chain, 0, tmp_path)
-    async with aiohttp.ClientSession() as session:
-        client = CoordinatorClient(session, served[1], timeouts)
-        sync = Synchronizer(client, federation.bundle(), theta_file_every=every)
+    async with synchronizing(served[1], federation, theta_file_every=every) as sync:
         for round_ in (1, 2):
             synced = await sync.sync(announce(chain, round_), held, job)
             assert synced.method == "update"
@@ -352,11 +364,8 @@ async def test_a_kept_update_changed_on_disk_is_refused_and_the_region_resyncs(
     """θ_1 held as θ_0's file and round 0's update; a byte of that update changes on disk.
     Reaching θ_2 reads the chain to hash it: the changed chunk is refused, and θ_2 comes
     from a resync, bit for bit."""
-    timeouts = Timeouts(connect_s=2, heartbeat_s=1, request_s=5, upload_s=10, download_s=10)
     job = place_in(tmp_path)
-    async with aiohttp.ClientSession() as session:
-        client = CoordinatorClient(session, served[1], timeouts)
-        sync = Synchronizer(client, federation.bundle(), theta_file_every=3)
+    async with synchronizing(served[1], federation, theta_file_every=3) as sync:
         first = await sync.sync(announce(chain, 1), held_theta(chain, 0, tmp_path), job)
         kept = job.update_path(0)
         stored = ThetaChain.load(first.path).updates[0]
@@ -503,12 +512,8 @@ async def test_a_resync_fetches_the_chain_window_at_a_time_and_applies_it_in_ord
 ) -> None:
     fake, url = served
     fake.delay_s = 0.05
-    timeouts = Timeouts(connect_s=2, heartbeat_s=1, request_s=5, upload_s=10, download_s=10)
-    async with aiohttp.ClientSession() as session:
-        client = CoordinatorClient(session, url, timeouts)
-        synced = await Synchronizer(client, federation.bundle(), download_window=window).sync(
-            announce(chain, 2), None, place_in(tmp_path)
-        )
+    async with synchronizing(url, federation, download_window=window) as sync:
+        synced = await sync.sync(announce(chain, 2), None, place_in(tmp_path))
     assert synced.method == "resync"
     assert synced.version == ParamsVersion(2, chain.hashes[2])
     assert_same(synced.tensors(), chain.thetas[2])

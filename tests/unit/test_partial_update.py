@@ -8,13 +8,12 @@ result must still hash to the manifest's ``parameters_hash``.
 
 from __future__ import annotations
 
-from datetime import UTC, datetime
+from datetime import datetime
 from pathlib import Path
 
 import pytest
 import torch
 
-from geofed.artifact_bundle import pack_bundle
 from geofed.artifact_check import (
     ArtifactRefused,
     FileFrames,
@@ -25,35 +24,22 @@ from geofed.artifact_check import (
     verify_artifact_file,
 )
 from geofed.codec import decode, encode_stream
-from geofed.codec_params import CodecParams
 from geofed.deltas import DeltaError, add_update_in_place, apply_partial_update, apply_update
-from geofed.manifest import ArtifactProvenance, build_manifest, sign_manifest
 from geofed.params import parameters_vector_hash
 from geofed.theta_file import hash_theta, map_theta, write_theta
 from geofed.types import ArtifactKind
+from tests.support.global_updates import INT8, signed_update, small_theta
 from tests.support.pki import Federation, make_federation
-
-INT8 = CodecParams(scheme="int8", block_size=32, zstd_level=1)
-
-
-def _theta() -> dict[str, torch.Tensor]:
-    gen = torch.Generator().manual_seed(0)
-    return {
-        "embed": torch.randn(10, 6, generator=gen),
-        "layer.weight": torch.randn(6, 6, generator=gen),
-        "layer.bias": torch.randn(6, generator=gen),
-        "head": torch.randn(3, 6, generator=gen),
-    }
 
 
 def _update(names: tuple[str, ...], seed: int = 1) -> dict[str, torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
-    theta = _theta()
+    theta = small_theta()
     return {name: 0.01 * torch.randn(theta[name].shape, generator=gen) for name in names}
 
 
 def test_a_partial_update_adds_to_its_tensors_and_keeps_the_others() -> None:
-    theta = _theta()
+    theta = small_theta()
     update = _update(("layer.bias", "embed"))
     result = apply_partial_update(theta, update)
     assert list(result) == list(theta)  # θ's order, whatever the update's
@@ -62,18 +48,18 @@ def test_a_partial_update_adds_to_its_tensors_and_keeps_the_others() -> None:
     for name in ("layer.weight", "head"):
         assert result[name] is theta[name]
     # Nothing was written to.
-    assert all(torch.equal(theta[name], _theta()[name]) for name in theta)
+    assert all(torch.equal(theta[name], small_theta()[name]) for name in theta)
 
 
 def test_a_partial_update_naming_every_tensor_is_the_full_update() -> None:
-    theta = _theta()
+    theta = small_theta()
     update = _update(tuple(theta))
     partial, full = apply_partial_update(theta, update), apply_update(theta, update)
     assert parameters_vector_hash(partial) == parameters_vector_hash(full)
 
 
 def test_a_partial_update_refuses_unknown_names_and_no_names_and_wrong_shapes() -> None:
-    theta = _theta()
+    theta = small_theta()
     with pytest.raises(DeltaError, match=r"do not have: \['ghost'\]"):
         apply_partial_update(theta, {**_update(("head",)), "ghost": torch.zeros(2)})
     with pytest.raises(DeltaError, match="names no tensor"):
@@ -115,25 +101,9 @@ def _bundle(
     fed: Federation, update: dict[str, torch.Tensor], base_hash: str, parameters_hash: str
 ) -> tuple[bytes, datetime]:
     """``update`` as round 4's signed update bundle, and when it was signed."""
-    coordinator = fed.coordinator()
-    stream = encode_stream(update, INT8, chunk_elements=32)
-    now = datetime.now(UTC)
-    manifest = build_manifest(
-        kind=ArtifactKind.GLOBAL_UPDATE,
-        job="job-1",
-        round=4,
-        producer=coordinator.identity,
-        stream=stream,
-        provenance=(ArtifactProvenance(region="eu-west", jurisdiction="EU", datasets=("a",)),),
-        created_at=now,
-        base_round=4,
-        base_hash=base_hash,
-        parameters_hash=parameters_hash,
-        tokens=10,
+    return signed_update(
+        fed, update, job="job-1", round_=4, base_hash=base_hash, parameters_hash=parameters_hash
     )
-    cred = coordinator.credential
-    signed = sign_manifest(manifest, cred.private_key, cred.certificate)
-    return pack_bundle(signed.to_bytes(), stream.frames()), now
 
 
 @pytest.mark.parametrize(
@@ -142,7 +112,7 @@ def _bundle(
 def test_an_update_decoded_piece_by_piece_into_theta_gives_the_same_bits(
     fed: Federation, names: tuple[str, ...]
 ) -> None:
-    theta = _theta()
+    theta = small_theta()
     base = parameters_vector_hash(theta)
     update = _update(names)
     published = apply_partial_update(
@@ -169,7 +139,7 @@ def test_an_update_decoded_piece_by_piece_into_theta_gives_the_same_bits(
 
 
 def test_an_undecoded_update_that_does_not_fit_theta_writes_nothing(fed: Federation) -> None:
-    theta = _theta()
+    theta = small_theta()
     base = parameters_vector_hash(theta)
     update = {**_update(("head",)), "ghost.weight": torch.zeros(4)}
     verified = _verified(fed, update, base, base, decode_now=False)
@@ -177,7 +147,7 @@ def test_an_undecoded_update_that_does_not_fit_theta_writes_nothing(fed: Federat
     with pytest.raises(ArtifactRefused, match=r"do not have: \['ghost.weight'\]"):
         apply_verified_update(held, 4, base, verified, in_place=True)
     misshapen = _verified(
-        fed, {"head": torch.ones(_theta()["head"].numel())}, base, base, decode_now=False
+        fed, {"head": torch.ones(small_theta()["head"].numel())}, base, base, decode_now=False
     )
     with pytest.raises(ArtifactRefused, match="'head' has shapes"):
         apply_verified_update(held, 4, base, misshapen, in_place=True)
@@ -185,7 +155,7 @@ def test_an_undecoded_update_that_does_not_fit_theta_writes_nothing(fed: Federat
 
 
 def test_a_verified_partial_update_gives_the_published_parameters(fed: Federation) -> None:
-    theta = _theta()
+    theta = small_theta()
     base = parameters_vector_hash(theta)
     update = _update(("layer.weight", "head"))
     # What the coordinator publishes: θ_r plus the decoded update, hashed over all of θ.
@@ -203,7 +173,7 @@ def test_a_verified_partial_update_gives_the_published_parameters(fed: Federatio
 
 
 def test_a_verified_update_naming_a_tensor_theta_lacks_is_refused(fed: Federation) -> None:
-    theta = _theta()
+    theta = small_theta()
     base = parameters_vector_hash(theta)
     update = {**_update(("head",)), "ghost.weight": torch.zeros(4)}
     verified = _verified(fed, update, base, base)
@@ -214,7 +184,7 @@ def test_a_verified_update_naming_a_tensor_theta_lacks_is_refused(fed: Federatio
 def test_a_partial_update_whose_result_does_not_hash_as_declared_is_refused(
     fed: Federation,
 ) -> None:
-    theta = _theta()
+    theta = small_theta()
     base = parameters_vector_hash(theta)
     # The declared hash is θ_r's own: the update would change nothing, but it does.
     verified = _verified(fed, _update(("embed",)), base, base)
@@ -253,7 +223,7 @@ def test_an_update_that_does_not_fit_writes_nothing() -> None:
 def test_an_update_downloaded_to_a_file_patches_theta_file_bit_for_bit(
     fed: Federation, tmp_path: Path
 ) -> None:
-    theta = _theta()
+    theta = small_theta()
     base = parameters_vector_hash(theta)
     update = _update(("layer.weight", "head"))
     published = apply_partial_update(
@@ -293,7 +263,7 @@ def test_an_update_downloaded_to_a_file_patches_theta_file_bit_for_bit(
 def test_an_update_that_does_not_fit_theta_file_writes_no_file(
     fed: Federation, tmp_path: Path
 ) -> None:
-    theta = _theta()
+    theta = small_theta()
     base = parameters_vector_hash(theta)
     held = tmp_path / "4.st"
     write_theta(held, theta)

@@ -15,13 +15,12 @@ from __future__ import annotations
 import dataclasses
 import json
 import shutil
-from datetime import UTC, datetime
+from datetime import datetime
 from pathlib import Path
 
 import pytest
 import torch
 
-from geofed.artifact_bundle import pack_bundle
 from geofed.artifact_check import (
     ArtifactRefused,
     FileFrames,
@@ -30,9 +29,7 @@ from geofed.artifact_check import (
     verify_artifact_file,
 )
 from geofed.codec import decode, encode_stream
-from geofed.codec_params import CodecParams
 from geofed.deltas import apply_partial_update
-from geofed.manifest import ArtifactProvenance, build_manifest, sign_manifest
 from geofed.params import parameters_vector_hash
 from geofed.theta_chain import (
     ChainReads,
@@ -45,9 +42,9 @@ from geofed.theta_chain import (
 )
 from geofed.theta_file import hash_theta, map_theta, write_theta
 from geofed.types import ArtifactKind
+from tests.support.global_updates import INT8, signed_update, small_theta
 from tests.support.pki import Federation, make_federation
 
-INT8 = CodecParams(scheme="int8", block_size=32, zstd_level=1)
 JOB = "job-1"
 #: Each round's update names these tensors (round 1 is a streaming round's fragment).
 NAMES: tuple[tuple[str, ...], ...] = (
@@ -55,16 +52,6 @@ NAMES: tuple[tuple[str, ...], ...] = (
     ("layer.weight", "head"),
     ("embed", "layer.weight", "layer.bias", "head"),
 )
-
-
-def _theta() -> dict[str, torch.Tensor]:
-    gen = torch.Generator().manual_seed(0)
-    return {
-        "embed": torch.randn(10, 6, generator=gen),
-        "layer.weight": torch.randn(6, 6, generator=gen),
-        "layer.bias": torch.randn(6, generator=gen),
-        "head": torch.randn(3, 6, generator=gen),
-    }
 
 
 @pytest.fixture(scope="module")
@@ -82,23 +69,16 @@ def _published(
     """Round ``round_``'s signed update bundle from θ ``theta``, and θ_{round_+1}."""
     stream = encode_stream(update, INT8, chunk_elements=chunk_elements)
     after = apply_partial_update(theta, decode(stream.frames()))
-    now = datetime.now(UTC)
-    manifest = build_manifest(
-        kind=ArtifactKind.GLOBAL_UPDATE,
+    data, now = signed_update(
+        fed,
+        update,
         job=JOB,
-        round=round_,
-        producer=fed.coordinator().identity,
-        stream=stream,
-        provenance=(ArtifactProvenance(region="eu-west", jurisdiction="EU", datasets=("a",)),),
-        created_at=now,
-        base_round=round_,
+        round_=round_,
         base_hash=parameters_vector_hash(theta),
         parameters_hash=parameters_vector_hash(after),
-        tokens=10,
+        chunk_elements=chunk_elements,
     )
-    cred = fed.coordinator().credential
-    signed = sign_manifest(manifest, cred.private_key, cred.certificate)
-    return pack_bundle(signed.to_bytes(), stream.frames()), after, now
+    return data, after, now
 
 
 @pytest.fixture(scope="module")
@@ -108,7 +88,7 @@ def rounds(
     """θ_0's file, the updates of rounds 0..2 verified from their files, and θ_1..θ_3's
     files each patched from the previous one (what the agent writes every round)."""
     root = tmp_path_factory.mktemp("rounds")
-    theta = _theta()
+    theta = small_theta()
     base = root / "theta-0.st"
     write_theta(base, theta)
     verified, files, held = [], [], base

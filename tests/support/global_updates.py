@@ -1,0 +1,63 @@
+"""A small θ and global updates of it signed by a throwaway federation's coordinator, for
+the tests that apply updates to θ (in memory, to a θ file, or chained after one)."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+
+import torch
+
+from geofed.artifact_bundle import pack_bundle
+from geofed.codec import encode_stream
+from geofed.codec_params import CodecParams
+from geofed.manifest import ArtifactProvenance, build_manifest, sign_manifest
+from geofed.types import ArtifactKind
+from tests.support.pki import Federation
+
+#: The codec of the updates :func:`signed_update` signs.
+INT8 = CodecParams(scheme="int8", block_size=32, zstd_level=1)
+
+
+def small_theta() -> dict[str, torch.Tensor]:
+    """Four float32 tensors of a few dozen elements (a few chunks each at 32 a chunk)."""
+    gen = torch.Generator().manual_seed(0)
+    return {
+        "embed": torch.randn(10, 6, generator=gen),
+        "layer.weight": torch.randn(6, 6, generator=gen),
+        "layer.bias": torch.randn(6, generator=gen),
+        "head": torch.randn(3, 6, generator=gen),
+    }
+
+
+def signed_update(
+    fed: Federation,
+    update: dict[str, torch.Tensor],
+    *,
+    job: str,
+    round_: int,
+    base_hash: str,
+    parameters_hash: str,
+    chunk_elements: int = 32,
+) -> tuple[bytes, datetime]:
+    """``update`` as round ``round_``'s global update bundle of ``job``, signed by the
+    federation's coordinator (from θ of ``base_hash`` to θ of ``parameters_hash``), and
+    when it was signed."""
+    coordinator = fed.coordinator()
+    stream = encode_stream(update, INT8, chunk_elements=chunk_elements)
+    now = datetime.now(UTC)
+    manifest = build_manifest(
+        kind=ArtifactKind.GLOBAL_UPDATE,
+        job=job,
+        round=round_,
+        producer=coordinator.identity,
+        stream=stream,
+        provenance=(ArtifactProvenance(region="eu-west", jurisdiction="EU", datasets=("a",)),),
+        created_at=now,
+        base_round=round_,
+        base_hash=base_hash,
+        parameters_hash=parameters_hash,
+        tokens=10,
+    )
+    cred = coordinator.credential
+    signed = sign_manifest(manifest, cred.private_key, cred.certificate)
+    return pack_bundle(signed.to_bytes(), stream.frames()), now
