@@ -25,11 +25,12 @@ rounds no snapshot and no save of the coordinator's working state falls inside t
 the coordinator's figure adds them amortized, the bytes of the last working-state save and
 of the last snapshot (their files' sizes after the run) over that interval. A region's
 figure likewise adds its regional checkpoint (the inner optimizer state every rank saves
-every ``workers.regional_checkpoint_every`` rounds, default 4, and when it stops, and the
-error-feedback residual rank 0 writes with it, 4 B per parameter; no such save falls
-inside the window of a 4-round run) amortized: the size of its last one over that
+every ``workers.regional_checkpoint_every`` rounds, default 8, and when it stops; the
+error-feedback residual's tensors are written only with a checkpoint the coordinator asks
+for and when the group parks a job or stops, so not with these; no such save falls inside
+the window of a run of at most 8 rounds) amortized: the size of its last one over that
 interval; and the θ file its agent writes whole every ``transfer.theta_file_every``
-rounds (default 4; in between θ is the last θ file and the updates after it, and the
+rounds (default 8; in between θ is the last θ file and the updates after it, and the
 window of a run of at most that many rounds holds no such write): 4 B per parameter over
 that interval.
 
@@ -97,8 +98,6 @@ SAVE_INTERVAL = min(
 )
 #: Rounds between a region's saves of its inner optimizer state, by default.
 CHECKPOINT_INTERVAL: int = WorkersConfig.model_fields["regional_checkpoint_every"].default
-#: The residual's file with the regional checkpoint: float32 per federated parameter.
-RESIDUAL_BYTES_PER_PARAMETER = 4
 #: Rounds between the θ files an agent writes whole, by default.
 THETA_FILE_INTERVAL: int = TransferConfig.model_fields["theta_file_every"].default
 #: A θ file: float32 per federated parameter.
@@ -718,12 +717,6 @@ async def measure(settings: Settings) -> dict[str, Any]:
                         runs[size] = {"error": first[:300], "parameters": count}
                         continue
                 records = list(sampler.records.values())
-                # Rank 0 writes the error-feedback residual's tensors (float32, 4 B per
-                # federated parameter) with each regional checkpoint, not every round.
-                checkpoints = {
-                    region: size_ + RESIDUAL_BYTES_PER_PARAMETER * count
-                    for region, size_ in checkpoints.items()
-                }
                 figures = run_figures(
                     records,
                     timelines,
@@ -822,8 +815,9 @@ def render(report: dict[str, Any], before: dict[str, Any] | None = None) -> str:
         "slope between the sizes, so a process's fixed cost drops out. Writes per round: "
         "between the middle of round 1's inner loop and the last round's (steady state), "
         "plus what is saved only every few rounds, amortized: a region's regional checkpoint "
-        "(its last inner optimizer state's size plus the residual's, 4 B a parameter, over "
-        "its interval) and the θ file its agent writes whole every few rounds (4 B a "
+        "(its last inner optimizer state's size over its interval; the residual is written "
+        "only when the coordinator asks or the group parks a job or stops) and the θ file "
+        "its agent writes whole every few rounds (4 B a "
         "parameter; in between θ is the last θ file and the updates after it), the "
         "coordinator's working state and snapshot (over theirs); in brackets the steady "
         "state, the saves, and the whole run over its rounds. A region's writes are its "

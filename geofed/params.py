@@ -14,7 +14,7 @@ from __future__ import annotations
 import hashlib
 import math
 import struct
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 
 import torch
 from torch import nn
@@ -193,6 +193,58 @@ class StateHasher:
         if self._left:
             raise ValueError(f"the last tensor lacks {self._left} bytes")
         return self._digest.hexdigest()
+
+
+class HashingReads(Mapping[str, torch.Tensor]):
+    """θ's tensors read on demand from ``reads``, hashed as they go.
+
+    Iterates the names in sorted order, :func:`parameters_vector_hash`'s order; each tensor
+    read in that order is hashed as it is read, so whoever reads θ whole in iteration
+    order (loading it into a model) also hashes it without a second read.
+    :meth:`hexdigest` reads and hashes whatever was not read in order (all of θ when
+    asked first). ``shapes``: every tensor's shape, as θ's header declares it.
+    """
+
+    def __init__(
+        self, reads: Mapping[str, torch.Tensor], shapes: Mapping[str, tuple[int, ...]]
+    ) -> None:
+        self._reads = reads
+        self._names = sorted(shapes)
+        self._shapes = dict(shapes)
+        self._hasher = StateHasher(len(self._names))
+        self._hashed = 0  # how many of the sorted names are hashed
+        self._digest: str | None = None
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        tensor = self._reads[name]
+        if self._hashed < len(self._names) and self._names[self._hashed] == name:
+            self._hash(name, tensor)
+        return tensor
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._names)
+
+    def __len__(self) -> int:
+        return len(self._names)
+
+    def hexdigest(self) -> str:
+        """θ's :func:`parameters_vector_hash`, reading the tensors not yet hashed."""
+        if self._digest is None:
+            for name in self._names[self._hashed :]:
+                self._hash(name, self._reads[name])
+            self._digest = self._hasher.hexdigest()
+        return self._digest
+
+    def _hash(self, name: str, tensor: torch.Tensor) -> None:
+        if tuple(tensor.shape) != tuple(self._shapes[name]):
+            raise ValueError(
+                f"tensor {name!r} reads as {tuple(tensor.shape)}, declared {self._shapes[name]}"
+            )
+        flat = tensor.detach().to("cpu").contiguous().reshape(-1)
+        self._hasher.begin(name, flat.dtype, tuple(tensor.shape))
+        if flat.numel():
+            self._hasher.update(flat.view(torch.uint8).numpy().data)
+        self._hashed += 1
 
 
 def state_to_fp32(

@@ -76,7 +76,11 @@ from policies.validation import validate_document
 from policies.yaml_loader import load_located
 from regional_agent.credentials import AgentIdentityConfig, CredentialsError, load_credentials
 from regional_agent.drain import DrainConfig
-from regional_agent.handoff.settings import MIN_COLLECTIVE_TIMEOUT_S, LauncherConfigError
+from regional_agent.handoff.settings import (
+    DEFAULT_REGIONAL_CHECKPOINT_EVERY,
+    MIN_COLLECTIVE_TIMEOUT_S,
+    LauncherConfigError,
+)
 from regional_agent.launch.exclusion import StragglerExclusionConfig
 from regional_agent.launch.launcher import LocalLauncherConfig
 from regional_agent.launch.ranks import AUTO
@@ -217,12 +221,12 @@ class WorkersConfig(ConfigSection):
         "(regional_agent.launch.exclusion)",
     )
     regional_checkpoint_every: StrictInt = Field(
-        default=4,
+        default=DEFAULT_REGIONAL_CHECKPOINT_EVERY,
         ge=1,
         le=1 << 20,
         description="rounds between saves of the inner optimizer state (sharded, each rank "
-        "its part) and of the error-feedback residual's tensors (rank 0 holds it between); "
-        "the group also saves when it parks a job and when it stops",
+        "its part); the group also saves when it parks a job and when it stops (then with "
+        "the error-feedback residual's tensors, which rank 0 holds between)",
     )
 
     @model_validator(mode="before")

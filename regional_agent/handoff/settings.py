@@ -18,6 +18,11 @@ import torch
 LAUNCH_ID_ENV = "GEOFED_LAUNCH_ID"
 BACKENDS = ("gloo", "nccl")
 
+DEFAULT_REGIONAL_CHECKPOINT_EVERY = 8
+"""Rounds between saves of the inner optimizer state: with θ written whole every
+``transfer.theta_file_every`` (8) rounds, a region writes under 4 bytes a parameter a
+round. A crash between saves costs the optimizer steps since the last one, never θ."""
+
 HEAD_NODE_ENV = "GEOFED_HEAD_NODE"
 """``1`` on the node whose ranks may read the hand-off directory (the agent's), ``0`` on
 the others; unset: every node may (one node)."""
@@ -65,7 +70,7 @@ class WorkerSettings:
     poll_interval_s: float = 0.05
     progress_interval_s: float = 0.5
     collective_timeout_s: float = 600.0
-    regional_checkpoint_every: int = 4
+    regional_checkpoint_every: int = DEFAULT_REGIONAL_CHECKPOINT_EVERY
 
     def __post_init__(self) -> None:
         resolve_backend(self.backend)

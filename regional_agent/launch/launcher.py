@@ -51,6 +51,7 @@ from geofed.parent_death import die_with_parent
 from geofed.ports import unused_port
 from regional_agent.handoff.directory import HandoffDir
 from regional_agent.handoff.settings import (
+    DEFAULT_REGIONAL_CHECKPOINT_EVERY,
     HEAD_NODE_ENV,
     HEAD_SLURM_TASK_ENV,
     LAUNCH_ID_ENV,
@@ -177,7 +178,7 @@ class LocalLauncherConfig:
     progress_interval_s: float = 0.5
     collective_timeout_s: float = 600.0
     """torch.distributed timeout; bounds how long a rank waits for a hung peer."""
-    regional_checkpoint_every: int = 4
+    regional_checkpoint_every: int = DEFAULT_REGIONAL_CHECKPOINT_EVERY
     """Rounds between saves of the inner optimizer state (the head node's ranks decide)."""
     monitor_interval_s: float = 0.1
     shutdown_timeout_s: int = 20

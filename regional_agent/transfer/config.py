@@ -32,7 +32,7 @@ __all__ = [
 
 DEFAULT_UPLOAD_WINDOW = 8
 DEFAULT_DOWNLOAD_WINDOW = 4
-DEFAULT_THETA_FILE_EVERY = 4
+DEFAULT_THETA_FILE_EVERY = 8
 #: A longer chain is read (every update of it decoded) each time θ is read.
 MAX_THETA_FILE_EVERY = 64
 #: More connections than this to one coordinator gain nothing and look like a flood.

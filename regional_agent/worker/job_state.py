@@ -26,10 +26,10 @@ import torch.distributed as dist
 from torch import nn
 
 from geofed.lr_schedule import apply_lr
-from geofed.params import check_federated_state, parameters_vector_hash
+from geofed.params import HashingReads, check_federated_state
 from geofed.task import Task, load_task
-from geofed.theta_chain import ChainReads, chain_hash, read_params
-from geofed.theta_file import ThetaReads, hash_theta
+from geofed.theta_chain import ChainReads, read_params
+from geofed.theta_file import ThetaReads
 from geofed.training_config import TrainingConfig, is_sharded
 from regional_agent.handoff.messages import RegionalCheckpoint, RoundInstruction
 from regional_agent.worker.activation_checkpointing import (
@@ -221,27 +221,28 @@ def _node_ranks() -> int | None:
 
 @dataclass(frozen=True, slots=True)
 class BaseParams:
-    """A round's base θ as rank 0 read it (from its file or its chain), and its hash."""
+    """A round's base θ as rank 0 reads it (from its file or its chain): its tensors in
+    sorted order, read when asked for and hashed as they are read."""
 
-    state: Mapping[str, torch.Tensor]
-    hash: str
+    state: HashingReads
+
+    @property
+    def hash(self) -> str:
+        """θ's hash: no read once the state was read whole in its order (loaded into the
+        model); before that, θ is read to hash it."""
+        return self.state.hexdigest()
 
 
 def read_base(model: nn.Module, path: str) -> BaseParams:
     """The base θ at ``path`` (a θ file or a chain, :mod:`geofed.theta_chain`), checked to
-    fit ``model`` (from its header) and hashed (rank 0). Its tensors are read when asked
-    for, one at a time: loading θ never keeps all of it resident (a mapped file's pages
-    would stay resident while mapped)."""
+    fit ``model`` (from its header) (rank 0). Its tensors are read when asked for, one at
+    a time: loading θ never keeps all of it resident (a mapped file's pages would stay
+    resident while mapped), and hashes it as it loads it."""
     base = read_params(path)  # ThetaFileError is a ValueError
-    check_federated_state(model, _declared(base))
-    # Hashed a piece or a tensor at a time: hashing the tensors would read all of θ at once.
-    if isinstance(base, ThetaReads):
-        digest = hash_theta(path)
-    elif isinstance(base, ChainReads):
-        digest = chain_hash(base)
-    else:
-        digest = parameters_vector_hash(base)
-    return BaseParams(base, digest)
+    declared = _declared(base)
+    check_federated_state(model, declared)
+    shapes = {name: tuple(tensor.shape) for name, tensor in declared.items()}
+    return BaseParams(HashingReads(base, shapes))
 
 
 def _declared(base: Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:

@@ -22,7 +22,9 @@ checkpoints).
 ``training.regional_checkpoint_every`` rounds, and at once when the coordinator asks (a
 round announcement naming the region, for its hardware risk: the agent leaves the ask in
 the hand-off directory); the worker also saves when it parks a job for another and when
-the group stops, so only a crash costs inner optimizer state.
+the group stops, so only a crash costs inner optimizer state. A save writes the
+error-feedback residual's tensors only when the coordinator asked for it (see
+:func:`save_due`).
 """
 
 from __future__ import annotations
@@ -55,10 +57,13 @@ FROM_RANK0 = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, s
 
 @dataclass(frozen=True, slots=True)
 class SaveDecision:
-    """Whether to save the optimizer state at the end of a round, and why."""
+    """Whether to save the optimizer state at the end of a round, and why; ``residual``:
+    whether the error-feedback residual's tensors are written with it (only when the
+    coordinator asked, see :func:`save_due`)."""
 
     save: bool
     reason: str
+    residual: bool = False
 
 
 def save_due(
@@ -69,11 +74,21 @@ def save_due(
     ``saved_round`` is the round whose state the current checkpoint holds (None: none);
     ``asked``: the round from which the coordinator asked for a checkpoint (its hardware
     risk; None: never), honoured once a state of that round or a later one is saved.
+
+    Only an asked save writes the residual's tensors too: the agent's feedback file names
+    a round's residual until the next round's delta is accepted, so a residual written
+    with every save would serve only a crash in the round after it, for 4 B a parameter;
+    where a crash is likely, that round is worth it. (Parking a job and stopping the
+    group write the residual out whatever this says.)
     """
+    asked_now = (
+        asked is not None and asked <= round_ and (saved_round is None or saved_round < asked)
+    )
     if saved_round is None:
-        return SaveDecision(True, "no inner optimizer state is saved yet")
-    if asked is not None and saved_round < asked <= round_:
-        return SaveDecision(True, f"asked for from round {asked} (the region's hardware risk)")
+        return SaveDecision(True, "no inner optimizer state is saved yet", residual=asked_now)
+    if asked_now:
+        why = f"asked for from round {asked} (the region's hardware risk)"
+        return SaveDecision(True, why, residual=True)
     behind = round_ - saved_round
     if behind >= every:
         return SaveDecision(True, f"{behind} rounds since the last save (every {every})")

@@ -115,16 +115,29 @@ class ParallelModel:
         broadcast under DDP, into the model's own tensors. Tensors outside the federated
         state (complex RoPE tables, integer buffers) keep what ``build_model`` gave them.
         A ``state`` naming some federated tensors (a streaming fold) loads those; the
-        others keep their values, bit for bit.
+        others keep their values, bit for bit. A tensor rank 0 cannot read (a θ file cut
+        short, a chained update whose bytes changed) and every one after it are sent as
+        zeros, so that its peers finish the load, and then rank 0 raises the read's error:
+        the agreement after the load refuses the round on every rank.
         """
         rank0 = dist.get_rank() == 0
         box: list[list[str] | None] = [list(state) if rank0 and state is not None else None]
         dist.broadcast_object_list(box, src=0)
         own = federated_state(self.model)
+        failure: ValueError | OSError | None = None
         with torch.no_grad():
             for name in box[0] or []:
-                source = state[name] if rank0 and state is not None else None
+                source: torch.Tensor | None = None
+                if rank0 and state is not None and failure is None:
+                    try:
+                        source = state[name]
+                    except (ValueError, OSError) as exc:  # ThetaFileError is a ValueError
+                        failure = exc
+                if rank0 and source is None:
+                    source = torch.zeros(own[name].shape)
                 _load_tensor(own[name], source)
+        if failure is not None:
+            raise failure
 
     def full_state(self) -> dict[str, torch.Tensor] | None:
         """The trained federated state as fp32 CPU tensors on rank 0; None elsewhere.

@@ -274,16 +274,16 @@ class RoundRunner:
         # Then the collectives; every rank runs the same code on the same inputs, so a
         # deterministic failure (a task's optimizer, a checkpoint that does not fit) is
         # met by all of them at the same point.
-        error = None
+        error, base_hash = None, ""
         try:
             parallel, optimizer = state.ready(self._device, self._control, self._timeout)
             parallel.load_full_state(None if base is None else base.state)
+            base_hash = "" if base is None else base.hash  # hashed as it loaded: no read
         except Exception as exc:
             log.exception("cannot load job %s round %d", job, round_)
             error = f"rank {self._rank}: {type(exc).__name__}: {exc}"
         if self._refused(instruction, self._problems(error)):
             return
-        base_hash = "" if base is None else base.hash
         del base  # rank 0's mapped θ: the model holds it now
         base_eval = self._evaluate_base(state, parallel, instruction)
         self._train(state, parallel, optimizer, instruction, base_hash, base_eval)
@@ -659,7 +659,7 @@ class RoundRunner:
         )
         cursor = state.cursor + totals.micro_batches
         due = self._checkpoint_due(state, instruction)
-        params, delta, failure = self._hand_over(state, parallel, instruction, fold, due.save)
+        params, delta, failure = self._hand_over(state, parallel, instruction, fold, due.residual)
         (failed,) = self._agree(failure is not None)
         if failed:
             self._state = None  # as a diverged round: resume from the last checkpoint
@@ -713,30 +713,30 @@ class RoundRunner:
         parallel: ParallelModel,
         instruction: RoundInstruction,
         fold: DelayedFold | None,
-        checkpoint_round: bool,
+        write_residual: bool,
     ) -> tuple[Mapping[str, torch.Tensor] | None, WrittenDelta | None, str | None]:
         """What the round hands the agent: θ whole on rank 0, or the quantized delta an
         instruction's ``delta`` asks for; and rank 0's failure, if any (a collective under
-        FSDP: every rank takes part). The residual's tensors are written with the
-        regional checkpoint (``checkpoint_round``)."""
+        FSDP: every rank takes part). The residual's tensors are written when
+        ``write_residual`` (a checkpoint the coordinator asked for)."""
         request = instruction.delta
         if request is None:
             return parallel.full_state(), None, None  # rank 0 receives the whole
         base_path = (fold.base_path if fold is not None else "") or instruction.base_params
         delta, failure, self._residual = hand_over_delta(
-            self._place, request, instruction, base_path, parallel, checkpoint_round, self._residual
+            self._place, request, instruction, base_path, parallel, write_residual, self._residual
         )
         return None, delta, failure
 
     def _checkpoint_due(self, state: WorkerJobState, instruction: RoundInstruction) -> SaveDecision:
-        """Whether this round saves the regional checkpoint (optimizer state, residual):
-        rank 0's cadence and the agent's ask decide for every rank (a collective)."""
-        job, round_ = instruction.job, instruction.round
-        asked = self._handoff.checkpoint_asked(job) if self._rank == 0 else None
+        """Whether this round saves the regional checkpoint (optimizer state, and the
+        residual if asked): rank 0's cadence and the agent's ask decide for every rank."""
+        rank0 = self._rank == 0
+        asked = self._handoff.checkpoint_asked(instruction.job) if rank0 else None
         every = self._settings.regional_checkpoint_every
-        decision = save_due(round_, state.saved_optimizer_round, every, asked)
-        (due,) = self._agree(self._rank == 0 and decision.save)
-        return SaveDecision(due, decision.reason)
+        decision = save_due(instruction.round, state.saved_optimizer_round, every, asked)
+        due, residual = self._agree(rank0 and decision.save, rank0 and decision.residual)
+        return SaveDecision(due, decision.reason, residual)
 
     def _park(self, state: WorkerJobState, why: str) -> None:
         """Park ``state`` (:func:`~regional_agent.worker.persistence.park_job`, a collective)

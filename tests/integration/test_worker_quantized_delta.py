@@ -56,8 +56,19 @@ class Region:
         return await self.group.run_round(step, 60)
 
     async def quantized(
-        self, round_: int, base: Path, training: TrainingConfig = DDP, job: str = "quantized"
+        self,
+        round_: int,
+        base: Path,
+        training: TrainingConfig = DDP,
+        job: str = "quantized",
+        *,
+        written: bool = True,
     ) -> RoundResult:
+        """A round handing over its quantized delta; ``written``: with a checkpoint asked
+        for, so that the workers write the residual's tensors (for the test to compare)
+        instead of a held residual file."""
+        if written:
+            self.handoff.ask_checkpoint(job, round_)
         request = DeltaRequest(CODEC, str(self.feedback), CHUNK)
         step = instruction(job, round_, base, inner_steps=STEPS, training=training, delta=request)
         return await self.group.run_round(step, 60)
@@ -211,8 +222,8 @@ async def test_under_fsdp_a_failed_quantization_leaves_no_rank_waiting(region: R
 
 @on_module_loop
 async def test_between_checkpoints_rank_zero_holds_the_residual(tmp_path: Path) -> None:
-    """``regional_checkpoint_every: 3``: a round that saves no checkpoint writes a held
-    residual file, not the tensors, and its delta is still the agent's own encoding with
+    """``regional_checkpoint_every: 3``: a round writes a held residual file, not the
+    tensors, unless it saves a checkpoint the agent asked for, and its delta is still the agent's own encoding with
     the residual the agent holds; a stopped group writes rank 0's copy out and the next
     group reads it; a delta the coordinator did not take costs the residual. A checkpoint
     the agent asks for (the coordinator's hardware-risk ask) is saved at once, once."""
@@ -229,7 +240,7 @@ async def test_between_checkpoints_rank_zero_holds_the_residual(tmp_path: Path) 
     async def round_(number: int, accepted: bool = True) -> None:
         nonlocal base, residual
         # The quantized job first: the plain one parks it only after its delta is out.
-        quantized = await region.quantized(number, base, job="sparse")
+        quantized = await region.quantized(number, base, job="sparse", written=False)
         plain = await region.plain(number, base, job="sparse-plain")
         want = agent_encoding(base, plain.params, residual)
         assert quantized.delta is not None
@@ -258,10 +269,11 @@ async def test_between_checkpoints_rank_zero_holds_the_residual(tmp_path: Path) 
         await round_(5)
     finally:
         await region.group.stop()
-    # Round 0 saves the first checkpoint; after that each round parks the job (the plain
-    # one runs between), which saves its optimizer state, so no round is due one again
-    # but round 2, asked for; the ask, still there, is honoured once.
-    assert kinds == ["Residual", "HeldResidual", "Residual"] + ["HeldResidual"] * 3
+    # Round 0 saves the first checkpoint (its residual held); after that each round parks
+    # the job (the plain one runs between), which saves its optimizer state, so no round
+    # is due one again but round 2, asked for, which writes the residual too; the ask,
+    # still there, is honoured once.
+    assert kinds == ["HeldResidual", "HeldResidual", "Residual"] + ["HeldResidual"] * 3
     log = region.handoff.rank_log_path(0).read_text()
     assert re.search(
         r"job sparse: inner optimizer state of round 2 saved in [0-9.]+ s "

@@ -27,7 +27,7 @@ import torch
 
 from coordinator.publication.evaluation import evaluate_params
 from geofed.lr_schedule import apply_lr, job_step, lr_factor
-from geofed.params import federated_names
+from geofed.params import federated_names, parameters_vector_hash
 from geofed.task import DataShard, load_task
 from geofed.training_config import LrSchedule, Parallelism, TrainingConfig
 from regional_agent.handoff.directory import HandoffDir
@@ -36,6 +36,8 @@ from regional_agent.launch.launcher import LocalElasticLauncher
 from regional_agent.launch.worker_group import RoundFailed, WorkerGroup, WorkerGroupConfig
 from regional_agent.rounds.stragglers import StragglerRule, StragglerWatch
 from regional_agent.worker.optimizer_checkpoint import read_optimizer_state
+from tests.support.global_updates import chained_theta
+from tests.support.pki import make_federation
 from tests.support.tiny_task import TinyTask
 from tests.support.worker_group import (
     STEPS,
@@ -437,6 +439,34 @@ async def test_a_slow_rank_is_the_busy_one_and_is_found_straggling(
     assert f"rank 1 (node 0 on {host}) over 1.3x its peers' median busy time in 3 of" in (
         verdicts[-1].reason
     )
+
+
+@on_module_loop
+async def test_a_chained_update_changed_on_disk_refuses_the_round_on_every_rank(
+    region: Group, tmp_path: Path
+) -> None:
+    """Rank 0 reads θ only as it loads it into the group (hashing it as it goes): a chained
+    update whose bytes changed after the agent verified it is found mid-load, its peers
+    finish the load, and the round is refused on every rank at once (none waits out the
+    collective timeout); with the byte restored the same group trains the round."""
+    chain, stored, after = chained_theta(
+        make_federation(tmp_path / "fed"), region.theta0, tmp_path, job="chained"
+    )
+    inst = instruction(
+        "chained", 1, chain, training=TrainingConfig(parallelism="fsdp"), total_steps=TOTAL
+    )
+    data = bytearray(stored.path.read_bytes())
+    where = stored.start + sum(stored.sizes[:-1]) - 20  # inside the last chunk's frame
+    data[where] ^= 0x01
+    stored.path.write_bytes(bytes(data))
+    started = asyncio.get_running_loop().time()
+    with pytest.raises(RoundFailed, match=rf"ThetaChainError: update of round 0 at {stored.path}"):
+        await region.group.run_round(inst, 40)
+    assert asyncio.get_running_loop().time() - started < 30  # not the 60 s timeout
+    data[where] ^= 0x01
+    stored.path.write_bytes(bytes(data))
+    trained = await region.group.run_round(inst, 60)
+    assert trained.summary.base_params_hash == parameters_vector_hash(after)
 
 
 @on_module_loop

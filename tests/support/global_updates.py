@@ -1,16 +1,23 @@
 """A small θ and global updates of it signed by a throwaway federation's coordinator, for
-the tests that apply updates to θ (in memory, to a θ file, or chained after one)."""
+the tests that apply updates to θ (in memory, to a θ file, or chained after one), and a
+θ held as a chain of one verified update, as an agent holds it."""
 
 from __future__ import annotations
 
 from datetime import UTC, datetime
+from pathlib import Path
 
 import torch
 
 from geofed.artifact_bundle import pack_bundle
-from geofed.codec import encode_stream
+from geofed.artifact_check import verify_artifact_file
+from geofed.codec import decode, encode_stream
 from geofed.codec_params import CodecParams
+from geofed.deltas import apply_partial_update
 from geofed.manifest import ArtifactProvenance, build_manifest, sign_manifest
+from geofed.params import parameters_vector_hash
+from geofed.theta_chain import StoredUpdate, ThetaChain
+from geofed.theta_file import write_theta
 from geofed.types import ArtifactKind
 from tests.support.pki import Federation
 
@@ -61,3 +68,32 @@ def signed_update(
     cred = coordinator.credential
     signed = sign_manifest(manifest, cred.private_key, cred.certificate)
     return pack_bundle(signed.to_bytes(), stream.frames()), now
+
+
+def chained_theta(
+    fed: Federation, theta: dict[str, torch.Tensor], root: Path, *, job: str
+) -> tuple[Path, StoredUpdate, dict[str, torch.Tensor]]:
+    """θ_1 of ``job`` held as an agent holds it: θ_0 = ``theta``'s file under ``root`` and
+    round 0's update (small, seeded), signed, verified from its file and chained after it.
+    Returns the chain's description file, the stored update and θ_1's tensors."""
+    write_theta(root / "theta-0.st", theta)
+    gen = torch.Generator().manual_seed(5)
+    update = {name: 0.01 * torch.randn(t.shape, generator=gen) for name, t in theta.items()}
+    after = apply_partial_update(theta, decode(encode_stream(update, INT8).frames()))
+    data, now = signed_update(
+        fed,
+        update,
+        job=job,
+        round_=0,
+        base_hash=parameters_vector_hash(theta),
+        parameters_hash=parameters_vector_hash(after),
+    )
+    bundle = root / "update-0.bundle"
+    bundle.write_bytes(data)
+    artifact = verify_artifact_file(
+        bundle, fed.bundle(), kind=ArtifactKind.GLOBAL_UPDATE, job=job, round_=0, now=now
+    )
+    stored = StoredUpdate.of(artifact)
+    chain = root / "round-1.chain.json"
+    ThetaChain(root / "theta-0.st", 0, (stored,)).save(chain)
+    return chain, stored, after

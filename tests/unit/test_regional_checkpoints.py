@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from geofed.params import parameters_vector_hash
-from geofed.theta_file import ThetaReads, write_theta
+from geofed.theta_file import write_theta
 from regional_agent.handoff.directory import HandoffDir
 from regional_agent.handoff.errors import InvalidHandoffData
 from regional_agent.handoff.messages import RegionalCheckpoint
@@ -278,20 +278,26 @@ def test_the_optimizer_state_is_saved_first_then_every_few_rounds() -> None:
     assert save_due(2, 0, every=4).reason == "2 of 4 rounds since the last save"
     assert save_due(7, 3, every=4).reason == "4 rounds since the last save (every 4)"
     assert all(save_due(r, r - 1, every=1).save for r in range(1, 4))
+    # The cadence's saves leave the residual out: it would serve a crash in one round.
+    assert not first.residual
+    assert not any(save_due(r, 0, every=4).residual for r in range(1, 6))
 
 
 def test_an_asked_checkpoint_is_saved_at_once_and_once() -> None:
     """The coordinator's ask (a hardware risk) from round 5: saved at the first round
     from 5 on, whatever the cadence; once a state of round 5 or later is saved, not again."""
     asked = save_due(5, 3, every=10, asked=5)
-    assert (asked.save, asked.reason) == (
+    assert (asked.save, asked.reason, asked.residual) == (
         True,
         "asked for from round 5 (the region's hardware risk)",
+        True,  # a crash is likely: the residual is written with it
     )
     assert save_due(7, 3, every=10, asked=5).save, "a round finished after the ask"
     assert not save_due(4, 3, every=10, asked=5).save, "not before the round asked"
     assert not save_due(6, 5, every=10, asked=5).save, "honoured already"
-    assert save_due(0, None, every=10, asked=0).reason == "no inner optimizer state is saved yet"
+    assert not save_due(4, 0, every=4, asked=0).residual, "asked for round 0, saved at 0"
+    first = save_due(0, None, every=10, asked=0)
+    assert (first.reason, first.residual) == ("no inner optimizer state is saved yet", True)
 
 
 def test_the_ask_is_a_file_of_the_job_an_unreadable_one_is_none(tmp_path: Path) -> None:
@@ -333,14 +339,15 @@ def test_a_missing_or_torn_optimizer_state_fails_as_an_error_saying_where(tmp_pa
 def test_a_rounds_base_is_hashed_from_its_file_and_its_tensors_read_when_asked(
     tmp_path: Path,
 ) -> None:
-    """Rank 0's base θ: the hash of the file's bytes (read in chunks, never all tensors at
-    once) equals the tensors' hash, and the tensors stay to be read one at a time; a
-    torch.save-d state (the format before) hashes the same."""
+    """Rank 0's base θ: its tensors read one at a time, in the hash's order, hashed as
+    they are read (a load hashes θ), to the file's hash; a torch.save-d state (the format
+    before) hashes the same."""
     model = TinyTask().build_model(seed=1)
     state = {name: t.detach().float() for name, t in model.state_dict().items()}
     digest = write_theta(tmp_path / "theta.safetensors", state)
     base = read_base(model, str(tmp_path / "theta.safetensors"))
+    assert list(base.state) == sorted(state)
+    assert all(torch.equal(base.state[name], state[name]) for name in base.state)
     assert base.hash == digest == parameters_vector_hash(state)
-    assert isinstance(base.state, ThetaReads)
     torch.save(state, tmp_path / "theta.pt")
     assert read_base(model, str(tmp_path / "theta.pt")).hash == digest

@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from geofed.deltas import add_update_in_place
-from geofed.params import parameters_vector_hash
+from geofed.params import HashingReads, parameters_vector_hash
 from geofed.theta_file import (
     CHUNK_BYTES,
     ThetaFileError,
@@ -172,6 +172,52 @@ def test_tensors_read_one_at_a_time_are_new_and_equal(tmp_path: Path) -> None:
     pickled = tmp_path / "theta.pt"
     torch.save(tensors, pickled)  # the format before is mapped instead
     assert all(torch.equal(read_theta(pickled)[n], t) for n, t in tensors.items())
+
+
+class CountedReads(dict[str, torch.Tensor]):
+    """A θ read from its file, counting the tensors read (each a read of the file)."""
+
+    def __init__(self, path: Path) -> None:
+        super().__init__()
+        self.source = read_theta(path)
+        self.reads: list[str] = []
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        self.reads.append(name)
+        return self.source[name]
+
+
+@pytest.mark.parametrize("first", ["load", "hash", "one out of order"])
+def test_theta_read_in_its_hash_order_is_hashed_without_a_second_read(
+    tmp_path: Path, first: str
+) -> None:
+    tensors = theta()
+    path = tmp_path / "round-0.safetensors"
+    write_theta(path, tensors)
+    counted = CountedReads(path)
+    reads = HashingReads(counted, read_layout(path).shapes())
+    assert list(reads) == sorted(tensors)  # the hash's order, which a load follows
+    if first == "hash":
+        assert reads.hexdigest() == hash_theta(path)
+        assert counted.reads == sorted(tensors)
+    if first == "one out of order":
+        assert torch.equal(reads["layers.0.w"], tensors["layers.0.w"])  # not hashed yet
+    loaded = {name: reads[name] for name in reads}
+    assert all(torch.equal(loaded[n], t) for n, t in tensors.items())
+    before = len(counted.reads)
+    assert reads.hexdigest() == hash_theta(path) == parameters_vector_hash(tensors)
+    assert len(counted.reads) == before  # hashed while loaded: nothing read again
+    extra = {"load": 0, "hash": len(tensors), "one out of order": 1}[first]
+    assert len(counted.reads) == len(tensors) + extra
+
+
+def test_a_tensor_read_other_than_declared_is_refused(tmp_path: Path) -> None:
+    tensors = theta()
+    path = tmp_path / "round-0.safetensors"
+    write_theta(path, tensors)
+    shapes = {**read_layout(path).shapes(), "bias": (8,)}
+    with pytest.raises(ValueError, match="'bias' reads as"):
+        HashingReads(read_theta(path), shapes).hexdigest()
 
 
 @pytest.mark.parametrize("order", ["file", "reversed", "none"])
