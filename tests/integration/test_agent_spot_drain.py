@@ -82,10 +82,12 @@ def keep_for_reference(workers: Path, reference: Path) -> RoundInstruction:
     assert record.optimizer_round is not None  # saved with the first round
     saved = handoff.optimizer_path(JOB, record.optimizer_round)
     shutil.copytree(saved, copy.optimizer_path(JOB, record.optimizer_round))
-    # The residual the round's delta starts from: the agent's, as round 0 left it.
+    # The residual the round's delta starts from: the agent's, as round 0 left it, a held
+    # file naming the residual the ranks kept, which the stopped group wrote out.
     assert instruction.delta is not None
     feedback = reference / "feedback.pt"
     shutil.copyfile(instruction.delta.feedback, feedback)
+    shutil.copyfile(handoff.held_residual_path(JOB), copy.held_residual_path(JOB))
     request = dataclasses.replace(instruction.delta, feedback=str(feedback))
     return dataclasses.replace(instruction, base_params=str(base), delta=request)
 

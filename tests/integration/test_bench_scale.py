@@ -53,7 +53,7 @@ def test_scale_quick_reports_every_role(tmp_path: Path) -> None:
         assert figures["region_theta_file"] == 4 * run["parameters"]
         assert figures["region_writes"] == pytest.approx(
             figures["region_writes_steady"]
-            + figures["region_checkpoint"] / 4
+            + figures["region_checkpoint"] / scale.CHECKPOINT_INTERVAL
             + figures["region_theta_file"] / scale.THETA_FILE_INTERVAL
         )
         # One working-state save (θ, momentum, residual: 12 B a parameter) and one

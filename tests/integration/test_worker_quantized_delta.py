@@ -223,10 +223,11 @@ async def test_under_fsdp_a_failed_quantization_leaves_no_rank_waiting(region: R
 @on_module_loop
 async def test_between_checkpoints_rank_zero_holds_the_residual(tmp_path: Path) -> None:
     """``regional_checkpoint_every: 3``: a round writes a held residual file, not the
-    tensors, unless it saves a checkpoint the agent asked for, and its delta is still the agent's own encoding with
-    the residual the agent holds; a stopped group writes rank 0's copy out and the next
-    group reads it; a delta the coordinator did not take costs the residual. A checkpoint
-    the agent asks for (the coordinator's hardware-risk ask) is saved at once, once."""
+    tensors, unless it saves a checkpoint the agent asked for, and its delta is still the
+    agent's own encoding with the residual the agent holds; a stopped group writes rank
+    0's copy out and the next group reads it; a delta the coordinator did not take costs
+    the residual. A checkpoint the agent asks for (the coordinator's hardware-risk ask)
+    is saved at once, once."""
 
     def new_group() -> WorkerGroup:
         launcher = LocalElasticLauncher(tmp_path, launcher_config(regional_checkpoint_every=3))
