@@ -28,11 +28,12 @@ class RankTiming:
     busy_seconds: float | None
     """Mean seconds a step it was not waiting for its peers, approximately: the step's
     wall time less the time it had a data-parallel collective in flight (DDP's gradient
-    all-reduce, FSDP's all-gathers and reduce-scatters). The group steps together, so the
+    all-reduce, FSDP's all-gathers and reduce-scatters, and HSDP's all-reduce between
+    replicas besides). The group steps together, so the
     wall time is every rank's; what a slow rank lacks is the waiting. An approximation:
     computation that overlaps a collective counts as waiting, and a wait outside those
-    collectives (another one) as busy. None where the waiting is not measured (HSDP:
-    ``comm_seconds``)."""
+    collectives (another one) as busy. None where the waiting is not measured
+    (``comm_seconds``)."""
     data_wait_seconds: float
     """Time it waited for the task's batches, the round's total."""
     host: str = ""
@@ -78,8 +79,9 @@ class TrainingStats:
     flops_per_token: float
     """The task's training FLOPs per token (:meth:`geofed.task.Task.flops_per_token`)."""
     comm_seconds: float | None = None
-    """Wall time with a data-parallel collective in flight, the round's total (DDP and
-    FSDP; None under HSDP, see :mod:`regional_agent.worker.comm_timer`)."""
+    """Wall time with a data-parallel collective in flight, the round's total (DDP, FSDP
+    and HSDP, see :mod:`regional_agent.worker.comm_timer`; None where a collective's end
+    could not be marked)."""
     peak_memory_bytes: int | None = None
     """Peak accelerator memory allocated during the round (CUDA only)."""
     accelerator: str | None = None

@@ -4,8 +4,8 @@ The region steps at its slowest rank's pace, so one slow GPU, node or data loade
 all of it. The ranks step together, so their step times are equal; what tells the slow
 one is that it waits less for the others: the worker group reports each rank's busy
 time a step, its step time less the time it had a data-parallel collective in flight
-(:class:`~regional_agent.handoff.training_stats.RankTiming`; measured under DDP and FSDP,
-not HSDP).
+(:class:`~regional_agent.handoff.training_stats.RankTiming`; measured under DDP, FSDP
+and HSDP).
 The rule, over a window of the latest rounds trained with the same ranks, each round
 counted once:
 
@@ -16,8 +16,8 @@ counted once:
   rounds: one hiccup (a checkpoint, a page fault storm) is not a straggler.
 
 A region of one rank has no peers to compare with; a round whose busy times were not
-measured (HSDP) and a window with fewer than ``min_rounds`` rounds decide nothing.
-Pure: the verdict carries its reason.
+measured (a collective whose end could not be marked) and a window with fewer than
+``min_rounds`` rounds decide nothing. Pure: the verdict carries its reason.
 """
 
 from __future__ import annotations
@@ -95,7 +95,7 @@ def judge(rounds: Sequence[Sequence[RankTiming]], rule: StragglerRule) -> Stragg
         return StragglerVerdict((), (), "a single rank has no peers to compare with")
     if any(t.busy_seconds is None for timings in rounds for t in timings):
         return StragglerVerdict(
-            (), (), "the ranks' busy time is not measured under this parallelism (HSDP)"
+            (), (), "the ranks' busy time is not measured in every round of the window"
         )
     if len(rounds) < rule.min_rounds:
         return StragglerVerdict(

@@ -12,7 +12,13 @@ unchanged:
   (:meth:`CommTimer.attach_fsdp`, through FSDP2's ``set_custom_all_gather`` and
   ``set_custom_reduce_scatter``), each the same ``all_gather_single`` or
   ``reduce_scatter_single`` call into a ``torch.empty`` buffer that FSDP2 makes by
-  default. HSDP's all-reduce between its replicas has no such entry: HSDP is not timed.
+  default;
+- HSDP: besides, the all-reduce between the replicas, which FSDP2 issues itself right
+  after a unit's reduce-scatter and which has no entry of its own: from the end of the
+  reduce-scatter (or, where a shard group is one rank and FSDP2 copies instead, from the
+  allocation of its output, just before the copy) to the unit's all-reduce hook
+  (``set_all_reduce_hook``), which FSDP2 calls once the all-reduce is done (on CUDA,
+  queued on the all-reduce's stream after it).
 
 On the CPU (gloo) the times are the host clock's, taken when the collective is called and
 when its result is ready. On CUDA (NCCL) a collective returns once queued, so the times are
@@ -75,12 +81,16 @@ class CommTimer:
         """Register as ``ddp``'s communication hook (before its first forward)."""
         ddp.register_comm_hook(ddp.process_group, self.hook)
 
-    def attach_fsdp(self, modules: Iterable[nn.Module]) -> None:
-        """Time the all-gathers and reduce-scatters of every FSDP2 module in ``modules``."""
+    def attach_fsdp(self, modules: Iterable[nn.Module], *, replicated: bool = False) -> None:
+        """Time the all-gathers and reduce-scatters of every FSDP2 module in ``modules``,
+        and, ``replicated`` (HSDP), the all-reduce between the replicas."""
         for module in modules:
             if isinstance(module, FSDPModule):
                 module.set_custom_all_gather(_TimedAllGather(self))
-                module.set_custom_reduce_scatter(_TimedReduceScatter(self))
+                scatter = _TimedReduceScatter(self, replicated)
+                module.set_custom_reduce_scatter(scatter)
+                if replicated:
+                    module.set_all_reduce_hook(scatter.all_reduced)
 
     def start(self) -> None:
         """Forget what was measured so far: a new round begins."""
@@ -133,6 +143,21 @@ class CommTimer:
         else:
             work.get_future().then(lambda _: self._note(token, started, self._now()))
         return work
+
+    def open_interval(self) -> tuple[Any, int]:
+        """Start an interval now, for a collective no call of ours issues (HSDP's
+        all-reduce): its start and token, for :meth:`close_interval` or :meth:`drop`."""
+        return self._begin()
+
+    def close_interval(self, token: int, started: Any) -> None:
+        """End now the interval :meth:`open_interval` started (dropped if a round began
+        in between)."""
+        self._note(token, started, self._now())
+
+    def drop(self, token: int) -> None:
+        """Forget an interval that did not happen (no all-reduce came after it)."""
+        with self._lock:
+            self._open.pop(token, None)
 
     def _begin(self) -> tuple[Any, int]:
         started = self._now()
@@ -218,7 +243,21 @@ class _TimedAllGather(_TimedComm, AllGather):
 
 
 class _TimedReduceScatter(_TimedComm, ReduceScatter):
-    """FSDP2's default reduce-scatter, timed."""
+    """FSDP2's default reduce-scatter, timed; ``replicated`` (HSDP): the all-reduce after
+    it too, from its end (or its output's allocation) to :meth:`all_reduced`."""
+
+    def __init__(self, timer: CommTimer, replicated: bool = False) -> None:
+        super().__init__(timer)
+        self._replicated = replicated
+        self._reduce: tuple[Any, int] | None = None  # the all-reduce to come: start, token
+
+    def allocate(
+        self, size: Sequence[int | torch.SymInt], *, dtype: torch.dtype, device: torch.device
+    ) -> torch.Tensor:
+        output = super().allocate(size, dtype=dtype, device=device)
+        if self._replicated:
+            self._expect_reduce()  # a shard group of one rank copies, then all-reduces
+        return output
 
     def __call__(
         self,
@@ -228,8 +267,23 @@ class _TimedReduceScatter(_TimedComm, ReduceScatter):
         op: Any,
         async_op: bool = False,
     ) -> dist.Work | None:
-        return self._timer.issue(
+        work = self._timer.issue(
             lambda: dist.reduce_scatter_single(
                 output=output_tensor, input=input_tensor, group=group, op=op, async_op=async_op
             )
         )
+        if self._replicated and not async_op:
+            self._expect_reduce()  # the all-reduce starts where the reduce-scatter ended
+        return work
+
+    def all_reduced(self, output: torch.Tensor) -> None:
+        """FSDP2's all-reduce hook: the all-reduce between the replicas is done."""
+        if self._reduce is not None:
+            started, token = self._reduce
+            self._reduce = None
+            self._timer.close_interval(token, started)
+
+    def _expect_reduce(self) -> None:
+        if self._reduce is not None:  # one that did not come (a micro-batch without it)
+            self._timer.drop(self._reduce[1])
+        self._reduce = self._timer.open_interval()

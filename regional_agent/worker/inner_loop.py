@@ -96,7 +96,7 @@ class RankTotals:
     data_wait_seconds: float = 0.0
     """Time spent in ``next(batches)``."""
     comm_seconds: float | None = None
-    """Time with a data-parallel collective in flight (DDP and FSDP; None under HSDP)."""
+    """Time with a data-parallel collective in flight (None where it is not measured)."""
     peak_memory_bytes: int | None = None
     """Peak CUDA memory allocated during the round; None on the CPU."""
 

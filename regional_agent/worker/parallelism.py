@@ -62,8 +62,8 @@ class ParallelModel:
     ``model`` is the bare module ``build_model`` returned (sharded in place under FSDP);
     ``module`` is what the forward runs through (the DDP wrapper, or the FSDP root).
     ``comm`` times the collectives: DDP's gradient all-reduce, FSDP's all-gathers and
-    reduce-scatters; None under HSDP, whose all-reduce between replicas cannot be timed
-    the same way (see :mod:`regional_agent.worker.comm_timer`).
+    reduce-scatters, and HSDP's all-reduce between replicas besides
+    (:mod:`regional_agent.worker.comm_timer`).
     """
 
     kind: Parallelism
@@ -262,10 +262,8 @@ def wrap(
         if on_meta and materialize is not None:
             model.to_empty(device=device)
             materialize(model)
-        if parallelism == "hsdp":  # its all-reduce between replicas cannot be timed
-            return ParallelModel(parallelism, model, model)
         comm = CommTimer(device)
-        comm.attach_fsdp([*fsdp_units, model])
+        comm.attach_fsdp([*fsdp_units, model], replicated=parallelism == "hsdp")
         return ParallelModel(parallelism, model, model, comm)
     if on_meta and materialize is not None:
         model.to_empty(device=device)

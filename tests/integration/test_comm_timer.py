@@ -1,5 +1,7 @@
 """The data-parallel collectives timed, with 2 gloo ranks: DDP's gradient all-reduce by a
-communication hook, FSDP2's all-gathers and reduce-scatters by its custom collectives.
+communication hook, FSDP2's all-gathers and reduce-scatters by its custom collectives,
+HSDP's all-reduce between its replicas (2 replicas of one rank each) from its unit's
+reduce to its all-reduce hook.
 
 The timing must change nothing the ranks compute: the same model, data and steps with and
 without it give bit-identical parameters, and the time it reports is positive and
@@ -11,6 +13,7 @@ from __future__ import annotations
 import gc
 import os
 import time
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -24,22 +27,26 @@ from torch.nn.parallel import DistributedDataParallel
 
 from geofed.ports import unused_port
 from regional_agent.worker.comm_timer import CommTimer
+from regional_agent.worker.parallelism import hsdp_mesh
 
 pytestmark = pytest.mark.integration
 
 WORLD = 2
 STEPS = 4
+KINDS = ("ddp", "fsdp", "hsdp")
 
 
 def _wrap(model: nn.Sequential, kind: str, timer: CommTimer | None) -> nn.Module:
-    if kind == "fsdp":
+    if kind in ("fsdp", "hsdp"):
+        # HSDP: replicated across the ranks, each shard group one rank.
+        mesh = hsdp_mesh(torch.device("cpu"), 1, timedelta(seconds=60)) if kind == "hsdp" else None
         # Each Linear its own unit: several all-gathers and reduce-scatters a step.
         units = [model[0], model[2]]
         for unit in units:
-            fully_shard(unit)
-        fully_shard(model)
+            fully_shard(unit, mesh=mesh)
+        fully_shard(model, mesh=mesh)
         if timer is not None:
-            timer.attach_fsdp([*units, model])
+            timer.attach_fsdp([*units, model], replicated=kind == "hsdp")
         return model
     # Small buckets: several all-reduces per backward, in flight together.
     ddp = DistributedDataParallel(model, bucket_cap_mb=0.005)
@@ -75,7 +82,7 @@ def _rank(rank: int, port: int, out: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=WORLD)
     try:
-        for kind in ("ddp", "fsdp"):
+        for kind in KINDS:
             plain, _ = _train(rank, kind, None)
             timer = CommTimer(torch.device("cpu"))
             timed, wall = _train(rank, kind, timer)
@@ -95,7 +102,7 @@ def _rank(rank: int, port: int, out: str) -> None:
 def test_the_timed_collectives_change_nothing_and_measure_time(tmp_path: Path) -> None:
     spawn(_rank, args=(unused_port(), str(tmp_path)), nprocs=WORLD, join=True)
 
-    for kind in ("ddp", "fsdp"):
+    for kind in KINDS:
         results = [
             torch.load(tmp_path / f"{kind}-rank-{r}.pt", weights_only=True) for r in range(WORLD)
         ]

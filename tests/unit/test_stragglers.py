@@ -180,4 +180,4 @@ def test_busy_times_not_measured_decide_nothing() -> None:
     unmeasured = tuple(RankTiming(rank, 0, None, 0.0) for rank in range(2))
     verdict = judge([unmeasured] * 3, StragglerRule())
     assert verdict.ranks == ()
-    assert "not measured under this parallelism" in verdict.reason
+    assert "not measured in every round of the window" in verdict.reason
