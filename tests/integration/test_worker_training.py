@@ -440,19 +440,21 @@ async def test_a_slow_rank_is_the_busy_one_and_is_found_straggling(
 
 
 @on_module_loop
+@pytest.mark.parametrize("parallelism", ["ddp", "fsdp"])
 async def test_a_chained_update_changed_on_disk_refuses_the_round_on_every_rank(
-    region: Group, tmp_path: Path
+    region: Group, tmp_path: Path, parallelism: str
 ) -> None:
     """Rank 0 reads θ only as it loads it into the group (hashing it as it goes): a chained
     update whose bytes changed after the agent verified it is found mid-load, its peers
-    finish the load, and the round is refused on every rank at once (none waits out the
-    collective timeout); with the byte restored the same group trains the round."""
+    finish the load (broadcast under DDP, scattered under FSDP), and the round is refused
+    on every rank at once (none waits out the collective timeout); with the byte restored
+    the same group trains the round."""
+    job = f"chained-{parallelism}"
     chain, stored, after = chained_theta(
-        make_federation(tmp_path / "fed"), region.theta0, tmp_path, job="chained"
+        make_federation(tmp_path / "fed"), region.theta0, tmp_path, job=job
     )
-    inst = instruction(
-        "chained", 1, chain, training=TrainingConfig(parallelism="fsdp"), total_steps=TOTAL
-    )
+    training = TrainingConfig(parallelism=parallelism)  # type: ignore[arg-type]
+    inst = instruction(job, 1, chain, training=training, total_steps=TOTAL)
     data = bytearray(stored.path.read_bytes())
     where = stored.start + sum(stored.sizes[:-1]) - 20  # inside the last chunk's frame
     data[where] ^= 0x01
