@@ -3,9 +3,10 @@
 - ``store``: one thread for every state-store call (SQLite wants one writer; the store's
   calls are short and serialised anyway).
 - ``compute``: a pool for codec and torch work (decoding, aggregation, encoding), one
-  thread per usable CPU (:func:`usable_cpus`) by default: sha256, zstd and torch release
-  the GIL, so the deltas of a round's regions are verified and decoded side by side;
-  after each call the heap memory it freed goes back to the system.
+  thread per usable CPU (:func:`geofed.codec.host_threads.usable_cpus`) by default:
+  sha256, zstd and torch release the GIL, so the deltas of a round's regions are
+  verified and decoded side by side; after each call the heap memory it freed goes back
+  to the system.
 - ``files``: a pool for file I/O (spooling chunks with fsync, serving blob metadata).
 - ``parse``: one thread for parsing and validating request bodies (job specs), so a
   hostile body never runs on the event loop, bodies are parsed one at a time, and they
@@ -25,7 +26,6 @@ from __future__ import annotations
 import asyncio
 import functools
 import multiprocessing
-import os
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Executor, ProcessPoolExecutor, ThreadPoolExecutor
@@ -33,9 +33,10 @@ from concurrent.futures.process import BrokenProcessPool
 from typing import ParamSpec, TypeVar
 
 from coordinator.memory_budget import keep_within
+from geofed.codec.host_threads import usable_cpus
 from geofed.heap import trim_heap
 
-__all__ = ["Executors", "side_by_side", "usable_cpus"]
+__all__ = ["Executors", "side_by_side"]
 
 
 def _evaluation_budget(max_bytes: int | None) -> None:
@@ -46,13 +47,6 @@ def _evaluation_budget(max_bytes: int | None) -> None:
 
 P = ParamSpec("P")
 T = TypeVar("T")
-
-
-def usable_cpus() -> int:
-    """The CPUs this process may run on (its affinity mask where the OS has one)."""
-    if hasattr(os, "sched_getaffinity"):
-        return max(1, len(os.sched_getaffinity(0)))
-    return os.cpu_count() or 1
 
 
 _cpu_pool: ThreadPoolExecutor | None = None

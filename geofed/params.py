@@ -151,10 +151,7 @@ def parameters_vector_hash(model_or_state: nn.Module | Mapping[str, torch.Tensor
         tensor = state[name]
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(f"state entry {name!r} is {type(tensor).__name__}, not a Tensor")
-        flat = tensor.detach().to("cpu").contiguous().reshape(-1)
-        hasher.begin(name, flat.dtype, tuple(tensor.shape))
-        if flat.numel():
-            hasher.update(flat.view(torch.uint8).numpy().data)
+        hasher.tensor(name, tensor)
     return hasher.hexdigest()
 
 
@@ -180,6 +177,13 @@ class StateHasher:
         _put(self._digest, struct.pack(f"<{len(shape)}Q", *shape))
         self._left = math.prod(shape) * dtype.itemsize
         self._digest.update(struct.pack("<Q", self._left))
+
+    def tensor(self, name: str, tensor: torch.Tensor) -> None:
+        """Tensor ``name`` whole: :meth:`begin` and its bytes (any device or layout)."""
+        flat = tensor.detach().to("cpu").contiguous().reshape(-1)
+        self.begin(name, flat.dtype, tuple(tensor.shape))
+        if flat.numel():
+            self.update(flat.view(torch.uint8).numpy().data)
 
     def update(self, data: bytes | bytearray | memoryview) -> None:
         """The next raw bytes of the current tensor."""
@@ -240,10 +244,7 @@ class HashingReads(Mapping[str, torch.Tensor]):
             raise ValueError(
                 f"tensor {name!r} reads as {tuple(tensor.shape)}, declared {self._shapes[name]}"
             )
-        flat = tensor.detach().to("cpu").contiguous().reshape(-1)
-        self._hasher.begin(name, flat.dtype, tuple(tensor.shape))
-        if flat.numel():
-            self._hasher.update(flat.view(torch.uint8).numpy().data)
+        self._hasher.tensor(name, tensor)
         self._hashed += 1
 
 

@@ -31,7 +31,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
 from torch import Tensor
 
 from geofed.artifact_check import (
@@ -42,10 +41,10 @@ from geofed.artifact_check import (
 )
 from geofed.codec.decoder import StreamDecoder
 from geofed.codec.errors import CodecError
-from geofed.codec.host_threads import one_thread
+from geofed.codec.host_threads import one_thread, usable_cpus
 from geofed.codec.layout import chunk_slots
 from geofed.fsutil import AtomicFile
-from geofed.params import StateHasher
+from geofed.params import HashingReads
 from geofed.theta_file import (
     ThetaFileError,
     ThetaReads,
@@ -272,7 +271,8 @@ class ChainReads(Mapping[str, Tensor]):
     """
 
     def __init__(self, chain: ThetaChain, threads: int | None = None) -> None:
-        self._threads = max(1, threads if threads is not None else _usable_cpus())
+        default = min(MAX_READ_THREADS, usable_cpus())
+        self._threads = max(1, threads if threads is not None else default)
         try:
             layout = read_layout(chain.base)
         except ThetaFileError as exc:
@@ -342,14 +342,7 @@ class ChainReads(Mapping[str, Tensor]):
 def chain_hash(reads: ChainReads) -> str:
     """The :func:`~geofed.params.parameters_vector_hash` of the θ ``reads`` holds, hashed
     one tensor at a time."""
-    shapes = reads.shapes()
-    hasher = StateHasher(len(shapes))
-    for name in sorted(shapes):
-        tensor = reads[name]
-        hasher.begin(name, torch.float32, shapes[name])
-        if tensor.numel():
-            hasher.update(tensor.view(-1).view(torch.uint8).numpy().data)
-    return hasher.hexdigest()
+    return HashingReads(reads, reads.shapes()).hexdigest()
 
 
 def write_chain(reads: ChainReads, target: str | os.PathLike[str]) -> str:
@@ -454,14 +447,6 @@ def params_shapes(path: str | os.PathLike[str]) -> dict[str, tuple[int, ...]]:
     """θ's tensors' names (in θ's order) and shapes, from the headers alone."""
     base = ThetaChain.load(path).base if is_chain(path) else path
     return read_layout(base).shapes()
-
-
-def _usable_cpus() -> int:
-    try:
-        count = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        count = os.cpu_count() or 1
-    return min(MAX_READ_THREADS, count)
 
 
 def _natural(value: object, where: str) -> int:

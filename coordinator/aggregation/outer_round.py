@@ -48,7 +48,6 @@ from coordinator.aggregation.config import AggregationConfig
 from coordinator.aggregation.outer_optimizer import OuterOptimizer
 from coordinator.aggregation.robust import Combined, NormVerdict, combine, folded
 from coordinator.aggregation.weighted import Feed, PieceLike, WeightedSum
-from coordinator.executors import usable_cpus
 from coordinator.rounds.layout import RoundLayout, fp32_bytes
 from coordinator.state.store import Receipt
 from coordinator.storage.artifacts import Location, Signer, StoredArtifact, store_artifact
@@ -63,6 +62,7 @@ from geofed.codec import (
     decode,
     encode_stream,
 )
+from geofed.codec.host_threads import usable_cpus
 from geofed.codec.stored import decode_stored
 from geofed.codec_params import CodecParams
 from geofed.deltas import apply_update, feedback_residual, update_to_publish

@@ -43,8 +43,8 @@ from typing import Final, Literal, Protocol
 import torch
 from torch import Tensor
 
-from coordinator.executors import side_by_side, usable_cpus
-from geofed.codec.host_threads import one_thread
+from coordinator.executors import side_by_side
+from geofed.codec.host_threads import one_thread, usable_cpus
 
 # The delta arithmetic lives in geofed.deltas, shared with the regional agents; it is
 # re-exported here for the coordinator's callers.

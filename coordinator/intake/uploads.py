@@ -34,7 +34,6 @@ from coordinator.errors import (
     TooLarge,
     Unavailable,
 )
-from coordinator.executors import usable_cpus
 from coordinator.intake.chunk_commit import ChunkCommitter, ChunkWrite
 from coordinator.intake.delta_checks import DeltaExpectation
 from coordinator.intake.delta_stream import checked_manifest, verify_and_store
@@ -49,6 +48,7 @@ from coordinator.state.audit import AuditEvent, AuditVerdict
 from coordinator.state.store import MAX_STORED_INT, Receipt
 from coordinator.state.transactions import ROUND_TIMINGS, DeltaOffer, open_upload, upload_pointer
 from geofed.artifact_bundle import HEADER_SIZE, BundleError, manifest_length
+from geofed.codec.host_threads import usable_cpus
 from geofed.manifest import ManifestError, SignedManifest
 from geofed.pki.errors import CertificateRefused
 from geofed.timeouts import Timeout, wait_for

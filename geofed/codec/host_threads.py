@@ -14,12 +14,13 @@ sha256, zstd and torch allow: they release the GIL. The bits are the same either
 :func:`one_thread` sets the calling thread's OpenMP thread count through the OpenMP
 runtime torch loaded, not ``torch.set_num_threads``, which also changes the count that
 threads starting meanwhile inherit. Where torch runs without such a runtime it does
-nothing.
+nothing. :func:`usable_cpus` is how many threads such work can keep busy.
 """
 
 from __future__ import annotations
 
 import ctypes
+import os
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -28,10 +29,18 @@ from typing import Final
 
 import torch
 
-__all__ = ["one_thread"]
+__all__ = ["one_thread", "usable_cpus"]
 
 _RUNTIMES: Final = ("libgomp", "libiomp5", "libomp")
 _MAPS: Final = Path("/proc/self/maps")
+
+
+def usable_cpus() -> int:
+    """The CPUs this process may run on (its affinity mask where the OS has one)."""
+    if hasattr(os, "sched_getaffinity"):
+        return max(1, len(os.sched_getaffinity(0)))
+    return os.cpu_count() or 1
+
 
 _lock = threading.Lock()
 _resolved = False

@@ -16,7 +16,7 @@ from coordinator.aggregation.weighted import (
     aggregate,
     regions_at_once,
 )
-from coordinator.executors import usable_cpus
+from geofed.codec.host_threads import usable_cpus
 from geofed.deltas import (
     DeltaError,
     apply_update,

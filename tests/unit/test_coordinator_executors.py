@@ -9,7 +9,8 @@ import threading
 
 import pytest
 
-from coordinator.executors import Executors, side_by_side, usable_cpus
+from coordinator.executors import Executors, side_by_side
+from geofed.codec.host_threads import usable_cpus
 
 
 def test_usable_cpus_is_the_affinity_mask() -> None:
