@@ -67,6 +67,12 @@ STRAGGLERS = MetricSpec(
     "Participants that missed a round's close.",
     ("job", "region"),
 )
+LATE_MERGED = MetricSpec(
+    "geofed_late_deltas_merged_total",
+    "counter",
+    "Late deltas merged into a later round (aggregation.late: merge), by their region.",
+    ("job", "region"),
+)
 RECEIVED_BYTES = MetricSpec(
     "geofed_received_bytes_total", "counter", "Artifact bytes received, by kind.", ("kind",)
 )
@@ -245,6 +251,7 @@ CATALOGUE: Final[tuple[MetricSpec, ...]] = (
     DELTAS_ACCEPTED,
     DELTAS_REJECTED,
     STRAGGLERS,
+    LATE_MERGED,
     RECEIVED_BYTES,
     SENT_BYTES,
     FP32_EQUIVALENT_BYTES,
@@ -297,6 +304,7 @@ class CoordinatorMetrics:
         self.deltas_accepted = counter(DELTAS_ACCEPTED, registry)
         self.deltas_rejected = counter(DELTAS_REJECTED, registry)
         self.stragglers = counter(STRAGGLERS, registry)
+        self.late_merged = counter(LATE_MERGED, registry)
         self.received_bytes = counter(RECEIVED_BYTES, registry)
         self.sent_bytes = counter(SENT_BYTES, registry)
         self.fp32_equivalent_bytes = counter(FP32_EQUIVALENT_BYTES, registry)

@@ -48,6 +48,7 @@ from coordinator.aggregation.config import AggregationConfig
 from coordinator.aggregation.outer_optimizer import OuterOptimizer
 from coordinator.aggregation.robust import Combined, NormVerdict, combine, folded
 from coordinator.aggregation.weighted import Feed, PieceLike, WeightedSum
+from coordinator.rounds.late import late_key, staleness_factor
 from coordinator.rounds.layout import RoundLayout, fp32_bytes
 from coordinator.state.store import Receipt
 from coordinator.storage.artifacts import Location, Signer, StoredArtifact, store_artifact
@@ -86,7 +87,6 @@ __all__ = [
     "round_step",
     "store_round",
     "stored_delta",
-    "summation_order",
 ]
 
 #: Snapshots are lossless.
@@ -310,23 +310,46 @@ def _merged_residual(
 
 @dataclass(frozen=True, slots=True)
 class DeltaSource:
-    """An accepted delta: its region, its weight and its durable stream blob."""
+    """An accepted delta: its region, its tokens and its durable stream blob; for a late
+    delta merged into a later round, how many rounds late it is."""
 
     region: str
     tokens: int
     blob_digest: str
+    #: A late delta's own round (:mod:`coordinator.rounds.late`); None: the round's own.
+    round: int | None = None
+    staleness: int = 0
+
+    @property
+    def key(self) -> str:
+        """Its name in the round's sum (:attr:`coordinator.rounds.state.Arrival.key`)."""
+        return self.region if self.round is None else late_key(self.region, self.round)
+
+    @property
+    def weight(self) -> float:
+        """Its weight in the mean: its tokens, discounted by its staleness."""
+        return float(self.tokens) * staleness_factor(self.staleness)
 
 
-def delta_sources(receipts: Iterable[Receipt], included: Iterable[str]) -> list[DeltaSource]:
-    """The accepted deltas the round aggregates: those of its ``included`` regions."""
+def delta_sources(
+    receipts: Iterable[Receipt],
+    included: Iterable[str],
+    merged: Iterable[Receipt] = (),
+    round: int | None = None,
+) -> list[DeltaSource]:
+    """The accepted deltas round ``round`` aggregates: those of its ``included`` regions,
+    then the late deltas it ``merged`` (their receipts, for earlier rounds)."""
     regions = set(included)
-    return [DeltaSource(r.region, r.tokens, r.blob_digest) for r in receipts if r.region in regions]
-
-
-def summation_order(delivered: Sequence[str], included: Iterable[str]) -> tuple[str, ...]:
-    """The order a round's mean sums its regions in: their arrival order."""
-    regions = set(included)
-    return tuple(region for region in delivered if region in regions)
+    sources = [
+        DeltaSource(r.region, r.tokens, r.blob_digest) for r in receipts if r.region in regions
+    ]
+    for late in merged:
+        if round is None or late.round >= round:
+            raise ValueError(f"a delta of round {late.round} is not late for round {round}")
+        sources.append(
+            DeltaSource(late.region, late.tokens, late.blob_digest, late.round, round - late.round)
+        )
+    return sources
 
 
 def delta_pieces(blobs: BlobStore, digest: str, max_decoded_bytes: int) -> Iterator[Piece]:
@@ -363,18 +386,22 @@ def mean_delta(
     order: Sequence[str] | None = None,
 ) -> Combined:
     """The round's delta under the job's aggregation ``config`` (default: the
-    token-weighted mean, summed in ``order``, by default sorted region order) and the
+    weighted mean, summed in ``order`` of their keys, by default sorted) and the
     norm check's verdicts. ``specs`` are the round's tensors
-    (:meth:`~coordinator.rounds.layout.RoundLayout.round_specs`)."""
+    (:meth:`~coordinator.rounds.layout.RoundLayout.round_specs`). Each source weighs
+    :attr:`DeltaSource.weight`."""
+    weighted = {
+        source.key: (
+            source.weight,
+            functools.partial(delta_pieces, blobs, source.blob_digest, max_decoded_bytes),
+        )
+        for source in sources
+    }
+    if len(weighted) != len(sources):
+        raise ValueError(f"sources name a delta twice: {sorted(s.key for s in sources)}")
     return combine(
         specs,
-        {
-            source.region: (
-                float(source.tokens),
-                functools.partial(delta_pieces, blobs, source.blob_digest, max_decoded_bytes),
-            )
-            for source in sources
-        },
+        weighted,
         config or AggregationConfig(),
         order,
     )
@@ -439,7 +466,7 @@ def round_step(
     if not sources:
         raise ValueError(f"job {job.job!r} round {state.version}: no delta to aggregate")
     if folded_sum is not None:
-        regions = [source.region for source in sources]
+        regions = [source.key for source in sources]
         if sorted(folded_sum.regions) != sorted(regions):
             raise ValueError(
                 f"job {job.job!r} round {state.version}: the folded sum holds "
@@ -518,7 +545,7 @@ def publish_round(
         tokens,
         publication.stream.fp32_bytes,
         flagged,
-        tuple(order) if order is not None else tuple(sorted(s.region for s in sources)),
+        tuple(order) if order is not None else tuple(sorted(s.key for s in sources)),
         "folded on arrival" if folded_sum is not None else "decoded at publication",
         took[0] if took else None,
     )

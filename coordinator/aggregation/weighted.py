@@ -44,6 +44,7 @@ import torch
 from torch import Tensor
 
 from coordinator.executors import side_by_side
+from coordinator.rounds.late import validate_key
 from geofed.codec.host_threads import one_thread, usable_cpus
 
 # The delta arithmetic lives in geofed.deltas, shared with the regional agents; it is
@@ -55,7 +56,7 @@ from geofed.deltas import (
     pseudo_gradient,
     update_to_publish,
 )
-from geofed.types import InvalidName, validate_name
+from geofed.types import InvalidName
 
 __all__ = [
     "AggregationError",
@@ -207,7 +208,7 @@ class WeightedSum:
 
     def _check_addition(self, region: str, weight: float) -> float:
         try:
-            validate_name("region", region)
+            validate_key(region)
         except InvalidName as exc:
             raise AggregationError(str(exc)) from None
         if region in self._weights:
@@ -304,7 +305,7 @@ class DeltaStager:
         buffers: dict[str, Tensor] | None = None,
     ) -> None:
         try:
-            validate_name("region", region)
+            validate_key(region)
         except InvalidName as exc:
             raise AggregationError(str(exc)) from None
         self._region = region

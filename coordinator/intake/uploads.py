@@ -398,7 +398,11 @@ class UploadService:
         working = engine.working
         if working is None:
             raise Unavailable(f"job {engine.job} is starting; retry shortly")
-        return engine.ctx.delta_expectation(self._s.config, round, region, working.params_hash)
+        # A late delta (a job that merges them) was trained from an earlier θ.
+        base = working.params_hash if round == working.version else engine.past.base_hash(round)
+        if base is None:
+            raise Unavailable(f"job {engine.job}: θ_{round}'s hash is not at hand; retry shortly")
+        return engine.ctx.delta_expectation(self._s.config, round, region, base)
 
     async def _open_upload(
         self, engine: JobEngine, round: int, region: str

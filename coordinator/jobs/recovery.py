@@ -18,7 +18,9 @@ from coordinator.jobs.context import JobContext
 from coordinator.rounds.deadline import RoundTiming
 from coordinator.rounds.quarantine import Quarantine
 from coordinator.rounds.records import RoundRecord
+from coordinator.rounds.state import RoundPhase, RoundState
 from coordinator.services import Services
+from coordinator.state.store import Receipt
 from coordinator.storage.checkpoints import CheckpointEntry, EntryKind
 from coordinator.storage.replay import ReplayRound, replay_inputs, replay_rounds
 from coordinator.storage.working_state import ParamsError, WorkingState, read_pointers
@@ -27,6 +29,8 @@ __all__ = [
     "RecoveredRounds",
     "last_update_digest",
     "load_working_state",
+    "merged_receipts",
+    "past_rounds",
     "rebuilt_working_state",
     "recover_rounds",
     "replayed_rounds",
@@ -88,8 +92,41 @@ async def replayed_rounds(
         saved = await services.db.load_round(ctx.job, number)
         record = None if saved is None else RoundRecord.from_dict(saved.state, quarantine)
         receipts = await services.db.list_receipts(ctx.job, number)
-        rounds.append(replay_inputs(number, record, receipts))
+        merged = [] if record is None else await merged_receipts(services, ctx.job, record.state)
+        rounds.append(replay_inputs(number, record, receipts, merged))
     return rounds
+
+
+async def merged_receipts(services: Services, job: str, state: RoundState) -> list[Receipt]:
+    """The receipts of the late deltas round ``state`` merged, in its arrival order;
+    ``ParamsError`` when one is gone (the round could not be summed again)."""
+    found = []
+    for arrival in state.merged:
+        assert arrival.round is not None  # merged: a late delta names its round
+        receipt = await services.db.receipt(job, arrival.round, arrival.region)
+        if receipt is None:
+            raise ParamsError(
+                f"job {job} round {state.config.round}: the receipt of the late delta of "
+                f"{arrival.region} for round {arrival.round} is gone"
+            )
+        found.append(receipt)
+    return found
+
+
+async def past_rounds(
+    services: Services, job: str, version: int, reach: int
+) -> dict[int, RoundState]:
+    """The states of the published rounds ``reach`` behind round ``version`` (those a late
+    delta may still be merged against), by number."""
+    past: dict[int, RoundState] = {}
+    for number in range(max(0, version - reach), version):
+        saved = await services.db.load_round(job, number)
+        if saved is None:
+            continue
+        record = RoundRecord.from_dict(saved.state, services.config.quarantine)
+        if record.state.phase is RoundPhase.PUBLISHED:
+            past[number] = record.state
+    return past
 
 
 async def load_working_state(

@@ -42,6 +42,7 @@ the line and the key. The spec is stored as submitted, in its validated JSON for
       rule: mean                       # mean | trimmed_mean | median
       norm_check: off                  # off | clip | refuse, against max_norm_ratio x median
       max_tokens_per_round: 1000000    # default: inner_steps x 2^24
+      late: drop                       # drop | merge a delta that missed its round
     overlap: none                      # none | delayed: start round r+1 before θ_{r+1} comes;
                                        # streaming: delayed, syncing one fragment per round
     overlap_start: local               # delayed only: local | eager (start from an estimate)
@@ -433,6 +434,15 @@ class JobSpec(_Section):
     def _fragments_need_streaming(self) -> JobSpec:
         if self.overlap != "streaming" and self.fragments is not None:
             raise ValueError(f"fragments needs overlap streaming (overlap is {self.overlap!r})")
+        return self
+
+    @model_validator(mode="after")
+    def _merge_needs_whole_rounds(self) -> JobSpec:
+        if self.aggregation.late == "merge" and self.overlap == "streaming":
+            raise ValueError(
+                "aggregation.late merge needs overlap none or delayed: under streaming a late "
+                "delta holds another fragment than the round that would take it"
+            )
         return self
 
     @model_validator(mode="after")

@@ -6,10 +6,12 @@ from collections.abc import Mapping, Sequence
 from datetime import UTC, datetime
 from typing import Any
 
+from coordinator.jobs.spec import JobSpec
 from coordinator.rounds.records import JobState, RoundRecord
+from coordinator.scheduling.elastic import Membership
 from coordinator.state.store import DeltaTotals
 
-__all__ = ["deltas_json", "job_status"]
+__all__ = ["deltas_json", "job_status", "shards_status"]
 
 
 def job_status(
@@ -65,7 +67,10 @@ def job_status(
             "attempt": record.attempt,
             "participants": list(rs.config.participants),
             "delivered": list(rs.delivered),
+            # Late deltas of earlier rounds taken into this one (aggregation.late: merge).
+            "merged": [{"region": a.region, "round": a.round} for a in rs.merged],
             "min_regions": rs.config.min_regions,
+            "grace_s": rs.config.grace_s,
             "deadline": datetime.fromtimestamp(rs.deadline_at, UTC).isoformat(),
             "deadline_reason": record.deadline_reason,
             "end_reason": rs.end_reason or None,
@@ -73,6 +78,19 @@ def job_status(
             "shards": dict(rs.config.shards) if rs.config.shards is not None else None,
         }
     return body
+
+
+def shards_status(spec: JobSpec, applied: Membership, membership: Membership) -> dict[str, Any]:
+    """The job's data shard slots: who holds which now (``applied``), and from the next
+    round (``membership``)."""
+    return {
+        "count": applied.slots,
+        "min_regions": spec.quorum,
+        "max_regions": spec.region_slots,
+        "assignment": dict(applied.assignment),
+        "next": dict(membership.assignment),
+        "left": list(membership.departed),
+    }
 
 
 def deltas_json(totals: Mapping[str, DeltaTotals]) -> dict[str, Any]:

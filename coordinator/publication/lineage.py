@@ -87,8 +87,12 @@ class ContributionLog:
             return None
         return data
 
-    def discard_round(self, job: str, round_: int) -> None:
+    def discard_round(self, job: str, round_: int, late: Iterable[tuple[str, int]] = ()) -> None:
+        """Forget round ``round_``'s entries and those of the ``late`` (region, round)
+        deltas it merged."""
         shutil.rmtree(self._root / validate_name("job", job) / str(int(round_)), True)
+        for region, earlier in late:
+            self._path(job, earlier, region).unlink(missing_ok=True)
 
 
 def code_mismatch_at_first_delta(
@@ -112,17 +116,18 @@ def round_record(
     receipts: Iterable[Receipt],
     included: Sequence[str],
 ) -> dict[str, JsonValue]:
-    """The lineage record of round ``round_`` from its included regions' accepted deltas."""
+    """The lineage record of round ``round_`` from its included regions' accepted deltas
+    and the late deltas of earlier rounds it merged (``receipts`` of those rounds)."""
     ours = local_software(str(spec["task"]["spec"]))
-    by_region = {r.region: r for r in receipts}
+    regions = set(included)
+    taken = [r for r in receipts if (r.round == round_ and r.region in regions) or r.round < round_]
     contributors = []
-    for region in sorted(included):
-        receipt = by_region.get(region)
-        if receipt is None:
-            continue
-        entry = log.load(job, round_, region) or {}
+    for receipt in sorted(taken, key=lambda r: (r.region, r.round)):
+        region = receipt.region
+        entry = log.load(job, receipt.round, region) or {}
+        same = entry.get("delta_manifest") == receipt.manifest_digest
         software = None
-        if entry.get("delta_manifest") == receipt.manifest_digest and entry.get("software"):
+        if same and entry.get("software"):
             try:
                 software = Software.model_validate(entry["software"])
             except ValidationError:
@@ -136,11 +141,11 @@ def round_record(
                 receipt.tokens,
                 software,
                 code_mismatch(region, software, ours.task) is None,
-                _fingerprints(entry)
-                if entry.get("delta_manifest") == receipt.manifest_digest
-                else None,
+                _fingerprints(entry) if same else None,
             )
         )
+        if receipt.round < round_:
+            contributors[-1]["round"] = receipt.round  # a late delta, merged here
     return round_lineage(
         job=job, round_=round_, spec=spec, coordinator=ours, contributors=contributors
     )

@@ -38,12 +38,11 @@ from coordinator.aggregation.outer_round import (
     PublishedRound,
     delta_sources,
     publish_round,
-    summation_order,
 )
 from coordinator.config import PublicationRetryConfig
 from coordinator.intake.spool import Spool
 from coordinator.jobs.context import JobContext
-from coordinator.jobs.recovery import replayed_rounds
+from coordinator.jobs.recovery import merged_receipts, replayed_rounds
 from coordinator.publication.lineage import ContributionLog, round_record
 from coordinator.publication.snapshot_policy import decide_state_save
 from coordinator.publication.snapshots import JobSnapshots
@@ -216,17 +215,21 @@ class RoundPublisher:
         job, rs = self._ctx.job, record.state
         round_ = rs.config.round
         receipts = await self._s.db.list_receipts(job, round_)
-        sources = delta_sources(receipts, rs.included)
-        order = summation_order(rs.delivered, rs.included)
+        try:
+            merged = await merged_receipts(self._s, job, rs)
+        except ParamsError as exc:
+            raise PublicationFailed(exc) from exc
+        sources = delta_sources(receipts, rs.included, merged, round_)
+        order = rs.summed
         folded_sum = None
         if accumulator is not None:
-            weights = {source.region: float(source.tokens) for source in sources}
+            weights = {source.key: source.weight for source in sources}
             folded_sum, why = accumulator.take(order, weights)
             if folded_sum is None:
                 log.info("job %s round %d: decoding the deltas again: %s", job, round_, why)
         faults, state_dir = self._s.runtime.faults, self._s.config.state_dir
         await faults.reached("aggregate", state_dir, job, round_)
-        lineage = await self._lineage(round_, receipts, rs.included)
+        lineage = await self._lineage(round_, [*receipts, *merged], rs.included)
         snapshot = self._snapshots.decide(rs)
         save = decide_state_save(
             round_ + 1,
@@ -350,7 +353,8 @@ class RoundPublisher:
             discard_inputs, runtime.spool_dir, self._ctx.publishing.deltas, job, round_, replayable
         )
         contributions = ContributionLog(self._s.config.state_dir / "lineage")
-        await self._s.executors.files(contributions.discard_round, job, round_)
+        late = [(a.region, a.round) for a in rs.merged if a.round is not None]
+        await self._s.executors.files(contributions.discard_round, job, round_, late)
         await self._snapshots.published(rs)
         self._s.runtime.traces.published(
             job,

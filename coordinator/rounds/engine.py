@@ -9,6 +9,9 @@ One :class:`JobEngine` per job runs as a task the job manager owns. Each round r
    (:meth:`JobEngine.accept`); each acceptance commits the receipt, the round state and
    an audit entry in one transaction. The engine ticks the round state machine on every
    acceptance and at its deadline: close, extend, or fail below quorum.
+   A job that merges late deltas (``aggregation.late: merge``) takes a delta for an
+   earlier round into the open one (:mod:`coordinator.rounds.late`), at its staleness
+   weight, and closes a round a grace window after its quorum arrived.
 3. **Publish**: :mod:`coordinator.publication.publisher` computes, stores and commits the
    update. θ_r is evaluated where the job says (:mod:`coordinator.publication.evaluation`):
    by default a region evaluated it before training and its delta carries the metrics; the
@@ -31,9 +34,11 @@ import time
 import traceback
 from collections import deque
 from collections.abc import Awaitable, Callable
+from dataclasses import replace
 from typing import Any, assert_never
 
 from coordinator.aggregation.accumulator import RoundAccumulator, RoundKey
+from coordinator.aggregation.outer_round import DeltaSource
 from coordinator.aggregation.robust import folds_on_arrival
 from coordinator.errors import Unavailable
 from coordinator.jobs.capacity_records import (
@@ -42,9 +47,14 @@ from coordinator.jobs.capacity_records import (
     record_preemption_pending,
 )
 from coordinator.jobs.context import JobContext
-from coordinator.jobs.recovery import load_working_state, rebuilt_working_state, recover_rounds
+from coordinator.jobs.recovery import (
+    load_working_state,
+    past_rounds,
+    rebuilt_working_state,
+    recover_rounds,
+)
 from coordinator.jobs.regions import membership_of, with_membership
-from coordinator.jobs.status import job_status
+from coordinator.jobs.status import job_status, shards_status
 from coordinator.jobs.theta_zero import ThetaZeroRefused, create_theta_zero
 from coordinator.publication.evaluation import JobEvaluation
 from coordinator.publication.publisher import PublicationFailed, RoundPublisher
@@ -54,10 +64,13 @@ from coordinator.rounds.acceptance import accepted_again, refusal
 from coordinator.rounds.deadline import RoundTiming, next_deadline
 from coordinator.rounds.driver import Step, next_step
 from coordinator.rounds.job_scheduling import JobScheduling
+from coordinator.rounds.late import grace_window
+from coordinator.rounds.past_rounds import PastRounds
 from coordinator.rounds.quarantine import Outcome, Quarantine
-from coordinator.rounds.records import JobState, RoundRecord, announcement
+from coordinator.rounds.records import JobState, RoundRecord, job_announcement
 from coordinator.rounds.state import (
     Action,
+    DeltaVerdict,
     DeltaVerdictCode,
     JobIntake,
     RoundConfig,
@@ -133,6 +146,9 @@ class JobEngine:
         self._publication_retry_at: float | None = None
         #: The open round's accepted deltas, summed as they arrived (in memory only).
         self._accumulator: RoundAccumulator | None = None
+        aggregation = ctx.spec.aggregation
+        #: The published rounds a late delta may still merge against (their θ hashes).
+        self.past = PastRounds(aggregation.max_staleness if aggregation.late == "merge" else 0)
         self.scheduling = scheduling
         #: Why the job is to give its regions back at its next round boundary (a
         #: preemption); None when it is not. ``on_yield`` is awaited once it did (the job
@@ -168,8 +184,9 @@ class JobEngine:
             return rs
         return None
 
-    def check_open(self, region: str, round: int) -> None:
-        """Raise the 409 a delta of ``region`` for ``round`` gets now; 503 while recovering."""
+    def check_open(self, region: str, round: int) -> DeltaVerdict:
+        """The verdict on a delta of ``region`` for ``round`` now; raise the 409 (or 503)
+        it gets when refused, 503 while recovering."""
         if not self.recovered.is_set():
             # Not a 409: a region takes that as final for the round (a straggler), and the
             # round it uploads to may well be the one about to be recovered as open.
@@ -177,6 +194,7 @@ class JobEngine:
         verdict = judge_delta(self.round_state, region, round, self._s.clock(), self._intake())
         if not verdict.accepted:
             raise refusal(verdict)
+        return verdict
 
     def status(self) -> dict[str, Any]:
         """The job as ``GET /v1/jobs/{job}`` shows it."""
@@ -199,20 +217,8 @@ class JobEngine:
         body.update(self.scheduling.status())
         body["preempting"] = self.preempting  # why it stops at its next boundary, if it does
         body["snapshot"] = self.snapshots.status(self.version)
-        body["shards"] = self._shards()
+        body["shards"] = shards_status(self.submitted.spec, self.applied, self.membership)
         return body
-
-    def _shards(self) -> dict[str, Any]:
-        """The job's data shard slots: who holds which now, and from the next round."""
-        spec = self.submitted.spec
-        return {
-            "count": self.applied.slots,
-            "min_regions": spec.quorum,
-            "max_regions": spec.region_slots,
-            "assignment": dict(self.applied.assignment),
-            "next": dict(self.membership.assignment),
-            "left": list(self.membership.departed),
-        }
 
     def adopt(self, membership: Membership) -> bool:
         """Take regions the manager has already stored: at once when no round of the
@@ -260,7 +266,7 @@ class JobEngine:
 
     def _intake(self) -> JobIntake:
         stopped = "" if self._state is JobState.RUNNING else self._state.value
-        return JobIntake(self.job, self.version, stopped)
+        return self.past.intake(self.job, self.version, stopped)
 
     def _export_quarantine(self) -> None:
         quarantined = self.quarantined()
@@ -292,15 +298,20 @@ class JobEngine:
         (:mod:`coordinator.aggregation.accumulator`) when the job's rule allows.
         """
         async with self._lock:
-            self.check_open(offer.region, offer.round)
+            verdict = self.check_open(offer.region, offer.round)
             record = self.record
             if record is None:  # check_open found an open round; nothing awaited since
                 raise RuntimeError(f"job {self.job}: no open round")
             before = record.state.model_copy(deep=True)
-            verdict = record.state.on_delta(offer.region, offer.round, self._s.clock())
-            if verdict.code is DeltaVerdictCode.DUPLICATE:
-                existing = await self._s.db.receipt(self.job, offer.round, offer.region)
-                return accepted_again(
+            now = self._s.clock()
+            merged = verdict.code is DeltaVerdictCode.MERGED
+            existing = await self._s.db.receipt(self.job, offer.round, offer.region)
+            if existing is None and merged:
+                record.state.merge(offer.region, offer.round, now)
+            elif existing is None:
+                verdict = record.state.on_delta(offer.region, offer.round, now)
+            if existing is not None or verdict.code is DeltaVerdictCode.DUPLICATE:
+                return accepted_again(  # a late one may have been merged into an earlier round
                     existing,
                     offer.manifest_digest,
                     job=self.job,
@@ -309,17 +320,23 @@ class JobEngine:
                 )
             if not verdict.accepted:
                 raise refusal(verdict)
+            rs = record.state
             try:
                 receipt = await self._s.db.run(
-                    accept_delta, self.job, offer, record.to_dict(), verdict.reason
+                    accept_delta, self.job, offer, record.to_dict(), verdict.reason, rs.config.round
                 )
             except BaseException:
                 record.state = before  # the round never saw this delta
                 raise
             if self.folds_on_arrival:
-                await self._fold(offer, (offer.round, record.state.config.opened_at))
+                late = rs.config.round - offer.round
+                own = offer.round if late else None
+                source = DeltaSource(offer.region, offer.tokens, offer.blob_digest, own, late)
+                await self._fold(source, (rs.config.round, rs.config.opened_at))
         metrics = self._s.metrics
         metrics.deltas_accepted.labels(job=self.job, region=offer.region).inc()
+        if merged:
+            metrics.late_merged.labels(job=self.job, region=offer.region).inc()
         metrics.fp32_equivalent_bytes.labels(direction="received").inc(
             self.ctx.round_fp32_bytes(offer.round)
         )
@@ -332,7 +349,7 @@ class JobEngine:
         self._wake.set()
         return receipt
 
-    async def _fold(self, offer: DeltaOffer, key: RoundKey) -> None:
+    async def _fold(self, source: DeltaSource, key: RoundKey) -> None:
         """Fold an accepted delta into its round's sum, under the lock (arrival order).
 
         The acceptance is committed already: a failed fold only costs the round its
@@ -341,21 +358,19 @@ class JobEngine:
         accumulator = self._accumulator
         if accumulator is None or accumulator.key != key:
             accumulator = self._accumulator = RoundAccumulator(key, self.ctx.round_shapes(key[0]))
-        pieces = self.ctx.stored_delta(offer.round, offer.blob_digest)
+        pieces = self.ctx.stored_delta(key[0], source.blob_digest)
         try:
-            await self._s.executors.compute(
-                accumulator.fold, offer.region, float(offer.tokens), pieces
-            )
+            await self._s.executors.compute(accumulator.fold, source.key, source.weight, pieces)
         except asyncio.CancelledError:
-            accumulator.abandon(f"folding {offer.region}'s delta was cancelled")
+            accumulator.abandon(f"folding {source.key}'s delta was cancelled")
             raise
         except Exception:
             log.warning(
                 "job %s round %d: the delta of %s was accepted but not folded; the round "
                 "will decode its deltas again at publication",
                 self.job,
-                offer.round,
-                offer.region,
+                key[0],
+                source.key,
                 exc_info=True,
             )
 
@@ -483,6 +498,8 @@ class JobEngine:
         if found.quarantine is not None:
             self._quarantine = found.quarantine
         self.record = found.record
+        if self.past.reach:
+            self.past.restore(await past_rounds(self._s, self.job, self.version, self.past.reach))
         self._apply(self._round_membership())
         self._evaluation.restore(pointers)
         if self._state is JobState.RUNNING and pointers.get(PREEMPTING_POINTER):
@@ -540,6 +557,11 @@ class JobEngine:
         spec = self.ctx.spec
         selection = self._quarantine.select(spec.region_names, version, now, spec.quorum)
         deadline_s, reason = next_deadline(list(self._history), spec.deadline)
+        grace_s = None
+        if self.past.reach:
+            quorum = min(spec.quorum, len(selection.participants))
+            grace_s, why = grace_window(list(self._history), quorum, spec.aggregation.grace_s)
+            reason += f"; {why}"
         config = RoundConfig(
             round=version,
             participants=selection.participants,
@@ -548,12 +570,16 @@ class JobEngine:
             deadline_s=deadline_s,
             shards=dict(self.applied.assignment),
             shard_count=self.applied.slots,
+            base_hash=self.working.params_hash if self.working is not None else None,
+            grace_s=grace_s,
         )
         rs = RoundState.open(config)
         receipts = await self._s.db.list_receipts(self.job, version)
         for receipt in receipts:
             if receipt.region in config.participants:
                 rs.on_delta(receipt.region, version, now)
+        for late in previous.state.merged if previous is not None else ():
+            rs.arrivals.append(late)  # merged into this round: in every attempt of it
         record = RoundRecord(
             state=rs,
             attempt=(previous.attempt + 1) if previous is not None else 1,
@@ -608,16 +634,9 @@ class JobEngine:
                 self._history.append(timing)  # its stragglers make the next deadline grow
             for region in decision.stragglers:
                 self._record_outcome(region, round_, Outcome.STRAGGLER, self._s.clock())
-            await self._s.db.append_audit(
-                AuditEvent(
-                    actor=self._s.actor,
-                    action="round.fail",
-                    verdict=AuditVerdict.ERROR,
-                    job=self.job,
-                    round=round_,
-                    details={"reason": decision.reason, "failures": record.failures},
-                )
-            )
+            details = {"reason": decision.reason, "failures": record.failures}
+            event = AuditEvent(self._s.actor, "round.fail", AuditVerdict.ERROR, self.job, round_)
+            await self._s.db.append_audit(replace(event, details=details))
         return decision
 
     # -- publication (the work is coordinator.publication.publisher's) ------------------------
@@ -661,6 +680,7 @@ class JobEngine:
             record.quarantine = self._quarantine
             completed = published.state.version >= self.ctx.spec.rounds
             await self._publisher.commit(record, published, completed=completed)
+            self.past.remember(rs)
             self.working = published.state
             self.update_digest = published.update.manifest_digest
             if record.publication_failures:
@@ -746,50 +766,31 @@ class JobEngine:
             await self._announce("cancelled")
         await self._s.control.event("job.failed", job=self.job, detail=reason)
 
-    def _trace(self, phase: AnnouncedPhase) -> str | None:
-        """The open round's traceparent (its span started when first announced open)."""
-        rs, traces = self.round_state, self._s.runtime.traces
-        if phase != "open" or rs is None or rs.config.round != self.version:
-            return None
-        return traces.traceparent(self.job, self.version, rs.config.opened_at, self._s.clock())
-
     async def _announce(self, phase: AnnouncedPhase) -> None:
         working = self.working
         if working is None:
             return
-        spec = self.ctx.spec
         rs = self.round_state
         key = (self.version, phase, rs.deadline_at if rs is not None else 0.0)
         if key == self._announced:
             return
-        message = announcement(
-            job=self.job,
-            version=self.version,
+        trace = None
+        if phase == "open" and rs is not None and rs.config.round == self.version:
+            # The open round's traceparent (its span started when first announced open).
+            traces, opened_at = self._s.runtime.traces, rs.config.opened_at
+            trace = traces.traceparent(self.job, self.version, opened_at, self._s.clock())
+        message = job_announcement(
+            self.ctx.spec,
+            self.applied,
+            self.job,
+            self.version,
             params_hash=working.params_hash,
             update_digest=self.update_digest,
             round_state=rs,
             state=phase,
-            regions=spec.region_names,
-            quorum=spec.quorum,
-            inner_steps=spec.inner_steps,
-            codec=spec.codec,
-            task=spec.task.spec,
-            task_options=spec.task.options,
-            seed=spec.seed,
-            training=spec.training,
-            total_rounds=spec.rounds,
-            default_deadline_s=spec.deadline.initial_s,
             now=self._s.clock(),
-            evaluation=spec.evaluation,
-            overlap=spec.overlap,
-            overlap_start=spec.overlap_start,
-            fragments=spec.fragments,
-            outer_optimizer=spec.outer_optimizer,
-            assignment=self.applied.assignment,
-            shards=self.applied.slots,
-            datasets={r: self.applied.datasets[r] for r in self.applied.assignment},
             task_fingerprint=self.ctx.task_fingerprint,
-            trace=self._trace(phase),
+            trace=trace,
         )
         await self._s.control.announce(message)
         self._announced = key

@@ -18,15 +18,17 @@ from enum import StrEnum
 from typing import Any, Literal
 
 from coordinator.aggregation.outer_optimizer import OuterOptimizerConfig
+from coordinator.jobs.spec import JobSpec
 from coordinator.rounds.quarantine import Quarantine, QuarantineConfig
 from coordinator.rounds.state import RoundState
+from coordinator.scheduling.elastic import Membership
 from geofed.api_paths import ApiPaths
 from geofed.control import RoundAnnouncement
 from geofed.control.messages import AnnouncedPhase
 from geofed.evaluation_config import EvaluationConfig
 from geofed.training_config import TrainingConfig
 
-__all__ = ["JobState", "RoundRecord", "announcement"]
+__all__ = ["JobState", "RoundRecord", "announcement", "job_announcement"]
 
 
 class JobState(StrEnum):
@@ -115,6 +117,7 @@ def announcement(
     datasets: Mapping[str, Sequence[str]] | None = None,
     task_fingerprint: str | None = None,
     trace: str | None = None,
+    max_staleness: int = 0,
 ) -> RoundAnnouncement:
     """The announcement of round ``version`` in ``state``.
 
@@ -163,4 +166,53 @@ def announcement(
         datasets={region: tuple(names) for region, names in (datasets or {}).items()},
         task_fingerprint=task_fingerprint,
         trace=trace,
+        max_staleness=max_staleness,
+    )
+
+
+def job_announcement(
+    spec: JobSpec,
+    applied: Membership,
+    job: str,
+    version: int,
+    *,
+    params_hash: str,
+    update_digest: str | None,
+    round_state: RoundState | None,
+    state: AnnouncedPhase,
+    now: float,
+    task_fingerprint: str | None,
+    trace: str | None,
+) -> RoundAnnouncement:
+    """:func:`announcement` of a job as ``spec`` describes it, on the regions ``applied``."""
+    merging = spec.aggregation.late == "merge"
+    return announcement(
+        job=job,
+        version=version,
+        params_hash=params_hash,
+        update_digest=update_digest,
+        round_state=round_state,
+        state=state,
+        regions=spec.region_names,
+        quorum=spec.quorum,
+        inner_steps=spec.inner_steps,
+        codec=spec.codec,
+        task=spec.task.spec,
+        task_options=spec.task.options,
+        seed=spec.seed,
+        training=spec.training,
+        total_rounds=spec.rounds,
+        default_deadline_s=spec.deadline.initial_s,
+        now=now,
+        evaluation=spec.evaluation,
+        overlap=spec.overlap,
+        overlap_start=spec.overlap_start,
+        fragments=spec.fragments,
+        outer_optimizer=spec.outer_optimizer,
+        assignment=applied.assignment,
+        shards=applied.slots,
+        datasets={r: applied.datasets[r] for r in applied.assignment},
+        task_fingerprint=task_fingerprint,
+        trace=trace,
+        max_staleness=spec.aggregation.max_staleness if merging else 0,
     )

@@ -17,7 +17,12 @@ one that is gone), then it fails; a failed round publishes nothing and the next 
 starts from the same base.
 
 Whether a delta is acceptable is stated once, by :func:`judge_delta`: against the round
-alone, or first against its job (the upload path asks before it reads a byte).
+alone, or first against its job (the upload path asks before it reads a byte). A job
+that merges late deltas (``aggregation.late: merge``) takes a delta for an earlier
+round, up to ``max_staleness`` behind, into the round collecting now: it is an
+:class:`Arrival` that names its own round, outside the quorum and the participants'
+count, summed at its staleness weight (:mod:`coordinator.rounds.late`). Such a round
+closes ``grace_s`` after its quorum arrived rather than at its deadline.
 Only :meth:`RoundState.tick` closes a round, so a delta that arrives after the deadline
 but before the closing tick is still accepted; the daemon ticks at ``wake_at`` and first
 thing after a restart. ``now`` is wall-clock POSIX seconds (the state outlives the
@@ -28,17 +33,20 @@ a store that sorts keys; :meth:`RoundState.from_dict` validates it back.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from coordinator.rounds.deadline import RoundTiming
+from coordinator.rounds.late import late_key, staleness_factor
 from geofed.types import validate_name
 
 __all__ = [
     "Action",
+    "Arrival",
     "DeltaVerdict",
     "DeltaVerdictCode",
     "JobIntake",
@@ -69,6 +77,8 @@ class DeltaVerdictCode(StrEnum):
     NOT_PARTICIPANT = "not_participant"
     WRONG_ROUND = "wrong_round"  # not the round that is open
     LATE = "late"  # the round closed or ended without this region, or the job takes none
+    MERGED = "merged"  # accepted into the open round, late (the job merges late deltas)
+    NOT_YET = "not_yet"  # to be merged, but no round is collecting now: send it again later
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,8 +90,12 @@ class DeltaVerdict:
 
     @property
     def accepted(self) -> bool:
-        """True when the delta is (or already was) part of the round."""
-        return self.code in (DeltaVerdictCode.ACCEPTED, DeltaVerdictCode.DUPLICATE)
+        """True when the delta is (or already was) part of a round."""
+        return self.code in (
+            DeltaVerdictCode.ACCEPTED,
+            DeltaVerdictCode.DUPLICATE,
+            DeltaVerdictCode.MERGED,
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,12 +103,16 @@ class JobIntake:
     """The job's side of taking a delta: its name, its current round, whether it runs.
 
     ``stopped`` is the job's state while it takes no deltas (``paused``, ``cancelled``,
-    ...), empty while it runs.
+    ...), empty while it runs. ``max_staleness`` is how many rounds behind a late delta
+    may be merged (0: the job drops late deltas); ``past`` holds the states of the
+    published rounds within that reach, by number.
     """
 
     job: str
     version: int
     stopped: str = ""
+    max_staleness: int = 0
+    past: Mapping[int, RoundState] = field(default_factory=dict)
 
 
 class Action(StrEnum):
@@ -137,6 +155,19 @@ class RoundConfig(BaseModel):
         "predates it.",
     )
     shard_count: int | None = Field(default=None, ge=1, description="The job's shard slots.")
+    base_hash: str | None = Field(
+        default=None,
+        max_length=128,
+        description="θ_r's parameters hash: a delta merged late into a later round is checked "
+        "against it; None: a record that predates it.",
+    )
+    grace_s: float | None = Field(
+        default=None,
+        gt=0,
+        allow_inf_nan=False,
+        description="Close this long after the quorum arrived (never past the deadline); "
+        "None: at the deadline, or once all delivered.",
+    )
 
     @field_validator("participants")
     @classmethod
@@ -176,10 +207,19 @@ class RoundConfig(BaseModel):
 
 
 class Arrival(BaseModel):
+    """An accepted delta: its region, when, and for a late one the round it was trained for."""
+
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     region: str
     at: float = Field(allow_inf_nan=False)
+    #: A late delta's own round (merged here, :mod:`coordinator.rounds.late`); None: this round's.
+    round: int | None = Field(default=None, ge=0)
+
+    @property
+    def key(self) -> str:
+        """Its name in the round's sum: the region, or ``region@round`` for a late one."""
+        return self.region if self.round is None else late_key(self.region, self.round)
 
 
 def _check_now(now: float) -> float:
@@ -197,7 +237,9 @@ class RoundState(BaseModel):
     phase: RoundPhase = RoundPhase.COLLECTING
     deadline_at: float = Field(allow_inf_nan=False)
     extensions: int = Field(default=0, ge=0)
-    arrivals: list[Arrival] = Field(default_factory=list, description="In acceptance order.")
+    arrivals: list[Arrival] = Field(
+        default_factory=list, description="In acceptance order, late deltas merged among them."
+    )
     included: tuple[str, ...] = ()
     stragglers: tuple[str, ...] = ()
     closed_at: float | None = Field(default=None, allow_inf_nan=False)
@@ -212,9 +254,12 @@ class RoundState(BaseModel):
     @model_validator(mode="after")
     def _consistent(self) -> RoundState:
         cfg = self.config
-        seen = [a.region for a in self.arrivals]
+        seen = list(self.delivered)
         if len(set(seen)) != len(seen) or not set(seen) <= set(cfg.participants):
             raise ValueError(f"arrivals {seen} repeat a region or name a non-participant")
+        late = [a.key for a in self.merged]
+        if len(set(late)) != len(late) or any((a.round or 0) >= cfg.round for a in self.merged):
+            raise ValueError(f"late deltas {late} repeat one or are not of an earlier round")
         if self.extensions > cfg.max_extensions:
             raise ValueError(f"{self.extensions} extensions exceed max_extensions")
         closed = self.phase in (RoundPhase.AGGREGATING, RoundPhase.PUBLISHED)
@@ -232,8 +277,21 @@ class RoundState(BaseModel):
 
     @property
     def delivered(self) -> tuple[str, ...]:
-        """Regions whose delta was accepted, in acceptance order."""
-        return tuple(a.region for a in self.arrivals)
+        """Regions whose delta for this round was accepted, in acceptance order."""
+        return tuple(a.region for a in self.arrivals if a.round is None)
+
+    @property
+    def merged(self) -> tuple[Arrival, ...]:
+        """The late deltas of earlier rounds taken into this one, in acceptance order."""
+        return tuple(a for a in self.arrivals if a.round is not None)
+
+    @property
+    def summed(self) -> tuple[str, ...]:
+        """The keys (:attr:`Arrival.key`) of every delta the round sums, in acceptance
+        order; empty until it closes."""
+        if self.phase not in (RoundPhase.AGGREGATING, RoundPhase.PUBLISHED):
+            return ()
+        return tuple(a.key for a in self.arrivals)
 
     @property
     def missing(self) -> tuple[str, ...]:
@@ -246,7 +304,7 @@ class RoundState(BaseModel):
         opened = self.config.opened_at
         return RoundTiming(
             deadline_s=self.deadline_at - opened,
-            arrivals_s=tuple(a.at - opened for a in self.arrivals),
+            arrivals_s=tuple(a.at - opened for a in self.arrivals if a.round is None),
             stragglers=len(self.missing),
         )
 
@@ -259,6 +317,17 @@ class RoundState(BaseModel):
             self.arrivals.append(Arrival(region=region, at=float(now)))
         return verdict
 
+    def merge(self, region: str, round: int, now: float) -> None:
+        """Record ``region``'s late delta for the earlier ``round`` (judged ``MERGED``)."""
+        now = _check_now(now)
+        if self.phase is not RoundPhase.COLLECTING or round >= self.config.round:
+            raise RoundStateError(
+                f"round {self.config.round} ({self.phase}) cannot merge a delta of round {round}"
+            )
+        if any(a.region == region and a.round == round for a in self.arrivals):
+            raise RoundStateError(f"{region}'s delta for round {round} is merged already")
+        self.arrivals.append(Arrival(region=region, at=now, round=round))
+
     def tick(self, now: float) -> RoundDecision:
         """Decide whether to keep waiting, close, extend or fail, and apply it."""
         now = _check_now(now)
@@ -266,16 +335,29 @@ class RoundState(BaseModel):
         if self.phase is not RoundPhase.COLLECTING:
             reason = f"round {cfg.round} is {self.phase}: nothing to decide"
             return RoundDecision(Action.IDLE, reason)
-        count, total, missing = len(self.arrivals), len(cfg.participants), self.missing
+        count, total, missing = len(self.delivered), len(cfg.participants), self.missing
         if not missing:
             return self._close(now, f"all {total} participants delivered")
         if now < self.deadline_at:
+            grace_end = self._grace_end()
+            if grace_end is not None and now >= grace_end:
+                return self._close(
+                    now,
+                    f"quorum {cfg.min_regions} reached and its grace window of "
+                    f"{cfg.grace_s:g} s ended {_since_open(cfg, grace_end)} with {count} of "
+                    f"{total} delivered; stragglers: {', '.join(missing)} (their deltas merge "
+                    f"into round {cfg.round + 1})",
+                )
+            until = "the deadline"
+            wake_at = self.deadline_at
+            if grace_end is not None and grace_end < wake_at:
+                until, wake_at = "the quorum's grace window ends", grace_end
             return RoundDecision(
                 Action.WAIT,
                 f"waiting for {len(missing)} of {total} participants ({', '.join(missing)}) "
-                f"until the deadline {_since_open(cfg, self.deadline_at)}; {count} delivered, "
+                f"until {until} {_since_open(cfg, wake_at)}; {count} delivered, "
                 f"quorum {cfg.min_regions}",
-                wake_at=self.deadline_at,
+                wake_at=wake_at,
             )
         if count >= cfg.min_regions:
             return self._close(
@@ -333,6 +415,14 @@ class RoundState(BaseModel):
 
     # -- internals -------------------------------------------------------------
 
+    def _grace_end(self) -> float | None:
+        """When the grace window after the quorum ends; None without one (or no quorum)."""
+        grace, quorum = self.config.grace_s, self.config.min_regions
+        fresh = [a.at for a in self.arrivals if a.round is None]
+        if grace is None or len(fresh) < quorum:
+            return None
+        return fresh[quorum - 1] + grace
+
     def _close(self, now: float, reason: str) -> RoundDecision:
         self.phase = RoundPhase.AGGREGATING
         self.closed_at = now
@@ -376,6 +466,8 @@ def judge_delta(
                 DeltaVerdictCode.LATE, f"job {job.job} is {job.stopped}; it takes no deltas"
             )
         if round < job.version:
+            if job.max_staleness:
+                return _judge_late(current, region, round, job)
             return DeltaVerdict(
                 DeltaVerdictCode.LATE,
                 f"round {round} of job {job.job} is over; the current round is {job.version}",
@@ -400,7 +492,7 @@ def judge_delta(
             f"(participants: {', '.join(cfg.participants)})",
         )
     for arrival in current.arrivals:
-        if arrival.region == region:
+        if arrival.region == region and arrival.round is None:
             return DeltaVerdict(
                 DeltaVerdictCode.DUPLICATE,
                 f"{region}'s delta for round {n}{of_job} was already accepted "
@@ -408,6 +500,12 @@ def judge_delta(
             )
     if current.phase in (RoundPhase.AGGREGATING, RoundPhase.PUBLISHED):
         closed = current.closed_at if current.closed_at is not None else current.deadline_at
+        if job is not None and job.max_staleness:
+            return DeltaVerdict(
+                DeltaVerdictCode.NOT_YET,
+                f"round {n}{of_job} closed {_since_open(cfg, closed)} without {region}; its "
+                f"delta merges into round {n + 1}: send it again once that round opens",
+            )
         return DeltaVerdict(
             DeltaVerdictCode.LATE,
             f"round {n}{of_job} closed {_since_open(cfg, closed)} without {region}, counted "
@@ -421,8 +519,66 @@ def judge_delta(
     return DeltaVerdict(
         DeltaVerdictCode.ACCEPTED,
         f"{region}'s delta accepted for round {n}{of_job} {_since_open(cfg, now)} "
-        f"({len(current.arrivals) + 1} of {len(cfg.participants)} delivered, "
+        f"({len(current.delivered) + 1} of {len(cfg.participants)} delivered, "
         f"quorum {cfg.min_regions})",
+    )
+
+
+def _judge_late(
+    current: RoundState | None, region: str, round: int, job: JobIntake
+) -> DeltaVerdict:
+    """A delta for ``round``, earlier than the job's, in a job that merges late deltas."""
+    version, name = job.version, job.job
+    staleness = version - round
+    if staleness > job.max_staleness:
+        return DeltaVerdict(
+            DeltaVerdictCode.LATE,
+            f"round {round} of job {name} is {staleness} rounds behind round {version}; the "
+            f"job merges late deltas up to {job.max_staleness} behind",
+        )
+    past = job.past.get(round)
+    if past is None or past.phase is not RoundPhase.PUBLISHED:
+        return DeltaVerdict(
+            DeltaVerdictCode.LATE,
+            f"round {round} of job {name} has no published record at hand to merge against",
+        )
+    if region not in past.config.participants:
+        return DeltaVerdict(
+            DeltaVerdictCode.NOT_PARTICIPANT,
+            f"{region!r} was not a participant of round {round} of job {name}",
+        )
+    if region in past.included:
+        return DeltaVerdict(
+            DeltaVerdictCode.DUPLICATE,
+            f"{region}'s delta for round {round} of job {name} was taken in its own round",
+        )
+    if past.config.base_hash is None:
+        return DeltaVerdict(
+            DeltaVerdictCode.LATE,
+            f"round {round} of job {name} was recorded without θ's hash, so a late delta "
+            "cannot be checked against it",
+        )
+    if (
+        current is None
+        or current.config.round != version
+        or current.phase is not (RoundPhase.COLLECTING)
+    ):
+        return DeltaVerdict(
+            DeltaVerdictCode.NOT_YET,
+            f"round {version} of job {name} is not collecting; {region}'s delta for round "
+            f"{round} merges into the next round that does: send it again then",
+        )
+    for arrival in current.merged:
+        if (arrival.region, arrival.round) == (region, round):
+            return DeltaVerdict(
+                DeltaVerdictCode.DUPLICATE,
+                f"{region}'s delta for round {round} of job {name} was already merged into "
+                f"round {version} {_since_open(current.config, arrival.at)}",
+            )
+    return DeltaVerdict(
+        DeltaVerdictCode.MERGED,
+        f"{region}'s delta for round {round} of job {name} merged into round {version}, "
+        f"{staleness} round(s) late (weight x {staleness_factor(staleness):.3g})",
     )
 
 

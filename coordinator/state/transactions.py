@@ -154,9 +154,20 @@ class DeltaOffer:
 
 
 def accept_delta(
-    store: Store, job: str, offer: DeltaOffer, record: Mapping[str, Any], reason: str
+    store: Store,
+    job: str,
+    offer: DeltaOffer,
+    record: Mapping[str, Any],
+    reason: str,
+    into: int | None = None,
 ) -> Receipt:
-    """Record the receipt and the round that now counts it; close the upload."""
+    """Record the receipt and the round that now counts it; close the upload.
+
+    ``into`` is the round whose ``record`` it is: a late delta's receipt names its own
+    round and the record that of the later round merging it (None: the delta's round).
+    """
+    into = offer.round if into is None else into
+    merged = {"merged_into": into, "staleness": into - offer.round} if into != offer.round else {}
     with store.transaction():
         receipt = store.record_receipt(
             job,
@@ -167,7 +178,7 @@ def accept_delta(
             offer.size,
             offer.tokens,
         )
-        store.save_round(job, offer.round, record)
+        store.save_round(job, into, record)
         store.clear_upload(job, offer.round, offer.region)
         store.set_pointer(job, upload_pointer(offer.round, offer.region), "")
         store.append_audit(
@@ -193,6 +204,7 @@ def accept_delta(
                         else {}
                     ),
                     "reason": reason,
+                    **merged,
                 },
             )
         )

@@ -22,7 +22,6 @@ from coordinator.aggregation.outer_round import (
     JobPublishing,
     delta_sources,
     round_step,
-    summation_order,
 )
 from coordinator.rounds.records import RoundRecord
 from coordinator.rounds.state import RoundPhase
@@ -49,20 +48,24 @@ class ReplayRound:
 
 
 def replay_inputs(
-    round_: int, record: RoundRecord | None, receipts: Iterable[Receipt]
+    round_: int,
+    record: RoundRecord | None,
+    receipts: Iterable[Receipt],
+    merged: Iterable[Receipt] = (),
 ) -> ReplayRound:
-    """What replaying published round ``round_`` needs, from its stored record and
-    receipts; :class:`ParamsError` when the record is missing or not published."""
+    """What replaying published round ``round_`` needs, from its stored record, its
+    receipts and those of the late deltas it ``merged``; :class:`ParamsError` when the
+    record is missing or not published."""
     if record is None or record.state.phase is not RoundPhase.PUBLISHED:
         raise ParamsError(f"round {round_} has no published record to replay")
-    included = record.state.included
-    sources = tuple(delta_sources(receipts, included))
-    if sorted(s.region for s in sources) != sorted(included):
+    summed = record.state.summed
+    sources = tuple(delta_sources(receipts, record.state.included, merged, round_))
+    if sorted(s.key for s in sources) != sorted(summed):
         raise ParamsError(
-            f"round {round_}: receipts of {sorted(s.region for s in sources)}, "
-            f"but the round included {sorted(included)}"
+            f"round {round_}: receipts of {sorted(s.key for s in sources)}, "
+            f"but the round summed {sorted(summed)}"
         )
-    return ReplayRound(round_, sources, summation_order(record.state.delivered, included))
+    return ReplayRound(round_, sources, summed)
 
 
 def replay_rounds(

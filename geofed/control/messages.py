@@ -170,6 +170,10 @@ class RoundAnnouncement(_Message):
     #: rounds (:mod:`geofed.tracing`): the regions' spans of the round go under it. Left
     #: out when None.
     trace: Annotated[str | None, BeforeValidator(_traceparent_or_none)] = None
+    #: How many rounds behind a late delta the coordinator still merges into the round
+    #: open when it comes (the job's ``aggregation.late: merge``); 0: it refuses late
+    #: deltas (``round_closed``), as coordinators that predate it do.
+    max_staleness: int = Field(default=0, ge=0, le=1024)
 
     @model_validator(mode="after")
     def _fragments_with_streaming(self) -> RoundAnnouncement:
@@ -185,8 +189,10 @@ class RoundAnnouncement(_Message):
         self, handler: SerializerFunctionWrapHandler, info: SerializationInfo
     ) -> dict[str, Any]:
         # Left out unless set, so agents that predate these keys read every other
-        # announcement (a job not streaming, rounds not traced).
+        # announcement (a job not streaming, rounds not traced, late deltas refused).
         data: dict[str, Any] = handler(self)
+        if data.get("max_staleness") == 0:
+            del data["max_staleness"]
         if data.get("fragments", 0) is None:
             del data["fragments"]
         if data.get("trace", "") is None:

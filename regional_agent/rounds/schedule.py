@@ -42,6 +42,16 @@ class Running:
     uploading: bool = False
 
 
+def merges_late(announcement: RoundAnnouncement, round: int) -> bool:
+    """Whether the coordinator announcing ``announcement`` would still merge a delta of
+    the earlier (or same, closed) ``round``: within the job's ``max_staleness`` of the
+    round that would take it, the one open now or the next after a closed one."""
+    if announcement.state not in ("open", "closed"):
+        return False
+    into = announcement.round + (1 if announcement.state == "closed" else 0)
+    return 0 < into - round <= announcement.max_staleness
+
+
 class Schedule:
     """The agent's view of every job it follows (see the module docstring)."""
 
@@ -68,9 +78,12 @@ class Schedule:
         the round merely closed or moved on (a later round opened, the job is done): the
         upload then ends on its own, accepted or answered ``round_closed``, and the round
         reports its outcome. A delta accepted the moment before the coordinator publishes
-        the next round is thus reported, not lost to a cancellation. A pause, a cancel or
-        an earlier round (a coordinator restored from a backup) still stops it: the round
-        must not settle after the rollback forgot it.
+        the next round is thus reported, not lost to a cancellation. Nor does it stop
+        when the job merges late deltas and the round's delta would still be merged
+        (:func:`merges_late`): the region's work then reaches θ a round or more later
+        instead of being thrown away. A pause, a cancel or an earlier round (a coordinator
+        restored from a backup) still stops it: the round must not settle after the
+        rollback forgot it.
 
         An earlier round sent *later* than the one kept is taken: a coordinator never
         announces an earlier round after a later one, unless it was restored from an
@@ -97,6 +110,8 @@ class Schedule:
             return None
         moved_on = announcement.round >= running.round
         if running.uploading and moved_on and announcement.state in _UPLOAD_ENDS_ON_ITS_OWN:
+            return None
+        if moved_on and merges_late(announcement, running.round):
             return None
         return Stop(job, f"round {announcement.round} is {announcement.state}")
 

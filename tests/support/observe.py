@@ -196,9 +196,11 @@ async def wait_job(
         await asyncio.sleep(STATUS_POLL_S)
 
 
-async def start_agents(fed: FederationRun, observer: ControlObserver) -> None:
-    """Start every agent, wait for the coordinator and their worker groups, and submit
-    the job."""
+async def start_agents(
+    fed: FederationRun, observer: ControlObserver, *, submit: bool = True
+) -> None:
+    """Start every agent, wait for the coordinator and their worker groups, and (unless
+    told not to) submit the job."""
     for region in fed.regions:
         await fed.start_agent(region)
     await fed.wait_ready()
@@ -210,21 +212,23 @@ async def start_agents(fed: FederationRun, observer: ControlObserver) -> None:
         )
 
     await poll(fed, ready, "the agents' worker groups to start")
-    status, body = await fed.submit()
-    assert status == 201, body
+    if submit:
+        status, body = await fed.submit()
+        assert status == 201, body
 
 
 @contextlib.asynccontextmanager
 async def observed_federation(
-    tmp_path: Path, *, backoff: Backoff | None = None, **options: Any
+    tmp_path: Path, *, backoff: Backoff | None = None, submit: bool = True, **options: Any
 ) -> AsyncIterator[tuple[FederationRun, ControlObserver]]:
     """A federation on the embedded broker (``options`` as for ``running_federation``)
-    whose agents start, and whose job is submitted, under a running observer."""
+    whose agents start, and whose job is submitted (unless ``submit`` is false), under a
+    running observer."""
     async with (
         running_federation(tmp_path, start_agents=False, ready=False, **options) as fed,
         ControlObserver(fed.mqtt_port, backoff=backoff).running() as observer,
     ):
-        await start_agents(fed, observer)
+        await start_agents(fed, observer, submit=submit)
         yield fed, observer
 
 
@@ -252,6 +256,21 @@ def reap_orphans(fed: FederationRun, region: str) -> None:
         for victim in descendants([pid]):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(victim, signal.SIGKILL)
+
+
+def worker_ranks(fed: FederationRun, region: str) -> list[int]:
+    """The processes of a region's worker group under its launcher (its ranks)."""
+    root = fed.work / "agents" / region / "workers"
+    launcher = int((root / "launcher.pid").read_text().split()[0])
+    ranks = sorted(descendants([launcher]) - {launcher})
+    assert ranks, f"{region}'s launcher {launcher} has no worker process"
+    return ranks
+
+
+def signal_all(pids: list[int], sig: signal.Signals) -> None:
+    """Send ``sig`` to each of ``pids`` (SIGSTOP freezes a worker group, SIGCONT thaws it)."""
+    for pid in pids:
+        os.kill(pid, sig)
 
 
 def held_params(fed: FederationRun, region: str) -> dict[str, Any]:

@@ -73,6 +73,13 @@ def test_jobs_run_in_name_order() -> None:
         (announce(round_=1, state="cancelled", sent_at=T0 + timedelta(minutes=1)), True, True),
         (announce(round_=0, sent_at=T0 + timedelta(minutes=1)), True, True),
         (announce(job="other", round_=7, state="closed"), False, False),
+        # The job merges late deltas one round behind: round 1's work still counts.
+        (announce(round_=1, state="closed", max_staleness=1), False, False),
+        (announce(round_=2, max_staleness=1), False, False),
+        (announce(round_=2, state="closed", max_staleness=1), False, True),
+        (announce(round_=3, max_staleness=2), False, False),
+        (announce(round_=2, state="done", max_staleness=2), False, True),
+        (announce(round_=2, state="paused", max_staleness=2), False, True),
     ],
     ids=[
         "same-round-again",
@@ -85,6 +92,12 @@ def test_jobs_run_in_name_order() -> None:
         "cancelled",
         "rolled-back-while-uploading",
         "other",
+        "closed-merging",
+        "next-round-merging",
+        "next-round-closed-too-stale",
+        "two-rounds-on-within-reach",
+        "done-merging",
+        "paused-merging",
     ],
 )
 def test_when_a_running_round_stops(new: RoundAnnouncement, uploading: bool, stops: bool) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator, Mapping
+from dataclasses import replace
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -99,6 +100,22 @@ def test_mean_delta_is_the_token_weighted_mean_in_sorted_order(tmp_path: Path) -
             + decoded["eu-west"][name].reshape(-1) * 100.0
             + decoded["us-east"][name].reshape(-1) * 300.0
         ) / 400.0
+        assert torch.equal(mean[name], expected.reshape(theta[name].shape))
+
+
+def test_a_late_delta_weighs_its_tokens_discounted_by_its_staleness(tmp_path: Path) -> None:
+    blobs = FsBlobStore(tmp_path / "blobs")
+    theta = _params(0)
+    sources, decoded = _store_deltas(blobs, theta)
+    late = replace(sources[0], round=1, staleness=2)  # us-east's 300 tokens, 2 rounds late
+    order = ["eu-west", "us-east@1"]
+    mean = mean_delta(blobs, _shapes(theta), [sources[1], late], 4 * 200, order=order).delta
+    for name in theta:
+        expected = (
+            torch.zeros_like(theta[name]).reshape(-1)
+            + decoded["eu-west"][name].reshape(-1) * 100.0
+            + decoded["us-east"][name].reshape(-1) * 100.0
+        ) / 200.0
         assert torch.equal(mean[name], expected.reshape(theta[name].shape))
 
 

@@ -54,6 +54,7 @@ def test_a_job_collecting_a_round() -> None:
     )
     state = RoundState.open(config)
     state.on_delta("us-east", 3, T0 + 5)
+    state.merge("eu-west", 2, T0 + 6)  # its delta for round 2, late
     record = RoundRecord(
         state=state,
         attempt=2,
@@ -90,7 +91,9 @@ def test_a_job_collecting_a_round() -> None:
         "attempt": 2,
         "participants": ["eu-west", "us-east"],
         "delivered": ["us-east"],
+        "merged": [{"region": "eu-west", "round": 2}],
         "min_regions": 1,
+        "grace_s": None,
         "deadline": "2023-11-14T22:14:20+00:00",
         "deadline_reason": "initial deadline 60 s",
         "end_reason": None,

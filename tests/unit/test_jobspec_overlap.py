@@ -74,3 +74,12 @@ def test_overlap_start_eager_needs_delayed() -> None:
     assert eager.overlap_start == "eager"
     assert "needs overlap delayed" in _problem("overlap_start: eager\n")
     assert "overlap_start" in _problem("overlap: delayed\noverlap_start: global\n")
+
+
+def test_late_merge_is_refused_with_streaming_and_taken_otherwise() -> None:
+    merging = "aggregation: {late: merge, max_staleness: 1}\n"
+    problem = _problem(merging + "overlap: streaming\n")
+    assert "late merge needs overlap none or delayed" in problem
+    spec = parse_job_spec(SPEC + merging + "overlap: delayed\n", "job.yaml")
+    assert (spec.aggregation.late, spec.aggregation.max_staleness) == ("merge", 1)
+    assert parse_job_spec(SPEC, "job.yaml").aggregation.late == "drop"

@@ -168,8 +168,29 @@ def test_replay_inputs_come_from_the_published_record_in_arrival_order() -> None
         replay_inputs(3, _record(published=False), receipts)
     with pytest.raises(ParamsError, match="round 3 has no published record"):
         replay_inputs(3, None, receipts)
-    with pytest.raises(ParamsError, match=r"receipts of \['eu-west'\], but the round included"):
+    with pytest.raises(ParamsError, match=r"receipts of \['eu-west'\], but the round summed"):
         replay_inputs(3, _record(published=True), receipts[:1])
+
+
+def test_a_merged_late_delta_is_replayed_at_its_place_and_staleness() -> None:
+    config = RoundConfig(
+        round=3, participants=("eu-west", "us-east"), min_regions=2, opened_at=1000.0, deadline_s=60
+    )
+    state = RoundState.open(config)
+    state.on_delta("us-east", 3, 1010.0)
+    state.merge("eu-west", 1, 1015.0)  # its delta for round 1, two rounds late
+    state.on_delta("eu-west", 3, 1020.0)
+    state.tick(1021.0)
+    state.mark_published(1030.0)
+    record = RoundRecord(state, 1, 0, "", Quarantine(QuarantineConfig()))
+    late = Receipt("job-1", 1, "eu-west", "cd" * 32, "ee" * 32, 10, 6, 900.0)
+    replayed = replay_inputs(3, record, [_receipt("eu-west"), _receipt("us-east")], [late])
+    assert replayed.order == ("us-east", "eu-west@1", "eu-west")
+    merged = next(s for s in replayed.sources if s.round is not None)
+    assert (merged.key, merged.staleness, merged.weight) == ("eu-west@1", 2, 2.0)
+    assert "ee" * 32 in replayed.digests
+    with pytest.raises(ParamsError, match=r"but the round summed \['eu-west', 'eu-west@1'"):
+        replay_inputs(3, record, [_receipt("eu-west"), _receipt("us-east")])
 
 
 def test_pointers_say_which_state_is_saved() -> None:
