@@ -66,7 +66,7 @@ from coordinator.rounds.driver import Step, next_step
 from coordinator.rounds.job_scheduling import JobScheduling
 from coordinator.rounds.late import grace_window
 from coordinator.rounds.past_rounds import PastRounds
-from coordinator.rounds.quarantine import Outcome, Quarantine
+from coordinator.rounds.quarantine import Outcome, Quarantine, round_outcomes
 from coordinator.rounds.records import JobState, RoundRecord, job_announcement
 from coordinator.rounds.state import (
     Action,
@@ -673,10 +673,9 @@ class JobEngine:
         old = await self._s.db.list_pointers(self.job)
         async with self._lock:
             rs.mark_published(now)
-            for region in rs.included:
-                self._record_outcome(region, rs.config.round, Outcome.DELIVERED, now)
-            for region in rs.stragglers:
-                self._record_outcome(region, rs.config.round, Outcome.STRAGGLER, now)
+            late = {a.region for a in rs.merged}
+            for region, outcome in round_outcomes(rs.included, rs.stragglers, late).items():
+                self._record_outcome(region, rs.config.round, outcome, now)
             record.quarantine = self._quarantine
             completed = published.state.version >= self.ctx.spec.rounds
             await self._publisher.commit(record, published, completed=completed)

@@ -30,6 +30,7 @@ __all__ = [
     "QuarantineDecision",
     "QuarantineError",
     "Selection",
+    "round_outcomes",
 ]
 
 
@@ -41,6 +42,19 @@ class Outcome(StrEnum):
     DELIVERED = "delivered"
     STRAGGLER = "straggler"  # did not deliver before the round closed
     FAILED = "failed"  # delivered something that was refused, or failed to resync
+
+
+def round_outcomes(
+    included: Iterable[str], stragglers: Iterable[str], merged: Iterable[str] = ()
+) -> dict[str, Outcome]:
+    """Each participant's outcome of a published round: delivered if it was included, or
+    if a late delta of its own (an earlier round's) was ``merged`` into it, since its work
+    reached θ all the same (``aggregation.late: merge``); a straggler otherwise."""
+    late = set(merged)
+    outcomes = dict.fromkeys(included, Outcome.DELIVERED)
+    for region in stragglers:
+        outcomes[region] = Outcome.DELIVERED if region in late else Outcome.STRAGGLER
+    return outcomes
 
 
 class QuarantineConfig(BaseModel):

@@ -18,6 +18,7 @@ from coordinator.rounds.late import (
     validate_key,
 )
 from coordinator.rounds.past_rounds import PastRounds
+from coordinator.rounds.quarantine import Outcome, round_outcomes
 from coordinator.rounds.state import (
     Action,
     DeltaVerdictCode,
@@ -243,3 +244,13 @@ def test_the_announcement_carries_the_reach_only_when_merging() -> None:
     assert "max_staleness" not in announce().model_dump_json()
     sent = announce(max_staleness=2)
     assert decode(sent.model_dump_json().encode(), RoundAnnouncement).max_staleness == 2
+
+
+def test_a_straggler_whose_late_work_was_merged_counts_as_delivered() -> None:
+    outcomes = round_outcomes(["eu-west"], ["us-east", "ap-south"], merged=["us-east"])
+    assert outcomes == {
+        "eu-west": Outcome.DELIVERED,
+        "us-east": Outcome.DELIVERED,
+        "ap-south": Outcome.STRAGGLER,
+    }
+    assert round_outcomes(["eu-west"], ["us-east"])["us-east"] is Outcome.STRAGGLER
