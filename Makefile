@@ -57,6 +57,7 @@ demo: $(STAMP)
 # The outer optimizer's lr/momentum/warm-up sweep: $(PY) -m benchmarks.convergence --outer-sweep
 # The tuned, seeded baseline with confidence intervals (~90 min): $(PY) -m benchmarks.baseline
 # Delayed folds at lags of 1/4, 1/2 and 1 phase, four corrections (about 35 minutes): $(PY) -m benchmarks.staleness
+# A region at half speed: wait for it, drop or merge its late deltas (about 8 minutes): $(PY) -m benchmarks.slow_region
 bench: $(STAMP) system-deps
 	$(PY) -m benchmarks.codec_bench
 	$(PY) -m benchmarks.round_overhead
