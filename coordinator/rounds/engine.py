@@ -64,7 +64,7 @@ from coordinator.rounds.acceptance import accepted_again, refusal
 from coordinator.rounds.deadline import RoundTiming, next_deadline
 from coordinator.rounds.driver import Step, next_step
 from coordinator.rounds.job_scheduling import JobScheduling
-from coordinator.rounds.late import grace_window
+from coordinator.rounds.late import grace_window, still_behind
 from coordinator.rounds.past_rounds import PastRounds
 from coordinator.rounds.quarantine import Outcome, Quarantine, round_outcomes
 from coordinator.rounds.records import JobState, RoundRecord, job_announcement
@@ -612,7 +612,9 @@ class JobEngine:
             record = self.record
             if record is None:
                 raise RuntimeError(f"job {self.job}: no round to tick")
-            decision = record.state.tick(self._s.clock())
+            rs, views = record.state, self._s.control.regions if self.past.reach else {}
+            behind = still_behind(views, self.job, rs.config.round, self.past.received(rs))
+            decision = rs.tick(self._s.clock(), behind)
             if decision.action in (Action.WAIT, Action.IDLE):
                 return decision
             if decision.action is Action.FAIL:

@@ -14,15 +14,19 @@ of the weights, fresh and late, so a late delta never scales the update up.
 
 Since a straggler's work is no longer lost, a round need not wait for it: once its
 quorum arrived it waits a grace window (:func:`grace_window`) for the regions close
-behind, then closes; what comes after merges into the next round.
+behind, then closes; what comes after merges into the next round. Nor does it wait for a
+participant whose agent says it is still at an earlier round (:func:`still_behind`): that
+region delivers the earlier round first, merged here, and this one only after.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Mapping, Sequence
 from statistics import median, quantiles
+from typing import Protocol
 
 from coordinator.rounds.deadline import RoundTiming
+from geofed.control.messages import RegionStatus
 from geofed.types import InvalidName, validate_name
 
 __all__ = [
@@ -31,8 +35,12 @@ __all__ = [
     "grace_window",
     "late_key",
     "staleness_factor",
+    "still_behind",
     "validate_key",
 ]
+
+#: The states in which an agent is at work on the round its status names.
+_AT_WORK = frozenset({"syncing", "training", "uploading"})
 
 #: The share of the recent after-quorum arrivals the grace window is sized to cover
 #: (then doubled, so that the window does not shrink onto the arrivals it let in).
@@ -63,6 +71,32 @@ def staleness_factor(staleness: int) -> float:
     if staleness < 0:
         raise ValueError(f"staleness must be >= 0, got {staleness}")
     return 1.0 / (1 + staleness)
+
+
+class _HeldStatus(Protocol):
+    @property
+    def status(self) -> RegionStatus: ...
+
+
+def still_behind(
+    views: Mapping[str, _HeldStatus],
+    job: str,
+    round: int,
+    received: Collection[tuple[str, int]] = (),
+) -> frozenset[str]:
+    """The regions whose latest status says they are at work on an earlier round of
+    ``job`` than ``round`` and whose delta for it is not among the ``received`` (region,
+    round) pairs: their delta for ``round`` can only come after that one. (A status
+    naming a round whose delta arrived is merely older than the region's next.)"""
+    return frozenset(
+        region
+        for region, view in views.items()
+        if view.status.job == job
+        and view.status.round is not None
+        and view.status.round < round
+        and view.status.state in _AT_WORK
+        and (region, view.status.round) not in received
+    )
 
 
 def grace_window(

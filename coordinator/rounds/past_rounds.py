@@ -41,6 +41,13 @@ class PastRounds:
         """The job's side of judging a delta, these rounds included."""
         return JobIntake(job, version, stopped, self.reach, dict(self._states))
 
+    def received(self, current: RoundState) -> set[tuple[str, int]]:
+        """The (region, round) deltas at hand: those these rounds included, and the late
+        ones ``current`` merged."""
+        found = {(region, n) for n, state in self._states.items() for region in state.included}
+        found.update((a.region, a.round) for a in current.merged if a.round is not None)
+        return found
+
     def base_hash(self, round: int) -> str | None:
         """θ_round's hash as round ``round`` recorded it; None when not at hand."""
         state = self._states.get(round)

@@ -33,7 +33,7 @@ a store that sorts keys; :meth:`RoundState.from_dict` validates it back.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
@@ -328,8 +328,12 @@ class RoundState(BaseModel):
             raise RoundStateError(f"{region}'s delta for round {round} is merged already")
         self.arrivals.append(Arrival(region=region, at=now, round=round))
 
-    def tick(self, now: float) -> RoundDecision:
-        """Decide whether to keep waiting, close, extend or fail, and apply it."""
+    def tick(self, now: float, behind: Collection[str] = ()) -> RoundDecision:
+        """Decide whether to keep waiting, close, extend or fail, and apply it.
+
+        ``behind``: participants still at an earlier round, whose delta for it merges
+        into this one (:func:`coordinator.rounds.late.still_behind`); at quorum the round
+        does not wait for them."""
         now = _check_now(now)
         cfg = self.config
         if self.phase is not RoundPhase.COLLECTING:
@@ -338,6 +342,14 @@ class RoundState(BaseModel):
         count, total, missing = len(self.delivered), len(cfg.participants), self.missing
         if not missing:
             return self._close(now, f"all {total} participants delivered")
+        late = sorted(set(missing) & set(behind))
+        if late == list(missing) and count >= cfg.min_regions:
+            return self._close(
+                now,
+                f"{count} of {total} participants delivered; {', '.join(late)} still at "
+                f"an earlier round (what it sends for this one merges into round "
+                f"{cfg.round + 1})",
+            )
         if now < self.deadline_at:
             grace_end = self._grace_end()
             if grace_end is not None and now >= grace_end:

@@ -81,6 +81,15 @@ async def test_a_stopped_region_is_merged_late_and_replayed_after_a_restart(
             lambda b: (b.get("current") or {}).get("merged") == merged,
             "us-east's round-0 delta to be merged into round 1",
         )
+        # Round 1 waits for us-east's own delta once its agent is at round 1 (while it
+        # reports round 0, the round would close without it: it is still behind).
+        await poll(
+            fed,
+            lambda: any(
+                s.region == LATE and s.round == 1 and s.job == fed.job for _, s in observer.statuses
+            ),
+            "us-east to move on to round 1",
+        )
         signal_all(on_time_ranks, signal.SIGCONT)
         await poll(fed, lambda: opened(2), "round 2 to open")
         await fed.kill("coordinator")

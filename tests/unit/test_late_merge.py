@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import pytest
 from pydantic import ValidationError
 
@@ -15,6 +17,7 @@ from coordinator.rounds.late import (
     grace_window,
     late_key,
     staleness_factor,
+    still_behind,
     validate_key,
 )
 from coordinator.rounds.past_rounds import PastRounds
@@ -30,6 +33,7 @@ from coordinator.rounds.state import (
 )
 from coordinator.state.store import Receipt
 from geofed.control import RoundAnnouncement, decode
+from geofed.control.messages import RegionStatus
 from geofed.types import InvalidName
 from tests.support.agent_schedule import announce
 
@@ -254,3 +258,41 @@ def test_a_straggler_whose_late_work_was_merged_counts_as_delivered() -> None:
         "ap-south": Outcome.STRAGGLER,
     }
     assert round_outcomes(["eu-west"], ["us-east"])["us-east"] is Outcome.STRAGGLER
+
+
+@dataclass
+class _View:
+    status: RegionStatus
+
+
+def _status(region: str, state: str, round_: int | None, job: str = "llm") -> _View:
+    status = RegionStatus(region=region, state=state, job=job, round=round_, agent_version="1")  # type: ignore[arg-type]
+    return _View(status)
+
+
+def test_a_round_does_not_wait_for_a_region_still_at_an_earlier_one() -> None:
+    views = {
+        "us-east": _status("us-east", "training", 2),
+        "ap-south": _status("ap-south", "uploading", 3),
+        "sa-east": _status("sa-east", "online", 1),
+        "eu-north": _status("eu-north", "training", 1, job="other"),
+    }
+    assert still_behind(views, "llm", 3) == {"us-east"}
+    # A status naming a round whose delta arrived is only older than the region's next.
+    assert still_behind(views, "llm", 3, {("us-east", 2)}) == set()
+    past = PastRounds(2)
+    past.remember(published_without_us(2))
+    merging = opened(3)
+    merging.merge("us-east", 2, T0 + 305)
+    assert past.received(merging) == {("eu-west", 2), ("us-east", 2)}
+    current = opened(3)
+    current.on_delta("eu-west", 3, T0 + 310)
+    closed = current.tick(T0 + 311, behind={"us-east"})
+    assert closed.action is Action.CLOSE
+    assert "us-east still at an earlier round" in closed.reason
+    assert "merges into round 4" in closed.reason
+    # Below quorum, or with someone else missing, it waits as before.
+    waiting = opened(3)
+    assert waiting.tick(T0 + 301, behind={"us-east"}).action is Action.WAIT
+    waiting.on_delta("eu-west", 3, T0 + 310)
+    assert waiting.tick(T0 + 311).action is Action.WAIT
