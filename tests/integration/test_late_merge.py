@@ -8,6 +8,7 @@ that must rebuild θ from the saved state, and refuses one staler than ``max_sta
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +30,7 @@ from tests.support.coordinator import (
 
 pytestmark = pytest.mark.integration
 
-MERGING = "min_regions: 1\naggregation: {late: merge, max_staleness: 1, grace_s: 0.3}\n"
+MERGING = "min_regions: 1\naggregation: {late: merge, max_staleness: 1, grace_s: 1.0}\n"
 
 
 async def _deliver(region: FakeRegion, round_: int, base: str, *, seed: int) -> dict[str, Any]:
@@ -73,9 +74,9 @@ async def test_a_late_delta_is_merged_once_survives_restarts_and_is_refused_when
             assert status == 201, body
             eu, us = running.region("eu-west"), running.region("us-east")
             base = (await announcements.until(round=0, state="open")).base_hash
-            await _deliver(eu, 0, base, seed=1)
-            await _deliver(us, 0, base, seed=2)
-            # Round 1: us-east is late; the round closes 0.3 s after eu-west's delta.
+            # Both at once: the round closes 1 s after the first.
+            await asyncio.gather(_deliver(eu, 0, base, seed=1), _deliver(us, 0, base, seed=2))
+            # Round 1: us-east is late; the round closes 1 s after eu-west's delta.
             base1 = (await announcements.until(round=1, state="open")).base_hash
             await _deliver(eu, 1, base1, seed=3)
             base2 = (await announcements.until(round=2, state="open")).base_hash
@@ -101,8 +102,7 @@ async def test_a_late_delta_is_merged_once_survives_restarts_and_is_refused_when
             eu, us = running.region("eu-west"), running.region("us-east")
             status, again = await us.single_shot("tiny", 1, *late)
             assert (status, again["receipt"]) == (200, merged["receipt"]), again
-            await _deliver(eu, 2, base2, seed=6)
-            await _deliver(us, 2, base2, seed=7)
+            await asyncio.gather(_deliver(eu, 2, base2, seed=6), _deliver(us, 2, base2, seed=7))
             opened3 = await announcements.until(round=3, state="open")
         # Restarted after: θ_3 is rebuilt from θ_2's saved state by taking round 2 again,
         # its late delta included, and must hash as published.
