@@ -33,7 +33,6 @@ import argparse
 import asyncio
 import contextlib
 import json
-import os
 import signal
 import statistics
 import sys
@@ -50,7 +49,7 @@ from benchmarks._report import publish
 from benchmarks.utilization import SIZES, parameters
 from coordinator.state.audit import AuditEntry
 from regional_agent.rounds.timeline import RoundTimeline, read_timeline
-from tests.support.observe import audit_entries, observed_federation, worker_ranks
+from tests.support.observe import audit_entries, observed_federation, signal_all, worker_ranks
 
 REGIONS = ("eu-west", "us-east")
 FAST, SLOW = REGIONS
@@ -195,18 +194,12 @@ async def _throttle(fed: Any, region: str, slowdown: float) -> None:
                 with contextlib.suppress(OSError, ValueError, AssertionError):
                     pids = worker_ranks(fed, region)
                 refreshed = time.monotonic()
-            _signal(pids, signal.SIGSTOP)
+            signal_all(pids, signal.SIGSTOP)
             await asyncio.sleep(stopped)
-            _signal(pids, signal.SIGCONT)
+            signal_all(pids, signal.SIGCONT)
             await asyncio.sleep(_PERIOD_S - stopped)
     finally:
-        _signal(pids, signal.SIGCONT)
-
-
-def _signal(pids: Sequence[int], sig: signal.Signals) -> None:
-    for pid in pids:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, sig)
+        signal_all(pids, signal.SIGCONT)
 
 
 def _customize(fields: Mapping[str, Any]) -> Any:

@@ -304,14 +304,16 @@ class JobEngine:
                 raise RuntimeError(f"job {self.job}: no open round")
             before = record.state.model_copy(deep=True)
             now = self._s.clock()
-            merged = verdict.code is DeltaVerdictCode.MERGED
-            existing = await self._s.db.receipt(self.job, offer.round, offer.region)
-            if existing is None and merged:
-                record.state.merge(offer.region, offer.round, now)
-            elif existing is None:
+            merged, existing = verdict.code is DeltaVerdictCode.MERGED, None
+            if not merged:
                 verdict = record.state.on_delta(offer.region, offer.round, now)
-            if existing is not None or verdict.code is DeltaVerdictCode.DUPLICATE:
-                return accepted_again(  # a late one may have been merged into an earlier round
+            if merged or verdict.code is DeltaVerdictCode.DUPLICATE:
+                # A late one may have been merged into an earlier round already.
+                existing = await self._s.db.receipt(self.job, offer.round, offer.region)
+            if merged and existing is None:
+                record.state.merge(offer.region, offer.round, now)
+            elif existing is not None or verdict.code is DeltaVerdictCode.DUPLICATE:
+                return accepted_again(
                     existing,
                     offer.manifest_digest,
                     job=self.job,

@@ -17,7 +17,7 @@ import signal
 import ssl
 import time
 from collections import defaultdict
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -267,10 +267,12 @@ def worker_ranks(fed: FederationRun, region: str) -> list[int]:
     return ranks
 
 
-def signal_all(pids: list[int], sig: signal.Signals) -> None:
-    """Send ``sig`` to each of ``pids`` (SIGSTOP freezes a worker group, SIGCONT thaws it)."""
+def signal_all(pids: Sequence[int], sig: signal.Signals) -> None:
+    """Send ``sig`` to each of ``pids`` (SIGSTOP freezes a worker group, SIGCONT thaws it);
+    one that has exited meanwhile is passed over."""
     for pid in pids:
-        os.kill(pid, sig)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, sig)
 
 
 def held_params(fed: FederationRun, region: str) -> dict[str, Any]:
