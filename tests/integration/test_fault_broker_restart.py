@@ -1,7 +1,7 @@
 """The MQTT broker stopped in the middle of a job and started again on the same port.
 
 A real federation (the embedded broker in the test's event loop, coordinator and two
-agents as processes, mutual TLS, SQLite). Once round 1 is open the broker is stopped;
+agents as processes, mutual TLS, SQLite). Once both agents work on round 1 the broker is stopped;
 the deltas of round 1 still travel over HTTPS, so the coordinator publishes round 1 and
 announces round 2 while nobody can hear it. A few seconds later a fresh broker (no
 retained messages: it lost them all) starts on the same port.
@@ -79,6 +79,14 @@ async def test_broker_restart_loses_nothing_and_repeats_nothing(tmp_path: Path) 
     ) as (fed, observer):
         await fed.wait_round(1)
         assert await mqtt_gauges(fed) == dict.fromkeys(("coordinator", *REGIONS), 1.0)
+
+        def working_on_round_1(region: str) -> bool:
+            return any(s.region == region and (s.round or 0) >= 1 for _, s in observer.statuses)
+
+        # θ_1 is published before round 1's announcement reaches the agents: a broker
+        # stopped in between would take the announcement with it, and round 1 would wait
+        # for the broker that this test restarts only once round 1 is published.
+        await poll(fed, lambda: all(working_on_round_1(r) for r in REGIONS), "round 1 begun")
 
         await fed.stop_broker()
         stopped_at = time.monotonic()
