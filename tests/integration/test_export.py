@@ -1,10 +1,17 @@
-"""``geofed export`` against a real federation: the exported model is the published one.
+"""``geofed export`` and ``init_from`` against a real federation: the exported model is
+the published one, and a job starts from it.
 
 A two-region federation trains three rounds; the operator exports the final θ with the
 CLI in both formats, and plain ``safetensors``/``torch`` loading into the task's
 ``build_model()`` reproduces the coordinator's last validation loss. A destination the
 policies refuse is refused naming the rule, and every decision is in the audit log. From
 a local copy of the checkpoint location, a tampered artifact is refused.
+
+Then, on the same federation, a job starts from the last version of the first, rebuilt
+from its signed chain, and one from that version's export file under the coordinator's
+import_dirs; both start at exactly that θ and record what it derives from. A source
+outside import_dirs, an unknown job and a version not yet published are refused at
+submission, saying why.
 """
 
 from __future__ import annotations
@@ -25,8 +32,8 @@ from geofed.blobstore import FsBlobStore
 from geofed.manifest import canonical_json
 from geofed.params import parameters_vector_hash
 from geofed.task import load_task
-from tests.support.federation import FederationRun, operator_cli, running_federation
-from tests.support.observe import audit_entries
+from tests.support.federation import FederationRun, operator_cli
+from tests.support.observe import WAIT_S, ControlObserver, audit_entries, observed_federation
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -50,10 +57,30 @@ def location_root(fed: FederationRun, name: str) -> Path:
     return path if path.is_absolute() else (fed.configs.coordinator.parent / path).resolve()
 
 
-async def test_export_rebuilds_the_published_model(tmp_path: Path) -> None:
-    async with running_federation(tmp_path, regions=REGIONS, rounds=3, inner_steps=3) as fed:
-        status, _ = await fed.submit()
-        assert status == 201
+def derived(fed: FederationRun, name: str, init_from: dict[str, Any]) -> dict[str, Any]:
+    spec = fed.job_spec()
+    return {**spec, "job": name, "rounds": 1, "init_from": init_from}
+
+
+async def completed(fed: FederationRun, job: str) -> dict[str, Any]:
+    return await fed.wait_for(
+        lambda s: s.get("state") == "completed", timeout_s=WAIT_S, what=f"{job}", job=job
+    )
+
+
+async def test_export_rebuilds_the_published_model_and_a_job_starts_from_it(
+    tmp_path: Path,
+) -> None:
+    imports = tmp_path / "imports"
+    imports.mkdir()
+
+    def configure(name: str, data: dict[str, Any]) -> None:
+        if name == "coordinator":
+            data["import_dirs"] = [str(imports)]
+
+    async with observed_federation(
+        tmp_path, regions=REGIONS, rounds=3, inner_steps=3, customize=configure
+    ) as (fed, observer):
         final = await fed.wait_completed()
         spec = fed.job_spec()
         job = fed.job
@@ -196,8 +223,58 @@ async def test_export_rebuilds_the_published_model(tmp_path: Path) -> None:
         assert "global_update" in refused.stderr, refused.stderr
         assert not tampered.exists()
 
+        await jobs_start_from_it(fed, observer, final, imports)
+
         # The exports it served left no traceback in the coordinator's log (a response
         # prepared twice would log an AssertionError for every artifact sent).
         daemon = next(c for c in fed.children.children if c.name == "coordinator")
         log = daemon.log_file.read_text(errors="replace")
         assert "Traceback" not in log, daemon.log_tail(60)
+
+
+async def jobs_start_from_it(
+    fed: FederationRun, observer: ControlObserver, base: dict[str, Any], imports: Path
+) -> None:
+    """A job from the finished job's last version, one from its export file, and the
+    sources refused at submission."""
+    exported = await operator_cli(
+        fed, "export", fed.job, "--out", str(imports / "base.safetensors"),
+        "--destination", "storage:eu-ckpt",
+    )  # fmt: skip
+    assert exported.returncode == 0, exported.stderr
+
+    status, body = await fed.submit(derived(fed, "from-job", {"job": fed.job}))
+    assert status == 201, body
+    path = {"path": str(imports / "base.safetensors")}
+    status, body = await fed.submit(derived(fed, "from-file", path))
+    assert status == 201, body
+    refusals: dict[str, dict[str, Any]] = {
+        "outside": {"path": str(fed.work / "pki" / "trust.yaml")},
+        "unknown": {"job": "no-such-job"},
+        "future": {"job": fed.job, "round": 9},
+    }
+    answers = {}
+    for name, source in refusals.items():
+        answers[name] = await fed.submit(derived(fed, name, source))
+    from_job = await completed(fed, "from-job")
+    from_file = await completed(fed, "from-file")
+    spec = (await fed.status("from-job"))["spec"]
+
+    opened = {(a.job, a.round): a.base_hash for a in observer.announcements if a.state == "open"}
+    assert opened[("from-job", 0)] == base["params_hash"]
+    assert opened[("from-file", 0)] == base["params_hash"]
+    assert from_job["round"] == from_file["round"] == 1
+    recorded = spec["init_from"]
+    assert recorded["round"] == base["round"] == 3
+    assert recorded["params_hash"] == base["params_hash"]
+    assert recorded["location"] == "eu-ckpt"
+    assert set(recorded["provenance"]) == set(REGIONS)
+    messages = {name: (status, body["message"]) for name, (status, body) in answers.items()}
+    assert messages["outside"][0] == 400
+    assert "is not under the config's import_dirs" in messages["outside"][1]
+    assert messages["unknown"] == (
+        400,
+        "job unknown: init_from: job no-such-job is not a job of this coordinator",
+    )
+    assert messages["future"][0] == 400
+    assert "θ_9 of job" in messages["future"][1]
