@@ -1,10 +1,25 @@
-"""Two jobs sharing two regions, with the real daemons: every region keeps each job's
-regional state apart (no job starts afresh after its first round), and once a job is done
-its regional checkpoint is removed from the region's hand-off directory. The coordinator
-keeps each job's working state apart too: the two jobs train alike, so their blobs are the
-same bytes, and neither job's deletions take the other's. ``geofed usage`` then reports
-what each job sent and stored, priced, as computed by hand from the receipts and the
-checkpoint chains."""
+"""Jobs on the same two regions, with the real daemons (a coordinator and two agents,
+embedded broker, mTLS HTTPS, each agent with one gloo worker).
+
+Sharing: two jobs that state no needs run at once on both regions, and every region keeps
+each job's regional state apart (no job starts afresh after its first round); once a job
+is done its regional checkpoint is removed from the region's hand-off directory. The
+coordinator keeps each job's working state apart too: the two jobs train alike, so their
+blobs are the same bytes, and neither job's deletions take the other's. ``geofed usage``
+then reports what each job sent and stored, priced, as computed by hand from the receipts
+and the checkpoint chains.
+
+Then, on the same federation, gang admission against the capacity the agents declare
+(each region one CPU worker slot): two jobs each need one slot in both regions, so
+``gang-a`` starts and ``gang-b`` is queued, and ``GET /v1/jobs/gang-b``,
+``GET /v1/queue``, ``GET /v1/regions`` and ``geofed_jobs_queued`` say why and what is in
+use. When ``gang-a`` completes, its slots free, ``gang-b`` is admitted (audited with the
+reason) and completes. Then preemption: a ``production`` job arriving while a
+``research`` job runs stops it at its next round boundary (its current round completes
+and is published), runs, and the research job resumes from the round where it stopped
+and completes: no round lost, failed or run twice, and both end with the parameters the
+same jobs reach when each runs alone.
+"""
 
 from __future__ import annotations
 
@@ -29,12 +44,15 @@ from coordinator.storage.job_blobs import JobBlobStores
 from coordinator.storage.working_state import ParamsStore
 from regional_agent.handoff.directory import HandoffDir
 from tests.support.federation import FederationRun, operator_cli, running_federation
+from tests.support.observe import audit_entries, sample
 
-pytestmark = [pytest.mark.integration, pytest.mark.slow]
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(420)]
 
 REGIONS = ("eu-west", "us-east")
 JOBS = ("alpha", "beta")
 ROUNDS = 3
+#: The rounds of each job that waits for capacity.
+GANG_ROUNDS = 2
 #: A GB sent from each region to the coordinator, and from the coordinator to each.
 UPLOAD_PER_GB = {"eu-west": 0.09, "us-east": 0.12}
 DOWNLOAD_PER_GB = 0.05
@@ -72,65 +90,69 @@ async def wait_gone(fed: FederationRun, paths: list[Path], timeout_s: float = 60
         await asyncio.sleep(0.3)
 
 
-async def test_jobs_sharing_regions_keep_their_own_regional_state(tmp_path: Path) -> None:
+async def test_jobs_share_regions_wait_for_capacity_and_preempt(tmp_path: Path) -> None:
     async with running_federation(
         tmp_path, regions=REGIONS, rounds=ROUNDS, inner_steps=3, customize=priced
     ) as fed:
-        spec = fed.job_spec()
-        for job in JOBS:
-            budget = {"budget": BUDGET} if job == "alpha" else {}
-            status, body = await fed.submit({**spec, "job": job, **budget})
-            assert status == 201, body
-            # No GPUs stated: nothing to price before a round is measured.
-            assert body["cost_estimate"] == {
-                "currency": "EUR",
-                "amount": None,
-                "reason": "the job states no GPUs: no GPU time to estimate",
-                "budget": None
-                if job == "beta"
-                else {
-                    "amount": BUDGET,
-                    "expected": None,
-                    "within": None,
-                    "basis": "the job states no GPUs: no GPU time to estimate",
-                },
-            }, body
-        queue = await fed.get("/v1/queue")
-        assert {
-            r["job"]: (r["cost_estimate"]["budget"] or {}).get("amount") for r in queue["jobs"]
-        } == {
-            "alpha": BUDGET,
-            "beta": None,
-        }
-        for job in JOBS:
-            await fed.wait_for(
-                lambda s: s.get("state") == "completed",
-                timeout_s=300,
-                what=f"job {job} to complete",
-                job=job,
-            )
-        for region in REGIONS:
-            log = handoff(fed, region).rank_log_path(0).read_text()
-            for job in JOBS:
-                # Each job's first round starts afresh, every later one resumes its own state.
-                assert log.count(f"job {job}: fresh regional state") == 1, (region, job)
-                assert f"job {job} round {ROUNDS - 1}:" in log, (region, job)
-        # Done: the regions drop the jobs' regional checkpoints (disk stays bounded).
-        await wait_gone(
-            fed, [handoff(fed, r).checkpoint_path(job) for r in REGIONS for job in JOBS]
+        await jobs_sharing_regions_keep_their_own_regional_state(fed)
+        await a_job_waits_for_capacity_and_starts_when_it_frees(fed)
+        await a_production_job_preempts_a_research_job_at_a_round_boundary(fed)
+
+
+async def jobs_sharing_regions_keep_their_own_regional_state(fed: FederationRun) -> None:
+    spec = fed.job_spec()
+    for job in JOBS:
+        budget = {"budget": BUDGET} if job == "alpha" else {}
+        status, body = await fed.submit({**spec, "job": job, **budget})
+        assert status == 201, body
+        # No GPUs stated: nothing to price before a round is measured.
+        assert body["cost_estimate"] == {
+            "currency": "EUR",
+            "amount": None,
+            "reason": "the job states no GPUs: no GPU time to estimate",
+            "budget": None
+            if job == "beta"
+            else {
+                "amount": BUDGET,
+                "expected": None,
+                "within": None,
+                "basis": "the job states no GPUs: no GPU time to estimate",
+            },
+        }, body
+    queue = await fed.get("/v1/queue")
+    assert {
+        r["job"]: (r["cost_estimate"]["budget"] or {}).get("amount") for r in queue["jobs"]
+    } == {
+        "alpha": BUDGET,
+        "beta": None,
+    }
+    for job in JOBS:
+        await fed.wait_for(
+            lambda s: s.get("state") == "completed",
+            timeout_s=300,
+            what=f"job {job} to complete",
+            job=job,
         )
-        state_dir = fed.work / "coordinator"
-        stores = JobBlobStores(state_dir)
+    for region in REGIONS:
+        log = handoff(fed, region).rank_log_path(0).read_text()
         for job in JOBS:
-            database = f"file:{state_dir / DB_FILENAME}?mode=ro"
-            with contextlib.closing(sqlite3.connect(database, uri=True)) as db:
-                rows = db.execute(
-                    "SELECT name, value FROM pointers WHERE job_id = ?", (job,)
-                ).fetchall()
-            state = ParamsStore(stores.for_job(job)).load(dict(rows))
-            assert state.version == ROUNDS, (job, state.version)
-        assert stores.legacy_count() == 0
-        await usage_is_priced_as_computed_by_hand(fed, state_dir)
+            # Each job's first round starts afresh, every later one resumes its own state.
+            assert log.count(f"job {job}: fresh regional state") == 1, (region, job)
+            assert f"job {job} round {ROUNDS - 1}:" in log, (region, job)
+    # Done: the regions drop the jobs' regional checkpoints (disk stays bounded).
+    await wait_gone(fed, [handoff(fed, r).checkpoint_path(job) for r in REGIONS for job in JOBS])
+    state_dir = fed.work / "coordinator"
+    stores = JobBlobStores(state_dir)
+    for job in JOBS:
+        database = f"file:{state_dir / DB_FILENAME}?mode=ro"
+        with contextlib.closing(sqlite3.connect(database, uri=True)) as db:
+            rows = db.execute(
+                "SELECT name, value FROM pointers WHERE job_id = ?", (job,)
+            ).fetchall()
+        state = ParamsStore(stores.for_job(job)).load(dict(rows))
+        assert state.version == ROUNDS, (job, state.version)
+    assert stores.legacy_count() == 0
+    await usage_is_priced_as_computed_by_hand(fed, state_dir)
 
 
 async def usage_is_priced_as_computed_by_hand(fed: FederationRun, state_dir: Path) -> None:
@@ -209,3 +231,156 @@ async def usage_is_priced_as_computed_by_hand(fed: FederationRun, state_dir: Pat
     (team,) = [row for row in rows if row["scope"] == "team"]
     assert team["team"] == "default"
     assert float(team["total"]) == pytest.approx(totals)
+
+
+async def regions_with_capacity(fed: FederationRun, timeout_s: float = 120.0) -> list[Any]:
+    deadline = time.monotonic() + timeout_s
+    regions: list[Any] = []
+    while time.monotonic() < deadline:
+        fed.children.check_alive()
+        every = (await fed.get("/v1/regions"))["regions"]
+        regions = [r for r in every if r["region"] in fed.regions]
+        if all(r["state"] != "offline" and r.get("capacity") for r in regions):
+            return regions
+        await asyncio.sleep(0.3)
+    raise AssertionError(f"regions never declared capacity: {regions}\n{fed.log_tails()}")
+
+
+async def a_job_waits_for_capacity_and_starts_when_it_frees(fed: FederationRun) -> None:
+    regions = await regions_with_capacity(fed)
+    for region in regions:
+        assert region["capacity"]["cpu_slots"] == 1, region
+        assert region["capacity"]["gpus"] == 0, region
+        assert region["in_use"] == {"gpus": 0, "cpu_slots": 0, "jobs": []}
+
+    spec = {**fed.job_spec(), "rounds": GANG_ROUNDS}
+    gang_a = {**spec, "job": "gang-a", "needs": {"cpu_slots": 1}, "team": "nlp"}
+    gang_b = {**spec, "job": "gang-b", "needs": {"cpu_slots": 1}, "priority": "best-effort"}
+    status, body = await fed.submit(gang_a)
+    assert status == 201, body
+    assert body["state"] == "running", body
+    status, body = await fed.submit(gang_b)
+    assert status == 201, body
+    assert body["state"] == "queued", body
+
+    queued = await fed.status("gang-b")
+    assert queued["state"] == "queued"
+    assert (queued["priority"], queued["team"]) == ("best-effort", "default")
+    assert queued["queue"]["position"] == 1
+    assert "0 of 1 CPU worker slots free" in queued["queue"]["reason"], queued
+    # A lower class does not stop a running job: it waits for it to end.
+    assert "gang-a (research) is not 1 below best-effort" in queued["queue"]["reason"]
+    running = await fed.status("gang-a")
+    assert (running["priority"], running["team"], running["queue"]) == (
+        "research",
+        "nlp",
+        None,
+    )
+    queue = (await fed.get("/v1/queue"))["jobs"]
+    assert [(j["job"], j["state"], j["position"]) for j in queue] == [
+        ("gang-b", "queued", 1),
+        ("gang-a", "running", None),
+    ]
+    assert queue[0]["wait_s"] >= 0
+    for region in (await fed.get("/v1/regions"))["regions"]:
+        if region["region"] not in fed.regions:
+            continue
+        assert region["in_use"] == {"gpus": 0, "cpu_slots": 1, "jobs": ["gang-a"]}
+    metrics = await fed.metrics_text()
+    assert sample(metrics, "geofed_jobs_queued", priority="best-effort") == 1
+    assert sample(metrics, "geofed_jobs", state="queued") == 1
+
+    await fed.wait_for(
+        lambda s: s.get("state") == "completed", timeout_s=240, what="gang-a", job="gang-a"
+    )
+    final = await fed.wait_for(
+        lambda s: s.get("state") == "completed" and s.get("round") == GANG_ROUNDS,
+        timeout_s=240,
+        what="gang-b to be admitted and complete",
+        job="gang-b",
+    )
+    assert final["queue"] is None
+
+    entries = await audit_entries(fed, job="gang-b")
+    admits = [e for e in entries if e.action == "job.admit"]
+    assert [e.verdict for e in admits] == ["allow", "ok"], admits
+    assert admits[1].details["from"] == "queued"
+    assert "admitted on 2 region(s)" in admits[1].details["reason"], admits
+    metrics = await fed.metrics_text()
+    assert sample(metrics, "geofed_jobs_queued", priority="best-effort") == 0
+
+
+async def a_production_job_preempts_a_research_job_at_a_round_boundary(
+    fed: FederationRun,
+) -> None:
+    spec = {**fed.job_spec(), "needs": {"cpu_slots": 1}, "snapshot_every": 10}
+    research = {**spec, "job": "research-job", "rounds": 5}
+    production = {**spec, "job": "production-job", "rounds": 2, "priority": "production"}
+    status, body = await fed.submit(research)
+    assert (status, body["state"]) == (201, "running"), body
+    # At once, so that the research job cannot have ended: it stops after round 0.
+    status, body = await fed.submit(production)
+    assert (status, body["state"]) == (201, "queued"), body
+    assert "preempting research-job at their round boundary" in body["queue"]["reason"]
+
+    stopped = await fed.wait_for(
+        lambda s: s.get("state") == "queued" and s.get("queue") is not None,
+        timeout_s=120,
+        what="research-job preempted",
+        job="research-job",
+    )
+    assert stopped["queue"]["position"] >= 1
+    await fed.wait_for(
+        lambda s: s.get("state") == "completed",
+        timeout_s=180,
+        what="production-job",
+        job="production-job",
+    )
+    final = await fed.wait_for(
+        lambda s: s.get("state") == "completed" and s.get("round") == 5,
+        timeout_s=240,
+        what="research-job resumed and completed",
+        job="research-job",
+    )
+    assert final["queue"] is None
+
+    entries = await audit_entries(fed, job="research-job")
+    actions = [(e.action, e.verdict) for e in entries if e.action.startswith("job.")]
+    assert actions == [
+        ("job.admit", "allow"),  # residency; queued for capacity
+        ("job.admit", "ok"),  # started at once: the regions were free
+        ("job.preempt", "ok"),
+        ("job.admit", "ok"),  # resumed once production-job completed
+    ], actions
+    (preempt,) = [e for e in entries if e.action == "job.preempt"]
+    assert preempt.round is not None
+    assert stopped["round"] == preempt.round
+    assert "for production-job (production over research)" in preempt.details["reason"]
+    # Stopped at a boundary: no round was lost, failed or run twice (the counter of the
+    # last round moves once its publication is finished, just after the job completes).
+    metrics = await fed.metrics_text()
+    deadline = time.monotonic() + 30
+    while sample(metrics, "geofed_rounds_completed_total", job="research-job") < 5:
+        assert time.monotonic() < deadline, metrics
+        await asyncio.sleep(0.2)
+        metrics = await fed.metrics_text()
+    assert sample(metrics, "geofed_rounds_completed_total", job="research-job") == 5
+    assert sample(metrics, "geofed_preemptions_total", priority="research") == 1
+    assert sample(metrics, "geofed_rounds_failed_total", job="research-job") == 0
+
+    # Preemption changed nothing a job trains: the same jobs run alone, one after the
+    # other on the same regions, end with the same parameters, bit for bit.
+    shared = {
+        job: (await fed.status(job))["params_hash"] for job in ("research-job", "production-job")
+    }
+    for job, alone in ((research, "research-alone"), (production, "production-alone")):
+        status, body = await fed.submit({**job, "job": alone})
+        assert (status, body["state"]) == (201, "running"), body
+        done = await fed.wait_for(
+            lambda s: s.get("state") == "completed",
+            timeout_s=180,
+            what=f"{alone} run alone",
+            job=alone,
+        )
+        assert done["params_hash"] is not None
+        assert done["params_hash"] == shared[job["job"]], (job["job"], done, shared)

@@ -1,5 +1,5 @@
 """init_from: the spec's source of θ_0, read and verified from export files (the job
-source is exercised against a real coordinator in tests/integration/test_init_from.py)."""
+source is exercised against a real coordinator in tests/integration/test_export.py)."""
 
 from __future__ import annotations
 
