@@ -56,6 +56,8 @@ from regional_agent.handoff.directory import HandoffDir
 from tests.support.federation import FederationRun, operator_cli, running_federation
 from tests.support.observe import audit_entries, sample
 
+# Four scenarios on one federation, 35 to 50 s here: 420 s leaves a slow machine its
+# margin over the default 300.
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(420)]
 
 REGIONS = ("eu-west", "us-east")
