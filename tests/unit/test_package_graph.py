@@ -336,7 +336,8 @@ def test_no_test_module_imports_another_and_the_readme_names_every_support_modul
     assert not unnamed, f"tests/README.md does not name {unnamed}"
 
 
-_REFERENCE = re.compile(r"`((?:[\w.-]+/)*[\w.-]+\.py):([A-Za-z_][\w.]*)`")
+#: ``path.py:symbol``, and pytest's ``path.py::test_name`` for the test that shows a claim.
+_REFERENCE = re.compile(r"`((?:[\w.-]+/)*[\w.-]+\.py)::?([A-Za-z_][\w.]*)`")
 _DIRECTORY = re.compile(r"`((?:[\w.-]+/)+)`")
 
 
@@ -353,8 +354,9 @@ def _defined(path: Path) -> set[str]:
 
 
 def test_every_file_symbol_reference_of_the_docs_exists() -> None:
-    """``path.py:symbol`` in docs/ and the README names a file that defines it; a bare file
-    name is looked up under the directories the same line names before it."""
+    """``path.py:symbol`` (or a test's ``path.py::test_name``) in docs/ and the README names
+    a file that defines it; a bare file name is looked up under the directories the same
+    line names before it."""
     stale = []
     for doc in [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]:
         for number, line in enumerate(doc.read_text(encoding="utf-8").splitlines(), 1):
