@@ -27,6 +27,12 @@ snapshotted and its cost measured; with no failure observed it then takes its lo
 started again: the job's status cites the measured MTBF and the interval drops to the
 minimum. The chain on disk holds exactly the snapshots the policy chose, the status said
 what it planned, and the metric shows the interval.
+
+And a job that assigns eu-west a dataset its agent does not train on (eu-support-chats;
+its policy declares it, so the coordinator admits the job): eu-west refuses round 0
+before anything trains, its status names the dataset, and the coordinator appends a
+``round.refuse`` entry with the region as actor and the reason (once however often the
+status repeats: ``tests/unit/test_region_refusals.py``).
 """
 
 from __future__ import annotations
@@ -53,10 +59,16 @@ from coordinator.storage.job_blobs import JobBlobStores
 from coordinator.storage.working_state import ParamsStore
 from geofed.blobstore import FsBlobStore
 from regional_agent.handoff.directory import HandoffDir
-from tests.support.federation import FederationRun, operator_cli, running_federation
-from tests.support.observe import audit_entries, sample
+from tests.support.federation import FederationRun, operator_cli
+from tests.support.observe import (
+    ControlObserver,
+    audit_entries,
+    observed_federation,
+    poll,
+    sample,
+)
 
-# Four scenarios on one federation, 35 to 50 s here: 420 s leaves a slow machine its
+# Five scenarios on one federation, 35 to 55 s here: 420 s leaves a slow machine its
 # margin over the default 300.
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(420)]
 
@@ -108,14 +120,15 @@ async def wait_gone(fed: FederationRun, paths: list[Path], timeout_s: float = 60
 
 
 async def test_jobs_on_the_same_regions(tmp_path: Path) -> None:
-    async with running_federation(
-        tmp_path, regions=REGIONS, rounds=ROUNDS, inner_steps=3, customize=priced
-    ) as fed:
+    async with observed_federation(
+        tmp_path, regions=REGIONS, rounds=ROUNDS, inner_steps=3, customize=priced, submit=False
+    ) as (fed, observer):
         await jobs_sharing_regions_keep_their_own_regional_state(fed)
         await a_job_waits_for_capacity_and_starts_when_it_frees(fed)
         await a_production_job_preempts_a_research_job_at_a_round_boundary(fed)
         # Last: the failure it injects counts against eu-west for every later job.
         await the_snapshot_interval_adapts_to_the_measured_cost_and_failures(fed)
+        await a_round_a_region_refuses_itself_is_audited(fed, observer)
 
 
 async def jobs_sharing_regions_keep_their_own_regional_state(fed: FederationRun) -> None:
@@ -485,3 +498,33 @@ async def the_snapshot_interval_adapts_to_the_measured_cost_and_failures(
     done = final["snapshot"]
     assert (done["last_round"], done["every_rounds"]) == (6, 2), done
     assert "measured MTBF" in done["reason"], done
+
+
+async def a_round_a_region_refuses_itself_is_audited(
+    fed: FederationRun, observer: ControlObserver
+) -> None:
+    job = "refused"
+    spec = fed.job_spec()
+    spec = {**spec, "job": job, "regions": {**spec["regions"], "eu-west": ["eu-support-chats"]}}
+    status, body = await fed.submit(spec)
+    assert status == 201, body
+
+    def refused() -> bool:
+        return any(
+            s.region == "eu-west" and s.refused and s.job == job for _, s in observer.statuses
+        )
+
+    await poll(fed, refused, "eu-west to refuse the job's round")
+
+    async def refusals() -> list[Any]:
+        return [e for e in await audit_entries(fed, job=job) if e.action == "round.refuse"]
+
+    async with asyncio.timeout(20):
+        while not (entries := await refusals()):  # noqa: ASYNC110 - the audit log has no event
+            await asyncio.sleep(0.2)
+    [entry] = entries
+    assert (entry.region, entry.round, entry.verdict) == ("eu-west", 0, "deny")
+    assert entry.actor.endswith("/region/eu-west")
+    reason = entry.details["reason"]
+    assert "trains region eu-west on eu-support-chats, which this agent does not" in reason
+    assert "(its datasets: eu-parliament-proceedings)" in reason
