@@ -304,9 +304,10 @@ class JobEngine:
                 raise RuntimeError(f"job {self.job}: no open round")
             before = record.state.model_copy(deep=True)
             now = self._s.clock()
-            merged, existing = verdict.code is DeltaVerdictCode.MERGED, None
+            merged = verdict.code is DeltaVerdictCode.MERGED
             if not merged:
                 verdict = record.state.on_delta(offer.region, offer.round, now)
+            existing = None
             if merged or verdict.code is DeltaVerdictCode.DUPLICATE:
                 # A late one may have been merged into an earlier round already.
                 existing = await self._s.db.receipt(self.job, offer.round, offer.region)
