@@ -31,6 +31,7 @@ import torch
 from torch import Tensor
 
 from coordinator.memory_budget import POLL_S, gib, resident_bytes
+from geofed.meta_build import on_meta
 from geofed.params import federated_state, state_to_fp32
 from geofed.parent_death import die_with_parent
 from geofed.task import Task, TaskError, load_task
@@ -81,7 +82,7 @@ def meta_shapes(task: Task[Any], seed: int) -> dict[str, tuple[int, ...]] | None
     """The shapes of the task model's federated tensors, built on the meta device (nothing
     is allocated); None when the model cannot be built there."""
     try:
-        with torch.device("meta"):
+        with on_meta():
             model = task.build_model(seed=seed)
     except Exception:  # the task's own code: its real build reports what is wrong
         return None

@@ -1,10 +1,11 @@
 """A job's model on one rank: built on the ``meta`` device wherever the task allows it.
 
-A model built with ``torch.device("meta")`` has shapes and no storage; the worker shards
-it, allocates only its own shards on its device (``to_empty``) and loads θ into them, so
-no rank ever holds the whole model in fp32 (:func:`regional_agent.worker.parallelism.wrap`).
-The tensors θ does not carry (a complex RoPE table, an integer counter, a non-persistent
-buffer) are then filled by the task's :meth:`~geofed.task.Task.init_non_federated`.
+A model built on the ``meta`` device (:func:`geofed.meta_build.on_meta`) has shapes and no
+storage; the worker shards it, allocates only its own shards on its device (``to_empty``)
+and loads θ into them, so no rank ever holds the whole model in fp32
+(:func:`regional_agent.worker.parallelism.wrap`). The tensors θ does not carry (a complex
+RoPE table, an integer counter, a non-persistent buffer) are then filled by the task's
+:meth:`~geofed.task.Task.init_non_federated`.
 
 :func:`meta_refusal` is the pure decision, with its reason, over what a meta build gave;
 :func:`build_model` acts on it and falls back to building the whole model on the host
@@ -21,10 +22,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from geofed.meta_build import on_meta
 from geofed.params import federated_names
 from geofed.task import Task
-
-META = torch.device("meta")
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,7 +86,7 @@ def build_model(task: Task[Any], seed: int, device: torch.device) -> BuiltModel:
     """Build ``task``'s model for a rank on ``device``: on meta when the task allows it."""
     name = type(task).__name__
     try:
-        with META:
+        with on_meta():
             model = task.build_model(seed=seed)
     except Exception as exc:
         refusal: str | None = f"build_model failed there ({type(exc).__name__}: {exc})"
