@@ -32,17 +32,11 @@ from concurrent.futures import Executor, ProcessPoolExecutor, ThreadPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from typing import ParamSpec, TypeVar
 
-from coordinator.memory_budget import keep_within
+from coordinator.publication.evaluation_process import evaluation_budget
 from geofed.codec.host_threads import usable_cpus
 from geofed.heap import trim_heap
 
 __all__ = ["Executors", "side_by_side"]
-
-
-def _evaluation_budget(max_bytes: int | None) -> None:
-    """In the evaluation process: end it past ``max_bytes`` of resident memory."""
-    if max_bytes is not None:
-        keep_within(max_bytes, "the coordinator's evaluation process", "limits.max_task_bytes")
 
 
 P = ParamSpec("P")
@@ -128,7 +122,7 @@ class Executors:
             self._evaluation = ProcessPoolExecutor(
                 1,
                 mp_context=multiprocessing.get_context("spawn"),
-                initializer=_evaluation_budget,
+                initializer=evaluation_budget,
                 initargs=(self._evaluation_max_bytes,),
             )
         pool = self._evaluation

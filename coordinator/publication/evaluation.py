@@ -6,7 +6,8 @@ before it trains round r, and its delta's manifest carries the metrics (``base_e
 :meth:`JobEvaluation.record` takes them when the delta is accepted. The coordinator
 evaluates the parameters :func:`~geofed.evaluation_config.coordinator_evaluates` gives it
 (every chosen θ under ``where: coordinator``, and always the job's last θ, which is the
-base of no round) with :meth:`JobEvaluation.later`: :func:`evaluate_in_process` runs the
+base of no round) with :meth:`JobEvaluation.later`:
+:func:`~coordinator.publication.evaluation_process.evaluate_in_process` runs the
 task's ``evaluate()`` on a fresh model in the coordinator's evaluation process
 (``Executors.evaluate``), never in the compute pool that aggregates, as a background
 task the round engine waits for only at the job's end (the last θ's loss is the job's
@@ -19,7 +20,6 @@ counts each evaluation in ``geofed_evaluations_total{where}``.
 from __future__ import annotations
 
 import asyncio
-import functools
 import io
 import json
 import logging
@@ -32,11 +32,11 @@ import torch
 from torch import Tensor
 
 from coordinator.jobs.context import JobContext
+from coordinator.publication.evaluation_process import evaluate_in_process
 from coordinator.services import Services
 from coordinator.storage.working_state import WorkingState
 from geofed.evaluation_config import coordinator_evaluates
-from geofed.params import load_federated_state
-from geofed.task import Task, evaluates_centrally, load_task, load_task_class
+from geofed.task import evaluates_centrally, load_task_class
 
 __all__ = [
     "FINAL_EVALUATION_WAIT_S",
@@ -45,8 +45,6 @@ __all__ = [
     "VAL_HISTORY_POINTER",
     "VAL_LOSS_POINTER",
     "JobEvaluation",
-    "evaluate_in_process",
-    "evaluate_params",
     "format_history",
     "format_metrics",
     "format_val_loss",
@@ -69,38 +67,6 @@ MAX_METRICS: Final = 32
 _METRIC_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_.:-]{0,63}")
 #: How long a finished job waits for the evaluation of its last parameters.
 FINAL_EVALUATION_WAIT_S: Final = 600.0
-
-
-def evaluate_params(task: Task[Any], seed: int, params: Mapping[str, Tensor]) -> dict[str, float]:
-    """The task's held-out metrics (``val_loss`` at least, or none) of ``params``."""
-    model = task.build_model(seed=seed)
-    load_federated_state(model, params)
-    model.eval()
-    with torch.no_grad():
-        return task.evaluate(model)
-
-
-@functools.lru_cache(maxsize=4)
-def _task(spec: str, options_json: str) -> Task[Any]:
-    # Kept across evaluations: loading a task may read its whole corpus.
-    return load_task(spec, json.loads(options_json))
-
-
-def evaluate_in_process(
-    spec: str, options_json: str, seed: int, params_bytes: bytes
-) -> dict[str, float]:
-    """:func:`evaluate_params` in the evaluation process, from picklable arguments.
-
-    ``params_bytes`` is θ as ``torch.save`` bytes, loaded with ``weights_only``: plain
-    tensors never travel through shared memory, so θ in the coordinator stays as it is.
-    """
-    # oneDNN builds its kernels in writable-executable memory, which the coordinator's
-    # unit denies (MemoryDenyWriteExecute=yes, inherited by this process): evaluate
-    # without them. This process does nothing else.
-    torch.backends.mkldnn.enabled = False  # type: ignore[assignment]
-    params = torch.load(io.BytesIO(params_bytes), weights_only=True)
-    metrics = evaluate_params(_task(spec, options_json), seed, params)
-    return {str(name): float(value) for name, value in metrics.items()}
 
 
 def _params_bytes(params: Mapping[str, Tensor]) -> bytes:

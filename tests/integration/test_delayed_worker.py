@@ -20,7 +20,7 @@ import pytest
 import pytest_asyncio
 import torch
 
-from coordinator.publication.evaluation import evaluate_params
+from coordinator.publication.evaluation_process import evaluate_params
 from geofed.params import parameters_vector_hash
 from geofed.training_config import TrainingConfig
 from regional_agent.handoff.messages import BaseReady, RoundResult

@@ -12,6 +12,13 @@ from coordinator.executors import Executors
 
 pytestmark = pytest.mark.integration
 
+#: Which of the coordinator's modules, and of the libraries only its daemon uses, a
+#: process has imported.
+LOADED = (
+    "sorted(name for name in __import__('sys').modules"
+    " if name.split('.')[0] in ('coordinator', 'aiohttp', 'psycopg', 'cryptography'))"
+)
+
 
 async def test_evaluations_run_in_a_process_of_their_own_that_is_replaced_when_it_dies() -> None:
     executors = Executors(compute_threads=1, file_threads=1)
@@ -19,6 +26,15 @@ async def test_evaluations_run_in_a_process_of_their_own_that_is_replaced_when_i
         child = await executors.evaluate(os.getpid)
         assert child != os.getpid()
         assert await executors.evaluate(os.getpid) == child  # one process, kept
+        # A fresh interpreter, importing what it evaluates with and not the daemon (HTTP,
+        # the state store, the codec). ``eval`` is the probe: a builtin imports nothing.
+        loaded = await executors.evaluate(eval, LOADED)
+        assert loaded == [
+            "coordinator",
+            "coordinator.memory_budget",
+            "coordinator.publication",
+            "coordinator.publication.evaluation_process",
+        ], loaded
         with pytest.raises(BrokenProcessPool):
             await executors.evaluate(os._exit, 3)
         again = await executors.evaluate(os.getpid)

@@ -20,7 +20,7 @@ import pytest
 import pytest_asyncio
 import torch
 
-from coordinator.publication.evaluation import evaluate_params
+from coordinator.publication.evaluation_process import evaluate_params
 from geofed.codec import decode
 from geofed.codec_params import CodecParams
 from geofed.fragments import fragment_plan

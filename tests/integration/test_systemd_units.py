@@ -231,7 +231,7 @@ decode(encode({n: stepped[n] - params[n] for n in params}, scheme="int8"))
 # And its evaluation process: the example task's model (GELU) evaluated as it does there.
 import io, json
 from coordinator.jobs.initial_build import initial_parameters
-from coordinator.publication.evaluation import evaluate_in_process
+from coordinator.publication.evaluation_process import evaluate_in_process
 from geofed.task import load_task
 example, options = "geofed.examples.charlm:CharLMTask", {"d_model": 32, "n_layers": 1}
 buffer = io.BytesIO()

@@ -25,7 +25,7 @@ import pytest
 import pytest_asyncio
 import torch
 
-from coordinator.publication.evaluation import evaluate_params
+from coordinator.publication.evaluation_process import evaluate_params
 from geofed.lr_schedule import apply_lr, job_step, lr_factor
 from geofed.params import federated_names, parameters_vector_hash
 from geofed.task import DataShard, load_task

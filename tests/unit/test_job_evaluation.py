@@ -18,7 +18,6 @@ from coordinator.publication.evaluation import (
     MAX_METRICS,
     METRICS_POINTER,
     JobEvaluation,
-    evaluate_params,
     format_history,
     format_metrics,
     format_val_loss,
@@ -28,6 +27,7 @@ from coordinator.publication.evaluation import (
     parse_metrics,
     parse_val_loss,
 )
+from coordinator.publication.evaluation_process import evaluate_params
 from coordinator.storage.working_state import WorkingState
 from geofed.task import evaluates_centrally, load_task, load_task_class
 
