@@ -1,7 +1,8 @@
 """A regional agent killed with SIGKILL in the middle of its upload, twice.
 
-A real federation (embedded broker, coordinator and two agents as processes, mutual TLS,
-SQLite), a quorum of one. The round eu-west is first killed in, and stays down through,
+A real federation (Mosquitto with the production config, TLS and the generated ACL;
+coordinator and two agents as processes, mutual TLS, SQLite), a quorum of one. The round
+eu-west is first killed in, and stays down through,
 has a short deadline (round 0's median arrival, at least 10 s): only the test waits for
 it to pass. Every other round's is 60 s, long enough for a killed agent's restart and
 resume within its round (a round both regions deliver closes at once, whatever its
@@ -12,6 +13,11 @@ process group) once the coordinator has spooled some of the delta's frames but n
 An observer records every status and round announcement on the broker. Nothing is
 evaluated (``evaluation: none``): no assertion here looks at a loss.
 
+* Offline: killed (no goodbye), eu-west's Last Will wins over the statuses it outlived,
+  though the broker registered it when the agent connected (an older ``sent_at``): the
+  coordinator shows the region offline (``GET /v1/regions``, and ``geofed_region_up`` 0,
+  which ``GeofedRegionDown`` watches) within the agent's keep-alive. Restarted, the
+  agent's new statuses replace the Will and the region is up again.
 * Past the deadline: eu-west stays down until its round closes without it. Restarted,
   it drops its stale delta, syncs to the latest published parameters and delivers
   again; it lost only the rounds it was down for.
@@ -89,6 +95,8 @@ DEADLINE = {
 }
 #: The coordinator's spool has settled once it went this long without a change.
 SETTLE_S = 1.0
+#: The slow agent's heartbeat_s, which is also its MQTT keep-alive.
+HEARTBEAT_S = 2
 
 
 def spooled_frames(fed: FederationRun, region: str, round_: int) -> set[int]:
@@ -105,6 +113,27 @@ def spooled_frames(fed: FederationRun, region: str, round_: int) -> set[int]:
 
 def agent_spool(fed: FederationRun, region: str, round_: int) -> Path:
     return fed.work / "agents" / region / "jobs" / fed.job / "spool" / f"round-{round_}"
+
+
+async def region_seen(fed: FederationRun) -> tuple[str, float, str]:
+    """The slow region's state and detail in ``GET /v1/regions``, its ``geofed_region_up``."""
+    body = await fed.get("/v1/regions")
+    (entry,) = [e for e in body["regions"] if e["region"] == SLOW]
+    up = sample(await fed.metrics_text(), "geofed_region_up", region=SLOW)
+    return str(entry["state"]), up, str(entry.get("detail"))
+
+
+async def seen_at(fed: FederationRun, offline: bool, what: str, timeout_s: float) -> float:
+    """Poll the coordinator's view of the slow region until it is offline (and down) or
+    not (and up); return when it was first seen so."""
+    deadline = time.monotonic() + timeout_s
+    seen: tuple[str, float, str] = ("", -1.0, "")
+    while time.monotonic() < deadline:
+        seen = await region_seen(fed)
+        if ((seen[0] == "offline"), seen[1]) == (offline, 0.0 if offline else 1.0):
+            return time.monotonic()
+        await asyncio.sleep(0.1)
+    raise AssertionError(f"{what}: still {seen} after {timeout_s} s\n{fed.log_tails()}")
 
 
 def configure(proxy: WanProxy) -> Callable[[str, dict[str, Any]], None]:
@@ -125,6 +154,7 @@ def configure(proxy: WanProxy) -> Callable[[str, dict[str, Any]], None]:
         elif name.startswith("agent-"):
             if name == f"agent-{SLOW}":
                 data["coordinator_url"] = f"https://localhost:{proxy.port}"
+                data["timeouts"]["heartbeat_s"] = HEARTBEAT_S
         elif name == "job":
             data["min_regions"] = 1
             data["deadline"] = DEADLINE
@@ -207,6 +237,7 @@ async def slow_federation(
             regions=REGIONS,
             rounds=rounds,
             inner_steps=INNER_STEPS,
+            broker="mosquitto",
             customize=configure(proxy),
         ) as (fed, observer),
     ):
@@ -222,7 +253,19 @@ async def test_an_agent_killed_mid_upload_rejoins_or_resumes_and_loses_only_its_
     async with slow_federation(tmp_path, rounds=ROUNDS, seed=2) as (fed, proxy, observer):
         # Down past the deadline: the round closes with the quorum of one, without it.
         await fed.wait_round(KILLED_ROUND)
-        lost = await kill_mid_upload(fed, proxy, observer, KILLED_ROUND)
+        # Its statuses since round 0 are newer than its Will: the coordinator's view is
+        # watched from before the kill, so the time to offline is not the test's.
+        state, up, _ = await region_seen(fed)
+        assert (state != "offline", up) == (True, 1.0), state
+        offline = asyncio.create_task(seen_at(fed, True, f"{SLOW} seen offline", WAIT_S))
+        try:
+            lost = await kill_mid_upload(fed, proxy, observer, KILLED_ROUND)
+            down_s = await offline - lost.at
+        finally:
+            offline.cancel()
+        state, _, detail = await region_seen(fed)
+        assert (state, detail) == ("offline", "connection lost")
+        assert sample(await fed.metrics_text(), "geofed_regions_up") == 1  # us-east's
         await wait_job(
             fed,
             lambda job: int(job["round"]) > KILLED_ROUND,
@@ -231,6 +274,7 @@ async def test_an_agent_killed_mid_upload_rejoins_or_resumes_and_loses_only_its_
         )
         restarted_at = time.monotonic()
         await fed.restart(f"agent-{SLOW}")  # its link still capped
+        up_s = await seen_at(fed, False, f"the restarted {SLOW} seen up", 120) - restarted_at
         rounds_after = range(KILLED_ROUND + 1, ROUNDS - 1)
         await poll(
             fed,
@@ -268,6 +312,9 @@ async def test_an_agent_killed_mid_upload_rejoins_or_resumes_and_loses_only_its_
             {"us-east": set(range(ROUNDS)), SLOW: {0, *range(rejoined, ROUNDS)}},
         )
 
+    # The broker publishes the Will as soon as it sees the connection close, at the latest
+    # 1.5 keep-alives after the last packet.
+    assert down_s < 1.5 * HEARTBEAT_S + 1.0, down_s
     assert final["round"] == ROUNDS
     publishes = [e for e in entries if e.action == "round.publish"]
     assert [e.round for e in publishes] == list(range(ROUNDS))
@@ -302,6 +349,7 @@ async def test_an_agent_killed_mid_upload_rejoins_or_resumes_and_loses_only_its_
     assert received == accepted_bytes + lost.held_bytes
 
     print(
+        f"\nkill -9 to offline at the coordinator {down_s:.2f} s; restart to up {up_s:.1f} s"
         f"\npast the deadline: killed in round {KILLED_ROUND} with {lost.held} of "
         f"{len(lost.sizes)} frames held; rejoined in round {rejoined} "
         f"({rejoined - KILLED_ROUND} round(s) lost); restart to accepted delta "

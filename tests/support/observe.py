@@ -110,11 +110,13 @@ class ControlObserver:
         self._task: asyncio.Task[None] | None = None
 
     @classmethod
-    def with_certificate(cls, fed: FederationRun) -> ControlObserver:
+    def with_certificate(
+        cls, fed: FederationRun, backoff: Backoff | None = None
+    ) -> ControlObserver:
         """An observer principal with the federation's observer certificate."""
         bundle = load_trust_bundle(fed.federation.trust_bundle)
         tls = client_ssl_context(bundle, fed.observer.cert, fed.observer.key)
-        return cls(fed.mqtt_port, tls=tls)
+        return cls(fed.mqtt_port, tls=tls, backoff=backoff)
 
     async def _on_message(self, topic: str, payload: bytes) -> None:
         message = decode_any(payload)
@@ -221,15 +223,17 @@ async def start_agents(
 async def observed_federation(
     tmp_path: Path, *, backoff: Backoff | None = None, submit: bool = True, **options: Any
 ) -> AsyncIterator[tuple[FederationRun, ControlObserver]]:
-    """A federation on the embedded broker (``options`` as for ``running_federation``)
-    whose agents start, and whose job is submitted (unless ``submit`` is false), under a
-    running observer."""
-    async with (
-        running_federation(tmp_path, start_agents=False, ready=False, **options) as fed,
-        ControlObserver(fed.mqtt_port, backoff=backoff).running() as observer,
-    ):
-        await start_agents(fed, observer, submit=submit)
-        yield fed, observer
+    """A federation (``options`` as for ``running_federation``, the embedded broker by
+    default) whose agents start, and whose job is submitted (unless ``submit`` is false),
+    under a running observer (with the observer's certificate on Mosquitto)."""
+    async with running_federation(tmp_path, start_agents=False, ready=False, **options) as fed:
+        if options.get("broker") == "mosquitto":
+            observer = ControlObserver.with_certificate(fed, backoff)
+        else:
+            observer = ControlObserver(fed.mqtt_port, backoff=backoff)
+        async with observer.running():
+            await start_agents(fed, observer, submit=submit)
+            yield fed, observer
 
 
 async def stop_agents(fed: FederationRun) -> None:
