@@ -15,6 +15,18 @@ The same federation traces its rounds (``tracing`` in every daemon's config, a f
 collector at the outer edge, ``tests/support/otlp_collector.py``): each round is one
 trace, the coordinator's ``round`` span with the regions' spans of it under it.
 
+The same federation is watched in a real browser, headless Chromium driven by Playwright
+(``tests/support/browser.py``), over mTLS. Without a certificate the TLS handshake is
+refused; with a region's certificate ``/ui`` is a 403; an observer's is served. The job is
+paused after its first round (so it is live, with its per-job series, when the daemons
+are scraped, and has rounds left for the page to see complete); the browser holds the
+operator's certificate as the PKCS#12 file the demo writes for a browser, opens ``/ui``,
+and must see both regions, and, once the job resumes, a validation-loss curve that grows
+by itself (the page's script refetches it) as rounds complete, each region's
+training-loss curve, an intact audit chain, and no console error (a
+Content-Security-Policy violation would be one). The screenshot is kept in the test's
+temporary directory.
+
 The regions train on the CPU. Their MFU is exported because the agents are given a peak
 (``workers.peak_flops``), as an operator of CPU regions would; the names the catalogue
 marks accelerator-only (``regional_agent.metrics.ACCELERATOR_ONLY``: peak GPU memory)
@@ -39,11 +51,14 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from coordinator import metrics as coordinator_metrics
+from geofed.api_paths import ApiPaths
 from geofed.pki import client_ssl_context, load_trust_bundle
 from geofed.pki.httpauth import VerifiedConnector
 from geofed.types import Identity, Role
+from geofed_cli.demo.browser import write_browser_credential
 from regional_agent import metrics as agent_metrics
 from regional_agent.node_telemetry import open_nvml
+from tests.support.browser import chromium
 from tests.support.federation import FEDERATION, FederationRun, running_federation
 from tests.support.monitoring import DASHBOARD, RULES, catalogued, queries
 from tests.support.otlp_collector import CollectedSpan, otlp_collector
@@ -53,9 +68,9 @@ from tests.support.waiting import eventually
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 REGIONS = ("eu-west", "us-east")
-#: Scraped after the first round: the job must still run then, so that per-job series exist
-#: (rounds take well under a second here; the federation stops before the job would end).
-ROUNDS = 1000
+#: Paused after its first round, so that it is live (its per-job series exist) when the
+#: daemons are scraped, and has rounds left for the status page to see complete.
+ROUNDS = 5
 TIMEOUT = aiohttp.ClientTimeout(total=30)
 COORDINATOR_NAMES = frozenset(spec.name for spec in coordinator_metrics.CATALOGUE)
 AGENT_NAMES = frozenset(spec.name for spec in agent_metrics.CATALOGUE)
@@ -197,7 +212,53 @@ def test_rules_and_dashboard_select_metrics_of_both_daemons() -> None:
     assert any(u.where.startswith("variable ") for u in found)
 
 
-async def test_every_selected_metric_is_exported_by_its_daemon(tmp_path: Path) -> None:
+@dataclass
+class Scraped:
+    """What the federation's daemons exported, as Prometheus and a trace collector saw it."""
+
+    traced: list[CollectedSpan]
+    coordinator_text: str
+    expositions: dict[str, dict[str, dict[str, list[dict[str, str]]]]]
+    trained: dict[str, str]
+    regions: dict[str, dict[str, Any]]
+
+
+async def scrape_federation(fed: FederationRun, collector: Any) -> Scraped:
+    """Round 0's spans, and ``/metrics`` of the coordinator and of each agent over HTTPS
+    with an observer certificate, as Prometheus takes it."""
+    # Round 0's spans: the coordinator's at its publication, each region's once the next
+    # announcement closed its timeline.
+    await eventually(lambda: len(round_spans(collector.spans, 0)) >= 3, timeout_s=30)
+    traced = round_spans(collector.spans, 0)
+    bundle = load_trust_bundle(fed.federation.trust_bundle)
+    observer = client_ssl_context(bundle, fed.observer.cert, fed.observer.key)
+    async with aiohttp.ClientSession(
+        connector=aiohttp.TCPConnector(ssl=observer), timeout=TIMEOUT
+    ) as session:
+        coordinator_text = await scrape(session, f"{fed.base}/metrics")
+    source = f"the coordinator's {fed.base}/metrics"
+    expositions = {"coordinator": {source: series(coordinator_text)}}
+    # The demo's region certificates name no host: check the agent's identity instead.
+    agent_context = client_ssl_context(bundle, fed.observer.cert, fed.observer.key)
+    agent_context.check_hostname = False
+    trained: dict[str, str] = {}
+    for region in REGIONS:
+        url = await agent_metrics_url(fed, region)
+        identity = Identity(federation=FEDERATION, role=Role.REGION, name=region)
+        connector = VerifiedConnector(bundle, agent_context, expect=identity)
+        async with aiohttp.ClientSession(connector=connector, timeout=TIMEOUT) as session:
+            text = await scrape(session, url)
+        expositions.setdefault("agent", {})[f"the {region} agent's {url}"] = series(text)
+        trained[region] = text
+    job = await fed.status()
+    assert job["state"] == "paused", "the job ended before the scrape: per-job series gone"
+    regions = {r["region"]: r for r in (await fed.get("/v1/regions"))["regions"]}
+    return Scraped(traced, coordinator_text, expositions, trained, regions)
+
+
+async def test_every_selected_metric_is_exported_and_the_status_page_shows_the_job(
+    tmp_path: Path,
+) -> None:
     scheduling = tmp_path / "scheduling.yaml"
     scheduling.write_text("teams:\n  default: {budget: {amount: 1000}}\n")
     async with (
@@ -210,39 +271,26 @@ async def test_every_selected_metric_is_exported_by_its_daemon(tmp_path: Path) -
             broker="mosquitto",
             customize=configured(scheduling, collector.url),
         ) as fed,
+        chromium() as browser,
     ):
         status, body = await fed.submit({**fed.job_spec(), "budget": 100.0})
         assert status == 201, body
+        await check_page_access(fed, browser)
         await fed.wait_round(1)
-        # Round 0's spans: the coordinator's at its publication, each region's once the
-        # next announcement closed its timeline.
-        await eventually(lambda: len(round_spans(collector.spans, 0)) >= 3, timeout_s=30)
-        traced = round_spans(collector.spans, 0)
+        await act(fed, "pause")
+        await fed.wait_for(lambda s: s["state"] == "paused", timeout_s=30, what="the pause")
+        scraped = await scrape_federation(fed, collector)
+        await watch_the_status_page(fed, browser, tmp_path)
 
-        bundle = load_trust_bundle(fed.federation.trust_bundle)
-        observer = client_ssl_context(bundle, fed.observer.cert, fed.observer.key)
-        async with aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(ssl=observer), timeout=TIMEOUT
-        ) as session:
-            coordinator_text = await scrape(session, f"{fed.base}/metrics")
-        source = f"the coordinator's {fed.base}/metrics"
-        expositions = {"coordinator": {source: series(coordinator_text)}}
-        # The demo's region certificates name no host: check the agent's identity instead.
-        agent_context = client_ssl_context(bundle, fed.observer.cert, fed.observer.key)
-        agent_context.check_hostname = False
-        trained: dict[str, str] = {}
-        for region in REGIONS:
-            url = await agent_metrics_url(fed, region)
-            identity = Identity(federation=FEDERATION, role=Role.REGION, name=region)
-            connector = VerifiedConnector(bundle, agent_context, expect=identity)
-            async with aiohttp.ClientSession(connector=connector, timeout=TIMEOUT) as session:
-                text = await scrape(session, url)
-            expositions.setdefault("agent", {})[f"the {region} agent's {url}"] = series(text)
-            trained[region] = text
-        job = await fed.status()
-        assert job["state"] == "running", "the job ended before the scrape: per-job series gone"
-        regions = {r["region"]: r for r in (await fed.get("/v1/regions"))["regions"]}
+    check_selected_metrics(scraped)
+    check_costs(scraped.coordinator_text)
+    check_round_trace(scraped.traced, collector.spans)
+    check_hardware_and_training(scraped)
 
+
+def check_selected_metrics(scraped: Scraped) -> None:
+    """Every name a rule, a panel or a variable selects is in its daemon's exposition."""
+    expositions = scraped.expositions
     problems: list[str] = []
     checked = 0
     for use in dict.fromkeys(uses()):
@@ -260,7 +308,10 @@ async def test_every_selected_metric_is_exported_by_its_daemon(tmp_path: Path) -
     assert checked > 0
     assert problems == [], "dead alerts or empty panels:\n" + "\n".join(problems)
 
-    # The round's deltas and update are priced (the example's prices); CPU regions hold no GPU.
+
+def check_costs(coordinator_text: str) -> None:
+    """The round's deltas and update are priced (the example's prices); CPU regions hold
+    no GPU; the job's budget and its team's are exported with their burn."""
     cost = {
         sample.labels["kind"]: sample.value
         for family in text_string_to_metric_families(coordinator_text)
@@ -291,7 +342,9 @@ async def test_every_selected_metric_is_exported_by_its_daemon(tmp_path: Path) -
         sum(cost.values()) / (6 * 3600) / (1000 / (30 * 86400))
     )
 
-    # Round 0 is one trace: the coordinator's round span, each region's under it.
+
+def check_round_trace(traced: list[CollectedSpan], spans: list[CollectedSpan]) -> None:
+    """Round 0 is one trace: the coordinator's round span, each region's under it."""
     (root,) = [span for span in traced if span.name == "round"]
     assert root.service == "geofed-coordinator"
     assert root.attributes["geofed.round.outcome"] == "published"
@@ -302,22 +355,25 @@ async def test_every_selected_metric_is_exported_by_its_daemon(tmp_path: Path) -
     for region, top in by_region.items():
         phases = {
             span.name
-            for span in collector.spans
+            for span in spans
             if span.parent_id == top.span_id and span.trace_id == root.trace_id
         }
         assert {"sync", "train", "encode", "upload"} <= phases, (region, phases)
         assert root.start <= top.start <= top.end <= root.end + 5, (region, root, top)
 
+
+def check_hardware_and_training(scraped: Scraped) -> None:
+    """Each region's node in its status, and what its workers measured training."""
     nvml, _ = open_nvml()  # whether this machine's agents can read GPUs
     # Each region's status summarizes its node: memory and disk, GPUs where NVML reads them.
     for region in REGIONS:
-        hardware = regions[region]["hardware"]
+        hardware = scraped.regions[region]["hardware"]
         assert hardware["host"], hardware
         assert hardware["memory_available_bytes"] > 0, hardware
         assert hardware["state_disk_free_bytes"] > 0, hardware
         assert (hardware["gpus"] is None) == (nvml is None), hardware
     # What the workers measured training the round, as each agent exports it.
-    for region, text in trained.items():
+    for region, text in scraped.trained.items():
         (job_id,) = values(text, "geofed_agent_train_tokens_per_second")
         for name in (
             "geofed_agent_train_tokens_per_second",
@@ -346,3 +402,119 @@ async def test_every_selected_metric_is_exported_by_its_daemon(tmp_path: Path) -
         assert values(text, "geofed_agent_peak_accelerator_memory_bytes") == {}, region
         # Tiny model, CPU ranks: far below the peak given, but the ratio it says.
         assert values(text, "geofed_agent_mfu_ratio")[job_id] < 1, region
+
+
+async def act(fed: FederationRun, action: str) -> None:
+    async with fed.http.post(f"{fed.base}{ApiPaths.job_action(fed.job, action)}") as response:
+        assert response.status == 200, await response.text()
+
+
+async def val_points(page: Any) -> int:
+    count: int = await page.locator("svg.val-loss circle.pt").count()
+    return count
+
+
+async def wait_points(page: Any, more_than: int, timeout_s: float) -> int:
+    """Wait (the page refreshing itself) until the validation curve has more points."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        points = await val_points(page)
+        if points > more_than:
+            return points
+        await page.wait_for_timeout(500)
+    raise AssertionError(f"the validation curve stayed at {more_than} points for {timeout_s} s")
+
+
+async def check_page_access(fed: FederationRun, browser: Any) -> None:
+    """No certificate: the handshake fails. A region's certificate: 403. An observer's: 200."""
+    bare = await browser.new_context(ignore_https_errors=True)
+    page = await bare.new_page()
+    with pytest.raises(Exception, match=r"net::ERR_"):
+        await page.goto(f"{fed.base}{ApiPaths.UI}")
+    await bare.close()
+    region = fed.federation.regions[REGIONS[0]]
+    as_region = await browser.new_context(
+        ignore_https_errors=True,
+        client_certificates=[
+            {"origin": fed.base, "certPath": str(region.cert), "keyPath": str(region.key)}
+        ],
+    )
+    page = await as_region.new_page()
+    response = await page.goto(f"{fed.base}{ApiPaths.UI}")
+    assert response is not None
+    assert response.status == 403
+    assert "forbidden" in await response.text()
+    await as_region.close()
+    observer = await browser.new_context(
+        ignore_https_errors=True,
+        client_certificates=[
+            {
+                "origin": fed.base,
+                "certPath": str(fed.observer.cert),
+                "keyPath": str(fed.observer.key),
+            }
+        ],
+    )
+    page = await observer.new_page()
+    response = await page.goto(f"{fed.base}{ApiPaths.UI}?part=main")
+    assert response is not None
+    assert response.status == 200
+    live = await response.text()  # the part the page's script refetches
+    assert 'id="federation"' in live
+    assert "<html" not in live
+    await observer.close()
+
+
+async def watch_the_status_page(fed: FederationRun, browser: Any, tmp_path: Path) -> None:
+    """The paused job on ``/ui`` as the operator's browser shows it; resumed, its curves
+    grow by themselves until it completes."""
+    operator = write_browser_credential(fed.federation.operator.directory)
+    context = await browser.new_context(
+        ignore_https_errors=True,  # the demo CA is not the browser's to trust
+        viewport={"width": 1280, "height": 900},
+        client_certificates=[
+            {"origin": fed.base, "pfxPath": str(operator.p12), "passphrase": operator.passphrase}
+        ],
+    )
+    page = await context.new_page()
+    errors: list[str] = []
+    page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
+    page.on("pageerror", lambda exc: errors.append(str(exc)))
+    response = await page.goto(f"{fed.base}{ApiPaths.UI}?refresh=1")
+    assert response is not None
+    assert response.status == 200, await response.text()
+    assert "default-src 'none'" in (await response.header_value("content-security-policy"))
+
+    assert await page.title() == "geofed · demo"
+    names = await page.locator("#regions .region-name").all_inner_texts()
+    assert set(REGIONS) <= set(names), names  # and the federation's other regions
+    for region in REGIONS:
+        name = page.locator(".region-name", has_text=region)
+        row = page.locator("#regions tbody tr", has=name)
+        assert await row.locator(".state").inner_text() != "unknown", region
+    assert await page.locator(f"#jobs-table a[href='#job-{fed.job}']").count() == 1
+    before = await val_points(page)
+    assert before >= 1
+    assert before < ROUNDS  # paused with rounds to go: the curve must still grow
+    await act(fed, "resume")
+    # The page refetches itself: the curve grows while the browser just watches.
+    after = await wait_points(page, before, timeout_s=180)
+    assert after > before
+    for region in REGIONS:
+        series_of = page.locator(f"svg.train-loss circle.pt[data-series='{region}']")
+        assert await series_of.count() >= 1, region
+    assert await page.locator("#chain .chain-ok").count() == 1
+    assert await page.locator("#audit-tail tbody tr").count() >= 5
+    assert await page.locator("svg.timeline rect.bar").count() >= 1
+    # The agents reported how their rounds split: training and communication bars.
+    assert await page.locator("svg.timeline rect.bar.train").count() >= 1
+    assert await page.locator("svg.timeline rect.bar.comm").count() >= 1
+
+    final = await fed.wait_completed()
+    await wait_points(page, len(final["val_loss_history"]) - 1, timeout_s=30)
+    shot = tmp_path / "status-page.png"
+    await page.screenshot(path=str(shot), full_page=True)
+    print(f"status page screenshot: {shot} (validation curve {before} -> {after} points)")
+    assert shot.stat().st_size > 10_000
+    assert errors == [], errors
+    await context.close()
