@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from coordinator.jobs.initial_build import initial_parameters
-from coordinator.publication.evaluation import evaluate_params
+from coordinator.publication.evaluation_process import evaluate_params
 from geofed.examples.charlm.data import TokenBatch
 from geofed.examples.llama import PRESETS, Llama, LlamaConfig, LlamaOptions, LlamaTask
 from geofed.examples.llama.model import apply_rotary, rotary_table
