@@ -68,10 +68,10 @@ INNER_STEPS = 3
 KILLED_ROUND = 1
 #: Round 0, the killed round, at most one more lost, the rejoined one, the resumed one.
 ROUNDS = 5
-#: Upstream cap of the slow region's link in bytes per second: its ~32 KB delta takes ~8 s.
+#: Upstream cap of the slow region's link in bytes per second: its ~32 KB delta takes ~4 s.
 #: On from the start: a round's upload follows the previous publication too closely to
 #: switch the cap on in between.
-CAP_BPS = 4_000
+CAP_BPS = 8_000
 #: The deadline of round 0 and of every round from 2 on: long enough for a capped upload,
 #: and for a killed agent's restart and resume within its round on a loaded machine (a
 #: restart starts three torch processes: the agent, its launcher and its rank).
