@@ -7,7 +7,8 @@ imports ``torch._dynamo``: about a second of CPU and 70 MB resident in a process
 otherwise never compiles anything (the coordinator, which builds a job's model on meta
 only to learn its shapes). :func:`on_meta` makes those fills return their tensor as it is.
 Everything else runs as usual: an op that computes one tensor from others (a rotary
-table's ``outer`` and ``polar``) still goes through its kernel, and may still import it.
+table's ``outer`` and ``polar``) still goes through its kernel, which may import
+``torch._dynamo`` all the same.
 """
 
 from __future__ import annotations
