@@ -13,6 +13,8 @@ counted by code and audited; bad input changes nothing.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import hashlib
 import hmac
 import logging
@@ -60,6 +62,8 @@ log = logging.getLogger(__name__)
 
 _MANIFEST_CACHE = 64
 _READ = 1 << 20
+#: How long an upload to a job still being recovered waits for it before a 503.
+RECOVERY_WAIT_S = 1.0
 
 
 def receipt_json(receipt: Receipt) -> dict[str, Any]:
@@ -197,7 +201,7 @@ class UploadService:
 
     # -- steps --------------------------------------------------------------------
 
-    def _engine(self, job: str, region: str, actor: Identity, round: int) -> JobEngine:
+    async def _engine(self, job: str, region: str, actor: Identity, round: int) -> JobEngine:
         if actor.role is not Role.REGION or actor.name != region:
             raise Forbidden(
                 f"{actor} may not upload the delta of region {region}; only region/{region} may"
@@ -208,6 +212,15 @@ class UploadService:
             if exc.code == "bad_request":
                 raise
             raise unknown_job(job) from None  # an unavailable job answers as unknown too
+        if not engine.recovered.is_set():
+            # Until recovered, a restarted job's regions are those it was submitted with: a
+            # region that joined since would be told the job does not exist, and drop its
+            # round. Wait for the recovery (usually a fraction of a second) within the
+            # request's time, then judge.
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(engine.recovered.wait(), RECOVERY_WAIT_S)
+            if not engine.recovered.is_set():
+                raise Unavailable(f"job {job} is being recovered; try again shortly")
         if region not in engine.ctx.spec.regions:
             # As a job that does not exist: a region learns nothing of other regions' jobs.
             raise unknown_job(job)
@@ -217,7 +230,7 @@ class UploadService:
     async def _manifest(
         self, job: str, round: int, region: str, actor: Identity, body: bytes
     ) -> dict[str, Any]:
-        engine = self._engine(job, region, actor, round)
+        engine = await self._engine(job, region, actor, round)
         limits = self._s.config.limits
         if len(body) > limits.max_manifest_bytes:
             raise TooLarge(
@@ -257,7 +270,7 @@ class UploadService:
     async def _chunk_from(
         self, job: str, round: int, region: str, index: int, actor: Identity, body: StreamReader
     ) -> dict[str, Any]:
-        engine = self._engine(job, region, actor, round)
+        engine = await self._engine(job, region, actor, round)
         digest, signed = await self._open_upload(engine, round, region)
         size = self._chunk_size(signed, index)
         data = await read_frame(body, size)
@@ -310,7 +323,7 @@ class UploadService:
         actor: Identity,
         metrics: Mapping[str, float],
     ) -> dict[str, Any]:
-        engine = self._engine(job, region, actor, round)
+        engine = await self._engine(job, region, actor, round)
         pointer = await self._s.db.get_pointer(job, upload_pointer(round, region))
         if not pointer:
             accepted = await self._s.db.receipt(job, round, region)
@@ -367,7 +380,7 @@ class UploadService:
     async def _single_shot(
         self, job: str, round: int, region: str, actor: Identity, body: StreamReader
     ) -> dict[str, Any]:
-        self._engine(job, region, actor, round)
+        await self._engine(job, region, actor, round)
         head = await read_exactly(body, HEADER_SIZE, "bundle header")
         try:
             length = manifest_length(head)

@@ -37,7 +37,7 @@ import pytest
 
 from coordinator.state.sqlite import SqliteStore
 from coordinator.storage.working_state import VERSION
-from tests.support.coordinator import JOB, request
+from tests.support.coordinator import JOB, job_yaml, request
 from tests.support.coordinator_daemon import daemon_with_broker
 from tests.support.federation import FederationRun, running_federation
 from tests.support.pki import make_federation
@@ -135,6 +135,50 @@ async def test_an_upload_while_the_job_is_read_back_is_retried_not_closed(
         assert (ready, readiness["checks"]["jobs"]) == (200, "ok"), readiness
         await daemon.wait_job("round 0 to collect again", collecting)
         status, body = await region.three_step(JOB, 0, manifest, stream)
+        assert (status, body["state"]) == (200, "accepted"), body
+
+
+async def test_a_region_that_joined_uploading_while_the_job_is_read_back_is_told_to_retry(
+    tmp_path: Path,
+) -> None:
+    """Until its job is read back, a restarted coordinator knows the regions the job was
+    submitted with: us-east, which joined later, must be told to retry (503), not that the
+    job does not exist (404, on which a region drops its round)."""
+    fed = make_federation(tmp_path / "fed", "acme")
+    async with daemon_with_broker(tmp_path / "joined", fed) as daemon:
+        await daemon.start()
+        operator = daemon.session(daemon.setup.operator)
+        alone = job_yaml(rounds=3, extra="min_regions: 1\nmax_regions: 2\n").replace(
+            "  us-east: [us-public-domain-books]\n", ""
+        )
+        status, body = await request(operator, "POST", "/v1/jobs", data=alone)
+        assert status == 201, body
+        joined = {"add": "us-east", "datasets": ["us-public-domain-books"]}
+        status, body = await request(operator, "POST", f"/v1/jobs/{JOB}/regions", json=joined)
+        assert status in (200, 202), body
+        job = await daemon.wait_job("round 0 to collect", collecting)
+        eu_west = daemon.region("eu-west")
+        manifest, stream = eu_west.delta(JOB, 0, job["params_hash"], seed=1)
+        status, body = await eu_west.three_step(JOB, 0, manifest, stream)
+        assert (status, body["state"]) == (200, "accepted"), body
+
+        def with_us_east(s: dict[str, Any]) -> bool:
+            current = s.get("current") or {}
+            return current.get("phase") == "collecting" and "us-east" in current["participants"]
+
+        job = await daemon.wait_job("a round on us-east", with_us_east)
+        await daemon.kill()
+
+        await daemon.start(fault="recover", wait_ready=False)
+        await daemon.wait_marker("recover", 0)
+        us_east = daemon.region("us-east")
+        manifest, stream = us_east.delta(JOB, job["round"], job["params_hash"], seed=2)
+        status, body = await us_east.three_step(JOB, job["round"], manifest, stream)
+        assert (status, body["error"]) == (503, "unavailable"), body
+
+        (daemon.state_dir / f"fault-recover-{JOB}-0").unlink()
+        await daemon.wait_ready()
+        status, body = await us_east.three_step(JOB, job["round"], manifest, stream)
         assert (status, body["state"]) == (200, "accepted"), body
 
 
