@@ -46,11 +46,7 @@ pytest: $(STAMP) system-deps bytecode
 bytecode: $(STAMP)
 	$(PY) -m compileall -q -j 0 coordinator regional_agent geofed geofed_cli benchmarks tests >/dev/null
 
-# Ruff, mypy and pytest side by side: the checks take the CPU the tests leave idle while
-# they wait on daemons, deadlines and links (about a sixth of a run on 2 cores), instead
-# of 40 s before the tests start. Any of them failing fails the target once all have ended.
-test: $(STAMP)
-	$(MAKE) --no-print-directory -j3 lint typecheck pytest
+test: lint typecheck pytest
 
 # The GPU tests (tests/gpu/; `pytest tests` leaves them out): never part of `make test` or CI.
 # Run on a CUDA machine with a Python whose torch sees the GPU (a GPU image's own python3,

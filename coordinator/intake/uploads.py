@@ -13,8 +13,6 @@ counted by code and audited; bad input changes nothing.
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import hashlib
 import hmac
 import logging
@@ -53,7 +51,7 @@ from geofed.artifact_bundle import HEADER_SIZE, BundleError, manifest_length
 from geofed.codec.host_threads import usable_cpus
 from geofed.manifest import ManifestError, SignedManifest
 from geofed.pki.errors import CertificateRefused
-from geofed.timeouts import Timeout, wait_for
+from geofed.timeouts import Timeout, wait_event, wait_for
 from geofed.types import ArtifactKind, Identity, Role
 
 __all__ = ["UploadService", "receipt_json"]
@@ -212,15 +210,12 @@ class UploadService:
             if exc.code == "bad_request":
                 raise
             raise unknown_job(job) from None  # an unavailable job answers as unknown too
-        if not engine.recovered.is_set():
-            # Until recovered, a restarted job's regions are those it was submitted with: a
-            # region that joined since would be told the job does not exist, and drop its
-            # round. Wait for the recovery (usually a fraction of a second) within the
-            # request's time, then judge.
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(engine.recovered.wait(), RECOVERY_WAIT_S)
-            if not engine.recovered.is_set():
-                raise Unavailable(f"job {job} is being recovered; try again shortly")
+        # Until recovered, a restarted job's regions are those it was submitted with: a
+        # region that joined since would be told the job does not exist, and drop its
+        # round. Wait for the recovery (usually a fraction of a second) within the
+        # request's time, then judge.
+        if not await wait_event(engine.recovered, RECOVERY_WAIT_S):
+            raise Unavailable(f"job {job} is being recovered; try again shortly")
         if region not in engine.ctx.spec.regions:
             # As a job that does not exist: a region learns nothing of other regions' jobs.
             raise unknown_job(job)

@@ -18,7 +18,7 @@ trace, the coordinator's ``round`` span with the regions' spans of it under it.
 The same federation is watched in a real browser, headless Chromium driven by Playwright
 (``tests/support/browser.py``), over mTLS. Without a certificate the TLS handshake is
 refused; with a region's certificate ``/ui`` is a 403; an observer's is served. The job is
-paused after its first round (so it is live, with its per-job series, when the daemons
+paused after its second round (so it is live, with its per-job series, when the daemons
 are scraped, and has rounds left for the page to see complete); the browser holds the
 operator's certificate as the PKCS#12 file the demo writes for a browser, opens ``/ui``,
 and must see both regions, and, once the job resumes, a validation-loss curve that grows
@@ -68,9 +68,9 @@ from tests.support.waiting import eventually
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 REGIONS = ("eu-west", "us-east")
-#: Paused after its first round, so that it is live (its per-job series exist) when the
+#: Paused after its second round, so that it is live (its per-job series exist) when the
 #: daemons are scraped, and has rounds left for the status page to see complete.
-ROUNDS = 5
+ROUNDS = 6
 TIMEOUT = aiohttp.ClientTimeout(total=30)
 COORDINATOR_NAMES = frozenset(spec.name for spec in coordinator_metrics.CATALOGUE)
 AGENT_NAMES = frozenset(spec.name for spec in agent_metrics.CATALOGUE)
@@ -276,7 +276,9 @@ async def test_every_selected_metric_is_exported_and_the_status_page_shows_the_j
         status, body = await fed.submit({**fed.job_spec(), "budget": 100.0})
         assert status == 201, body
         await check_page_access(fed, browser)
-        await fed.wait_round(1)
+        # θ_2: both regions saw round 1 announced, which closes their timelines (and
+        # spans) of round 0; a pause sooner could take that announcement's place.
+        await fed.wait_round(2)
         await act(fed, "pause")
         await fed.wait_for(lambda s: s["state"] == "paused", timeout_s=30, what="the pause")
         scraped = await scrape_federation(fed, collector)
