@@ -51,7 +51,7 @@ from geofed.artifact_bundle import HEADER_SIZE, BundleError, manifest_length
 from geofed.codec.host_threads import usable_cpus
 from geofed.manifest import ManifestError, SignedManifest
 from geofed.pki.errors import CertificateRefused
-from geofed.timeouts import Timeout, wait_event, wait_for
+from geofed.timeouts import Timeout, wait_for
 from geofed.types import ArtifactKind, Identity, Role
 
 __all__ = ["UploadService", "receipt_json"]
@@ -210,12 +210,8 @@ class UploadService:
             if exc.code == "bad_request":
                 raise
             raise unknown_job(job) from None  # an unavailable job answers as unknown too
-        # Until recovered, a restarted job's regions are those it was submitted with: a
-        # region that joined since would be told the job does not exist, and drop its
-        # round. Wait for the recovery (usually a fraction of a second) within the
-        # request's time, then judge.
-        if not await wait_event(engine.recovered, RECOVERY_WAIT_S):
-            raise Unavailable(f"job {job} is being recovered; try again shortly")
+        # Recovery usually takes a fraction of a second: waited for within the request's time.
+        await engine.await_recovered(RECOVERY_WAIT_S)
         if region not in engine.ctx.spec.regions:
             # As a job that does not exist: a region learns nothing of other regions' jobs.
             raise unknown_job(job)

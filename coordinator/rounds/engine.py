@@ -83,11 +83,7 @@ from coordinator.scheduling.elastic import Membership
 from coordinator.services import Services
 from coordinator.state.audit import AuditEvent, AuditVerdict
 from coordinator.state.store import MAX_POINTER_VALUE, ConflictError, Receipt
-from coordinator.state.transactions import (
-    DeltaOffer,
-    accept_delta,
-    record_job_failure,
-)
+from coordinator.state.transactions import DeltaOffer, accept_delta, record_job_failure
 from coordinator.storage.working_state import WorkingState
 from geofed.control.messages import AnnouncedPhase
 from geofed.timeouts import wait_event
@@ -97,8 +93,7 @@ __all__ = ["DeltaOffer", "JobEngine"]
 log = logging.getLogger(__name__)
 
 
-async def _nothing(reason: str) -> None:
-    return None
+async def _nothing(reason: str) -> None: ...
 
 
 class JobEngine:
@@ -184,13 +179,22 @@ class JobEngine:
             return rs
         return None
 
-    def check_open(self, region: str, round: int) -> DeltaVerdict:
-        """The verdict on a delta of ``region`` for ``round`` now; raise the 409 (or 503)
-        it gets when refused, 503 while recovering."""
+    async def await_recovered(self, wait_s: float) -> None:
+        """Wait up to ``wait_s`` for this job's state to be read back, else 503 (until
+        then a restarted job knows only the regions it was submitted with)."""
+        await wait_event(self.recovered, wait_s)
+        self._refuse_while_recovering()
+
+    def _refuse_while_recovering(self) -> None:
         if not self.recovered.is_set():
             # Not a 409: a region takes that as final for the round (a straggler), and the
             # round it uploads to may well be the one about to be recovered as open.
             raise Unavailable(f"job {self.job} is being recovered; try again shortly")
+
+    def check_open(self, region: str, round: int) -> DeltaVerdict:
+        """The verdict on a delta of ``region`` for ``round`` now; raise the 409 (or 503)
+        it gets when refused, 503 while recovering."""
+        self._refuse_while_recovering()
         verdict = judge_delta(self.round_state, region, round, self._s.clock(), self._intake())
         if not verdict.accepted:
             raise refusal(verdict)
@@ -245,12 +249,8 @@ class JobEngine:
         )
         self._publisher = RoundPublisher(self._s, self.ctx, self.snapshots)
         self.applied = membership
-        log.info(
-            "job %s runs on %s (shards %s)",
-            self.job,
-            ", ".join(membership.members),
-            dict(membership.assignment),
-        )
+        members, shards = ", ".join(membership.members), dict(membership.assignment)
+        log.info("job %s runs on %s (shards %s)", self.job, members, shards)
 
     def _serving(self, region: str) -> bool:
         """Whether ``region`` serves the job now (its failures count for its snapshots)."""
