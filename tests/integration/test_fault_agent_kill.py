@@ -305,7 +305,7 @@ async def test_an_agent_killed_mid_upload_rejoins_or_resumes_and_loses_only_its_
         )
         entries = await audit_entries(fed, job=fed.job, verify=True)
         metrics = await fed.metrics_text()
-        check_same_parameters(
+        await check_same_parameters(
             fed,
             observer,
             ROUNDS,

@@ -114,4 +114,4 @@ async def test_a_stopped_region_is_merged_late_and_replayed_after_a_restart(
     # Each region trained from the θ announced for each of its rounds, and ends on θ_2.
     delivered = {r: {n for n in range(ROUNDS) if observer.accepted(r, n)} for r in REGIONS}
     assert all({0, 1} <= rounds for rounds in delivered.values()), delivered
-    check_same_parameters(fed, observer, ROUNDS, delivered)
+    await check_same_parameters(fed, observer, ROUNDS, delivered)

@@ -132,7 +132,7 @@ async def test_worker_killed_mid_round_is_restarted_and_the_region_loses_no_roun
         agents_after = agent_pids(fed)
         agent_text = await agent_metrics(fed, VICTIM)
         entries = await audit_entries(fed, job=fed.job, verify=True)
-        check_same_parameters(
+        await check_same_parameters(
             fed, observer, ROUNDS, {region: set(range(ROUNDS)) for region in REGIONS}
         )
 

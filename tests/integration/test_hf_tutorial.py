@@ -106,7 +106,7 @@ async def test_the_hugging_face_tutorial_runs_as_written(tmp_path: Path) -> None
         final = await fed.wait_for(
             lambda s: s.get("state") == "completed", timeout_s=240, what="the job to complete"
         )
-        check_same_parameters(
+        await check_same_parameters(
             fed, observer, ROUNDS, {region: set(range(ROUNDS)) for region in REGIONS}
         )
         shown = await operator_cli(fed, *status[1:])

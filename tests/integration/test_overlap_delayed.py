@@ -53,7 +53,7 @@ async def test_delayed_rounds_train_ahead_of_theta_agree_and_survive_a_killed_wo
         await kill_rank0_ahead_of_theta(fed, victim, killed_round)
         final = await fed.wait_completed(timeout_s=WAIT_S)
         entries = await audit_entries(fed, job=fed.job, verify=True)
-        check_same_parameters(
+        await check_same_parameters(
             fed, observer, ROUNDS, {region: set(range(ROUNDS)) for region in REGIONS}
         )
         trained_ahead = {region: ahead(fed, region) for region in REGIONS}

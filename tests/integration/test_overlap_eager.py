@@ -78,7 +78,7 @@ async def test_eager_rounds_start_from_the_estimate_and_agree_with_the_coordinat
     ) as (fed, observer):
         final = await fed.wait_completed(timeout_s=WAIT_S)
         entries = await audit_entries(fed, job=fed.job, verify=True)
-        check_same_parameters(
+        await check_same_parameters(
             fed, observer, ROUNDS, {region: set(range(ROUNDS)) for region in REGIONS}
         )
         from_s = {region: started_from_s(fed, region) for region in REGIONS}

@@ -39,6 +39,7 @@ from tests.support.federation import (
     FederationRun,
     running_federation,
 )
+from tests.support.waiting import eventually
 
 #: How long a fault test waits for one step of its scenario.
 WAIT_S = 120.0
@@ -286,11 +287,27 @@ def held_params(fed: FederationRun, region: str) -> dict[str, Any]:
     return {"round": data["round"], "hash": data["hash"]}
 
 
-def check_same_parameters(
-    fed: FederationRun, observer: ControlObserver, rounds: int, trained: dict[str, set[int]]
+async def check_same_parameters(
+    fed: FederationRun,
+    observer: ControlObserver,
+    rounds: int,
+    trained: dict[str, set[int]],
+    *,
+    settle_s: float = 10.0,
 ) -> None:
     """Each region trained exactly ``trained[region]``, each from the θ_r announced for it,
-    and every region holds the same last θ."""
+    and every region holds the same last θ.
+
+    A region reports its delta accepted over MQTT once its upload was answered, so the
+    job may complete before the observer hears the last report: the expected reports
+    are waited for (``settle_s`` at most) before anything is judged.
+    """
+
+    def all_reported() -> bool:
+        return all(observer.accepted(region, r) for region in fed.regions for r in trained[region])
+
+    with contextlib.suppress(TimeoutError):
+        await eventually(all_reported, timeout_s=settle_s)
     announced = {a.round: a.base_hash for a in observer.announcements if a.state == "open"}
     assert set(announced) == set(range(rounds)), sorted(announced)
     reported: dict[tuple[int, str], set[str]] = defaultdict(set)
