@@ -146,12 +146,18 @@ class ControlObserver:
         finally:
             await self.stop()
 
-    def accepted(self, region: str, round_: int) -> list[tuple[float, RegionStatus]]:
-        """The statuses in which ``region`` reported its delta of ``round_`` accepted."""
+    def accepted(
+        self, region: str, round_: int, job: str | None = None
+    ) -> list[tuple[float, RegionStatus]]:
+        """The statuses in which ``region`` reported its delta of ``round_`` (of ``job``,
+        if given) accepted."""
         return [
             (at, s)
             for at, s in self.statuses
-            if s.region == region and s.round == round_ and s.detail.startswith("delta accepted")
+            if s.region == region
+            and s.round == round_
+            and s.detail.startswith("delta accepted")
+            and job in (None, s.job)
         ]
 
 
@@ -280,9 +286,9 @@ def signal_all(pids: Sequence[int], sig: signal.Signals) -> None:
             os.kill(pid, sig)
 
 
-def held_params(fed: FederationRun, region: str) -> dict[str, Any]:
-    """Which θ the region holds on disk."""
-    path = fed.work / "agents" / region / "jobs" / fed.job / "params" / "current.json"
+def held_params(fed: FederationRun, region: str, job: str | None = None) -> dict[str, Any]:
+    """Which θ of ``job`` (the federation's own by default) the region holds on disk."""
+    path = fed.work / "agents" / region / "jobs" / (job or fed.job) / "params" / "current.json"
     data = json.loads(path.read_text())
     return {"round": data["round"], "hash": data["hash"]}
 
@@ -293,31 +299,38 @@ async def check_same_parameters(
     rounds: int,
     trained: dict[str, set[int]],
     *,
+    job: str | None = None,
     settle_s: float = 10.0,
 ) -> None:
-    """Each region trained exactly ``trained[region]``, each from the θ_r announced for it,
-    and every region holds the same last θ.
+    """Each region trained exactly ``trained[region]`` of ``job`` (the federation's own by
+    default), each from the θ_r announced for it, and every region holds the same last θ.
 
     A region reports its delta accepted over MQTT once its upload was answered, so the
     job may complete before the observer hears the last report: the expected reports
     are waited for (``settle_s`` at most) before anything is judged.
     """
 
+    job = job or fed.job
+
     def all_reported() -> bool:
-        return all(observer.accepted(region, r) for region in fed.regions for r in trained[region])
+        return all(
+            observer.accepted(region, r, job) for region in fed.regions for r in trained[region]
+        )
 
     with contextlib.suppress(TimeoutError):
         await eventually(all_reported, timeout_s=settle_s)
-    announced = {a.round: a.base_hash for a in observer.announcements if a.state == "open"}
+    announced = {
+        a.round: a.base_hash for a in observer.announcements if a.job == job and a.state == "open"
+    }
     assert set(announced) == set(range(rounds)), sorted(announced)
     reported: dict[tuple[int, str], set[str]] = defaultdict(set)
     for _, s in observer.statuses:
-        if s.job == fed.job and s.round is not None and s.params_hash is not None:
+        if s.job == job and s.round is not None and s.params_hash is not None:
             reported[(s.round, s.region)].add(s.params_hash)
     for (round_, region), hashes in reported.items():
         assert hashes == {announced[round_]}, (round_, region, hashes)
     for region in fed.regions:
-        delivered = {r for r in range(rounds) if observer.accepted(region, r)}
+        delivered = {r for r in range(rounds) if observer.accepted(region, r, job)}
         assert delivered == trained[region], (region, delivered)
         last = rounds - 1
-        assert held_params(fed, region) == {"round": last, "hash": announced[last]}, region
+        assert held_params(fed, region, job) == {"round": last, "hash": announced[last]}, region

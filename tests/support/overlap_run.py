@@ -1,6 +1,6 @@
-"""Helpers of the federation tests of the overlap modes (``delayed``, ``streaming``): what
-the agents' logs and the workers' hand-off files say about rounds trained ahead of θ, and
-a worker killed in such a round."""
+"""Helpers of the federation test of the overlap modes (``delayed``, ``streaming``): what
+the agents' logs and the workers' hand-off files say about a job's rounds trained ahead of
+θ, and a worker killed in such a round."""
 
 from __future__ import annotations
 
@@ -19,22 +19,22 @@ _AHEAD = re.compile(
 )
 
 
-def ahead(fed: FederationRun, region: str) -> dict[int, tuple[float, int]]:
+def ahead(fed: FederationRun, region: str, job: str) -> dict[int, tuple[float, int]]:
     """Round -> (training start, fold step) of the rounds the region trained ahead of θ."""
     text = (fed.work / "logs" / f"agent-{region}.log").read_text(errors="replace")
     return {
         int(m.group(2)): (float(m.group(3)), int(m.group(4)))
         for m in _AHEAD.finditer(text)
-        if m.group(1) == fed.job
+        if m.group(1) == job
     }
 
 
-def opened_at(observer: ControlObserver, round_: int) -> float:
-    """When the coordinator announced round ``round_`` open: θ_round exists from then."""
+def opened_at(observer: ControlObserver, job: str, round_: int) -> float:
+    """When the coordinator announced ``job``'s round ``round_`` open: θ_round exists from then."""
     return min(
         a.sent_at.timestamp()
         for a in observer.announcements
-        if a.state == "open" and a.round == round_
+        if a.job == job and a.state == "open" and a.round == round_
     )
 
 
@@ -42,9 +42,10 @@ def workers_dir(fed: FederationRun, region: str) -> Path:
     return fed.work / "agents" / region / "workers"
 
 
-def speculating(fed: FederationRun, region: str, round_: int) -> bool:
-    """The region's workers hold round ``round_``'s speculative instruction, unanswered."""
-    jobs = workers_dir(fed, region) / "jobs" / fed.job
+def speculating(fed: FederationRun, region: str, job: str, round_: int) -> bool:
+    """The region's workers hold ``job``'s round ``round_``'s speculative instruction,
+    unanswered."""
+    jobs = workers_dir(fed, region) / "jobs" / job
     try:
         instruction = json.loads((jobs / f"round-{round_}.instruction.json").read_text())
     except (FileNotFoundError, ValueError):
@@ -55,12 +56,12 @@ def speculating(fed: FederationRun, region: str, round_: int) -> bool:
     )
 
 
-async def kill_rank0_ahead_of_theta(fed: FederationRun, region: str, round_: int) -> None:
-    """SIGKILL ``region``'s rank 0 once it trains round ``round_`` ahead of θ."""
+async def kill_rank0_ahead_of_theta(fed: FederationRun, region: str, job: str, round_: int) -> None:
+    """SIGKILL ``region``'s rank 0 once it trains ``job``'s round ``round_`` ahead of θ."""
     await poll(
         fed,
-        lambda: speculating(fed, region, round_),
-        f"{region} to train round {round_} ahead of θ",
+        lambda: speculating(fed, region, job, round_),
+        f"{region} to train round {round_} of {job} ahead of θ",
         timeout_s=WAIT_S,
     )
     rank0 = json.loads((workers_dir(fed, region) / "ranks" / "rank-0.json").read_text())

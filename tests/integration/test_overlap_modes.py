@@ -1,0 +1,235 @@
+"""The overlap modes in one real federation (embedded broker, coordinator and two agents as
+processes, mutual TLS, real worker groups: two ranks in eu-west (DDP), one in us-east),
+three jobs one after the other on the same daemons and worker groups.
+
+What it proves, job by job:
+
+- ``overlap: delayed``: regions train round r+1 before θ_{r+1} exists anywhere (a round's
+  training starts before the coordinator announces that round), fold θ_{r+1} in when it
+  comes, and still end every round holding exactly the coordinator's θ; a worker killed
+  with SIGKILL in the middle of such a round costs only that round's speculative steps
+  (eu-west's rank 0 is killed in round 1, us-east trains undisturbed).
+- ``overlap: streaming``: each round's published update names only the fragment
+  ``r mod F``, every other tensor of θ_{r+1} is θ_r's bit for bit, regions train ahead of
+  θ as under ``delayed`` and still end every round on exactly the coordinator's θ; the
+  same kill costs only that round's speculative steps (and the local progress of
+  fragments not synchronized since).
+- ``overlap: delayed`` with ``overlap_start: eager``: the coordinator sends the job's outer
+  optimizer config to the regions; each region, having trained round r, hands its workers
+  the eager estimate S of θ_{r+1} (replaying the outer optimizer from the published θs
+  from round 1 on), the workers start every round after the first from S, fold θ_{r+1} in
+  when it comes, and every region still ends every round holding exactly the
+  coordinator's θ.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from coordinator.storage.artifacts import Location, find_entry
+from coordinator.storage.checkpoints import INDEX_NAME, EntryKind
+from geofed.fragments import fragment_plan
+from geofed.manifest import SignedManifest
+from geofed.theta_chain import map_params
+from tests.support.federation import FederationRun
+from tests.support.observe import (
+    WAIT_S,
+    ControlObserver,
+    audit_entries,
+    check_same_parameters,
+    observed_federation,
+)
+from tests.support.overlap_run import ahead, kill_rank0_ahead_of_theta, opened_at, workers_dir
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+REGIONS = ("eu-west", "us-east")
+ROUNDS = 3
+INNER_STEPS = 12
+FRAGMENTS = 2
+#: The region whose rank 0 is killed, and the round it is killed in.
+VICTIM, KILLED_ROUND = "eu-west", 1
+_FROM_S = re.compile(
+    r"job (\S+) round (\d+): starting from the eager estimate S ([0-9a-f]{64}) "
+    r"\(([0-9.]+) s waited for it\)"
+)
+_HANDED = re.compile(
+    r"job (\S+): round (\d+) starts from the eager estimate \(outer optimizer (\w+)"
+)
+
+
+def configure(name: str, data: dict[str, Any]) -> None:
+    """Two workers in eu-west (DDP), one in us-east (few cores here)."""
+    if name == "agent-us-east":
+        data["workers"]["count"] = 1
+
+
+async def run_job(
+    fed: FederationRun, observer: ControlObserver, job: str, kill: bool, **overlap: Any
+) -> dict[str, Any]:
+    """Submit ``job`` with ``overlap``, kill the victim's rank 0 in its killed round ahead
+    of θ if ``kill``, and return its final status once every region agrees on its θs."""
+    status, body = await fed.submit({**fed.job_spec(), "job": job, **overlap})
+    assert status == 201, body
+    if kill:
+        await kill_rank0_ahead_of_theta(fed, VICTIM, job, KILLED_ROUND)
+    final = await fed.wait_for(
+        lambda s: (
+            s.get("state") == "completed"
+            and any(e["round"] == ROUNDS for e in s.get("val_loss_history", []))
+        ),
+        timeout_s=WAIT_S,
+        what=f"{job} to complete and its last parameters to be evaluated",
+        job=job,
+    )
+    await check_same_parameters(
+        fed, observer, ROUNDS, {region: set(range(ROUNDS)) for region in REGIONS}, job=job
+    )
+    assert final["round"] == ROUNDS
+    entries = await audit_entries(fed, job=job, verify=True)
+    accepts = sorted((e.round, e.region) for e in entries if e.action == "delta.accept")
+    assert accepts == [(r, g) for r in range(ROUNDS) for g in sorted(REGIONS)]
+    return final
+
+
+def rank0_log(fed: FederationRun, region: str) -> str:
+    return (workers_dir(fed, region) / "logs" / "rank-0.log").read_text(errors="replace")
+
+
+def check_killed_round(fed: FederationRun, job: str, trained_ahead: dict[int, Any]) -> None:
+    """The killed group resumed from the regional checkpoint of the round before and
+    trained the killed round serially from θ; the next round went ahead of θ again."""
+    log = rank0_log(fed, VICTIM)
+    assert f"job {job}: resumed from the regional checkpoint of round {KILLED_ROUND - 1}" in log
+    assert f"job {job} round {KILLED_ROUND}: θ came; training from it" in log
+    assert sorted(trained_ahead) == [r for r in range(1, ROUNDS) if r != KILLED_ROUND]
+
+
+def check_ahead_of_theta(
+    observer: ControlObserver, job: str, trained_ahead: dict[str, dict[int, tuple[float, int]]]
+) -> None:
+    """Every round trained ahead began before θ_round was announced (so before it could be
+    had) and folded θ in within the round's steps."""
+    for region, rounds in trained_ahead.items():
+        for round_, (started_at, fold_step) in rounds.items():
+            assert started_at < opened_at(observer, job, round_), (region, round_)
+            assert 1 <= fold_step <= INNER_STEPS, (region, round_, fold_step)
+
+
+def update_tensors(fed: FederationRun, job: str, round_: int) -> list[str]:
+    """The tensor names the signed manifest of ``job``'s update ``round_`` lists, read
+    from the coordinator's checkpoint location on disk."""
+    (index,) = fed.work.rglob(f"jobs/{job}/{INDEX_NAME}")
+    location = Location.open("ckpt", "", None, index.parent.parent.parent)
+    entry = find_entry(location, job, EntryKind.UPDATE, round_)
+    assert entry is not None, f"update {round_} is not stored"
+    signed = SignedManifest.from_bytes(location.path_of(entry.manifest_digest).read_bytes())
+    return [tensor.name for tensor in signed.manifest.tensors]
+
+
+def held_theta(
+    fed: FederationRun, region: str, job: str, round_: int
+) -> Mapping[str, torch.Tensor]:
+    params = fed.work / "agents" / region / "jobs" / job / "params"
+    return map_params(params / f"round-{round_}.chain.json")
+
+
+async def delayed_rounds_train_ahead_of_theta_agree_and_survive_a_killed_worker(
+    fed: FederationRun, observer: ControlObserver
+) -> None:
+    job = "overlap-delayed"
+    await run_job(fed, observer, job, kill=True, overlap="delayed")
+    trained_ahead = {region: ahead(fed, region, job) for region in REGIONS}
+
+    assert all(a.overlap == "delayed" for a in observer.announcements if a.job == job)
+    # Round 0 starts from θ_0; every later round was started from the local parameters,
+    # but the victim's killed round.
+    check_killed_round(fed, job, trained_ahead[VICTIM])
+    assert sorted(trained_ahead["us-east"]) == list(range(1, ROUNDS))
+    check_ahead_of_theta(observer, job, trained_ahead)
+
+
+async def streaming_rounds_publish_one_fragment_each_and_survive_a_killed_worker(
+    fed: FederationRun, observer: ControlObserver
+) -> None:
+    job = "overlap-streaming"
+    await run_job(fed, observer, job, kill=True, overlap="streaming", fragments=FRAGMENTS)
+    trained_ahead = {region: ahead(fed, region, job) for region in REGIONS}
+    published = {r: update_tensors(fed, job, r) for r in range(ROUNDS)}
+    # The agent keeps θ of the last two versions: they differ only where the last
+    # round's fragment is.
+    before = held_theta(fed, "us-east", job, ROUNDS - 2)
+    after = held_theta(fed, "us-east", job, ROUNDS - 1)
+
+    announced = [a for a in observer.announcements if a.job == job]
+    assert all((a.overlap, a.fragments) == ("streaming", FRAGMENTS) for a in announced)
+    plan = fragment_plan({name: tuple(t.shape) for name, t in after.items()}, FRAGMENTS)
+    for round_, names in published.items():
+        assert names == list(plan.names(round_)), round_
+    assert set(published[0]).isdisjoint(published[1])
+    assert set(published[0]) | set(published[1]) == set(after)
+    moved = {name for name in after if not torch.equal(after[name], before[name])}
+    assert moved
+    assert moved <= set(plan.names(ROUNDS - 2)), moved
+
+    check_killed_round(fed, job, trained_ahead[VICTIM])
+    # The other region trained every round after the first ahead of θ.
+    assert sorted(trained_ahead["us-east"]) == list(range(1, ROUNDS))
+    check_ahead_of_theta(observer, job, trained_ahead)
+
+
+async def eager_rounds_start_from_the_estimate_and_agree_with_the_coordinator(
+    fed: FederationRun, observer: ControlObserver
+) -> None:
+    job = "overlap-eager"
+    await run_job(fed, observer, job, kill=False, overlap="delayed", overlap_start="eager")
+    from_s = {
+        region: {
+            int(m.group(2)): float(m.group(4))
+            for m in _FROM_S.finditer(rank0_log(fed, region))
+            if m.group(1) == job
+        }
+        for region in REGIONS
+    }
+    agent_logs = {r: (fed.work / "logs" / f"agent-{r}.log").read_text() for r in REGIONS}
+    hand = {
+        region: {int(m.group(2)): m.group(3) for m in _HANDED.finditer(text) if m.group(1) == job}
+        for region, text in agent_logs.items()
+    }
+
+    announced = [a for a in observer.announcements if a.job == job]
+    assert all(a.overlap_start == "eager" for a in announced)
+    assert all(a.outer_optimizer is not None for a in announced)
+    for region in REGIONS:
+        # Round 0 starts from θ_0; every later round from the agent's estimate S.
+        assert sorted(from_s[region]) == list(range(1, ROUNDS)), (region, from_s[region])
+        assert all(wait >= 0.0 for wait in from_s[region].values())
+        # S of round 1 comes from a replica at zero (no outer step seen yet); from round 2
+        # on the agent replays the coordinator's steps.
+        expected = {1: "replica", **dict.fromkeys(range(2, ROUNDS), "replayed")}
+        assert hand[region] == expected, (region, hand[region])
+
+
+# Three jobs of three rounds each, one after the other: three times one job's time.
+@pytest.mark.timeout(600)
+async def test_overlap_modes_train_ahead_agree_and_survive_killed_workers(
+    tmp_path: Path,
+) -> None:
+    async with observed_federation(
+        tmp_path,
+        regions=REGIONS,
+        rounds=ROUNDS,
+        inner_steps=INNER_STEPS,
+        customize=configure,
+        ranks=None,
+        submit=False,
+    ) as (fed, observer):
+        await delayed_rounds_train_ahead_of_theta_agree_and_survive_a_killed_worker(fed, observer)
+        await streaming_rounds_publish_one_fragment_each_and_survive_a_killed_worker(fed, observer)
+        await eager_rounds_start_from_the_estimate_and_agree_with_the_coordinator(fed, observer)
