@@ -102,20 +102,23 @@ def rank0_log(fed: FederationRun, region: str) -> str:
     return (workers_dir(fed, region) / "logs" / "rank-0.log").read_text(errors="replace")
 
 
-def check_killed_round(fed: FederationRun, job: str, trained_ahead: dict[int, Any]) -> None:
-    """The killed group resumed from the regional checkpoint of the round before and
-    trained the killed round serially from θ; the next round went ahead of θ again."""
+def check_trained_ahead(
+    fed: FederationRun,
+    observer: ControlObserver,
+    job: str,
+    trained_ahead: dict[str, dict[int, tuple[float, int]]],
+) -> None:
+    """Round 0 started from θ_0 and every later round ahead of θ, from the local
+    parameters, but the victim's killed round: its group resumed from the regional
+    checkpoint of the round before and trained that round serially from θ; the next round
+    went ahead of θ again. Every round trained ahead began before θ_round was announced
+    (so before it could be had) and folded θ in within the round's steps."""
     log = rank0_log(fed, VICTIM)
     assert f"job {job}: resumed from the regional checkpoint of round {KILLED_ROUND - 1}" in log
     assert f"job {job} round {KILLED_ROUND}: θ came; training from it" in log
-    assert sorted(trained_ahead) == [r for r in range(1, ROUNDS) if r != KILLED_ROUND]
-
-
-def check_ahead_of_theta(
-    observer: ControlObserver, job: str, trained_ahead: dict[str, dict[int, tuple[float, int]]]
-) -> None:
-    """Every round trained ahead began before θ_round was announced (so before it could be
-    had) and folded θ in within the round's steps."""
+    expected = [r for r in range(1, ROUNDS) if r != KILLED_ROUND]
+    assert sorted(trained_ahead[VICTIM]) == expected, trained_ahead
+    assert sorted(trained_ahead["us-east"]) == list(range(1, ROUNDS)), trained_ahead
     for region, rounds in trained_ahead.items():
         for round_, (started_at, fold_step) in rounds.items():
             assert started_at < opened_at(observer, job, round_), (region, round_)
@@ -148,11 +151,7 @@ async def delayed_rounds_train_ahead_of_theta_agree_and_survive_a_killed_worker(
     trained_ahead = {region: ahead(fed, region, job) for region in REGIONS}
 
     assert all(a.overlap == "delayed" for a in observer.announcements if a.job == job)
-    # Round 0 starts from θ_0; every later round was started from the local parameters,
-    # but the victim's killed round.
-    check_killed_round(fed, job, trained_ahead[VICTIM])
-    assert sorted(trained_ahead["us-east"]) == list(range(1, ROUNDS))
-    check_ahead_of_theta(observer, job, trained_ahead)
+    check_trained_ahead(fed, observer, job, trained_ahead)
 
 
 async def streaming_rounds_publish_one_fragment_each_and_survive_a_killed_worker(
@@ -178,10 +177,7 @@ async def streaming_rounds_publish_one_fragment_each_and_survive_a_killed_worker
     assert moved
     assert moved <= set(plan.names(ROUNDS - 2)), moved
 
-    check_killed_round(fed, job, trained_ahead[VICTIM])
-    # The other region trained every round after the first ahead of θ.
-    assert sorted(trained_ahead["us-east"]) == list(range(1, ROUNDS))
-    check_ahead_of_theta(observer, job, trained_ahead)
+    check_trained_ahead(fed, observer, job, trained_ahead)
 
 
 async def eager_rounds_start_from_the_estimate_and_agree_with_the_coordinator(
