@@ -111,7 +111,9 @@ async def test_a_stopped_region_is_merged_late_and_replayed_after_a_restart(
     assert sums.count(f"{LATE}@0") == 1, published
     assert f"{LATE}@0" in published[1]["order"], published[1]
     assert published[1]["summation"] == "folded on arrival"
-    # Each region trained from the θ announced for each of its rounds, and ends on θ_2.
+    # Each region trained from the θ announced for each of its rounds; one that trained
+    # round 2 ends on θ_2. eu-west, if its download of θ_2 was cut by the coordinator's
+    # kill and us-east closed round 2 before it got it, ends on θ_1.
     delivered = {r: {n for n in range(ROUNDS) if observer.accepted(r, n)} for r in REGIONS}
     assert all({0, 1} <= rounds for rounds in delivered.values()), delivered
     await check_same_parameters(fed, observer, ROUNDS, delivered)
