@@ -1,9 +1,15 @@
-"""The overlap modes in one real federation (embedded broker, coordinator and two agents as
-processes, mutual TLS, real worker groups: two ranks in eu-west (DDP), one in us-east),
-three jobs one after the other on the same daemons and worker groups.
+"""Killed workers and the overlap modes in one real federation (embedded broker, coordinator
+and two agents as processes, mutual TLS, real worker groups: two ranks in eu-west (DDP),
+one in us-east), four jobs one after the other on the same daemons and worker groups.
 
 What it proves, job by job:
 
+- ``overlap: none``: eu-west's rank 0 (the rank that answers the agent) is killed with
+  SIGKILL while it trains round 1 (its instruction handed over, its done marker not yet
+  written). The launcher restarts the group in place (the same launch) from the regional
+  checkpoint of round 0, the agent (the same process throughout) counts the restart (its
+  status and ``geofed_agent_worker_restarts_total``), the region redoes only the round in
+  progress and still delivers it, and every round is published once.
 - ``overlap: delayed``: regions train round r+1 before θ_{r+1} exists anywhere (a round's
   training starts before the coordinator announces that round), fold θ_{r+1} in when it
   comes, and still end every round holding exactly the coordinator's θ; a worker killed
@@ -20,12 +26,19 @@ What it proves, job by job:
   from round 1 on), the workers start every round after the first from S, fold θ_{r+1} in
   when it comes, and every region still ends every round holding exactly the
   coordinator's θ.
+
+Each kill is one in-place restart of eu-west's group: three in all, within the
+launcher's default ``max_restarts`` of 3.
 """
 
 from __future__ import annotations
 
+import json
+import os
 import re
-from collections.abc import Mapping
+import signal
+import time
+from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -41,17 +54,24 @@ from tests.support.federation import FederationRun
 from tests.support.observe import (
     WAIT_S,
     ControlObserver,
+    agent_metrics,
     audit_entries,
     check_same_parameters,
     observed_federation,
+    poll,
+    sample,
 )
 from tests.support.overlap_run import ahead, kill_rank0_ahead_of_theta, opened_at, workers_dir
+from tests.support.waiting import alive
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 REGIONS = ("eu-west", "us-east")
 ROUNDS = 3
 INNER_STEPS = 12
+#: The serial job's inner steps: enough that its workers train for a moment, so the kill
+#: lands inside the round.
+SERIAL_INNER_STEPS = 20
 FRAGMENTS = 2
 #: The region whose rank 0 is killed, and the round it is killed in.
 VICTIM, KILLED_ROUND = "eu-west", 1
@@ -70,15 +90,22 @@ def configure(name: str, data: dict[str, Any]) -> None:
         data["workers"]["count"] = 1
 
 
+Kill = Callable[[FederationRun, str], Awaitable[None]]
+
+
+async def kill_ahead_of_theta(fed: FederationRun, job: str) -> None:
+    await kill_rank0_ahead_of_theta(fed, VICTIM, job, KILLED_ROUND)
+
+
 async def run_job(
-    fed: FederationRun, observer: ControlObserver, job: str, kill: bool, **overlap: Any
+    fed: FederationRun, observer: ControlObserver, job: str, kill: Kill | None, **spec: Any
 ) -> dict[str, Any]:
-    """Submit ``job`` with ``overlap``, kill the victim's rank 0 in its killed round ahead
-    of θ if ``kill``, and return its final status once every region agrees on its θs."""
-    status, body = await fed.submit({**fed.job_spec(), "job": job, **overlap})
+    """Submit ``job`` with ``spec``, run ``kill`` on it (if any), and return its final
+    status once every region agrees on its θs."""
+    status, body = await fed.submit({**fed.job_spec(), "job": job, **spec})
     assert status == 201, body
-    if kill:
-        await kill_rank0_ahead_of_theta(fed, VICTIM, job, KILLED_ROUND)
+    if kill is not None:
+        await kill(fed, job)
     final = await fed.wait_for(
         lambda s: (
             s.get("state") == "completed"
@@ -143,11 +170,98 @@ def held_theta(
     return map_params(params / f"round-{round_}.chain.json")
 
 
+def rank_status(fed: FederationRun, region: str, rank: int) -> dict[str, Any]:
+    data: dict[str, Any] = json.loads(
+        (workers_dir(fed, region) / "ranks" / f"rank-{rank}.json").read_text()
+    )
+    return data
+
+
+def training(fed: FederationRun, region: str, job: str, round_: int) -> bool:
+    """The region's workers hold ``job``'s round ``round_``'s instruction and have not
+    finished it."""
+    jobs = workers_dir(fed, region) / "jobs" / job
+    return (jobs / f"round-{round_}.instruction.json").exists() and not (
+        jobs / f"round-{round_}.done.json"
+    ).exists()
+
+
+def agent_pids(fed: FederationRun) -> dict[str, int | None]:
+    """The live agent processes: name -> pid (None once exited)."""
+    return {
+        c.name: c.pid if c.returncode is None else None
+        for c in fed.children.children
+        if c.name.startswith("agent-")
+    }
+
+
+async def a_serial_round_survives_a_killed_worker(
+    fed: FederationRun, observer: ControlObserver
+) -> None:
+    job = "serial"
+    seen: dict[str, Any] = {}
+
+    async def kill_mid_round(fed: FederationRun, job: str) -> None:
+        await poll(
+            fed,
+            lambda: training(fed, VICTIM, job, KILLED_ROUND),
+            f"{VICTIM} to train round {KILLED_ROUND} of {job}",
+            timeout_s=WAIT_S,
+        )
+        rank0 = seen["rank0"] = rank_status(fed, VICTIM, 0)
+        assert rank0["restart_count"] == 0, rank0
+        seen["killed_at"] = time.monotonic()
+        os.kill(rank0["pid"], signal.SIGKILL)
+        seen["still_training"] = training(fed, VICTIM, job, KILLED_ROUND)
+        await poll(
+            fed,
+            lambda: (
+                rank_status(fed, VICTIM, 0)["restart_count"] >= 1
+                and rank_status(fed, VICTIM, 0)["state"] == "ready"
+            ),
+            "the worker group to be restarted",
+        )
+
+    await run_job(fed, observer, job, kill_mid_round, inner_steps=SERIAL_INNER_STEPS)
+    rank0, restarted = seen["rank0"], rank_status(fed, VICTIM, 0)
+    accepted_at = observer.accepted(VICTIM, KILLED_ROUND, job)[-1][0]
+    rank_log = rank0_log(fed, VICTIM)
+
+    assert seen["still_training"], "the kill landed after the round had finished"
+    assert not alive(rank0["pid"])
+    assert restarted["launch_id"] == rank0["launch_id"]  # in place, by the launcher
+    assert all(a.overlap == "none" for a in observer.announcements if a.job == job)
+    # The new rank 0 took the inner optimizer state and data cursor of the round before.
+    assert f"job {job}: resumed from the regional checkpoint of round {KILLED_ROUND - 1}" in (
+        rank_log
+    )
+    print(
+        f"\nworker kill: rank 0 of {VICTIM} killed in round {KILLED_ROUND}; rounds lost: 0; "
+        f"kill to accepted delta {accepted_at - seen['killed_at']:.1f} s"
+    )
+
+
+async def every_kill_was_one_in_place_restart_seen_by_the_same_agent(
+    fed: FederationRun, observer: ControlObserver, agents_before: dict[str, int | None]
+) -> None:
+    kills = 3
+    agent_text = await agent_metrics(fed, VICTIM)
+    log = (fed.work / "logs" / f"agent-{VICTIM}.log").read_text(errors="replace")
+
+    assert agent_pids(fed) == agents_before
+    assert rank_status(fed, VICTIM, 0)["restart_count"] == kills
+    assert sample(agent_text, "geofed_agent_worker_restarts_total", region=VICTIM) == kills
+    reported = [s.worker_restarts for _, s in observer.statuses if s.region == VICTIM]
+    assert max(reported) == kills, reported
+    for n in range(1, kills + 1):
+        assert f"worker group restarted by its launcher ({n} so far)" in log
+
+
 async def delayed_rounds_train_ahead_of_theta_agree_and_survive_a_killed_worker(
     fed: FederationRun, observer: ControlObserver
 ) -> None:
     job = "overlap-delayed"
-    await run_job(fed, observer, job, kill=True, overlap="delayed")
+    await run_job(fed, observer, job, kill_ahead_of_theta, overlap="delayed")
     trained_ahead = {region: ahead(fed, region, job) for region in REGIONS}
 
     assert all(a.overlap == "delayed" for a in observer.announcements if a.job == job)
@@ -158,7 +272,7 @@ async def streaming_rounds_publish_one_fragment_each_and_survive_a_killed_worker
     fed: FederationRun, observer: ControlObserver
 ) -> None:
     job = "overlap-streaming"
-    await run_job(fed, observer, job, kill=True, overlap="streaming", fragments=FRAGMENTS)
+    await run_job(fed, observer, job, kill_ahead_of_theta, overlap="streaming", fragments=FRAGMENTS)
     trained_ahead = {region: ahead(fed, region, job) for region in REGIONS}
     published = {r: update_tensors(fed, job, r) for r in range(ROUNDS)}
     # The agent keeps θ of the last two versions: they differ only where the last
@@ -184,7 +298,7 @@ async def eager_rounds_start_from_the_estimate_and_agree_with_the_coordinator(
     fed: FederationRun, observer: ControlObserver
 ) -> None:
     job = "overlap-eager"
-    await run_job(fed, observer, job, kill=False, overlap="delayed", overlap_start="eager")
+    await run_job(fed, observer, job, None, overlap="delayed", overlap_start="eager")
     from_s = {
         region: {
             int(m.group(2)): float(m.group(4))
@@ -212,9 +326,9 @@ async def eager_rounds_start_from_the_estimate_and_agree_with_the_coordinator(
         assert hand[region] == expected, (region, hand[region])
 
 
-# Three jobs of three rounds each, one after the other: three times one job's time.
-@pytest.mark.timeout(600)
-async def test_overlap_modes_train_ahead_agree_and_survive_killed_workers(
+# Four jobs of three rounds each, one after the other: four times one job's time.
+@pytest.mark.timeout(720)
+async def test_killed_workers_and_the_overlap_modes_lose_no_round(
     tmp_path: Path,
 ) -> None:
     async with observed_federation(
@@ -226,6 +340,11 @@ async def test_overlap_modes_train_ahead_agree_and_survive_killed_workers(
         ranks=None,
         submit=False,
     ) as (fed, observer):
+        agents_before = agent_pids(fed)
+        await a_serial_round_survives_a_killed_worker(fed, observer)
         await delayed_rounds_train_ahead_of_theta_agree_and_survive_a_killed_worker(fed, observer)
         await streaming_rounds_publish_one_fragment_each_and_survive_a_killed_worker(fed, observer)
         await eager_rounds_start_from_the_estimate_and_agree_with_the_coordinator(fed, observer)
+        await every_kill_was_one_in_place_restart_seen_by_the_same_agent(
+            fed, observer, agents_before
+        )
