@@ -192,16 +192,18 @@ async def wait_job(
     *,
     killed: str | None = None,
     timeout_s: float = WAIT_S,
+    job: str | None = None,
 ) -> dict[str, Any]:
-    """Poll the job's status until ``predicate`` holds (``killed`` may be down meanwhile)."""
+    """Poll ``job``'s status (the federation's own by default) until ``predicate`` holds
+    (``killed`` may be down meanwhile)."""
     deadline = time.monotonic() + timeout_s
     while True:
         check_others_alive(fed, killed)
-        job = await fed.status()
-        if predicate(job):
-            return job
+        status = await fed.status(job)
+        if predicate(status):
+            return status
         if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}: {job}")
+            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}: {status}")
         await asyncio.sleep(STATUS_POLL_S)
 
 
