@@ -11,9 +11,10 @@ size W. Evaluation is off (``evaluation: none``): what is measured is the round'
 
 Every process below this one is sampled from /proc about every 0.2 s (:class:`ProcessSampler`)
 and given a role from its command line and parent: the coordinator, an agent, its elastic
-launcher, a rank (``regional_agent.worker.rank``, its rank from ``RANK`` in its environment), or
-other. Its peak RSS is ``VmHWM`` of ``/proc/PID/status``, its disk writes ``write_bytes`` of
-``/proc/PID/io`` (the last values seen before it exited).
+launcher, a rank (``regional_agent.worker.rank``, its rank from ``RANK`` in its environment, or
+for a rank its launcher forked, from its rank log), or other. Its peak RSS is ``VmHWM`` of
+``/proc/PID/status``, its disk writes ``write_bytes`` of ``/proc/PID/io`` (the last values
+seen before it exited).
 
 Figures per parameter are slopes between the sizes (a least-squares line through each size's
 figure against its parameter count), so what a Python process costs whatever the model drops
@@ -55,6 +56,7 @@ import itertools
 import json
 import math
 import os
+import re
 import statistics
 import sys
 import tempfile
@@ -74,6 +76,7 @@ from coordinator.storage.checkpoints import CheckpointStore, EntryKind
 from geofed.examples.llama import LlamaOptions, LlamaTask
 from geofed.task import DataShard
 from regional_agent.config import WorkersConfig
+from regional_agent.launch.spec import RANK_MODULE, is_launcher_command
 from regional_agent.rounds.timeline import RoundTimeline, read_timeline
 from regional_agent.transfer.config import TransferConfig
 from tests.support.federation import running_federation
@@ -199,6 +202,9 @@ def _field(text: str, name: str) -> int | None:
     return None
 
 
+_RANK_LOG = re.compile(r"rank-(\d+)\.log")
+
+
 def _environ(pid: int, name: str) -> str | None:
     try:
         with open(f"/proc/{pid}/environ", "rb") as file:
@@ -210,6 +216,18 @@ def _environ(pid: int, name: str) -> str | None:
         if entry.startswith(prefix):
             return entry[len(prefix) :].decode(errors="replace")
     return None
+
+
+def _rank_of(pid: int) -> int | None:
+    """A rank's number: ``RANK`` in its environment as it was started, or, for a rank
+    forked by its launcher (which sets ``RANK`` after the fork, where /proc does not show
+    it), the rank log its output goes to once it joined (``rank-N.log``); None before."""
+    rank = _environ(pid, "RANK")
+    if rank is None:
+        with contextlib.suppress(OSError):
+            log = _RANK_LOG.fullmatch(Path(f"/proc/{pid}/fd/1").readlink().name)
+            rank = log.group(1) if log else None
+    return int(rank) if rank and rank.isdigit() else None
 
 
 class ProcessSampler:
@@ -254,11 +272,11 @@ class ProcessSampler:
                 config = next((w for w in words if w.endswith(".yaml")), "")
                 name = Path(config).stem.removeprefix("agent-")
                 return "agent", None, name or None
-        if parent_role == "agent" and "torch.distributed.run" in cmdline:
+        if parent_role == "agent" and is_launcher_command(cmdline):
             return "launcher", None, region
-        if parent_role == "launcher" and "regional_agent.worker.rank" in cmdline:
-            rank = _environ(pid, "RANK")
-            return "rank", int(rank) if rank and rank.isdigit() else None, region
+        # A forked rank has its launcher's command line, which names the rank's module.
+        if parent_role == "launcher" and RANK_MODULE in cmdline:
+            return "rank", _rank_of(pid), region
         if parent_role in ("coordinator", "coordinator_child"):
             return "coordinator_child", None, None
         return "other", None, region
@@ -288,6 +306,8 @@ class ProcessSampler:
                     record.cwd = str(Path(f"/proc/{pid}/cwd").readlink())
                 record.pythonpath = _environ(pid, "PYTHONPATH")
                 self.records[key] = record
+            if record.role == "rank" and record.rank is None:
+                record.rank = _rank_of(pid)
             self._current[pid] = record
             status = _read(f"/proc/{pid}/status")
             io = _read(f"/proc/{pid}/io")

@@ -29,6 +29,7 @@ from typing import Any, Final, Literal
 from geofed.control.broker import EmbeddedBroker
 from geofed.wanemu import WanProxy
 from geofed_cli.demo.processes import ChildSet
+from regional_agent.launch.spec import RANK_MODULE, is_launcher_command
 
 __all__ = [
     "FAULTS",
@@ -296,7 +297,8 @@ def worker_pids(ancestor: int, proc: Path = Path("/proc")) -> list[int]:
 
     The agent starts its launcher in a session of its own, so descent, not the session,
     tells its workers apart; the launcher's own command line names the worker module, so
-    only the leaves count.
+    only the leaves count, and a launcher's command line only as its child's (a rank it
+    forked).
     """
     parents: dict[int, int] = {}
     commands: dict[int, bytes] = {}
@@ -325,7 +327,16 @@ def worker_pids(ancestor: int, proc: Path = Path("/proc")) -> list[int]:
     named = {
         pid
         for pid, command in commands.items()
-        if b"regional_agent.worker.rank" in command and descends(pid)
+        if RANK_MODULE.encode() in command and descends(pid)
     }
-    # The launcher names the worker module too: a worker is a leaf among them.
-    return sorted(pid for pid in named if not any(parents.get(other) == pid for other in named))
+
+    def is_worker(pid: int) -> bool:
+        # The launcher names the worker module too: a worker is a leaf among them. A
+        # launcher that has not started its ranks yet is a leaf as well; a rank it forked
+        # has its very command line, but the launcher for parent.
+        if any(parents.get(other) == pid for other in named):
+            return False
+        command = commands[pid].replace(b"\0", b" ").decode(errors="replace")
+        return not is_launcher_command(command) or parents.get(pid) in named
+
+    return sorted(pid for pid in named if is_worker(pid))

@@ -5,12 +5,13 @@ knows how to stop all of it; the worker group supervisor needs nothing else, so 
 Slurm or Kubernetes launcher can replace :class:`LocalElasticLauncher` for multi-node
 regions.
 
-:class:`LocalElasticLauncher` runs torch's elastic launcher (``torch.distributed.run``)
-as one child process in its own session. The elastic launcher restarts the whole local
-group in place (up to ``max_restarts`` times) when a worker dies, which keeps its
-rendezvous store and avoids paying its own interpreter and torch import again. It
-starts every worker in a session of its own, so stopping is done per process tree, not
-by one process-group signal.
+:class:`LocalElasticLauncher` runs torch's elastic launcher (``torch.distributed.run``;
+for a gloo group :mod:`regional_agent.launch.forking_run`, which forks the ranks with
+their imports done) as one child process in its own session. The elastic launcher
+restarts the whole local group in place (up to ``max_restarts`` times) when a worker
+dies, which keeps its rendezvous store and avoids paying its own interpreter and torch
+import again. ``torch.distributed.run`` starts every worker in a session of its own, so
+stopping is done per process tree, not by one process-group signal.
 
 No worker outlives the agent. On Linux the elastic launcher is started with a parent-death
 signal (``PR_SET_PDEATHSIG``, SIGTERM): when the agent exits by any path, SIGKILL
@@ -76,8 +77,10 @@ from regional_agent.launch.ranks import (
     visible_gpu_count,
 )
 from regional_agent.launch.spec import (
+    RANK_MODULE,
     ElasticSpec,
     elastic_command,
+    is_launcher_command,
     parse_endpoint,
 )
 
@@ -317,6 +320,7 @@ class LocalElasticLauncher(Launcher):
             self._flags.spelled,
             self.elastic_spec(port, launch_id),
             self.settings.to_argv(),
+            fork=self.settings.backend == "gloo",
         )
 
     def environment(self, launch_id: str) -> dict[str, str]:
@@ -410,7 +414,7 @@ class LocalElasticLauncher(Launcher):
 
     def _is_worker(self, pid: int) -> bool:
         cmdline = _cmdline(pid)
-        return "regional_agent.worker.rank" in cmdline and str(self._handoff.root) in cmdline
+        return RANK_MODULE in cmdline and str(self._handoff.root) in cmdline
 
     def _reap_stale(self) -> None:
         """Kill a group a previous supervisor of this work dir left running."""
@@ -425,7 +429,7 @@ class LocalElasticLauncher(Launcher):
             if s.launch_id == stale_id and self._is_worker(s.pid)
         }
         cmdline = _cmdline(stale_pid)
-        if "torch.distributed.run" in cmdline and str(self._handoff.root) in cmdline:
+        if is_launcher_command(cmdline) and str(self._handoff.root) in cmdline:
             victims.add(stale_pid)
         if victims:
             log.warning("killing worker group left running by a previous supervisor: %s", victims)

@@ -117,7 +117,8 @@ class SlurmLauncher(LocalElasticLauncher):
 
     def command(self, port: int, launch_id: str) -> list[str]:
         """``srun ... python -m regional_agent.launch.slurm_node -- python -m torch.distributed.run
-        ...`` (``port`` is unused: the rendezvous is at the first node's ``rdzv_port``)."""
+        ...`` (``regional_agent.launch.forking_run`` for gloo; ``port`` is unused: the
+        rendezvous is at the first node's ``rdzv_port``)."""
         del port
         cfg, slurm = self._config, self._slurm
         elastic = elastic_command(
@@ -135,6 +136,7 @@ class SlurmLauncher(LocalElasticLauncher):
                 is_host=True,
             ),
             self.settings.to_argv(),
+            fork=self.settings.backend == "gloo",
         )
         node = [cfg.python, "-m", "regional_agent.launch.slurm_node", "--scontrol", slurm.scontrol]
         environ = os.environ if self._environ is None else self._environ

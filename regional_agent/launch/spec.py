@@ -5,9 +5,10 @@ Nothing here starts a process or reads the machine: the launchers
 environment and the installed launcher's flag spellings in, so every command line is
 unit-tested without processes.
 
-A group of ``nnodes`` nodes runs one elastic launcher (``torch.distributed.run``) per node;
-they meet in a c10d rendezvous hosted at the head node's ``rdzv_endpoint``. The head node
-is the one whose ranks may read the hand-off directory (the agent's); its ranks come first
+A group of ``nnodes`` nodes runs one elastic launcher per node (``torch.distributed.run``;
+for CPU groups :mod:`regional_agent.launch.forking_run`, which forks the ranks); they meet
+in a c10d rendezvous hosted at the head node's ``rdzv_endpoint``. The head node is the one
+whose ranks may read the hand-off directory (the agent's); its ranks come first
 (:func:`head_first_ranks`), so rank 0, the one rank that talks to the agent, is there.
 """
 
@@ -22,6 +23,13 @@ from regional_agent.handoff.settings import is_head_node
 
 HEAD_PLACEHOLDER = "{head}"
 """Stands for the head node's address in a command line built before the nodes are known."""
+
+RANK_MODULE = "regional_agent.worker.rank"
+"""The module every rank runs."""
+ELASTIC_RUN = "torch.distributed.run"
+"""torch's elastic launcher: ranks are fresh interpreters (NCCL groups)."""
+FORKING_RUN = "regional_agent.launch.forking_run"
+"""The same launcher with the ranks forked from it, their imports done (gloo groups)."""
 
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _ENV_PATTERN = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*\*?$")
@@ -96,8 +104,12 @@ def elastic_command(
     spelled: Mapping[str, str],
     spec: ElasticSpec,
     worker_argv: Sequence[str],
+    *,
+    fork: bool = False,
 ) -> list[str]:
-    """``python -m torch.distributed.run ... -m regional_agent.worker.rank ...`` for ``spec``.
+    """``python -m torch.distributed.run ... -m regional_agent.worker.rank ...`` for ``spec``
+    (``-m regional_agent.launch.forking_run`` with ``fork``: the ranks are forked from the
+    launcher, their imports done; CPU groups only).
 
     ``spelled`` maps each flag name to the installed launcher's spelling; flags it lacks
     are left out (torch's default applies).
@@ -111,12 +123,19 @@ def elastic_command(
     return [
         python,
         "-m",
-        "torch.distributed.run",
+        FORKING_RUN if fork else ELASTIC_RUN,
         *options,
         spelled["module"],
-        "regional_agent.worker.rank",
+        RANK_MODULE,
         *worker_argv,
     ]
+
+
+def is_launcher_command(cmdline: str) -> bool:
+    """Whether a process's command line (``/proc/PID/cmdline``, NULs as spaces) is an
+    elastic launcher's. A rank forked by :data:`FORKING_RUN` has its launcher's command
+    line too: tell them apart by descent."""
+    return any(module in cmdline for module in (ELASTIC_RUN, FORKING_RUN))
 
 
 @dataclass(frozen=True, slots=True)

@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 
+from geofed_cli.demo.chaos import worker_pids
+
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 # One worker a region, on the CPU wherever it runs: each level, not each rank, is the point.
@@ -88,15 +90,10 @@ def _every_level_up(demo: subprocess.Popen[bytes], log: Path) -> dict[int, str]:
     while time.monotonic() < deadline:
         assert demo.poll() is None, log.read_text(errors="replace")[-3000:]
         below = _descendants(demo.pid)
-        if any(_is_rank(_cmdline(pid)) for pid in below):
+        if worker_pids(demo.pid):
             return below
         time.sleep(0.5)
     raise AssertionError(f"no worker rank within {UP_S} s:\n{log.read_text()[-3000:]}")
-
-
-def _is_rank(cmdline: str) -> bool:
-    """A worker rank's command line (the elastic launcher's names the rank's module too)."""
-    return "-m regional_agent.worker.rank" in cmdline and "torch.distributed.run" not in cmdline
 
 
 def _left_running(processes: dict[int, str]) -> list[str]:

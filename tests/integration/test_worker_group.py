@@ -370,7 +370,8 @@ def test_launcher_command_and_environment(tmp_path: Path) -> None:
         tmp_path, launcher_config(env={"GLOO_SOCKET_IFNAME": "lo", "NCCL_IB_HCA": "mlx5"})
     )
     command = launcher.command(port=29123, launch_id="abc")
-    assert command[1:3] == ["-m", "torch.distributed.run"]
+    # A gloo group: its ranks are forked from a launcher that has imported them.
+    assert command[1:3] == ["-m", "regional_agent.launch.forking_run"]
     assert "--rdzv-endpoint=127.0.0.1:29123" in command
     assert "--nproc-per-node=2" in command
     assert "--max-restarts=2" in command

@@ -33,6 +33,7 @@ from geofed.pki import client_ssl_context, load_trust_bundle
 from geofed.pki.httpauth import VerifiedConnector
 from geofed.types import Identity, Role
 from regional_agent.launch.launcher import descendants
+from regional_agent.launch.spec import is_launcher_command
 from tests.support.federation import (
     FEDERATION,
     STATUS_POLL_S,
@@ -265,7 +266,7 @@ def reap_orphans(fed: FederationRun, region: str) -> None:
         cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
     except (OSError, ValueError, IndexError):
         return
-    if "torch.distributed.run" in cmdline and str(root) in cmdline:
+    if is_launcher_command(cmdline) and str(root) in cmdline:
         for victim in descendants([pid]):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(victim, signal.SIGKILL)

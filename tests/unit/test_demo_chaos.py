@@ -113,9 +113,19 @@ def test_a_regions_workers_are_found_by_descent_not_by_session(tmp_path: Path) -
     _process(proc, 112, 110, "python -m regional_agent.worker.rank --workdir w")
     _process(proc, 200, 1, "python -m geofed_cli agent --config agent-us-east.yaml")
     _process(proc, 211, 200, "python -m regional_agent.worker.rank --workdir v")
+    # A launcher that forks its ranks: they have its command line, it has not forked yet.
+    forking = "python -m regional_agent.launch.forking_run -m regional_agent.worker.rank"
+    _process(proc, 300, 1, "python -m geofed_cli agent --config agent-ap-south.yaml")
+    _process(proc, 310, 300, forking)
+    _process(proc, 311, 310, forking)
+    _process(proc, 312, 310, forking)
+    _process(proc, 400, 1, "python -m geofed_cli agent --config agent-sa-east.yaml")
+    _process(proc, 410, 400, forking)
     (proc / "self").mkdir()
     assert worker_pids(100, proc) == [111, 112]
     assert worker_pids(200, proc) == [211]
+    assert worker_pids(300, proc) == [311, 312]
+    assert worker_pids(400, proc) == []
     assert worker_pids(999, proc) == []
 
 

@@ -20,6 +20,7 @@ from regional_agent.launch.flags import (
     spell_flags,
 )
 from regional_agent.launch.launcher import LocalElasticLauncher, LocalLauncherConfig
+from regional_agent.launch.spec import RANK_MODULE, is_launcher_command
 
 CONFIG = LocalLauncherConfig(
     nproc_per_node=3, max_restarts=2, backend="gloo", monitor_interval_s=0.25, shutdown_timeout_s=7
@@ -29,7 +30,8 @@ CONFIG = LocalLauncherConfig(
 def test_the_command_parses_with_the_installed_torch_parser(tmp_path: Path) -> None:
     launcher = LocalElasticLauncher(tmp_path, CONFIG, environ={})
     command = launcher.command(port=29123, launch_id="abc")
-    assert command[:3] == [sys.executable, "-m", "torch.distributed.run"]
+    # A gloo group's launcher forks its ranks; it takes torch's own command line.
+    assert command[:3] == [sys.executable, "-m", "regional_agent.launch.forking_run"]
     args = get_args_parser().parse_args(command[3:])
     assert (args.nnodes, args.nproc_per_node) == ("1", "3")
     assert (args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id) == (
@@ -84,3 +86,21 @@ def test_a_collective_timeout_shorter_than_an_idle_meeting_is_refused(tmp_path: 
     short = dataclasses.replace(CONFIG, collective_timeout_s=1.0)
     with pytest.raises(LauncherConfigError, match=r"collective_timeout_s must be >= 5 s"):
         LocalElasticLauncher(tmp_path, short, environ={})
+
+
+def test_an_nccl_group_keeps_torchs_launcher_whose_ranks_are_fresh_interpreters(
+    tmp_path: Path,
+) -> None:
+    # A CUDA process must not fork: only CPU groups fork their ranks.
+    config = LocalLauncherConfig(nproc_per_node=2, max_restarts=2, backend="nccl")
+    launcher = LocalElasticLauncher(tmp_path, config, environ={}, gpu_count=lambda: 2)
+    command = launcher.command(port=29123, launch_id="abc")
+    assert command[:3] == [sys.executable, "-m", "torch.distributed.run"]
+    assert get_args_parser().parse_args(command[3:]).training_script == RANK_MODULE
+
+
+def test_launcher_command_lines_are_told_from_others() -> None:
+    assert is_launcher_command("python -m torch.distributed.run --nnodes=1 -m x")
+    assert is_launcher_command("python -m regional_agent.launch.forking_run -m x --workdir /w")
+    assert not is_launcher_command("python -m regional_agent.worker.rank --workdir /w")
+    assert not is_launcher_command("python -m geofed_cli agent --config a.yaml")

@@ -24,6 +24,8 @@ from regional_agent.launch.backends import make_launcher
 from regional_agent.launch.launcher import LocalElasticLauncher, LocalLauncherConfig
 from regional_agent.launch.slurm import SlurmLauncher, SlurmOptions
 from regional_agent.launch.spec import (
+    ELASTIC_RUN,
+    FORKING_RUN,
     HEAD_PLACEHOLDER,
     SrunSpec,
     first_host,
@@ -47,7 +49,7 @@ def cfg(**settings: Any) -> LocalLauncherConfig:
 
 
 def parsed(command: list[str]) -> argparse.Namespace:
-    start = command.index("torch.distributed.run") + 1
+    start = next(i for i, part in enumerate(command) if part in (ELASTIC_RUN, FORKING_RUN)) + 1
     return get_args_parser().parse_args(command[start:])
 
 
