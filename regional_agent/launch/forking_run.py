@@ -15,7 +15,8 @@ interpreters. The launcher itself runs no torch operation before it forks (no th
 pool to inherit); each rank sets its own thread count.
 
 A forked rank keeps the launcher's command line: tell ranks from launchers by descent
-(a rank's parent is its launcher), as :func:`is_launcher_command` cannot.
+(a rank's parent is its launcher), as
+:func:`regional_agent.launch.spec.is_launcher_command` cannot.
 """
 
 from __future__ import annotations

@@ -12,6 +12,7 @@ import pytest
 from torch.distributed.run import get_args_parser
 
 from regional_agent.handoff.settings import LauncherConfigError
+from regional_agent.launch import forking_run
 from regional_agent.launch.flags import (
     Flag,
     FlagSpelling,
@@ -104,3 +105,11 @@ def test_launcher_command_lines_are_told_from_others() -> None:
     assert is_launcher_command("python -m regional_agent.launch.forking_run -m x --workdir /w")
     assert not is_launcher_command("python -m regional_agent.worker.rank --workdir /w")
     assert not is_launcher_command("python -m geofed_cli agent --config a.yaml")
+
+
+def test_the_forking_launcher_forks_the_rank_module_only() -> None:
+    # It forks into the rank's main, which it imported: any other script is refused.
+    with pytest.raises(SystemExit, match=r"launches --module regional_agent\.worker\.rank only"):
+        forking_run.main(["--nproc-per-node=1", "--module", "other.module"])
+    with pytest.raises(SystemExit, match=r"not 'train\.py'"):
+        forking_run.main(["--nproc-per-node=1", "train.py"])
