@@ -80,6 +80,7 @@ from regional_agent.launch.spec import (
     RANK_MODULE,
     ElasticSpec,
     elastic_command,
+    forks_ranks,
     is_launcher_command,
     parse_endpoint,
 )
@@ -320,7 +321,7 @@ class LocalElasticLauncher(Launcher):
             self._flags.spelled,
             self.elastic_spec(port, launch_id),
             self.settings.to_argv(),
-            fork=self.settings.backend == "gloo",
+            fork=forks_ranks(self.settings.backend),
         )
 
     def environment(self, launch_id: str) -> dict[str, str]:

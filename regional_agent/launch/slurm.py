@@ -34,6 +34,7 @@ from regional_agent.launch.spec import (
     ElasticSpec,
     SrunSpec,
     elastic_command,
+    forks_ranks,
     srun_command,
 )
 
@@ -136,7 +137,7 @@ class SlurmLauncher(LocalElasticLauncher):
                 is_host=True,
             ),
             self.settings.to_argv(),
-            fork=self.settings.backend == "gloo",
+            fork=forks_ranks(self.settings.backend),
         )
         node = [cfg.python, "-m", "regional_agent.launch.slurm_node", "--scontrol", slurm.scontrol]
         environ = os.environ if self._environ is None else self._environ

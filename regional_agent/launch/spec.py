@@ -131,6 +131,13 @@ def elastic_command(
     ]
 
 
+def forks_ranks(backend: str) -> bool:
+    """Whether a group on ``backend`` forks its ranks from its launcher
+    (:data:`FORKING_RUN`): gloo (CPU) groups only, since a process must not fork once CUDA
+    is initialised."""
+    return backend == "gloo"
+
+
 def is_launcher_command(cmdline: str) -> bool:
     """Whether a process's command line (``/proc/PID/cmdline``, NULs as spaces) is an
     elastic launcher's. A rank forked by :data:`FORKING_RUN` has its launcher's command

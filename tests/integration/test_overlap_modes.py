@@ -33,7 +33,6 @@ launcher's default ``max_restarts`` of 3.
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import signal
@@ -61,7 +60,13 @@ from tests.support.observe import (
     poll,
     sample,
 )
-from tests.support.overlap_run import ahead, kill_rank0_ahead_of_theta, opened_at, workers_dir
+from tests.support.overlap_run import (
+    ahead,
+    kill_rank0_ahead_of_theta,
+    opened_at,
+    rank_status,
+    workers_dir,
+)
 from tests.support.waiting import alive
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -168,13 +173,6 @@ def held_theta(
 ) -> Mapping[str, torch.Tensor]:
     params = fed.work / "agents" / region / "jobs" / job / "params"
     return map_params(params / f"round-{round_}.chain.json")
-
-
-def rank_status(fed: FederationRun, region: str, rank: int) -> dict[str, Any]:
-    data: dict[str, Any] = json.loads(
-        (workers_dir(fed, region) / "ranks" / f"rank-{rank}.json").read_text()
-    )
-    return data
 
 
 def training(fed: FederationRun, region: str, job: str, round_: int) -> bool:

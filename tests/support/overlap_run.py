@@ -9,6 +9,7 @@ import os
 import re
 import signal
 from pathlib import Path
+from typing import Any
 
 from tests.support.federation import FederationRun
 from tests.support.observe import WAIT_S, ControlObserver, poll
@@ -42,6 +43,15 @@ def workers_dir(fed: FederationRun, region: str) -> Path:
     return fed.work / "agents" / region / "workers"
 
 
+def rank_status(fed: FederationRun, region: str, rank: int) -> dict[str, Any]:
+    """What ``rank`` of the region's worker group last recorded of itself (pid, launch,
+    restart count, state)."""
+    data: dict[str, Any] = json.loads(
+        (workers_dir(fed, region) / "ranks" / f"rank-{rank}.json").read_text()
+    )
+    return data
+
+
 def speculating(fed: FederationRun, region: str, job: str, round_: int) -> bool:
     """The region's workers hold ``job``'s round ``round_``'s speculative instruction,
     unanswered."""
@@ -64,5 +74,4 @@ async def kill_rank0_ahead_of_theta(fed: FederationRun, region: str, job: str, r
         f"{region} to train round {round_} of {job} ahead of θ",
         timeout_s=WAIT_S,
     )
-    rank0 = json.loads((workers_dir(fed, region) / "ranks" / "rank-0.json").read_text())
-    os.kill(rank0["pid"], signal.SIGKILL)
+    os.kill(rank_status(fed, region, 0)["pid"], signal.SIGKILL)

@@ -21,7 +21,7 @@ from regional_agent.launch.flags import (
     spell_flags,
 )
 from regional_agent.launch.launcher import LocalElasticLauncher, LocalLauncherConfig
-from regional_agent.launch.spec import RANK_MODULE, is_launcher_command
+from regional_agent.launch.spec import RANK_MODULE, forks_ranks, is_launcher_command
 
 CONFIG = LocalLauncherConfig(
     nproc_per_node=3, max_restarts=2, backend="gloo", monitor_interval_s=0.25, shutdown_timeout_s=7
@@ -98,6 +98,11 @@ def test_an_nccl_group_keeps_torchs_launcher_whose_ranks_are_fresh_interpreters(
     command = launcher.command(port=29123, launch_id="abc")
     assert command[:3] == [sys.executable, "-m", "torch.distributed.run"]
     assert get_args_parser().parse_args(command[3:]).training_script == RANK_MODULE
+
+
+def test_only_cpu_groups_fork_their_ranks() -> None:
+    assert forks_ranks("gloo")
+    assert not forks_ranks("nccl")
 
 
 def test_launcher_command_lines_are_told_from_others() -> None:
