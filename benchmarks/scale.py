@@ -431,6 +431,8 @@ async def run_federation(
         rounds=settings.rounds,
         inner_steps=settings.inner_steps,
         customize=_customize(options, parallelism, world),
+        # As production starts them: the daemons' own memory and start are measured.
+        fork=False,
     ) as fed:
         status, body = await fed.submit()
         if status != 201:

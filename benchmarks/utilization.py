@@ -175,6 +175,8 @@ async def run_federation(
             inner_steps=settings.inner_steps,
             task_options=options,
             customize=_customize(proxies, fields),
+            # As production starts them (new interpreters), so that its figures hold there.
+            fork=False,
         ) as fed:
             status, body = await fed.submit()
             if status != 201:

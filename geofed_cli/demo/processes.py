@@ -1,7 +1,9 @@
 """Child processes of the demo: started in their own session, logged to files, always reaped.
 
 Each daemon runs as ``python -m geofed_cli ...`` in a new session so that stopping it also
-stops whatever it started (a regional agent's worker group). Stopping sends SIGTERM to the
+stops whatever it started (a regional agent's worker group); with a fork server
+(:mod:`geofed_cli.demo.fork_client`) it runs the same command in a child forked from a
+process that imported the daemons once. Stopping sends SIGTERM to the
 whole process group and SIGKILL after a deadline, so the demo never leaves orphans behind.
 
 Supervised (``ChildSet(..., supervise=RestartPolicy())``), a child that exits is restarted
@@ -27,6 +29,7 @@ from types import TracebackType
 from typing import Self
 
 from geofed.parent_death import die_with_parent
+from geofed_cli.demo.fork_client import ForkedProcess, ForkServer
 from geofed_cli.demo.supervisor import RestartPolicy
 
 log = logging.getLogger(__name__)
@@ -46,13 +49,15 @@ class Child:
         log_file: Path,
         env: dict[str, str],
         group: str | None = None,
+        fork_server: ForkServer | None = None,
     ) -> None:
         self.name = name
         self.group = group
         self.args = list(args)
         self.log_file = log_file
         self.env = env
-        self._proc: asyncio.subprocess.Process | None = None
+        self.fork_server = fork_server
+        self._proc: asyncio.subprocess.Process | ForkedProcess | None = None
 
     @property
     def pid(self) -> int | None:
@@ -64,6 +69,16 @@ class Child:
 
     async def start(self) -> None:
         self.log_file.parent.mkdir(parents=True, exist_ok=True)
+        if self.fork_server is not None:
+            self._proc = await asyncio.to_thread(
+                self.fork_server.spawn,
+                self.args,
+                env=self.env,
+                cwd=Path.cwd(),
+                log_file=self.log_file,
+            )
+            log.debug("forked %s (pid %d): %s", self.name, self._proc.pid, " ".join(self.args))
+            return
         with self.log_file.open("ab") as out:
             self._proc = await asyncio.create_subprocess_exec(
                 sys.executable,
@@ -156,10 +171,14 @@ class ChildSet:
         supervise: RestartPolicy | None = None,
         on_event: Callable[[str], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
+        fork_server: ForkServer | None = None,
     ) -> None:
         """``supervise``: restart children that exit (see the module docstring);
-        ``on_event(line)`` hears of each exit and restart."""
+        ``on_event(line)`` hears of each exit and restart; ``fork_server``: fork the
+        children from it (:mod:`geofed_cli.demo.fork_client`) rather than start each
+        as a new interpreter."""
         self.log_dir = log_dir
+        self.fork_server = fork_server
         self.stop_deadline_s = stop_deadline_s
         self.children: list[Child] = []
         self.env = dict(os.environ)
@@ -176,7 +195,7 @@ class ChildSet:
         self._stopping = False
 
     async def start(self, name: str, args: Sequence[str], *, group: str | None = None) -> Child:
-        child = Child(name, args, self.log_dir / f"{name}.log", self.env, group)
+        child = Child(name, args, self.log_dir / f"{name}.log", self.env, group, self.fork_server)
         self.children.append(child)
         await child.start()
         if self._policy is not None:

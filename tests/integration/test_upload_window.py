@@ -46,6 +46,7 @@ from tests.support.coordinator import (
     request,
     write_setup,
 )
+from tests.support.fork_server import shared_fork_server
 from tests.support.tiny_task import TinyOptions, TinyTask
 from tests.support.wanproxy import LinkSettings, WanProxy
 
@@ -202,7 +203,10 @@ class _Coordinator:
 
 @pytest.mark.slow
 async def test_every_answered_chunk_survives_a_coordinator_kill(tmp_path: Path) -> None:
-    async with EmbeddedBroker() as broker, ChildSet(tmp_path / "logs") as children:
+    async with (
+        EmbeddedBroker() as broker,
+        ChildSet(tmp_path / "logs", fork_server=await shared_fork_server()) as children,
+    ):
         setup = write_setup(tmp_path, broker.port)
         port = unused_port()
         text = setup.config_path.read_text()

@@ -1,20 +1,21 @@
 """Regional agents as real processes beside an in-process coordinator: their configs,
 a watcher of the control topics, and what a delivered round looks like (shared by the
-agent federation tests)."""
+agent federation tests). The agents are forked from this test process's fork server
+(:mod:`tests.support.fork_server`)."""
 
 from __future__ import annotations
 
 import asyncio
 import os
 import signal
-import subprocess
-import sys
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
 
 from geofed.control import ControlClient, RegionStatus, RoundAnnouncement, Topics, decode_any
+from geofed_cli.demo.fork_client import ForkedProcess
 from tests.support.coordinator import DATASETS, FEDERATION, POLICIES, Setup
+from tests.support.fork_server import shared_fork_server
 
 REPO = Path(__file__).resolve().parents[2]
 REGIONS = ("eu-west", "us-east")
@@ -100,25 +101,20 @@ class Agents:
     def __init__(self, setup: Setup, coordinator_port: int) -> None:
         self.setup = setup
         self.port = coordinator_port
-        self.procs: dict[str, asyncio.subprocess.Process] = {}
+        self.procs: dict[str, ForkedProcess] = {}
         #: region -> more lines of its agent's config file
         self.extra: dict[str, str] = {}
 
     async def start(self, region: str) -> None:
         config = agent_config(self.setup, region, self.port, self.extra.get(region, ""))
-        with (self.setup.root / f"agent-{region}.log").open("ab") as log:
-            self.procs[region] = await asyncio.create_subprocess_exec(
-                sys.executable,
-                "-m",
-                "geofed_cli",
-                "agent",
-                "--config",
-                str(config),
-                cwd=REPO,
-                env={**os.environ, "PYTHONPATH": str(REPO)},
-                stdout=log,
-                stderr=subprocess.STDOUT,
-            )
+        server = await shared_fork_server()
+        self.procs[region] = await asyncio.to_thread(
+            server.spawn,
+            ["agent", "--config", str(config)],
+            env={**os.environ, "PYTHONPATH": str(REPO)},
+            cwd=REPO,
+            log_file=self.setup.root / f"agent-{region}.log",
+        )
 
     def log(self, region: str) -> str:
         return (self.setup.root / f"agent-{region}.log").read_text(errors="replace")

@@ -39,6 +39,7 @@ from tests.support.coordinator import (
     request,
     write_setup,
 )
+from tests.support.fork_server import shared_fork_server
 from tests.support.mosquitto import run_mosquitto
 from tests.support.pki import Federation, Principal
 
@@ -229,7 +230,9 @@ async def daemon_with_broker(root: Path, fed: Federation) -> AsyncIterator[Daemo
 
 @asynccontextmanager
 async def served(root: Path, fed: Federation, broker_port: int) -> AsyncIterator[Daemon]:
-    async with ChildSet(root / "logs", stop_deadline_s=20) as kids:
+    async with ChildSet(
+        root / "logs", stop_deadline_s=20, fork_server=await shared_fork_server()
+    ) as kids:
         setup = write_setup(root, broker_port, mqtt_tls=True, fed=fed)
         port = unused_port()
         text = setup.config_path.read_text()
@@ -264,7 +267,9 @@ async def lease_pair(
     with run_mosquitto(
         root / "mqtt", cafile=fed.ca_file, certfile=server.cert_file, keyfile=server.key_file
     ) as broker:
-        async with ChildSet(root / "logs", stop_deadline_s=20) as kids:
+        async with ChildSet(
+            root / "logs", stop_deadline_s=20, fork_server=await shared_fork_server()
+        ) as kids:
             setup = write_setup(root, broker.port, mqtt_tls=True, fed=fed)
             text = setup.config_path.read_text() + (
                 f"state_store: {{kind: postgresql, dsn: '{dsn}', "

@@ -34,6 +34,7 @@ from geofed.types import Identity, Role
 from geofed_cli.demo.configs import DemoConfigs, write_demo_configs
 from geofed_cli.demo.federation import Credential, DemoFederation, create_demo_federation
 from geofed_cli.demo.processes import Child, ChildSet
+from tests.support.fork_server import shared_fork_server
 from tests.support.mosquitto import run_mosquitto
 from tests.support.mosquitto_production import production_config, write_crls
 
@@ -234,6 +235,7 @@ async def running_federation(
     start_agents: bool = True,
     ready: bool = True,
     ranks: int | None = 1,
+    fork: bool = True,
 ) -> AsyncIterator[FederationRun]:
     """Start a broker, the coordinator and (by default) every agent; stop all on exit.
 
@@ -241,6 +243,9 @@ async def running_federation(
     federation tests look at, and each rank is a torch process on a 2-core machine);
     None keeps the example configs' ``auto`` (2 gloo ranks). ``customize`` runs after.
     ``ready``: yield once the coordinator serves (else at once, while it starts).
+    ``fork``: fork the daemons from this process's fork server (:mod:`tests.support.fork_server`);
+    False starts each as a new interpreter, as production does (what a benchmark of their
+    memory and start needs).
     """
     assert broker in ("embedded", "mosquitto")
     regions = tuple(regions)
@@ -313,7 +318,13 @@ async def running_federation(
                 timeout=aiohttp.ClientTimeout(total=30),
             )
         )
-        children = await stack.enter_async_context(ChildSet(work / "logs", stop_deadline_s=30.0))
+        children = await stack.enter_async_context(
+            ChildSet(
+                work / "logs",
+                stop_deadline_s=30.0,
+                fork_server=await shared_fork_server() if fork else None,
+            )
+        )
         run = FederationRun(
             work=work,
             federation=federation,
