@@ -10,8 +10,8 @@ DEMO_DIR ?= run/demo-$(shell date +%Y%m%d-%H%M%S)
 
 .PHONY: setup system-deps bytecode demo test test-gpu lint typecheck pytest bench clean
 
-# torch through pip (where a local file serves it), the rest through uv: 12 s where pip
-# took 31 on a fresh clone. Bytecode compiled as pip does it: where PYTHONDONTWRITEBYTECODE
+# torch through pip (where a local file serves it), the rest through uv: 12 to 15 s where
+# pip took 31 on a fresh clone. Bytecode compiled as pip does it: where PYTHONDONTWRITEBYTECODE
 # is set, every process would compile what it imports again.
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
