@@ -76,13 +76,11 @@ from policies import PolicySet
 from regional_agent.config import AgentConfig, dataset_locations, training_datasets
 from regional_agent.credentials import Credentials
 from regional_agent.drain import DrainDecision, decide
-from regional_agent.hardware_history import HARDWARE_HISTORY_FILE, HardwareHistory
 from regional_agent.launch.backends import make_launcher
 from regional_agent.launch.exclusion import NodeExclusions, apply_exclusions
 from regional_agent.launch.launcher import Launcher
 from regional_agent.launch.worker_group import WorkerGroup, WorkerGroupConfig, WorkerGroupFailed
 from regional_agent.metrics import AgentMetrics
-from regional_agent.node_telemetry import NodeTelemetry, TelemetrySampler, summarize
 from regional_agent.rounds.measurements import RoundMeasurements
 from regional_agent.rounds.pipeline import PipelineRegion, RetryLater, RoundEnd, RoundPipeline
 from regional_agent.rounds.round_spans import RegionTraces
@@ -90,6 +88,8 @@ from regional_agent.rounds.schedule import Running, Schedule, Stop
 from regional_agent.rounds.timeline import RoundTimeline, Timeline
 from regional_agent.state import AgentState
 from regional_agent.status import StatusReporter, offline_status, probe_capacity
+from regional_agent.telemetry.history import HARDWARE_HISTORY_FILE, HardwareHistory
+from regional_agent.telemetry.node import NodeTelemetry, TelemetrySampler, summarize
 from regional_agent.transfer.coordinator_client import CoordinatorClient, build_session
 from regional_agent.transfer.sync import Synchronizer
 from regional_agent.transfer.uploader import Uploader

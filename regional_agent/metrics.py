@@ -48,7 +48,7 @@ from geofed.training_config import Precision
 from geofed.types import ArtifactKind, InvalidName, validate_name
 from regional_agent.handoff.flops import flops_utilisation, peak_flops
 from regional_agent.handoff.training_stats import RankTiming, TrainingStats
-from regional_agent.hardware_metrics import HARDWARE, HardwareMetrics
+from regional_agent.telemetry.metrics import HARDWARE, HardwareMetrics
 
 __all__ = [
     "ACCELERATOR_ONLY",

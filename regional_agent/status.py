@@ -13,7 +13,7 @@ caller's task: the daemon turns them into systemd ``STATUS=`` lines (:func:`desc
 Every live status carries the region's capacity (:func:`probe_capacity`: the visible
 accelerators from ``torch.cuda``, and the worker group's ranks as CPU worker slots),
 probed once, off the event loop, before the first publication; and the node's hardware
-as last read (``hardware``: the agent's :func:`regional_agent.node_telemetry.summarize`),
+as last read (``hardware``: the agent's :func:`regional_agent.telemetry.node.summarize`),
 read again before a publication when it is older than a few seconds.
 """
 

@@ -6,7 +6,7 @@ and the reasons behind it: each sign is a chance of failure on its own, and they
 as independent chances do (1 - Π(1 - pᵢ)):
 
 - uncorrectable ECC errors new since the region's agent first saw each GPU (its hardware
-  history, kept across restarts: :mod:`regional_agent.hardware_history`) or since this
+  history, kept across restarts: :mod:`regional_agent.telemetry.history`) or since this
   coordinator process first saw the host, whichever is more (the latter covers an agent
   that keeps no history, or whose history began after the errors): 0.8, and 0.05 more for
   each error past the first (a GPU with them usually fails soon after);

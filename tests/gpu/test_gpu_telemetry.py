@@ -1,4 +1,4 @@
-"""The node's GPUs through the real NVML (regional_agent/node_telemetry.py).
+"""The node's GPUs through the real NVML (regional_agent/telemetry/node.py).
 
 On a machine with an NVIDIA driver the agent's telemetry opens NVML and reads every GPU
 torch sees: memory within the device's and a temperature for each, its utilization a
@@ -13,8 +13,8 @@ from pathlib import Path
 import torch
 from prometheus_client import CollectorRegistry
 
-from regional_agent.hardware_metrics import HardwareMetrics
-from regional_agent.node_telemetry import NodeTelemetry, open_nvml
+from regional_agent.telemetry.metrics import HardwareMetrics
+from regional_agent.telemetry.node import NodeTelemetry, open_nvml
 from tests.support.gpu import require_cuda
 
 

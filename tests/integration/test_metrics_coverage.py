@@ -57,7 +57,7 @@ from geofed.pki.httpauth import VerifiedConnector
 from geofed.types import Identity, Role
 from geofed_cli.demo.browser import write_browser_credential
 from regional_agent import metrics as agent_metrics
-from regional_agent.node_telemetry import open_nvml
+from regional_agent.telemetry.node import open_nvml
 from tests.support.browser import chromium
 from tests.support.federation import FEDERATION, FederationRun, running_federation
 from tests.support.monitoring import DASHBOARD, RULES, catalogued, queries

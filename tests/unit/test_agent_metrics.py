@@ -14,7 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from geofed.types import ArtifactKind
 from regional_agent.handoff.training_stats import RankTiming, TrainingStats
 from regional_agent.metrics import ACCELERATOR_ONLY, CATALOGUE, AgentMetrics, MetricsError
-from regional_agent.node_telemetry import GpuSample, NodeSample
+from regional_agent.telemetry.node import GpuSample, NodeSample
 
 #: A round measured on one H100 (bf16 peak 989e12 FLOPs/s per device).
 GPU_ROUND = TrainingStats(

@@ -21,7 +21,7 @@ from coordinator.errors import CODES
 from coordinator.rounds.records import JobState
 from geofed.types import ArtifactKind
 from regional_agent import metrics as agent_metrics
-from regional_agent.node_telemetry import THROTTLE_REASONS
+from regional_agent.telemetry.node import THROTTLE_REASONS
 from tests.support.monitoring import (
     CATALOGUE,
     DASHBOARD,

@@ -15,7 +15,7 @@ import pytest
 
 from coordinator.scheduling.hardware_risk import region_risk
 from geofed.control import HardwareSummary
-from regional_agent.hardware_history import (
+from regional_agent.telemetry.history import (
     KEEP_S,
     MAX_EVENTS,
     XID_WINDOW_S,
@@ -25,7 +25,7 @@ from regional_agent.hardware_history import (
     recent_xids,
     record_xids,
 )
-from regional_agent.node_telemetry import GpuSample, NodeSample, NodeTelemetry, summarize
+from regional_agent.telemetry.node import GpuSample, NodeSample, NodeTelemetry, summarize
 
 NOW = 1_800_000_000.0
 

@@ -1,4 +1,4 @@
-"""The node's hardware figures (regional_agent/node_telemetry.py, hardware_metrics.py).
+"""The node's hardware figures (regional_agent/telemetry/node.py, hardware_metrics.py).
 
 NVML is read through one narrow interface; here a fake ``pynvml`` module stands in for
 it at that edge (``FakeNvml``, and a driver that fails, ``FakeBrokenGpus``, named as
@@ -23,8 +23,8 @@ import yaml
 from prometheus_client import CollectorRegistry
 
 from geofed.control import HardwareSummary
-from regional_agent.hardware_metrics import HardwareMetrics
-from regional_agent.node_telemetry import (
+from regional_agent.telemetry.metrics import HardwareMetrics
+from regional_agent.telemetry.node import (
     SLOWDOWN_REASONS,
     THROTTLE_REASONS,
     GpuSample,

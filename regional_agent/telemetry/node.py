@@ -28,7 +28,7 @@ from typing import Any, Final, Protocol, TypeVar
 from pydantic import ValidationError
 
 from geofed.control import HardwareSummary
-from regional_agent.xid_events import XidWatcher
+from regional_agent.telemetry.xid_events import XidWatcher
 
 __all__ = [
     "SLOWDOWN_REASONS",
@@ -88,7 +88,7 @@ class GpuSample:
     uuid: str | None = None
     ecc_uncorrected_new: int | None = None
     """Uncorrectable ECC errors since the agent first saw this GPU, across restarts
-    (:mod:`regional_agent.hardware_history`; None: no history kept, or no ECC)."""
+    (:mod:`regional_agent.telemetry.history`; None: no history kept, or no ECC)."""
     xid_recent: int | None = None
     """Critical XID events of the last day, across restarts (None: not watched)."""
 
@@ -139,7 +139,7 @@ def read_node(state_dir: Path, meminfo: Path = Path("/proc/meminfo")) -> NodeSam
 
 class NvmlReader:
     """:class:`GpuReader` over an initialised ``pynvml`` module; from its first read it
-    also watches the GPUs' XID events (:mod:`regional_agent.xid_events`)."""
+    also watches the GPUs' XID events (:mod:`regional_agent.telemetry.xid_events`)."""
 
     def __init__(self, nvml: Any, *, watch_xid: bool = True) -> None:
         self._nvml = nvml
@@ -275,7 +275,7 @@ class NodeTelemetry:
     """Samples the node (:meth:`sample`, blocking); NVML is opened on the first sample.
 
     ``history`` adds to each GPU's sample what happened to it before (the agent's
-    :class:`~regional_agent.hardware_history.HardwareHistory`)."""
+    :class:`~regional_agent.telemetry.history.HardwareHistory`)."""
 
     def __init__(
         self,

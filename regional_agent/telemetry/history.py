@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any, Final
 
 from geofed.fsutil import atomic_write_bytes
-from regional_agent.node_telemetry import GpuSample
+from regional_agent.telemetry.node import GpuSample
 
 __all__ = [
     "HARDWARE_HISTORY_FILE",

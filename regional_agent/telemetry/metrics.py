@@ -1,4 +1,4 @@
-"""The agent's metrics of its node's hardware (:mod:`regional_agent.node_telemetry`).
+"""The agent's metrics of its node's hardware (:mod:`regional_agent.telemetry.node`).
 
 Series carry the ``host`` (its name; the per-rank series' ``node`` is the launcher's node
 index instead) and, for a GPU, ``gpu`` (NVML's index, in PCI order): bounded by the
@@ -15,7 +15,7 @@ from typing import Final
 from prometheus_client import CollectorRegistry
 
 from geofed.metric_spec import MetricSpec, gauge, set_or_remove
-from regional_agent.node_telemetry import THROTTLE_REASONS, GpuSample, NodeSample
+from regional_agent.telemetry.node import THROTTLE_REASONS, GpuSample, NodeSample
 
 __all__ = ["HARDWARE", "HardwareMetrics"]
 
