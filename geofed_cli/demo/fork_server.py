@@ -96,7 +96,12 @@ def _answer(line: bytes, children: set[int], wake: tuple[int, int]) -> None:
         _send({"id": ident, "error": f"{type(exc).__name__}: {exc}"})
         return
     server = os.getpid()
-    pid = os.fork()
+    try:
+        pid = os.fork()
+    except OSError as exc:  # out of processes or memory: this request fails, not the server
+        os.close(log_fd)
+        _send({"id": ident, "error": f"fork: {exc}"})
+        return
     if pid == 0:
         _become(args, env, cwd, log_fd, server, wake)
     os.close(log_fd)
@@ -128,9 +133,22 @@ def _become(
                 if isinstance(stream, io.TextIOWrapper):
                     stream.reconfigure(write_through=True)
         sys.argv = [_CLI_MAIN, *args]
+        _fresh_secrets()
     except BaseException:  # nothing may return into the server's loop
         os._exit(127)
     _run(args)
+
+
+def _fresh_secrets() -> None:
+    """What a new interpreter draws at random on its own, drawn again (``random`` is by
+    Python at each fork): numpy's global generator, multiprocessing's authentication key."""
+    numpy = sys.modules.get("numpy")
+    if numpy is not None:
+        numpy.random.seed()
+    if "multiprocessing" in sys.modules:
+        import multiprocessing
+
+        multiprocessing.current_process().authkey = os.urandom(32)
 
 
 def _die_with(server: int) -> None:
