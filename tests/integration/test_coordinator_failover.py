@@ -19,7 +19,11 @@ as two regions feeds them the fixed deltas of ``tests/support/coordinator_daemon
    and exits with the runtime-error code, so that systemd would restart it as a standby.
 4. B restarted stands by, serving reads, and SIGTERM stops it cleanly (exit 0).
 
-What it proves: every round's update stream and θ hash are bit for bit those of an
+With ``aggregation.late: merge``, a straggler's delta that leader A merged into the
+round it was collecting survives A's SIGKILL: B, taking over, holds it, answers its retry
+with the same receipt and publishes it once, at its staleness weight.
+
+What the first test proves: every round's update stream and θ hash are bit for bit those of an
 uninterrupted coordinator; each round is published once and each delta accepted once
 (the accepted delta of round 2 survived its leader); the deposed leader did not write.
 What it measures, and prints: the time from the leader's loss to the first request
@@ -37,7 +41,7 @@ from typing import Any
 
 import pytest
 
-from tests.support.coordinator import request
+from tests.support.coordinator import job_yaml, request
 from tests.support.coordinator_daemon import (
     JOB,
     REGIONS,
@@ -193,3 +197,57 @@ async def reads_on_standby(leader: Daemon, standby: Daemon) -> None:
         assert (status, body["error"]) == (403, "forbidden"), body
         status, body = await request(region, "GET", f"/v1/jobs/{JOB}")
         assert (status, body["round"], "spec" in body) == (200, led["round"], False), body
+
+
+MERGING = "min_regions: 1\naggregation: {late: merge, max_staleness: 1, grace_s: 1.0}\n"
+
+
+async def test_a_late_delta_merged_by_a_leader_that_dies_is_published_once_by_the_next(
+    tmp_path: Path, database: PostgresSpec
+) -> None:
+    """``aggregation.late: merge`` across a failover: a straggler's delta that leader A
+    merged into the round it was collecting reaches θ once, through B, after A's SIGKILL.
+    """
+    fed = make_federation(tmp_path / "fed", "acme")
+    async with lease_pair(tmp_path / "ha", fed, database.dsn, TTL_S) as (a, b):
+        await a.start()
+        await b.start(wait_ready=False)
+        await standing_by(b, 0)
+        operator = a.session(a.setup.operator)
+        spec = job_yaml(JOB, rounds=ROUNDS, extra=MERGING)
+        status, body = await request(operator, "POST", "/v1/jobs", data=spec)
+        assert status == 201, body
+        await a.deliver(0)
+        # Round 1: us-east straggles; the round closes a second after eu-west's delta.
+        opened = await a.wait_job(
+            "round 1 to collect",
+            lambda s: s["round"] == 1 and s.get("current", {}).get("phase") == "collecting",
+        )
+        await deliver_one(a, 1, 0)
+        await a.wait_published(1)
+        late = a.region("us-east").delta(JOB, 1, opened["params_hash"], seed=4, tokens=300)
+        status, merged = await a.region("us-east").three_step(JOB, 1, *late)
+        assert (status, merged["state"]) == (200, "accepted"), merged
+        assert (await a.job())["current"]["merged"] == [{"region": "us-east", "round": 1}]
+
+        # A dies collecting round 2, the late delta merged into it.
+        await a.kill()
+        await b.wait_ready()
+        assert (await b.job())["current"]["merged"] == [{"region": "us-east", "round": 1}]
+        status, again = await b.region("us-east").single_shot(JOB, 1, *late)  # a retry
+        assert (status, again["receipt"]) == (200, merged["receipt"]), again
+        await b.deliver(2)
+        await b.wait_published(2)
+        entries = await b.audit()
+
+    accepted = [(e.round, e.region) for e in entries if e.action == "delta.accept"]
+    assert sorted(accepted) == [(r, name) for r in range(ROUNDS) for name in REGIONS], accepted
+    (late_accept,) = [
+        e for e in entries if e.action == "delta.accept" and e.round == 1 and e.region == "us-east"
+    ]
+    assert late_accept.details["merged_into"] == 2, late_accept.details
+    publications = {e.round: e.details for e in entries if e.action == "round.publish"}
+    assert [e.round for e in entries if e.action == "round.publish"] == list(range(ROUNDS))
+    assert publications[1]["stragglers"] == ["us-east"], publications[1]
+    assert sorted(publications[2]["order"]) == ["eu-west", "us-east", "us-east@1"]
+    assert publications[2]["tokens"] == 100 + 300 + 300  # the late delta's tokens reached θ
