@@ -78,6 +78,7 @@ class ForkServer:
         self.preload = tuple(preload)
         self._proc: subprocess.Popen[bytes] | None = None
         self._lock = threading.Lock()
+        self._write_lock = threading.Lock()
         self._answered = threading.Condition(self._lock)
         self._ready = False
         self._gone = False
@@ -96,11 +97,13 @@ class ForkServer:
         self._reader = threading.Thread(target=self._serve, name="fork-server", daemon=True)
         self._reader.start()
         with self._answered:
-            if not self._answered.wait_for(lambda: self._ready or self._gone, timeout_s):
-                self.close()
-                raise ForkServerError(f"the fork server did not start in {timeout_s:.0f} s")
-            if self._gone:
-                raise ForkServerError(f"the fork server exited; see {self.log_file}")
+            started = self._answered.wait_for(lambda: self._ready or self._gone, timeout_s)
+            gone = self._gone
+        if not started:
+            self.close()
+            raise ForkServerError(f"the fork server did not start in {timeout_s:.0f} s")
+        if gone:
+            raise ForkServerError(f"the fork server exited; see {self.log_file}")
 
     def spawn(
         self,
@@ -120,13 +123,17 @@ class ForkServer:
                 raise ForkServerError("the fork server is gone")
             ident = self._next_id
             self._next_id += 1
-            request = {"id": ident, "args": list(args), "env": dict(env), "cwd": str(cwd)}
-            request["log"] = str(log_file)
+        request = {"id": ident, "args": list(args), "env": dict(env), "cwd": str(cwd)}
+        request["log"] = str(log_file)
+        # Not under the state's lock: the reader thread takes it to drain the server's
+        # answers, and a server blocked on a full pipe of answers reads no request.
+        with self._write_lock:
             try:
                 proc.stdin.write((json.dumps(request) + "\n").encode())
                 proc.stdin.flush()
             except OSError as exc:
                 raise ForkServerError(f"the fork server is gone: {exc}") from exc
+        with self._answered:
             if not self._answered.wait_for(lambda: ident in self._answers or self._gone, timeout_s):
                 raise ForkServerError(f"the fork server did not answer in {timeout_s:.0f} s")
             answer = self._answers.pop(ident, None)
