@@ -112,9 +112,11 @@ class ForkServer:
         env: Mapping[str, str],
         cwd: Path,
         log_file: Path,
+        stderr_file: Path | None = None,
         timeout_s: float = 30.0,
     ) -> ForkedProcess:
-        """``geofed ARGS`` in a forked child (blocking until it runs); see the module docstring."""
+        """``geofed ARGS`` in a forked child (blocking until it runs), its output appended to
+        ``log_file`` (its standard error to ``stderr_file`` if given)."""
         proc = self._proc
         if proc is None or proc.stdin is None:
             raise ForkServerError("the fork server is not started")
@@ -125,6 +127,8 @@ class ForkServer:
             self._next_id += 1
         request = {"id": ident, "args": list(args), "env": dict(env), "cwd": str(cwd)}
         request["log"] = str(log_file)
+        if stderr_file is not None:
+            request["stderr"] = str(stderr_file)
         # Not under the state's lock: the reader thread takes it to drain the server's
         # answers, and a server blocked on a full pipe of answers reads no request.
         with self._write_lock:

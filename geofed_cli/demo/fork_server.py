@@ -5,7 +5,8 @@ coordinator's and the agent's daemons, torch with them: about 3 CPU seconds a da
 paid at each start), prints ``{"ready": pid}`` and then serves one request per line on
 its stdin: ``{"id", "args", "env", "cwd", "log"}`` runs ``geofed ARGS`` in a child forked
 from it, in a session of its own, with that environment and working directory, its
-output appended to ``log``, and dying with the server (``PR_SET_PDEATHSIG``). Each
+output appended to ``log`` (its standard error to ``"stderr"`` where the request names
+one), and dying with the server (``PR_SET_PDEATHSIG``). Each
 answer is one line on its stdout: ``{"id", "pid"}`` (or ``{"id", "error"}``) once the
 child runs, ``{"exit": pid, "code": c}`` when a child ends (``c`` as
 ``os.waitstatus_to_exitcode`` gives it: ``-N`` for a signal). When its stdin closes it
@@ -90,27 +91,37 @@ def _answer(line: bytes, children: set[int], wake: tuple[int, int]) -> None:
     try:
         args = [str(arg) for arg in request["args"]]
         env = {str(k): str(v) for k, v in request["env"].items()}
-        cwd, log = str(request["cwd"]), str(request["log"])
-        log_fd = os.open(log, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-    except (KeyError, TypeError, AttributeError, OSError) as exc:
+        cwd = str(request["cwd"])
+        paths = (str(request["log"]), str(request.get("stderr") or request["log"]))
+    except (KeyError, TypeError, AttributeError) as exc:
         _send({"id": ident, "error": f"{type(exc).__name__}: {exc}"})
         return
+    outputs: list[int] = []
     server = os.getpid()
     try:
+        for path in paths:
+            outputs.append(os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644))
         pid = os.fork()
-    except OSError as exc:  # out of processes or memory: this request fails, not the server
-        os.close(log_fd)
-        _send({"id": ident, "error": f"fork: {exc}"})
+    except OSError as exc:  # a log it cannot open, out of processes or memory: refused
+        for fd in outputs:
+            os.close(fd)
+        _send({"id": ident, "error": f"{type(exc).__name__}: {exc}"})
         return
     if pid == 0:
-        _become(args, env, cwd, log_fd, server, wake)
-    os.close(log_fd)
+        _become(args, env, cwd, (outputs[0], outputs[1]), server, wake)
+    for fd in outputs:
+        os.close(fd)
     children.add(pid)
     _send({"id": ident, "pid": pid})
 
 
 def _become(
-    args: list[str], env: dict[str, str], cwd: str, log_fd: int, server: int, wake: tuple[int, int]
+    args: list[str],
+    env: dict[str, str],
+    cwd: str,
+    outputs: tuple[int, int],
+    server: int,
+    wake: tuple[int, int],
 ) -> NoReturn:
     """In the child: the daemon's session, descriptors and environment, then ``geofed ARGS``."""
     try:
@@ -121,9 +132,9 @@ def _become(
         _die_with(server)
         null = os.open(os.devnull, os.O_RDONLY)
         os.dup2(null, 0)
-        os.dup2(log_fd, 1)
-        os.dup2(log_fd, 2)
-        for fd in (null, log_fd, *wake):
+        os.dup2(outputs[0], 1)
+        os.dup2(outputs[1], 2)
+        for fd in (null, *outputs, *wake):
             os.close(fd)
         os.chdir(cwd)
         os.environ.clear()

@@ -45,16 +45,20 @@ async def test_a_child_runs_with_its_environment_directory_and_log_and_bad_reque
     server = await asyncio.to_thread(started, tmp_path)
     try:
         env = {**os.environ, "GEOFED_URL": "http://example.org"}
-        # The environment: the job client reads its coordinator's address from it.
+        # The environment: the job client reads its coordinator's address from it; its
+        # standard error goes where the request says, apart from its output.
         child = server.spawn(
-            ["job", "status", "tiny"], env=env, cwd=tmp_path, log_file=tmp_path / "a.log"
+            ["job", "status", "tiny"],
+            env=env,
+            cwd=tmp_path,
+            log_file=tmp_path / "a.log",
+            stderr_file=tmp_path / "a.err",
         )
         assert await child.wait() == 2
         assert child.returncode == 2
-        assert (
-            "plain http is only for the loopback demo, not example.org"
-            in (tmp_path / "a.log").read_text()
-        )
+        refused = "plain http is only for the loopback demo, not example.org"
+        assert refused in (tmp_path / "a.err").read_text()
+        assert (tmp_path / "a.log").read_text() == ""
         # The working directory: a relative path names a file in it.
         configs = REPO / "configs"
         ok = server.spawn(

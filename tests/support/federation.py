@@ -15,7 +15,6 @@ import ipaddress
 import os
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
@@ -360,8 +359,8 @@ async def running_federation(
 async def operator_cli(
     fed: FederationRun, *args: str, **env: str
 ) -> subprocess.CompletedProcess[str]:
-    """``geofed ARGS`` as the operator runs it against ``fed`` (in a thread: the test's
-    loop runs the broker)."""
+    """``geofed ARGS`` as the operator runs it against ``fed``, forked from this process's
+    fork server: its exit code, standard output and standard error."""
     operator = fed.federation.operator
     environment = {
         **os.environ,
@@ -371,15 +370,22 @@ async def operator_cli(
         "GEOFED_TRUST": str(fed.federation.trust_bundle),
         **env,
     }
-    return await asyncio.to_thread(
-        subprocess.run,
-        [sys.executable, "-m", "geofed_cli", *args],
-        capture_output=True,
-        text=True,
-        env=environment,
-        cwd=REPO,
-        timeout=120,
-        check=False,
+    outputs = fed.work / "cli"
+    outputs.mkdir(exist_ok=True)
+    name = f"{len(list(outputs.glob('*.out')))}-{args[0] if args else 'geofed'}"
+    out, err = outputs / f"{name}.out", outputs / f"{name}.err"
+    server = await shared_fork_server()
+    child = await asyncio.to_thread(
+        server.spawn, list(args), env=environment, cwd=REPO, log_file=out, stderr_file=err
+    )
+    try:
+        async with asyncio.timeout(120):
+            code = await child.wait()
+    except TimeoutError:
+        child.kill()
+        raise
+    return subprocess.CompletedProcess(
+        ["geofed", *args], code, out.read_text(errors="replace"), err.read_text(errors="replace")
     )
 
 
