@@ -25,7 +25,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -191,16 +191,21 @@ class _Run:
     count: int
 
 
-class _UpdateReader:
-    """One stored update's header, read once, and its chunks read a tensor at a time."""
+class UpdateReader:
+    """One stored update's header, read once, and its chunks read a tensor at a time.
 
-    def __init__(self, update: StoredUpdate) -> None:
+    ``frames`` gives the stream's frame of an index (0 the header, 1 + i chunk i); by
+    default each is read from the update's file. A rank that holds no file passes the
+    frames it was sent (:meth:`tensor_frames` is what the holder of the file sends)."""
+
+    def __init__(self, update: StoredUpdate, frames: Callable[[int], bytes] | None = None) -> None:
         self._update = update
         self._where = f"update of round {update.round} at {update.path}"
+        self._frames = frames or self._read_frame
         self._starts = [update.start]
         for size in update.sizes[:-1]:
             self._starts.append(self._starts[-1] + size)
-        self._header = self._frame(0)
+        self._header = self._frames(0)
         try:
             probe = self._decoder(0)
         except CodecError as exc:
@@ -221,9 +226,15 @@ class _UpdateReader:
             run = self.runs.get(name)
             self.runs[name] = _Run(slot.index, 1) if run is None else _Run(run.first, run.count + 1)
 
-    def add_to(self, name: str, flat: Tensor, start: int, end: int) -> None:
-        """Add this update's pieces of tensor ``name`` to its values ``flat``, elements
-        ``start`` to ``end`` only (the chunks holding them are decoded whole)."""
+    @property
+    def header(self) -> bytes:
+        """The stream's header frame."""
+        return self._header
+
+    def add_to(self, name: str, flat: Tensor, start: int, end: int, offset: int = 0) -> None:
+        """Add this update's pieces of tensor ``name`` to its values, elements ``start``
+        to ``end`` only (the chunks holding them are decoded whole); ``flat`` holds the
+        tensor's elements from ``offset`` on (0: the whole tensor)."""
         run = self.runs.get(name)
         if run is None or start >= end:
             return
@@ -232,12 +243,26 @@ class _UpdateReader:
         try:
             decoder = self._decoder(first)
             for index in range(first, last):
-                for piece in decoder.feed(self._frame(1 + index)):
+                for piece in decoder.feed(self._frames(1 + index)):
                     low, high = max(start, piece.offset), min(end, piece.offset + piece.count)
                     values = piece.values.reshape(-1)[low - piece.offset : high - piece.offset]
-                    flat[low:high].add_(values)
+                    flat[low - offset : high - offset].add_(values.to(flat.device))
         except CodecError as exc:
             raise ThetaChainError(f"{self._where}: tensor {name!r}: {exc}") from None
+
+    def tensor_frames(self, name: str) -> bytes:
+        """The chunk frames of tensor ``name``, as they lie in the file (b"" for a tensor
+        the update does not name)."""
+        run = self.runs.get(name)
+        if run is None:
+            return b""
+        begin, end = self._starts[1 + run.first], self._starts[1 + run.first + run.count]
+        return self._pread(begin, end - begin, f"the frames of tensor {name!r}")
+
+    def frame_sizes(self, name: str) -> tuple[int, tuple[int, ...]]:
+        """The index of tensor ``name``'s first chunk frame and its frames' sizes."""
+        run = self.runs[name]
+        return 1 + run.first, self._update.sizes[1 + run.first : 1 + run.first + run.count]
 
     def _decoder(self, chunk: int) -> StreamDecoder:
         digests = self._update.digests
@@ -249,15 +274,17 @@ class _UpdateReader:
             expected_digests=digests[1:-1],
         )
 
-    def _frame(self, index: int) -> bytes:
-        size = self._update.sizes[index]
+    def _read_frame(self, index: int) -> bytes:
+        return self._pread(self._starts[index], self._update.sizes[index], f"frame {index}")
+
+    def _pread(self, start: int, size: int, what: str) -> bytes:
         try:
             with open(self._update.path, "rb", buffering=0) as f:
-                data = os.pread(f.fileno(), size, self._starts[index])
+                data = os.pread(f.fileno(), size, start)
         except OSError as exc:
             raise ThetaChainError(f"{self._where}: {exc.strerror or exc}") from None
         if len(data) != size:
-            raise ThetaChainError(f"{self._where}: the file ends inside frame {index}")
+            raise ThetaChainError(f"{self._where}: the file ends inside {what}")
         return data
 
 
@@ -280,7 +307,7 @@ class ChainReads(Mapping[str, Tensor]):
         self._chain = chain
         self._base = ThetaReads(chain.base, layout)
         shapes = layout.shapes()
-        self._updates = [_UpdateReader(update) for update in chain.updates]
+        self._updates = [UpdateReader(update) for update in chain.updates]
         for update, reader in zip(chain.updates, self._updates, strict=True):
             where = f"update of round {update.round} at {update.path}"
             unknown = sorted(set(reader.shapes) - set(shapes))

@@ -357,7 +357,10 @@ class RoundInstruction:
     round's start marker (:meth:`HandoffDir.write_start`), which the workers wait for.
 
     ``delta``: rank 0 hands over the quantized delta (:class:`DeltaRequest`) rather than
-    the trained parameters (None).
+    the trained parameters (None). ``base_hash``: the hash of θ at ``base_params``, as the
+    agent verified it (None: not given); the workers report it when they made θ from the
+    θ they held and its update instead of reading it
+    (:mod:`regional_agent.worker.base_update`).
 
     ``datasets``: where the region keeps the datasets the round reads, by name;
     ``datasets_without_files``: those it reads that the agent config names without files
@@ -399,6 +402,7 @@ class RoundInstruction:
         field(default_factory=dict)
     )
     task_fingerprint: Annotated[str | None, _checked(_optional(_require_fingerprint))] = None
+    base_hash: Annotated[str | None, _checked(_optional(_require_str))] = None
     datasets_without_files: Annotated[tuple[str, ...], _checked(_require_dataset_names)] = ()
 
     def __post_init__(self) -> None:

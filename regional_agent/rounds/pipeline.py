@@ -527,6 +527,7 @@ class RoundPipeline:
             job=announcement.job,
             round=announcement.round,
             base_params=str(job.held_path(synced.version.round)),
+            base_hash=synced.version.hash,
             inner_steps=announcement.inner_steps,
             task=announcement.task,
             task_options=dict(announcement.task_options),

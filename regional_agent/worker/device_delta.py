@@ -50,7 +50,7 @@ from regional_agent.handoff.residual_file import (
     residual_shapes,
     write_held_residual,
 )
-from regional_agent.worker.parallelism import ParallelModel
+from regional_agent.worker.parallelism import ParallelModel, load_whole_tensor
 from regional_agent.worker.place import RankPlace
 from regional_agent.worker.residual_shards import DeviceResidual, ResidualGroup
 
@@ -284,6 +284,7 @@ class RoundDeltaQuantizer:
         }
         self._specs = [TensorLayout(n, "float32", self._shapes[n]) for n in self.wanted]
         self._payloads: list[torch.Tensor] = []
+        self._last_base: tuple[str | None, torch.Tensor | None] = (None, None)
         self._next = 0
         self._generator = (
             rounding_generator(job, round_, region, device)
@@ -330,10 +331,16 @@ class RoundDeltaQuantizer:
             raise UnusableDelta(f"{name!r} is not the next tensor of the delta")
         self._next += 1
 
+    def base_of(self, name: str) -> torch.Tensor | None:
+        """θ_round's tensor ``name`` as :meth:`add` read it for its delta (the last
+        tensor added; None for any other)."""
+        return self._last_base[1] if self._last_base[0] == name else None
+
     def _quantize(
         self, name: str, trained: torch.Tensor, residual: torch.Tensor | None
     ) -> torch.Tensor | None:
         start = self._base[name]
+        self._last_base = (name, start)
         if start.shape != trained.shape:
             raise UnusableDelta(
                 f"{name!r}: θ has shape {tuple(start.shape)}, the trained state "
@@ -372,6 +379,7 @@ class RoundDeltaQuantizer:
         if self.residual.error is not None:
             raise self.residual.error
         del self._base
+        self._last_base = (None, None)
         # The residual's file first: a delta sealed and renamed cannot be taken back.
         written = self.plan.write_tensors
         if written:
@@ -478,7 +486,9 @@ def hand_over_delta(
     parallel: ParallelModel,
     write_tensors: bool,
     kept: DeviceResidual | None,
-) -> tuple[WrittenDelta | None, str | None, DeviceResidual | None]:
+    *,
+    restore: bool = False,
+) -> tuple[WrittenDelta | None, str | None, DeviceResidual | None, bool]:
     """The round's quantized delta, quantized by rank 0 tensor by tensor as each comes:
     from the replica's own tensors under DDP, all-gathered one at a time from the
     shards under FSDP/HSDP, each with its residual gathered from the ranks' slices and
@@ -488,14 +498,17 @@ def hand_over_delta(
     that saves the regional checkpoint); otherwise only the ranks hold them. ``kept``:
     this rank's slices of the residual the group holds; returned as the new one
     (unchanged when rank 0 could not start, None when a failure came after part of it
-    was overwritten or the round started from another residual)."""
+    was overwritten or the round started from another residual). ``restore`` (a
+    request for every tensor): each tensor's θ_round, as rank 0 read it for its delta,
+    is put back into the model's own tensors once its delta is taken (scattered or
+    broadcast, :func:`~regional_agent.worker.parallelism.load_whole_tensor`); the last
+    value returned says whether every one was (:mod:`regional_agent.worker.base_update`)."""
     started = time.monotonic()
     shapes = {name: tuple(t.shape) for name, t in federated_state(parallel.model).items()}
     names = tuple(shapes) if request.names is None else request.names
     group = ResidualGroup(place.rank, place.world_size, place.device, place.control)
     quantizer: RoundDeltaQuantizer | None = None
     failure: str | None = None
-    delta: QuantizedTensors | WrittenDelta | None = None
     where = f"job {instruction.job} round {instruction.round}"
     if place.rank == 0:
         quantizer, failure = _start_quantizer(
@@ -509,6 +522,7 @@ def hand_over_delta(
             if quantizer is not None
             else RoundResidual(group, plan, shapes, kept)
         )
+    restorer = _Restorer(parallel, group) if restore and request.names is None else None
     for name, whole in parallel.gathered([n for n in names if n in shapes]):
         if quantizer is not None and failure is None:
             try:
@@ -519,20 +533,16 @@ def hand_over_delta(
         elif residual is not None:
             residual.skip(name)
         del whole
+        if restorer is not None:
+            restorer.put(name, None if failure is not None else quantizer)
+    restored = restorer is not None and restorer.agreed()
     if residual is None or plan is None:  # rank 0 could not start: nothing changed
-        return None, failure, kept
+        return None, failure, kept, restored
     residual.carry()
-    if quantizer is not None and failure is None:
-        try:
-            delta, formed = quantizer.finish()
-        except Exception as exc:
-            log.exception("%s: cannot quantize the delta", where)
-            failure = f"cannot hand over the delta: {type(exc).__name__}: {exc}"
-    if quantizer is not None and failure is not None:
-        quantizer.abort()
+    delta, formed, failure = _finish(quantizer, failure, where)
     outcome: _Outcome = group.broadcast(
         _Outcome(
-            id=None if delta is None else formed.id,
+            id=None if formed is None else formed.id,
             drop=quantizer is not None and quantizer.altered_kept,
         )
     )
@@ -546,10 +556,9 @@ def hand_over_delta(
             plan.write_tensors,
         )
     elif outcome.drop or plan.source != "kept":
-        # Part overwritten, or another residual: error feedback goes on from its file.
-        kept = None
+        kept = None  # part overwritten, or another residual: feedback goes on from its file
     if not isinstance(delta, WrittenDelta):  # rank 0 seals into the stream file
-        return None, failure, kept
+        return None, failure, kept, restored
     log.info(
         "%s: delta quantized on %s, tensor by tensor, and sealed (%s, %.1f MB) in %.3f s",
         where,
@@ -558,7 +567,48 @@ def hand_over_delta(
         delta.payload_bytes / 1e6,
         time.monotonic() - started,
     )
-    return delta, failure, kept
+    return delta, failure, kept, restored
+
+
+def _finish(
+    quantizer: RoundDeltaQuantizer | None, failure: str | None, where: str
+) -> tuple[QuantizedTensors | WrittenDelta | None, DeviceResidual | None, str | None]:
+    """Rank 0's delta and the residual it leaves, or why it has none (the quantizer's
+    files then left as they were)."""
+    if quantizer is None:
+        return None, None, failure
+    if failure is None:
+        try:
+            return (*quantizer.finish(), None)
+        except Exception as exc:
+            log.exception("%s: cannot quantize the delta", where)
+            failure = f"cannot hand over the delta: {type(exc).__name__}: {exc}"
+    quantizer.abort()
+    return None, None, failure
+
+
+class _Restorer:
+    """θ_round put back into the model's tensors one at a time, as rank 0's quantizer
+    read each for its delta (zeros, and no θ held, after a failure)."""
+
+    def __init__(self, parallel: ParallelModel, group: ResidualGroup) -> None:
+        self._own = federated_state(parallel.model)
+        self._group = group
+        self._whole = True
+
+    def put(self, name: str, quantizer: RoundDeltaQuantizer | None) -> None:
+        """Put back ``name`` (a collective; ``quantizer`` rank 0's, None after a failure)."""
+        source = None
+        if self._group.rank == 0:
+            source = quantizer.base_of(name) if quantizer is not None else None
+            if source is None:
+                self._whole, source = False, torch.zeros(self._own[name].shape)
+        load_whole_tensor(self._own[name], source)
+
+    def agreed(self) -> bool:
+        """Whether every tensor was put back (rank 0's word, on every rank)."""
+        (whole,) = self._group.broadcast((self._whole,))
+        return bool(whole)
 
 
 def _start_quantizer(

@@ -36,6 +36,7 @@ from regional_agent.worker.activation_checkpointing import (
     checkpoint_activations,
     checkpointed_modules,
 )
+from regional_agent.worker.base_update import HeldBase
 from regional_agent.worker.model_build import build_model
 from regional_agent.worker.optimizer_checkpoint import load_optimizer
 from regional_agent.worker.parallelism import ParallelModel, wrap
@@ -72,6 +73,9 @@ class WorkerJobState:
     #: The round whose trained parameters the model holds (None until one is trained
     #: here): a delayed round goes on from them (:mod:`regional_agent.worker.delayed_round`).
     local_round: int | None = None
+    #: The θ the model holds after a serial round's hand-over put it back (None: none);
+    #: taken by the next round (:mod:`regional_agent.worker.base_update`).
+    held_base: HeldBase | None = None
 
     @classmethod
     def build(
@@ -128,6 +132,15 @@ class WorkerJobState:
             saved,
             built.materialize,
         )
+
+    def keep_held_base(self, held: HeldBase) -> None:
+        """Record the θ the model holds now."""
+        self.held_base = held
+
+    def take_held_base(self) -> HeldBase | None:
+        """The θ the model holds, forgotten here: the round that takes it changes it."""
+        held, self.held_base = self.held_base, None
+        return held
 
     def serves(self, instruction: RoundInstruction) -> bool:
         """Whether this state trains ``instruction`` (same job, same training section)."""

@@ -135,7 +135,7 @@ class ParallelModel:
                         failure = exc
                 if rank0 and source is None:
                     source = torch.zeros(own[name].shape)
-                _load_tensor(own[name], source)
+                load_whole_tensor(own[name], source)
         if failure is not None:
             raise failure
 
@@ -187,7 +187,7 @@ class ParallelModel:
         optimizer.load_state_dict(dict(state))
 
 
-def _load_tensor(target: torch.Tensor, source: torch.Tensor | None) -> None:
+def load_whole_tensor(target: torch.Tensor, source: torch.Tensor | None) -> None:
     """Copy rank 0's whole ``source`` into ``target`` on every rank (a collective): its
     shards scattered to a sharded tensor's ranks, or the whole broadcast to a replica."""
     device, dtype = target.device, target.dtype

@@ -54,7 +54,7 @@ import logging
 import math
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from datetime import timedelta
 
 import torch
@@ -62,6 +62,7 @@ import torch.distributed as dist
 
 from geofed.heap import trim_heap
 from geofed.params import parameters_vector_hash
+from geofed.theta_chain import StoredUpdate
 from regional_agent.handoff.delta_stream import WrittenDelta
 from regional_agent.handoff.directory import HandoffDir
 from regional_agent.handoff.messages import (
@@ -69,10 +70,10 @@ from regional_agent.handoff.messages import (
     RegionalCheckpoint,
     RoundInstruction,
     RoundProgress,
-    RoundSummary,
 )
 from regional_agent.handoff.settings import WorkerSettings
 from regional_agent.worker.base_evaluation import evaluate_base
+from regional_agent.worker.base_update import apply_update, held_base, planned_update
 from regional_agent.worker.delayed_round import DelayedFold, evaluator
 from regional_agent.worker.device_delta import hand_over_delta
 from regional_agent.worker.idle_agreement import IdleAgreement
@@ -101,18 +102,14 @@ from regional_agent.worker.persistence import (
 )
 from regional_agent.worker.place import RankPlace
 from regional_agent.worker.residual_shards import DeviceResidual
+from regional_agent.worker.round_records import (
+    RegionTotals,
+    TrainedRound,
+    publish_round,
+    round_records,
+)
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True, slots=True)
-class _Trained:
-    """A round's inner loop, finished: this rank's totals and when it ran."""
-
-    totals: RankTotals
-    started: float  # time.monotonic()
-    started_at: float  # the wall clock
-    finished_at: float
 
 
 class _ResumeFailed(Exception):
@@ -237,6 +234,10 @@ class RoundRunner:
         # Every rank holds the same state, so all take part in the checkpoint's broadcast
         # or none does.
         held = self._state
+        # The θ the model holds is one round's only: whatever this round does, it does not
+        # hold it after (a serial round's hand-over records the next one).
+        held_theta = held.take_held_base() if held is not None else None
+        update: StoredUpdate | None = None
         checkpoint: RegionalCheckpoint | None = None
         checkpoint_error: str | None = None
         if held is None or not held.serves(instruction):
@@ -249,7 +250,10 @@ class RoundRunner:
             state = self._state_for(instruction, checkpoint, checkpoint_error)
             replay = state.last_round is not None and round_ <= state.last_round
             if not replay and self._rank == 0 and not instruction.base_pending:
-                base = read_base(state.model, instruction.base_params)
+                if state is held:
+                    update = planned_update(held_theta, instruction)
+                if update is None:
+                    base = read_base(state.model, instruction.base_params)
         except Exception as exc:
             log.exception("cannot prepare job %s round %d", job, round_)
             error = f"rank {self._rank}: {type(exc).__name__}: {exc}"
@@ -277,8 +281,14 @@ class RoundRunner:
         error, base_hash = None, ""
         try:
             parallel, optimizer = state.ready(self._device, self._control, self._timeout)
-            parallel.load_full_state(None if base is None else base.state)
-            base_hash = "" if base is None else base.hash  # hashed as it loaded: no read
+            (updating,) = self._agree(update is not None)
+            if updating and apply_update(parallel, update, self._control):
+                base_hash = instruction.base_hash or ""  # made exactly: no read, no hash
+            else:
+                if updating and self._rank == 0:
+                    base = read_base(state.model, instruction.base_params)
+                parallel.load_full_state(None if base is None else base.state)
+                base_hash = "" if base is None else base.hash  # hashed as it loaded: no read
         except Exception as exc:
             log.exception("cannot load job %s round %d", job, round_)
             error = f"rank {self._rank}: {type(exc).__name__}: {exc}"
@@ -542,7 +552,7 @@ class RoundRunner:
         instruction: RoundInstruction,
         identity: RoundIdentity,
         fold: DelayedFold | None,
-    ) -> _Trained | None:
+    ) -> TrainedRound | None:
         """The round's H steps, resumed where an inner checkpoint of it says; None when the
         round did not finish (refused, stopped, or its delayed fold failed: said where it
         must be)."""
@@ -620,7 +630,7 @@ class RoundRunner:
             if fold is not None and fold.failure is not None and self._rank == 0:
                 self._handoff.write_error(instruction.job, instruction.round, fold.failure)
             return None
-        return _Trained(totals, started, started_at, finished_at)
+        return TrainedRound(totals, started, started_at, finished_at)
 
     def _finish_round(
         self,
@@ -628,7 +638,7 @@ class RoundRunner:
         parallel: ParallelModel,
         optimizer: torch.optim.Optimizer,
         instruction: RoundInstruction,
-        trained: _Trained,
+        trained: TrainedRound,
         base_hash: str,
         base_eval: dict[str, float] | None,
         fold: DelayedFold | None,
@@ -659,7 +669,9 @@ class RoundRunner:
         )
         cursor = state.cursor + totals.micro_batches
         due = self._checkpoint_due(state, instruction)
-        params, delta, failure = self._hand_over(state, parallel, instruction, fold, due.residual)
+        params, delta, failure, restored = self._hand_over(
+            state, parallel, instruction, fold, due.residual
+        )
         (failed,) = self._agree(failure is not None)
         if failed:
             self._state = None  # as a diverged round: resume from the last checkpoint
@@ -675,37 +687,27 @@ class RoundRunner:
                 self._place, state, parallel, optimizer, instruction.round, due.reason
             )
         if self._rank == 0:
-            summary = RoundSummary(
-                job=instruction.job,
-                round=instruction.round,
-                steps=instruction.inner_steps,
-                tokens=region_tokens,
-                mean_loss=mean_loss,
-                cursor=cursor,
-                base_params_hash=base_hash,
+            summary, checkpoint = round_records(
+                instruction,
+                state,
+                trained,
+                RegionTotals(region_tokens, mean_loss, cursor, stats),
+                base_hash=base_hash,
                 params_hash=delta.payloads_hash
                 if delta is not None
                 else parameters_vector_hash(params or {}),
                 world_size=self._world_size,
-                train_seconds=time.monotonic() - trained.started,
                 base_eval=base_eval,
-                stats=stats,
-                train_started_at=trained.started_at,
-                train_finished_at=trained.finished_at,
-                base_wait_seconds=None if fold is None else fold.wait_seconds,
-                base_folded_at_step=None if fold is None else fold.folded_at_step,
+                fold=fold,
             )
-            checkpoint = RegionalCheckpoint(
-                job=instruction.job,
-                last_round=instruction.round,
-                cursor=cursor,
-                world_size=self._world_size,
-                parallelism=state.training.parallelism,
-                optimizer_round=state.saved_optimizer_round,
+            publish_round(
+                self._handoff, summary, params if delta is None else None, checkpoint, totals, delta
             )
-            self._publish(summary, params if delta is None else None, checkpoint, totals, delta)
         state.cursor, state.last_round = cursor, instruction.round
         state.local_round = instruction.round
+        if restored:  # the model holds θ_round again, not what the round trained
+            state.local_round = None
+            state.keep_held_base(held_base(instruction, base_hash, self._rank))
 
     def _hand_over(
         self,
@@ -714,19 +716,29 @@ class RoundRunner:
         instruction: RoundInstruction,
         fold: DelayedFold | None,
         write_residual: bool,
-    ) -> tuple[Mapping[str, torch.Tensor] | None, WrittenDelta | None, str | None]:
+    ) -> tuple[Mapping[str, torch.Tensor] | None, WrittenDelta | None, str | None, bool]:
         """What the round hands the agent: θ whole on rank 0, or the quantized delta an
-        instruction's ``delta`` asks for; and rank 0's failure, if any (a collective under
-        FSDP: every rank takes part). The residual's tensors are written when
-        ``write_residual`` (a checkpoint the coordinator asked for)."""
+        instruction's ``delta`` asks for; rank 0's failure, if any (a collective under
+        FSDP: every rank takes part); and whether the model holds θ_round again (a serial
+        round's delta puts it back, :mod:`regional_agent.worker.base_update`). The
+        residual's tensors are written when ``write_residual`` (a checkpoint the
+        coordinator asked for)."""
         request = instruction.delta
         if request is None:
-            return parallel.full_state(), None, None  # rank 0 receives the whole
+            return parallel.full_state(), None, None, False  # rank 0 receives the whole
         base_path = (fold.base_path if fold is not None else "") or instruction.base_params
-        delta, failure, self._residual = hand_over_delta(
-            self._place, request, instruction, base_path, parallel, write_residual, self._residual
+        serial = fold is None and instruction.overlap == "none"
+        delta, failure, self._residual, restored = hand_over_delta(
+            self._place,
+            request,
+            instruction,
+            base_path,
+            parallel,
+            write_residual,
+            self._residual,
+            restore=serial,
         )
-        return None, delta, failure
+        return None, delta, failure, restored
 
     def _checkpoint_due(self, state: WorkerJobState, instruction: RoundInstruction) -> SaveDecision:
         """Whether this round saves the regional checkpoint (optimizer state, and the
@@ -769,32 +781,3 @@ class RoundRunner:
             raise _ResumeFailed
         assert not isinstance(found, str)  # a failure on any rank is a problem of all
         return found
-
-    def _publish(
-        self,
-        summary: RoundSummary,
-        params: Mapping[str, torch.Tensor] | None,
-        checkpoint: RegionalCheckpoint,
-        totals: RankTotals,
-        delta: WrittenDelta | None = None,
-    ) -> None:
-        # Order matters: result (its residual file before it), then checkpoint, then the
-        # marker that publishes both. The inner checkpoint goes before the marker: once the
-        # marker is there the worker touches none of the round's files (a stop in between
-        # trains the round again from its start, to the same result).
-        self._handoff.write_result(summary, params, delta)
-        self._handoff.write_checkpoint(checkpoint)
-        discard_inner_checkpoint(self._handoff.inner_checkpoint_path(summary.job))
-        self._handoff.write_done(summary)
-        log.info(
-            "job %s round %d: %d steps, %d tokens, mean loss %.4f, lr %.3g, grad norm %.3g, "
-            "params %s",
-            summary.job,
-            summary.round,
-            summary.steps,
-            summary.tokens,
-            summary.mean_loss,
-            totals.last_lr,
-            totals.last_grad_norm,
-            summary.params_hash,
-        )

@@ -139,7 +139,7 @@ def _hand_over(rank: int, root: Path, limit: int) -> None:
             signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
             _, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
             resource.setrlimit(resource.RLIMIT_FSIZE, (limit, hard))
-        delta, failure, kept = hand_over_delta(
+        delta, failure, kept, _ = hand_over_delta(
             place,
             step.delta,
             step,

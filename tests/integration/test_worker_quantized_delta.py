@@ -21,6 +21,7 @@ import torch
 
 from geofed.codec import ErrorFeedback
 from geofed.codec_params import CodecParams
+from geofed.params import parameters_vector_hash
 from geofed.training_config import TrainingConfig
 from regional_agent.handoff.directory import HandoffDir
 from regional_agent.handoff.messages import DeltaRequest, RoundResult
@@ -28,6 +29,8 @@ from regional_agent.handoff.residual_file import Residual, read_residual, write_
 from regional_agent.launch.launcher import LocalElasticLauncher
 from regional_agent.launch.worker_group import RoundFailed, WorkerGroup, WorkerGroupConfig
 from regional_agent.rounds.delta import encode_delta
+from tests.support.global_updates import chained_theta
+from tests.support.pki import make_federation
 from tests.support.tiny_task import TinyTask
 from tests.support.worker_group import instruction, launcher_config, save_state
 
@@ -160,6 +163,52 @@ async def test_the_workers_delta_is_the_agents_encoding_round_after_round(
     quantized = await region.quantized(5, base)
     assert_same(worker_encoding(quantized), agent_encoding(base, plain.params, None))
     assert "does not fit the model" in region.handoff.rank_log_path(0).read_text()
+
+
+@on_module_loop
+@pytest.mark.parametrize("training", [DDP, FSDP], ids=["ddp", "fsdp"])
+async def test_the_next_round_makes_theta_from_the_theta_held_and_the_update(
+    region: Region, tmp_path: Path, training: TrainingConfig
+) -> None:
+    """A serial round's hand-over leaves θ_0 in the model; round 1's θ is θ_0 plus round
+    0's update, made on the ranks (no θ read): the round hands over the very delta a
+    group that reads θ_1 whole hands over, from the same θ by its hash."""
+    kind = training.parallelism
+    theta0 = TinyTask().build_model(seed=9).state_dict()
+    chain, _, after = chained_theta(make_federation(tmp_path / "fed"), theta0, tmp_path, job="a")
+    request = DeltaRequest(CODEC, str(tmp_path / "no-feedback.pt"), CHUNK)
+    made = "θ_1 made from the shards' θ_0 and its update"
+    before = region.handoff.rank_log_path(0).read_text().count(made)
+    results = {}
+    for job, hashed in ((f"held-{kind}", True), (f"whole-{kind}", False)):
+        first = instruction(
+            job,
+            0,
+            tmp_path / "theta-0.st",
+            inner_steps=STEPS,
+            training=training,
+            delta=request,
+            base_hash=parameters_vector_hash(theta0),
+        )
+        await region.group.run_round(first, 60)
+        step = instruction(
+            job,
+            1,
+            chain,
+            inner_steps=STEPS,
+            training=training,
+            delta=request,
+            base_hash=parameters_vector_hash(after) if hashed else None,
+        )
+        results[job] = await region.group.run_round(step, 60)
+    held, whole = results[f"held-{kind}"], results[f"whole-{kind}"]
+    # Once: the round without the hash read θ_1 whole.
+    assert region.handoff.rank_log_path(0).read_text().count(made) == before + 1
+    assert held.summary.base_params_hash == parameters_vector_hash(after)
+    assert whole.summary.base_params_hash == parameters_vector_hash(after)  # read and hashed
+    assert held.delta is not None
+    assert whole.delta is not None
+    assert held.delta.to_bytes() == whole.delta.to_bytes()
 
 
 @on_module_loop
