@@ -232,7 +232,16 @@ def speculation_unusable(
         return f"the job's overlap is {wanted.overlap}, not {speculative.overlap}"
     if speculative.fold != fold:
         return f"it folds in {_listed(speculative.fold)}, θ changed in {_listed(fold)}"
-    ignored = {"base_params", "evaluate_base", "overlap", "base_pending", "start", "fold"}
+    # θ's hash is not known ahead: the base-ready marker brings it (checked on arrival).
+    ignored = {
+        "base_params",
+        "base_hash",
+        "evaluate_base",
+        "overlap",
+        "base_pending",
+        "start",
+        "fold",
+    }
     for name in RoundInstruction.__dataclass_fields__:
         if name in ignored:
             continue

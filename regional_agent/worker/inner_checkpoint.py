@@ -69,7 +69,7 @@ __all__ = [
 FORMAT_VERSION = 2
 # What a re-sent instruction may change without changing what the round trains: where
 # θ is on disk (its hash is compared instead) and whether θ is evaluated first.
-_NOT_TRAINING = frozenset({"base_params", "evaluate_base"})
+_NOT_TRAINING = frozenset({"base_params", "base_hash", "evaluate_base"})
 
 
 class InvalidInnerCheckpoint(ValueError):

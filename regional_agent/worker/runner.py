@@ -11,12 +11,15 @@ the ranks renumber themselves head node first
 Each round: every rank builds or keeps the job's state, rank 0 maps the base θ and
 checks it, and the ranks agree that all is well before any collective
 (:mod:`regional_agent.worker.job_state`); then the model is wrapped for the job's parallelism
-once (:mod:`regional_agent.worker.parallelism`), rank 0's θ is broadcast into it, the ranks
-evaluate it when instructed (:mod:`regional_agent.worker.base_evaluation`, reported in the
-summary's ``base_eval``), and every rank trains ``inner_steps`` optimizer steps from the
-region's data cursor (:mod:`regional_agent.worker.inner_loop`). Rank 0 receives the full fp32
-parameters and the whole optimizer state and writes the result, the job's regional
-checkpoint and, last, the done marker (see :mod:`regional_agent.handoff`). The inner
+once (:mod:`regional_agent.worker.parallelism`), rank 0's θ is broadcast into it (or, when
+the group holds θ of the round before, made on the ranks from it and that round's update:
+:mod:`regional_agent.worker.base_update`), the ranks evaluate it when instructed
+(:mod:`regional_agent.worker.base_evaluation`, reported in the summary's ``base_eval``),
+and every rank trains ``inner_steps`` optimizer steps from the region's data cursor
+(:mod:`regional_agent.worker.inner_loop`). Rank 0 quantizes the round's delta as the
+trained tensors reach it one at a time (:mod:`regional_agent.worker.device_delta`) and
+writes the result, the job's regional checkpoint record and, last, the done marker (see
+:mod:`regional_agent.handoff`, :mod:`regional_agent.worker.round_records`). The inner
 optimizer state persists across rounds; the parameters restart from the base each round. A
 restarted group resumes from the regional checkpoint and redoes the current round, so a
 crash costs at most that round's work and changes nothing in its result: the learning

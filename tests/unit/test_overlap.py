@@ -135,6 +135,9 @@ def test_the_speculative_instruction_continues_with_the_same_settings() -> None:
     assert spec.overlap == "delayed"
     wanted = replace(TRAINED, round=4, base_params="/state/params/round-4.pt", evaluate_base=True)
     assert speculation_unusable(spec, wanted, resync=False) is None
+    # θ_4's hash, known once it is there, is no change: its base-ready marker brings it.
+    hashed = replace(wanted, base_hash="ab" * 32)
+    assert speculation_unusable(spec, hashed, resync=False) is None
 
 
 @pytest.mark.parametrize(
