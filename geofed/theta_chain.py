@@ -250,19 +250,20 @@ class UpdateReader:
         except CodecError as exc:
             raise ThetaChainError(f"{self._where}: tensor {name!r}: {exc}") from None
 
-    def tensor_frames(self, name: str) -> bytes:
-        """The chunk frames of tensor ``name``, as they lie in the file (b"" for a tensor
-        the update does not name)."""
-        run = self.runs.get(name)
-        if run is None:
-            return b""
-        begin, end = self._starts[1 + run.first], self._starts[1 + run.first + run.count]
-        return self._pread(begin, end - begin, f"the frames of tensor {name!r}")
+    @property
+    def chunks(self) -> int:
+        """How many chunk frames the update has."""
+        return len(self._update.sizes) - 2
 
-    def frame_sizes(self, name: str) -> tuple[int, tuple[int, ...]]:
-        """The index of tensor ``name``'s first chunk frame and its frames' sizes."""
-        run = self.runs[name]
-        return 1 + run.first, self._update.sizes[1 + run.first : 1 + run.first + run.count]
+    def chunk_sizes(self, first: int, end: int) -> tuple[int, ...]:
+        """The sizes of the frames of chunks ``first`` to ``end``."""
+        return self._update.sizes[1 + first : 1 + end]
+
+    def chunk_frames(self, first: int, end: int) -> bytes:
+        """The frames of chunks ``first`` to ``end`` as they lie in the file, one after
+        the other."""
+        begin, stop = self._starts[1 + first], self._starts[1 + end]
+        return self._pread(begin, stop - begin, f"the frames of chunks {first} to {end - 1}")
 
     def _decoder(self, chunk: int) -> StreamDecoder:
         digests = self._update.digests

@@ -6,8 +6,10 @@ the trained values are spent once the delta is quantized, and the group then hol
 θ_r, recorded as :class:`HeldBase`. The next round's θ_{r+1} is θ_r plus round r's
 update, which the agent verified and chained after θ_r (:mod:`geofed.theta_chain`). So
 rank 0 reads no θ at all: :func:`planned_update` finds that update in the round's chain,
-and :func:`apply_update` sends each tensor's chunk frames (the int8 or int4 codes and
-their scales, about 1 byte a parameter) to every rank, which checks each chunk it
+and :func:`apply_update` sends the update's chunk frames (the int8 or int4 codes and
+their scales, about 1 byte a parameter; up to :data:`BATCH_BYTES` a broadcast, so a
+round takes few collectives and no rank holds more than that of them) to every rank,
+which checks each chunk it
 decodes against the digest the agent verified, decodes only the chunks of its own
 shard, and adds them to its shard on its device: the float32 additions the coordinator
 and the agent make (:func:`geofed.theta_file.patch_theta`), element by element in the
@@ -39,6 +41,10 @@ from regional_agent.handoff.messages import RoundInstruction
 from regional_agent.worker.parallelism import ParallelModel
 
 log = logging.getLogger(__name__)
+
+#: The most bytes of an update's frames sent in one broadcast (one chunk larger than
+#: this goes alone): few collectives, and no rank holds more than this of them at once.
+BATCH_BYTES = 64 << 20
 
 
 class UpdateNotApplied(ValueError):
@@ -123,15 +129,16 @@ def apply_update(
     dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
     if flag.item():
         return False
-    reader: UpdateReader | None = None
+    # Rank 0 reads the file; every rank, rank 0 too, decodes the frames it was sent.
+    source: UpdateReader | None = None
     failure: Exception | None = None
     sent: list[tuple[StoredUpdate, bytes] | None] = [None]
     if rank0:
         try:
             assert update is not None
-            reader = UpdateReader(update)
-            _check_fits(reader, own)
-            sent = [(update, reader.header)]
+            source = UpdateReader(update)
+            _check_fits(source, own)
+            sent = [(update, source.header)]
         except (ThetaFileError, ValueError, AssertionError) as exc:
             failure, sent = exc, [None]
     dist.broadcast_object_list(sent, src=0, group=group)
@@ -139,25 +146,24 @@ def apply_update(
         raise UpdateNotApplied(f"rank 0 could not read the round's update: {failure}")
     header_update, header = sent[0]
     frames = _ReceivedFrames(header)
-    if not rank0:
-        try:
-            reader = UpdateReader(header_update, frames.frame)
-        except ThetaFileError as exc:
-            failure, reader = exc, None
+    reader: UpdateReader | None = None
+    try:
+        reader = UpdateReader(header_update, frames.frame)
+    except ThetaFileError as exc:
+        failure = exc
     moved = 0
     with torch.no_grad():
-        for name, tensor in own.items():
-            data, missed = _tensor_frames(reader if failure is None else None, name, rank0, group)
+        for first, end in _batches(header_update):
+            data, missed = _batch_frames(
+                source if failure is None else None, first, end, header_update, group
+            )
             failure = failure or missed
             moved += len(data)
-            if failure is not None or reader is None or not data:
+            if failure is not None or reader is None:
                 continue
-            frames.hold(*reader.frame_sizes(name), data)
-            local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
-            span = spans[name]
-            assert span is not None
+            frames.hold(1 + first, reader.chunk_sizes(first, end), data)
             try:
-                reader.add_to(name, local.view(-1), span[0], span[1], offset=span[0])
+                _add_batch(reader, own, spans, first, end)
             except (ThetaFileError, ValueError, RuntimeError) as exc:
                 failure = exc
     errors: list[str | None] = [None] * dist.get_world_size(group)
@@ -177,7 +183,7 @@ def apply_update(
 
 
 class _ReceivedFrames:
-    """The frames a rank was sent: the header, and the chunk frames of one tensor."""
+    """The frames a rank was sent: the header, and the chunk frames of one batch."""
 
     def __init__(self, header: bytes) -> None:
         self._header = header
@@ -194,32 +200,75 @@ class _ReceivedFrames:
             return self._header
         at = index - self._first
         if not 0 <= at < len(self._starts) - 1:
-            raise ThetaFileError(f"frame {index} was not sent with this tensor")
+            raise ThetaFileError(f"frame {index} was not sent with this batch")
         return self._data[self._starts[at] : self._starts[at + 1]]
 
 
-def _tensor_frames(
-    reader: UpdateReader | None, name: str, rank0: bool, group: dist.ProcessGroup | None
+def _batches(update: StoredUpdate) -> list[tuple[int, int]]:
+    """The update's chunks in runs [first, end) of at most :data:`BATCH_BYTES` of frames
+    (a chunk larger than that alone): each run is one broadcast, the same on every rank."""
+    runs: list[tuple[int, int]] = []
+    first, size = 0, 0
+    chunks = len(update.sizes) - 2
+    for chunk in range(chunks):
+        frame = update.sizes[1 + chunk]
+        if chunk > first and size + frame > BATCH_BYTES:
+            runs.append((first, chunk))
+            first, size = chunk, 0
+        size += frame
+    if chunks > first:
+        runs.append((first, chunks))
+    return runs
+
+
+def _batch_frames(
+    reader: UpdateReader | None,
+    first: int,
+    end: int,
+    update: StoredUpdate,
+    group: dist.ProcessGroup | None,
 ) -> tuple[bytes, Exception | None]:
-    """Rank 0's frames of tensor ``name`` on every rank (two broadcasts: the size, then
-    the bytes; b"" when rank 0 has none to send), and rank 0's failure to read them."""
+    """Rank 0's frames of chunks ``first`` to ``end`` on every rank (one broadcast; their
+    size is known from the update's frame sizes), and rank 0's failure to read them (then
+    zeros are sent: they fail every chunk's check where they are decoded)."""
+    size = sum(update.sizes[1 + first : 1 + end])
     data, failure = b"", None
-    if rank0 and reader is not None:
+    if reader is not None:
         try:
-            data = reader.tensor_frames(name)
+            data = reader.chunk_frames(first, end)
         except ThetaFileError as exc:
-            failure = exc  # the others find no frames for it; rank 0 raises at the end
-    size = torch.tensor([len(data)], dtype=torch.int64)
-    dist.broadcast(size, src=0, group=group)
-    if size.item() == 0:
-        return b"", failure
+            failure = exc
     buffer = (
         torch.frombuffer(bytearray(data), dtype=torch.uint8)
-        if rank0
-        else torch.empty(int(size.item()), dtype=torch.uint8)
+        if data
+        else torch.zeros(size, dtype=torch.uint8)
     )
     dist.broadcast(buffer, src=0, group=group)
-    return (data if rank0 else buffer.numpy().tobytes()), None
+    return (data or buffer.numpy().tobytes()), failure
+
+
+def _add_batch(
+    reader: UpdateReader,
+    own: dict[str, torch.Tensor],
+    spans: dict[str, tuple[int, int] | None],
+    first: int,
+    end: int,
+) -> None:
+    """Add the decoded chunks ``first`` to ``end`` to this rank's shards: of each tensor
+    they hold, the elements of this rank's span."""
+    per = reader.chunk_elements
+    for name, run in reader.runs.items():
+        low, high = max(first, run.first), min(end, run.first + run.count)
+        span = spans[name]
+        if low >= high or span is None:
+            continue
+        start = max(span[0], (low - run.first) * per)
+        stop = min(span[1], (high - run.first) * per)
+        if start >= stop:
+            continue
+        tensor = own[name]
+        local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+        reader.add_to(name, local.view(-1), start, stop, offset=span[0])
 
 
 def _check_fits(reader: UpdateReader, own: dict[str, torch.Tensor]) -> None:

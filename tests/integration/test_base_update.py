@@ -30,6 +30,7 @@ from geofed.theta_chain import StoredUpdate, ThetaChain, params_hash
 from geofed.theta_file import read_theta
 from regional_agent.handoff.directory import HandoffDir
 from regional_agent.handoff.messages import DeltaRequest
+from regional_agent.worker import base_update
 from regional_agent.worker.base_update import apply_update
 from regional_agent.worker.device_delta import hand_over_delta
 from regional_agent.worker.parallelism import ParallelModel, hsdp_mesh
@@ -94,6 +95,9 @@ def _one_kind(rank: int, root: Path, kind: str) -> dict[str, object]:
     report: dict[str, object] = {"restored": restored, "failure": failure}
     report["held_theta0"] = parameters_vector_hash(_gathered(parallel))
     report["handed_over"] = delta is not None if rank == 0 else None
+    # Under FSDP and HSDP the frames go a few chunks at a time (a tensor's chunks split
+    # between broadcasts), under DDP all at once.
+    base_update.BATCH_BYTES = (64 << 20) if kind == "ddp" else 100
     report["applied"] = apply_update(parallel, update if rank == 0 else None, None)
     report["theta1"] = parameters_vector_hash(_gathered(parallel))
     # The update again, now from a file whose second chunk frame changed on the way.
@@ -102,13 +106,22 @@ def _one_kind(rank: int, root: Path, kind: str) -> dict[str, object]:
     data[update.start + sum(update.sizes[:3]) - 3] ^= 0xFF  # in its body
     bad.write_bytes(bytes(data))
     corrupt = StoredUpdate(update.round, bad, update.start, update.sizes, update.digests)
-    try:
-        apply_update(parallel, corrupt if rank == 0 else None, None)
-        report["corrupt"] = None
-    except Exception as exc:
-        report["corrupt"] = f"{type(exc).__name__}: {exc}"
+    report["corrupt"] = _refusal(parallel, corrupt if rank == 0 else None)
+    # And from a file cut short after its third chunk: rank 0 cannot read the rest.
+    cut = root / "cut.update"
+    cut.write_bytes(update.path.read_bytes()[: update.start + sum(update.sizes[:4])])
+    short = StoredUpdate(update.round, cut, update.start, update.sizes, update.digests)
+    report["cut"] = _refusal(parallel, short if rank == 0 else None)
     dist.barrier()
     return report
+
+
+def _refusal(parallel: ParallelModel, update: StoredUpdate | None) -> str | None:
+    try:
+        apply_update(parallel, update, None)
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return None
 
 
 def _rank(rank: int, port: int, out: str) -> None:
@@ -151,7 +164,7 @@ def test_the_ranks_make_theta_from_the_theta_they_hold_and_the_update_bit_for_bi
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_an_update_frame_that_changed_is_refused_on_every_rank(
+def test_an_update_frame_that_changed_or_could_not_be_read_is_refused_on_every_rank(
     spawned: tuple[Path, dict[str, torch.Tensor]], kind: str
 ) -> None:
     root, _ = spawned
@@ -163,3 +176,7 @@ def test_an_update_frame_that_changed_is_refused_on_every_rank(
         assert report["corrupt"] is not None
         assert report["corrupt"].startswith(f"UpdateNotApplied: {finders}")
         assert "sha256 tag does not match" in report["corrupt"]
+        # Rank 0's read fails part way: the zeros it sends in place are refused too.
+        assert report["cut"] is not None
+        assert report["cut"].startswith("UpdateNotApplied: rank 0: ")
+        assert "the file ends inside the frames of chunks" in report["cut"]
