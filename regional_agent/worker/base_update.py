@@ -5,7 +5,8 @@ reads it to form the delta (:func:`regional_agent.worker.device_delta.hand_over_
 the trained values are spent once the delta is quantized, and the group then holds
 θ_r, recorded as :class:`HeldBase`. The next round's θ_{r+1} is θ_r plus round r's
 update, which the agent verified and chained after θ_r (:mod:`geofed.theta_chain`). So
-rank 0 reads no θ at all: :func:`planned_update` finds that update in the round's chain,
+rank 0 reads no θ at all: :func:`planned_updates` finds that update in the round's chain
+(the updates of every round since, when the region sat some out),
 and :func:`apply_update` sends the update's chunk frames (the int8 or int4 codes and
 their scales, about 1 byte a parameter; up to :data:`BATCH_BYTES` a broadcast, so a
 round takes few collectives and no rank holds more than that of them) to every rank,
@@ -80,13 +81,16 @@ def held_base(instruction: RoundInstruction, base_hash: str, rank: int) -> HeldB
     return HeldBase(instruction.job, instruction.round, base_hash, chain, stamp)
 
 
-def planned_update(held: HeldBase | None, instruction: RoundInstruction) -> StoredUpdate | None:
-    """Rank 0: the update that makes ``instruction``'s θ from the θ the group ``held``,
-    or None when θ must be read whole (the reason is logged)."""
+def planned_updates(
+    held: HeldBase | None, instruction: RoundInstruction
+) -> tuple[StoredUpdate, ...] | None:
+    """Rank 0: the updates, in their rounds' order, that make ``instruction``'s θ from the
+    θ the group ``held`` (one, or more when the region sat out rounds since), or None
+    when θ must be read whole (the reason is logged)."""
     if held is None or held.chain is None or instruction.base_hash is None:
         return None
     where = f"job {instruction.job} round {instruction.round}"
-    if (held.job, held.round + 1) != (instruction.job, instruction.round):
+    if held.job != instruction.job or instruction.round <= held.round:
         return None
     try:
         chain = held_chain(instruction.base_params, instruction.round)
@@ -97,15 +101,32 @@ def planned_update(held: HeldBase | None, instruction: RoundInstruction) -> Stor
     if not chain.updates:
         log.info("%s: θ_%d is a θ file; reading it whole", where, instruction.round)
         return None
-    before = ThetaChain(chain.base, chain.base_round, chain.updates[:-1])
-    if not _same_chain(before, held.chain) or stamp != held.stamp:
+    kept = len(chain.updates) - (instruction.round - held.round)
+    before = ThetaChain(chain.base, chain.base_round, chain.updates[: max(kept, 0)])
+    if kept < 0 or not _same_chain(before, held.chain) or stamp != held.stamp:
         log.info(
             "%s: θ_%d does not follow the θ the group holds; reading it whole",
             where,
             instruction.round,
         )
         return None
-    return chain.updates[-1]
+    return chain.updates[kept:]
+
+
+def apply_updates(
+    parallel: ParallelModel,
+    updates: Sequence[StoredUpdate] | None,
+    group: dist.ProcessGroup | None,
+) -> bool:
+    """:func:`apply_update` for each of rank 0's ``updates`` in turn (a collective; None
+    on the other ranks); False when the shards' layout takes none of them."""
+    box = [len(updates) if updates is not None and dist.get_rank(group) == 0 else 0]
+    dist.broadcast_object_list(box, src=0, group=group)
+    for index in range(box[0]):
+        update = updates[index] if updates is not None else None
+        if not apply_update(parallel, update, group):
+            return False  # the layout is the same for every update: at the first
+    return box[0] > 0
 
 
 def apply_update(

@@ -76,7 +76,7 @@ from regional_agent.handoff.messages import (
 )
 from regional_agent.handoff.settings import WorkerSettings
 from regional_agent.worker.base_evaluation import evaluate_base
-from regional_agent.worker.base_update import apply_update, held_base, planned_update
+from regional_agent.worker.base_update import apply_updates, held_base, planned_updates
 from regional_agent.worker.delayed_round import DelayedFold, evaluator
 from regional_agent.worker.device_delta import hand_over_delta
 from regional_agent.worker.idle_agreement import IdleAgreement
@@ -240,7 +240,7 @@ class RoundRunner:
         # The θ the model holds is one round's only: whatever this round does, it does not
         # hold it after (a serial round's hand-over records the next one).
         held_theta = held.take_held_base() if held is not None else None
-        update: StoredUpdate | None = None
+        updates: tuple[StoredUpdate, ...] | None = None
         checkpoint: RegionalCheckpoint | None = None
         checkpoint_error: str | None = None
         if held is None or not held.serves(instruction):
@@ -254,8 +254,8 @@ class RoundRunner:
             replay = state.last_round is not None and round_ <= state.last_round
             if not replay and self._rank == 0 and not instruction.base_pending:
                 if state is held:
-                    update = planned_update(held_theta, instruction)
-                if update is None:
+                    updates = planned_updates(held_theta, instruction)
+                if updates is None:
                     base = read_base(state.model, instruction.base_params)
         except Exception as exc:
             log.exception("cannot prepare job %s round %d", job, round_)
@@ -284,8 +284,8 @@ class RoundRunner:
         error, base_hash = None, ""
         try:
             parallel, optimizer = state.ready(self._device, self._control, self._timeout)
-            (updating,) = self._agree(update is not None)
-            if updating and apply_update(parallel, update, self._control):
+            (updating,) = self._agree(updates is not None)
+            if updating and apply_updates(parallel, updates, self._control):
                 base_hash = instruction.base_hash or ""  # made exactly: no read, no hash
             else:
                 if updating and self._rank == 0:

@@ -3,9 +3,10 @@ ranks under DDP, FSDP2 and HSDP (:mod:`regional_agent.worker.base_update`).
 
 A serial round's hand-over puts θ_0 back into the model (the delta taken, the trained
 values spent); the update of round 0, sent as its chunk frames, then makes θ_1 on every
-rank's shards: bit for bit the θ_1 an agent's chain holds (and its hash). An update whose
-stored frame no longer matches its digest is refused on every rank, and none is left in
-a collective.
+rank's shards: bit for bit the θ_1 an agent's chain holds (and its hash); and from θ_0,
+round 0's and round 1's updates in turn make θ_2 (a region that sat out round 1). An
+update whose stored frame no longer matches its digest, or that rank 0 cannot read to its
+end, is refused on every rank, and none is left in a collective.
 
 One group of 2 spawned processes serves the module: it runs every kind, one after the
 other, and the tests check what each rank reported."""
@@ -23,20 +24,24 @@ from torch import nn
 from torch.distributed.fsdp import fully_shard
 from torch.multiprocessing.spawn import spawn
 
+from geofed.artifact_check import verify_artifact_file
+from geofed.codec import decode, encode_stream
 from geofed.codec_params import CodecParams
+from geofed.deltas import apply_partial_update
 from geofed.params import federated_state, parameters_vector_hash
 from geofed.ports import unused_port
 from geofed.theta_chain import StoredUpdate, ThetaChain, params_hash
 from geofed.theta_file import read_theta
+from geofed.types import ArtifactKind
 from regional_agent.handoff.directory import HandoffDir
 from regional_agent.handoff.messages import DeltaRequest
 from regional_agent.worker import base_update
-from regional_agent.worker.base_update import apply_update
+from regional_agent.worker.base_update import apply_update, apply_updates
 from regional_agent.worker.device_delta import hand_over_delta
 from regional_agent.worker.parallelism import ParallelModel, hsdp_mesh
 from regional_agent.worker.place import RankPlace
-from tests.support.global_updates import chained_theta, small_theta
-from tests.support.pki import make_federation
+from tests.support.global_updates import INT8, chained_theta, signed_update, small_theta
+from tests.support.pki import Federation, make_federation
 from tests.support.worker_group import instruction
 
 pytestmark = pytest.mark.integration
@@ -100,6 +105,11 @@ def _one_kind(rank: int, root: Path, kind: str) -> dict[str, object]:
     base_update.BATCH_BYTES = (64 << 20) if kind == "ddp" else 100
     report["applied"] = apply_update(parallel, update if rank == 0 else None, None)
     report["theta1"] = parameters_vector_hash(_gathered(parallel))
+    # A region that sat out round 1: θ_0 held, θ_2 made with both updates in turn.
+    two = ThetaChain.load(root / "round-2.chain.json")
+    parallel.load_full_state(theta0 if rank == 0 else None)
+    report["applied_two"] = apply_updates(parallel, two.updates if rank == 0 else None, None)
+    report["theta2"] = parameters_vector_hash(_gathered(parallel))
     # The update again, now from a file whose second chunk frame changed on the way.
     bad = root / "corrupt.update"
     data = bytearray(update.path.read_bytes())
@@ -140,9 +150,35 @@ def _rank(rank: int, port: int, out: str) -> None:
 def spawned(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, torch.Tensor]]:
     root = tmp_path_factory.mktemp("base-update")
     fed = make_federation(root / "fed")
-    _, _, after = chained_theta(fed, small_theta(), root, job="job-a")
+    _, first, after = chained_theta(fed, small_theta(), root, job="job-a")
+    _chain_round_one(fed, root, first, after)
     spawn(_rank, args=(unused_port(), str(root)), nprocs=WORLD, join=True)
     return root, after
+
+
+def _chain_round_one(
+    fed: Federation, root: Path, first: StoredUpdate, theta1: dict[str, torch.Tensor]
+) -> None:
+    """θ_2 as an agent holds it: θ_0's file, round 0's update and round 1's (signed,
+    verified from its file), at ``root / "round-2.chain.json"``."""
+    gen = torch.Generator().manual_seed(6)
+    update = {name: 0.01 * torch.randn(t.shape, generator=gen) for name, t in theta1.items()}
+    theta2 = apply_partial_update(theta1, decode(encode_stream(update, INT8).frames()))
+    data, now = signed_update(
+        fed,
+        update,
+        job="job-a",
+        round_=1,
+        base_hash=parameters_vector_hash(theta1),
+        parameters_hash=parameters_vector_hash(theta2),
+    )
+    bundle = root / "update-1.bundle"
+    bundle.write_bytes(data)
+    artifact = verify_artifact_file(
+        bundle, fed.bundle(), kind=ArtifactKind.GLOBAL_UPDATE, job="job-a", round_=1, now=now
+    )
+    second = StoredUpdate.of(artifact)
+    ThetaChain(root / "theta-0.st", 0, (first, second)).save(root / "round-2.chain.json")
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -161,6 +197,8 @@ def test_the_ranks_make_theta_from_the_theta_they_hold_and_the_update_bit_for_bi
         assert report["held_theta0"] == theta0  # the hand-over put θ_0 back
         assert report["applied"] is True
         assert report["theta1"] == chained
+        assert report["applied_two"] is True
+        assert report["theta2"] == params_hash(root / "round-2.chain.json")
 
 
 @pytest.mark.parametrize("kind", KINDS)
