@@ -24,15 +24,11 @@ from torch import nn
 from torch.distributed.fsdp import fully_shard
 from torch.multiprocessing.spawn import spawn
 
-from geofed.artifact_check import verify_artifact_file
-from geofed.codec import decode, encode_stream
 from geofed.codec_params import CodecParams
-from geofed.deltas import apply_partial_update
 from geofed.params import federated_state, parameters_vector_hash
 from geofed.ports import unused_port
 from geofed.theta_chain import StoredUpdate, ThetaChain, params_hash
 from geofed.theta_file import read_theta
-from geofed.types import ArtifactKind
 from regional_agent.handoff.directory import HandoffDir
 from regional_agent.handoff.messages import DeltaRequest
 from regional_agent.worker import base_update
@@ -40,8 +36,8 @@ from regional_agent.worker.base_update import apply_update, apply_updates
 from regional_agent.worker.device_delta import hand_over_delta
 from regional_agent.worker.parallelism import ParallelModel, hsdp_mesh
 from regional_agent.worker.place import RankPlace
-from tests.support.global_updates import INT8, chained_theta, signed_update, small_theta
-from tests.support.pki import Federation, make_federation
+from tests.support.global_updates import chained_theta, small_theta, stored_update
+from tests.support.pki import make_federation
 from tests.support.worker_group import instruction
 
 pytestmark = pytest.mark.integration
@@ -151,34 +147,11 @@ def spawned(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, t
     root = tmp_path_factory.mktemp("base-update")
     fed = make_federation(root / "fed")
     _, first, after = chained_theta(fed, small_theta(), root, job="job-a")
-    _chain_round_one(fed, root, first, after)
+    # θ_2 as an agent holds it: θ_0's file, round 0's update and round 1's.
+    second, _ = stored_update(fed, after, root, job="job-a", round_=1, seed=6)
+    ThetaChain(root / "theta-0.st", 0, (first, second)).save(root / "round-2.chain.json")
     spawn(_rank, args=(unused_port(), str(root)), nprocs=WORLD, join=True)
     return root, after
-
-
-def _chain_round_one(
-    fed: Federation, root: Path, first: StoredUpdate, theta1: dict[str, torch.Tensor]
-) -> None:
-    """θ_2 as an agent holds it: θ_0's file, round 0's update and round 1's (signed,
-    verified from its file), at ``root / "round-2.chain.json"``."""
-    gen = torch.Generator().manual_seed(6)
-    update = {name: 0.01 * torch.randn(t.shape, generator=gen) for name, t in theta1.items()}
-    theta2 = apply_partial_update(theta1, decode(encode_stream(update, INT8).frames()))
-    data, now = signed_update(
-        fed,
-        update,
-        job="job-a",
-        round_=1,
-        base_hash=parameters_vector_hash(theta1),
-        parameters_hash=parameters_vector_hash(theta2),
-    )
-    bundle = root / "update-1.bundle"
-    bundle.write_bytes(data)
-    artifact = verify_artifact_file(
-        bundle, fed.bundle(), kind=ArtifactKind.GLOBAL_UPDATE, job="job-a", round_=1, now=now
-    )
-    second = StoredUpdate.of(artifact)
-    ThetaChain(root / "theta-0.st", 0, (first, second)).save(root / "round-2.chain.json")
 
 
 @pytest.mark.parametrize("kind", KINDS)

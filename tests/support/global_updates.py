@@ -1,6 +1,7 @@
 """A small θ and global updates of it signed by a throwaway federation's coordinator, for
-the tests that apply updates to θ (in memory, to a θ file, or chained after one), and a
-θ held as a chain of one verified update, as an agent holds it."""
+the tests that apply updates to θ (in memory, to a θ file, or chained after one), updates
+verified from their files as an agent verifies them, and a θ held as a chain of one
+verified update, as an agent holds it."""
 
 from __future__ import annotations
 
@@ -77,23 +78,38 @@ def chained_theta(
     round 0's update (small, seeded), signed, verified from its file and chained after it.
     Returns the chain's description file, the stored update and θ_1's tensors."""
     write_theta(root / "theta-0.st", theta)
-    gen = torch.Generator().manual_seed(5)
-    update = {name: 0.01 * torch.randn(t.shape, generator=gen) for name, t in theta.items()}
-    after = apply_partial_update(theta, decode(encode_stream(update, INT8).frames()))
+    stored, after = stored_update(fed, theta, root, job=job, round_=0, seed=5)
+    chain = root / "round-1.chain.json"
+    ThetaChain(root / "theta-0.st", 0, (stored,)).save(chain)
+    return chain, stored, after
+
+
+def stored_update(
+    fed: Federation,
+    before: dict[str, torch.Tensor],
+    root: Path,
+    *,
+    job: str,
+    round_: int,
+    seed: int,
+) -> tuple[StoredUpdate, dict[str, torch.Tensor]]:
+    """Round ``round_``'s update of θ ``before`` (small, drawn from ``seed``), signed,
+    written under ``root`` and verified from its file as an agent verifies it; and θ after
+    it."""
+    gen = torch.Generator().manual_seed(seed)
+    update = {name: 0.01 * torch.randn(t.shape, generator=gen) for name, t in before.items()}
+    after = apply_partial_update(before, decode(encode_stream(update, INT8).frames()))
     data, now = signed_update(
         fed,
         update,
         job=job,
-        round_=0,
-        base_hash=parameters_vector_hash(theta),
+        round_=round_,
+        base_hash=parameters_vector_hash(before),
         parameters_hash=parameters_vector_hash(after),
     )
-    bundle = root / "update-0.bundle"
+    bundle = root / f"update-{round_}.bundle"
     bundle.write_bytes(data)
     artifact = verify_artifact_file(
-        bundle, fed.bundle(), kind=ArtifactKind.GLOBAL_UPDATE, job=job, round_=0, now=now
+        bundle, fed.bundle(), kind=ArtifactKind.GLOBAL_UPDATE, job=job, round_=round_, now=now
     )
-    stored = StoredUpdate.of(artifact)
-    chain = root / "round-1.chain.json"
-    ThetaChain(root / "theta-0.st", 0, (stored,)).save(chain)
-    return chain, stored, after
+    return StoredUpdate.of(artifact), after
