@@ -154,13 +154,14 @@ def apply_update(
     source: UpdateReader | None = None
     failure: Exception | None = None
     sent: list[tuple[StoredUpdate, bytes] | None] = [None]
-    if rank0:
+    if rank0 and update is None:
+        failure = ValueError("rank 0 was given no update to send")
+    elif rank0 and update is not None:
         try:
-            assert update is not None
             source = UpdateReader(update)
             _check_fits(source, own)
             sent = [(update, source.header)]
-        except (ThetaFileError, ValueError, AssertionError) as exc:
+        except (ThetaFileError, ValueError) as exc:
             failure, sent = exc, [None]
     dist.broadcast_object_list(sent, src=0, group=group)
     if sent[0] is None:
