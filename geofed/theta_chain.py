@@ -226,6 +226,19 @@ class UpdateReader:
             run = self.runs.get(name)
             self.runs[name] = _Run(slot.index, 1) if run is None else _Run(run.first, run.count + 1)
 
+    def check_fits(self, shapes: Mapping[str, tuple[int, ...]]) -> None:
+        """Refuse (:class:`ThetaChainError`) an update naming a tensor θ (of ``shapes``)
+        lacks or has in another shape, or a tensor not in float32."""
+        unknown = sorted(set(self.shapes) - set(shapes))
+        if unknown:
+            raise ThetaChainError(f"{self._where}: names tensors θ does not have: {unknown[:5]}")
+        differ = sorted(n for n, shape in self.shapes.items() if shape != tuple(shapes[n]))
+        if differ:
+            raise ThetaChainError(f"{self._where}: tensors {differ[:5]} differ in shape from θ's")
+        other = sorted(n for n, dtype in self.dtypes.items() if dtype != "float32")
+        if other:
+            raise ThetaChainError(f"{self._where}: tensors {other[:5]} are not float32")
+
     @property
     def header(self) -> bytes:
         """The stream's header frame."""
@@ -309,17 +322,8 @@ class ChainReads(Mapping[str, Tensor]):
         self._base = ThetaReads(chain.base, layout)
         shapes = layout.shapes()
         self._updates = [UpdateReader(update) for update in chain.updates]
-        for update, reader in zip(chain.updates, self._updates, strict=True):
-            where = f"update of round {update.round} at {update.path}"
-            unknown = sorted(set(reader.shapes) - set(shapes))
-            if unknown:
-                raise ThetaChainError(f"{where}: names tensors θ does not have: {unknown[:5]}")
-            differ = sorted(n for n, shape in reader.shapes.items() if shape != shapes[n])
-            if differ:
-                raise ThetaChainError(f"{where}: tensors {differ[:5]} differ in shape from θ's")
-            other = sorted(n for n, dtype in reader.dtypes.items() if dtype != "float32")
-            if other:
-                raise ThetaChainError(f"{where}: tensors {other[:5]} are not float32")
+        for reader in self._updates:
+            reader.check_fits(shapes)
 
     @property
     def chain(self) -> ThetaChain:

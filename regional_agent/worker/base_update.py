@@ -294,15 +294,11 @@ def _add_batch(
 
 
 def _check_fits(reader: UpdateReader, own: dict[str, torch.Tensor]) -> None:
-    unknown = sorted(set(reader.shapes) - set(own))
-    if unknown:
-        raise ValueError(f"the update names tensors the model lacks: {unknown[:5]}")
-    differ = sorted(n for n, shape in reader.shapes.items() if shape != tuple(own[n].shape))
-    if differ:
-        raise ValueError(f"the update's tensors {differ[:5]} differ in shape from the model's")
-    other = sorted(n for n, dtype in reader.dtypes.items() if dtype != "float32")
-    if other or any(own[n].dtype != torch.float32 for n in reader.shapes):
-        raise ValueError("the update and the model's tensors it names must be float32")
+    """The update fits the model's federated tensors, which are float32 where it names them."""
+    reader.check_fits({name: tuple(tensor.shape) for name, tensor in own.items()})
+    other = sorted(n for n in reader.shapes if own[n].dtype != torch.float32)
+    if other:
+        raise ValueError(f"the model's tensors {other[:5]} are not float32")
 
 
 def _local_span(tensor: torch.Tensor) -> tuple[int, int] | None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -154,12 +155,17 @@ def spawned(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, t
     return root, after
 
 
+def _reports(root: Path, kind: str) -> list[dict[str, Any]]:
+    """What each rank reported of ``kind``."""
+    return [torch.load(root / f"rank-{r}.pt", weights_only=True)[kind] for r in range(WORLD)]
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_the_ranks_make_theta_from_the_theta_they_hold_and_the_update_bit_for_bit(
     spawned: tuple[Path, dict[str, torch.Tensor]], kind: str
 ) -> None:
     root, after = spawned
-    reports = [torch.load(root / f"rank-{r}.pt", weights_only=True)[kind] for r in range(WORLD)]
+    reports = _reports(root, kind)
     theta0 = parameters_vector_hash(small_theta())
     chained = params_hash(root / "round-1.chain.json")  # θ_1 as the agent's chain reads it
     assert chained == parameters_vector_hash(after)
@@ -179,7 +185,7 @@ def test_an_update_frame_that_changed_or_could_not_be_read_is_refused_on_every_r
     spawned: tuple[Path, dict[str, torch.Tensor]], kind: str
 ) -> None:
     root, _ = spawned
-    reports = [torch.load(root / f"rank-{r}.pt", weights_only=True)[kind] for r in range(WORLD)]
+    reports = _reports(root, kind)
     # Each rank checks the chunks of its own shard: under FSDP the changed chunk is rank
     # 1's alone, yet both refuse the update, with rank 1's reason.
     finders = "rank 1: " if kind == "fsdp" else "rank 0: "
